@@ -1,0 +1,70 @@
+"""gRPC options shared by both ends, and a pool of client channels reused per endpoint."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from dmoe.wire import dmoe_pb2_grpc
+
+#: Unary messages up to this size; larger payloads go through the streaming calls in parts.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Size of one streamed part: well under any limit, big enough that per-message overhead is negligible.
+STREAM_PART_BYTES = 2 * 1024 * 1024
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel/server options: raised message limits (gRPC's default is 4 MiB) and keepalive pings."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class ChannelPool:
+    """One gRPC channel (and stub) per endpoint, created on first use and shared by every caller.
+
+    A gRPC channel multiplexes any number of concurrent calls over one HTTP/2 connection, so reusing it saves a
+    TCP + HTTP/2 handshake per call. Thread-safe. ``close()`` closes every channel.
+    """
+
+    _default: "ChannelPool | None" = None
+    _default_lock = threading.Lock()
+
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES):
+        self.max_message_bytes = max_message_bytes
+        self._stubs: dict[str, tuple[grpc.Channel, dmoe_pb2_grpc.ExpertServiceStub]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def default(cls) -> "ChannelPool":
+        """The process-wide pool used when a caller brings none (channels are per-process resources anyway)."""
+        with cls._default_lock:
+            if cls._default is None:
+                cls._default = cls()
+            return cls._default
+
+    def stub(self, endpoint: str) -> dmoe_pb2_grpc.ExpertServiceStub:
+        with self._lock:
+            entry = self._stubs.get(endpoint)
+            if entry is None:
+                channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes))
+                entry = self._stubs[endpoint] = (channel, dmoe_pb2_grpc.ExpertServiceStub(channel))
+            return entry[1]
+
+    def close(self) -> None:
+        with self._lock:
+            channels = [channel for channel, _ in self._stubs.values()]
+            self._stubs.clear()
+        for channel in channels:
+            channel.close()
+
+    def __enter__(self) -> "ChannelPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,213 @@
+"""Tensors <-> ``dmoe.Tensor`` messages: raw bytes + shape + dtype, optional compression, streaming parts.
+
+Decoding validates a message completely (dtype known, shape sane, buffer length equal to what shape and dtype
+imply) *before* allocating anything, so a lying peer cannot make us allocate a huge tensor. Uncompressed
+tensors are decoded without a copy: the tensor is a read-only view of the message's bytes.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from dmoe.wire import dmoe_pb2
+
+Compression = dmoe_pb2.Compression
+NONE, FLOAT16, UINT8 = dmoe_pb2.NONE, dmoe_pb2.FLOAT16, dmoe_pb2.UINT8
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+MAX_NDIM = 8
+#: Values per block of 8-bit quantisation: small enough that one outlier costs little precision elsewhere.
+UINT8_BLOCK = 256
+COMPRESSIONS = {"none": NONE, "float16": FLOAT16, "uint8": UINT8}
+
+
+class InvalidTensor(ValueError):
+    """A message that does not describe a tensor (unknown dtype, bad shape, wrong buffer length)."""
+
+
+class TensorTooLarge(ValueError):
+    """A well-formed tensor over the receiver's size limits."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidTensor(f"dtype {dtype} cannot be sent; supported: {', '.join(DTYPES)}") from None
+
+
+def parse_compression(name: str | int) -> int:
+    """``'float16'`` -> ``FLOAT16``; also accepts the enum value itself."""
+    if isinstance(name, int) and name in COMPRESSIONS.values():
+        return name
+    try:
+        return COMPRESSIONS[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(COMPRESSIONS)}") from None
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().reshape(-1).contiguous()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def serialize(tensor: torch.Tensor, compression: int = NONE) -> dmoe_pb2.Tensor:
+    """Packs ``tensor`` (any device) into a message; compression applies to floating-point tensors only."""
+    name = dtype_name(tensor.dtype)
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        compression = NONE
+    if compression == FLOAT16 and tensor.dtype != torch.float16:
+        buffer, aux = _raw_bytes(tensor.to(torch.float16)), b""
+    elif compression == UINT8:
+        buffer, aux = _quantize_uint8(tensor)
+    else:
+        compression, buffer, aux = NONE, _raw_bytes(tensor), b""
+    return dmoe_pb2.Tensor(buffer=buffer, shape=tensor.shape, dtype=name, compression=compression, aux=aux)
+
+
+def _quantize_uint8(tensor: torch.Tensor) -> tuple[bytes, bytes]:
+    flat = tensor.detach().reshape(-1).float()
+    numel = flat.numel()
+    blocks = math.ceil(numel / UINT8_BLOCK)
+    padded = torch.nn.functional.pad(flat, (0, blocks * UINT8_BLOCK - numel)).view(blocks, UINT8_BLOCK)
+    low, high = padded.min(dim=1).values, padded.max(dim=1).values
+    scale = ((high - low) / 255).clamp_min(1e-12)
+    codes = ((padded - low[:, None]) / scale[:, None]).round_().clamp_(0, 255).to(torch.uint8)
+    aux = torch.stack([scale, low], dim=1).cpu().numpy().astype(np.float32).tobytes()
+    return codes.reshape(-1)[:numel].cpu().numpy().tobytes(), aux
+
+
+def expected_numel(message: dmoe_pb2.Tensor, max_numel: int) -> int:
+    """Validates dtype, shape and buffer length; returns the element count. Allocates nothing."""
+    if message.dtype not in DTYPES:
+        raise InvalidTensor(f"unknown dtype {message.dtype!r}; supported: {', '.join(DTYPES)}")
+    shape = list(message.shape)
+    if len(shape) > MAX_NDIM:
+        raise InvalidTensor(f"tensor has {len(shape)} dimensions, at most {MAX_NDIM} are accepted")
+    if any(dim < 0 for dim in shape):
+        raise InvalidTensor(f"negative dimension in shape {shape}")
+    numel = math.prod(shape)
+    if numel > max_numel:
+        raise TensorTooLarge(f"tensor of shape {shape} has {numel} elements, the limit is {max_numel}")
+    itemsize = torch.empty((), dtype=DTYPES[message.dtype]).element_size()
+    compression = message.compression
+    if compression == NONE or not DTYPES[message.dtype].is_floating_point:
+        if compression != NONE:
+            raise InvalidTensor(f"compression {Compression.Name(compression)} is only for floating-point tensors")
+        want, want_aux = numel * itemsize, 0
+    elif compression == FLOAT16:
+        want, want_aux = numel * 2, 0
+    elif compression == UINT8:
+        want, want_aux = numel, math.ceil(numel / UINT8_BLOCK) * 8
+    else:
+        raise InvalidTensor(f"unknown compression {compression}")
+    if len(message.buffer) != want or len(message.aux) != want_aux:
+        raise InvalidTensor(
+            f"buffer of {len(message.buffer)} bytes (+{len(message.aux)} aux) does not match shape {shape} "
+            f"of {message.dtype} with compression {Compression.Name(compression)}: expected {want} (+{want_aux})"
+        )
+    return numel
+
+
+def deserialize(message: dmoe_pb2.Tensor, max_numel: int = 2**31) -> torch.Tensor:
+    """Unpacks a message into a CPU tensor of its declared dtype and shape (validated first)."""
+    numel = expected_numel(message, max_numel)
+    dtype = DTYPES[message.dtype]
+    shape = tuple(message.shape)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    if message.compression == FLOAT16:
+        return _frombuffer(message.buffer, torch.float16).to(dtype).view(shape)
+    if message.compression == UINT8:
+        codes = _frombuffer(message.buffer, torch.uint8)
+        blocks = math.ceil(numel / UINT8_BLOCK)
+        scale_low = _frombuffer(message.aux, torch.float32).view(blocks, 2)
+        padded = torch.nn.functional.pad(codes.float(), (0, blocks * UINT8_BLOCK - numel)).view(blocks, UINT8_BLOCK)
+        values = padded * scale_low[:, :1] + scale_low[:, 1:]
+        return values.reshape(-1)[:numel].to(dtype).view(shape)
+    return _frombuffer(message.buffer, dtype).view(shape)
+
+
+def _frombuffer(buffer: bytes, dtype: torch.dtype) -> torch.Tensor:
+    # The tensor shares memory with the immutable message bytes (zero copy); callers that write into it must
+    # clone first. torch warns about non-writable buffers on every call, which is noise here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype)
+
+
+def message_bytes(tensors: Iterable[dmoe_pb2.Tensor]) -> int:
+    return sum(len(t.buffer) + len(t.aux) for t in tensors)
+
+
+def cut_into_parts(tensors: Sequence[dmoe_pb2.Tensor], part_bytes: int) -> Iterator[list[dmoe_pb2.Tensor]]:
+    """Cuts tensors into parts of at most ``part_bytes`` of buffer each and groups them into messages.
+
+    Each yielded list fits in one streamed message of about ``part_bytes``; :func:`join_parts` inverts this.
+    """
+    group: list[dmoe_pb2.Tensor] = []
+    group_bytes = 0
+    for tensor in tensors:
+        size = len(tensor.buffer)
+        n_parts = max(1, math.ceil(size / part_bytes))
+        for i in range(n_parts):
+            piece = tensor.buffer[i * part_bytes:(i + 1) * part_bytes] if n_parts > 1 else tensor.buffer
+            if i == 0:
+                part = dmoe_pb2.Tensor(buffer=piece, shape=tensor.shape, dtype=tensor.dtype,
+                                       compression=tensor.compression, aux=tensor.aux, parts=n_parts)
+            else:
+                part = dmoe_pb2.Tensor(buffer=piece)
+            if group and group_bytes + len(piece) + len(part.aux) > part_bytes:
+                yield group
+                group, group_bytes = [], 0
+            group.append(part)
+            group_bytes += len(piece) + len(part.aux)
+    if group:
+        yield group
+
+
+def join_parts(groups: Iterable[Sequence[dmoe_pb2.Tensor]], max_bytes: int) -> list[dmoe_pb2.Tensor]:
+    """Reassembles tensors from streamed parts, refusing more than ``max_bytes`` in total."""
+    tensors: list[dmoe_pb2.Tensor] = []
+    pieces: list[bytes] = []
+    head: dmoe_pb2.Tensor | None = None
+    total = 0
+    for group in groups:
+        for part in group:
+            total += len(part.buffer) + len(part.aux)
+            if total > max_bytes:
+                raise TensorTooLarge(f"streamed tensors exceed {max_bytes} bytes")
+            if head is None:
+                if part.parts < 1:
+                    raise InvalidTensor("streamed tensor part without a header (parts must be >= 1)")
+                head, pieces = part, [part.buffer]
+            else:
+                if part.dtype or part.shape or part.parts:
+                    raise InvalidTensor("a tensor's continuation part must carry bytes only")
+                pieces.append(part.buffer)
+            if len(pieces) == head.parts:
+                tensors.append(dmoe_pb2.Tensor(buffer=b"".join(pieces) if len(pieces) > 1 else pieces[0],
+                                               shape=head.shape, dtype=head.dtype,
+                                               compression=head.compression, aux=head.aux))
+                head, pieces = None, []
+    if head is not None:
+        raise InvalidTensor(f"stream ended inside a tensor: got {len(pieces)} of {head.parts} parts")
+    return tensors

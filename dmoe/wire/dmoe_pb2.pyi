@@ -1,0 +1,85 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NONE: _ClassVar[Compression]
+    FLOAT16: _ClassVar[Compression]
+    UINT8: _ClassVar[Compression]
+NONE: Compression
+FLOAT16: Compression
+UINT8: Compression
+
+class Tensor(_message.Message):
+    __slots__ = ("buffer", "shape", "dtype", "compression", "aux", "parts")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    buffer: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    compression: Compression
+    aux: bytes
+    parts: int
+    def __init__(self, buffer: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., aux: _Optional[bytes] = ..., parts: _Optional[int] = ...) -> None: ...
+
+class TensorSchema(_message.Message):
+    __slots__ = ("shape", "dtype")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ExpertUID(_message.Message):
+    __slots__ = ("uid",)
+    UID_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    def __init__(self, uid: _Optional[str] = ...) -> None: ...
+
+class ExpertInfo(_message.Message):
+    __slots__ = ("uid", "expert_cls", "inputs", "outputs", "max_batch_size", "device", "hparams_json", "forward_calls", "backward_calls")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CLS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HPARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    expert_cls: str
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorSchema]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorSchema]
+    max_batch_size: int
+    device: str
+    hparams_json: str
+    forward_calls: int
+    backward_calls: int
+    def __init__(self, uid: _Optional[str] = ..., expert_cls: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSchema, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSchema, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., device: _Optional[str] = ..., hparams_json: _Optional[str] = ..., forward_calls: _Optional[int] = ..., backward_calls: _Optional[int] = ...) -> None: ...
+
+class ExpertRequest(_message.Message):
+    __slots__ = ("uid", "tensors", "response_compression")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    response_compression: Compression
+    def __init__(self, uid: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., response_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+
+class ExpertResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
