@@ -1,0 +1,67 @@
+"""Local bans of experts and servers that just failed, so the gate routes around them at once.
+
+A DHT record outlives its server by up to its expiration time; without bans the gate would keep choosing a dead
+server's experts (and losing those rows) until then. A failure bans the expert, or its whole server when the
+server itself is unreachable or too slow, for a backoff that doubles with every repeated failure. When the ban
+runs out the expert is tried again; one success clears its record.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BanConfig:
+    initial_backoff: float = 1.0
+    max_backoff: float = 60.0
+
+
+@dataclass
+class _Ban:
+    until: float = 0.0
+    backoff: float = 0.0
+
+
+@dataclass
+class Bans:
+    """Thread-safe ban book keyed by expert uid and by server endpoint."""
+
+    config: BanConfig = field(default_factory=BanConfig)
+    clock: "callable" = time.monotonic
+
+    def __post_init__(self) -> None:
+        self._bans: dict[str, _Ban] = {}
+        self._lock = threading.Lock()
+
+    def _key(self, uid: str | None, endpoint: str | None) -> str:
+        return f"endpoint:{endpoint}" if uid is None else f"uid:{uid}"
+
+    def fail(self, *, uid: str | None = None, endpoint: str | None = None) -> float:
+        """Records a failure of an expert (``uid``) or a server (``endpoint``); returns the ban's length."""
+        with self._lock:
+            ban = self._bans.setdefault(self._key(uid, endpoint), _Ban())
+            ban.backoff = min(self.config.max_backoff, ban.backoff * 2 if ban.backoff else self.config.initial_backoff)
+            ban.until = self.clock() + ban.backoff
+            return ban.backoff
+
+    def succeed(self, uid: str, endpoint: str) -> None:
+        """An answer re-admits the expert and its server completely."""
+        with self._lock:
+            self._bans.pop(self._key(uid, None), None)
+            self._bans.pop(self._key(None, endpoint), None)
+
+    def is_banned(self, uid: str, endpoint: str | None = None) -> bool:
+        now = self.clock()
+        with self._lock:
+            for key in (self._key(uid, None), self._key(None, endpoint)) if endpoint else (self._key(uid, None),):
+                ban = self._bans.get(key)
+                if ban is not None and ban.until > now:
+                    return True
+            return False
+
+    def __len__(self) -> int:
+        now = self.clock()
+        with self._lock:
+            return sum(ban.until > now for ban in self._bans.values())

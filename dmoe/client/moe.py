@@ -1,0 +1,347 @@
+"""The DMoE layer: structured gating, beam search for alive experts, batched fan-out, and dropping failures.
+
+Gating is *structured*: one linear projection scores every coordinate of every grid dimension, and an
+expert's score is the sum of its coordinates' scores, so ``ffn0.3.17`` scores ``s0[3] + s1[17]``. Inputs with
+extra dimensions (``[batch, seq, hidden]``) are routed **per token**: every position picks its own experts.
+
+Where the gate drops a dead expert: :func:`_wait_for_experts` decides which calls answered in time,
+:class:`_RemoteExperts` marks the rest as not alive, and :meth:`_MixtureBase._combine` renormalises the gate's
+softmax over the experts that answered, row by row. Failed experts and servers are banned locally
+(:mod:`dmoe.client.bans`) so the next beam search picks the next-best alive experts instead.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import grpc
+import torch
+from torch import nn
+
+from dmoe.client.bans import BanConfig, Bans
+from dmoe.uid import join_uid, split_uid
+from dmoe.wire import NONE, ChannelPool
+
+logger = logging.getLogger(__name__)
+
+
+class NoAliveExpertsError(RuntimeError):
+    """Some rows got no answer from any expert (and ``allow_zero_outputs`` is off)."""
+
+
+@dataclass
+class MoEStats:
+    """Cumulative counters; the trainer shows ``experts_dropped / experts_chosen`` over an interval."""
+
+    forward_passes: int = 0
+    experts_chosen: int = 0        # expert calls made in forward (one per chosen expert per batch)
+    experts_dropped: int = 0       # of those, missing, failed or too slow
+    rows_without_expert: int = 0   # rows that got zeros (allow_zero_outputs) or made forward raise
+    backward_calls: int = 0
+    backward_failures: int = 0
+
+
+class _MixtureBase(nn.Module):
+    """Gating maths shared by the remote layer and its in-process twin (same maths, other transport)."""
+
+    def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
+                 allow_zero_outputs: bool = False):
+        super().__init__()
+        if k_best < 1:
+            raise ValueError(f"k_best must be >= 1, got {k_best}")
+        self.in_features = in_features
+        self.grid_size = tuple(int(g) for g in grid_size)
+        self.uid_prefix = uid_prefix
+        self.k_best = k_best
+        self.allow_zero_outputs = allow_zero_outputs
+        self.proj = nn.Linear(in_features, sum(self.grid_size))
+        self.stats = MoEStats()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs [..., {self.in_features}], got {list(x.shape)}")
+        flat = x.reshape(-1, self.in_features)
+        grid_scores = list(self.proj(flat).split(self.grid_size, dim=-1))
+        chosen = self._choose([s.detach() for s in grid_scores])       # per row: uids, best first
+        coords, valid = self._coords_tensor(chosen, flat.shape[0])     # [n, k, ndim], [n, k]
+        expert_out, alive = self._run_experts(flat, chosen)            # [n, k, out], [n, k]
+        self.stats.forward_passes += 1
+        out = self._combine(grid_scores, coords, valid & alive, expert_out)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
+        raise NotImplementedError
+
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _coords_tensor(self, chosen: list[list[str]], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        coords = torch.zeros(n_rows, self.k_best, len(self.grid_size), dtype=torch.long)
+        valid = torch.zeros(n_rows, self.k_best, dtype=torch.bool)
+        for row, uids in enumerate(chosen):
+            for slot, uid in enumerate(uids[: self.k_best]):
+                coords[row, slot] = torch.tensor(split_uid(uid)[1])
+                valid[row, slot] = True
+        return coords, valid
+
+    def _combine(self, grid_scores: list[torch.Tensor], coords: torch.Tensor, alive: torch.Tensor,
+                 expert_out: torch.Tensor) -> torch.Tensor:
+        """Softmax of the chosen experts' scores renormalised over those that answered, then a weighted sum."""
+        coords, alive = coords.to(expert_out.device), alive.to(expert_out.device)
+        logits = sum(scores.gather(1, coords[:, :, dim]) for dim, scores in enumerate(grid_scores))
+        has_any = alive.any(dim=1)
+        if not bool(has_any.all()):
+            missing = int((~has_any).sum())
+            self.stats.rows_without_expert += missing
+            if not self.allow_zero_outputs:
+                raise NoAliveExpertsError(
+                    f"{missing} of {len(has_any)} rows got no answer from any expert of {self.uid_prefix!r}; "
+                    "pass allow_zero_outputs=True to use zeros for them instead"
+                )
+        # -inf for experts that did not answer; rows with none at all get finite logits and zero weights, so
+        # neither the output nor the gradient ever sees NaN.
+        fill = torch.where(has_any, float("-inf"), 0.0).to(logits.dtype)[:, None]
+        weights = torch.softmax(torch.where(alive, logits, fill), dim=1) * alive
+        return torch.einsum("nk,nkd->nd", weights.to(expert_out.dtype), expert_out)
+
+
+def _wait_for_experts(futures: Sequence[Future], rows: Sequence[torch.Tensor], n_rows: int, k_min: int,
+                      timeout: float | None, timeout_after_k_min: float | None) -> None:
+    """Waits until every row has ``k_min`` answers (or nothing left to wait for), then at most
+    ``timeout_after_k_min`` more for stragglers; never past ``timeout`` in total. Futures left pending are
+    cancelled and count as dropped."""
+    start = time.monotonic()
+    deadline = start + timeout if timeout is not None else float("inf")
+    chosen = torch.zeros(n_rows, dtype=torch.long)
+    for r in rows:
+        chosen[r] += 1
+    needed = chosen.clamp(max=k_min)
+    answered = torch.zeros(n_rows, dtype=torch.long)
+    pending_per_row = chosen.clone()
+    pending = set(range(len(futures)))
+    index = {id(f): i for i, f in enumerate(futures)}
+    k_min_reached_at: float | None = None
+    while pending:
+        now = time.monotonic()
+        if k_min_reached_at is None and bool(((answered >= needed) | (pending_per_row == 0)).all()):
+            k_min_reached_at = now
+            if timeout_after_k_min is not None:
+                deadline = min(deadline, now + timeout_after_k_min)
+        remaining = deadline - now
+        if remaining <= 0:
+            break
+        done, _ = wait_futures([futures[i] for i in pending], timeout=min(remaining, 3600),
+                               return_when=FIRST_COMPLETED)
+        for future in done:
+            i = index[id(future)]
+            pending.discard(i)
+            pending_per_row[rows[i]] -= 1
+            if future.exception() is None:
+                answered[rows[i]] += 1
+    for i in pending:
+        futures[i].cancel()
+
+
+class _RemoteExperts(torch.autograd.Function):
+    """Calls each chosen expert once with all of its rows; backward sends the matching output gradients."""
+
+    @staticmethod
+    def forward(ctx, dummy: torch.Tensor, flat: torch.Tensor, layer: "RemoteMixtureOfExperts",
+                plan: list[tuple[str, str, torch.Tensor, torch.Tensor]], k: int):
+        from dmoe.client.remote_expert import forward_future
+
+        inputs = flat.detach()
+        futures = [forward_future(endpoint, uid, [inputs[rows]], timeout=layer.forward_timeout,
+                                  compression=layer.compression, channels=layer.channels)
+                   for uid, endpoint, rows, _ in plan]
+        _wait_for_experts(futures, [rows for _, _, rows, _ in plan], len(inputs), layer.k_min,
+                          layer.forward_timeout, layer.timeout_after_k_min)
+        out: torch.Tensor | None = None
+        alive = torch.zeros(len(inputs), k, dtype=torch.bool)
+        answered = []
+        for (uid, endpoint, rows, slots), future in zip(plan, futures):
+            result = layer._outcome(uid, endpoint, future)
+            if result is None:
+                continue
+            if out is None:
+                out = inputs.new_zeros(len(inputs), k, result[0].shape[-1], dtype=result[0].dtype)
+            out[rows, slots] = result[0].to(out.device)
+            alive[rows, slots] = True
+            answered.append((uid, endpoint, rows, slots))
+        if out is None:
+            out = inputs.new_zeros(len(inputs), k, inputs.shape[-1])
+        layer.stats.experts_chosen += len(plan)
+        layer.stats.experts_dropped += len(plan) - len(answered)
+        ctx.layer, ctx.answered = layer, answered
+        ctx.save_for_backward(inputs)
+        ctx.mark_non_differentiable(alive)
+        return out, alive
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, _grad_alive: Any):
+        from dmoe.client.remote_expert import backward_future
+
+        layer, answered = ctx.layer, ctx.answered
+        (inputs,) = ctx.saved_tensors
+        futures = [backward_future(endpoint, uid, [inputs[rows]], [grad_out[rows, slots].contiguous()],
+                                   timeout=layer.backward_timeout, compression=layer.compression,
+                                   channels=layer.channels)
+                   for uid, endpoint, rows, slots in answered]
+        wait_futures(futures, timeout=layer.backward_timeout)
+        grad_inputs = torch.zeros_like(inputs)
+        got = torch.zeros(len(inputs), dtype=torch.long)
+        wanted = torch.zeros(len(inputs), dtype=torch.long)
+        for (uid, endpoint, rows, _), future in zip(answered, futures):
+            wanted[rows] += 1
+            result = layer._outcome(uid, endpoint, future, backward=True)
+            if result is not None:
+                grad_inputs.index_add_(0, rows, result[0].to(grad_inputs.dtype))
+                got[rows] += 1
+        layer.stats.backward_calls += len(answered)
+        short = got < wanted.clamp(max=layer.backward_k_min)
+        if bool(short.any()):
+            raise RuntimeError(
+                f"{int(short.sum())} rows got fewer than backward_k_min={layer.backward_k_min} expert gradients "
+                f"in {layer.uid_prefix!r}"
+            )
+        return None, grad_inputs, None, None, None
+
+
+class RemoteMixtureOfExperts(_MixtureBase):
+    """A mixture-of-experts layer whose experts are served by other machines and found through the DHT.
+
+    :param in_features: hidden size of the inputs (the experts' input and output size).
+    :param grid_size: the expert grid of this layer, e.g. ``(16, 16)`` for uids ``ffn0.0.0`` .. ``ffn0.15.15``.
+    :param uid_prefix: the layer name, e.g. ``"ffn0"``.
+    :param dht: a :class:`dmoe.dht.DHT` node to search for alive experts.
+    :param k_best: experts chosen per row (token).
+    :param k_min: forward waits until every row has this many answers (or no call left pending) ...
+    :param timeout_after_k_min: ... then at most this many seconds more for the remaining experts.
+    :param forward_timeout: no forward waits longer than this in total; slower experts are dropped.
+    :param backward_k_min: backward raises only if a row gets fewer expert gradients than this.
+    :param backward_timeout: experts that have not answered backward by then contribute no gradient.
+    :param allow_zero_outputs: rows that no expert answered give zeros instead of raising.
+    :param compression: wire compression of the tensors sent (``dmoe.wire.NONE``, ``FLOAT16``, ``UINT8``).
+    :param bans: shares the ban book between layers (experts of a dead server are banned once for all).
+
+    Routing is per token: ``[batch, seq, hidden]`` inputs are flattened to rows. Rows sent to the same expert
+    travel in one request, and all chosen experts are called concurrently.
+    """
+
+    def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, dht: Any, *, k_best: int = 4,
+                 k_min: int = 1, forward_timeout: float | None = 10.0, timeout_after_k_min: float | None = 1.0,
+                 backward_k_min: int = 1, backward_timeout: float | None = 10.0, allow_zero_outputs: bool = False,
+                 compression: int = NONE, bans: Bans | None = None, ban_config: BanConfig | None = None,
+                 channels: ChannelPool | None = None, cache: Any = None):
+        super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs)
+        self.dht = dht
+        self.k_min, self.backward_k_min = k_min, backward_k_min
+        self.forward_timeout, self.timeout_after_k_min = forward_timeout, timeout_after_k_min
+        self.backward_timeout = backward_timeout
+        self.compression = compression
+        self.bans = bans if bans is not None else Bans(ban_config or BanConfig())
+        self.channels = channels
+        self._cache = cache
+        self._endpoints: dict[str, str] = {}
+        # autograd needs one input that requires grad, or backward (and so the experts' training) is skipped
+        # whenever the layer's inputs do not require grad.
+        self._dummy = torch.empty(0, requires_grad=True)
+
+    def _is_excluded(self, uid: str) -> bool:
+        return self.bans.is_banned(uid, self._endpoints.get(uid))
+
+    def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
+        from dmoe.client.beam_search import PrefixCache, beam_search
+
+        if self._cache is None:
+            self._cache = PrefixCache()
+        found = beam_search(self.dht, self.uid_prefix, [s.float().cpu() for s in grid_scores], self.k_best,
+                            exclude=self._is_excluded, cache=self._cache)
+        chosen = []
+        for row in found:
+            for uid, endpoint in row:
+                self._endpoints[uid] = endpoint
+            chosen.append([uid for uid, _ in row])
+        return chosen
+
+    def _plan(self, chosen: list[list[str]]) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
+        """Groups (row, slot) pairs by expert: one request per expert carries all of its rows."""
+        groups: dict[str, tuple[list[int], list[int]]] = {}
+        for row, uids in enumerate(chosen):
+            for slot, uid in enumerate(uids[: self.k_best]):
+                rows, slots = groups.setdefault(uid, ([], []))
+                rows.append(row)
+                slots.append(slot)
+        return [(uid, self._endpoints[uid], torch.tensor(rows), torch.tensor(slots))
+                for uid, (rows, slots) in groups.items()]
+
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return _RemoteExperts.apply(self._dummy, flat, self, self._plan(chosen), self.k_best)
+
+    def _outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False) -> list[torch.Tensor] | None:
+        """The future's result, or None after banning whatever failed (the expert, or its whole server)."""
+        if future.done() and not future.cancelled() and future.exception() is None:
+            self.bans.succeed(uid, endpoint)
+            return future.result()
+        error = None if not future.done() or future.cancelled() else future.exception()
+        code = getattr(error, "code", None)
+        server_down = error is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        backoff = self.bans.fail(uid=None if server_down else uid, endpoint=endpoint if server_down else None)
+        what = f"server {endpoint}" if server_down else f"expert {uid}"
+        logger.info("%s %s dropped (%s); %s banned for %.1fs", "backward" if backward else "forward", uid,
+                    error if error is not None else "no answer in time", what, backoff)
+        if backward:
+            self.stats.backward_failures += 1
+        return None
+
+
+class LocalMixtureOfExperts(_MixtureBase):
+    """The same gating maths with every expert of the grid in this process: the no-network baseline.
+
+    ``expert_factory(uid)`` builds each expert (by default the ``expert_cls`` of the server's expert zoo with
+    ``in_features`` as its hidden size). The experts are ordinary submodules, trained by the caller's
+    optimizer, so comparisons with :class:`RemoteMixtureOfExperts` should give that optimizer the same settings
+    as the servers'.
+    """
+
+    def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, *, k_best: int = 4,
+                 expert_cls: str = "ffn", expert_factory: Callable[[str], nn.Module] | None = None,
+                 allow_zero_outputs: bool = False, **expert_kwargs: Any):
+        super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs)
+        if expert_factory is None:
+            from dmoe.server.layers import create_expert
+
+            def expert_factory(uid: str) -> nn.Module:
+                return create_expert(expert_cls, in_features, **expert_kwargs)
+
+        self.uids = [join_uid(uid_prefix, coords) for coords in torch.cartesian_prod(
+            *[torch.arange(g) for g in self.grid_size]).reshape(-1, len(self.grid_size)).tolist()]
+        # ModuleDict keys may not contain dots
+        self.experts = nn.ModuleDict({uid.replace(".", "_"): expert_factory(uid) for uid in self.uids})
+
+    def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
+        total = grid_scores[0]
+        for scores in grid_scores[1:]:
+            total = (total[:, :, None] + scores[:, None, :]).reshape(total.shape[0], -1)
+        top = total.topk(min(self.k_best, total.shape[1]), dim=1).indices.tolist()
+        return [[self.uids[i] for i in row] for row in top]
+
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        groups: dict[str, tuple[list[int], list[int]]] = {}
+        for row, uids in enumerate(chosen):
+            for slot, uid in enumerate(uids):
+                rows, slots = groups.setdefault(uid, ([], []))
+                rows.append(row)
+                slots.append(slot)
+        out = flat.new_zeros(flat.shape[0], self.k_best, flat.shape[1])
+        alive = torch.zeros(flat.shape[0], self.k_best, dtype=torch.bool)
+        for uid, (rows, slots) in groups.items():
+            rows_t, slots_t = torch.tensor(rows), torch.tensor(slots)
+            out = out.index_put((rows_t, slots_t), self.experts[uid.replace(".", "_")](flat[rows_t]))
+            alive[rows_t, slots_t] = True
+        self.stats.experts_chosen += len(groups)
+        return out, alive
