@@ -1,0 +1,209 @@
+"""Starting dmoe programs as child processes and a whole local swarm, with readiness and clean shutdown.
+
+Every dmoe program prints one line ``<program> listening on HOST:PORT`` to stdout when it serves. Callers wait
+for that line instead of sleeping. :class:`LocalSwarm` is what the demo, the benchmarks and the end-to-end
+tests start: one DHT bootstrap node and several expert servers on this machine, each a real process.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"listening on (\S+:\d+)")
+
+
+class Proc:
+    """A child Python process whose stdout is read by a thread, so readiness lines can be awaited.
+
+    The child runs in its own process group, so :meth:`kill` takes its children with it.
+    """
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False):
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        full_env.update(env or {})
+        self.args = list(args)
+        self.echo = echo
+        self.popen = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+        )
+        self.lines: "queue.Queue[str | None]" = queue.Queue()
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=self._read, name=f"reader-{self.popen.pid}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+            if self.echo:
+                sys.stderr.write(line)
+        self.lines.put(None)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_for(self, pattern: "re.Pattern[str] | str" = LISTENING, timeout: float = 60.0) -> "re.Match[str]":
+        """Blocks until a stdout line matches ``pattern``; raises with the output so far if it never does."""
+        regex = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.args} did not print {regex.pattern!r} in {timeout}s:\n{''.join(self.output)}")
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                self.lines.put(None)  # later waits see the end too
+                raise RuntimeError(f"{self.args} exited ({self.popen.wait()}) before {regex.pattern!r}:\n"
+                                   f"{''.join(self.output)}")
+            match = regex.search(line)
+            if match:
+                return match
+
+    def endpoint(self, timeout: float = 60.0) -> str:
+        return self.wait_for(LISTENING, timeout).group(1)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: a crash to simulate, or the last resort of cleanup."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait()
+
+    def interrupt(self) -> None:
+        """SIGINT, like Ctrl-C: asks for a clean shutdown without waiting for it."""
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGINT)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGINT (a clean shutdown, like Ctrl-C), then SIGKILL if it does not exit in time."""
+        if self.popen.poll() is None:
+            self.interrupt()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.popen.wait()
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[Proc]]:
+    """Collects started processes and kills whatever is left of them on exit, even on errors."""
+    started: list[Proc] = []
+    try:
+        yield started
+    finally:
+        for proc in started:
+            if proc.alive:
+                proc.kill()
+
+
+@contextlib.contextmanager
+def running(*args: str, env: dict[str, str] | None = None) -> Iterator[Proc]:
+    """Starts ``python *args`` and kills it on exit."""
+    with processes() as procs:
+        proc = Proc(args, env)
+        procs.append(proc)
+        yield proc
+
+
+@dataclass
+class SwarmConfig:
+    """A local swarm: one DHT bootstrap node and ``n_servers`` expert servers sharing every layer's grid."""
+
+    layers: Sequence[str] = ("ffn0", "ffn1")
+    grid: Sequence[int] = (4, 4)
+    n_servers: int = 2
+    hidden_dim: int = 128
+    expert_cls: str = "ffn"
+    host: str = "127.0.0.1"
+    threads_per_server: int = 1
+    server_args: Sequence[str] = ()          # extra dmoe-server flags (optimizer, lr, refresh period, ...)
+    echo: bool = False                       # copy the programs' output to stderr
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def split_grid(layers: Sequence[str], grid: Sequence[int], n_servers: int) -> list[str]:
+    """One ``--experts`` pattern per server: the first grid axis of every layer is cut into contiguous slices."""
+    if not 1 <= n_servers <= grid[0]:
+        raise ValueError(f"cannot split a first grid axis of {grid[0]} between {n_servers} servers")
+    rest = "".join(f".[0:{g}]" for g in grid[1:])
+    bounds = [round(i * grid[0] / n_servers) for i in range(n_servers + 1)]
+    return [",".join(f"{layer}.[{lo}:{hi}]{rest}" for layer in layers) for lo, hi in zip(bounds, bounds[1:])]
+
+
+class LocalSwarm:
+    """Starts (and owns) a DHT node and expert servers as child processes on this machine."""
+
+    def __init__(self, config: SwarmConfig | None = None):
+        self.config = config or SwarmConfig()
+        self.dht: Proc | None = None
+        self.servers: list[Proc] = []
+        self.server_endpoints: list[str] = []
+        self.initial_peers = ""
+
+    def start(self, timeout: float = 120.0) -> "LocalSwarm":
+        cfg = self.config
+        env = {"OMP_NUM_THREADS": str(cfg.threads_per_server), **cfg.env}
+        try:
+            self.dht = Proc(["-m", "dmoe.dht", "--host", cfg.host, "--port", "0"], env, cfg.echo)
+            self.initial_peers = self.dht.endpoint(timeout)
+            for pattern in split_grid(cfg.layers, cfg.grid, cfg.n_servers):
+                self.servers.append(Proc(self.server_command(pattern), env, cfg.echo))
+            self.server_endpoints = [server.endpoint(timeout) for server in self.servers]
+        except BaseException:
+            self.close()
+            raise
+        logger.info("local swarm: DHT %s, servers %s", self.initial_peers, self.server_endpoints)
+        return self
+
+    def server_command(self, pattern: str) -> list[str]:
+        cfg = self.config
+        return ["-m", "servers.run_server", "--experts", pattern, "--expert-cls", cfg.expert_cls,
+                "--hidden-dim", str(cfg.hidden_dim), "--host", cfg.host, "--port", "0",
+                "--initial-peers", self.initial_peers, *cfg.server_args]
+
+    def restart_server(self, index: int, timeout: float = 120.0) -> str:
+        """Starts server ``index`` again (after a kill) with the same experts; returns its new endpoint."""
+        old = self.servers[index]
+        if old.alive:
+            old.kill()
+        pattern = old.args[old.args.index("--experts") + 1]
+        env = {"OMP_NUM_THREADS": str(self.config.threads_per_server), **self.config.env}
+        self.servers[index] = Proc(self.server_command(pattern), env, self.config.echo)
+        self.server_endpoints[index] = self.servers[index].endpoint(timeout)
+        return self.server_endpoints[index]
+
+    def close(self) -> None:
+        """Stops servers first (they announce nothing more), then the DHT; SIGKILL for anything stuck."""
+        for proc in self.servers:
+            proc.interrupt()
+        for proc in self.servers:
+            proc.stop()
+        if self.dht is not None:
+            self.dht.stop()
+
+    def __enter__(self) -> "LocalSwarm":
+        return self.start() if self.dht is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
