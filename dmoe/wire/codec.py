@@ -146,12 +146,14 @@ def deserialize(message: dmoe_pb2.Tensor, max_numel: int = 2**31) -> torch.Tenso
     return _frombuffer(message.buffer, dtype).view(shape)
 
 
+# Decoded tensors share memory with the immutable message bytes (zero copy); callers that write into them
+# clone first. torch warns about the non-writable buffer on every call, which is noise here. The filter is
+# installed once, for that message only: ``warnings.catch_warnings`` per call would not be thread-safe.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def _frombuffer(buffer: bytes, dtype: torch.dtype) -> torch.Tensor:
-    # The tensor shares memory with the immutable message bytes (zero copy); callers that write into it must
-    # clone first. torch warns about non-writable buffers on every call, which is noise here.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype)
 
 
 def message_bytes(tensors: Iterable[dmoe_pb2.Tensor]) -> int:
