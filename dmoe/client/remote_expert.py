@@ -1,0 +1,201 @@
+"""Calling experts on other machines: non-blocking ``forward_future``/``backward_future``, and ``RemoteExpert``.
+
+Calls go through the sync gRPC stack's ``.future()``, so starting one costs a serialisation and no thread: the
+gating layer can start k calls at once and wait for the first ones to come back. Payloads larger than one
+message are streamed in parts by a short-lived thread that ends with its call.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Callable, Sequence
+
+import grpc
+import torch
+from torch import nn
+
+from dmoe.wire import MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2
+from dmoe.wire.codec import NONE, cut_into_parts, deserialize, join_parts, message_bytes, parse_compression, serialize
+
+#: Requests above this many tensor bytes are streamed (headroom for the message's own fields).
+UNARY_LIMIT_BYTES = MAX_MESSAGE_BYTES - 1024 * 1024
+
+
+class RemoteExpertError(RuntimeError):
+    """A call to a remote expert failed: the server's status code and message (timeouts: DEADLINE_EXCEEDED)."""
+
+    def __init__(self, uid: str, endpoint: str, code: grpc.StatusCode, message: str):
+        super().__init__(f"expert {uid} at {endpoint}: {code.name}: {message}")
+        self.uid, self.endpoint, self.code, self.message = uid, endpoint, code, message
+
+    def __reduce__(self):
+        return type(self), (self.uid, self.endpoint, self.code, self.message)
+
+
+def _settle(future: Future, fn: Callable[[], Any]) -> None:
+    """Resolves ``future`` with ``fn()`` or its exception, unless the caller cancelled it meanwhile."""
+    try:
+        result = fn()
+    except BaseException as error:  # noqa: BLE001 - every failure belongs to the caller
+        result, failure = None, error
+    else:
+        failure = None
+    try:
+        if failure is None:
+            future.set_result(result)
+        else:
+            future.set_exception(failure)
+    except InvalidStateError:
+        pass
+
+
+def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor], *, timeout: float | None,
+          compression: int | str, channels: ChannelPool | None, unary_limit: int) -> "Future[list[torch.Tensor]]":
+    channels = channels or ChannelPool.default()
+    compression = parse_compression(compression)
+    messages = [serialize(t, compression) for t in tensors]
+    stub = channels.stub(endpoint)
+    future: Future[list[torch.Tensor]] = Future()
+
+    def failure(error: grpc.RpcError) -> RemoteExpertError:
+        return RemoteExpertError(uid, endpoint, error.code(), error.details() or "")
+
+    if message_bytes(messages) <= unary_limit:
+        request = dmoe_pb2.ExpertRequest(uid=uid, tensors=messages, response_compression=compression)
+        call = getattr(stub, method).future(request, timeout=timeout)
+
+        def unpack() -> list[torch.Tensor]:
+            try:
+                response = call.result()
+            except grpc.RpcError as error:
+                raise failure(error) from None
+            return [deserialize(t) for t in response.tensors]
+
+        call.add_done_callback(lambda _: _settle(future, unpack))
+        future.add_done_callback(lambda f: call.cancel() if f.cancelled() else None)
+        return future
+
+    def requests():
+        for i, group in enumerate(cut_into_parts(messages, STREAM_PART_BYTES)):
+            yield dmoe_pb2.ExpertRequest(uid=uid if i == 0 else "", tensors=group, response_compression=compression)
+
+    stream = getattr(stub, f"{method}_stream")(requests(), timeout=timeout)
+    future.add_done_callback(lambda f: stream.cancel() if f.cancelled() else None)
+
+    def receive() -> list[torch.Tensor]:
+        try:
+            tensors = join_parts((response.tensors for response in stream), max_bytes=2**62)
+        except grpc.RpcError as error:
+            raise failure(error) from None
+        return [deserialize(t) for t in tensors]
+
+    # the thread lives exactly as long as the call: it ends when the stream does (or is cancelled / times out)
+    threading.Thread(target=_settle, args=(future, receive), name=f"dmoe-stream-{uid}", daemon=True).start()
+    return future
+
+
+def forward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], *, timeout: float | None = None,
+                   compression: int | str = NONE, channels: ChannelPool | None = None,
+                   unary_limit: int = UNARY_LIMIT_BYTES) -> "Future[list[torch.Tensor]]":
+    """Starts expert ``uid``'s forward on ``inputs`` (each with a batch dimension) and returns at once.
+
+    The future resolves to the outputs as CPU tensors, or fails with :class:`RemoteExpertError`. The outputs may
+    share memory with the received message: clone before writing into them. ``compression`` packs the
+    request and is asked of the response; ``unary_limit``: requests with more tensor bytes are streamed.
+    """
+    return _call("forward", endpoint, uid, inputs, timeout=timeout, compression=compression, channels=channels,
+                 unary_limit=unary_limit)
+
+
+def backward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+                    *, timeout: float | None = None, compression: int | str = NONE,
+                    channels: ChannelPool | None = None,
+                    unary_limit: int = UNARY_LIMIT_BYTES) -> "Future[list[torch.Tensor]]":
+    """Starts expert ``uid``'s backward: resolves to the gradients of ``inputs``; the server applies its step."""
+    return _call("backward", endpoint, uid, [*inputs, *grad_outputs], timeout=timeout, compression=compression,
+                 channels=channels, unary_limit=unary_limit)
+
+
+def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,
+                channels: ChannelPool | None = None) -> dict[str, Any]:
+    """The expert's schema, class, hyper-parameters and call counters, fetched now."""
+    stub = (channels or ChannelPool.default()).stub(endpoint)
+    try:
+        info = stub.info(dmoe_pb2.ExpertUID(uid=uid), timeout=timeout)
+    except grpc.RpcError as error:
+        raise RemoteExpertError(uid, endpoint, error.code(), error.details() or "") from None
+    return {
+        "uid": info.uid,
+        "expert_cls": info.expert_cls,
+        "inputs": [(tuple(s.shape), s.dtype) for s in info.inputs],
+        "outputs": [(tuple(s.shape), s.dtype) for s in info.outputs],
+        "max_batch_size": info.max_batch_size,
+        "device": info.device,
+        "hparams": json.loads(info.hparams_json or "{}"),
+        "forward_calls": info.forward_calls,
+        "backward_calls": info.backward_calls,
+    }
+
+
+class _RemoteCall(torch.autograd.Function):
+    """Forward sends the inputs; backward sends inputs + output gradients and receives input gradients."""
+
+    @staticmethod
+    def forward(ctx, expert: "RemoteExpert", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.expert = expert
+        ctx.save_for_backward(*inputs)
+        outputs = expert._call_forward(inputs).result()
+        # copy: received tensors are read-only views of the message, and autograd or the user may write into them
+        return tuple(y.to(inputs[0].device, copy=True) for y in outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = ctx.saved_tensors
+        expert: RemoteExpert = ctx.expert
+        grads = expert._call_backward(inputs, grad_outputs).result()
+        return (None, *(g.to(x.device, copy=True) if needed else None
+                        for x, g, needed in zip(inputs, grads, ctx.needs_input_grad[1:])))
+
+
+class RemoteExpert(nn.Module):
+    """An expert on another machine used like a local module: differentiable, trains the remote weights.
+
+    Args:
+        uid: the expert's uid, e.g. ``'ffn0.3.17'``.
+        endpoint: ``'host:port'`` of the server hosting it.
+        timeout: seconds for each forward/backward call (None: no deadline).
+        compression: how tensors travel both ways: ``'none'``, ``'float16'`` or ``'uint8'``.
+        channels: the channel pool to use; :meth:`ChannelPool.default` if None.
+    """
+
+    def __init__(self, uid: str, endpoint: str, *, timeout: float | None = None, compression: int | str = NONE,
+                 channels: ChannelPool | None = None):
+        super().__init__()
+        self.uid, self.endpoint, self.timeout = uid, endpoint, timeout
+        self.compression = parse_compression(compression)
+        self.channels = channels
+        self._info: dict[str, Any] | None = None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The expert's schema and hyper-parameters (fetched once; counters are as of that fetch)."""
+        if self._info is None:
+            self._info = expert_info(self.endpoint, self.uid, timeout=self.timeout, channels=self.channels)
+        return self._info
+
+    def _call_forward(self, inputs: Sequence[torch.Tensor]) -> "Future[list[torch.Tensor]]":
+        return forward_future(self.endpoint, self.uid, inputs, timeout=self.timeout, compression=self.compression,
+                              channels=self.channels)
+
+    def _call_backward(self, inputs: Sequence[torch.Tensor],
+                       grad_outputs: Sequence[torch.Tensor]) -> "Future[list[torch.Tensor]]":
+        return backward_future(self.endpoint, self.uid, inputs, grad_outputs, timeout=self.timeout,
+                               compression=self.compression, channels=self.channels)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        outputs = _RemoteCall.apply(self, *inputs)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def extra_repr(self) -> str:
+        return f"uid={self.uid!r}, endpoint={self.endpoint!r}"

@@ -1,0 +1,74 @@
+"""The registry of expert classes: a name -> (module class, sample input builder).
+
+A server builds experts by name (``--expert-cls ffn``), and it must know each expert's input schema before any
+request arrives so it can reject malformed ones early; the sample input builder gives it that schema. Users add
+their own classes with :func:`register_expert_class`; constructor arguments are free-form keyword arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+#: ``sample_input(batch_size, hidden_dim) -> tensor or tuple of tensors`` with the shapes/dtypes the expert takes.
+SampleInputFn = Callable[[int, int], "torch.Tensor | Sequence[torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class ExpertClass:
+    """A registered expert class: ``cls(hidden_dim, **kwargs)`` builds one expert."""
+
+    name: str
+    cls: type[nn.Module]
+    sample_input: SampleInputFn
+
+    def sample(self, batch_size: int, hidden_dim: int) -> tuple[torch.Tensor, ...]:
+        inputs = self.sample_input(batch_size, hidden_dim)
+        return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+
+
+_REGISTRY: dict[str, ExpertClass] = {}
+
+
+def register_expert_class(name: str, sample_input: SampleInputFn) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    """Class decorator: makes ``cls`` available to servers as ``name``.
+
+    ``cls`` must accept ``hidden_dim`` as its first argument (plus any keyword arguments you pass at build time);
+    ``sample_input(batch_size, hidden_dim)`` returns example inputs, which fix the expert's input schema.
+    """
+
+    def register(cls: type[nn.Module]) -> type[nn.Module]:
+        if name in _REGISTRY and _class_id(_REGISTRY[name].cls) != _class_id(cls):
+            raise ValueError(f"expert class {name!r} is already registered to {_REGISTRY[name].cls.__qualname__}")
+        _REGISTRY[name] = ExpertClass(name, cls, sample_input)
+        return cls
+
+    return register
+
+
+def _class_id(cls: type) -> tuple[str, str]:
+    # the same file imported twice (as a path and as a package module) defines equal classes: not a conflict
+    return cls.__module__.rsplit(".", 1)[-1], cls.__qualname__
+
+
+def expert_class(name: str) -> ExpertClass:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown expert class {name!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def expert_class_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_expert(name: str, hidden_dim: int, *, seed: int | None = None, **kwargs: Any) -> nn.Module:
+    """Builds expert ``name``; with ``seed`` its initial weights are reproducible (e.g. to compare with a server)."""
+    cls = expert_class(name).cls
+    if seed is None:
+        return cls(hidden_dim, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return cls(hidden_dim, **kwargs)

@@ -1,0 +1,204 @@
+"""``ExpertServer``: hosts experts behind gRPC; owns the runtime thread and the asyncio loop thread."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, Sequence
+
+import grpc
+import torch
+
+from dmoe.server.backend import ExpertBackend, expert_seed, make_optimizer
+from dmoe.server.layers import create_expert, expert_class
+from dmoe.server.runtime import Runtime
+from dmoe.server.servicer import ExpertServicer, HostedExpert
+from dmoe.uid import check_uid, expand_pattern
+from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_compression
+
+logger = logging.getLogger(__name__)
+
+
+class Announcer(Protocol):
+    """Whatever tells the world where the experts are (the DHT refresher): started once the server listens."""
+
+    def start(self, uids: Sequence[str], endpoint: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class ServerConfig:
+    """How a server listens and runs; every field has a sensible default.
+
+    Attributes:
+        host: interface to bind; the endpoint reported to clients uses it (``0.0.0.0`` is reported as 127.0.0.1).
+        port: 0 picks a free port.
+        device: ``'cuda'``, ``'cpu'``, ... ; None uses cuda when available.
+        max_batch_size: most rows in one request and in one batch the runtime forms.
+        autocast: ``'bf16'``/``'fp16'`` to compute under torch.autocast; None for full precision.
+        response_compression: ``'none'``, ``'float16'`` or ``'uint8'``, used when a request asks for none.
+        max_message_bytes: limit of one gRPC message (larger payloads must be streamed).
+        max_stream_bytes: limit of one streamed request in total.
+        shutdown_grace: seconds in-flight calls get to finish on ``close()``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str | None = None
+    max_batch_size: int = 4096
+    autocast: str | None = None
+    response_compression: str = "none"
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_stream_bytes: int = 1 << 30
+    shutdown_grace: float = 1.0
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ExpertServer:
+    """Serves ``backends`` over gRPC: ``start()``, then ``endpoint``; ``close()`` or use as a context manager.
+
+    Threads: one runtime thread computes (see :class:`Runtime`), one thread runs the asyncio loop of the gRPC
+    server. Both belong to this object and stop in ``close()``.
+
+    Args:
+        backends: uid -> expert backend (modules are moved to the server's device).
+        config: listening and runtime settings.
+        announcer: optional; gets ``start(uids, endpoint)`` once serving and ``close()`` before shutdown.
+    """
+
+    def __init__(self, backends: Mapping[str, ExpertBackend], config: ServerConfig | None = None,
+                 announcer: Announcer | None = None):
+        if not backends:
+            raise ValueError("a server needs at least one expert")
+        self.config = config or ServerConfig()
+        self.backends = {check_uid(uid): backend for uid, backend in backends.items()}
+        self.device = resolve_device(self.config.device)
+        self.announcer = announcer
+        self.runtime = Runtime(self.device, self.config.autocast)
+        experts = {}
+        for uid, backend in self.backends.items():
+            backend.module.to(self.device)
+            experts[uid] = HostedExpert(
+                backend,
+                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size),
+                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size),
+            )
+        self.servicer = ExpertServicer(
+            experts, max_batch_size=self.config.max_batch_size, device=str(self.device),
+            default_compression=parse_compression(self.config.response_compression),
+            max_stream_bytes=self.config.max_stream_bytes,
+        )
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._grpc_server: grpc.aio.Server | None = None
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls,
+        uids: str | Sequence[str],
+        expert_cls: str = "ffn",
+        hidden_dim: int = 1024,
+        *,
+        cls_kwargs: dict[str, Any] | None = None,
+        optimizer: str = "adam",
+        lr: float = 1e-3,
+        clip_grad_norm: float | None = None,
+        seed: int = 0,
+        config: ServerConfig | None = None,
+        announcer: Announcer | None = None,
+    ) -> "ExpertServer":
+        """Builds experts of a registered class (``uids`` may be a pattern such as ``'ffn0.[0:4].[0:4]'``).
+
+        Expert ``uid`` starts from weights seeded by ``expert_seed(seed, uid)``, so
+        ``create_expert(expert_cls, hidden_dim, seed=expert_seed(seed, uid), **cls_kwargs)`` rebuilds it.
+        """
+        config = config or ServerConfig()
+        device = resolve_device(config.device)
+        uids = expand_pattern(uids) if isinstance(uids, str) else list(uids)
+        cls_kwargs = dict(cls_kwargs or {})
+        registered = expert_class(expert_cls)
+        hparams = {"hidden_dim": hidden_dim, **cls_kwargs, "optimizer": optimizer, "lr": lr,
+                   "clip_grad_norm": clip_grad_norm, "seed": seed}
+        backends = {}
+        for uid in uids:
+            module = create_expert(expert_cls, hidden_dim, seed=expert_seed(seed, uid), **cls_kwargs).to(device)
+            backends[uid] = ExpertBackend(
+                uid, module, registered.sample(2, hidden_dim), make_optimizer(optimizer, module.parameters(), lr),
+                clip_grad_norm=clip_grad_norm, expert_cls=expert_cls, hparams=hparams,
+            )
+        return cls(backends, config, announcer)
+
+    @property
+    def endpoint(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server is not started")
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "[::]", "") else self.config.host
+        return f"{host}:{self.port}"
+
+    def start(self) -> "ExpertServer":
+        """Starts computing and listening; returns once the port is bound and calls are accepted."""
+        if self._loop is not None:
+            raise RuntimeError("the server was started already")
+        self.runtime.start()
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._run_loop, name="dmoe-grpc", daemon=True)
+        self._loop_thread.start()
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result()
+        except BaseException:
+            self.close()
+            raise
+        logger.info("serving %d experts on %s (device %s)", len(self.backends), self.endpoint, self.device)
+        if self.announcer is not None:
+            self.announcer.start(list(self.backends), self.endpoint)
+        return self
+
+    def _run_loop(self) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    async def _serve(self) -> int:
+        server = grpc.aio.server(options=grpc_options(self.config.max_message_bytes))
+        dmoe_pb2_grpc.add_ExpertServiceServicer_to_server(self.servicer, server)
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
+        await server.start()
+        self._grpc_server = server
+        return port
+
+    def close(self) -> None:
+        """Stops announcing, lets in-flight calls finish (up to ``shutdown_grace`` s), stops both threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.announcer is not None:
+            self.announcer.close()
+        if self._loop is not None and self._grpc_server is not None:
+            stop = self._grpc_server.stop(self.config.shutdown_grace)
+            asyncio.run_coroutine_threadsafe(stop, self._loop).result()
+        self.runtime.close()
+        if self._loop is not None and self._loop_thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join()
+        logger.info("server stopped")
+
+    def __enter__(self) -> "ExpertServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,206 @@
+"""The gRPC face of a server: validates each request against the expert's schema, then queues it for the runtime.
+
+Handlers run on the server's asyncio loop and only await futures, so one thread serves any number of concurrent
+calls while the runtime thread computes. Every rejection happens before tensors are allocated.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import grpc
+import torch
+
+from dmoe.server.backend import ExpertBackend, TensorSchema
+from dmoe.server.task_pool import TaskPool
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
+from dmoe.wire.channels import STREAM_PART_BYTES
+from dmoe.wire.codec import (
+    NONE,
+    Compression,
+    InvalidTensor,
+    TensorTooLarge,
+    cut_into_parts,
+    deserialize,
+    join_parts,
+    message_bytes,
+    serialize,
+)
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+class RequestRejected(Exception):
+    """A request refused before any compute, with the status code to answer it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class HostedExpert:
+    """A backend with its two task pools and the schemas its requests must match."""
+
+    backend: ExpertBackend
+    forward_pool: TaskPool
+    backward_pool: TaskPool
+
+    def schemas(self, kind: str) -> list[tuple[str, TensorSchema]]:
+        inputs = [(f"input {i}", s) for i, s in enumerate(self.backend.inputs_schema)]
+        if kind == FORWARD:
+            return inputs
+        return inputs + [(f"grad_output {i}", s) for i, s in enumerate(self.backend.outputs_schema)]
+
+    def max_payload_bytes(self, kind: str, max_batch_size: int) -> int:
+        """The most tensor bytes a valid request can carry: uncompressed is the largest encoding."""
+        row_bytes = sum(s.numel * s.torch_dtype.itemsize for _, s in self.schemas(kind))
+        return max_batch_size * row_bytes
+
+
+def _describe(message: dmoe_pb2.Tensor) -> str:
+    return f"[{', '.join(map(str, message.shape))}] {message.dtype or '<no dtype>'}"
+
+
+def validate(tensors: Sequence[dmoe_pb2.Tensor], schemas: Sequence[tuple[str, TensorSchema]],
+             max_batch_size: int) -> list[torch.Tensor]:
+    """Checks count, shapes, dtypes, batch sizes and buffer lengths (metadata only), then decodes the tensors."""
+    if len(tensors) != len(schemas):
+        names = ", ".join(label for label, _ in schemas)
+        raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"expected {len(schemas)} tensors ({names}), got {len(tensors)}")
+    batch_sizes = []
+    for (label, schema), message in zip(schemas, tensors):
+        shape = list(message.shape)
+        if message.dtype != schema.dtype or len(shape) != len(schema.shape) + 1 or tuple(shape[1:]) != schema.shape:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"{label}: expected shape {schema.describe()}, got {_describe(message)}")
+        if shape[0] < 1:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"{label}: batch size must be positive, got shape {shape}")
+        batch_sizes.append((label, shape[0]))
+    if len({rows for _, rows in batch_sizes}) > 1:
+        sizes = ", ".join(f"{label} has {rows}" for label, rows in batch_sizes)
+        raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"batch sizes disagree: {sizes} rows")
+    rows = batch_sizes[0][1] if batch_sizes else 0
+    if rows > max_batch_size:
+        raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"batch of {rows} rows exceeds this server's max_batch_size {max_batch_size}")
+    decoded = []
+    for (label, schema), message in zip(schemas, tensors):
+        try:
+            decoded.append(deserialize(message, max_numel=max_batch_size * schema.numel))
+        except InvalidTensor as error:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{label}: {error}") from None
+        except TensorTooLarge as error:
+            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{label}: {error}") from None
+    return decoded
+
+
+class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
+    """Implements ``ExpertService`` of proto/dmoe.proto for a set of hosted experts.
+
+    Args:
+        experts: uid -> hosted expert.
+        max_batch_size: requests with more rows are refused (RESOURCE_EXHAUSTED).
+        device: reported by ``info``.
+        default_compression: applied to responses when a request asks for none.
+        max_stream_bytes: the most bytes a streamed request may carry in total.
+    """
+
+    def __init__(self, experts: dict[str, HostedExpert], *, max_batch_size: int, device: str,
+                 default_compression: int = NONE, max_stream_bytes: int = 1 << 30,
+                 stream_part_bytes: int = STREAM_PART_BYTES):
+        self.experts = experts
+        self.max_batch_size, self.device = max_batch_size, device
+        self.default_compression = default_compression
+        self.max_stream_bytes, self.stream_part_bytes = max_stream_bytes, stream_part_bytes
+
+    async def _expert(self, uid: str, context: grpc.aio.ServicerContext) -> HostedExpert:
+        expert = self.experts.get(uid)
+        if expert is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"expert {uid!r} is not hosted on this server")
+        return expert
+
+    async def info(self, request: dmoe_pb2.ExpertUID, context: grpc.aio.ServicerContext) -> dmoe_pb2.ExpertInfo:
+        backend = (await self._expert(request.uid, context)).backend
+        return dmoe_pb2.ExpertInfo(
+            uid=request.uid, expert_cls=backend.expert_cls,
+            inputs=[dmoe_pb2.TensorSchema(shape=s.shape, dtype=s.dtype) for s in backend.inputs_schema],
+            outputs=[dmoe_pb2.TensorSchema(shape=s.shape, dtype=s.dtype) for s in backend.outputs_schema],
+            max_batch_size=self.max_batch_size, device=self.device, hparams_json=backend.hparams_json(),
+            forward_calls=backend.forward_calls, backward_calls=backend.backward_calls,
+        )
+
+    async def _call(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,
+                    context: grpc.aio.ServicerContext) -> list[dmoe_pb2.Tensor]:
+        expert = await self._expert(uid, context)
+        if compression not in Compression.values():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown response_compression {compression}")
+        try:
+            inputs = validate(tensors, expert.schemas(kind), self.max_batch_size)
+        except RequestRejected as rejected:
+            await context.abort(rejected.code, rejected.message)
+        if kind == FORWARD:
+            expert.backend.forward_calls += 1
+            future = expert.forward_pool.submit(*inputs)
+        else:
+            expert.backend.backward_calls += 1
+            future = expert.backward_pool.submit(*inputs)
+        try:
+            outputs = await asyncio.wrap_future(future)
+            error = None
+        except Exception as exc:
+            error = f"{kind} of {uid} failed on the server: {type(exc).__name__}: {exc}"
+        if error is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, error)
+        compression = compression or self.default_compression
+        return [serialize(y, compression) for y in outputs]
+
+    async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
+        tensors = await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context)
+        return dmoe_pb2.ExpertResponse(tensors=tensors)
+
+    async def backward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
+        tensors = await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context)
+        return dmoe_pb2.ExpertResponse(tensors=tensors)
+
+    async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
+                      context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
+        uid, compression, groups, total, limit = None, NONE, [], 0, self.max_stream_bytes
+        async for message in requests:
+            if uid is None:
+                uid, compression = message.uid, message.response_compression
+                # refuse an unknown expert, or more bytes than a valid request can have, before buffering them
+                expert = await self._expert(uid, context)
+                limit = min(limit, expert.max_payload_bytes(kind, self.max_batch_size))
+            # each part costs memory beyond its bytes: count it, so streams of empty parts are bounded too
+            total += message_bytes(message.tensors) + 64 * len(message.tensors)
+            if total > limit:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"streamed request exceeds {limit} bytes, more than a valid {kind} of {uid} "
+                                    f"(max_batch_size {self.max_batch_size}) can carry")
+            groups.append(message.tensors)
+        if uid is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+        try:
+            tensors = join_parts(groups, limit)
+            rejection = None
+        except (InvalidTensor, TensorTooLarge) as error:
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, TensorTooLarge)
+                    else grpc.StatusCode.INVALID_ARGUMENT)
+            rejection = (code, str(error))
+        if rejection is not None:
+            await context.abort(*rejection)
+        outputs = await self._call(kind, uid, tensors, compression, context)
+        for group in cut_into_parts(outputs, self.stream_part_bytes):
+            yield dmoe_pb2.ExpertResponse(tensors=group)
+
+    async def forward_stream(self, request_iterator, context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
+        async for response in self._stream(FORWARD, request_iterator, context):
+            yield response
+
+    async def backward_stream(self, request_iterator, context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
+        async for response in self._stream(BACKWARD, request_iterator, context):
+            yield response

@@ -1,0 +1,61 @@
+"""Task pools: the queues in front of one expert's forward or backward, from which the runtime forms batches."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from dmoe.server.runtime import Runtime
+
+ProcessFn = Callable[..., Sequence[torch.Tensor]]
+_sequence = itertools.count()
+
+
+@dataclass(eq=False)
+class Task:
+    """One request: tensors with a batch dimension, and the future its caller awaits."""
+
+    inputs: tuple[torch.Tensor, ...]
+    future: "Future[list[torch.Tensor]]"
+    rows: int
+    seq: int = field(default_factory=lambda: next(_sequence))
+    created: float = field(default_factory=time.monotonic)
+
+
+class TaskPool:
+    """Requests waiting for one function (an expert's forward or backward), oldest first.
+
+    Pools belong to a :class:`~dmoe.server.runtime.Runtime`, which owns the lock they share and decides which
+    pool runs next; ``submit`` may be called from any thread.
+
+    Args:
+        name: for logs, e.g. ``'ffn0.3_forward'``.
+        process: called with the concatenated batch; returns tensors whose first dimension is the batch.
+        max_batch_size: the most rows the runtime will put in one call of ``process``.
+    """
+
+    def __init__(self, runtime: "Runtime", name: str, process: ProcessFn, max_batch_size: int):
+        self.runtime, self.name, self.process, self.max_batch_size = runtime, name, process, max_batch_size
+        self.tasks: deque[Task] = deque()
+        self.batches = 0
+        self.rows = 0
+
+    def submit(self, *inputs: torch.Tensor) -> "Future[list[torch.Tensor]]":
+        """Queues one request (all tensors share the first, batch dimension); the future gets its outputs."""
+        if not inputs:
+            raise ValueError("a task needs at least one tensor")
+        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0])
+        self.runtime.enqueue(self, task)
+        return task.future
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __repr__(self) -> str:
+        return f"TaskPool({self.name!r}, queued={len(self.tasks)})"

@@ -1,0 +1,19 @@
+"""Expert classes for tests, loaded by servers through ``--custom-module tests/custom_experts.py``."""
+import torch
+from torch import nn
+
+from dmoe.server import register_expert_class
+
+
+@register_expert_class("explode", lambda batch, hidden: torch.randn(batch, hidden))
+class ExplodingExpert(nn.Module):
+    """A linear layer that raises on any input above 1000: a failure inside compute, on demand."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.abs() > 1000).any():
+            raise ValueError("input too large to handle")
+        return self.linear(x)

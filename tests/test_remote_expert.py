@@ -1,0 +1,142 @@
+"""RemoteExpert against a real dmoe-server process: same outputs and gradients as the local module, training."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, expert_info, forward_future
+from dmoe.server import create_expert, expert_seed
+from dmoe.wire import ChannelPool
+from tests.procs import running
+
+HIDDEN = 16
+LR = 0.1
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running("-m", "servers.run_server", "--experts", "ffn.[0:7]", "--expert-cls", "ffn",
+                 "--hidden-dim", str(HIDDEN), "--optimizer", "sgd", "--lr", str(LR), "--seed", "7",
+                 "--max-batch-size", "65536", "--torch-threads", "1") as proc:
+        yield proc.endpoint()
+
+
+def local_copy(uid: str) -> torch.nn.Module:
+    return create_expert("ffn", HIDDEN, seed=expert_seed(7, uid))
+
+
+def test_remote_forward_equals_local_module_with_same_weights(server):
+    x = torch.randn(5, HIDDEN)
+    remote = RemoteExpert("ffn.0", server)(x)
+    assert remote.shape == (5, HIDDEN)
+    torch.testing.assert_close(remote, local_copy("ffn.0")(x).detach())
+
+
+def test_remote_backward_matches_local_autograd_and_applies_the_optimizer(server):
+    local = local_copy("ffn.1")
+    x = torch.randn(6, HIDDEN)
+    weights = torch.randn(6, HIDDEN)
+
+    x_remote = x.clone().requires_grad_()
+    expert = RemoteExpert("ffn.1", server)
+    before = expert(x_remote)
+    (before * weights).sum().backward()
+
+    x_local = x.clone().requires_grad_()
+    (local(x_local) * weights).sum().backward()
+    torch.testing.assert_close(x_remote.grad, x_local.grad)
+
+    # the server took one SGD step with the same gradient: replaying it locally predicts the new outputs
+    torch.optim.SGD(local.parameters(), lr=LR).step()
+    after = expert(x).detach()
+    assert not torch.allclose(after, before.detach(), atol=1e-4)
+    torch.testing.assert_close(after, local(x).detach())
+
+
+def test_sixteen_threads_fifty_calls_each_all_correct(server):
+    local = local_copy("ffn.2")
+    inputs = [[torch.randn(1 + (t + i) % 7, HIDDEN) for i in range(50)] for t in range(16)]
+    results: list[list[torch.Tensor | None]] = [[None] * 50 for _ in range(16)]
+    errors: list[BaseException] = []
+
+    def client(t: int) -> None:
+        try:
+            for i, x in enumerate(inputs[t]):
+                results[t][i] = forward_future(server, "ffn.2", [x], timeout=60).result()[0]
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "clients deadlocked"
+    assert not errors, errors[:3]
+    with torch.no_grad():
+        for t in range(16):
+            for i in range(50):
+                torch.testing.assert_close(results[t][i], local(inputs[t][i]))
+
+
+def test_concurrent_calls_to_several_experts_resolve_independently(server):
+    xs = {uid: torch.randn(3, HIDDEN) for uid in ("ffn.0", "ffn.3", "ffn.4")}
+    futures = {uid: forward_future(server, uid, [x]) for uid, x in xs.items()}
+    with torch.no_grad():
+        for uid, future in futures.items():
+            torch.testing.assert_close(future.result(timeout=60)[0], local_copy(uid)(xs[uid]))
+
+
+def test_payloads_over_the_unary_limit_are_streamed_in_parts(server):
+    # 40000 x 16 float32 = 2.5 MB: more than one streamed part each way
+    x = torch.randn(40_000, HIDDEN)
+    grad = torch.randn(40_000, HIDDEN)
+    local = local_copy("ffn.5")
+    output = forward_future(server, "ffn.5", [x], unary_limit=1024).result(timeout=60)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(output, local(x))
+    x_local = x.clone().requires_grad_()
+    local(x_local).backward(grad)
+    grad_x = backward_future(server, "ffn.5", [x], [grad], unary_limit=1024).result(timeout=60)[0]
+    torch.testing.assert_close(grad_x, x_local.grad)
+
+
+def test_info_reports_schema_and_counts_one_request_per_call(server):
+    before = expert_info(server, "ffn.6")
+    assert before["inputs"] == [((HIDDEN,), "float32")] and before["outputs"] == [((HIDDEN,), "float32")]
+    assert before["expert_cls"] == "ffn" and before["hparams"]["lr"] == LR
+    x = torch.randn(2, HIDDEN)
+    for _ in range(3):
+        forward_future(server, "ffn.6", [x]).result(timeout=60)
+    backward_future(server, "ffn.6", [x], [x]).result(timeout=60)
+    after = expert_info(server, "ffn.6")
+    assert after["forward_calls"] - before["forward_calls"] == 3
+    assert after["backward_calls"] - before["backward_calls"] == 1
+
+
+def test_compressed_responses_stay_close_to_exact(server):
+    x = torch.randn(8, HIDDEN)
+    exact = forward_future(server, "ffn.0", [x]).result(timeout=60)[0]
+    for compression, tolerance in (("float16", 1e-2), ("uint8", 0.1)):
+        approx = forward_future(server, "ffn.0", [x], compression=compression).result(timeout=60)[0]
+        assert approx.dtype == torch.float32
+        assert (approx - exact).abs().max() < tolerance
+
+
+def test_timeout_and_unknown_expert_raise_remote_expert_error(server):
+    with pytest.raises(RemoteExpertError) as error:
+        forward_future(server, "ffn.0", [torch.randn(2, HIDDEN)], timeout=1e-6).result(timeout=60)
+    assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(RemoteExpertError) as error:
+        RemoteExpert("ffn.99", server)(torch.randn(2, HIDDEN))
+    assert error.value.code == grpc.StatusCode.NOT_FOUND and "ffn.99" in str(error.value)
+
+
+def test_private_channel_pool_is_used_and_closable(server):
+    with ChannelPool() as channels:
+        x = torch.randn(2, HIDDEN)
+        out = RemoteExpert("ffn.0", server, channels=channels)(x)
+        torch.testing.assert_close(out, local_copy("ffn.0")(x).detach())

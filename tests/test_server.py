@@ -1,0 +1,242 @@
+"""The expert server: backends, batching runtime, the dmoe-server program, and clean shutdown."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from dmoe.client import RemoteExpert, backward_future, forward_future
+from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, create_expert, expert_seed
+from dmoe.server.layers import TRANSFORMER_SEQ_LEN, expert_class
+from servers import run_server
+from tests.procs import running
+
+
+# ---- ExpertBackend ---------------------------------------------------------------------------------------------
+
+def make_backend(name: str = "ffn", hidden: int = 8, lr: float = 0.1, **kwargs) -> ExpertBackend:
+    module = create_expert(name, hidden, seed=0, **kwargs)
+    params = list(module.parameters())
+    optimizer = torch.optim.SGD(params, lr=lr) if params else None
+    return ExpertBackend("x.0", module, expert_class(name).sample(2, hidden), optimizer, expert_cls=name)
+
+
+def test_backend_backward_returns_autograd_input_grads_then_steps():
+    backend = make_backend()
+    reference = create_expert("ffn", 8, seed=0)
+    x, grad = torch.randn(5, 8), torch.randn(5, 8)
+    x_ref = x.clone().requires_grad_()
+    reference(x_ref).backward(grad)
+    (grad_x,) = backend.backward(x, grad)
+    torch.testing.assert_close(grad_x, x_ref.grad)
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        torch.testing.assert_close(backend.forward(x)[0], reference(x))
+
+
+def test_backend_schema_comes_from_the_sample_input():
+    backend = make_backend("transformer", 16, num_heads=2)
+    assert [(s.shape, s.dtype) for s in backend.inputs_schema] == [((TRANSFORMER_SEQ_LEN, 16), "float32")]
+    assert [(s.shape, s.dtype) for s in backend.outputs_schema] == [((TRANSFORMER_SEQ_LEN, 16), "float32")]
+
+
+def test_parameter_free_backend_has_no_optimizer_and_passes_gradients_through():
+    backend = make_backend("nop")
+    x, grad = torch.randn(3, 8), torch.randn(3, 8)
+    assert backend.optimizer is None
+    torch.testing.assert_close(backend.backward(x, grad)[0], grad)
+
+
+def test_backend_state_dict_round_trip_restores_weights_and_optimizer():
+    trained = make_backend()
+    x = torch.randn(4, 8)
+    trained.optimizer = torch.optim.Adam(trained.module.parameters(), lr=0.01)
+    trained.backward(x, torch.randn(4, 8))
+    fresh = make_backend()
+    fresh.optimizer = torch.optim.Adam(fresh.module.parameters(), lr=0.01)
+    fresh.load_state_dict(trained.state_dict())
+    torch.testing.assert_close(fresh.forward(x)[0], trained.forward(x)[0])
+    assert fresh.optimizer.state_dict()["state"].keys() == trained.optimizer.state_dict()["state"].keys()
+
+
+# ---- Runtime ---------------------------------------------------------------------------------------------------
+
+class Gate:
+    """A pool function that blocks until opened, so tasks can be queued behind it deterministically."""
+
+    def __init__(self):
+        self.opened, self.entered = threading.Event(), threading.Event()
+
+    def __call__(self, x):
+        self.entered.set()
+        self.opened.wait(30)
+        return (x,)
+
+
+def test_runtime_joins_queued_tasks_up_to_max_batch_size_and_splits_results():
+    batches: list[int] = []
+
+    def double(x):
+        batches.append(x.shape[0])
+        return (x * 2,)
+
+    with Runtime() as runtime:
+        gate = Gate()
+        blocker = runtime.create_pool("gate", gate, 100)
+        pool = runtime.create_pool("double", double, max_batch_size=8)
+        first = blocker.submit(torch.zeros(1))
+        assert gate.entered.wait(30)
+        xs = [torch.randn(3, 2) for _ in range(5)]
+        futures = [pool.submit(x) for x in xs]
+        gate.opened.set()
+        first.result(30)
+        for x, future in zip(xs, futures):
+            torch.testing.assert_close(future.result(30)[0], x * 2)
+    assert batches == [6, 6, 3]
+
+
+def test_runtime_serves_the_pool_with_the_oldest_task_first():
+    order: list[str] = []
+
+    def recorder(name):
+        return lambda x: (order.append(name), (x,))[1]
+
+    with Runtime() as runtime:
+        gate = Gate()
+        blocker = runtime.create_pool("gate", gate, 100)
+        pools = {name: runtime.create_pool(name, recorder(name), 100) for name in "abc"}
+        blocker.submit(torch.zeros(1))
+        assert gate.entered.wait(30)
+        futures = [pools[name].submit(torch.zeros(1)) for name in "bcab"]
+        gate.opened.set()
+        for future in futures:
+            future.result(30)
+    assert order == ["b", "c", "a"]  # b's second task joined its first in one batch
+
+
+def test_a_failing_batch_fails_only_its_tasks_and_the_runtime_keeps_serving():
+    def picky(x):
+        if (x < 0).any():
+            raise ValueError("negative input")
+        return (x + 1,)
+
+    with Runtime() as runtime:
+        pool = runtime.create_pool("picky", picky, 100)
+        bad = pool.submit(-torch.ones(2))
+        with pytest.raises(ValueError, match="negative input"):
+            bad.result(30)
+        torch.testing.assert_close(pool.submit(torch.ones(2)).result(30)[0], torch.full((2,), 2.0))
+
+
+def test_runtime_close_fails_queued_tasks_and_returns_promptly():
+    runtime = Runtime().start()
+    gate = Gate()
+    blocker = runtime.create_pool("gate", gate, 100)
+    running_task = blocker.submit(torch.zeros(1))
+    assert gate.entered.wait(30)
+    queued = blocker.submit(torch.zeros(1))
+    closer = threading.Thread(target=runtime.close)
+    closer.start()
+    gate.opened.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    running_task.result(1)
+    with pytest.raises(RuntimeError, match="shutting down"):
+        queued.result(1)
+    with pytest.raises(RuntimeError, match="shutting down"):
+        blocker.submit(torch.zeros(1)).result(1)
+
+
+# ---- ExpertServer in this process ------------------------------------------------------------------------------
+
+class RecordingAnnouncer:
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def start(self, uids, endpoint):
+        self.calls.append(("start", tuple(uids), endpoint))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_in_process_server_announces_serves_and_closes_quickly():
+    announcer = RecordingAnnouncer()
+    server = ExpertServer.create("nop.[0:2]", "nop", 4, config=ServerConfig(device="cpu"), announcer=announcer)
+    with server:
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(forward_future(server.endpoint, "nop.1", [x]).result(30)[0], x)
+        assert announcer.calls == [("start", ("nop.0", "nop.1"), server.endpoint)]
+        started = time.monotonic()
+    elapsed = time.monotonic() - started
+    assert announcer.calls[-1] == ("close",)
+    assert elapsed < server.config.shutdown_grace, f"close took {elapsed:.2f}s with no calls in flight"
+    assert not server.runtime._thread.is_alive()
+
+
+# ---- the dmoe-server program -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_program_prints_one_listening_line_and_exits_cleanly_on_signal(signum):
+    with running("-m", "servers.run_server", "--experts", "ffn.[0:2].[0:2]", "--hidden-dim", "8") as proc:
+        endpoint = proc.endpoint()
+        x = torch.randn(2, 8)
+        assert forward_future(endpoint, "ffn.1.1", [x]).result(30)[0].shape == (2, 8)
+        proc.popen.send_signal(signum)
+        assert proc.popen.wait(30) == 0
+        proc.wait_for("server stopped", timeout=10)
+    assert sum("listening on" in line for line in proc.output) == 1
+
+
+def test_program_remote_transformer_matches_local_block():
+    kwargs = {"num_heads": 2}
+    with running("-m", "servers.run_server", "--experts", "tf.0", "--expert-cls", "transformer", "--hidden-dim", "16",
+                 "--expert-kwargs", json.dumps(kwargs), "--seed", "3", "--optimizer", "sgd") as proc:
+        endpoint = proc.endpoint()
+        local = create_expert("transformer", 16, seed=expert_seed(3, "tf.0"), **kwargs)
+        x = torch.randn(3, TRANSFORMER_SEQ_LEN, 16, requires_grad=True)
+        remote = RemoteExpert("tf.0", endpoint)
+        torch.testing.assert_close(remote(x), local(x), atol=1e-5, rtol=1e-4)
+        grad = torch.randn_like(x)
+        x_local = x.detach().clone().requires_grad_()
+        local(x_local).backward(grad)
+        torch.testing.assert_close(backward_future(endpoint, "tf.0", [x.detach()], [grad]).result(30)[0],
+                                   x_local.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--experts", "ffn.0", "--hidden-dim", "-3"], "--hidden-dim"),
+    (["--experts", "ffn.0", "--expert-cls", "nonsense"], "--expert-cls"),
+    (["--experts", "ffn.[3:1]"], "--experts"),
+    (["--experts", "ffn.0", "--optimizer", "lbfgs"], "--optimizer"),
+    (["--experts", "ffn.0", "--port", "70000"], "--port"),
+    (["--experts", "ffn.0", "--expert-kwargs", "{\"bogus\": 1}"], "--expert-kwargs"),
+    (["--hidden-dim", "8"], "--experts"),
+    (["--experts", "ffn.0", "--device", "gpu0"], "--device"),
+])
+def test_program_rejects_bad_flags_naming_the_flag(flags, named, capsys):
+    # argparse's own path, run in this process: a subprocess per flag would only add torch's import time
+    with pytest.raises(SystemExit) as exit_info:
+        run_server.main(flags)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert named in captured.err and "listening" not in captured.out
+
+
+def test_autocast_server_answers_in_the_schema_dtype_close_to_full_precision():
+    config = ServerConfig(device="cpu", autocast="bf16")
+    with ExpertServer.create("ffn.0", "ffn", 16, seed=5, config=config) as server:
+        local = create_expert("ffn", 16, seed=expert_seed(5, "ffn.0"))
+        x, grad = torch.randn(4, 16), torch.randn(4, 16)
+        output = forward_future(server.endpoint, "ffn.0", [x]).result(30)[0]
+        assert output.dtype == torch.float32
+        torch.testing.assert_close(output, local(x).detach(), atol=0.1, rtol=0.05)
+        x_local = x.clone().requires_grad_()
+        local(x_local).backward(grad)
+        grad_x = backward_future(server.endpoint, "ffn.0", [x], [grad]).result(30)[0]
+        assert grad_x.dtype == torch.float32
+        torch.testing.assert_close(grad_x, x_local.grad, atol=0.1, rtol=0.05)
