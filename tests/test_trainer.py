@@ -1,0 +1,216 @@
+"""The trainer in clients/: short real training runs on a generated text, checkpoints, flags, the loss curve.
+
+The mixture layers here are a test-local stand-in with the DMoE layer's interface (grid gating, top-k, in-process
+``LayerNorm(x + ffn(x))`` experts, ``stats`` counters), so the trainer is tested without the network stack; the
+last test uses the library's ``LocalMixtureOfExperts`` through ``--experts local``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from clients import train as trainer
+from clients.model import GatedTransformerLM, ModelConfig
+from clients.train import IntervalMeter, TrainConfig, parse_config, train
+
+torch.set_num_threads(1)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class StandInMixture(nn.Module):
+    """Same interface as the DMoE layers: [rows, hidden] -> [rows, hidden], experts on a grid, per-token top-k."""
+
+    def __init__(self, in_features, grid_size, uid_prefix, k_best, interrupt_at_call=None, **_):
+        super().__init__()
+        self.uid_prefix, self.k_best, self.grid_size = uid_prefix, k_best, tuple(grid_size)
+        self.gate = nn.Linear(in_features, sum(grid_size))
+        self.experts = nn.ModuleList(StandInExpert(in_features) for _ in range(math.prod(grid_size)))
+        coords = torch.tensor(list(itertools.product(*(range(g) for g in grid_size))))  # [experts, dims]
+        offsets = torch.tensor([0, *itertools.accumulate(grid_size)][:-1])
+        self.register_buffer("score_columns", coords + offsets, persistent=False)
+        self.stats = SimpleNamespace(experts_chosen=0, experts_dropped=0)
+        self.calls, self.interrupt_at_call = 0, interrupt_at_call
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.interrupt_at_call:
+            raise KeyboardInterrupt  # what Ctrl-C looks like in the middle of a step
+        scores = self.gate(x)[:, self.score_columns].sum(-1)  # [rows, experts]: sum of coordinate scores
+        top, chosen = scores.topk(self.k_best, dim=-1)
+        outputs = torch.stack([expert(x) for expert in self.experts], dim=1)  # [rows, experts, hidden]
+        picked = outputs.gather(1, chosen[..., None].expand(-1, -1, x.shape[-1]))
+        self.stats.experts_chosen += chosen.numel()
+        return (F.softmax(top, dim=-1)[..., None] * picked).sum(1)
+
+
+class StandInExpert(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.ffn = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        return self.norm(x + self.ffn(x))
+
+
+def stand_in_factory(config: TrainConfig, interrupt_at_call=None):
+    """Stand-in layers for every block; the first one raises KeyboardInterrupt at its ``interrupt_at_call``-th call."""
+    return lambda i: StandInMixture(config.hidden, config.grid, f"ffn{i}", config.k_best,
+                                    interrupt_at_call=interrupt_at_call if i == 0 else None)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """~40 KB of made-up verse: enough structure to learn quickly, no network."""
+    rng = random.Random(0)
+    words = "the king queen sword crown night love death speak lord my thou art and of to a is".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 9))).capitalize() + rng.choice(".,;!?")
+             for _ in range(1500)]
+    path = tmp_path_factory.mktemp("text") / "verse.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny(text_file, tmp_path, **overrides) -> TrainConfig:
+    options = dict(data=str(text_file), out_dir=str(tmp_path / "run"), seq_len=32, hidden=32, layers=2, heads=2,
+                   grid=(2, 2), k_best=2, batch_size=16, steps=60, lr=1e-2, warmup_steps=5, eval_interval=30,
+                   eval_batches=4, checkpoint_interval=20, sample_bytes=0, threads=1)
+    options.update(overrides)
+    return TrainConfig(**options)
+
+
+def test_short_run_lowers_validation_loss_and_writes_curve(text_file, tmp_path):
+    config = tiny(text_file, tmp_path)
+    result = train(config, stand_in_factory(config))
+    val = result["history"]["val"]
+    assert [s for s, _ in val] == [0, 30, 60]
+    assert val[0][1] > 5.0  # untrained: about ln(256) = 5.55 nats per byte
+    assert result["final_val_loss"] < val[0][1] - 2.0, val
+    assert result["final_val_perplexity"] == pytest.approx(math.exp(result["final_val_loss"]))
+    assert result["step"] == 60 and not result["interrupted"]
+    assert result["plot"].read_bytes().startswith(PNG_MAGIC)
+    assert result["checkpoint"].exists()
+
+
+def test_interrupt_saves_checkpoint_and_resume_continues_as_if_never_stopped(text_file, tmp_path):
+    straight_config = tiny(text_file, tmp_path / "straight", steps=40, eval_interval=100)
+    straight = train(straight_config, stand_in_factory(straight_config))
+
+    config = tiny(text_file, tmp_path / "resumed", steps=40, eval_interval=100, checkpoint_interval=1000)
+    # Each step calls layer 0 once; validation at step 0 makes eval_batches calls first. Ctrl-C during step 26.
+    interrupted = train(config, stand_in_factory(config, interrupt_at_call=config.eval_batches + 26))
+    assert interrupted["interrupted"] and interrupted["step"] == 25
+    assert interrupted["plot"].exists() and math.isfinite(interrupted["final_val_loss"])
+    assert torch.load(interrupted["checkpoint"], weights_only=True)["step"] == 25
+
+    resumed_config = tiny(text_file, tmp_path / "resumed", steps=40, eval_interval=100, resume=True)
+    factory = stand_in_factory(resumed_config)
+    resumed = train(resumed_config, factory)
+    assert resumed["step"] == 40
+    assert resumed["history"]["train"] == straight["history"]["train"]
+    straight_params = torch.load(straight["checkpoint"], weights_only=True)["model"]
+    resumed_params = torch.load(resumed["checkpoint"], weights_only=True)["model"]
+    assert straight_params.keys() == resumed_params.keys()
+    for name in straight_params:
+        torch.testing.assert_close(resumed_params[name], straight_params[name], rtol=0, atol=0, msg=name)
+
+
+def test_resume_refuses_a_checkpoint_of_a_different_model(text_file, tmp_path):
+    config = tiny(text_file, tmp_path, steps=5)
+    train(config, stand_in_factory(config))
+    wider = tiny(text_file, tmp_path, steps=10, hidden=48, resume=True)
+    with pytest.raises(ValueError, match="--hidden was 32, now 48"):
+        train(wider, stand_in_factory(wider))
+
+
+def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: stand_in_factory(config))
+    trainer.main(["--data", str(text_file), "--out-dir", str(tmp_path / "cli"), "--steps", "20", "--seq-len", "32",
+                  "--hidden", "32", "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--eval-interval", "10",
+                  "--eval-batches", "2", "--sample-bytes", "20", "--threads", "1"])
+    out = capsys.readouterr()
+    assert str(text_file) in out.out  # the data summary line names the file it trained on
+    assert "dropped=" in out.err  # the progress bar
+    final = [line for line in out.out.splitlines() if line.startswith("final validation loss")]
+    assert len(final) == 1
+    loss, perplexity = float(final[0].split()[3]), float(final[0].split()[5])
+    assert perplexity == pytest.approx(math.exp(loss), rel=1e-2)
+    assert (tmp_path / "cli" / "loss.png").read_bytes().startswith(PNG_MAGIC)
+    assert "sample:" in out.out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--steps", "0"], "--steps"),
+    (["--lr", "fast"], "--lr"),
+    (["--grid", "4", "x"], "--grid"),
+    (["--experts", "cloud"], "--experts"),
+    (["--hidden", "30", "--heads", "4"], "--hidden"),
+    (["--grid", "2", "2", "--k-best", "5"], "--k-best"),
+    (["--experts", "remote"], "--initial-peers"),
+])
+def test_bad_flag_values_are_argparse_errors_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(argv)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_flags_override_config_fields():
+    config = parse_config(["--grid", "8", "8", "--k-best", "6", "--experts", "remote", "--initial-peers", "a:1",
+                           "b:2", "--no-allow-zero-outputs", "--max-minutes", "2.5"])
+    assert config.grid == (8, 8) and config.k_best == 6 and config.initial_peers == ("a:1", "b:2")
+    assert config.allow_zero_outputs is False and config.max_minutes == 2.5
+    assert parse_config([]) == TrainConfig()
+
+
+def test_progress_shows_dropped_share_of_the_last_interval_only():
+    counters = [0, 0]
+    model = SimpleNamespace(moe_counters=lambda: tuple(counters))
+    meter = IntervalMeter(model)
+    counters[:] = [100, 50]  # a bad start: half the experts dropped
+    meter.add(3.0, 64)
+    assert meter.postfix(model, window=1)["dropped"] == "50.0%"
+    counters[:] = [300, 60]  # since then: 10 of 200 dropped
+    meter.add(2.0, 64)
+    shown = meter.postfix(model, window=1)
+    assert shown["dropped"] == "5.0%" and shown["loss"] == "2.000"
+
+
+def test_every_block_gets_its_own_layer_with_per_layer_uid_prefix():
+    prefixes = []
+
+    def factory(i):
+        prefixes.append(f"ffn{i}")
+        return StandInMixture(16, (2, 2), f"ffn{i}", 2)
+
+    model = GatedTransformerLM(ModelConfig(seq_len=8, hidden=16, n_layers=3, n_heads=2), factory)
+    assert prefixes == ["ffn0", "ffn1", "ffn2"]
+    logits, loss = model(torch.randint(256, (2, 8)), torch.randint(256, (2, 8)))
+    assert logits.shape == (2, 8, 256) and torch.isfinite(loss)
+
+
+def test_a_token_whose_experts_all_failed_passes_through_its_block_unchanged():
+    zero_layer = lambda i: ZeroMixture()  # what allow_zero_outputs returns for rows with no answering expert
+    model = GatedTransformerLM(ModelConfig(seq_len=8, hidden=16, n_layers=1, n_heads=2), zero_layer)
+    block, h = model.blocks[0], torch.randn(2, 8, 16)
+    after_attention = h + block.attn(block.ln1(h))
+    torch.testing.assert_close(block(h), after_attention)
+
+
+class ZeroMixture(nn.Module):
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+def test_local_experts_from_the_library_lower_the_loss(text_file, tmp_path):
+    pytest.importorskip("dmoe.client.moe", reason="LocalMixtureOfExperts is not in dmoe/client/moe.py yet")
+    config = tiny(text_file, tmp_path, experts="local", batch_size=8)
+    result = train(config)
+    assert result["final_val_loss"] < result["history"]["val"][0][1] - 2.0, result["history"]["val"]
