@@ -60,6 +60,7 @@ class _MixtureBase(nn.Module):
         self.allow_zero_outputs = allow_zero_outputs
         self.proj = nn.Linear(in_features, sum(self.grid_size))
         self.stats = MoEStats()
+        self._coords_cache: dict[str, tuple[int, ...]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -80,13 +81,22 @@ class _MixtureBase(nn.Module):
         raise NotImplementedError
 
     def _coords_tensor(self, chosen: list[list[str]], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        coords = torch.zeros(n_rows, self.k_best, len(self.grid_size), dtype=torch.long)
-        valid = torch.zeros(n_rows, self.k_best, dtype=torch.bool)
-        for row, uids in enumerate(chosen):
-            for slot, uid in enumerate(uids[: self.k_best]):
-                coords[row, slot] = torch.tensor(split_uid(uid)[1])
-                valid[row, slot] = True
-        return coords, valid
+        """Grid coordinates [n, k, ndim] of the chosen experts, and which slots hold one (rows may get < k)."""
+        pad = (0,) * len(self.grid_size)
+        coords, valid = [], []
+        for uids in chosen:
+            uids = uids[: self.k_best]
+            row = [self._coords_of(uid) for uid in uids]
+            coords.append(row + [pad] * (self.k_best - len(row)))
+            valid.append([True] * len(row) + [False] * (self.k_best - len(row)))
+        shape = (n_rows, self.k_best, len(self.grid_size))
+        return torch.tensor(coords, dtype=torch.long).reshape(shape), torch.tensor(valid, dtype=torch.bool).reshape(shape[:2])
+
+    def _coords_of(self, uid: str) -> tuple[int, ...]:
+        coords = self._coords_cache.get(uid)
+        if coords is None:
+            coords = self._coords_cache[uid] = split_uid(uid)[1]
+        return coords
 
     def _combine(self, grid_scores: list[torch.Tensor], coords: torch.Tensor, alive: torch.Tensor,
                  expert_out: torch.Tensor) -> torch.Tensor:
@@ -337,11 +347,17 @@ class LocalMixtureOfExperts(_MixtureBase):
                 rows, slots = groups.setdefault(uid, ([], []))
                 rows.append(row)
                 slots.append(slot)
-        out = flat.new_zeros(flat.shape[0], self.k_best, flat.shape[1])
         alive = torch.zeros(flat.shape[0], self.k_best, dtype=torch.bool)
+        all_rows, all_slots, outputs = [], [], []
         for uid, (rows, slots) in groups.items():
-            rows_t, slots_t = torch.tensor(rows), torch.tensor(slots)
-            out = out.index_put((rows_t, slots_t), self.experts[uid.replace(".", "_")](flat[rows_t]))
-            alive[rows_t, slots_t] = True
+            rows_t = torch.tensor(rows)
+            outputs.append(self.experts[uid.replace(".", "_")](flat[rows_t]))
+            all_rows.append(rows_t)
+            all_slots.append(torch.tensor(slots))
+        rows_t, slots_t = torch.cat(all_rows), torch.cat(all_slots)
+        alive[rows_t, slots_t] = True
+        # one differentiable scatter of every expert's rows (not one full copy of the buffer per expert)
+        out = flat.new_zeros(flat.shape[0], self.k_best, outputs[0].shape[-1]).index_put((rows_t, slots_t),
+                                                                                       torch.cat(outputs))
         self.stats.experts_chosen += len(groups)
         return out, alive
