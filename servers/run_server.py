@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from dmoe.dht import parse_endpoint
 from dmoe.server import ExpertServer, ServerConfig, expert_class_names
+from dmoe.server.dht_announcer import DHTAnnouncer
 from dmoe.server.server import resolve_device
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.runtime import AUTOCAST_DTYPES
@@ -126,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="response compression when a client asks for none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-threads", type=positive_int, default=None, help="torch intra-op threads")
+    dht = parser.add_argument_group("DHT", "how the server announces its experts")
+    dht.add_argument("--initial-peers", nargs="*", default=[],
+                     help="HOST:PORT of any DHT node (printed by dmoe-dht); none: this server starts a new DHT")
+    dht.add_argument("--dht-port", type=port_number, default=0, help="UDP port of the server's own DHT node")
+    dht.add_argument("--announce-host", default=None,
+                     help="host others should call (e.g. a public address behind NAT); default: --host")
+    dht.add_argument("--refresh-period", type=positive_float, default=10.0,
+                     help="seconds between re-declarations of the experts")
+    dht.add_argument("--expiration", type=positive_float, default=None,
+                     help="seconds a declaration outlives its last refresh (default: 3 refresh periods)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -158,12 +170,22 @@ def main(argv: list[str] | None = None) -> None:
     config = ServerConfig(host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size,
                           autocast=args.autocast, response_compression=args.compression,
                           max_message_bytes=args.max_message_bytes)
+    for peer in args.initial_peers:
+        try:
+            parse_endpoint(peer)
+        except ValueError as error:
+            parser.error(f"argument --initial-peers: {error}")
     try:
         server = ExpertServer.create(uids, args.expert_cls, args.hidden_dim, cls_kwargs=args.expert_kwargs,
                                      optimizer=args.optimizer, lr=args.lr, clip_grad_norm=args.clip_grad_norm,
                                      seed=args.seed, config=config)
     except TypeError as error:  # constructor arguments the class does not take
         parser.error(f"argument --expert-kwargs: {error}")
+    server.announcer = DHTAnnouncer(args.initial_peers, host=args.host, port=args.dht_port,
+                                    refresh_period=args.refresh_period, expiration=args.expiration,
+                                    announce_host=args.announce_host)
+    print(f"dmoe-server DHT node at {server.announcer.dht.endpoint} (others may pass it as --initial-peers)",
+          flush=True)
 
     with StopSignals() as stop, server:
         print(f"dmoe-server listening on {server.endpoint}", flush=True)

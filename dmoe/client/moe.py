@@ -61,15 +61,29 @@ class _MixtureBase(nn.Module):
         self.proj = nn.Linear(in_features, sum(self.grid_size))
         self.stats = MoEStats()
         self._coords_cache: dict[str, tuple[int, ...]] = {}
+        self.reroute_attempts = 0  # in-process experts never fail
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected inputs [..., {self.in_features}], got {list(x.shape)}")
         flat = x.reshape(-1, self.in_features)
         grid_scores = list(self.proj(flat).split(self.grid_size, dim=-1))
-        chosen = self._choose([s.detach() for s in grid_scores])       # per row: uids, best first
+        detached = [s.detach() for s in grid_scores]
+        chosen = self._choose(detached)                                # per row: uids, best first
         coords, valid = self._coords_tensor(chosen, flat.shape[0])     # [n, k, ndim], [n, k]
         expert_out, alive = self._run_experts(flat, chosen)            # [n, k, out], [n, k]
+        for _ in range(self.reroute_attempts):
+            # Rows that none of their experts answered: the failed ones are banned now, so a second search
+            # finds the next-best alive experts for exactly those rows (a dead server costs no lost rows).
+            lost = torch.nonzero(valid.any(1) & ~(valid & alive).any(1)).squeeze(1)
+            if len(lost) == 0:
+                break
+            rechosen = self._choose([s[lost] for s in detached])
+            if not any(rechosen):
+                break
+            coords[lost], valid[lost] = self._coords_tensor(rechosen, len(lost))
+            retry_out, alive[lost] = self._run_experts(flat[lost], rechosen)
+            expert_out = expert_out.index_put((lost,), retry_out.to(expert_out.dtype))
         self.stats.forward_passes += 1
         out = self._combine(grid_scores, coords, valid & alive, expert_out)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -237,6 +251,8 @@ class RemoteMixtureOfExperts(_MixtureBase):
     :param allow_zero_outputs: rows that no expert answered give zeros instead of raising.
     :param compression: wire compression of the tensors sent (``dmoe.wire.NONE``, ``FLOAT16``, ``UINT8``).
     :param bans: shares the ban book between layers (experts of a dead server are banned once for all).
+    :param reroute_attempts: rows that none of their experts answered are sent, within the same forward, to
+        the next-best experts that are not banned, up to this many times.
 
     Routing is per token: ``[batch, seq, hidden]`` inputs are flattened to rows. Rows sent to the same expert
     travel in one request, and all chosen experts are called concurrently.
@@ -246,8 +262,9 @@ class RemoteMixtureOfExperts(_MixtureBase):
                  k_min: int = 1, forward_timeout: float | None = 10.0, timeout_after_k_min: float | None = 1.0,
                  backward_k_min: int = 1, backward_timeout: float | None = 10.0, allow_zero_outputs: bool = False,
                  compression: int = NONE, bans: Bans | None = None, ban_config: BanConfig | None = None,
-                 channels: ChannelPool | None = None, cache: Any = None):
+                 channels: ChannelPool | None = None, cache: Any = None, reroute_attempts: int = 1):
         super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs)
+        self.reroute_attempts = reroute_attempts
         self.dht = dht
         self.k_min, self.backward_k_min = k_min, backward_k_min
         self.forward_timeout, self.timeout_after_k_min = forward_timeout, timeout_after_k_min
