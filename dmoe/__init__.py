@@ -1,0 +1,32 @@
+"""dmoe: Decentralized Mixture-of-Experts for PyTorch.
+
+Experts live on volunteers' expert servers (:class:`ExpertServer`), announce themselves in a Kademlia DHT
+(:class:`DHT`), and are mixed by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best
+alive experts with :func:`beam_search` and calls them over gRPC.
+"""
+from dmoe.client.bans import BanConfig, Bans
+from dmoe.client.beam_search import PrefixCache, beam_search
+from dmoe.client.moe import LocalMixtureOfExperts, MoEStats, NoAliveExpertsError, RemoteMixtureOfExperts
+from dmoe.client.remote_expert import RemoteExpert, RemoteExpertError, backward_future, expert_info, forward_future
+from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer
+from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.server import (
+    ExpertBackend,
+    ExpertServer,
+    Runtime,
+    ServerConfig,
+    create_expert,
+    expert_class_names,
+    register_expert_class,
+)
+from dmoe.uid import expand_pattern, grid_uids, split_uid
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertAnnouncer", "ExpertBackend", "ExpertServer",
+    "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
+    "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig", "backward_future",
+    "beam_search", "create_expert", "expand_pattern", "expert_class_names", "expert_info", "forward_future",
+    "grid_uids", "register_expert_class", "split_uid",
+]

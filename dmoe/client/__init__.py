@@ -1,4 +1,7 @@
-"""The client side: calling remote experts."""
+"""The client side: calling remote experts, finding alive ones (beam search), and mixing them (the DMoE layer)."""
+from dmoe.client.bans import BanConfig, Bans
+from dmoe.client.beam_search import PrefixCache, beam_search
+from dmoe.client.moe import LocalMixtureOfExperts, MoEStats, NoAliveExpertsError, RemoteMixtureOfExperts
 from dmoe.client.remote_expert import (
     RemoteExpert,
     RemoteExpertError,
@@ -7,4 +10,8 @@ from dmoe.client.remote_expert import (
     forward_future,
 )
 
-__all__ = ["RemoteExpert", "RemoteExpertError", "backward_future", "expert_info", "forward_future"]
+__all__ = [
+    "BanConfig", "Bans", "LocalMixtureOfExperts", "MoEStats", "NoAliveExpertsError", "PrefixCache",
+    "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "backward_future", "beam_search",
+    "expert_info", "forward_future",
+]
