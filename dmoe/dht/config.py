@@ -1,0 +1,57 @@
+"""Settings of a DHT node, in one dataclass so programs can expose them as flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DHTConfig:
+    """Knobs of a dmoe DHT node.
+
+    ksize: routing-table bucket size (Kademlia's k for routing).
+    num_replicas: how many of the nodes closest to a key store its record; lookups merge what that many of the
+        closest *responding* nodes hold, so a record survives as long as one replica does.
+    alpha: parallelism of the node-finding crawls used by bootstrap.
+    rpc_timeout: seconds to wait for one UDP reply before the peer counts as dead (and is evicted). Stock's 5 s
+        made every lookup touching a dead node wait 5 s; reads here do not wait for it at all (see hedge_after),
+        so this only needs to be long enough that a live node on a busy machine is not declared dead: a false
+        death makes a store skip a replica that reads will ask.
+    default_expiration: lifetime (seconds) of a declaration when the caller gives none.
+    max_expiration: expirations further in the future than this are capped, so no record outlives its owner by long.
+    max_record_subkeys: a record keeps at most this many subkeys, which bounds its reply to one datagram for grid
+        dimensions up to 256; stores beyond it are refused with an error the declarer sees.
+    max_value_bytes: longest value (an endpoint) a record entry may carry.
+    hedge_after: a lookup query unanswered for this long no longer holds the lookup up: the next closest node is
+        asked too, and the lookup may finish without the slow one (its answer is still used if it comes in time).
+    dead_node_ttl: a node that failed to answer is skipped by lookups for this long (unless it contacts us first),
+        so nodes learnt from peers' stale routing tables do not cost a timeout in every lookup after churn.
+    read_repair: a lookup stores what it found on those of the closest nodes that lacked it, so records whose
+        replicas died are re-replicated by the first read instead of waiting for their owner's next refresh.
+    max_concurrent_rpcs: requests a node keeps in flight at once; more wait their turn, so a burst of look-ups
+        does not overflow the socket buffer with replies and mistake its own backlog for dead peers.
+    socket_buffer_bytes: UDP receive buffer requested from the kernel (capped by net.core.rmem_max).
+    routing_refresh_period: seconds between refreshes of lonely routing-table buckets.
+    call_timeout: upper bound (seconds) on one synchronous facade call.
+    """
+
+    ksize: int = 20
+    num_replicas: int = 5
+    alpha: int = 3
+    rpc_timeout: float = 1.0
+    hedge_after: float = 0.1
+    dead_node_ttl: float = 30.0
+    read_repair: bool = True
+    max_concurrent_rpcs: int = 256
+    socket_buffer_bytes: int = 4 << 20
+    default_expiration: float = 60.0
+    max_expiration: float = 3600.0
+    max_record_subkeys: int = 256
+    max_value_bytes: int = 128
+    routing_refresh_period: float = 600.0
+    call_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.ksize < 1 or self.num_replicas < 1 or self.alpha < 1:
+            raise ValueError("ksize, num_replicas and alpha must be positive")
+        if self.rpc_timeout <= 0 or self.default_expiration <= 0 or self.max_expiration <= 0:
+            raise ValueError("rpc_timeout, default_expiration and max_expiration must be positive")

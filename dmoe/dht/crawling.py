@@ -1,0 +1,152 @@
+"""Iterative lookups that merge what the closest nodes hold instead of stopping at the first value.
+
+Stock ``ValueSpiderCrawl`` returns the first value any node sends back (possibly a stale copy far from the key),
+picks the "most common" of several (which crashes on dict values), and advances in lock-step rounds so one dead
+peer stalls a round for a whole RPC timeout. This crawl keeps asking the closest not-yet-asked contacts as soon as
+any reply or timeout arrives, until the ``width`` closest *responding* nodes have all answered, and merges every
+record it received per subkey (latest expiration wins).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from kademlia.node import Node
+
+from dmoe.dht.protocol import DHTProtocol, MalformedRequest, parse_find_value_reply
+from dmoe.dht.storage import Record, merge_records
+
+log = logging.getLogger(__name__)
+
+
+class RecordCrawl:
+    """One lookup of the ``width`` closest responding nodes to ``target`` (and, optionally, their records).
+
+    protocol: the local node's protocol.
+    target: the key (as a Node) whose neighbourhood is searched.
+    peers: contacts to start from (usually the routing table's closest).
+    width: how many closest responding nodes end the search (``num_replicas`` for records, ``ksize`` for
+        bootstrap).
+    fetch_records: ask ``find_value`` (records + contacts) instead of ``find_node`` (contacts only).
+    hedge: let nodes slower than ``config.hedge_after`` stop holding the search up (for latency-bound reads; a
+        store must find the true closest nodes, where reads will look, however slow they are). In a hedged search,
+        nodes that recently timed out or answered late hold nothing up either: they are asked, and used if they
+        answer in time.
+    """
+
+    def __init__(self, protocol: DHTProtocol, target: Node, peers: list[Node], width: int,
+                 fetch_records: bool = True, hedge: bool = False):
+        self.protocol = protocol
+        self.target = target
+        self.width = width
+        self.fetch_records = fetch_records
+        self.hedge = hedge
+        self.self_id = protocol.source_node.id
+        self.candidates: dict[bytes, Node] = {}
+        self.contacted: set[bytes] = set()
+        self.dead: set[bytes] = set()
+        self.responded: dict[bytes, Node] = {}
+        self.sent: dict[bytes, float] = {}  # node id -> loop time its request left (after waiting for a slot)
+        self.records: list[Record] = []
+        self.seen: dict[str, Record] = {}  # record text -> parsed, so identical replicas are parsed once
+        self.held: dict[bytes, Record] = {}  # what each responding node holds, for read repair
+        # nodes that recently failed to answer or answered late: still asked (a busy machine makes live nodes
+        # late too), but they do not hold a hedged search up
+        self.suspects: set[bytes] = set()
+        self.dead_suspects: set[bytes] = set()  # the suspects that timed out (not merely answered late)
+        self._add(peers)
+
+    def _add(self, nodes: list[Node]) -> None:
+        for node in nodes:
+            if node.id != self.self_id and node.id not in self.candidates:
+                self.candidates[node.id] = node
+                if self.protocol.recently_dead(node.id):
+                    if not self.hedge:  # a store or bootstrap does not wait a timeout again for the dead
+                        self.dead.add(node.id)
+                    self.suspects.add(node.id)
+                    self.dead_suspects.add(node.id)
+                elif self.hedge and self.protocol.recently_slow(node.id):
+                    self.suspects.add(node.id)
+
+    def _frontier(self, slow: set[bytes]) -> list[Node]:
+        alive = [node for node in self.candidates.values() if node.id not in self.dead and node.id not in slow]
+        alive.sort(key=self.target.distance_to)
+        return alive[:self.width]
+
+    async def _ask(self, node: Node) -> tuple[Node, tuple[bool, Any]]:
+        if self.fetch_records:
+            return node, await self.protocol.call_find_value(node, self.target, on_sent=self._mark_sent)
+        return node, await self.protocol.call_find_node(node, self.target)
+
+    def _mark_sent(self, node: Node) -> None:
+        self.sent[node.id] = asyncio.get_running_loop().time()
+
+    def _accept(self, node: Node, reply: tuple[bool, Any]) -> None:
+        ok, data = reply
+        if not ok:
+            self.dead.add(node.id)
+            return
+        if self.fetch_records:
+            try:
+                record, nodes = parse_find_value_reply(data, self.seen)
+            except MalformedRequest as error:
+                log.warning("malformed find_value reply from %s: %s", node, error)
+                self.dead.add(node.id)
+                return
+            if not any(record is known for known in self.records):  # identical replicas are merged once
+                self.records.append(record)
+            self.held[node.id] = record
+        else:
+            nodes = self.protocol.parse_nodes(data)
+        self.responded[node.id] = node
+        self._add(nodes)
+
+    async def run(self) -> tuple[list[Node], Record]:
+        """The closest responding nodes (closest first) and the merged record they hold (empty if none)."""
+        loop = asyncio.get_running_loop()
+        hedge_after = self.protocol.config.hedge_after if self.hedge else float("inf")
+        pending: dict[asyncio.Task, bytes] = {}  # task -> node id
+        try:
+            while True:
+                now = loop.time()
+                sent = [(node_id, self.sent[node_id]) for node_id in pending.values() if node_id in self.sent]
+                late = {node_id for node_id, at in sent if now - at >= hedge_after}
+                for node_id in late - self.suspects:
+                    self.protocol.mark_slow(node_id)  # concurrent and later lookups will not wait for it
+                slow = late | (self.suspects - set(self.responded))
+                frontier = self._frontier(slow)
+                horizon = self.target.distance_to(frontier[-1]) if len(frontier) >= self.width else None
+                # Late nodes closer than the frontier's edge are asked anyway. Nodes that timed out are asked only
+                # when nothing was found yet or the live ones do not fill the frontier (each pending request to a
+                # dead node holds a slot until its timeout).
+                found = not self.fetch_records or any(self.records)
+                to_ask = frontier + [self.candidates[node_id] for node_id in self.suspects if horizon is None or (
+                    (node_id not in self.dead_suspects or not found)
+                    and self.target.distance_to(self.candidates[node_id]) < horizon)]
+                for node in to_ask:
+                    if node.id not in self.contacted and node.id not in self.dead:
+                        self.contacted.add(node.id)
+                        pending[asyncio.ensure_future(self._ask(node))] = node.id
+                # An empty answer waits for every node still asked (a busy replica must not make a live record
+                # look dead); otherwise nobody late or suspect holds the search up.
+                must_wait = [node_id for node_id in pending.values()
+                             if not found or not frontier or node_id not in self.suspects and node_id not in slow]
+                if all(node.id in self.responded for node in frontier) and (horizon is not None and found
+                                                                            or not must_wait):
+                    break
+                waits = [at + hedge_after - now for node_id, at in sent if node_id not in slow and self.hedge]
+                if self.hedge and len(sent) < len(pending):
+                    waits.append(hedge_after)  # a queued request gets sent meanwhile: look again then
+                done, _ = await asyncio.wait(pending, timeout=max(0.0, min(waits)) if waits else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    del pending[task]
+                    self._accept(*task.result())
+        finally:
+            # left to finish on their own: a timeout still marks its node dead (and evicts it), which is what
+            # keeps the next lookups from waiting on that node again
+            for task in pending:
+                self.protocol.adopt(task)
+        nearest = sorted(self.responded.values(), key=self.target.distance_to)[:self.width]
+        return nearest, merge_records(self.records)

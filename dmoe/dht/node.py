@@ -1,0 +1,167 @@
+"""The asyncio DHT node: kademlia's ``Server`` with record storage, merging lookups and replica-aware stores."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Iterable, Sequence
+
+from kademlia.network import Server
+from kademlia.node import Node
+from kademlia.utils import digest
+
+from dmoe.dht.config import DHTConfig
+from dmoe.dht.crawling import RecordCrawl
+from dmoe.dht.protocol import DHTProtocol
+from dmoe.dht.storage import Record, RecordFull, RecordStorage
+
+log = logging.getLogger(__name__)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``'127.0.0.1:8000'`` -> ``('127.0.0.1', 8000)``; raises ValueError with the expected form."""
+    host, sep, port = endpoint.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"invalid peer address {endpoint!r}: expected HOST:PORT, e.g. 127.0.0.1:31337")
+    return host.strip("[]"), int(port)
+
+
+class DHTNode(Server):
+    """A Kademlia node whose values are subkey records (see :mod:`dmoe.dht.storage`).
+
+    Nothing is republished by the nodes that merely hold a record (stock kademlia re-stores everything hourly,
+    which resets ages and revives stale copies); owners refresh their declarations instead.
+    """
+
+    protocol_class = DHTProtocol
+
+    def __init__(self, config: DHTConfig | None = None, node_id: bytes | None = None):
+        self.config = config or DHTConfig()
+        super().__init__(ksize=self.config.ksize, alpha=self.config.alpha, node_id=node_id)
+        self.storage: RecordStorage = RecordStorage(self.config.max_record_subkeys, self.config.max_expiration)
+        self.protocol: DHTProtocol | None = None
+
+    def _create_protocol(self) -> DHTProtocol:
+        return DHTProtocol(self.node, self.storage, self.config)
+
+    async def listen(self, port: int, interface: str = "127.0.0.1") -> tuple[str, int]:
+        """Binds the UDP socket; returns the bound (host, port), useful with ``port=0``."""
+        loop = asyncio.get_running_loop()
+        self.transport, self.protocol = await loop.create_datagram_endpoint(
+            self._create_protocol, local_addr=(interface, port))
+        host, bound_port = self.transport.get_extra_info("sockname")[:2]
+        sock = self.transport.get_extra_info("socket")
+        try:  # replies to a burst of look-ups arrive together; a small buffer would drop them
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.config.socket_buffer_bytes)
+        except OSError:
+            log.debug("could not enlarge the UDP receive buffer", exc_info=True)
+        log.info("DHT node %s bound to UDP %s:%d", self.node.id.hex()[:8], host, bound_port)
+        self.refresh_table()
+        return host, bound_port
+
+    def refresh_table(self, interval: float | None = None) -> None:
+        interval = self.config.routing_refresh_period if interval is None else interval
+        assert self.protocol is not None
+        self.protocol.spawn(self._refresh_table())
+        self.refresh_loop = asyncio.get_running_loop().call_later(interval, self.refresh_table)
+
+    async def _refresh_table(self) -> None:
+        """Refreshes lonely buckets only: records are refreshed by their owners, never republished here."""
+        assert self.protocol is not None
+        await asyncio.gather(*(self.find_nodes(node_id, self.config.ksize)
+                               for node_id in self.protocol.get_refresh_ids()))
+
+    async def bootstrap(self, addrs: Iterable[tuple[str, int]]) -> list[Node]:
+        """Pings the given peers and crawls towards our own id to fill the routing table; returns who answered."""
+        assert self.protocol is not None
+        found = await asyncio.gather(*(self.protocol.ping_address(addr) for addr in addrs))
+        peers = [node for node in found if node is not None]
+        if peers:
+            await RecordCrawl(self.protocol, self.node, peers, self.config.ksize, fetch_records=False).run()
+        return peers
+
+    async def find_nodes(self, key_id: bytes, width: int) -> list[Node]:
+        """The ``width`` closest responding nodes to a 20-byte id."""
+        assert self.protocol is not None
+        target = Node(key_id)
+        peers = self.protocol.router.find_neighbors(target, k=max(width, self.config.alpha))
+        nodes, _ = await RecordCrawl(self.protocol, target, peers, width, fetch_records=False).run()
+        return nodes
+
+    async def find_replicas(self, key_id: bytes) -> list[Node]:
+        """The ``num_replicas`` nodes closest to a key, found by a crawl over the ``ksize`` closest.
+
+        A crawl that only tracks ``num_replicas`` candidates can settle on a local minimum that differs from
+        the reader's, and a record stored there is invisible to reads; tracking k candidates (as Kademlia does)
+        makes stores land where every reader's search converges.
+        """
+        return (await self.find_nodes(key_id, self.config.ksize))[:self.config.num_replicas]
+
+    async def get_record(self, key: str) -> Record:
+        """Merges what the ``num_replicas`` closest responding nodes (and this node) hold for ``key``."""
+        assert self.protocol is not None
+        target = Node(digest(key))
+        local = self.storage.get(target.id) or {}
+        peers = self.protocol.router.find_neighbors(target, k=self.config.num_replicas)
+        if not peers:
+            return local
+        crawl = RecordCrawl(self.protocol, target, peers, self.config.num_replicas, hedge=True)
+        nearest, record = await crawl.run()
+        if record and self.config.read_repair:
+            # a replica that died was replaced by a node that holds nothing yet: give it what the others hold
+            for node in nearest:
+                held = crawl.held.get(node.id, {})
+                missing = {subkey: entry for subkey, entry in record.items() if subkey not in held}
+                if missing:
+                    self.protocol.spawn(self.protocol.call_store(node, target.id, missing))
+        for subkey, entry in local.items():
+            if subkey not in record or record[subkey][1] < entry[1]:
+                record[subkey] = entry
+        return record
+
+    async def get_records(self, keys: Sequence[str]) -> dict[str, Record]:
+        """Concurrent :meth:`get_record` for distinct keys."""
+        unique = list(dict.fromkeys(keys))
+        records = await asyncio.gather(*(self.get_record(key) for key in unique))
+        return dict(zip(unique, records))
+
+    async def store_record(self, key: str, record: Record, nodes: list[Node] | None = None) -> list[bool | str]:
+        """Stores ``record`` on the ``num_replicas`` closest nodes (this one too if it is among them).
+
+        ``nodes``: the replicas, when the caller already found them (see :meth:`find_nodes`).
+        Returns, per entry in order, True when at least one replica accepted it, else False (unreachable or
+        already superseded) or the error string a replica gave (e.g. a full record).
+        """
+        assert self.protocol is not None
+        key_id = digest(key)
+        target = Node(key_id)
+        if nodes is None:
+            nodes = await self.find_replicas(key_id)
+        results: list[bool | str] = [False] * len(record)
+        store_here = len(nodes) < self.config.num_replicas or (
+            self.node.distance_to(target) < max(node.distance_to(target) for node in nodes))
+        if store_here:
+            for index, (subkey, (value, expiration)) in enumerate(record.items()):
+                try:
+                    results[index] = self.storage.store(key_id, subkey, value, expiration)
+                except RecordFull as error:
+                    results[index] = f"record full: {error}"
+        replies = await asyncio.gather(*(self.protocol.call_store(node, key_id, record) for node in nodes))
+        for reply in replies:
+            for index, result in enumerate(reply):
+                if result is True:
+                    results[index] = True
+                elif results[index] is False and isinstance(result, str):
+                    results[index] = result
+        return results
+
+    async def get(self, key: str) -> Record:  # type: ignore[override]
+        return await self.get_record(key)
+
+    async def set(self, key: str, record: Record) -> bool:  # type: ignore[override]
+        return all(result is True for result in await self.store_record(key, record))
+
+    def stop(self) -> None:
+        super().stop()
+        if self.protocol is not None:
+            self.protocol.close_tasks()

@@ -1,0 +1,459 @@
+"""The UDP protocol: records stored one chunk of subkeys per request, bounded replies, hardened parsing.
+
+Stock ``KademliaProtocol`` stores one opaque value per request (refused above ~8 KB), lets a reply grow past a
+datagram (it is then dropped silently and the asker evicts the peer), waits 5 s for every dead peer, and dies on
+a malformed datagram with an exception in a task. Here requests carry a list of ``(subkey, value, expiration)``
+entries chunked under the request limit, records are capped so every reply fits in one datagram, the RPC timeout
+is short, dead contacts are evicted, and anything malformed or oversized is logged and dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from hashlib import sha1
+from typing import Any, Callable, Sequence
+
+import umsgpack
+from kademlia.node import Node
+from kademlia.protocol import KademliaProtocol
+
+from dmoe.dht.config import DHTConfig
+from dmoe.dht.routing import DHTRoutingTable
+from dmoe.dht.storage import Record, RecordFull, RecordStorage
+
+log = logging.getLogger(__name__)
+
+REQUEST, RESPONSE = b"\x00", b"\x01"
+HEADER_BYTES = 21  # kind byte + 20-byte message id, as in rpcudp
+#: Requests above this are refused by stock rpcudp peers too; ours are chunked below it.
+MAX_REQUEST_BYTES = 8192
+#: Largest UDP payload over IPv4; a reply must fit in it or it is never delivered.
+MAX_DATAGRAM_BYTES = 65507
+ID_BYTES = 20
+RPC_NAMES = frozenset({"ping", "store", "find_node", "find_value", "find_values"})
+#: Keys per find_values request (22 bytes each, well under the request limit).
+MAX_KEYS_PER_REQUEST = 128
+#: find_values replies stop adding records past this many bytes; the asker re-asks for the rest one by one.
+REPLY_BUDGET_BYTES = MAX_DATAGRAM_BYTES - 8192
+
+
+class MessageTooLarge(ValueError):
+    """A message that cannot be sent in one datagram."""
+
+
+class MalformedRequest(ValueError):
+    """A request whose arguments are not what the RPC expects."""
+
+
+def _check_id(value: Any, what: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != ID_BYTES:
+        raise MalformedRequest(f"{what} must be {ID_BYTES} bytes")
+    return value
+
+
+def record_to_wire(record: Record) -> list[list[Any]]:
+    """Entries sorted by subkey, so replicas holding the same record send the same bytes."""
+    return [[subkey, value, expiration] for subkey, (value, expiration) in sorted(record.items(), key=_order)]
+
+
+def _order(item: tuple[Any, Any]) -> tuple[bool, Any]:
+    return (isinstance(item[0], str), item[0])
+
+
+def record_from_wire(entries: Any, max_value_bytes: int = 1 << 16) -> Record:
+    """Parses ``[[subkey, value, expiration], ...]``; raises :class:`MalformedRequest` on anything else."""
+    if not isinstance(entries, (list, tuple)):
+        raise MalformedRequest("record entries must be a list")
+    record: Record = {}
+    for entry in entries:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            raise MalformedRequest("a record entry must be [subkey, value, expiration]")
+        subkey, value, expiration = entry
+        if isinstance(subkey, bool) or not isinstance(subkey, (int, str)):
+            raise MalformedRequest("a subkey must be an int or a str")
+        if isinstance(subkey, int) and not 0 <= subkey < 2**31 or isinstance(subkey, str) and len(subkey) > 64:
+            raise MalformedRequest("subkey out of range")
+        if not isinstance(value, str) or len(value.encode()) > max_value_bytes:
+            raise MalformedRequest(f"a value must be a str of at most {max_value_bytes} bytes")
+        if isinstance(expiration, bool) or not isinstance(expiration, (int, float)):
+            raise MalformedRequest("an expiration must be a number")
+        record[subkey] = (value, float(expiration))
+    return record
+
+
+def find_value_reply(record: Record, nodes: Sequence[Node]) -> dict[str, str]:
+    """A find_value reply: the record and the contacts as JSON text, which Python decodes in C (pure-Python
+    msgpack decoding of a 256-subkey record costs milliseconds, and a lookup reads several replicas)."""
+    return {"record": json.dumps(record_to_wire(record), separators=(",", ":")),
+            "nodes": json.dumps([[node.id.hex(), node.ip, node.port] for node in nodes], separators=(",", ":"))}
+
+
+def parse_find_value_reply(data: Any, seen: dict[str, Record] | None = None,
+                           max_value_bytes: int = 1 << 16) -> tuple[Record, list[Node]]:
+    """The inverse of :func:`find_value_reply`; raises :class:`MalformedRequest` on anything else.
+
+    ``seen`` maps record texts already parsed in this lookup: an identical replica gets the same record object
+    back instead of being parsed again.
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("record"), str) or not isinstance(data.get("nodes"), str):
+        raise MalformedRequest("a find_value reply must hold 'record' and 'nodes' as JSON text")
+    text = data["record"]
+    try:
+        raw_nodes = json.loads(data["nodes"])
+        record = seen.get(text) if seen is not None else None
+        if record is None:
+            record = record_from_wire(json.loads(text), max_value_bytes)
+    except ValueError as error:
+        raise MalformedRequest(f"undecodable find_value reply: {error}") from None
+    if seen is not None:
+        seen[text] = record
+    nodes = []
+    for item in raw_nodes if isinstance(raw_nodes, list) else []:
+        if (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and len(item[0]) == 2 * ID_BYTES
+                and isinstance(item[1], str) and isinstance(item[2], int)):
+            try:
+                nodes.append(Node(bytes.fromhex(item[0]), item[1], item[2]))
+            except ValueError:
+                continue
+    return record, nodes
+
+
+def chunk_entries(entries: list[list[Any]], budget: int = MAX_REQUEST_BYTES - 200) -> list[list[list[Any]]]:
+    """Splits entries into lists whose packed size stays under ``budget`` bytes (one request each)."""
+    chunks: list[list[list[Any]]] = [[]]
+    size = 0
+    for entry in entries:
+        entry_size = len(umsgpack.packb(entry))
+        if entry_size > budget:
+            raise MessageTooLarge(f"record entry of {entry_size} bytes cannot fit in one request")
+        if size + entry_size > budget and chunks[-1]:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(entry)
+        size += entry_size
+    return chunks if chunks[-1] else []
+
+
+class DHTProtocol(KademliaProtocol):
+    def __init__(self, source_node: Node, storage: RecordStorage, config: DHTConfig):
+        super().__init__(source_node, storage, config.ksize)
+        self._wait_timeout = config.rpc_timeout
+        self.config = config
+        self.router = DHTRoutingTable(self, config.ksize, source_node)
+        self._tasks: set[asyncio.Task] = set()  # strong references to fire-and-forget stores
+        self._slots = asyncio.Semaphore(config.max_concurrent_rpcs)
+        self._value_batches: dict[tuple[str, int], list[tuple[bytes, asyncio.Future, Any]]] = {}
+        self._slow_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups do not wait for it
+        self._dead_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups skip it
+
+    # ---- receiving ----------------------------------------------------------------------------------------
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        kind = data[:1]
+        if len(data) < HEADER_BYTES + 1 or kind not in (REQUEST, RESPONSE):
+            log.warning("dropping malformed datagram of %d bytes from %s", len(data), addr)
+            return
+        if kind == REQUEST and len(data) > HEADER_BYTES + MAX_REQUEST_BYTES:
+            log.warning("dropping oversized request of %d bytes from %s", len(data), addr)
+            return
+        msg_id = data[1:HEADER_BYTES]
+        try:
+            payload = umsgpack.unpackb(data[HEADER_BYTES:])
+        except Exception as error:  # umsgpack raises many types on garbage; none may kill the node
+            log.warning("dropping undecodable datagram from %s: %r", addr, error)
+            return
+        if kind == REQUEST:
+            self._handle_request(msg_id, payload, addr)
+        else:
+            self._accept_response(msg_id, payload, addr)
+
+    def _accept_response(self, msg_id: bytes, data: Any, address: tuple[str, int]) -> None:
+        pending = self._outstanding.get(msg_id)
+        if pending is None:
+            log.debug("ignoring late or unknown response from %s", address)
+            return
+        future, timeout, expected = pending
+        if tuple(address[:2]) != expected:
+            log.warning("ignoring response from %s to a request sent to %s", address, expected)
+            return
+        timeout.cancel()
+        del self._outstanding[msg_id]
+        if not future.done():
+            future.set_result((True, data))
+
+    def _handle_request(self, msg_id: bytes, data: Any, address: tuple[str, int]) -> None:
+        if not (isinstance(data, (list, tuple)) and len(data) == 2 and data[0] in RPC_NAMES
+                and isinstance(data[1], (list, tuple))):
+            log.warning("dropping malformed request from %s", address)
+            return
+        name, args = data
+        try:
+            response = getattr(self, f"rpc_{name}")(address, *args)
+        except (MalformedRequest, TypeError, ValueError) as error:
+            log.warning("dropping malformed %s request from %s: %s", name, address, error)
+            return
+        except Exception:  # a bug serving one request must not take the node down
+            log.exception("failed to serve %s request from %s", name, address)
+            return
+        payload = umsgpack.packb(response)
+        if len(payload) + HEADER_BYTES > MAX_DATAGRAM_BYTES:  # records are capped, so this is a bug, not a peer
+            log.error("reply to %s from %s would be %d bytes, over one datagram", name, address, len(payload))
+            payload = umsgpack.packb({"error": "reply too large"})
+        if self.transport is not None:
+            self.transport.sendto(RESPONSE + msg_id + payload, address)
+
+    def _timeout(self, msg_id: bytes) -> None:
+        pending = self._outstanding.pop(msg_id, None)
+        if pending is not None and not pending[0].done():
+            pending[0].set_result((False, None))
+
+    # ---- sending ------------------------------------------------------------------------------------------
+    def _call(self, address: tuple[str, int], name: str, *args: Any) -> "asyncio.Future[tuple[bool, Any]]":
+        """Sends one request; the future resolves to ``(True, reply)`` or ``(False, None)`` after the timeout."""
+        payload = umsgpack.packb([name, list(args)])
+        if len(payload) > MAX_REQUEST_BYTES:
+            raise MessageTooLarge(f"{name} request of {len(payload)} bytes exceeds {MAX_REQUEST_BYTES}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        msg_id = sha1(os.urandom(32)).digest()
+        timeout = loop.call_later(self._wait_timeout, self._timeout, msg_id)
+        self._outstanding[msg_id] = (future, timeout, (address[0], address[1]))
+        if self.transport is None:
+            timeout.cancel()
+            del self._outstanding[msg_id]
+            future.set_result((False, None))
+        else:
+            self.transport.sendto(REQUEST + msg_id + payload, address)
+        return future
+
+    async def request(self, address: tuple[str, int], name: str, *args: Any,
+                      on_sent: Callable[[], None] | None = None) -> tuple[bool, Any]:
+        """One request, waiting for a free slot first (at most ``max_concurrent_rpcs`` in flight)."""
+        async with self._slots:
+            if on_sent is not None:
+                on_sent()
+            return await self._call(address, name, *args)
+
+    async def call_ping(self, node_to_ask: Node) -> tuple[bool, Any]:
+        result = await self.request((node_to_ask.ip, node_to_ask.port), "ping", self.source_node.id)
+        return self.handle_call_response(result, node_to_ask)
+
+    async def ping_address(self, address: tuple[str, int]) -> Node | None:
+        """The node answering at ``address`` (for bootstrap), or None."""
+        ok, node_id = await self.request(address, "ping", self.source_node.id)
+        if not ok or not isinstance(node_id, bytes) or len(node_id) != ID_BYTES:
+            return None
+        node = Node(node_id, address[0], address[1])
+        self.welcome_if_new(node)
+        return node
+
+    async def call_find_node(self, node_to_ask: Node, node_to_find: Node) -> tuple[bool, Any]:
+        result = await self.request((node_to_ask.ip, node_to_ask.port), "find_node", self.source_node.id,
+                                    node_to_find.id)
+        return self.handle_call_response(result, node_to_ask)
+
+    async def call_find_value(self, node_to_ask: Node, node_to_find: Node,
+                              on_sent: Callable[[Node], None] | None = None) -> tuple[bool, Any]:
+        """Asks one node for one key's record and contacts.
+
+        Requests for different keys to the same node made in the same loop iteration (a batch of look-ups, as
+        beam search makes) are coalesced into one ``find_values`` datagram: on a busy machine the cost of a
+        look-up is mostly per datagram, not per byte.
+        """
+        address = (node_to_ask.ip, node_to_ask.port)
+        future = asyncio.get_running_loop().create_future()
+        batch = self._value_batches.setdefault(address, [])
+        if not batch:
+            asyncio.get_running_loop().call_soon(self._flush_values, node_to_ask)
+        batch.append((node_to_find.id, future, on_sent))
+        result = await future
+        return self.handle_call_response(result, node_to_ask)
+
+    def _flush_values(self, node: Node) -> None:
+        batch = self._value_batches.pop((node.ip, node.port), [])
+        for start in range(0, len(batch), MAX_KEYS_PER_REQUEST):
+            self.spawn(self._send_find_values(node, batch[start:start + MAX_KEYS_PER_REQUEST]))
+
+    async def _send_find_values(self, node: Node, batch: list[tuple[bytes, asyncio.Future, Any]]) -> None:
+        address = (node.ip, node.port)
+
+        def sent() -> None:
+            for _, _, on_sent in batch:
+                if on_sent is not None:
+                    on_sent(node)
+
+        try:
+            if len(batch) == 1:
+                key, future, _ = batch[0]
+                result = await self.request(address, "find_value", self.source_node.id, key, on_sent=sent)
+                if not future.done():
+                    future.set_result(result)
+                return
+            ok, replies = await self.request(address, "find_values", self.source_node.id,
+                                             [key for key, _, _ in batch], on_sent=sent)
+            if not ok or not isinstance(replies, list):
+                replies = []
+            for index, (key, future, _) in enumerate(batch):
+                if index < len(replies):
+                    result: tuple[bool, Any] = (True, replies[index])
+                elif ok:  # the reply was full: ask for this one on its own
+                    result = await self.request(address, "find_value", self.source_node.id, key)
+                else:
+                    result = (False, None)
+                if not future.done():
+                    future.set_result(result)
+        finally:
+            for _, future, _ in batch:
+                if not future.done():
+                    future.set_result((False, None))
+
+    async def call_store(self, node_to_ask: Node, key: bytes, record: Record) -> list[bool | str]:
+        """Stores ``record`` on one node in as many requests as needed; per entry True, False or an error."""
+        entries = record_to_wire(record)
+        chunks = chunk_entries(entries)
+        replies = await asyncio.gather(*(
+            self.request((node_to_ask.ip, node_to_ask.port), "store", self.source_node.id, key, chunk)
+            for chunk in chunks
+        ))
+        results: list[bool | str] = []
+        for chunk, reply in zip(chunks, replies):
+            self.handle_call_response(reply, node_to_ask)
+            ok, data = reply
+            if ok and isinstance(data, list) and len(data) == len(chunk):
+                results.extend(data)
+            else:
+                results.extend([False] * len(chunk))
+        return results
+
+    def handle_call_response(self, result: tuple[bool, Any], node: Node) -> tuple[bool, Any]:
+        """A silent node is evicted from the routing table (its replacement, if any, takes its place)."""
+        if not result[0]:
+            log.debug("no response from %s, evicting it", node)
+            self.router.remove_contact(node)
+            self._dead_until[node.id] = time.monotonic() + self.config.dead_node_ttl
+            return result
+        self.welcome_if_new(node)
+        return result
+
+    def mark_slow(self, node_id: bytes) -> None:
+        """A node that let a lookup wait past ``hedge_after``: later lookups ask it without waiting for it."""
+        self._slow_until.setdefault(node_id, time.monotonic() + self.config.dead_node_ttl)
+
+    def recently_slow(self, node_id: bytes) -> bool:
+        until = self._slow_until.get(node_id)
+        if until is not None and until <= time.monotonic():
+            del self._slow_until[node_id]
+            return False
+        return until is not None
+
+    def recently_dead(self, node_id: bytes) -> bool:
+        """True for a node that failed to answer within ``dead_node_ttl`` and has not been heard from since."""
+        until = self._dead_until.get(node_id)
+        if until is None:
+            return False
+        if until <= time.monotonic():
+            del self._dead_until[node_id]
+            return False
+        return True
+
+    # ---- serving ------------------------------------------------------------------------------------------
+    def _sender(self, address: tuple[str, int], nodeid: Any) -> Node:
+        source = Node(_check_id(nodeid, "node id"), address[0], address[1])
+        self.welcome_if_new(source)
+        return source
+
+    def rpc_ping(self, sender: tuple[str, int], nodeid: Any) -> bytes:
+        self._sender(sender, nodeid)
+        return self.source_node.id
+
+    def rpc_store(self, sender: tuple[str, int], nodeid: Any, key: Any, entries: Any) -> list[bool | str]:
+        key = _check_id(key, "key")
+        record = record_from_wire(entries, self.config.max_value_bytes)
+        self._sender(sender, nodeid)
+        results: list[bool | str] = []
+        for subkey, (value, expiration) in record.items():
+            try:
+                results.append(self.storage.store(key, subkey, value, expiration))
+            except RecordFull as error:
+                log.warning("refusing store from %s: %s", sender, error)
+                results.append(f"record full: {error}")
+        return results
+
+    def rpc_find_node(self, sender: tuple[str, int], nodeid: Any, key: Any) -> list[tuple[bytes, str, int]]:
+        key = _check_id(key, "key")
+        source = self._sender(sender, nodeid)
+        neighbors = self.router.find_neighbors(Node(key), exclude=source)
+        return [tuple(node) for node in neighbors]
+
+    def rpc_find_value(self, sender: tuple[str, int], nodeid: Any, key: Any) -> dict[str, Any]:
+        """The local record (possibly empty) *and* the closest contacts, so lookups can keep merging."""
+        key = _check_id(key, "key")
+        source = self._sender(sender, nodeid)
+        nodes = self.router.find_neighbors(Node(key), exclude=source)
+        return find_value_reply(self.storage.get(key) or {}, nodes)
+
+    def rpc_find_values(self, sender: tuple[str, int], nodeid: Any, keys: Any) -> list[dict[str, str]]:
+        """:meth:`rpc_find_value` for several keys, in order, stopping before the reply would outgrow a datagram."""
+        if not isinstance(keys, (list, tuple)) or not 0 < len(keys) <= MAX_KEYS_PER_REQUEST:
+            raise MalformedRequest(f"find_values takes a list of 1 to {MAX_KEYS_PER_REQUEST} keys")
+        keys = [_check_id(key, "key") for key in keys]
+        source = self._sender(sender, nodeid)
+        replies, size = [], 0
+        for key in keys:
+            nodes = self.router.find_neighbors(Node(key), k=2 * self.config.num_replicas, exclude=source)
+            reply = find_value_reply(self.storage.get(key) or {}, nodes)
+            size += len(reply["record"]) + len(reply["nodes"]) + 32
+            if replies and size > REPLY_BUDGET_BYTES:
+                break
+            replies.append(reply)
+        return replies
+
+    # ---- replication to newcomers -------------------------------------------------------------------------
+    def welcome_if_new(self, node: Node) -> None:
+        """Adds a new contact and hands it the records it is now among the closest replicas of.
+
+        Stock kademlia hashes the (already hashed) storage keys a second time here, so it hands records to the
+        wrong nodes.
+        """
+        self._dead_until.pop(node.id, None)  # it just spoke to us (or answered)
+        self._slow_until.pop(node.id, None)
+        if not self.router.is_new_node(node):
+            return
+        for key, record in self.storage:
+            keynode = Node(key)
+            neighbors = self.router.find_neighbors(keynode, k=self.config.num_replicas)
+            if neighbors:
+                new_node_close = node.distance_to(keynode) < neighbors[-1].distance_to(keynode)
+                this_closest = self.source_node.distance_to(keynode) < neighbors[0].distance_to(keynode)
+            if not neighbors or (new_node_close and this_closest):
+                self.spawn(self.call_store(node, key, record))
+        self.router.add_contact(node)
+
+    def spawn(self, coro: Any) -> None:
+        """Runs ``coro`` in the background, owned by this protocol (cancelled by :meth:`close_tasks`)."""
+        self.adopt(asyncio.ensure_future(coro))
+
+    def adopt(self, task: "asyncio.Future[Any]") -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def parse_nodes(self, data: Any) -> list[Node]:
+        """Contacts from a find_node / find_value reply; malformed entries are skipped."""
+        nodes = []
+        for item in data if isinstance(data, (list, tuple)) else []:
+            if (isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], bytes)
+                    and len(item[0]) == ID_BYTES and isinstance(item[1], str) and isinstance(item[2], int)):
+                nodes.append(Node(item[0], item[1], item[2]))
+        return nodes
+
+    def close_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for future, timeout, _ in list(self._outstanding.values()):
+            timeout.cancel()
+            if not future.done():
+                future.set_result((False, None))
+        self._outstanding.clear()
+

@@ -1,0 +1,91 @@
+"""beam_search against brute force on an in-memory stand-in for the DHT's prefix records."""
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Mapping, Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from dmoe.client.beam_search import PrefixCache, beam_search, brute_force_top_k
+from dmoe.uid import join_uid, strict_prefixes
+
+
+class FakeDHT:
+    """Prefix records as a declaring server would leave them, counting the look-ups made."""
+
+    def __init__(self, alive: Mapping[str, str]):
+        self.records: dict[str, dict[int, str]] = {}
+        for uid, endpoint in alive.items():
+            for prefix, coord in strict_prefixes(uid):
+                self.records.setdefault(prefix, {})[coord] = endpoint
+        self.calls: list[list[str]] = []
+
+    def get_alive_continuations(self, prefixes: Sequence[str]) -> dict[str, dict[int, str]]:
+        self.calls.append(list(prefixes))
+        return {prefix: dict(self.records.get(prefix, {})) for prefix in prefixes}
+
+
+@st.composite
+def problems(draw):
+    grid = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    uids = [join_uid("ffn", c) for c in itertools.product(*(range(g) for g in grid))]
+    alive = draw(st.lists(st.sampled_from(uids), unique=True, max_size=len(uids)))
+    excluded = draw(st.lists(st.sampled_from(uids), unique=True, max_size=3))
+    batch = draw(st.integers(1, 3))
+    # small integer scores make ties common, which is where an inexact search would show
+    scores = [torch.tensor(draw(st.lists(st.lists(st.integers(-3, 3).map(float), min_size=g, max_size=g),
+                                         min_size=batch, max_size=batch))) for g in grid]
+    k = draw(st.integers(1, 6))
+    return grid, {uid: f"host:{i}" for i, uid in enumerate(alive)}, set(excluded), scores, k
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems())
+def test_beam_search_equals_brute_force_with_ties_dead_and_excluded_experts(problem):
+    grid, alive, excluded, scores, k = problem
+    expected = brute_force_top_k(alive, "ffn", scores, k, exclude=excluded)
+    assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=excluded) == expected
+    assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=excluded.__contains__, lookahead=1) == expected
+
+
+def test_beam_search_on_a_sparse_64x64_grid_with_random_scores_is_exact_and_batched():
+    rng = random.Random(0)
+    uids = [join_uid("ffn0", (i, j)) for i in range(64) for j in range(64)]
+    alive = {uid: f"10.0.0.{rng.randrange(256)}:8000" for uid in rng.sample(uids, 1000)}
+    scores = [torch.randn(32, 64, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    fake = FakeDHT(alive)
+    assert beam_search(fake, "ffn0", scores, 4) == brute_force_top_k(alive, "ffn0", scores, 4)
+    looked_up = [prefix for call in fake.calls for prefix in call]
+    assert len(looked_up) == len(set(looked_up)), "a prefix was looked up twice in one search"
+    assert len(fake.calls) <= 6, f"{len(fake.calls)} sequential rounds of look-ups"
+
+
+def test_prefix_cache_spares_lookups_and_remembers_dead_prefixes_until_ttl():
+    now = [0.0]
+    cache = PrefixCache(ttl=5.0, negative_ttl=1.0, clock=lambda: now[0])
+    alive = {"ffn.0.1": "a:1", "ffn.2.2": "b:2"}
+    fake = FakeDHT(alive)
+    fake.records["ffn"][1] = "gone:0"  # the parent still lists 'ffn.1', whose own record has expired
+    scores = [torch.tensor([[0.0, 5.0, 9.0]]), torch.tensor([[0.0, 1.0, 2.0]])]
+    first = beam_search(fake, "ffn", scores, 2, cache=cache)
+    assert first == brute_force_top_k(alive, "ffn", scores, 2)
+    assert cache.get("ffn.1") == {}, "the dead prefix was not cached"
+    calls = len(fake.calls)
+    assert beam_search(fake, "ffn", scores, 2, cache=cache) == first
+    assert len(fake.calls) == calls, "cached prefixes were looked up again"
+    fake.records["ffn.1"] = {0: "c:3"}  # an expert appears under the dead prefix
+    now[0] = 0.5
+    assert ("ffn.1.0", "c:3") not in beam_search(fake, "ffn", scores, 3, cache=cache)[0]
+    now[0] = 1.5  # past the negative TTL, within the positive one
+    assert ("ffn.1.0", "c:3") in beam_search(fake, "ffn", scores, 3, cache=cache)[0]
+
+
+def test_beam_search_rejects_mismatched_scores():
+    with pytest.raises(ValueError):
+        beam_search(FakeDHT({}), "ffn", [torch.zeros(2, 3), torch.zeros(3, 3)], 1)
+    with pytest.raises(ValueError):
+        beam_search(FakeDHT({}), "ffn.0", [torch.zeros(2, 3)], 1)
+    assert beam_search(FakeDHT({}), "ffn", [torch.zeros(2, 3)], 3) == [[], []]

@@ -1,0 +1,142 @@
+"""In-process checks of the pieces that replace stock kademlia's: storage, routing, message limits."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import umsgpack
+from kademlia.node import Node
+from kademlia.routing import RoutingTable
+
+from dmoe.dht.config import DHTConfig
+from dmoe.dht.experts import declaration_records
+from dmoe.dht.protocol import (MAX_DATAGRAM_BYTES, MAX_REQUEST_BYTES, chunk_entries, find_value_reply,
+                               record_to_wire)
+from dmoe.dht.routing import DHTRoutingTable
+from dmoe.dht.storage import RecordFull, RecordStorage, merge_records
+
+KEY = b"k" * 20
+
+
+def test_records_from_different_declarers_merge_per_subkey_and_the_latest_expiration_wins():
+    storage = RecordStorage(clock=lambda: 100.0)
+    assert storage.store(KEY, 3, "a:1", 150.0)
+    assert storage.store(KEY, 4, "b:2", 120.0)
+    assert not storage.store(KEY, 3, "c:3", 140.0), "an older declaration overwrote a newer one"
+    assert storage.store(KEY, 3, "c:3", 160.0)
+    assert storage.get(KEY) == {3: ("c:3", 160.0), 4: ("b:2", 120.0)}
+
+
+def test_expired_entries_disappear_and_far_future_expirations_are_capped():
+    now = [100.0]
+    storage = RecordStorage(max_expiration=60.0, clock=lambda: now[0])
+    storage.store(KEY, 1, "a:1", 110.0)
+    storage.store(KEY, 2, "b:2", 1e12)
+    assert storage.get(KEY)[2][1] == 160.0
+    assert not storage.store(KEY, 3, "c:3", 99.0), "an already expired entry was stored"
+    now[0] = 120.0
+    assert storage.get(KEY) == {2: ("b:2", 160.0)}
+    now[0] = 161.0
+    assert storage.get(KEY) is None and list(storage) == []
+    assert storage.iter_older_than(0) == [], "holders must never republish (owners refresh)"
+
+
+def test_merge_records_drops_expired_and_keeps_latest():
+    merged = merge_records([{1: ("a", 10.0), 2: ("b", 5.0)}, {1: ("c", 20.0), 3: ("d", 1.0)}], now=4.0)
+    assert merged == {1: ("c", 20.0), 2: ("b", 5.0)}
+
+
+def test_a_full_record_refuses_new_subkeys_with_a_clear_error_but_accepts_refreshes():
+    storage = RecordStorage(max_subkeys=256, clock=lambda: 0.0)
+    for coord in range(256):
+        assert storage.store(KEY, coord, "127.0.0.1:65535", 10.0)
+    with pytest.raises(RecordFull, match="max_record_subkeys"):
+        storage.store(KEY, 256, "127.0.0.1:65535", 10.0)
+    assert storage.store(KEY, 7, "127.0.0.1:65535", 20.0)
+
+
+def test_a_full_record_with_the_longest_endpoints_fits_in_one_reply_datagram():
+    config = DHTConfig()
+    endpoint = "h" * config.max_value_bytes
+    record = {coord: (endpoint, 1e10 + coord) for coord in range(2**31 - 256, 2**31)}
+    nodes = [Node(bytes(20), "255.255.255.255", 65535)] * config.ksize
+    reply = umsgpack.packb(find_value_reply(record, nodes))
+    assert len(reply) + 21 < MAX_DATAGRAM_BYTES
+
+
+def test_store_requests_are_chunked_under_the_request_limit():
+    record = {coord: ("h" * 128, 1e10) for coord in range(256)}
+    chunks = chunk_entries(record_to_wire(record))
+    assert sum(map(len, chunks)) == 256 and len(chunks) > 1
+    assert all(len(umsgpack.packb(["store", [bytes(20), bytes(20), chunk]])) <= MAX_REQUEST_BYTES for chunk in chunks)
+
+
+def test_declaring_more_continuations_than_a_record_holds_is_refused_up_front():
+    uids = [f"ffn0.{i}" for i in range(300)]
+    with pytest.raises(ValueError, match="max_record_subkeys"):
+        declaration_records(uids, "a:1", 10.0, max_subkeys=256)
+    records, places = declaration_records(["ffn0.3.17", "ffn0.3.2"], "a:1", 10.0, 256)
+    assert records == {"ffn0": {3: ("a:1", 10.0)}, "ffn0.3": {17: ("a:1", 10.0), 2: ("a:1", 10.0)}}
+    assert places[0] == [("ffn0", 3), ("ffn0.3", 17)]
+
+
+def _random_node(rng: random.Random) -> Node:
+    return Node(rng.getrandbits(160).to_bytes(20, "big"), "127.0.0.1", rng.randrange(1, 65536))
+
+
+def test_find_neighbors_returns_the_k_closest_contacts_the_table_knows():
+    rng = random.Random(0)
+    me = _random_node(rng)
+    ours, stock = DHTRoutingTable(None, 20, me), RoutingTable(None, 20, me)
+    contacts = [_random_node(rng) for _ in range(128)]
+    for node in contacts:
+        ours.add_contact(node)
+        stock.add_contact(node)
+    known = ours.contacts()
+    stock_short = 0
+    for _ in range(200):
+        key = _random_node(rng)
+        expected = sorted(known, key=key.distance_to)[:20]
+        assert [n.id for n in ours.find_neighbors(key)] == [n.id for n in expected]
+        stock_short += len(stock.find_neighbors(key)) < 20 or \
+            {n.id for n in stock.find_neighbors(key)} != {n.id for n in expected}
+    assert stock_short > 0, "stock kademlia no longer shows the defect this table fixes"
+
+
+def test_a_newcomer_closest_to_a_key_is_handed_its_record():
+    """Stock ``welcome_if_new`` hashes stored (already hashed) keys again and so hands records to the wrong nodes."""
+    import asyncio
+    import time
+
+    from kademlia.utils import digest
+
+    from dmoe.dht.node import DHTNode
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=2)
+        nodes = [DHTNode(config) for _ in range(12)]
+        addresses = [await node.listen(0) for node in nodes]
+        try:
+            for node in nodes[1:]:
+                await node.bootstrap([addresses[0]])
+            keys = [f"ffn{i}" for i in range(4)]
+            for key in keys:
+                assert await nodes[3].set(key, {5: (f"{key}:1", time.time() + 60)})
+            newcomers = []
+            for key in keys:
+                closest_id = (int.from_bytes(digest(key), "big") ^ 1).to_bytes(20, "big")
+                newcomers.append(DHTNode(config, node_id=closest_id))
+                nodes.append(newcomers[-1])
+                await newcomers[-1].listen(0)
+                await newcomers[-1].bootstrap([addresses[5]])
+            deadline = time.monotonic() + 5
+            for key, newcomer in zip(keys, newcomers):
+                while newcomer.storage.get(digest(key)) is None:
+                    assert time.monotonic() < deadline, f"{key} never reached the node closest to it"
+                    await asyncio.sleep(0.05)
+                assert newcomer.storage.get(digest(key))[5][0] == f"{key}:1"
+        finally:
+            for node in nodes:
+                node.stop()
+
+    asyncio.run(scenario())
