@@ -48,7 +48,7 @@ def test_beam_search_equals_brute_force_with_ties_dead_and_excluded_experts(prob
     grid, alive, excluded, scores, k = problem
     expected = brute_force_top_k(alive, "ffn", scores, k, exclude=excluded)
     assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=excluded) == expected
-    assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=excluded.__contains__, lookahead=1) == expected
+    assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=lambda uid, endpoint: uid in excluded, lookahead=1) == expected
 
 
 def test_beam_search_on_a_sparse_64x64_grid_with_random_scores_is_exact_and_batched():

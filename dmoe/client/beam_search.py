@@ -17,7 +17,7 @@ import torch
 
 from dmoe.uid import DELIMITER, is_valid_prefix, join_uid, split_uid
 
-Exclude = Union[Callable[[str], bool], Container[str], None]
+Exclude = Union[Callable[[str, str], bool], Container[str], None]
 Continuations = dict[int, str]
 
 
@@ -63,12 +63,13 @@ class PrefixCache:
         return len(self._entries)
 
 
-def _excluder(exclude: Exclude) -> Callable[[str], bool]:
+def _excluder(exclude: Exclude) -> Callable[[str, str], bool]:
+    """A predicate of (uid, endpoint): the endpoint lets callers skip every expert of a server they banned."""
     if exclude is None:
-        return lambda uid: False
+        return lambda uid, endpoint: False
     if callable(exclude):
         return exclude
-    return exclude.__contains__
+    return lambda uid, endpoint: uid in exclude
 
 
 def _score_lists(grid_scores: Sequence[torch.Tensor]) -> tuple[int, list[list[list[float]]]]:
@@ -104,7 +105,8 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
     layer: the grid's uid prefix, e.g. ``'ffn0'``.
     grid_scores: one ``[batch, grid_size_i]`` tensor per grid dimension.
     k: experts wanted per row (fewer are returned when fewer are alive).
-    exclude: uids to skip (e.g. banned after failures): a predicate or a container.
+    exclude: experts to skip (e.g. banned after failures): a container of uids or a predicate
+        ``exclude(uid, endpoint) -> bool``.
     cache: a :class:`PrefixCache` to consult and fill; None looks everything up afresh.
     lookahead: unknown prefixes per row fetched in each round (default ``k``): more per round, fewer rounds.
     Ties in score are broken by uid (string order), exactly as :func:`brute_force_top_k` does.
@@ -155,7 +157,7 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
                     child_score = prefix_score + scores[depth - 1][row][coord]
                     child_name = join_uid(layer, child)
                     if depth == ndims:
-                        if not is_excluded(child_name):
+                        if not is_excluded(child_name, child_endpoint):
                             heapq.heappush(heap, (-child_score, 1, child_name, child, child_score, child_endpoint))
                     else:
                         heapq.heappush(heap, (-bound(row, child_score, depth), 0, child_name, child, child_score, ""))
@@ -206,7 +208,7 @@ def brute_force_top_k(alive: Mapping[str, str], layer: str, grid_scores: Sequenc
     for uid, endpoint in alive.items():
         uid_layer, coords = split_uid(uid)
         if uid_layer == layer and len(coords) == len(grid) and all(0 <= c < g for c, g in zip(coords, grid)) \
-                and not is_excluded(uid):
+                and not is_excluded(uid, endpoint):
             candidates.append((uid, coords, endpoint))
     results = []
     for row in range(batch):

@@ -278,8 +278,8 @@ class RemoteMixtureOfExperts(_MixtureBase):
         # whenever the layer's inputs do not require grad.
         self._dummy = torch.empty(0, requires_grad=True)
 
-    def _is_excluded(self, uid: str) -> bool:
-        return self.bans.is_banned(uid, self._endpoints.get(uid))
+    def _is_excluded(self, uid: str, endpoint: str) -> bool:
+        return self.bans.is_banned(uid, endpoint)
 
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
         from dmoe.client.beam_search import PrefixCache, beam_search
