@@ -22,6 +22,10 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Server side: accept the clients' keepalive pings above. gRPC's default (one ping per 5 minutes at
+        # most, then GOAWAY "too_many_pings") would tear down idle channels and fail the next calls.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
