@@ -1,0 +1,140 @@
+"""One DMoE layer, remote vs in-process: forward + backward time per batch, and the ratio.
+
+Remote: a DHT node and an expert server process host ``--grid`` ffn experts; this process holds the gate and
+calls them through :class:`dmoe.RemoteMixtureOfExperts` (beam search over the DHT, one request per chosen expert,
+backward requests that make each expert take an Adam step).
+In-process: :class:`dmoe.LocalMixtureOfExperts` with the same experts, gate, top-k and one Adam step per used
+expert after every backward. A second in-process baseline recomputes each expert's forward during backward
+(activation checkpointing), which is the maths the server does: it keeps no activations between requests.
+
+    python benchmarks/bench_layer.py                 # h=1024, 4x4 grid, top-4, batches 16 64 256
+    python benchmarks/bench_layer.py --quick         # small and fast (what the test suite runs)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
+from dmoe.dht import DHT
+from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.uid import grid_uids
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--grid", type=int, nargs="+", default=[4, 4])
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--steps", type=int, default=10, help="timed forward+backward steps per batch size")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for server and baseline")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--quick", action="store_true", help="h=64, batches 8 32, 3 steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.hidden, args.batches, args.steps, args.warmup = 64, [8, 32], 3, 1
+    return args
+
+
+def time_steps(step, batch: int, hidden: int, steps: int, warmup: int) -> float:
+    """Median seconds of one forward+backward over ``steps`` timed runs."""
+    times = []
+    for i in range(warmup + steps):
+        x = torch.randn(batch, hidden, requires_grad=True)
+        start = time.perf_counter()
+        step(x)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class Checkpointed(torch.nn.Module):
+    """Recomputes the wrapped expert's forward in backward, as the server does."""
+
+    def __init__(self, expert: torch.nn.Module):
+        super().__init__()
+        self.expert = expert
+
+    def forward(self, x):
+        return checkpoint(self.expert, x, use_reentrant=False)
+
+
+def local_step_fn(layer: LocalMixtureOfExperts, lr: float):
+    optimizers = {name: torch.optim.Adam(expert.parameters(), lr=lr) for name, expert in layer.experts.items()}
+
+    def step(x):
+        layer(x).sum().backward()
+        for name, expert in layer.experts.items():
+            if next(expert.parameters()).grad is not None:
+                optimizers[name].step()
+                optimizers[name].zero_grad(set_to_none=True)
+        layer.proj.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = []
+    swarm_config = SwarmConfig(layers=("ffn0",), grid=tuple(args.grid), n_servers=1, hidden_dim=args.hidden,
+                               threads_per_server=args.threads,
+                               server_args=("--optimizer", "adam", "--lr", str(args.lr),
+                                            "--max-batch-size", str(max(args.batches) * args.k)))
+    with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
+        uids = grid_uids("ffn0", args.grid)
+        deadline = time.monotonic() + 60
+        while not all(dht.get_experts(uids)):
+            if time.monotonic() > deadline:
+                raise TimeoutError("experts were not declared in the DHT within 60 s")
+            time.sleep(0.2)
+        remote = RemoteMixtureOfExperts(args.hidden, args.grid, "ffn0", dht, k_best=args.k, forward_timeout=60,
+                                        backward_timeout=60, timeout_after_k_min=60, k_min=args.k)
+
+        def remote_step(x):
+            remote(x).sum().backward()
+            remote.proj.zero_grad(set_to_none=True)
+
+        local = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k)
+        recompute = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k)
+        for name in list(recompute.experts):
+            recompute.experts[name] = Checkpointed(recompute.experts[name])
+        local_step, recompute_step = local_step_fn(local, args.lr), local_step_fn(recompute, args.lr)
+        for batch in args.batches:
+            # interleave the three so that machine noise hits all of them alike
+            t_remote = time_steps(remote_step, batch, args.hidden, args.steps, args.warmup)
+            t_local = time_steps(local_step, batch, args.hidden, args.steps, args.warmup)
+            t_recompute = time_steps(recompute_step, batch, args.hidden, args.steps, args.warmup)
+            rows.append(dict(batch=batch, remote_s=t_remote, inprocess_s=t_local, inprocess_recompute_s=t_recompute,
+                             ratio=t_local / t_remote, ratio_vs_recompute=t_recompute / t_remote,
+                             dropped=remote.stats.experts_dropped))
+    args.results.mkdir(parents=True, exist_ok=True)
+    out = args.results / "bench_layer.csv"
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
+          f"{args.threads} torch threads, median of {args.steps} steps")
+    print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
+          f"{'vs recompute':>13}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['remote_s']:>10.4f} {r['inprocess_s']:>10.4f} {r['inprocess_recompute_s']:>20.4f} "
+              f"{r['ratio']:>17.2f} {r['ratio_vs_recompute']:>13.2f}")
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
