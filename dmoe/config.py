@@ -1,0 +1,140 @@
+"""Config files for dmoe programs: a TOML file whose keys are the program's flags, which flags on the command line
+override.
+
+    # server.toml                       dmoe-server --config server.toml --port 6000
+    experts = "ffn0.[0:4].[0:4]"
+    hidden-dim = 512                   # dashes or underscores, as you like
+    initial_peers = ["10.0.0.1:31337"]
+    expert-kwargs = { num_heads = 8 }  # a table where a flag takes a JSON object (here: --expert-cls transformer)
+
+Every value goes through the same type check and ``choices`` as the flag it stands for, so a bad key or value
+fails with the same kind of one-line error a bad flag does, naming the key and what is allowed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+CONFIG_DEST = "config"
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read, or a key or value in it that the program does not accept."""
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--config FILE.toml`` to ``parser`` (call :func:`parse_args` instead of ``parser.parse_args``)."""
+    parser.add_argument("--config", metavar="FILE.toml", default=None,
+                        help="read defaults for any of these flags from a TOML file (keys are flag names, dashes or "
+                             "underscores); flags given on the command line override it")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file's top-level table; raises :class:`ConfigError` saying why it cannot be read."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as error:
+        raise ConfigError(f"cannot read it: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"not valid TOML: {error}") from None
+
+
+def _allowed_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {action.dest: action for action in parser._actions
+            if action.option_strings and action.dest not in (CONFIG_DEST, "help", argparse.SUPPRESS)}
+
+
+def _as_text(value: Any) -> str:
+    """What a user would have typed after the flag for this TOML value."""
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _convert_one(action: argparse.Action, key: str, value: Any) -> Any:
+    if isinstance(value, (list, dict)) and not (isinstance(value, dict) and action.type is not None):
+        raise ConfigError(f"key {key!r}: expected a single value, got {_as_text(value)}")
+    if action.type is None:
+        result = _as_text(value)
+    else:
+        try:
+            result = action.type(_as_text(value))
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as error:
+            if isinstance(error, argparse.ArgumentTypeError):  # its message says what is allowed and what came
+                raise ConfigError(f"key {key!r}: {error}") from None
+            kind = getattr(action.type, "__name__", "value")
+            raise ConfigError(f"key {key!r}: expected {kind}, got {_as_text(value)!r}") from None
+    if action.choices is not None and result not in action.choices:
+        allowed = ", ".join(map(str, action.choices))
+        raise ConfigError(f"key {key!r}: {_as_text(value)!r} is not one of {allowed}")
+    return result
+
+
+def convert_value(action: argparse.Action, key: str, value: Any) -> Any:
+    """Checks and converts one TOML value as ``action``'s flag would; raises :class:`ConfigError` naming ``key``."""
+    if action.nargs == 0:  # --flag / --no-flag / store_true
+        if not isinstance(value, bool):
+            raise ConfigError(f"key {key!r}: expected true or false, got {_as_text(value)!r}")
+        return value
+    many = action.nargs in ("*", "+") or isinstance(action.nargs, int) or isinstance(action, argparse._AppendAction)
+    if not many:
+        return _convert_one(action, key, value)
+    items = value if isinstance(value, list) else [value]
+    if action.nargs == "+" and not items:
+        raise ConfigError(f"key {key!r}: expected at least one value")
+    if isinstance(action.nargs, int) and len(items) != action.nargs:
+        raise ConfigError(f"key {key!r}: expected {action.nargs} values, got {len(items)}")
+    return [_convert_one(action, key, item) for item in items]
+
+
+def config_defaults(parser: argparse.ArgumentParser, table: dict[str, Any]) -> dict[str, Any]:
+    """Maps a config table onto ``parser``'s destinations, checking every key and value.
+
+    Raises :class:`ConfigError` for a key that is no flag of the program (listing the allowed ones) and for a
+    value its flag would refuse.
+    """
+    allowed = _allowed_keys(parser)
+    values = {}
+    for raw_key, value in table.items():
+        key = raw_key.replace("-", "_")
+        action = allowed.get(key)
+        if action is None:
+            names = ", ".join(sorted(name.replace("_", "-") for name in allowed))
+            raise ConfigError(f"unknown key {raw_key!r}; allowed keys: {names}")
+        values[key] = convert_value(action, raw_key, value)
+    return values
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with defaults taken from ``--config FILE`` when given.
+
+    Flags on the command line win over the file; a key the file sets counts as given for required flags. Errors
+    in the file end the program with one line (exit status 2), as argparse does for a bad flag. The returned
+    namespace has no ``config`` attribute.
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config is not None:
+        try:
+            values = config_defaults(parser, read_toml(known.config))
+        except ConfigError as error:
+            parser.exit(2, f"{parser.prog}: error: config {known.config}: {error}\n")
+        for action in parser._actions:
+            if action.dest in values:
+                action.required = False
+        parser.set_defaults(**values)
+    args = parser.parse_args(argv)
+    vars(args).pop(CONFIG_DEST, None)
+    return args

@@ -1,0 +1,236 @@
+"""A live view of the swarm: which experts of each layer's grid are alive, who hosts them, their load and latency.
+
+:class:`SwarmMonitor` reads the DHT every ``period`` seconds (as beam search does, one grid dimension per look-up),
+asks every alive expert for its call counters through the ``info`` RPC, and keeps the result as one JSON-able
+snapshot. :class:`MonitorServer` serves that snapshot at ``/api/swarm`` and a page at ``/`` that draws it as a
+heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.monitor.__main__`) runs both.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import math
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any, Sequence
+
+from dmoe.client.remote_expert import expert_info
+from dmoe.dht import DHT
+from dmoe.swarm import alive_experts
+
+logger = logging.getLogger(__name__)
+
+GOLDEN_ANGLE = 137.508  # degrees: consecutive hues stay far apart however many servers there are
+
+
+class SwarmMonitor:
+    """Polls the DHT and the alive experts in a background thread; :meth:`snapshot` returns the latest view.
+
+    Args:
+        initial_peers: ``HOST:PORT`` of any DHT node of the swarm.
+        layers: layer names to show (``ffn0``, ``ffn1``).
+        grid: the grid every layer has, one size per dimension.
+        period: seconds between polls.
+        info_timeout: seconds to wait for one expert's ``info`` answer; an expert that does not answer is shown as
+            declared but unreachable (its server may just have died; its DHT record has not expired yet).
+        workers: concurrent ``info`` calls.
+        dht: an existing DHT node to read through (then ``initial_peers`` is unused and the node is not closed).
+
+    Load is the calls (forward + backward) per second an expert answered between two polls; latency is the round
+    trip of the ``info`` RPC, per server (the median over its experts).
+    """
+
+    def __init__(self, initial_peers: Sequence[str], layers: Sequence[str], grid: Sequence[int], *,
+                 period: float = 2.0, info_timeout: float = 1.0, workers: int = 8, dht: DHT | None = None):
+        if not layers:
+            raise ValueError("at least one layer is needed")
+        if not grid or any(size < 1 for size in grid):
+            raise ValueError(f"grid sizes must be positive, got {tuple(grid)}")
+        self.layers, self.grid = list(layers), tuple(int(size) for size in grid)
+        self.period, self.info_timeout = period, info_timeout
+        self.initial_peers = list(initial_peers)
+        self._own_dht = dht is None
+        self.dht = dht if dht is not None else DHT(initial_peers=self.initial_peers)
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dmoe-monitor-info")
+        self._colors: dict[str, str] = {}
+        self._previous: dict[tuple[str, str], tuple[float, int]] = {}  # (uid, endpoint) -> (time, calls)
+        self._lock = threading.Lock()
+        self._snapshot: dict[str, Any] = self._empty()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _empty(self) -> dict[str, Any]:
+        return {"updated": None, "period": self.period, "initial_peers": self.initial_peers, "grid": list(self.grid),
+                "layers": [{"name": layer, "grid": list(self.grid), "cells": math.prod(self.grid), "alive": 0,
+                            "experts": {}} for layer in self.layers], "servers": []}
+
+    def color(self, endpoint: str) -> str:
+        """A color per server endpoint, fixed the first time the monitor sees it."""
+        if endpoint not in self._colors:
+            hue = (len(self._colors) * GOLDEN_ANGLE + 200) % 360
+            self._colors[endpoint] = f"hsl({hue:.0f}, 70%, 50%)"
+        return self._colors[endpoint]
+
+    def _info(self, endpoint: str, uid: str) -> tuple[dict[str, Any] | None, float]:
+        started = time.monotonic()
+        try:
+            info = expert_info(endpoint, uid, timeout=self.info_timeout)
+        except Exception as error:  # noqa: BLE001 - a dead or wrong endpoint is what the view should show
+            logger.debug("info of %s at %s failed: %s", uid, endpoint, error)
+            info = None
+        return info, time.monotonic() - started
+
+    def poll(self) -> dict[str, Any]:
+        """Reads the DHT and every alive expert now; stores and returns the new snapshot."""
+        snapshot = self._empty()
+        located: dict[str, str] = {}
+        for layer in snapshot["layers"]:
+            try:
+                alive = alive_experts(self.dht, layer["name"], self.grid)
+            except Exception as error:  # noqa: BLE001 - keep showing the swarm when one look-up fails
+                logger.warning("reading layer %s from the DHT failed: %s", layer["name"], error)
+                alive = {}
+            layer["alive"] = len(alive)
+            layer["experts"] = {uid: {"endpoint": endpoint} for uid, endpoint in alive.items()}
+            located.update(alive)
+        futures = {uid: self._pool.submit(self._info, endpoint, uid) for uid, endpoint in located.items()}
+        now = time.monotonic()
+        servers: dict[str, dict[str, Any]] = {}
+        latencies: dict[str, list[float]] = {}
+        for layer in snapshot["layers"]:
+            for uid, expert in layer["experts"].items():
+                endpoint = expert["endpoint"]
+                info, seconds = futures[uid].result()
+                server = servers.setdefault(endpoint, {"endpoint": endpoint, "color": self.color(endpoint),
+                                                       "experts": 0, "reachable": 0, "load": 0.0})
+                server["experts"] += 1
+                expert["reachable"] = info is not None
+                if info is None:
+                    continue
+                server["reachable"] += 1
+                latencies.setdefault(endpoint, []).append(seconds)
+                calls = info["forward_calls"] + info["backward_calls"]
+                before = self._previous.get((uid, endpoint))
+                load = 0.0
+                if before is not None and calls >= before[1] and now > before[0]:
+                    load = (calls - before[1]) / (now - before[0])
+                self._previous[(uid, endpoint)] = (now, calls)
+                expert.update(forward_calls=info["forward_calls"], backward_calls=info["backward_calls"],
+                              load=round(load, 3))
+                server["load"] += load
+        for endpoint, server in servers.items():
+            samples = sorted(latencies.get(endpoint, []))
+            server["latency_ms"] = round(1000 * samples[len(samples) // 2], 2) if samples else None
+            server["load"] = round(server["load"], 3)
+            for layer in snapshot["layers"]:
+                for expert in layer["experts"].values():
+                    if expert["endpoint"] == endpoint:
+                        expert["color"], expert["latency_ms"] = server["color"], server["latency_ms"]
+        snapshot["servers"] = sorted(servers.values(), key=lambda s: s["endpoint"])
+        snapshot["updated"] = time.time()
+        with self._lock:
+            self._snapshot = snapshot
+        return snapshot
+
+    def snapshot(self) -> dict[str, Any]:
+        """The latest view (see :meth:`poll`), as plain JSON-able data."""
+        with self._lock:
+            return self._snapshot
+
+    def start(self) -> "SwarmMonitor":
+        """Polls once now, then every ``period`` seconds in a background thread."""
+        self.poll()
+        self._thread = threading.Thread(target=self._run, name="dmoe-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the monitor outlives a bad poll
+                logger.exception("poll failed")
+
+    def close(self) -> None:
+        """Stops polling and closes the DHT node it made; safe to call twice."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.period + 5 * self.info_timeout + 10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_dht:
+            self.dht.close()
+
+    def __enter__(self) -> "SwarmMonitor":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def page() -> bytes:
+    """The HTML of the live view (``dmoe/monitor/index.html``)."""
+    return resources.files(__package__).joinpath("index.html").read_bytes()
+
+
+class MonitorServer:
+    """Serves the page at ``/`` and ``monitor.snapshot()`` as JSON at ``/api/swarm``, from a daemon thread.
+
+    Args:
+        monitor: whose snapshots to serve.
+        host, port: where to listen (port 0: a free one; see :attr:`endpoint` once started).
+    """
+
+    def __init__(self, monitor: SwarmMonitor, host: str = "127.0.0.1", port: int = 0):
+        self.monitor = monitor
+        html = page()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+                path = self.path.split("?", 1)[0]
+                if path in ("/", "/index.html"):
+                    self._send(html, "text/html; charset=utf-8")
+                elif path == "/api/swarm":
+                    self._send(json.dumps(monitor.snapshot()).encode(), "application/json")
+                else:
+                    self.send_error(HTTPStatus.NOT_FOUND)
+
+            def _send(self, body: bytes, content_type: str) -> None:
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+                logger.debug("%s %s", self.address_string(), format % args)
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.endpoint = f"{shown}:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="dmoe-monitor-http", daemon=True)
+
+    def start(self) -> "MonitorServer":
+        """Starts answering requests."""
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stops answering and releases the port."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self) -> "MonitorServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["MonitorServer", "SwarmMonitor", "page"]

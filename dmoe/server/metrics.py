@@ -1,0 +1,203 @@
+"""Prometheus metrics of one expert server: requests, latency, batches, queues, errors and optimizer steps.
+
+Each :class:`ServerMetrics` owns its own ``CollectorRegistry`` (never the process-wide default), so several
+servers can live in one process, as they do in tests. Scrape ``http://HOST:PORT/metrics`` once
+:meth:`ServerMetrics.serve` has started the endpoint.
+
+Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
+    dmoe_requests_total{expert, method, code}      calls answered, by gRPC status code (OK, INVALID_ARGUMENT, ...)
+    dmoe_request_seconds{expert, method}            histogram of the time from receiving a call to answering it
+    dmoe_batch_rows{expert, method}                 histogram of rows per batch the runtime ran
+    dmoe_batch_seconds{expert, method}              histogram of compute time per batch
+    dmoe_queue_wait_seconds{expert, method}         histogram of time requests waited in their task pool
+    dmoe_batch_errors_total{expert, method}         batches whose compute raised
+    dmoe_optimizer_steps_total{expert}              optimizer steps applied (one per backward batch)
+    dmoe_queue_length{expert, method}               requests waiting now (read at scrape time)
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from dmoe.server.servicer import ExpertServicer, HostedExpert
+    from dmoe.server.task_pool import Task, TaskPool
+
+logger = logging.getLogger(__name__)
+
+UNKNOWN_EXPERT = "unknown"  # label for calls naming an expert this server does not host (bounds the label set)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _QueueLengths(Collector):
+    """Reads every task pool's length when scraped, so nothing is updated on the hot path."""
+
+    def __init__(self, pools: Callable[[], Iterable[tuple[str, str, "TaskPool"]]]):
+        self._pools = pools
+
+    def collect(self):
+        gauge = GaugeMetricFamily("dmoe_queue_length", "requests waiting in a task pool", labels=["expert", "method"])
+        for uid, method, pool in self._pools():
+            gauge.add_metric([uid, method], len(pool))
+        yield gauge
+
+
+class ServerMetrics:
+    """The metrics of one server, in a registry of its own.
+
+    Args:
+        experts: uid -> hosted expert, as the servicer holds them (their pools give queue lengths and tell
+            which batch belongs to which expert).
+
+    Wire it up with :meth:`instrument` (the servicer's calls) and :meth:`observe_batch` (the runtime's
+    batches); :meth:`serve` exposes the registry over HTTP and :meth:`close` stops that endpoint.
+    """
+
+    def __init__(self, experts: dict[str, "HostedExpert"]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.experts = experts
+        self._pool_labels: dict[int, tuple[str, str, bool]] = {}
+        for uid, expert in experts.items():
+            self._pool_labels[id(expert.forward_pool)] = (uid, "forward", False)
+            self._pool_labels[id(expert.backward_pool)] = (uid, "backward", expert.backend.optimizer is not None)
+        labels = ["expert", "method"]
+        self.requests = Counter("dmoe_requests", "calls answered, by gRPC status code", labels + ["code"],
+                                registry=self.registry)
+        self.request_seconds = Histogram("dmoe_request_seconds", "time from receiving a call to answering it",
+                                         labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_rows = Histogram("dmoe_batch_rows", "rows per batch the runtime ran", labels,
+                                    buckets=ROW_BUCKETS, registry=self.registry)
+        self.batch_seconds = Histogram("dmoe_batch_seconds", "compute time per batch", labels,
+                                       buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_wait_seconds = Histogram("dmoe_queue_wait_seconds", "time requests waited in their task pool",
+                                            labels, buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_errors = Counter("dmoe_batch_errors", "batches whose compute raised", labels,
+                                    registry=self.registry)
+        self.optimizer_steps = Counter("dmoe_optimizer_steps", "optimizer steps applied to an expert", ["expert"],
+                                       registry=self.registry)
+        self.registry.register(_QueueLengths(self._pools))
+        self._http = None
+        self._http_thread: threading.Thread | None = None
+        self.endpoint: str | None = None
+
+    def _pools(self) -> Iterable[tuple[str, str, "TaskPool"]]:
+        for uid, expert in self.experts.items():
+            yield uid, "forward", expert.forward_pool
+            yield uid, "backward", expert.backward_pool
+
+    # ---- runtime side ----
+    def observe_batch(self, pool: "TaskPool", batch: Sequence["Task"], started: float, seconds: float,
+                      error: BaseException | None) -> None:
+        """Records one batch the runtime ran (``started``: ``time.monotonic()`` when compute began)."""
+        labels = self._pool_labels.get(id(pool))
+        if labels is None:
+            return
+        uid, method, steps = labels
+        for task in batch:
+            self.queue_wait_seconds.labels(uid, method).observe(max(0.0, started - task.created))
+        if error is not None:
+            self.batch_errors.labels(uid, method).inc()
+            return
+        self.batch_rows.labels(uid, method).observe(sum(task.rows for task in batch))
+        self.batch_seconds.labels(uid, method).observe(seconds)
+        if steps:
+            self.optimizer_steps.labels(uid).inc()
+
+    # ---- servicer side ----
+    def _expert_label(self, uid: str) -> str:
+        return uid if uid in self.experts else UNKNOWN_EXPERT
+
+    def _record(self, uid: str, method: str, context: Any, started: float, error: BaseException | None) -> None:
+        if error is None:
+            code = grpc.StatusCode.OK
+        else:
+            code = _status_code(context) or grpc.StatusCode.UNKNOWN
+        label = self._expert_label(uid)
+        self.requests.labels(label, method, code.name).inc()
+        self.request_seconds.labels(label, method).observe(time.monotonic() - started)
+
+    def instrument(self, servicer: "ExpertServicer") -> None:
+        """Wraps the servicer's forward/backward handlers (unary and streamed) on the instance to count them.
+
+        Call before the servicer is added to a gRPC server (handlers are looked up when it is added).
+        """
+        for method in ("forward", "backward"):
+            setattr(servicer, method, self._wrap_unary(getattr(servicer, method), method))
+            stream = f"{method}_stream"
+            setattr(servicer, stream, self._wrap_stream(getattr(servicer, stream), method))
+
+    def _wrap_unary(self, handler: Callable, method: str) -> Callable:
+        @functools.wraps(handler)
+        async def counted(request, context):
+            started, error = time.monotonic(), None
+            try:
+                return await handler(request, context)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                self._record(request.uid, method, context, started, error)
+        return counted
+
+    def _wrap_stream(self, handler: Callable, method: str) -> Callable:
+        @functools.wraps(handler)
+        async def counted(request_iterator, context) -> AsyncIterator:
+            started, error, uid = time.monotonic(), None, [""]
+
+            async def remember_uid():
+                async for message in request_iterator:
+                    if not uid[0]:
+                        uid[0] = message.uid
+                    yield message
+            try:
+                async for response in handler(remember_uid(), context):
+                    yield response
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                self._record(uid[0], method, context, started, error)
+        return counted
+
+    # ---- HTTP endpoint ----
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serves ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; returns ``HOST:PORT``."""
+        if self._http is not None:
+            raise RuntimeError("the metrics endpoint is running already")
+        self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
+        bound_port = self._http.server_address[1]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.endpoint = f"{shown}:{bound_port}"
+        logger.info("metrics on http://%s/metrics", self.endpoint)
+        return self.endpoint
+
+    def close(self) -> None:
+        """Stops the HTTP endpoint (if serving); safe to call twice."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            if self._http_thread is not None:
+                self._http_thread.join(5)
+            self._http = None
+
+
+def _status_code(context: Any) -> grpc.StatusCode | None:
+    """The status an aborted handler set, where the context can tell (grpc.aio's does)."""
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - contexts of tests or older grpc may not know
+        return None
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        return next((c for c in grpc.StatusCode if c.value[0] == code), None)
+    return None

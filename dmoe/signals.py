@@ -1,0 +1,47 @@
+"""A clean, fast Ctrl-C for programs whose main thread waits while other threads (gRPC, torch, DHT) work."""
+from __future__ import annotations
+
+import signal
+import socket
+
+
+class StopSignals:
+    """Waits in the main thread for SIGINT or SIGTERM, whichever thread of the process the kernel hands it to.
+
+    An Event set from a Python signal handler is not enough: when the signal lands on a gRPC or torch thread, the
+    main thread blocked in ``Event.wait()`` is never interrupted, so the handler never runs. The C-level handler
+    writes to the wakeup fd no matter which thread caught the signal, and reading that fd wakes the main thread.
+
+    Use from the main thread::
+
+        with StopSignals() as stop, server:
+            signum = stop.wait()
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self) -> "StopSignals":
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
+        self.received: list[int] = []
+        self._old_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._old_handlers = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
+                              for s in self.SIGNALS}
+        return self
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Blocks until a stop signal arrives and returns its number; None if ``timeout`` seconds pass first."""
+        self._reader.settimeout(timeout)
+        while not self.received:
+            try:
+                self._reader.recv(64)  # the Python handler has run by the time the next line executes
+            except TimeoutError:
+                return None
+        return self.received[0]
+
+    def __exit__(self, *exc) -> None:
+        signal.set_wakeup_fd(self._old_fd)
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler)
+        self._reader.close()
+        self._writer.close()

@@ -1,0 +1,172 @@
+"""Config files for dmoe programs, choosing experts by count on a grid, and the programs' flag errors."""
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import pytest
+
+from clients import train
+from dmoe.config import parse_args
+from dmoe.monitor import __main__ as monitor_program
+from dmoe.swarm import alive_experts, choose_experts
+from servers import run_server
+from tests.procs import running
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_server_config_file_sets_flags_with_dashes_or_underscores_and_flags_override_it(tmp_path):
+    path = write(tmp_path, """
+experts = "ffn0.[0:2].[0:2]"
+hidden-dim = 16
+initial_peers = ["127.0.0.1:1234"]
+expert-kwargs = { }
+reject-nonfinite = false
+lr = 1
+optimizer = "sgd"
+""")
+    args = parse_args(run_server.build_parser(), ["--config", path, "--lr", "0.5", "--hidden-dim", "32"])
+    assert args.experts == "ffn0.[0:2].[0:2]"      # required flag, given by the file
+    assert args.initial_peers == ["127.0.0.1:1234"] and args.optimizer == "sgd"
+    assert args.reject_nonfinite is False and args.expert_kwargs == {}
+    assert args.lr == 0.5 and args.hidden_dim == 32   # the command line wins
+    assert not hasattr(args, "config")
+
+
+@pytest.mark.parametrize("text, named, allowed", [
+    ("hiden_dim = 3", "'hiden_dim'", "allowed keys:"),
+    ("hidden_dim = -3", "'hidden_dim'", "positive integer"),
+    ("hidden-dim = 'wide'", "'hidden-dim'", "expected positive_int"),
+    ('optimizer = "lion"', "'optimizer'", "adam, sgd"),
+    ("reject_nonfinite = 3", "'reject_nonfinite'", "true or false"),
+    ("port = [1, 2]", "'port'", "a single value"),
+    ("experts =", "not valid TOML", "line 1"),
+])
+def test_bad_config_keys_and_values_fail_with_one_line_naming_the_key(tmp_path, capsys, text, named, allowed):
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        run_server.main(["--config", path])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"dmoe-server: error: config {path}: ")
+    assert named in err and allowed in err
+
+
+def test_missing_config_file_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_server.main(["--config", str(tmp_path / "nope.toml")])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read it" in err
+
+
+def test_trainer_config_file_with_tuples_and_booleans(tmp_path, capsys):
+    path = write(tmp_path, 'steps = 5\ngrid = [2, 2]\nresume = true\nexperts = "remote"\n'
+                           'initial-peers = ["1.2.3.4:5"]\n')
+    config = train.parse_config(["--config", path, "--steps", "7"])
+    assert (config.steps, config.grid, config.resume, config.initial_peers) == (7, (2, 2), True, ("1.2.3.4:5",))
+    with pytest.raises(SystemExit):
+        train.parse_config(["--config", write(tmp_path, "grid = [2, 0]\n")])
+    assert "key 'grid': must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--num-experts", "4", "--layer", "ffn0"], "--grid"),
+    (["--num-experts", "4", "--grid", "2", "2"], "--layer"),
+    (["--num-experts", "5", "--grid", "2", "2", "--layer", "ffn0"], "--num-experts"),
+    (["--num-experts", "2", "--grid", "2", "2", "--layer", "ffn.0"], "--layer"),
+    (["--experts", "ffn.0", "--num-experts", "2"], "--experts"),
+    (["--experts", "ffn.0", "--grid", "2"], "--grid"),
+    (["--experts", "ffn.0", "--metrics-port", "-1"], "--metrics-port"),
+    (["--experts", "ffn.0", "--log-level", "chatty"], "--log-level"),
+    (["--experts", "ffn.0", "--initial-peers", "nowhere"], "--initial-peers"),
+])
+def test_server_rejects_bad_placement_and_operator_flags_naming_them(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_server.main(flags)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_every_server_and_trainer_flag_has_help():
+    for parser in (run_server.build_parser(), train.build_parser(), monitor_program.build_parser()):
+        missing = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+        assert not missing, f"{parser.prog}: flags without help: {missing}"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--grid", "4", "0"], "--grid"),
+    (["--layers", "ffn.0"], "--layers"),
+    (["--initial-peers", "nowhere"], "--initial-peers"),
+    (["--port", "70000"], "--port"),
+    (["--period", "0"], "--period"),
+    ([], "--initial-peers"),
+])
+def test_monitor_rejects_bad_flags_naming_them(flags, named, capsys):
+    argv = flags if "--initial-peers" in flags or not flags else ["--initial-peers", "127.0.0.1:1", *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        monitor_program.main(argv)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_choose_experts_takes_free_cells_first_then_replicates():
+    taken = {"ffn0.0.0", "ffn0.0.1", "ffn0.1.0"}
+    chosen = choose_experts(["ffn0"], (2, 2), 1, taken, random.Random(0))
+    assert chosen == ["ffn0.1.1"]
+    chosen = choose_experts(["ffn0", "ffn1"], (2, 2), 2, taken, random.Random(0))
+    assert chosen[0] == "ffn0.1.1" and chosen[1] in taken and len(set(chosen[2:])) == 2
+    with pytest.raises(ValueError):
+        choose_experts(["ffn0"], (2, 2), 5)
+
+
+class FakeDHT:
+    def __init__(self, endpoints: dict[str, str]):
+        self.endpoints = endpoints
+        self.calls = 0
+
+    def get_alive_continuations(self, prefixes):
+        self.calls += 1
+        result = {}
+        for prefix in prefixes:
+            depth = prefix.count(".") + 1
+            result[prefix] = {int(uid.split(".")[depth]): endpoint for uid, endpoint in self.endpoints.items()
+                              if uid.startswith(prefix + ".")}
+        return result
+
+
+def test_alive_experts_walks_one_dimension_per_lookup_and_ignores_cells_outside_the_grid():
+    dht = FakeDHT({"ffn0.0.1": "a:1", "ffn0.3.0": "b:2", "ffn0.1.9": "c:3", "ffn1.0.0": "d:4"})
+    assert alive_experts(dht, "ffn0", (4, 4)) == {"ffn0.0.1": "a:1", "ffn0.3.0": "b:2"}
+    assert dht.calls == 2
+
+
+def test_num_experts_server_fills_the_cells_a_first_server_left_free():
+    with running("-m", "dmoe.dht", "--port", "0") as dht:
+        common = ["-m", "servers.run_server", "--hidden-dim", "8", "--expert-cls", "nop",
+                  "--initial-peers", dht.endpoint()]
+        with running(*common, "--experts", "ffn0.0.[0:2]") as first:
+            first.endpoint()  # printed once its experts are declared
+            with running(*common, "--num-experts", "2", "--grid", "2", "2", "--layer", "ffn0") as second:
+                second.endpoint()
+                (line,) = [line for line in second.output if "chose 2 experts" in line]
+                assert sorted(line.split(": ")[-1].strip().split(", ")) == ["ffn0.1.0", "ffn0.1.1"]
+                second.popen.send_signal(signal.SIGINT)
+                started = time.monotonic()
+                assert second.popen.wait(30) == 0
+                assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_dht_program_exits_promptly_on_signal(signum):
+    with running("-m", "dmoe.dht", "--port", "0") as dht:
+        dht.endpoint()
+        started = time.monotonic()
+        dht.popen.send_signal(signum)
+        assert dht.popen.wait(30) == 0
+        assert time.monotonic() - started < 10  # generous: the CI machine is shared; a hang would take 30

@@ -1,0 +1,86 @@
+"""Prometheus metrics of an expert server, scraped from a real dmoe-server process."""
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from dmoe.client import RemoteExpertError, backward_future, forward_future
+from dmoe.server import ExpertServer, ServerConfig
+from tests.procs import running
+
+
+def scrape(endpoint: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, sorted labels) -> value, from http://endpoint/metrics."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_server_process_started_from_a_config_file_counts_requests_batches_errors_and_steps(tmp_path):
+    config = tmp_path / "server.toml"
+    config.write_text('experts = "ffn0.[0:2]"\nhidden-dim = 8\nmetrics-port = 0\noptimizer = "sgd"\n')
+    with running("-m", "servers.run_server", "--config", str(config), "--max-batch-size", "64") as proc:
+        metrics = proc.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
+        endpoint = proc.endpoint()
+        x, grad = torch.randn(5, 8), torch.randn(5, 8)
+        for _ in range(2):
+            forward_future(endpoint, "ffn0.0", [x]).result(30)
+        forward_future(endpoint, "ffn0.0", [x], unary_limit=0).result(30)  # streamed: counted the same
+        backward_future(endpoint, "ffn0.0", [x], [grad]).result(30)
+        backward_future(endpoint, "ffn0.0", [x], [grad]).result(30)
+        with pytest.raises(RemoteExpertError):  # wrong width: refused before compute
+            forward_future(endpoint, "ffn0.1", [torch.randn(2, 3)]).result(30)
+        with pytest.raises(RemoteExpertError):
+            forward_future(endpoint, "ffn0.9", [x]).result(30)
+        with pytest.raises(RemoteExpertError):  # more rows than --max-batch-size
+            forward_future(endpoint, "ffn0.1", [torch.randn(65, 8)]).result(30)
+        samples = scrape(metrics)
+
+    assert value(samples, "dmoe_requests_total", expert="ffn0.0", method="forward", code="OK") == 3
+    assert value(samples, "dmoe_requests_total", expert="ffn0.0", method="backward", code="OK") == 2
+    assert value(samples, "dmoe_requests_total", expert="ffn0.1", method="forward", code="INVALID_ARGUMENT") == 1
+    assert value(samples, "dmoe_requests_total", expert="ffn0.1", method="forward", code="RESOURCE_EXHAUSTED") == 1
+    assert value(samples, "dmoe_requests_total", expert="unknown", method="forward", code="NOT_FOUND") == 1
+    assert value(samples, "dmoe_request_seconds_count", expert="ffn0.0", method="forward") == 3
+    assert value(samples, "dmoe_batch_rows_sum", expert="ffn0.0", method="forward") == 15
+    assert value(samples, "dmoe_batch_rows_count", expert="ffn0.0", method="backward") == 2
+    assert value(samples, "dmoe_optimizer_steps_total", expert="ffn0.0") == 2
+    assert value(samples, "dmoe_optimizer_steps_total", expert="ffn0.1") == 0
+    assert value(samples, "dmoe_queue_wait_seconds_count", expert="ffn0.0", method="forward") == 3
+    assert ("dmoe_queue_length", (("expert", "ffn0.1"), ("method", "backward"))) in samples
+    assert value(samples, "dmoe_batch_errors_total", expert="ffn0.0", method="forward") == 0
+
+
+def test_two_in_process_servers_keep_separate_registries_and_batch_errors_are_counted():
+    configs = [ServerConfig(device="cpu", metrics_port=0) for _ in range(2)]
+    with ExpertServer.create("a.[0:2]", "ffn", 4, config=configs[0]) as first, \
+            ExpertServer.create("a.[0:2]", "ffn", 4, config=configs[1]) as second:
+        boom = first.servicer.experts["a.0"].forward_pool
+        boom.process = lambda *inputs: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(RemoteExpertError, match="boom"):
+            forward_future(first.endpoint, "a.0", [torch.randn(2, 4)]).result(30)
+        forward_future(second.endpoint, "a.1", [torch.randn(2, 4)]).result(30)
+        one, two = scrape(first.metrics.endpoint), scrape(second.metrics.endpoint)
+    assert value(one, "dmoe_batch_errors_total", expert="a.0", method="forward") == 1
+    assert value(one, "dmoe_requests_total", expert="a.0", method="forward", code="INTERNAL") == 1
+    assert value(one, "dmoe_requests_total", expert="a.1", method="forward", code="OK") == 0
+    assert value(two, "dmoe_requests_total", expert="a.1", method="forward", code="OK") == 1
+    assert value(two, "dmoe_batch_errors_total", expert="a.0", method="forward") == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the endpoint is gone once the server closed
+        try:
+            scrape(first.metrics.endpoint or "")
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the metrics endpoint kept answering after close()")

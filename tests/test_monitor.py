@@ -1,0 +1,142 @@
+"""dmoe-monitor against a real local swarm: its JSON, and its page rendered by a real headless browser."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+from dmoe.client import backward_future, forward_future
+from dmoe.launch import LocalSwarm, SwarmConfig
+from tests.procs import Proc
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+LAYERS, GRID, HIDDEN = ("ffn0", "ffn1"), (4, 4), 8
+
+
+def browser() -> str | None:
+    return next((path for name in BROWSERS if (path := shutil.which(name))), None)
+
+
+@pytest.fixture(scope="module")
+def swarm_and_monitor():
+    """Two servers (ffn0/ffn1 rows 0-1 and 2-3) refreshing every second, records expiring after 4 s; a monitor."""
+    config = SwarmConfig(layers=LAYERS, grid=GRID, n_servers=2, hidden_dim=HIDDEN,
+                         server_args=("--refresh-period", "1", "--expiration", "4"))
+    with LocalSwarm(config) as swarm:
+        monitor = Proc(["-m", "dmoe.monitor", "--initial-peers", swarm.initial_peers, "--layers", *LAYERS,
+                        "--grid", *map(str, GRID), "--period", "0.5"])
+        try:
+            yield swarm, monitor.endpoint()
+        finally:
+            assert monitor.stop() == 0, "dmoe-monitor did not exit cleanly on SIGINT"
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.2):
+    """Returns condition()'s first truthy value; fails naming ``what`` (and the last value) after ``timeout`` s."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last and last[0]:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}; last seen: {last and last[1]}")
+
+
+def test_monitor_json_shows_every_alive_expert_its_server_and_its_calls(swarm_and_monitor):
+    swarm, monitor = swarm_and_monitor
+    x, grad = torch.randn(3, HIDDEN), torch.randn(3, HIDDEN)
+    for _ in range(2):
+        forward_future(swarm.server_endpoints[0], "ffn0.1.2", [x]).result(30)
+    backward_future(swarm.server_endpoints[0], "ffn0.1.2", [x], [grad]).result(30)
+
+    def seen():
+        view = get_json(f"http://{monitor}/api/swarm")
+        expert = view["layers"][0]["experts"].get("ffn0.1.2", {})
+        alive = [layer["alive"] for layer in view["layers"]]
+        done = alive == [16, 16] and expert.get("forward_calls") == 2 and expert.get("backward_calls") == 1
+        return done, f"alive per layer {alive}, ffn0.1.2: {expert}"
+    wait_until(seen, 60, "all 32 experts and the calls of ffn0.1.2")
+    view = get_json(f"http://{monitor}/api/swarm")
+    assert view["layers"][0]["experts"]["ffn0.1.2"]["endpoint"] == swarm.server_endpoints[0]
+    assert view["layers"][1]["experts"]["ffn1.3.0"]["endpoint"] == swarm.server_endpoints[1]
+    servers = {server["endpoint"]: server for server in view["servers"]}
+    assert set(servers) == set(swarm.server_endpoints)
+    assert all(server["experts"] == 16 and server["latency_ms"] is not None for server in servers.values())
+    assert len({server["color"] for server in servers.values()}) == 2
+
+
+class Cells(HTMLParser):
+    """Collects the page's grid cells (uid -> attributes) and the endpoints in its server legend."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.cells: dict[str, dict[str, str]] = {}
+        self.legend: list[str] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        attributes = {key: value or "" for key, value in attrs}
+        if "cell" in attributes.get("class", "").split() and "data-uid" in attributes:
+            self.cells[attributes["data-uid"]] = attributes
+        if tag == "tr" and "server" in attributes.get("class", "").split():
+            self.legend.append(attributes.get("data-endpoint", ""))
+
+    def __repr__(self) -> str:
+        states: dict[str, int] = {}
+        for cell in self.cells.values():
+            states[cell.get("data-state", "?")] = states.get(cell.get("data-state", "?"), 0) + 1
+        return f"<page: cells {states}, legend {self.legend}>"
+
+
+def render(executable: str, url: str, user_data_dir, *extra: str) -> subprocess.CompletedProcess:
+    command = [executable, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+               f"--user-data-dir={user_data_dir}", "--virtual-time-budget=3000", "--window-size=1400,800",
+               *extra, url]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.skipif(browser() is None, reason=f"no headless browser installed (looked for {', '.join(BROWSERS)} "
+                                              "on PATH; on Debian: apt-get install chromium)")
+def test_page_in_a_headless_browser_draws_the_grid_and_drops_a_dead_servers_experts(swarm_and_monitor, tmp_path):
+    executable = browser()
+    swarm, monitor = swarm_and_monitor
+    url = f"http://{monitor}/"
+
+    def page():
+        result = render(executable, url, tmp_path / "profile", "--dump-dom")
+        assert result.returncode == 0, result.stderr[-2000:]
+        return Cells(result.stdout)
+
+    def all_alive():
+        cells = page()
+        states = [cells.cells.get(uid, {}).get("data-state") for uid in expected]
+        return states == ["alive"] * len(expected) and sorted(cells.legend) == sorted(swarm.server_endpoints), cells
+
+    expected = [f"{layer}.{i}.{j}" for layer in LAYERS for i in range(GRID[0]) for j in range(GRID[1])]
+    _, cells = wait_until(all_alive, 60, "a page with all 32 experts alive")
+    hosted_by_second = [uid for uid in expected if int(uid.split(".")[1]) >= 2]
+    assert {cells.cells[uid]["data-endpoint"] for uid in hosted_by_second} == {swarm.server_endpoints[1]}
+    assert "calls/s" in cells.cells["ffn0.0.0"]["title"]
+
+    dead_endpoint = swarm.server_endpoints[1]
+    swarm.servers[1].kill()  # SIGKILL: no goodbye, its records just stop being refreshed
+
+    def second_gone():
+        cells = page()
+        states = {cells.cells.get(uid, {}).get("data-state") for uid in hosted_by_second}
+        survivors = {cells.cells.get(uid, {}).get("data-state") for uid in expected if uid not in hosted_by_second}
+        return states == {"dead"} and survivors == {"alive"} and cells.legend == [swarm.server_endpoints[0]], cells
+    _, cells = wait_until(second_gone, 60, f"the experts of the killed server {dead_endpoint} to disappear")
+    assert dead_endpoint not in json.dumps(get_json(f"http://{monitor}/api/swarm"))
