@@ -1,0 +1,264 @@
+"""Checkpoints of a server's experts: parameters, optimizer and scheduler state, saved often and atomically.
+
+One file per server (``DIR/experts.pt``) rather than one per expert: a single ``os.replace`` then publishes a
+snapshot of every expert taken at one instant, so a restarted server never mixes experts from different moments,
+and a directory can be checked against the experts requested in one read. The snapshot is copied to host memory
+while holding the runtime's compute lock (no optimizer step can run halfway through it) and written afterwards,
+so compute only pauses for the copy, not for the disk.
+
+A write goes to a temporary file in the same directory, is fsynced, renamed over the old checkpoint, and the
+directory is fsynced: a crash at any moment leaves either the old checkpoint or the new one, never half of one.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from dmoe.server.backend import ExpertBackend
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "dmoe-experts-checkpoint"
+VERSION = 1
+FILENAME = "experts.pt"
+TMP_SUFFIX = ".tmp"
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint in the directory was saved for other experts than the ones this server was asked to host."""
+
+
+class CorruptCheckpoint(ValueError):
+    """The checkpoint file exists but cannot be read (not written by dmoe, or damaged on disk)."""
+
+
+def describe(backend: ExpertBackend) -> dict[str, Any]:
+    """What must be equal between a checkpoint and a server for the checkpoint to be loaded into it."""
+    return {
+        "expert_cls": backend.expert_cls,
+        # the seed only chose the initial weights, which the checkpoint replaces: it may differ
+        "hparams_json": json.dumps({k: v for k, v in backend.hparams.items() if k != "seed"}, sort_keys=True,
+                                   default=str),
+        "inputs": [[list(s.shape), s.dtype] for s in backend.inputs_schema],
+        "outputs": [[list(s.shape), s.dtype] for s in backend.outputs_schema],
+        "parameters": {name: list(t.shape) for name, t in backend.module.state_dict().items()},
+    }
+
+
+def _to_host(value: Any) -> Any:
+    """A deep copy with every tensor cloned to CPU memory: later optimizer steps cannot change it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(v) for v in value)
+    return value
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Temp file in the same directory, fsync, rename over ``path``, fsync the directory."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+class Checkpoints:
+    """Saves ``backends`` to ``directory`` every ``interval`` seconds from a thread it owns, and once on ``close()``.
+
+    Args:
+        directory: created if missing; holds ``experts.pt`` (and, only while a write is in progress, a temp file).
+        backends: uid -> backend, the experts of one server.
+        compute_lock: held while the state is copied; the runtime holds it while it runs a batch, so a
+            snapshot never sees half of an optimizer step. None when nothing computes concurrently.
+        interval: seconds between periodic saves; None or 0 saves only on ``close()``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, backends: Mapping[str, ExpertBackend], *,
+                 compute_lock: threading.Lock | None = None, interval: float | None = 60.0):
+        self.directory = Path(directory)
+        self.path = self.directory / FILENAME
+        self.backends = dict(backends)
+        self.compute_lock = compute_lock
+        self.interval = interval
+        self.saves = 0
+        self.last_saved: float | None = None  # time.time() of the last snapshot written
+        self._stop = threading.Event()
+        self._save_lock = threading.Lock()  # the timer thread and close() never write at the same time
+        self._thread: threading.Thread | None = None
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    # ---- restoring ----
+    def read(self) -> dict[str, Any] | None:
+        """The checkpoint's contents (on CPU), or None when there is none yet; raises CorruptCheckpoint."""
+        if not self.path.exists():
+            return None
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise CorruptCheckpoint(f"{self.path} cannot be read ({type(error).__name__}: {error}); move it away "
+                                    "to start these experts from scratch") from None
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise CorruptCheckpoint(f"{self.path} is not a dmoe experts checkpoint")
+        if state.get("version") != VERSION:
+            raise CorruptCheckpoint(f"{self.path} has format version {state.get('version')}, "
+                                    f"this dmoe reads version {VERSION}")
+        return state
+
+    def check(self, state: dict[str, Any]) -> None:
+        """Raises CheckpointMismatch naming every difference between the checkpoint and the requested experts."""
+        saved = state["experts"]
+        missing = sorted(set(self.backends) - set(saved))
+        extra = sorted(set(saved) - set(self.backends))
+        problems = []
+        if missing or extra:
+            problems.append(f"uids differ: the checkpoint holds {state['pattern']}, this server asks for "
+                            f"{_pattern(self.backends)}"
+                            + (f"; not in the checkpoint: {_some(missing)}" if missing else "")
+                            + (f"; only in the checkpoint: {_some(extra)}" if extra else ""))
+        shared = sorted(set(saved) & set(self.backends))
+        by_difference: dict[str, list[str]] = {}  # the same change usually applies to every expert: say it once
+        for uid in shared:
+            want, have = describe(self.backends[uid]), saved[uid]["description"]
+            for key in ("expert_cls", "hparams_json", "inputs", "outputs", "parameters"):
+                if want[key] != have[key]:
+                    by_difference.setdefault(_difference(key, have[key], want[key]), []).append(uid)
+        for difference, uids in by_difference.items():
+            who = f"all {len(uids)} experts" if len(uids) == len(shared) else _some(uids)
+            problems.append(f"{difference} ({who})")
+        if problems:
+            raise CheckpointMismatch(f"checkpoint {self.path} does not match the experts requested: "
+                                     + "; ".join(problems))
+
+    def restore(self) -> bool:
+        """Loads every expert from the checkpoint if there is one (True), after checking that it matches."""
+        self._remove_stale_temp_files()
+        state = self.read()
+        if state is None:
+            logger.info("no checkpoint in %s yet: experts start from their initial weights", self.directory)
+            return False
+        self.check(state)
+        for uid, backend in self.backends.items():
+            saved = state["experts"][uid]
+            device = next((p.device for p in backend.module.parameters()), torch.device("cpu"))
+            backend.load_state_dict(_to_device(saved["state"], device))
+            backend.forward_calls = saved.get("forward_calls", 0)
+            backend.backward_calls = saved.get("backward_calls", 0)
+        logger.info("restored %d experts from %s (saved %.1f s ago)", len(self.backends), self.path,
+                    time.time() - state["saved_at"])
+        return True
+
+    def _remove_stale_temp_files(self) -> None:
+        # a temp file is left behind only by a process killed mid-write: it is never read, only removed
+        for stale in self.directory.glob(f"{FILENAME}.*{TMP_SUFFIX}"):
+            logger.info("removing %s, left by a write that did not finish", stale)
+            stale.unlink(missing_ok=True)
+
+    # ---- saving ----
+    def snapshot(self) -> dict[str, Any]:
+        """A consistent copy of every expert's state in host memory."""
+        experts = {}
+        with self.compute_lock if self.compute_lock is not None else contextlib.nullcontext():
+            for uid, backend in self.backends.items():
+                experts[uid] = {"state": _to_host(backend.state_dict()), "description": describe(backend),
+                                "forward_calls": backend.forward_calls, "backward_calls": backend.backward_calls}
+        return {"format": FORMAT, "version": VERSION, "saved_at": time.time(), "pattern": _pattern(self.backends),
+                "experts": experts}
+
+    def save(self) -> Path:
+        """Takes a snapshot and writes it atomically; returns the checkpoint's path."""
+        with self._save_lock:
+            state = self.snapshot()
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            write_atomically(self.path, buffer.getvalue())
+            self.saves += 1
+            self.last_saved = state["saved_at"]
+        logger.debug("checkpoint %d written to %s", self.saves, self.path)
+        return self.path
+
+    def start(self) -> "Checkpoints":
+        """Starts periodic saving (nothing to start when ``interval`` is None or 0)."""
+        if self.interval and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dmoe-checkpoints", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.save()
+            except Exception:  # a full disk must not stop the server; the next period tries again
+                logger.exception("could not write the checkpoint to %s", self.path)
+
+    def close(self, save: bool = True) -> None:
+        """Stops the timer thread, then (by default) writes a last checkpoint."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if save:
+            self.save()
+            logger.info("final checkpoint written to %s", self.path)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def _some(uids: list[str], limit: int = 5) -> str:
+    return ", ".join(uids[:limit]) + (f" and {len(uids) - limit} more" if len(uids) > limit else "")
+
+
+def _pattern(backends: Mapping[str, ExpertBackend]) -> str:
+    uids = sorted(backends)
+    return f"1 expert {uids[0]}" if len(uids) == 1 else f"{len(uids)} experts {uids[0]} .. {uids[-1]}"
+
+
+def _difference(key: str, saved: Any, wanted: Any) -> str:
+    if key == "parameters":
+        changed = [f"{name} {saved.get(name, 'absent')} -> {wanted.get(name, 'absent')}"
+                   for name in sorted(set(saved) | set(wanted)) if saved.get(name) != wanted.get(name)]
+        return "parameter shapes differ (checkpoint -> requested): " + ", ".join(changed[:4]) + (
+            f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    if key == "hparams_json":
+        old, new = json.loads(saved), json.loads(wanted)
+        changed = [f"{name} was {old.get(name)!r}, now {new.get(name)!r}"
+                   for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+        return "hyperparameters differ: " + ", ".join(changed)
+    label = {"expert_cls": "expert class", "inputs": "input schema", "outputs": "output schema"}[key]
+    return f"{label} was {saved!r}, now {wanted!r}"

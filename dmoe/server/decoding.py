@@ -1,0 +1,67 @@
+"""Bytes that do not parse as the request message get INVALID_ARGUMENT, not gRPC's bare UNKNOWN.
+
+grpc.aio turns an exception raised by a request deserializer into ``UNKNOWN: Unexpected DecodeError``, which
+reads like a server bug. This interceptor makes deserialization total (junk becomes an :class:`Undecodable`
+value) and answers such a request with INVALID_ARGUMENT naming the message type, before any handler runs.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+
+
+class Undecodable:
+    """What a request that failed to parse becomes instead of an exception."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def message(self, method: str) -> str:
+        return f"{method}: the request bytes are not a valid message ({type(self.error).__name__}: {self.error})"
+
+
+def _total(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as error:  # whatever the parser raises on junk
+            return Undecodable(error)
+
+    return parse
+
+
+class RejectUndecodable(grpc.aio.ServerInterceptor):
+    """Server interceptor for unary-unary and stream-stream methods (the ones ExpertService has)."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method, parse = details.method, _total(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary_unary(request, context):
+                if isinstance(request, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+                return await behavior(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=parse,
+                                                       response_serializer=handler.response_serializer)
+        if handler.stream_stream is not None:
+            behavior = handler.stream_stream
+
+            async def stream_stream(requests: AsyncIterator, context):
+                async def checked():
+                    async for request in requests:
+                        if isinstance(request, Undecodable):
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+                        yield request
+
+                async for response in behavior(checked(), context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=parse,
+                                                         response_serializer=handler.response_serializer)
+        return handler

@@ -1,0 +1,213 @@
+"""Expert checkpoints: a server killed with SIGKILL comes back with its experts as last saved, never half-written."""
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from dmoe.client.remote_expert import backward_future, expert_info, forward_future
+from dmoe.dht import DHT
+from dmoe.server import ExpertBackend, ExpertServer, ServerConfig, create_expert
+from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint
+from tests.procs import Proc, processes
+
+HIDDEN = 8
+INTERVAL = 0.5
+# a loaded 2-core CI machine may start a periodic write this late (scheduling) and take this long to finish it
+WRITE_SLACK = 2.0
+
+
+def server_args(checkpoint_dir, *extra: str) -> list[str]:
+    return ["-m", "servers.run_server", "--experts", "ck.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
+            "--optimizer", "adam", "--lr", "0.01", "--torch-threads", "1", "--checkpoint-dir", str(checkpoint_dir),
+            "--checkpoint-interval", str(INTERVAL), *extra]
+
+
+def adam_steps(state: dict, uid: str) -> int:
+    """Optimizer steps applied to ``uid`` in a checkpoint: Adam counts them per parameter."""
+    return int(next(iter(state["experts"][uid]["state"]["optimizer"]["state"].values()))["step"])
+
+
+def expert_from(state: dict, uid: str) -> torch.nn.Module:
+    module = create_expert("ffn", HIDDEN)
+    module.load_state_dict(state["experts"][uid]["state"]["module"])
+    return module.eval()
+
+
+def test_killed_server_restarts_from_its_last_checkpoint_losing_at_most_one_interval(tmp_path):
+    x = torch.randn(16, HIDDEN)
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        procs.append(server := Proc(server_args(tmp_path, "--initial-peers", peer)))
+        endpoint = server.endpoint()
+        initial = forward_future(endpoint, "ck.0", [x]).result(timeout=30)[0]
+
+        done_at: list[float] = []  # when each optimizer step's answer arrived
+        stop = threading.Event()
+
+        def train() -> None:
+            while not stop.is_set():
+                try:
+                    backward_future(endpoint, "ck.0", [torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)],
+                                    timeout=10).result()
+                except Exception:  # the kill below ends training mid-call
+                    return
+                done_at.append(time.monotonic())
+
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        deadline = time.monotonic() + 60
+        while (len(done_at) < 20 or time.monotonic() - done_at[0] < 8 * INTERVAL) and time.monotonic() < deadline:
+            time.sleep(0.05)  # training for several intervals, so several checkpoints were written
+        killed_at = time.monotonic()
+        server.kill()
+        stop.set()
+        trainer.join()
+        assert len(done_at) >= 20, "the server trained too slowly to test anything"
+
+        saved = Checkpoints(tmp_path, {}).read()
+        steps = adam_steps(saved, "ck.0")
+        assert steps <= len(done_at)
+        assert steps >= sum(t <= killed_at - INTERVAL - WRITE_SLACK for t in done_at), (steps, len(done_at))
+
+        procs.append(restarted := Proc(server_args(tmp_path, "--initial-peers", peer)))
+        new_endpoint = restarted.endpoint()
+        after = forward_future(new_endpoint, "ck.0", [x]).result(timeout=30)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(after, expert_from(saved, "ck.0")(x))
+        assert not torch.allclose(after, initial), "training changed nothing, so the restore proved nothing"
+        calls = expert_info(new_endpoint, "ck.0", timeout=30)["backward_calls"]
+        assert calls == saved["experts"]["ck.0"]["backward_calls"]
+        assert not list(tmp_path.glob(f"{FILENAME}.*.tmp"))
+
+        with DHT(initial_peers=[peer]) as client:  # re-announced at the new endpoint
+            deadline = time.monotonic() + 30
+            while client.get_experts(["ck.0", "ck.1"]) != [new_endpoint] * 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert client.get_experts(["ck.0", "ck.1"]) == [new_endpoint] * 2
+
+        # a clean shutdown writes a final checkpoint holding every step taken since the last periodic one
+        backward_future(new_endpoint, "ck.1", [torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)]).result(timeout=30)
+        assert restarted.stop() == 0
+        assert adam_steps(Checkpoints(tmp_path, {}).read(), "ck.1") == 1
+
+
+def save_checkpoint(directory, uids="ck.[0:2]", **kwargs) -> None:
+    ExpertServer.create(uids, "ffn", HIDDEN, config=ServerConfig(device="cpu", checkpoint_dir=str(directory)),
+                        **kwargs).checkpoints.save()
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(uids="ck.[0:3]"), "uids differ: the checkpoint holds 2 experts ck.0 .. ck.1, this server asks for "
+                            "3 experts ck.0 .. ck.2; not in the checkpoint: ck.2"),
+    (dict(expert_cls="nop"), "expert class was 'ffn', now 'nop' (all 2 experts)"),
+    (dict(hidden_dim=16), "hidden_dim was 8, now 16"),
+    (dict(hidden_dim=16), "ffn.0.weight [32, 8] -> [64, 16]"),
+    (dict(cls_kwargs={"expansion": 2}), "parameter shapes differ"),
+    (dict(optimizer="sgd"), "optimizer was 'adam', now 'sgd'"),
+])
+def test_checkpoint_of_other_experts_is_refused_naming_the_difference(tmp_path, change, words):
+    save_checkpoint(tmp_path)
+    kwargs = {"uids": "ck.[0:2]", "expert_cls": "ffn", "hidden_dim": HIDDEN, **change}
+    with pytest.raises(CheckpointMismatch) as error:
+        ExpertServer.create(kwargs.pop("uids"), kwargs.pop("expert_cls"), kwargs.pop("hidden_dim"),
+                            config=ServerConfig(device="cpu", checkpoint_dir=str(tmp_path)), **kwargs)
+    assert words in str(error.value)
+
+
+def test_same_experts_with_another_seed_are_restored(tmp_path):
+    save_checkpoint(tmp_path)
+    server = ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, seed=7,
+                                 config=ServerConfig(device="cpu", checkpoint_dir=str(tmp_path)))
+    saved = Checkpoints(tmp_path, {}).read()
+    torch.testing.assert_close(server.backends["ck.1"].module.state_dict(), saved["experts"]["ck.1"]["state"]["module"])
+
+
+def test_dmoe_server_refuses_a_mismatching_checkpoint_with_an_argparse_error(tmp_path):
+    save_checkpoint(tmp_path)
+    proc = Proc(server_args(tmp_path, "--hidden-dim", "16"))
+    assert proc.popen.wait(timeout=120) == 2
+    proc._reader.join(timeout=10)
+    output = "".join(proc.output)
+    assert "argument --checkpoint-dir" in output and "hidden_dim was 8, now 16" in output, output
+
+
+def test_damaged_checkpoint_is_refused_not_loaded(tmp_path):
+    save_checkpoint(tmp_path)
+    path = tmp_path / FILENAME
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # what a non-atomic writer could leave
+    with pytest.raises(CorruptCheckpoint, match="cannot be read"):
+        save_checkpoint(tmp_path)
+
+
+# A child process that fills every parameter with its save counter, then checkpoints, forever, printing each step.
+# With "slow", fsync takes 60 s: a kill on "writing N" then lands after N's bytes went to the temp file, before the
+# rename, every time.
+WRITER = """
+import os, sys, time, torch
+from dmoe.server import ExpertBackend
+from dmoe.server.checkpoints import Checkpoints
+if sys.argv[3] == "slow":
+    fsync = os.fsync
+    os.fsync = lambda fd: (time.sleep(60), fsync(fd))
+module = torch.nn.Linear(1024, 1024)  # 4 MiB per checkpoint: a write takes long enough to be killed inside
+backend = ExpertBackend("big.0", module, [torch.randn(1, 1024)], torch.optim.SGD(module.parameters(), lr=0.1))
+checkpoints = Checkpoints(sys.argv[1], {"big.0": backend})
+i = int(sys.argv[2])  # continue numbering after the previous writer's last save
+if sys.argv[3] == "slow":
+    checkpoints.save = lambda save=checkpoints.save: (print(f"writing {i}", flush=True), save())
+while True:
+    i += 1
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(i)
+    checkpoints.save()
+    print(f"saved {i}", flush=True)
+"""
+
+
+def restored_version(directory) -> int:
+    """Restores the writer's expert from ``directory``; the one value all its parameters hold."""
+    module = torch.nn.Linear(1024, 1024)
+    backend = ExpertBackend("big.0", module, [torch.randn(1, 1024)], torch.optim.SGD(module.parameters(), lr=0.1))
+    assert Checkpoints(directory, {"big.0": backend}).restore()
+    values = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).unique()
+    assert len(values) == 1, "parameters from two different saves"
+    assert not list(directory.glob("*.tmp")), "restore removes what a killed write left"
+    return int(values.item())
+
+
+def test_kill_inside_a_write_leaves_the_previous_checkpoint_and_it_is_loaded(tmp_path):
+    with processes() as procs:
+        # a checkpoint to fall back on, written at full speed
+        procs.append(first := Proc(["-c", WRITER, str(tmp_path), "0", "fast"]))
+        first.wait_for(re.compile(r"saved 1\b"), timeout=120)
+        first.kill()
+        version = restored_version(tmp_path)
+        procs.append(writer := Proc(["-c", WRITER, str(tmp_path), str(version), "slow"]))
+        writer.wait_for(re.compile(rf"writing {version + 1}\b"), timeout=120)
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the temp file appears once the snapshot is serialised
+        writer.kill()
+    assert list(tmp_path.glob("*.tmp")), "the kill did not land inside a write"
+    assert restored_version(tmp_path) == version
+
+
+def test_kills_at_random_moments_never_leave_a_half_written_checkpoint(tmp_path):
+    last_version = 0
+    for round_ in range(2):
+        with processes() as procs:
+            procs.append(writer := Proc(["-c", WRITER, str(tmp_path), str(last_version), "fast"]))
+            target = last_version + 2 + round_  # kill at a different moment of the write cycle each round
+            writer.wait_for(re.compile(rf"saved {target}\b"), timeout=120)
+            writer.kill()
+        printed = max(int(m.group(1)) for line in writer.output if (m := re.match(r"saved (\d+)", line)))
+        version = restored_version(tmp_path)
+        # the file holds the last save that completed (printed) or the one after it, if its rename happened
+        assert printed <= version <= printed + 1 and version > last_version
+        last_version = version
