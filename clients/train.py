@@ -4,7 +4,8 @@
     dmoe-train --experts remote --initial-peers HOST:PORT
     dmoe-train --data my.txt --steps 2000 --resume      # any text file; continue from the last checkpoint
 
-Every field of :class:`TrainConfig` is a flag (``batch_size`` -> ``--batch-size``). The client's own parameters
+Every field of :class:`TrainConfig` is a flag (``batch_size`` -> ``--batch-size``) and a key of a
+``--config`` TOML file (flags override the file). The client's own parameters
 (embeddings, attention, gates, head) and its optimizer are checkpointed; remote experts keep their own
 parameters and optimizers on their servers.
 """
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from clients.data import VOCAB_SIZE, DownloadError, TextData, shakespeare
 from clients.model import GatedTransformerLM, ModelConfig, MoEFactory
+from dmoe.config import add_config_argument, parse_args
 
 
 def _positive(kind):
@@ -349,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field; booleans get --flag / --no-flag, tuples take several values."""
     parser = argparse.ArgumentParser(prog="dmoe-train", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_argument(parser)
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         flag, kind, meta = "--" + f.name.replace("_", "-"), hints[f.name], f.metadata
@@ -366,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
     parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    args = vars(parse_args(parser, argv))
     config = TrainConfig(**{name: tuple(v) if isinstance(v, list) else v for name, v in args.items()})
     try:
         config.validate()

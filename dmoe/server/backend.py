@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import zlib
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from dmoe.wire.codec import DTYPES, dtype_name
+
+logger = logging.getLogger(__name__)
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
@@ -82,6 +85,7 @@ class ExpertBackend:
         self.hparams = dict(hparams or {})
         self.forward_calls = 0
         self.backward_calls = 0
+        self.skipped_steps = 0  # optimizer steps refused because the gradients were not finite
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         sample = tuple(x.to(device) for x in sample_input)
         self.inputs_schema = tuple(TensorSchema.of(x) for x in sample)
@@ -115,6 +119,14 @@ class ExpertBackend:
 
     def _apply_gradients(self) -> None:
         if self.optimizer is None:
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if grads and not bool(torch.isfinite(nn.utils.get_total_norm(grads)).item()):
+            # a NaN/Inf gradient (sent by a client, or an overflow) would poison the weights for every later caller
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            logger.warning("%s: skipped an optimizer step with non-finite gradients (%d so far)", self.name,
+                           self.skipped_steps)
             return
         if self.clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)

@@ -5,11 +5,14 @@ import contextlib
 import heapq
 import logging
 import threading
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import torch
 
 from dmoe.server.task_pool import ProcessFn, Task, TaskPool
+
+BatchObserver = Callable[[TaskPool, Sequence[Task], float, float, "BaseException | None"], None]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,10 @@ class Runtime:
         # (sequence number of the pool's oldest task, pool) for every non-empty pool
         self._ready: list[tuple[int, TaskPool]] = []
         self._closed = False
+        #: held while a batch runs: whoever holds it (a checkpoint snapshot) sees no optimizer step half done
+        self.compute_lock = threading.Lock()
+        #: called after every batch as ``on_batch(pool, tasks, started, seconds, error)`` (metrics); None: nothing
+        self.on_batch: BatchObserver | None = None
         self._thread = threading.Thread(target=self._serve, name="dmoe-runtime", daemon=True)
 
     def create_pool(self, name: str, process: ProcessFn, max_batch_size: int) -> TaskPool:
@@ -82,20 +89,31 @@ class Runtime:
 
     def _serve(self) -> None:
         while (work := self._next_batch()) is not None:
-            self._run(*work)
+            with self.compute_lock:
+                self._run(*work)
 
     def _run(self, pool: TaskPool, batch: list[Task]) -> None:
+        started = time.monotonic()
         try:
             outputs = self._compute(pool, batch)
         except Exception as error:
+            self._observe(pool, batch, started, error)
             logger.warning("%s failed on a batch of %d tasks: %r", pool.name, len(batch), error)
             for task in batch:
                 task.future.set_exception(error)
             return
+        self._observe(pool, batch, started, None)
         sizes = [task.rows for task in batch]
         pieces = [torch.split(y, sizes) if len(batch) > 1 else (y,) for y in outputs]
         for i, task in enumerate(batch):
             task.future.set_result([parts[i] for parts in pieces])
+
+    def _observe(self, pool: TaskPool, batch: Sequence[Task], started: float, error: BaseException | None) -> None:
+        if self.on_batch is not None:
+            try:
+                self.on_batch(pool, batch, started, time.monotonic() - started, error)
+            except Exception:  # noqa: BLE001 - a broken observer must not fail the callers' requests
+                logger.exception("batch observer failed")
 
     def _compute(self, pool: TaskPool, batch: Sequence[Task]) -> list[torch.Tensor]:
         first = batch[0].inputs

@@ -11,7 +11,11 @@ import grpc
 import torch
 
 from dmoe.server.backend import ExpertBackend, expert_seed, make_optimizer
+from dmoe.server.checkpoints import Checkpoints
+from dmoe.server.decoding import RejectUndecodable
+from dmoe.server.faults import FaultConfig, Faults
 from dmoe.server.layers import create_expert, expert_class
+from dmoe.server.metrics import ServerMetrics
 from dmoe.server.runtime import Runtime
 from dmoe.server.servicer import ExpertServicer, HostedExpert
 from dmoe.uid import check_uid, expand_pattern
@@ -42,6 +46,15 @@ class ServerConfig:
         max_message_bytes: limit of one gRPC message (larger payloads must be streamed).
         max_stream_bytes: limit of one streamed request in total.
         shutdown_grace: seconds in-flight calls get to finish on ``close()``.
+        faults: latency and failures to inject into every expert call (experiments only); None: none.
+        checkpoint_dir: where experts are checkpointed (see :mod:`dmoe.server.checkpoints`); a server started
+            with a directory holding a checkpoint restores every expert from it before serving. None: no checkpoints.
+        checkpoint_interval: seconds between periodic checkpoints (one is also written on ``close()``).
+        reject_nonfinite: refuse (INVALID_ARGUMENT) requests whose floating-point tensors hold NaN or Inf, before
+            they reach an expert. On by default: one bad client must not spoil a batch shared with others.
+        metrics_port: serve Prometheus metrics (:mod:`dmoe.server.metrics`) on this port, 0 for a free one;
+            None: collect them (``server.metrics``) but serve no endpoint.
+        metrics_host: interface of the metrics endpoint; None: the same as ``host``.
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +66,12 @@ class ServerConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_stream_bytes: int = 1 << 30
     shutdown_grace: float = 1.0
+    faults: FaultConfig | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_interval: float = 60.0
+    reject_nonfinite: bool = True
+    metrics_port: int | None = None
+    metrics_host: str | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -65,7 +84,9 @@ class ExpertServer:
     """Serves ``backends`` over gRPC: ``start()``, then ``endpoint``; ``close()`` or use as a context manager.
 
     Threads: one runtime thread computes (see :class:`Runtime`), one thread runs the asyncio loop of the gRPC
-    server. Both belong to this object and stop in ``close()``.
+    server. Both belong to this object and stop in ``close()``. With ``config.checkpoint_dir``, experts are restored
+    from the directory's checkpoint in the constructor (a mismatch raises CheckpointMismatch before anything
+    serves), and a third thread checkpoints every ``checkpoint_interval`` s; ``close()`` writes a last one.
 
     Args:
         backends: uid -> expert backend (modules are moved to the server's device).
@@ -94,12 +115,23 @@ class ExpertServer:
             experts, max_batch_size=self.config.max_batch_size, device=str(self.device),
             default_compression=parse_compression(self.config.response_compression),
             max_stream_bytes=self.config.max_stream_bytes,
+            faults=Faults(self.config.faults) if self.config.faults is not None else None,
+            reject_nonfinite=self.config.reject_nonfinite,
         )
+        self.metrics = ServerMetrics(experts)
+        self.metrics.instrument(self.servicer)
+        self.runtime.on_batch = self.metrics.observe_batch
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._grpc_server: grpc.aio.Server | None = None
         self._closed = False
+        self.checkpoints: Checkpoints | None = None
+        if self.config.checkpoint_dir is not None:  # restored now: a mismatch fails construction, before serving
+            self.checkpoints = Checkpoints(self.config.checkpoint_dir, self.backends,
+                                           compute_lock=self.runtime.compute_lock,
+                                           interval=self.config.checkpoint_interval)
+            self.checkpoints.restore()
 
     @classmethod
     def create(
@@ -149,11 +181,15 @@ class ExpertServer:
         if self._loop is not None:
             raise RuntimeError("the server was started already")
         self.runtime.start()
+        if self.checkpoints is not None:
+            self.checkpoints.start()
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name="dmoe-grpc", daemon=True)
         self._loop_thread.start()
         try:
             self.port = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result()
+            if self.config.metrics_port is not None:
+                self.metrics.serve(self.config.metrics_host or self.config.host, self.config.metrics_port)
         except BaseException:
             self.close()
             raise
@@ -172,7 +208,8 @@ class ExpertServer:
             self._loop.close()
 
     async def _serve(self) -> int:
-        server = grpc.aio.server(options=grpc_options(self.config.max_message_bytes))
+        server = grpc.aio.server(options=grpc_options(self.config.max_message_bytes),
+                                 interceptors=[RejectUndecodable()])
         dmoe_pb2_grpc.add_ExpertServiceServicer_to_server(self.servicer, server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
@@ -191,7 +228,10 @@ class ExpertServer:
         if self._loop is not None and self._grpc_server is not None:
             stop = self._grpc_server.stop(self.config.shutdown_grace)
             asyncio.run_coroutine_threadsafe(stop, self._loop).result()
+        if self.checkpoints is not None:  # after in-flight calls finished, before the runtime stops
+            self.checkpoints.close(save=self._loop is not None)
         self.runtime.close()
+        self.metrics.close()
         if self._loop is not None and self._loop_thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join()

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from dmoe.server.backend import ExpertBackend, TensorSchema
+from dmoe.server.faults import Faults, InjectedFailure
 from dmoe.server.task_pool import TaskPool
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.channels import STREAM_PART_BYTES
@@ -98,6 +99,14 @@ def validate(tensors: Sequence[dmoe_pb2.Tensor], schemas: Sequence[tuple[str, Te
     return decoded
 
 
+def first_nonfinite(tensors: Sequence[torch.Tensor], schemas: Sequence[tuple[str, TensorSchema]]) -> str | None:
+    """The label of the first floating-point tensor holding a NaN or an Inf, or None when all are finite."""
+    for tensor, (label, _) in zip(tensors, schemas):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return label
+    return None
+
+
 class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
     """Implements ``ExpertService`` of proto/dmoe.proto for a set of hosted experts.
 
@@ -107,15 +116,20 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         device: reported by ``info``.
         default_compression: applied to responses when a request asks for none.
         max_stream_bytes: the most bytes a streamed request may carry in total.
+        faults: injected latency and failures for experiments (:mod:`dmoe.server.faults`); None: none.
+        reject_nonfinite: answer INVALID_ARGUMENT to requests whose floating-point tensors hold NaN or Inf.
     """
 
     def __init__(self, experts: dict[str, HostedExpert], *, max_batch_size: int, device: str,
                  default_compression: int = NONE, max_stream_bytes: int = 1 << 30,
-                 stream_part_bytes: int = STREAM_PART_BYTES):
+                 stream_part_bytes: int = STREAM_PART_BYTES, faults: Faults | None = None,
+                 reject_nonfinite: bool = True):
         self.experts = experts
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
         self.max_stream_bytes, self.stream_part_bytes = max_stream_bytes, stream_part_bytes
+        self.faults = faults
+        self.reject_nonfinite = reject_nonfinite
 
     async def _expert(self, uid: str, context: grpc.aio.ServicerContext) -> HostedExpert:
         expert = self.experts.get(uid)
@@ -142,6 +156,14 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             inputs = validate(tensors, expert.schemas(kind), self.max_batch_size)
         except RequestRejected as rejected:
             await context.abort(rejected.code, rejected.message)
+        if self.reject_nonfinite and (bad := first_nonfinite(inputs, expert.schemas(kind))) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{bad} holds NaN or Inf values (this server "
+                                "rejects non-finite inputs and gradients)")
+        if self.faults is not None:
+            try:
+                await self.faults.apply()  # the round trip's delay, then maybe a failure instead of compute
+            except InjectedFailure as failure:
+                await context.abort(failure.code, f"{kind} of {uid}: {failure}")
         if kind == FORWARD:
             expert.backend.forward_calls += 1
             future = expert.forward_pool.submit(*inputs)

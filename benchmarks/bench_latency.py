@@ -1,0 +1,286 @@
+"""Latency tolerance: training throughput of DMoE vs a model-parallel pipeline as the round trip grows.
+
+For every latency a fresh local swarm (DHT node + ``--servers`` expert servers) injects that mean round-trip
+delay into every expert call (``dmoe-server --inject-latency-ms L --latency-jitter exponential``, see
+dmoe/server/faults.py), and three ways of training the same experts run one after another on it:
+
+* ``dmoe``: ``--trainers`` concurrent trainer threads, each with its own stack of ``--layers`` DMoE layers
+  (``RemoteMixtureOfExperts``, top-``--k`` over the whole grid, experts spread over all servers). Trainers do not
+  wait for each other, so many requests are in flight and the servers stay busy while answers travel.
+* ``pipeline``: the same kind of experts chained as a model-parallel pipeline, one expert per (layer, server)
+  stage, alternating servers; forward walks the stages, backward walks them back. Every hop pays the latency
+  and one batch is in flight, as in the paper's baseline.
+* ``pipeline-mb``: the same pipeline with as many micro-batches in flight as it has stages (a full GPipe-style
+  pipeline without staleness), which is the fairest synchronous baseline.
+
+Throughput is samples per second of forward+backward (each backward makes the experts take an optimizer step)
+counted over a window after a warm-up. The headline is each mode's throughput at 200 ms as a fraction of its own
+throughput at 0 ms, measured in the same run on the same machine.
+
+    python benchmarks/bench_latency.py                    # 0 10 50 100 200 500 1000 ms, exponential jitter
+    python benchmarks/bench_latency.py --quick            # tiny and fast (what the test suite runs)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dmoe.client.bans import Bans
+from dmoe.client.moe import RemoteMixtureOfExperts
+from dmoe.client.remote_expert import backward_future, forward_future
+from dmoe.dht import DHT
+from dmoe.launch import LocalSwarm, SwarmConfig, split_grid
+from dmoe.uid import expand_pattern, grid_uids
+
+MODES = ("dmoe", "pipeline", "pipeline-mb")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--latencies", type=float, nargs="+", default=[0, 10, 50, 100, 200, 500, 1000],
+                        help="mean round-trip latencies in ms")
+    parser.add_argument("--jitter", choices=("none", "exponential"), default="exponential")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--grid", type=int, nargs="+", default=[4, 4])
+    parser.add_argument("--layers", type=int, default=2, help="DMoE layers (and pipeline stages per server)")
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--k", type=int, default=4, help="experts per sample in the DMoE layers")
+    parser.add_argument("--batch", type=int, default=32, help="samples per trainer step / per micro-batch")
+    parser.add_argument("--trainers", type=int, default=128, help="concurrent DMoE trainers")
+    parser.add_argument("--window", type=float, default=15.0, help="seconds counted per point, at least ...")
+    parser.add_argument("--min-steps", type=float, default=4.0,
+                        help="... this many mean step times of the mode (a step pays 2 round trips per hop)")
+    parser.add_argument("--warmup", type=float, default=3.0,
+                        help="seconds before counting starts (at least one mean step time)")
+    parser.add_argument("--server-threads", type=int, default=1, help="torch threads per server")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="sweeps, alternately ascending and descending, averaged (cancels the drift of a "
+                             "shared machine's load)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--tag", default=None, help="file name stem (default: latency or latency_quick)")
+    parser.add_argument("--quick", action="store_true", help="0 and 20 ms, tiny model, ~1 s windows")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.hidden, args.grid, args.k, args.batch, args.servers = 32, [2, 2], 2, 8, 1
+        args.latencies, args.trainers, args.window, args.warmup, args.min_steps = [0, 20], 8, 1.0, 0.3, 1.0
+    if args.servers > args.grid[0]:
+        parser.error(f"argument --servers: at most the first grid axis ({args.grid[0]})")
+    if 0 not in args.latencies:
+        parser.error("argument --latencies: must include 0 (ratios are relative to 0 ms)")
+    return args
+
+
+def measure(step: Callable[[], int], workers: int, warmup: float, window: float) -> float:
+    """Samples per second completed during ``window`` seconds by ``workers`` threads looping on ``step``."""
+    stop, lock = threading.Event(), threading.Lock()
+    done = [0]
+    errors: list[BaseException] = []
+
+    def loop():
+        try:
+            while not stop.is_set():
+                samples = step()
+                with lock:
+                    done[0] += samples
+        except BaseException as error:  # noqa: BLE001 — reported in the main thread
+            errors.append(error)
+            stop.set()
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    stop.wait(warmup)
+    with lock:
+        start_count, start = done[0], time.perf_counter()
+    stop.wait(window)
+    with lock:
+        end_count, end = done[0], time.perf_counter()
+    stop.set()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return (end_count - start_count) / (end - start)
+
+
+def dmoe_step_fn(args, dht: DHT, bans: Bans, latency_s: float, layer_stats: list) -> Callable[[], int]:
+    """One trainer: its own DMoE layers (gate weights), forward + backward on a fresh batch per step."""
+    local = threading.local()
+
+    def step() -> int:
+        if not hasattr(local, "layers"):
+            local.layers = [RemoteMixtureOfExperts(
+                args.hidden, args.grid, f"ffn{i}", dht, k_best=args.k, bans=bans,
+                forward_timeout=30 + 20 * latency_s, backward_timeout=30 + 20 * latency_s,
+                timeout_after_k_min=1.0 + 2 * latency_s, allow_zero_outputs=True, backward_k_min=0)
+                for i in range(args.layers)]
+            layer_stats.extend(layer.stats for layer in local.layers)
+        h = torch.randn(args.batch, args.hidden)
+        for layer in local.layers:
+            h = layer(h)
+        h.pow(2).mean().backward()
+        return args.batch
+
+    return step
+
+
+def pipeline_stages(args, swarm: LocalSwarm) -> list[tuple[str, str]]:
+    """(uid, endpoint) of one expert per (layer, server), alternating servers: every hop crosses the network."""
+    patterns = split_grid([f"ffn{i}" for i in range(args.layers)], args.grid, args.servers)
+    stages = []
+    for layer in range(args.layers):
+        for server, pattern in enumerate(patterns):
+            uid = next(u for u in expand_pattern(pattern) if u.startswith(f"ffn{layer}."))
+            stages.append((uid, swarm.server_endpoints[server]))
+    return stages
+
+
+def pipeline_step_fn(args, stages: list[tuple[str, str]], latency_s: float) -> Callable[[], int]:
+    timeout = 30 + 20 * latency_s
+
+    def step() -> int:
+        h = torch.randn(args.batch, args.hidden)
+        inputs = []
+        for uid, endpoint in stages:
+            inputs.append(h)
+            h = forward_future(endpoint, uid, [h], timeout=timeout).result()[0]
+        grad = 2 * h / h.numel()
+        for (uid, endpoint), x in zip(reversed(stages), reversed(inputs)):
+            grad = backward_future(endpoint, uid, [x], [grad], timeout=timeout).result()[0]
+        return args.batch
+
+    return step
+
+
+def run_latency(args, latency_ms: float) -> list[dict]:
+    latency_s = latency_ms / 1000
+    server_args = ["--seed", str(args.seed), "--torch-threads", str(args.server_threads), "--log-level", "WARNING"]
+    if latency_ms > 0:
+        server_args += ["--inject-latency-ms", str(latency_ms), "--latency-jitter", args.jitter,
+                        "--fault-seed", str(args.seed)]
+    config = SwarmConfig(layers=[f"ffn{i}" for i in range(args.layers)], grid=args.grid, n_servers=args.servers,
+                         hidden_dim=args.hidden, threads_per_server=args.server_threads, server_args=server_args)
+    rows = []
+    with LocalSwarm(config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
+        uids = [uid for i in range(args.layers) for uid in grid_uids(f"ffn{i}", args.grid)]
+        deadline = time.monotonic() + 60
+        while not all(dht.get_experts(uids)):  # the first steps must not run without experts
+            if time.monotonic() > deadline:
+                raise TimeoutError("experts were not declared in the DHT within 60 s")
+            time.sleep(0.2)
+        stages = pipeline_stages(args, swarm)
+        # round trips in one step of each mode, so that every window counts several steps
+        round_trips = {"dmoe": 2 * args.layers, "pipeline": 2 * len(stages), "pipeline-mb": 2 * len(stages)}
+        for mode in MODES:
+            stats: list = []
+            if mode == "dmoe":
+                step, workers = dmoe_step_fn(args, dht, Bans(), latency_s, stats), args.trainers
+            else:
+                step = pipeline_step_fn(args, stages, latency_s)
+                workers = 1 if mode == "pipeline" else len(stages)
+            step_time = round_trips[mode] * latency_s  # the latency's share of one step, on average
+            warmup, window = max(args.warmup, step_time), max(args.window, args.min_steps * step_time)
+            samples_per_s = measure(step, workers, warmup, window)
+            chosen = sum(s.experts_chosen for s in stats)
+            dropped = sum(s.experts_dropped for s in stats)
+            rows.append({"latency_ms": latency_ms, "mode": mode, "in_flight": workers,
+                         "samples_per_s": round(samples_per_s, 3),
+                         "dropped_share": round(dropped / chosen, 4) if chosen else ""})
+            print(f"{latency_ms:7.0f} ms  {mode:12s} {workers:3d} in flight  {samples_per_s:9.1f} samples/s"
+                  + (f"  ({dropped}/{chosen} expert calls dropped)" if chosen else ""), flush=True)
+    return rows
+
+
+def average(runs: list[dict], rounds: int) -> list[dict]:
+    """One row per (latency, mode): mean samples/s over the rounds, with the lowest and highest round."""
+    rows = []
+    for key in sorted({(r["latency_ms"], MODES.index(r["mode"])) for r in runs}):
+        same = [r for r in runs if (r["latency_ms"], MODES.index(r["mode"])) == key]
+        speeds = [r["samples_per_s"] for r in same]
+        dropped = [r["dropped_share"] for r in same if r["dropped_share"] != ""]
+        rows.append({**same[0], "samples_per_s": round(sum(speeds) / len(speeds), 3), "rounds": rounds,
+                     "min_samples_per_s": min(speeds), "max_samples_per_s": max(speeds),
+                     "dropped_share": round(sum(dropped) / len(dropped), 4) if dropped else ""})
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    base = {r["mode"]: r["samples_per_s"] for r in rows if r["latency_ms"] == 0}
+    for r in rows:
+        r["ratio_to_0ms"] = round(r["samples_per_s"] / base[r["mode"]], 4) if base.get(r["mode"]) else ""
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), tight_layout=True)
+    FigureCanvasAgg(fig)
+    absolute, relative = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for mode in MODES:
+        points = sorted((r["latency_ms"], r["samples_per_s"], r["ratio_to_0ms"]) for r in rows if r["mode"] == mode)
+        xs = [max(x, 1) for x, _, _ in points]  # 0 ms drawn at 1 ms on the log axis
+        absolute.plot(xs, [y for _, y, _ in points], "o-", label=mode)
+        relative.plot(xs, [r for _, _, r in points], "o-", label=mode)
+    for ax, ylabel in ((absolute, "samples / s"), (relative, "throughput / throughput at 0 ms")):
+        ax.set_xscale("log")
+        ax.set_xlabel("mean round-trip latency, ms (0 drawn at 1)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    relative.axhline(0.9, color="grey", linestyle=":", linewidth=1)
+    absolute.set_title(title, fontsize=9)
+    fig.savefig(path, dpi=110)
+
+
+def summary(rows: list[dict], headline_ms: float = 200) -> str:
+    lines = [f"{'latency ms':>10} " + " ".join(f"{m + ' /s':>16} {'ratio':>6}" for m in MODES)]
+    for latency in sorted({r["latency_ms"] for r in rows}):
+        cells = []
+        for mode in MODES:
+            r = next(r for r in rows if r["latency_ms"] == latency and r["mode"] == mode)
+            cells.append(f"{r['samples_per_s']:16.1f} {r['ratio_to_0ms']:6.3f}")
+        lines.append(f"{latency:10.0f} " + " ".join(cells))
+    at = headline_ms if any(r["latency_ms"] == headline_ms for r in rows) else max(r["latency_ms"] for r in rows)
+    fractions = {r["mode"]: r["ratio_to_0ms"] for r in rows if r["latency_ms"] == at}
+    lines.append(f"headline: throughput at {at:.0f} ms as a fraction of 0 ms: "
+                 + ", ".join(f"{m} {fractions[m]:.3f}" for m in MODES) + " (DMoE goal >= 0.9)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # the client's own compute is tiny; the cores belong to the servers
+    runs = []
+    for round_ in range(args.rounds):
+        for latency in sorted(args.latencies, reverse=bool(round_ % 2)):
+            runs.extend(run_latency(args, latency))
+    rows = average(runs, args.rounds)
+    add_ratios(rows)
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = args.tag or ("latency_quick" if args.quick else "latency")
+    csv_path, png_path = args.results / f"{stem}.csv", args.results / f"{stem}.png"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    title = (f"h={args.hidden} grid={'x'.join(map(str, args.grid))} k={args.k} layers={args.layers} "
+             f"servers={args.servers} batch={args.batch} trainers={args.trainers} jitter={args.jitter}")
+    plot(rows, png_path, title)
+    print(title)
+    print(summary(rows))
+    print(f"wrote {csv_path} and {png_path}")
+    return {"rows": rows, "csv": csv_path, "png": png_path}
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

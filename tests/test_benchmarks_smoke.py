@@ -1,0 +1,120 @@
+"""Fault injection against a real server process, and tiny runs of the latency and quality benchmarks.
+
+The benchmarks' real figures come from their commands (see benchmarks/README.md); here they only have to run
+and write sane CSV and PNG files, so that they never rot.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import wait
+
+import grpc
+import pytest
+import torch
+
+from dmoe.client import forward_future
+from dmoe.client.remote_expert import RemoteExpertError
+from dmoe.server.faults import INJECTED_FAILURE, FaultConfig, Faults
+from servers import run_server
+from tests.procs import ROOT, running
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def serve(*flags: str):
+    return running("-m", "servers.run_server", "--experts", "ffn0.[0:2]", "--hidden-dim", "8",
+                   "--torch-threads", "1", *flags)
+
+
+def test_injected_latency_delays_every_call_without_serialising_them():
+    with serve("--inject-latency-ms", "400") as server:
+        endpoint = server.endpoint()
+        x = torch.randn(2, 8)
+        forward_future(endpoint, "ffn0.0", [x], timeout=30).result()  # connect and warm up
+        start = time.perf_counter()
+        forward_future(endpoint, "ffn0.0", [x], timeout=30).result()
+        single = time.perf_counter() - start
+        start = time.perf_counter()
+        futures = [forward_future(endpoint, f"ffn0.{i % 2}", [x], timeout=30) for i in range(8)]
+        wait(futures)
+        concurrent = time.perf_counter() - start
+    assert all(f.exception() is None for f in futures)
+    assert single >= 0.4
+    # eight calls that each wait 0.4 s on the server's event loop overlap instead of taking 3.2 s
+    assert concurrent < 1.6, f"8 concurrent calls took {concurrent:.2f} s"
+
+
+def test_fail_rate_fails_some_calls_with_a_clear_status_and_serves_the_rest():
+    with serve("--fail-rate", "0.5", "--fault-seed", "1") as server:
+        endpoint = server.endpoint()
+        futures = [forward_future(endpoint, "ffn0.1", [torch.randn(3, 8)], timeout=30) for _ in range(30)]
+        wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    assert 0 < len(errors) < len(futures)
+    assert all(isinstance(e, RemoteExpertError) and e.code == grpc.StatusCode.ABORTED for e in errors)
+    assert all(INJECTED_FAILURE in str(e) for e in errors)
+    assert all(f.result()[0].shape == (3, 8) for f in futures if f.exception() is None)
+
+
+def test_exponential_jitter_has_the_configured_mean_and_fail_rate_its_share():
+    faults = Faults(FaultConfig(latency_ms=100, jitter="exponential", fail_rate=0.25, seed=0))
+    draws = [faults.draw() for _ in range(4000)]
+    delays = [d for d, _ in draws]
+    assert math.isclose(sum(delays) / len(delays), 0.1, rel_tol=0.1)
+    assert max(delays) > 0.3  # a real tail, not a constant
+    assert math.isclose(sum(f for _, f in draws) / len(draws), 0.25, abs_tol=0.03)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--fail-rate", "1.5"], "--fail-rate"),
+    (["--inject-latency-ms", "-5"], "--inject-latency-ms"),
+    (["--latency-jitter", "exponential"], "--latency-jitter"),
+])
+def test_bad_fault_flags_are_refused_naming_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit) as exited:
+        run_server.main(["--experts", "ffn0.0", "--hidden-dim", "8", *flags])
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def run_benchmark(script: str, *args: str) -> str:
+    """Runs a benchmark as its own program (as a user would) and returns its stdout."""
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, env={"OMP_NUM_THREADS": "1", **os.environ})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_latency_benchmark_quick_writes_sane_csv_and_png(tmp_path):
+    stdout = run_benchmark("bench_latency.py", "--quick", "--results", str(tmp_path))
+    assert "headline: throughput at" in stdout
+    rows = read_csv(tmp_path / "latency_quick.csv")
+    latencies = sorted({float(r["latency_ms"]) for r in rows})
+    assert {r["mode"] for r in rows} == {"dmoe", "pipeline", "pipeline-mb"}
+    assert len(rows) == len(latencies) * 3 and latencies[0] == 0 and len(latencies) >= 2
+    assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    assert all(float(r["ratio_to_0ms"]) == 1 for r in rows if float(r["latency_ms"]) == 0)
+    assert {int(r["in_flight"]) for r in rows if r["mode"] == "pipeline"} == {1}
+    assert (tmp_path / "latency_quick.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
+    run_benchmark("bench_quality.py", "--quick", "--variants", "local", "remote-faulty", "--results", str(tmp_path))
+    rows = read_csv(tmp_path / "quality_tiny.csv")
+    assert [r["variant"] for r in rows] == ["local", "remote-faulty"]
+    losses = [float(r["val_loss"]) for r in rows]
+    assert all(0 < loss < math.log(256) + 1 for loss in losses)  # finite, and no worse than a bad guess
+    assert float(rows[0]["ratio_to_local"]) == 1
+    assert all(int(r["expert_calls"]) > 0 for r in rows)  # the mixtures really used their experts
+    assert math.isclose(float(rows[1]["ratio_to_local"]), losses[1] / losses[0], rel_tol=1e-3)
+    assert (tmp_path / "quality_tiny.png").read_bytes().startswith(PNG_MAGIC)
