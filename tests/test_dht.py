@@ -99,16 +99,27 @@ def test_beam_search_over_the_swarm_equals_brute_force_with_random_alive_subsets
 
 def test_lookups_merge_what_the_closest_nodes_hold(swarm):
     """Stock kademlia returns the first value found; here replicas holding different subkeys are merged."""
+    from kademlia.node import Node
     from kademlia.utils import digest
 
     client: DHT = swarm["client"]
     key = "merge-test"
-    replicas = client.run_coroutine(client.node.find_nodes(digest(key), client.config.num_replicas))
-    assert len(replicas) == client.config.num_replicas
+    others = client.run_coroutine(client.node.find_nodes(digest(key), client.config.num_replicas))
+    assert len(others) == client.config.num_replicas
+    # this node is a replica too when it is among the closest (other readers ask it like any node)
+    me = client.node.node
+    replicas = sorted([*others, me], key=Node(digest(key)).distance_to)[:client.config.num_replicas]
     expiration = time.time() + 60
+
+    async def store_here(coord: int, entry) -> bool:
+        return client.node.storage.store(digest(key), coord, *entry)
+
     for coord, replica in enumerate(replicas):  # each replica gets a different subkey, none gets them all
-        results = client.run_coroutine(client.node.protocol.call_store(replica, digest(key),
-                                                                        {coord: (f"r{coord}:1", expiration)}))
+        entry = client.node.identity.entry(digest(key), coord, f"r{coord}:1", expiration)
+        if replica.id == me.id:
+            assert client.run_coroutine(store_here(coord, entry))
+            continue
+        results = client.run_coroutine(client.node.protocol.call_store(replica, digest(key), {coord: entry}))
         assert results == [True]
     with DHT([swarm["peer"]], config=DHTConfig(hedge_after=5.0)) as other:  # waits for every replica, even busy
         assert other.get_alive_continuations([key])[key] == {c: f"r{c}:1" for c in range(len(replicas))}
@@ -116,7 +127,7 @@ def test_lookups_merge_what_the_closest_nodes_hold(swarm):
 
 def test_oversized_records_are_refused_with_clear_errors_and_full_records_still_reply(swarm, caplog):
     client: DHT = swarm["client"]
-    with pytest.raises(ValueError, match="at most 128 bytes"):
+    with pytest.raises(ValueError, match=f"at most {client.config.max_value_bytes} bytes"):
         client.declare_experts(["ffn2.0.0"], "h" * 200 + ":1")
     with pytest.raises(ValueError, match="max_record_subkeys"):
         client.declare_experts([f"ffn2.{i}" for i in range(300)], "127.0.0.1:1")
@@ -151,6 +162,13 @@ def test_malformed_and_oversized_datagrams_are_dropped_and_the_node_keeps_answer
         b"\x00" + msg_id + umsgpack.packb(["ping", []]),
         b"\x00" + msg_id + umsgpack.packb(["find_values", [os.urandom(20), [os.urandom(20)] * 300]]),
         b"\x00" + msg_id + umsgpack.packb(["find_values", [os.urandom(20), [1, "two", None]]]),
+        *(b"\x00" + msg_id + umsgpack.packb(["store", [os.urandom(20), os.urandom(20), [entry]]]) for entry in [
+            [1, "a:1", 1e10],  # unsigned, old three-field form
+            [1, "a:1", 1e10, "not bytes", bytes(64)], [1, "a:1", 1e10, bytes(33), bytes(64)],
+            [1, "a:1", float("nan"), bytes(32), bytes(64)], [1, "a:1", float("inf"), bytes(32), bytes(64)],
+            [1, 'a"\u00e9\\', 1e10, bytes(32), bytes(64)],  # values JSON would escape, blowing up replies
+            ["x" * 11, "a:1", 1e10, bytes(32), bytes(64)], [-1, "a:1", 1e10, bytes(32), bytes(64)],
+            [1, "a" * 97, 1e10, bytes(32), bytes(64)], [True, "a:1", 1e10, bytes(32), bytes(64)]]),
         b"\x01" + msg_id + umsgpack.packb({"record": 1}),  # a reply nobody asked for
         b"\x07" + msg_id + b"\x90",
     ]

@@ -13,7 +13,7 @@ from dmoe.dht.experts import declaration_records
 from dmoe.dht.protocol import (MAX_DATAGRAM_BYTES, MAX_REQUEST_BYTES, chunk_entries, find_value_reply,
                                record_to_wire)
 from dmoe.dht.routing import DHTRoutingTable
-from dmoe.dht.storage import RecordFull, RecordStorage, merge_records
+from dmoe.dht.storage import Entry, RecordFull, RecordStorage, merge_records
 
 KEY = b"k" * 20
 
@@ -24,7 +24,7 @@ def test_records_from_different_declarers_merge_per_subkey_and_the_latest_expira
     assert storage.store(KEY, 4, "b:2", 120.0)
     assert not storage.store(KEY, 3, "c:3", 140.0), "an older declaration overwrote a newer one"
     assert storage.store(KEY, 3, "c:3", 160.0)
-    assert storage.get(KEY) == {3: ("c:3", 160.0), 4: ("b:2", 120.0)}
+    assert storage.get(KEY) == {3: Entry("c:3", 160.0), 4: Entry("b:2", 120.0)}
 
 
 def test_expired_entries_disappear_and_far_future_expirations_are_capped():
@@ -35,15 +35,16 @@ def test_expired_entries_disappear_and_far_future_expirations_are_capped():
     assert storage.get(KEY)[2][1] == 160.0
     assert not storage.store(KEY, 3, "c:3", 99.0), "an already expired entry was stored"
     now[0] = 120.0
-    assert storage.get(KEY) == {2: ("b:2", 160.0)}
+    assert storage.get(KEY) == {2: Entry("b:2", 160.0)}
     now[0] = 161.0
     assert storage.get(KEY) is None and list(storage) == []
     assert storage.iter_older_than(0) == [], "holders must never republish (owners refresh)"
 
 
 def test_merge_records_drops_expired_and_keeps_latest():
-    merged = merge_records([{1: ("a", 10.0), 2: ("b", 5.0)}, {1: ("c", 20.0), 3: ("d", 1.0)}], now=4.0)
-    assert merged == {1: ("c", 20.0), 2: ("b", 5.0)}
+    merged = merge_records([{1: Entry("a", 10.0), 2: Entry("b", 5.0)}, {1: Entry("c", 20.0), 3: Entry("d", 1.0)}],
+                           now=4.0)
+    assert merged == {1: Entry("c", 20.0), 2: Entry("b", 5.0)}
 
 
 def test_a_full_record_refuses_new_subkeys_with_a_clear_error_but_accepts_refreshes():
@@ -58,14 +59,14 @@ def test_a_full_record_refuses_new_subkeys_with_a_clear_error_but_accepts_refres
 def test_a_full_record_with_the_longest_endpoints_fits_in_one_reply_datagram():
     config = DHTConfig()
     endpoint = "h" * config.max_value_bytes
-    record = {coord: (endpoint, 1e10 + coord) for coord in range(2**31 - 256, 2**31)}
+    record = {coord: Entry(endpoint, 1e10 + coord + 0.123, bytes(32), bytes(64)) for coord in range(2**31 - 256, 2**31)}
     nodes = [Node(bytes(20), "255.255.255.255", 65535)] * config.ksize
     reply = umsgpack.packb(find_value_reply(record, nodes))
     assert len(reply) + 21 < MAX_DATAGRAM_BYTES
 
 
 def test_store_requests_are_chunked_under_the_request_limit():
-    record = {coord: ("h" * 128, 1e10) for coord in range(256)}
+    record = {coord: Entry("h" * DHTConfig.max_value_bytes, 1e10, bytes(32), bytes(64)) for coord in range(256)}
     chunks = chunk_entries(record_to_wire(record))
     assert sum(map(len, chunks)) == 256 and len(chunks) > 1
     assert all(len(umsgpack.packb(["store", [bytes(20), bytes(20), chunk]])) <= MAX_REQUEST_BYTES for chunk in chunks)
@@ -76,8 +77,8 @@ def test_declaring_more_continuations_than_a_record_holds_is_refused_up_front():
     with pytest.raises(ValueError, match="max_record_subkeys"):
         declaration_records(uids, "a:1", 10.0, max_subkeys=256)
     records, places = declaration_records(["ffn0.3.17", "ffn0.3.2"], "a:1", 10.0, 256)
-    assert records == {"ffn0": {3: ("a:1", 10.0)}, "ffn0.3": {17: ("a:1", 10.0), 2: ("a:1", 10.0)}}
-    assert places[0] == [("ffn0", 3), ("ffn0.3", 17)]
+    assert records == {"ffn0": {"3": Entry("a:1", 10.0)}, "ffn0.3": {17: Entry("a:1", 10.0), 2: Entry("a:1", 10.0)}}
+    assert places[0] == [("ffn0", "3"), ("ffn0.3", 17)]
 
 
 def _random_node(rng: random.Random) -> Node:
@@ -121,7 +122,8 @@ def test_a_newcomer_closest_to_a_key_is_handed_its_record():
                 await node.bootstrap([addresses[0]])
             keys = [f"ffn{i}" for i in range(4)]
             for key in keys:
-                assert await nodes[3].set(key, {5: (f"{key}:1", time.time() + 60)})
+                entry = nodes[3].identity.entry(digest(key), 5, f"{key}:1", time.time() + 60)
+                assert await nodes[3].set(key, {5: entry})
             newcomers = []
             for key in keys:
                 closest_id = (int.from_bytes(digest(key), "big") ^ 1).to_bytes(20, "big")

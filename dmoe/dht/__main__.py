@@ -4,7 +4,8 @@
     python -m dmoe.dht --initial-peers 127.0.0.1:31337 --declare 'ffn0.[0:16].[0:4]' --endpoint 127.0.0.1:8000
 
 Prints one line ``dmoe-dht listening on HOST:PORT`` once the node is up (and, with ``--declare``, once the
-experts are declared); pass that address to others as ``--initial-peers``. ``--num-nodes N`` runs N nodes on
+experts are declared); pass that address to others as ``--initial-peers``. Declarations are signed with the key
+in ``--identity PATH`` (created if absent) or an ephemeral one. ``--num-nodes N`` runs N nodes on
 one event loop in this process (swarm tests and benchmarks on few cores). Stops cleanly on SIGINT/SIGTERM.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Sequence
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.experts import announce_forever, declare_experts
 from dmoe.dht.node import DHTNode, parse_endpoint
+from dmoe.dht.signing import Identity
 from dmoe.uid import expand_pattern
 
 log = logging.getLogger("dmoe.dht")
@@ -45,6 +47,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--expiration", type=float, default=None,
                         help="seconds a declaration lives (default: 3 refresh periods)")
     parser.add_argument("--no-refresh", action="store_true", help="declare once and never refresh")
+    parser.add_argument("--identity", default=None, metavar="PATH",
+                        help="Ed25519 key file signing the declarations (created if absent; default: ephemeral key)")
     parser.add_argument("--log-level", default="INFO")
     for field in dataclasses.fields(DHTConfig):
         kind = _flag_bool if isinstance(field.default, bool) else type(field.default)
@@ -65,13 +69,14 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    identity = Identity.load_or_create(args.identity) if args.identity else None
     nodes: list[DHTNode] = []
     announcer: asyncio.Task | None = None
     try:
         peers = [parse_endpoint(peer) for peer in args.initial_peers]
         addresses = []
         for _ in range(args.num_nodes):
-            node = DHTNode(config)
+            node = DHTNode(config, identity=identity if not nodes else None)
             nodes.append(node)
             host, port = await node.listen(args.port if not addresses else 0, args.host)
             addresses.append(f"{host}:{port}")

@@ -20,7 +20,10 @@ class DHTConfig:
     max_expiration: expirations further in the future than this are capped, so no record outlives its owner by long.
     max_record_subkeys: a record keeps at most this many subkeys, which bounds its reply to one datagram for grid
         dimensions up to 256; stores beyond it are refused with an error the declarer sees.
-    max_value_bytes: longest value (an endpoint) a record entry may carry.
+    max_value_bytes: longest value (an endpoint) a record entry may carry. With each entry's 96 bytes of owner key
+        and signature, this is what keeps a 256-subkey record's reply within one datagram.
+    max_records: most records (keys) a node stores; stores of new keys beyond it are refused, so a flood of stores
+        cannot exhaust a node's memory.
     hedge_after: a lookup query unanswered for this long no longer holds the lookup up: the next closest node is
         asked too, and the lookup may finish without the slow one (its answer is still used if it comes in time).
     dead_node_ttl: a node that failed to answer is skipped by lookups for this long (unless it contacts us first),
@@ -46,7 +49,8 @@ class DHTConfig:
     default_expiration: float = 60.0
     max_expiration: float = 3600.0
     max_record_subkeys: int = 256
-    max_value_bytes: int = 128
+    max_value_bytes: int = 96
+    max_records: int = 1 << 16
     routing_refresh_period: float = 600.0
     call_timeout: float = 60.0
 

@@ -4,7 +4,8 @@ Stock ``ValueSpiderCrawl`` returns the first value any node sends back (possibly
 picks the "most common" of several (which crashes on dict values), and advances in lock-step rounds so one dead
 peer stalls a round for a whole RPC timeout. This crawl keeps asking the closest not-yet-asked contacts as soon as
 any reply or timeout arrives, until the ``width`` closest *responding* nodes have all answered, and merges every
-record it received per subkey (latest expiration wins).
+record it received per subkey (latest expiration wins; an owned subkey that replicas disagree on goes to the owner
+most replicas hold). Entries not validly signed for the key are dropped as replies are parsed.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from kademlia.node import Node
 
-from dmoe.dht.protocol import DHTProtocol, MalformedRequest, parse_find_value_reply
+from dmoe.dht.protocol import DHTProtocol, MalformedRequest
 from dmoe.dht.storage import Record, merge_records
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class RecordCrawl:
         self.responded: dict[bytes, Node] = {}
         self.sent: dict[bytes, float] = {}  # node id -> loop time its request left (after waiting for a slot)
         self.records: list[Record] = []
-        self.seen: dict[str, Record] = {}  # record text -> parsed, so identical replicas are parsed once
+        self.seen: dict[tuple[str, bytes], Record] = {}  # reply -> parsed, so identical replicas are parsed once
         self.held: dict[bytes, Record] = {}  # what each responding node holds, for read repair
         # nodes that recently failed to answer or answered late: still asked (a busy machine makes live nodes
         # late too), but they do not hold a hedged search up
@@ -75,9 +76,16 @@ class RecordCrawl:
         return alive[:self.width]
 
     async def _ask(self, node: Node) -> tuple[Node, tuple[bool, Any]]:
-        if self.fetch_records:
-            return node, await self.protocol.call_find_value(node, self.target, on_sent=self._mark_sent)
-        return node, await self.protocol.call_find_node(node, self.target)
+        if not self.fetch_records:
+            return node, await self.protocol.call_find_node(node, self.target)
+        ok, data = await self.protocol.call_find_value(node, self.target, on_sent=self._mark_sent)
+        if not ok:
+            return node, (ok, data)
+        self.sent.pop(node.id, None)  # it answered: verifying its entries is our time, not its lateness
+        try:
+            return node, (True, await self.protocol.parse_value_reply(data, self.target.id, self.seen))
+        except MalformedRequest as error:
+            return node, (True, error)
 
     def _mark_sent(self, node: Node) -> None:
         self.sent[node.id] = asyncio.get_running_loop().time()
@@ -88,12 +96,11 @@ class RecordCrawl:
             self.dead.add(node.id)
             return
         if self.fetch_records:
-            try:
-                record, nodes = parse_find_value_reply(data, self.seen)
-            except MalformedRequest as error:
-                log.warning("malformed find_value reply from %s: %s", node, error)
+            if isinstance(data, MalformedRequest):
+                log.warning("malformed find_value reply from %s: %s", node, data)
                 self.dead.add(node.id)
                 return
+            record, nodes = data
             if not any(record is known for known in self.records):  # identical replicas are merged once
                 self.records.append(record)
             self.held[node.id] = record
@@ -102,8 +109,9 @@ class RecordCrawl:
         self.responded[node.id] = node
         self._add(nodes)
 
-    async def run(self) -> tuple[list[Node], Record]:
-        """The closest responding nodes (closest first) and the merged record they hold (empty if none)."""
+    async def run(self, local: Record | None = None) -> tuple[list[Node], Record]:
+        """The closest responding nodes (closest first) and the merged record they (and ``local``, what this node
+        holds) hold, empty if none."""
         loop = asyncio.get_running_loop()
         hedge_after = self.protocol.config.hedge_after if self.hedge else float("inf")
         pending: dict[asyncio.Task, bytes] = {}  # task -> node id
@@ -149,4 +157,5 @@ class RecordCrawl:
             for task in pending:
                 self.protocol.adopt(task)
         nearest = sorted(self.responded.values(), key=self.target.distance_to)[:self.width]
-        return nearest, merge_records(self.records)
+        held = list(self.held.values()) + ([local] if local else [])
+        return nearest, merge_records(held)

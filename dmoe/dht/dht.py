@@ -10,6 +10,7 @@ from typing import Any, Coroutine, Sequence, TypeVar
 from dmoe.dht import experts
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
+from dmoe.dht.signing import Identity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -21,18 +22,20 @@ class DHT:
     initial_peers: ``HOST:PORT`` of nodes already in the swarm (any one suffices); empty starts a new swarm.
     host, port: where this node listens for UDP (port 0 picks a free one; see :attr:`endpoint`).
     config: :class:`DHTConfig` (timeouts, replication, record limits).
+    identity: the key pair that signs this node's declarations and owns the uids it declares first (see
+        :meth:`Identity.load_or_create`); default: a fresh, ephemeral one.
     Raises ``ConnectionError`` when initial peers were given and none answered.
     """
 
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
-                 config: DHTConfig | None = None):
+                 config: DHTConfig | None = None, identity: Identity | None = None):
         self.config = config or DHTConfig()
         addresses = [parse_endpoint(peer) for peer in initial_peers]
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="dmoe-dht-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self.node = DHTNode(self.config)
+        self.node = DHTNode(self.config, identity=identity)
         try:
             bound_host, bound_port = self.run_coroutine(self.node.listen(port, host))
             self.endpoint = f"{bound_host}:{bound_port}"

@@ -13,7 +13,8 @@ from kademlia.utils import digest
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.crawling import RecordCrawl
 from dmoe.dht.protocol import DHTProtocol
-from dmoe.dht.storage import Record, RecordFull, RecordStorage
+from dmoe.dht.signing import Identity
+from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,13 @@ class DHTNode(Server):
 
     protocol_class = DHTProtocol
 
-    def __init__(self, config: DHTConfig | None = None, node_id: bytes | None = None):
+    def __init__(self, config: DHTConfig | None = None, node_id: bytes | None = None,
+                 identity: Identity | None = None):
         self.config = config or DHTConfig()
         super().__init__(ksize=self.config.ksize, alpha=self.config.alpha, node_id=node_id)
-        self.storage: RecordStorage = RecordStorage(self.config.max_record_subkeys, self.config.max_expiration)
+        self.identity = identity or Identity()  # signs what this node declares
+        self.storage: RecordStorage = RecordStorage(self.config.max_record_subkeys, self.config.max_expiration,
+                                                    max_records=self.config.max_records)
         self.protocol: DHTProtocol | None = None
 
     def _create_protocol(self) -> DHTProtocol:
@@ -106,7 +110,7 @@ class DHTNode(Server):
         if not peers:
             return local
         crawl = RecordCrawl(self.protocol, target, peers, self.config.num_replicas, hedge=True)
-        nearest, record = await crawl.run()
+        nearest, record = await crawl.run(local)
         if record and self.config.read_repair:
             # a replica that died was replaced by a node that holds nothing yet: give it what the others hold
             for node in nearest:
@@ -114,9 +118,6 @@ class DHTNode(Server):
                 missing = {subkey: entry for subkey, entry in record.items() if subkey not in held}
                 if missing:
                     self.protocol.spawn(self.protocol.call_store(node, target.id, missing))
-        for subkey, entry in local.items():
-            if subkey not in record or record[subkey][1] < entry[1]:
-                record[subkey] = entry
         return record
 
     async def get_records(self, keys: Sequence[str]) -> dict[str, Record]:
@@ -141,11 +142,13 @@ class DHTNode(Server):
         store_here = len(nodes) < self.config.num_replicas or (
             self.node.distance_to(target) < max(node.distance_to(target) for node in nodes))
         if store_here:
-            for index, (subkey, (value, expiration)) in enumerate(record.items()):
+            for index, (subkey, entry) in enumerate(record.items()):
                 try:
-                    results[index] = self.storage.store(key_id, subkey, value, expiration)
+                    results[index] = self.storage.store(key_id, subkey, *entry)
                 except RecordFull as error:
                     results[index] = f"record full: {error}"
+                except NotOwner as error:
+                    results[index] = f"refused: {error}"
         replies = await asyncio.gather(*(self.protocol.call_store(node, key_id, record) for node in nodes))
         for reply in replies:
             for index, result in enumerate(reply):

@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from hashlib import sha1
 from typing import Any, Callable, Sequence
 
@@ -22,7 +25,8 @@ from kademlia.protocol import KademliaProtocol
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.routing import DHTRoutingTable
-from dmoe.dht.storage import Record, RecordFull, RecordStorage
+from dmoe.dht.signing import AUTH_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Verifier
+from dmoe.dht.storage import Entry, NotOwner, Record, RecordFull, RecordStorage
 
 log = logging.getLogger(__name__)
 
@@ -55,61 +59,87 @@ def _check_id(value: Any, what: str) -> bytes:
 
 
 def record_to_wire(record: Record) -> list[list[Any]]:
-    """Entries sorted by subkey, so replicas holding the same record send the same bytes."""
-    return [[subkey, value, expiration] for subkey, (value, expiration) in sorted(record.items(), key=_order)]
+    """Store-request entries ``[subkey, value, expiration, owner, signature]``, sorted by subkey."""
+    return [[subkey, *entry] for subkey, entry in sorted(record.items(), key=_order)]
 
 
 def _order(item: tuple[Any, Any]) -> tuple[bool, Any]:
     return (isinstance(item[0], str), item[0])
 
 
+#: Values are endpoints: printable ASCII that JSON does not escape, so a reply's size is what the caps say.
+VALUE_PATTERN = re.compile(r"[!#-\[\]-~]*")
+#: Longest str subkey (a shared prefix claim: a coordinate in decimal).
+MAX_STR_SUBKEY = 10
+
+
+def _check_entry(subkey: Any, value: Any, expiration: Any, max_value_bytes: int) -> None:
+    if isinstance(subkey, bool) or not isinstance(subkey, (int, str)):
+        raise MalformedRequest("a subkey must be an int or a str")
+    if isinstance(subkey, int) and not 0 <= subkey < 2**31 or isinstance(subkey, str) and (
+            len(subkey) > MAX_STR_SUBKEY or VALUE_PATTERN.fullmatch(subkey) is None):
+        raise MalformedRequest("subkey out of range")
+    if not isinstance(value, str) or len(value) > max_value_bytes or VALUE_PATTERN.fullmatch(value) is None:
+        raise MalformedRequest(f"a value must be printable ASCII (no quotes, backslashes or spaces) of at most "
+                               f"{max_value_bytes} bytes")
+    if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not math.isfinite(expiration):
+        raise MalformedRequest("an expiration must be a finite number")
+
+
 def record_from_wire(entries: Any, max_value_bytes: int = 1 << 16) -> Record:
-    """Parses ``[[subkey, value, expiration], ...]``; raises :class:`MalformedRequest` on anything else."""
+    """Parses ``[[subkey, value, expiration, owner, signature], ...]``; raises :class:`MalformedRequest` on
+    anything else (signatures are checked by the caller)."""
     if not isinstance(entries, (list, tuple)):
         raise MalformedRequest("record entries must be a list")
     record: Record = {}
     for entry in entries:
-        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
-            raise MalformedRequest("a record entry must be [subkey, value, expiration]")
-        subkey, value, expiration = entry
-        if isinstance(subkey, bool) or not isinstance(subkey, (int, str)):
-            raise MalformedRequest("a subkey must be an int or a str")
-        if isinstance(subkey, int) and not 0 <= subkey < 2**31 or isinstance(subkey, str) and len(subkey) > 64:
-            raise MalformedRequest("subkey out of range")
-        if not isinstance(value, str) or len(value.encode()) > max_value_bytes:
-            raise MalformedRequest(f"a value must be a str of at most {max_value_bytes} bytes")
-        if isinstance(expiration, bool) or not isinstance(expiration, (int, float)):
-            raise MalformedRequest("an expiration must be a number")
-        record[subkey] = (value, float(expiration))
+        if not isinstance(entry, (list, tuple)) or len(entry) != 5:
+            raise MalformedRequest("a record entry must be [subkey, value, expiration, owner, signature]")
+        subkey, value, expiration, owner, signature = entry
+        _check_entry(subkey, value, expiration, max_value_bytes)
+        if not isinstance(owner, bytes) or not isinstance(signature, bytes) or len(owner) > PUBLIC_KEY_BYTES \
+                or len(signature) > SIGNATURE_BYTES:
+            raise MalformedRequest("owner and signature must be bytes (32 and 64)")
+        record[subkey] = Entry(value, float(expiration), owner, signature)
     return record
 
 
-def find_value_reply(record: Record, nodes: Sequence[Node]) -> dict[str, str]:
+def find_value_reply(record: Record, nodes: Sequence[Node]) -> dict[str, Any]:
     """A find_value reply: the record and the contacts as JSON text, which Python decodes in C (pure-Python
-    msgpack decoding of a 256-subkey record costs milliseconds, and a lookup reads several replicas)."""
-    return {"record": json.dumps(record_to_wire(record), separators=(",", ":")),
+    msgpack decoding of a 256-subkey record costs milliseconds, and a lookup reads several replicas), and the
+    entries' owners and signatures as one binary string, 96 bytes per entry in the same order (as base64 in JSON
+    they would not fit a datagram next to 256 entries)."""
+    entries = sorted(record.items(), key=_order)
+    auth = b"".join(entry.owner.ljust(PUBLIC_KEY_BYTES, b"\0") + entry.signature.ljust(SIGNATURE_BYTES, b"\0")
+                    for _, entry in entries)
+    return {"record": json.dumps([[subkey, entry.value, entry.expiration] for subkey, entry in entries],
+                                 separators=(",", ":")),
+            "auth": auth,
             "nodes": json.dumps([[node.id.hex(), node.ip, node.port] for node in nodes], separators=(",", ":"))}
 
 
-def parse_find_value_reply(data: Any, seen: dict[str, Record] | None = None,
+def parse_find_value_reply(data: Any, key: bytes, verifier: Callable[..., bool],
+                           seen: dict[tuple[str, bytes], Record] | None = None,
                            max_value_bytes: int = 1 << 16) -> tuple[Record, list[Node]]:
-    """The inverse of :func:`find_value_reply`; raises :class:`MalformedRequest` on anything else.
+    """The inverse of :func:`find_value_reply`, keeping only entries validly signed for ``key``; raises
+    :class:`MalformedRequest` on anything malformed.
 
-    ``seen`` maps record texts already parsed in this lookup: an identical replica gets the same record object
-    back instead of being parsed again.
+    ``seen`` maps replies already parsed in this lookup: an identical replica gets the same record object back
+    instead of being parsed and verified again.
     """
-    if not isinstance(data, dict) or not isinstance(data.get("record"), str) or not isinstance(data.get("nodes"), str):
-        raise MalformedRequest("a find_value reply must hold 'record' and 'nodes' as JSON text")
-    text = data["record"]
+    if not isinstance(data, dict) or not isinstance(data.get("record"), str) or not isinstance(data.get("nodes"), str) \
+            or not isinstance(data.get("auth"), bytes):
+        raise MalformedRequest("a find_value reply must hold 'record' and 'nodes' as JSON text and 'auth' as bytes")
+    text, auth = data["record"], data["auth"]
     try:
         raw_nodes = json.loads(data["nodes"])
-        record = seen.get(text) if seen is not None else None
+        record = seen.get((text, auth)) if seen is not None else None
         if record is None:
-            record = record_from_wire(json.loads(text), max_value_bytes)
+            record = _verified_record(json.loads(text), auth, key, verifier, max_value_bytes)
     except ValueError as error:
         raise MalformedRequest(f"undecodable find_value reply: {error}") from None
     if seen is not None:
-        seen[text] = record
+        seen[text, auth] = record
     nodes = []
     for item in raw_nodes if isinstance(raw_nodes, list) else []:
         if (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and len(item[0]) == 2 * ID_BYTES
@@ -119,6 +149,28 @@ def parse_find_value_reply(data: Any, seen: dict[str, Record] | None = None,
             except ValueError:
                 continue
     return record, nodes
+
+
+def _verified_record(entries: Any, auth: bytes, key: bytes, verifier: Callable[..., bool],
+                     max_value_bytes: int) -> Record:
+    if not isinstance(entries, list) or len(auth) != AUTH_BYTES * len(entries):
+        raise MalformedRequest("record entries must be a list with 96 bytes of owner and signature each")
+    record: Record = {}
+    rejected = 0
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise MalformedRequest("a record entry must be [subkey, value, expiration]")
+        subkey, value, expiration = entry
+        _check_entry(subkey, value, expiration, max_value_bytes)
+        offset = index * AUTH_BYTES
+        owner, signature = auth[offset:offset + PUBLIC_KEY_BYTES], auth[offset + PUBLIC_KEY_BYTES:offset + AUTH_BYTES]
+        if verifier(key, subkey, value, float(expiration), owner, signature):
+            record[subkey] = Entry(value, float(expiration), owner, signature)
+        else:
+            rejected += 1
+    if rejected:
+        log.warning("ignoring %d unsigned or forged entries of record %s", rejected, key.hex()[:16])
+    return record
 
 
 def chunk_entries(entries: list[list[Any]], budget: int = MAX_REQUEST_BYTES - 200) -> list[list[list[Any]]]:
@@ -148,6 +200,8 @@ class DHTProtocol(KademliaProtocol):
         self._value_batches: dict[tuple[str, int], list[tuple[bytes, asyncio.Future, Any]]] = {}
         self._slow_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups do not wait for it
         self._dead_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups skip it
+        self.verifier = Verifier()
+        self._verify_thread: ThreadPoolExecutor | None = None
 
     # ---- receiving ----------------------------------------------------------------------------------------
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
@@ -240,9 +294,13 @@ class DHTProtocol(KademliaProtocol):
         result = await self.request((node_to_ask.ip, node_to_ask.port), "ping", self.source_node.id)
         return self.handle_call_response(result, node_to_ask)
 
-    async def ping_address(self, address: tuple[str, int]) -> Node | None:
-        """The node answering at ``address`` (for bootstrap), or None."""
-        ok, node_id = await self.request(address, "ping", self.source_node.id)
+    async def ping_address(self, address: tuple[str, int], attempts: int = 3) -> Node | None:
+        """The node answering at ``address`` (for bootstrap), or None after ``attempts`` unanswered pings (a live
+        peer busy verifying a burst of signed stores may answer late; joining should not fail for that)."""
+        for _ in range(attempts):
+            ok, node_id = await self.request(address, "ping", self.source_node.id)
+            if ok:
+                break
         if not ok or not isinstance(node_id, bytes) or len(node_id) != ID_BYTES:
             return None
         node = Node(node_id, address[0], address[1])
@@ -373,12 +431,31 @@ class DHTProtocol(KademliaProtocol):
         record = record_from_wire(entries, self.config.max_value_bytes)
         self._sender(sender, nodeid)
         results: list[bool | str] = []
-        for subkey, (value, expiration) in record.items():
+        for subkey, entry in record.items():
+            current = self.storage.entry(key, subkey)
+            if entry.owner and current is not None and isinstance(subkey, int) and (
+                    current.owner != entry.owner or current.expiration >= entry.expiration):
+                # refused or stale whether or not the signature holds: a flood of hijacks or replays costs no
+                # verification (~100 us each)
+                if current.owner == entry.owner:
+                    results.append(False)
+                    continue
+                log.warning("refusing store from %s: subkey %s of %s is owned by another key", sender, subkey,
+                            key.hex()[:16])
+                results.append(f"refused: subkey {subkey} is owned by {current.owner.hex()[:16]}")
+                continue
+            if not self.verifier(key, subkey, *entry):
+                log.warning("refusing unsigned or forged entry %s of %s from %s", subkey, key.hex()[:16], sender)
+                results.append("refused: unsigned or bad signature")
+                continue
             try:
-                results.append(self.storage.store(key, subkey, value, expiration))
+                results.append(self.storage.store(key, subkey, *entry))
             except RecordFull as error:
                 log.warning("refusing store from %s: %s", sender, error)
                 results.append(f"record full: {error}")
+            except NotOwner as error:
+                log.warning("refusing store from %s: %s", sender, error)
+                results.append(f"refused: {error}")
         return results
 
     def rpc_find_node(self, sender: tuple[str, int], nodeid: Any, key: Any) -> list[tuple[bytes, str, int]]:
@@ -404,7 +481,7 @@ class DHTProtocol(KademliaProtocol):
         for key in keys:
             nodes = self.router.find_neighbors(Node(key), k=2 * self.config.num_replicas, exclude=source)
             reply = find_value_reply(self.storage.get(key) or {}, nodes)
-            size += len(reply["record"]) + len(reply["nodes"]) + 32
+            size += len(reply["record"]) + len(reply["auth"]) + len(reply["nodes"]) + 40
             if replies and size > REPLY_BUDGET_BYTES:
                 break
             replies.append(reply)
@@ -448,7 +525,19 @@ class DHTProtocol(KademliaProtocol):
                 nodes.append(Node(item[0], item[1], item[2]))
         return nodes
 
+    async def parse_value_reply(self, data: Any, key: bytes,
+                                seen: dict[tuple[str, bytes], Record]) -> tuple[Record, list[Node]]:
+        """:func:`parse_find_value_reply` on this node's verification thread: checking a burst of fresh entries
+        takes ~100 us each, and doing it on the loop would hold up every other reply until their peers looked dead
+        (the thread gives the loop the GIL every few milliseconds)."""
+        if self._verify_thread is None:
+            self._verify_thread = ThreadPoolExecutor(1, thread_name_prefix="dmoe-dht-verify")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._verify_thread, parse_find_value_reply, data, key, self.verifier, seen, self.config.max_value_bytes)
+
     def close_tasks(self) -> None:
+        if self._verify_thread is not None:
+            self._verify_thread.shutdown(wait=False, cancel_futures=True)
         for task in list(self._tasks):
             task.cancel()
         for future, timeout, _ in list(self._outstanding.values()):

@@ -5,40 +5,100 @@ each other, and its week-long TTL keeps stale copies alive. Here a record is ``{
 concurrent declarations merge, the latest expiration of a subkey wins, and expired entries vanish on access.
 Expirations are absolute wall-clock times (``time.time()``) carried in every message, so a copy replicated or
 repaired anywhere can never live longer than its owner intended.
+
+Entries are signed (:mod:`dmoe.dht.signing`) and come in two kinds, told apart by the subkey's type:
+
+* an **int** subkey is a uid's own entry (``ffn0.3 -> {17: endpoint}``): it is *owned* by the key that stored it
+  first, and until it expires only that key may refresh it; replays of its older entries are refused.
+* a **str** subkey is a shared prefix claim (``ffn0 -> {"3": endpoint}``: "some expert under ffn0.3 is alive").
+  Every server hosting ffn0.3.* claims it; any validly signed claim may extend it, none can shorten it, so the
+  entry kept is the one living longest and the coordinate is alive while any claim is.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Union
+from collections import defaultdict
+from typing import Callable, Iterator, NamedTuple, Union
 
 from kademlia.storage import IStorage
 
 Subkey = Union[int, str]
-Entry = tuple[str, float]  # (value, absolute expiration)
+
+
+class Entry(NamedTuple):
+    value: str
+    expiration: float  # absolute, time.time()
+    owner: bytes = b""  # Ed25519 public key of the declarer (empty: unsigned, refused by nodes and clients)
+    signature: bytes = b""
+
+
 Record = dict[Subkey, Entry]
 
 
 class RecordFull(ValueError):
-    """A store would grow a record past ``max_record_subkeys``: its replies would no longer fit in a datagram."""
+    """A store would grow a record past ``max_record_subkeys`` (its replies would no longer fit in a datagram),
+    or the node past ``max_records``."""
 
 
-def merge_entry(record: Record, subkey: Subkey, value: str, expiration: float) -> bool:
-    """Keeps the entry with the latest expiration; True when the given one is (now) the stored one."""
+class NotOwner(ValueError):
+    """A store for a uid whose live entry belongs to another key."""
+
+
+def merge_entry(record: Record, subkey: Subkey, entry: Entry) -> bool:
+    """Keeps the entry with the latest expiration (for an owned subkey, only its owner's); True when ``entry`` was
+    stored or, for a shared claim, when the stored claim lives at least as long (so no declarer sees a failure
+    because another one's claim outlives its own). A replayed or repeated entry changes nothing: False."""
     current = record.get(subkey)
-    if current is not None and current[1] > expiration:
-        return False
-    record[subkey] = (value, expiration)
+    if current is not None:
+        if isinstance(subkey, int) and current.owner != entry.owner:
+            raise NotOwner(f"subkey {subkey} is owned by {current.owner.hex()[:16]} until {current.expiration:.0f}")
+        if current.expiration >= entry.expiration:
+            return isinstance(subkey, str)
+    record[subkey] = entry
     return True
 
 
 def merge_records(records: list[Record], now: float | None = None) -> Record:
-    """Per subkey, the entry with the latest expiration among ``records``, dropping expired ones."""
+    """Per subkey, the latest-expiring live entry among ``records`` (one per responding replica; the same record
+    object may appear several times, once per replica that sent identical bytes).
+
+    For an owned (int) subkey that replicas give to different owners (a lying replica), the owner held by the most
+    replicas wins, then the one expiring last: one malicious node among a key's replicas cannot hide the true
+    owner's entry by serving its own with a later expiration.
+    """
     now = time.time() if now is None else now
-    merged: Record = {}
+    weights: dict[int, int] = {}
+    unique: list[Record] = []
     for record in records:
-        for subkey, (value, expiration) in record.items():
-            if expiration > now:
-                merge_entry(merged, subkey, value, expiration)
+        if id(record) not in weights:
+            weights[id(record)] = 0
+            unique.append(record)
+        weights[id(record)] += 1
+    merged: Record = {}
+    contested: set[Subkey] = set()
+    for record in unique:
+        for subkey, entry in record.items():
+            if entry.expiration <= now:
+                continue
+            current = merged.get(subkey)
+            if current is None:
+                merged[subkey] = entry
+                continue
+            if isinstance(subkey, int) and current.owner != entry.owner:
+                contested.add(subkey)
+            if current.expiration < entry.expiration:
+                merged[subkey] = entry
+    for subkey in contested:
+        votes: dict[bytes, int] = defaultdict(int)
+        latest: dict[bytes, Entry] = {}
+        for record in unique:
+            entry = record.get(subkey)
+            if entry is not None and entry.expiration > now:
+                votes[entry.owner] += weights[id(record)]
+                if entry.owner not in latest or latest[entry.owner].expiration < entry.expiration:
+                    latest[entry.owner] = entry
+        winner = max(votes, key=lambda owner: (votes[owner], latest[owner].expiration))
+        merged[subkey] = latest[winner]
     return merged
 
 
@@ -46,31 +106,55 @@ class RecordStorage(IStorage):
     """A node's local records, keyed by the 20-byte key digest."""
 
     def __init__(self, max_subkeys: int = 256, max_expiration: float = 3600.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, max_records: int = 1 << 16):
         self.max_subkeys = max_subkeys
         self.max_expiration = max_expiration
+        self.max_records = max_records
         self.clock = clock
         self.data: dict[bytes, Record] = {}
 
-    def store(self, key: bytes, subkey: Subkey, value: str, expiration: float) -> bool:
-        """Merges one entry; False if already expired or older than what is held; raises :class:`RecordFull`."""
+    def store(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes = b"",
+              signature: bytes = b"") -> bool:
+        """Merges one entry; False if already expired, too far in the future (signed) or older than what is held.
+
+        Raises :class:`RecordFull` or :class:`NotOwner`. An unsigned expiration further than ``max_expiration``
+        ahead is capped; a signed one cannot be re-dated without breaking its signature, so it is refused.
+        Signatures are checked by the caller (the protocol), not here.
+        """
         now = self.clock()
-        expiration = min(float(expiration), now + self.max_expiration)
+        expiration = float(expiration)
+        if expiration > now + self.max_expiration:
+            if signature:
+                return False
+            expiration = now + self.max_expiration
         if expiration <= now:
             return False
         record = self._live(key)
         if record is None:
+            if len(self.data) >= self.max_records and not self._purge():
+                raise RecordFull(f"this node already holds {len(self.data)} records (max_records)")
             record = self.data[key] = {}
         if subkey not in record and len(record) >= self.max_subkeys:
             raise RecordFull(f"record {key.hex()} already holds {len(record)} subkeys (max_record_subkeys)")
-        return merge_entry(record, subkey, value, expiration)
+        return merge_entry(record, subkey, Entry(value, expiration, owner, signature))
+
+    def entry(self, key: bytes, subkey: Subkey) -> Entry | None:
+        """The live entry at ``subkey`` of ``key``, if any."""
+        entry = self.data.get(key, {}).get(subkey)
+        return entry if entry is not None and entry.expiration > self.clock() else None
+
+    def _purge(self) -> bool:
+        """Drops expired records; True if that made room."""
+        for key in list(self.data):
+            self._live(key)
+        return len(self.data) < self.max_records
 
     def _live(self, key: bytes) -> Record | None:
         record = self.data.get(key)
         if record is None:
             return None
         now = self.clock()
-        for subkey in [s for s, (_, expiration) in record.items() if expiration <= now]:
+        for subkey in [s for s, entry in record.items() if entry.expiration <= now]:
             del record[subkey]
         if not record:
             del self.data[key]
@@ -89,12 +173,12 @@ class RecordStorage(IStorage):
         return record
 
     def __setitem__(self, key: bytes, record: Record) -> None:
-        """Merges a whole record (the ``IStorage`` seam); entries past the subkey limit are skipped."""
-        for subkey, (value, expiration) in record.items():
+        """Merges a whole record (the ``IStorage`` seam); entries past the limits or of other owners are skipped."""
+        for subkey, entry in record.items():
             try:
-                self.store(key, subkey, value, expiration)
-            except RecordFull:
-                break
+                self.store(key, subkey, *entry)
+            except (RecordFull, NotOwner):
+                continue
 
     def iter_older_than(self, seconds_old: float) -> list[tuple[bytes, Record]]:
         """Nothing is ever republished by storage holders: owners refresh their own declarations."""

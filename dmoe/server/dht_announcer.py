@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer
+from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer, Identity
 
 logger = logging.getLogger(__name__)
 
@@ -15,12 +15,19 @@ class DHTAnnouncer:
     server's experts vanish on their own. Implements :class:`dmoe.server.server.Announcer`.
 
     ``announce_host`` replaces the host of the endpoint others are told (a public address behind NAT).
+    ``identity`` signs the declarations; the first key to declare a uid owns it until its declaration expires,
+    so a restarted server must keep its key (:meth:`Identity.load_or_create`) to take its uids back at once.
+    Default: an ephemeral key (a restart then waits for its old declarations to expire, and a warning says so).
     """
 
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0, *,
                  refresh_period: float = 10.0, expiration: float | None = None,
-                 announce_host: str | None = None, config: DHTConfig | None = None):
-        self.dht = DHT(initial_peers=initial_peers, host=host, port=port, config=config)
+                 announce_host: str | None = None, config: DHTConfig | None = None,
+                 identity: Identity | None = None):
+        if identity is None:
+            logger.warning("no DHT identity given: signing declarations with an ephemeral key, so after a restart "
+                           "this server's uids stay owned by the old key until its declarations expire")
+        self.dht = DHT(initial_peers=initial_peers, host=host, port=port, config=config, identity=identity)
         self.refresh_period, self.expiration, self.announce_host = refresh_period, expiration, announce_host
         self._announcer: ExpertAnnouncer | None = None
 

@@ -1,0 +1,174 @@
+"""In-process checks of signed records: identities, signatures, the ownership rules nodes enforce, how clients
+merge what replicas send, and the limits that keep a node alive under junk and floods."""
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import time
+
+import pytest
+import umsgpack
+from kademlia.node import Node
+
+from dmoe.dht.config import DHTConfig
+from dmoe.dht.experts import continuations, declaration_records
+from dmoe.dht.protocol import DHTProtocol, find_value_reply, parse_find_value_reply, record_to_wire
+from dmoe.dht.signing import Identity, Verifier, verify
+from dmoe.dht.storage import Entry, NotOwner, RecordFull, RecordStorage, merge_records
+
+KEY, OTHER_KEY = b"k" * 20, b"o" * 20
+ALICE, MALLORY = Identity(), Identity()
+
+
+def test_an_identity_persists_in_its_key_file_and_a_broken_file_is_refused(tmp_path):
+    path = tmp_path / "sub" / "id.key"
+    created = Identity.load_or_create(path)
+    assert Identity.load_or_create(path).public_key == created.public_key
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(created.public_key) == 32 and len(created.sign(KEY, 1, "a:1", 5.0)) == 64
+    path.write_bytes(b"short")
+    with pytest.raises(ValueError, match="32-byte"):
+        Identity.load_or_create(path)
+
+
+def test_a_signature_covers_the_record_key_subkey_kind_value_and_expiration():
+    entry = ALICE.entry(KEY, 3, "a:1", 100.0)
+    assert verify(KEY, 3, *entry)
+    assert not verify(OTHER_KEY, 3, *entry), "moved to another record"
+    assert not verify(KEY, 4, *entry), "moved to another subkey"
+    assert not verify(KEY, "3", *entry), "an owned entry passed for a shared claim"
+    assert not verify(KEY, 3, "evil:1", *entry[1:]), "value changed"
+    assert not verify(KEY, 3, "a:1", 101.0, *entry[2:]), "re-dated"
+    assert not verify(KEY, 3, "a:1", 100.0, MALLORY.public_key, entry.signature), "owner swapped"
+    assert not verify(KEY, 3, "a:1", 100.0, b"", b""), "unsigned"
+    assert not verify(KEY, 3, "a:1", 100.0, b"\0" * 32, b"\0" * 64)
+
+
+def test_the_verifier_memo_verifies_each_distinct_entry_once(monkeypatch):
+    calls = []
+    import dmoe.dht.signing as signing
+    real = signing.verify
+    monkeypatch.setattr(signing, "verify", lambda *args: calls.append(args) or real(*args))
+    verifier = Verifier(capacity=4)
+    entries = [ALICE.entry(KEY, i, "a:1", 100.0) for i in range(3)]
+    for _ in range(5):
+        assert all(verifier(KEY, i, *entry) for i, entry in enumerate(entries))
+    assert len(calls) == 3
+    assert not verifier(KEY, 0, *entries[1])
+
+
+def test_a_uid_belongs_to_its_first_declarer_until_it_expires_and_replays_change_nothing():
+    now = [100.0]
+    storage = RecordStorage(clock=lambda: now[0])
+    first = ALICE.entry(KEY, 7, "a:1", 150.0)
+    assert storage.store(KEY, 7, *first)
+    with pytest.raises(NotOwner, match="owned by"):
+        storage.store(KEY, 7, *MALLORY.entry(KEY, 7, "evil:1", 3000.0))
+    refresh = ALICE.entry(KEY, 7, "a:2", 160.0)
+    assert storage.store(KEY, 7, *refresh), "the owner could not refresh"
+    assert not storage.store(KEY, 7, *first), "a replay rolled the entry back"
+    assert not storage.store(KEY, 7, *refresh), "a repeated entry counted as a new store"
+    assert storage.get(KEY)[7] == refresh
+    now[0] = 161.0  # expired: the uid is free again
+    assert storage.store(KEY, 7, *MALLORY.entry(KEY, 7, "m:1", 200.0))
+
+
+def test_shared_prefix_claims_merge_so_any_claim_extends_and_none_cuts_short():
+    storage = RecordStorage(clock=lambda: 100.0)
+    assert storage.store(KEY, "3", *ALICE.entry(KEY, "3", "a:1", 150.0))
+    assert storage.store(KEY, "3", *MALLORY.entry(KEY, "3", "m:1", 101.0)), "an honest declarer would see a failure"
+    assert storage.get(KEY)["3"].expiration == 150.0, "a short claim cut the prefix short"
+    assert storage.store(KEY, "3", *MALLORY.entry(KEY, "3", "m:1", 170.0))
+    assert storage.store(KEY, "3", *ALICE.entry(KEY, "3", "a:1", 160.0))
+    assert storage.get(KEY)["3"].expiration == 170.0
+    assert storage.store(KEY, 3, *ALICE.entry(KEY, 3, "a:1", 150.0)), "owned and shared subkeys collided"
+
+
+def test_far_future_expirations_are_refused_when_signed_and_capped_when_not():
+    storage = RecordStorage(max_expiration=60.0, clock=lambda: 100.0)
+    assert not storage.store(KEY, 1, *ALICE.entry(KEY, 1, "a:1", 1e12))
+    assert storage.get(KEY) is None
+    assert storage.store(KEY, 2, "a:1", 1e12)
+    assert storage.get(KEY)[2].expiration == 160.0
+
+
+def test_a_node_refuses_new_records_past_max_records_but_refreshes_old_ones():
+    now = [100.0]
+    storage = RecordStorage(max_records=3, clock=lambda: now[0])
+    for i in range(3):
+        assert storage.store(bytes([i]) * 20, 1, "a:1", 110.0 + i)
+    with pytest.raises(RecordFull, match="max_records"):
+        storage.store(b"x" * 20, 1, "a:1", 150.0)
+    assert storage.store(bytes([0]) * 20, 1, "a:1", 150.0)
+    now[0] = 111.5  # two records expired: room again
+    assert storage.store(b"x" * 20, 1, "a:1", 150.0)
+
+
+def test_clients_side_with_the_owner_most_replicas_hold_not_the_latest_expiration():
+    honest = {5: ALICE.entry(KEY, 5, "a:1", 150.0), "2": ALICE.entry(KEY, "2", "a:1", 150.0)}
+    lying = {5: MALLORY.entry(KEY, 5, "evil:1", 900.0), "2": MALLORY.entry(KEY, "2", "m:1", 900.0)}
+    merged = merge_records([honest, honest, lying, honest], now=100.0)  # the same object: identical replicas
+    assert merged[5].value == "a:1"
+    assert merged["2"].expiration == 900.0, "shared claims: the longest-living one is kept"
+    assert merge_records([honest, lying, lying], now=100.0)[5].value == "evil:1"  # a majority of liars wins
+    assert merge_records([honest, lying], now=200.0)[5].value == "evil:1"  # the honest one expired
+
+
+def test_replies_keep_only_entries_validly_signed_for_their_record():
+    record = {1: ALICE.entry(KEY, 1, "a:1", 1e10), 2: ALICE.entry(OTHER_KEY, 2, "a:1", 1e10),
+              3: Entry("evil:1", 1e10, ALICE.public_key, os.urandom(64)), 4: Entry("evil:1", 1e10),
+              "5": MALLORY.entry(KEY, "5", "m:1", 1e10)}
+    reply = umsgpack.unpackb(umsgpack.packb(find_value_reply(record, [])))
+    parsed, _ = parse_find_value_reply(reply, KEY, Verifier())
+    assert parsed == {1: record[1], "5": record["5"]}
+    assert continuations(parsed) == {1: "a:1", 5: "m:1"}
+
+
+def test_declarations_are_signed_with_shared_claims_inside_and_an_owned_entry_last():
+    from kademlia.utils import digest
+    records, places = declaration_records(["ffn0.3.17"], "a:1", 1e10, 256, ALICE)
+    assert places == [[("ffn0", "3"), ("ffn0.3", 17)]]
+    assert verify(digest("ffn0"), "3", *records["ffn0"]["3"])
+    assert verify(digest("ffn0.3"), 17, *records["ffn0.3"][17])
+
+
+def test_a_node_refuses_unsigned_forged_and_other_owner_stores_with_reasons():
+    async def scenario() -> list:
+        protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+        sender, node_id = ("127.0.0.1", 1), b"s" * 20
+        entries = {1: ALICE.entry(KEY, 1, "a:1", time.time() + 60), 2: Entry("u:1", time.time() + 60),
+                   3: Entry("f:1", time.time() + 60, ALICE.public_key, os.urandom(64))}
+        results = protocol.rpc_store(sender, node_id, KEY, record_to_wire(entries))
+        hijack = {1: MALLORY.entry(KEY, 1, "evil:1", time.time() + 600)}
+        return results + protocol.rpc_store(sender, node_id, KEY, record_to_wire(hijack))
+
+    results = asyncio.run(scenario())
+    assert results[0] is True
+    assert "signature" in results[1] and "signature" in results[2]
+    assert "owned by" in results[3]
+
+
+def test_signing_and_verifying_a_64x64_grid_refresh_is_cheap():
+    """~4,096 uids per refresh: sign each entry once, verify (cold) once; printed for the report."""
+    records_started = time.perf_counter()
+    uids = [f"ffn0.{i}.{j}" for i in range(64) for j in range(64)]
+    records, _ = declaration_records(uids, "127.0.0.1:8000", time.time() + 60, 256, ALICE)
+    signed = time.perf_counter() - records_started
+    from kademlia.utils import digest
+    verifier = Verifier()
+    started = time.perf_counter()
+    for prefix, record in records.items():
+        for subkey, entry in record.items():
+            assert verifier(digest(prefix), subkey, *entry)
+    cold = time.perf_counter() - started
+    started = time.perf_counter()
+    for prefix, record in records.items():
+        for subkey, entry in record.items():
+            assert verifier(digest(prefix), subkey, *entry)
+    warm = time.perf_counter() - started
+    count = sum(map(len, records.values()))
+    print(f"{count} entries: sign {1e6 * signed / count:.0f} us, verify {1e6 * cold / count:.0f} us cold, "
+          f"{1e6 * warm / count:.1f} us memoized per entry")
+    assert count == 4096 + 64
+    assert warm < cold
