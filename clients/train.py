@@ -26,27 +26,9 @@ from tqdm import tqdm
 
 from clients.data import VOCAB_SIZE, DownloadError, TextData, shakespeare
 from clients.model import GatedTransformerLM, ModelConfig, MoEFactory
-from dmoe.config import add_config_argument, parse_args
+from dmoe.config import add_config_argument, non_negative, parse_args, positive
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _non_negative(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value >= 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
 
 
 def _option(default, help: str, parse=None, choices=None):
@@ -58,46 +40,46 @@ class TrainConfig:
     # data
     data: str | None = _option(None, "train on this text file instead of the Shakespeare corpus")
     data_dir: str = _option("data", "where the Shakespeare corpus is downloaded and cached")
-    val_fraction: float = _option(0.05, "the tail of the text held out for validation", _positive(float))
+    val_fraction: float = _option(0.05, "the tail of the text held out for validation", positive(float))
     # model
-    seq_len: int = _option(64, "context length in bytes", _positive(int))
-    hidden: int = _option(128, "model width", _positive(int))
-    layers: int = _option(2, "transformer blocks, each with its own expert grid ffn{i}", _positive(int))
-    heads: int = _option(4, "attention heads", _positive(int))
-    dropout: float = _option(0.0, "dropout on the client's layers", _non_negative(float))
-    grid: tuple[int, ...] = _option((4, 4), "expert grid of each layer, e.g. --grid 4 4", _positive(int))
-    k_best: int = _option(4, "experts mixed per token", _positive(int))
+    seq_len: int = _option(64, "context length in bytes", positive(int))
+    hidden: int = _option(128, "model width", positive(int))
+    layers: int = _option(2, "transformer blocks, each with its own expert grid ffn{i}", positive(int))
+    heads: int = _option(4, "attention heads", positive(int))
+    dropout: float = _option(0.0, "dropout on the client's layers", non_negative(float))
+    grid: tuple[int, ...] = _option((4, 4), "expert grid of each layer, e.g. --grid 4 4", positive(int))
+    k_best: int = _option(4, "experts mixed per token", positive(int))
     # experts
     experts: str = _option("local", "in-process experts or experts found through the DHT", choices=("local", "remote"))
     initial_peers: tuple[str, ...] = _option((), "HOST:PORT of DHT peers (with --experts remote)")
     expert_cls: str = _option("ffn", "expert type of in-process experts (with --experts local)")
-    k_min: int = _option(1, "answers each token waits for before the timeout_after_k_min grace", _positive(int))
-    forward_timeout: float = _option(10.0, "seconds to wait for experts' forward answers", _positive(float))
-    backward_timeout: float = _option(10.0, "seconds to wait for experts' backward answers", _positive(float))
-    timeout_after_k_min: float = _option(1.0, "extra seconds for slower experts once k_min answered", _non_negative(float))
+    k_min: int = _option(1, "answers each token waits for before the timeout_after_k_min grace", positive(int))
+    forward_timeout: float = _option(10.0, "seconds to wait for experts' forward answers", positive(float))
+    backward_timeout: float = _option(10.0, "seconds to wait for experts' backward answers", positive(float))
+    timeout_after_k_min: float = _option(1.0, "extra seconds for slower experts once k_min answered", non_negative(float))
     allow_zero_outputs: bool = _option(True, "a token whose experts all failed skips the layer instead of raising")
     backward_k_min: int = _option(0, "backward raises for a token with fewer expert gradients than this (0: never, "
                                      "so a server that dies between forward and backward only costs its gradients)",
-                                  _non_negative(int))
+                                  non_negative(int))
     # optimisation
-    steps: int = _option(400, "optimizer steps in total (a resumed run continues up to this step)", _positive(int))
-    batch_size: int = _option(16, "windows per batch", _positive(int))
-    lr: float = _option(3e-3, "peak learning rate of the client's AdamW", _positive(float))
-    warmup_steps: int = _option(50, "linear warm-up steps, then cosine decay to lr / 10", _non_negative(int))
-    weight_decay: float = _option(0.0, "AdamW weight decay", _non_negative(float))
-    grad_clip: float = _option(1.0, "clip the client's gradient norm (0: off)", _non_negative(float))
+    steps: int = _option(400, "optimizer steps in total (a resumed run continues up to this step)", positive(int))
+    batch_size: int = _option(16, "windows per batch", positive(int))
+    lr: float = _option(3e-3, "peak learning rate of the client's AdamW", positive(float))
+    warmup_steps: int = _option(50, "linear warm-up steps, then cosine decay to lr / 10", non_negative(int))
+    weight_decay: float = _option(0.0, "AdamW weight decay", non_negative(float))
+    grad_clip: float = _option(1.0, "clip the client's gradient norm (0: off)", non_negative(float))
     # bookkeeping
-    eval_interval: int = _option(100, "steps between validation passes", _positive(int))
-    eval_batches: int = _option(8, "batches per validation pass", _positive(int))
-    checkpoint_interval: int = _option(100, "steps between checkpoints", _positive(int))
+    eval_interval: int = _option(100, "steps between validation passes", positive(int))
+    eval_batches: int = _option(8, "batches per validation pass", positive(int))
+    checkpoint_interval: int = _option(100, "steps between checkpoints", positive(int))
     out_dir: str = _option("runs/train", "where the checkpoint and loss curve are written")
     checkpoint: str | None = _option(None, "checkpoint file (default: OUT_DIR/checkpoint.pt)")
     resume: bool = _option(False, "continue from the checkpoint if there is one")
-    max_minutes: float = _option(0.0, "stop after this many minutes (0: no limit)", _non_negative(float))
-    sample_bytes: int = _option(200, "bytes of text to sample at the end (0: none)", _non_negative(int))
+    max_minutes: float = _option(0.0, "stop after this many minutes (0: no limit)", non_negative(float))
+    sample_bytes: int = _option(200, "bytes of text to sample at the end (0: none)", non_negative(int))
     seed: int = _option(0, "seed for initialisation and batch order")
     device: str = _option("cpu", "torch device of the client's layers")
-    threads: int = _option(0, "torch CPU threads (0: torch's default)", _non_negative(int))
+    threads: int = _option(0, "torch CPU threads (0: torch's default)", non_negative(int))
 
     def validate(self) -> None:
         """Raises ValueError naming the flag when options do not fit together."""

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,6 +28,36 @@ CONFIG_DEST = "config"
 
 class ConfigError(ValueError):
     """A config file that cannot be read, or a key or value in it that the program does not accept."""
+
+
+def positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` that must be > 0 (the error names the value)."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"  # argparse shows it in "invalid positive int value"
+    return parse
+
+
+def non_negative(kind: type) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` that must be >= 0."""
+    def parse(text: str):
+        value = kind(text)
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+    parse.__name__ = f"non-negative {kind.__name__}"
+    return parse
+
+
+def port_number(text: str) -> int:
+    """An argparse type for a TCP/UDP port; 0 lets the OS pick a free one."""
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0: any free port), got {text}")
+    return value
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:

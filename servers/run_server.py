@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dmoe.config import add_config_argument, parse_args
+from dmoe.config import add_config_argument, parse_args, port_number, positive
 from dmoe.dht import Identity, parse_endpoint
 from dmoe.server import ExpertServer, ServerConfig, expert_class_names
 from dmoe.server.checkpoints import CheckpointMismatch, CorruptCheckpoint
@@ -35,27 +35,10 @@ from dmoe.wire import MAX_MESSAGE_BYTES
 from dmoe.wire.codec import COMPRESSIONS
 
 logger = logging.getLogger("dmoe-server")
+positive_int, positive_float = positive(int), positive(float)
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
-
-def port_number(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0: any free port), got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def json_object(text: str) -> dict:

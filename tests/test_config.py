@@ -41,8 +41,8 @@ optimizer = "sgd"
 
 @pytest.mark.parametrize("text, named, allowed", [
     ("hiden_dim = 3", "'hiden_dim'", "allowed keys:"),
-    ("hidden_dim = -3", "'hidden_dim'", "positive integer"),
-    ("hidden-dim = 'wide'", "'hidden-dim'", "expected positive_int"),
+    ("hidden_dim = -3", "'hidden_dim'", "must be positive, got -3"),
+    ("hidden-dim = 'wide'", "'hidden-dim'", "expected positive int"),
     ('optimizer = "lion"', "'optimizer'", "adam, sgd"),
     ("reject_nonfinite = 3", "'reject_nonfinite'", "true or false"),
     ("port = [1, 2]", "'port'", "a single value"),

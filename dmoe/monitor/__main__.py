@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Sequence
 
-from dmoe.config import add_config_argument, parse_args
+from dmoe.config import add_config_argument, parse_args, port_number, positive
 from dmoe.dht import parse_endpoint
 from dmoe.monitor import MonitorServer, SwarmMonitor
 from dmoe.signals import StopSignals
@@ -22,21 +22,6 @@ from dmoe.uid import is_valid_prefix
 log = logging.getLogger("dmoe-monitor")
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0: any free port), got {text}")
-    return value
 
 
 def _layer(text: str) -> str:
@@ -61,13 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--initial-peers", nargs="+", required=True, type=_peer, metavar="HOST:PORT",
                         help="any DHT node of the swarm (printed by dmoe-dht or dmoe-server)")
     parser.add_argument("--layers", nargs="+", default=["ffn0"], type=_layer, metavar="NAME", help="layers to show")
-    parser.add_argument("--grid", nargs="+", type=_positive(int), default=[4, 4], metavar="SIZE",
+    parser.add_argument("--grid", nargs="+", type=positive(int), default=[4, 4], metavar="SIZE",
                         help="the grid of every layer, one size per dimension")
     parser.add_argument("--host", default="127.0.0.1", help="interface the page is served on (0.0.0.0: all)")
-    parser.add_argument("--port", type=_port, default=0, help="HTTP port of the page (0: any free port)")
-    parser.add_argument("--period", type=_positive(float), default=2.0,
+    parser.add_argument("--port", type=port_number, default=0, help="HTTP port of the page (0: any free port)")
+    parser.add_argument("--period", type=positive(float), default=2.0,
                         help="seconds between reads of the DHT and the experts' counters")
-    parser.add_argument("--info-timeout", type=_positive(float), default=1.0,
+    parser.add_argument("--info-timeout", type=positive(float), default=1.0,
                         help="seconds to wait for one expert's info answer before showing it unreachable")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), help="logging level")
