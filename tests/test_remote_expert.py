@@ -1,6 +1,7 @@
 """RemoteExpert against a real dmoe-server process: same outputs and gradients as the local module, training."""
 from __future__ import annotations
 
+import socket
 import threading
 
 import grpc
@@ -127,8 +128,13 @@ def test_compressed_responses_stay_close_to_exact(server):
 
 
 def test_timeout_and_unknown_expert_raise_remote_expert_error(server):
-    with pytest.raises(RemoteExpertError) as error:
-        forward_future(server, "ffn.0", [torch.randn(2, HIDDEN)], timeout=1e-6).result(timeout=60)
+    # a hung server: the TCP connection is accepted (backlog) but nothing ever answers
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        endpoint = f"127.0.0.1:{hung.getsockname()[1]}"
+        with pytest.raises(RemoteExpertError) as error:
+            forward_future(endpoint, "ffn.0", [torch.randn(2, HIDDEN)], timeout=0.5).result(timeout=60)
     assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     with pytest.raises(RemoteExpertError) as error:
         RemoteExpert("ffn.99", server)(torch.randn(2, HIDDEN))
