@@ -156,6 +156,9 @@ def test_server_answers_correctly_after_every_bad_request(server, stub):
     assert codes == [code for _, _, code, _ in CASES.values()]
     # backward failures did not step bad.0's optimizer (bad.1 is the one that failed), so weights are the initial ones
     local = create_expert("explode", HIDDEN, seed=expert_seed(0, "bad.0"))
+    # rows were batched by the server in whatever groups load made: allow float32 re-association noise (an
+    # optimizer step at lr 1e-3 would move the outputs ~1e-3, far outside this tolerance)
     with torch.no_grad():
-        torch.testing.assert_close(outputs, local(x))
-        torch.testing.assert_close(forward_future(server, "bad.0", [x]).result(timeout=60)[0], local(x))
+        torch.testing.assert_close(outputs, local(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(forward_future(server, "bad.0", [x]).result(timeout=60)[0], local(x),
+                                   rtol=1e-4, atol=1e-5)
