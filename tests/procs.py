@@ -9,19 +9,21 @@ import contextlib
 import os
 from typing import Iterator, Sequence
 
+from dmoe import launch
 from dmoe.launch import LISTENING, ROOT, processes  # noqa: F401  (re-exported for tests)
-from dmoe.launch import Proc as _Proc
 
 
-class Proc(_Proc):
+def _test_env(env: dict[str, str] | None) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+
+
+class Proc(launch.Proc):
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None):
-        super().__init__(args, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})})
+        super().__init__(args, _test_env(env))
 
 
 @contextlib.contextmanager
-def running(*args: str, env: dict[str, str] | None = None) -> Iterator[Proc]:
-    """Starts ``python *args`` and kills it on exit."""
-    with processes() as procs:
-        proc = Proc(args, env)
-        procs.append(proc)
+def running(*args: str, env: dict[str, str] | None = None) -> Iterator[launch.Proc]:
+    """Starts ``python *args`` (one torch thread unless ``env`` says otherwise) and kills it on exit."""
+    with launch.running(*args, env=_test_env(env)) as proc:
         yield proc
