@@ -65,7 +65,7 @@ def test_two_in_process_servers_keep_separate_registries_and_batch_errors_are_co
     with ExpertServer.create("a.[0:2]", "ffn", 4, config=configs[0]) as first, \
             ExpertServer.create("a.[0:2]", "ffn", 4, config=configs[1]) as second:
         boom = first.servicer.experts["a.0"].forward_pool
-        boom.process = lambda *inputs: (_ for _ in ()).throw(RuntimeError("boom"))
+        boom.process = lambda *inputs, **kwargs: (_ for _ in ()).throw(RuntimeError("boom"))
         with pytest.raises(RemoteExpertError, match="boom"):
             forward_future(first.endpoint, "a.0", [torch.randn(2, 4)]).result(30)
         forward_future(second.endpoint, "a.1", [torch.randn(2, 4)]).result(30)

@@ -175,19 +175,21 @@ class _RemoteExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dummy: torch.Tensor, flat: torch.Tensor, layer: "RemoteMixtureOfExperts",
-                plan: list[tuple[str, str, torch.Tensor, torch.Tensor]], k: int):
-        from dmoe.client.remote_expert import forward_future
+                plan: list[tuple[str, str, torch.Tensor, torch.Tensor]], k: int, will_backward: bool):
+        from dmoe.client.remote_expert import forward_future, new_activation_id
 
         inputs = flat.detach()
+        # a backward will follow: the servers may keep each forward's activations under its id until then
+        ids = [new_activation_id() if will_backward else None for _ in plan]
         futures = [forward_future(endpoint, uid, [inputs[rows]], timeout=layer.forward_timeout,
-                                  compression=layer.compression, channels=layer.channels)
-                   for uid, endpoint, rows, _ in plan]
+                                  compression=layer.compression, channels=layer.channels, activation_id=key)
+                   for (uid, endpoint, rows, _), key in zip(plan, ids)]
         _wait_for_experts(futures, [rows for _, _, rows, _ in plan], len(inputs), layer.k_min,
                           layer.forward_timeout, layer.timeout_after_k_min)
         out: torch.Tensor | None = None
         alive = torch.zeros(len(inputs), k, dtype=torch.bool)
         answered = []
-        for (uid, endpoint, rows, slots), future in zip(plan, futures):
+        for (uid, endpoint, rows, slots), future, key in zip(plan, futures, ids):
             result = layer._outcome(uid, endpoint, future)
             if result is None:
                 continue
@@ -195,7 +197,7 @@ class _RemoteExperts(torch.autograd.Function):
                 out = inputs.new_zeros(len(inputs), k, result[0].shape[-1], dtype=result[0].dtype)
             out[rows, slots] = result[0].to(out.device)
             alive[rows, slots] = True
-            answered.append((uid, endpoint, rows, slots))
+            answered.append((uid, endpoint, rows, slots, key))
         if out is None:
             out = inputs.new_zeros(len(inputs), k, inputs.shape[-1])
         layer.stats.experts_chosen += len(plan)
@@ -213,13 +215,13 @@ class _RemoteExperts(torch.autograd.Function):
         (inputs,) = ctx.saved_tensors
         futures = [backward_future(endpoint, uid, [inputs[rows]], [grad_out[rows, slots].contiguous()],
                                    timeout=layer.backward_timeout, compression=layer.compression,
-                                   channels=layer.channels)
-                   for uid, endpoint, rows, slots in answered]
+                                   channels=layer.channels, activation_id=key)
+                   for uid, endpoint, rows, slots, key in answered]
         wait_futures(futures, timeout=layer.backward_timeout)
         grad_inputs = torch.zeros_like(inputs)
         got = torch.zeros(len(inputs), dtype=torch.long)
         wanted = torch.zeros(len(inputs), dtype=torch.long)
-        for (uid, endpoint, rows, _), future in zip(answered, futures):
+        for (uid, endpoint, rows, _, _), future in zip(answered, futures):
             wanted[rows] += 1
             result = layer._outcome(uid, endpoint, future, backward=True)
             if result is not None:
@@ -232,7 +234,7 @@ class _RemoteExperts(torch.autograd.Function):
                 f"{int(short.sum())} rows got fewer than backward_k_min={layer.backward_k_min} expert gradients "
                 f"in {layer.uid_prefix!r}"
             )
-        return None, grad_inputs, None, None, None
+        return None, grad_inputs, None, None, None, None
 
 
 class RemoteMixtureOfExperts(_MixtureBase):
@@ -307,7 +309,8 @@ class RemoteMixtureOfExperts(_MixtureBase):
                 for uid, (rows, slots) in groups.items()]
 
     def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        return _RemoteExperts.apply(self._dummy, flat, self, self._plan(chosen), self.k_best)
+        # the dummy requires grad, so autograd records this call (and a backward can follow) whenever grad is on
+        return _RemoteExperts.apply(self._dummy, flat, self, self._plan(chosen), self.k_best, torch.is_grad_enabled())
 
     def _outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False) -> list[torch.Tensor] | None:
         """The future's result, or None after banning whatever failed (the expert, or its whole server)."""

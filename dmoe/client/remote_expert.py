@@ -7,6 +7,7 @@ message are streamed in parts by a short-lived thread that ends with its call.
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Sequence
@@ -51,7 +52,8 @@ def _settle(future: Future, fn: Callable[[], Any]) -> None:
 
 
 def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor], *, timeout: float | None,
-          compression: int | str, channels: ChannelPool | None, unary_limit: int) -> "Future[list[torch.Tensor]]":
+          compression: int | str, channels: ChannelPool | None, unary_limit: int,
+          activation_id: bytes | None) -> "Future[list[torch.Tensor]]":
     channels = channels or ChannelPool.default()
     compression = parse_compression(compression)
     messages = [serialize(t, compression) for t in tensors]
@@ -62,7 +64,8 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
         return RemoteExpertError(uid, endpoint, error.code(), error.details() or "")
 
     if message_bytes(messages) <= unary_limit:
-        request = dmoe_pb2.ExpertRequest(uid=uid, tensors=messages, response_compression=compression)
+        request = dmoe_pb2.ExpertRequest(uid=uid, tensors=messages, response_compression=compression,
+                                         activation_id=activation_id or b"")
         call = getattr(stub, method).future(request, timeout=timeout)
 
         def unpack() -> list[torch.Tensor]:
@@ -78,7 +81,9 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
 
     def requests():
         for i, group in enumerate(cut_into_parts(messages, STREAM_PART_BYTES)):
-            yield dmoe_pb2.ExpertRequest(uid=uid if i == 0 else "", tensors=group, response_compression=compression)
+            first = i == 0
+            yield dmoe_pb2.ExpertRequest(uid=uid if first else "", tensors=group, response_compression=compression,
+                                         activation_id=(activation_id or b"") if first else b"")
 
     stream = getattr(stub, f"{method}_stream")(requests(), timeout=timeout)
     future.add_done_callback(lambda f: stream.cancel() if f.cancelled() else None)
@@ -95,26 +100,38 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
     return future
 
 
+def new_activation_id() -> bytes:
+    """A fresh id linking a forward to the backward that will follow it (random: it cannot collide or be guessed)."""
+    return secrets.token_bytes(16)
+
+
 def forward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], *, timeout: float | None = None,
                    compression: int | str = NONE, channels: ChannelPool | None = None,
-                   unary_limit: int = UNARY_LIMIT_BYTES) -> "Future[list[torch.Tensor]]":
+                   unary_limit: int = UNARY_LIMIT_BYTES,
+                   activation_id: bytes | None = None) -> "Future[list[torch.Tensor]]":
     """Starts expert ``uid``'s forward on ``inputs`` (each with a batch dimension) and returns at once.
 
     The future resolves to the outputs as CPU tensors, or fails with :class:`RemoteExpertError`. The outputs may
     share memory with the received message: clone before writing into them. ``compression`` packs the
     request and is asked of the response; ``unary_limit``: requests with more tensor bytes are streamed.
+    ``activation_id`` (from :func:`new_activation_id`): a backward with the same id and inputs will follow, so
+    the server may keep this forward's activations and skip recomputing them then. Leave it out when no
+    backward will follow (inference), or the server holds them for nothing until they expire.
     """
     return _call("forward", endpoint, uid, inputs, timeout=timeout, compression=compression, channels=channels,
-                 unary_limit=unary_limit)
+                 unary_limit=unary_limit, activation_id=activation_id)
 
 
 def backward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
                     *, timeout: float | None = None, compression: int | str = NONE,
-                    channels: ChannelPool | None = None,
-                    unary_limit: int = UNARY_LIMIT_BYTES) -> "Future[list[torch.Tensor]]":
-    """Starts expert ``uid``'s backward: resolves to the gradients of ``inputs``; the server applies its step."""
+                    channels: ChannelPool | None = None, unary_limit: int = UNARY_LIMIT_BYTES,
+                    activation_id: bytes | None = None) -> "Future[list[torch.Tensor]]":
+    """Starts expert ``uid``'s backward: resolves to the gradients of ``inputs``; the server applies its step.
+
+    ``activation_id``: the one the forward of these ``inputs`` was sent with, if any.
+    """
     return _call("backward", endpoint, uid, [*inputs, *grad_outputs], timeout=timeout, compression=compression,
-                 channels=channels, unary_limit=unary_limit)
+                 channels=channels, unary_limit=unary_limit, activation_id=activation_id)
 
 
 def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,
@@ -142,10 +159,11 @@ class _RemoteCall(torch.autograd.Function):
     """Forward sends the inputs; backward sends inputs + output gradients and receives input gradients."""
 
     @staticmethod
-    def forward(ctx, expert: "RemoteExpert", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.expert = expert
+    def forward(ctx, expert: "RemoteExpert", activation_id: bytes | None,
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.expert, ctx.activation_id = expert, activation_id
         ctx.save_for_backward(*inputs)
-        outputs = expert._call_forward(inputs).result()
+        outputs = expert._call_forward(inputs, activation_id).result()
         # copy: received tensors are read-only views of the message, and autograd or the user may write into them
         return tuple(y.to(inputs[0].device, copy=True) for y in outputs)
 
@@ -153,9 +171,9 @@ class _RemoteCall(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = ctx.saved_tensors
         expert: RemoteExpert = ctx.expert
-        grads = expert._call_backward(inputs, grad_outputs).result()
-        return (None, *(g.to(x.device, copy=True) if needed else None
-                        for x, g, needed in zip(inputs, grads, ctx.needs_input_grad[1:])))
+        grads = expert._call_backward(inputs, grad_outputs, ctx.activation_id).result()
+        return (None, None, *(g.to(x.device, copy=True) if needed else None
+                              for x, g, needed in zip(inputs, grads, ctx.needs_input_grad[2:])))
 
 
 class RemoteExpert(nn.Module):
@@ -184,17 +202,20 @@ class RemoteExpert(nn.Module):
             self._info = expert_info(self.endpoint, self.uid, timeout=self.timeout, channels=self.channels)
         return self._info
 
-    def _call_forward(self, inputs: Sequence[torch.Tensor]) -> "Future[list[torch.Tensor]]":
+    def _call_forward(self, inputs: Sequence[torch.Tensor],
+                      activation_id: bytes | None) -> "Future[list[torch.Tensor]]":
         return forward_future(self.endpoint, self.uid, inputs, timeout=self.timeout, compression=self.compression,
-                              channels=self.channels)
+                              channels=self.channels, activation_id=activation_id)
 
-    def _call_backward(self, inputs: Sequence[torch.Tensor],
-                       grad_outputs: Sequence[torch.Tensor]) -> "Future[list[torch.Tensor]]":
+    def _call_backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+                       activation_id: bytes | None) -> "Future[list[torch.Tensor]]":
         return backward_future(self.endpoint, self.uid, inputs, grad_outputs, timeout=self.timeout,
-                               compression=self.compression, channels=self.channels)
+                               compression=self.compression, channels=self.channels, activation_id=activation_id)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        outputs = _RemoteCall.apply(self, *inputs)
+        # a backward can only follow when autograd records this call: only then ask the server to keep activations
+        will_backward = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+        outputs = _RemoteCall.apply(self, new_activation_id() if will_backward else None, *inputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def extra_repr(self) -> str:

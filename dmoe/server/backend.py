@@ -11,9 +11,13 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from dmoe.server.activations import ActivationCache, KeptForward, SavedBytes, parameter_versions
 from dmoe.wire.codec import DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
+
+#: (activation id or None, rows) of every request in a batch, in order: see :mod:`dmoe.server.activations`
+Segments = Sequence[tuple["bytes | None", int]]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
@@ -50,10 +54,10 @@ def expert_seed(seed: int, uid: str) -> int:
 class ExpertBackend:
     """One expert: its module, optimizer, optional LR scheduler and gradient clipping, and its schema.
 
-    ``forward`` runs without autograd (the caller only needs outputs). ``backward`` recomputes the forward pass
-    with autograd instead of keeping activations between the two calls (a server cannot know whether, or when,
-    a backward will follow), returns the input gradients and applies one optimizer step right away: experts
-    train asynchronously, each on whatever gradients reach it.
+    ``forward`` runs without autograd (the caller only needs outputs), unless the request asked to keep its
+    activations for a backward to come (see :mod:`dmoe.server.activations`). ``backward`` uses such a kept graph
+    when it is still valid and otherwise recomputes the forward pass with autograd; it returns the input gradients
+    and applies one optimizer step right away: experts train asynchronously, each on whatever gradients reach it.
 
     Args:
         name: the expert's uid.
@@ -65,6 +69,8 @@ class ExpertBackend:
         clip_grad_norm: clip the gradient norm to this before each step (None: no clipping).
         expert_cls: the registry name, reported by ``info``.
         hparams: constructor and optimizer arguments, reported by ``info`` (JSON-serialisable).
+        activations: where forwards are kept for their backward (the server's, shared by its experts); None:
+            always recompute.
     """
 
     def __init__(
@@ -78,8 +84,10 @@ class ExpertBackend:
         clip_grad_norm: float | None = None,
         expert_cls: str = "custom",
         hparams: dict[str, Any] | None = None,
+        activations: ActivationCache | None = None,
     ):
         self.name, self.module, self.optimizer, self.scheduler = name, module, optimizer, scheduler
+        self.activations = activations
         self.clip_grad_norm = clip_grad_norm
         self.expert_cls = expert_cls
         self.hparams = dict(hparams or {})
@@ -96,26 +104,81 @@ class ExpertBackend:
     def _as_tuple(outputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The expert's outputs for a batch, computed without autograd."""
-        with torch.inference_mode():
-            outputs = self._as_tuple(self.module(*inputs))
-            # under autocast outputs may come out in half precision; callers were promised the schema's dtype
-            return tuple(y.to(s.torch_dtype) for y, s in zip(outputs, self.outputs_schema))
+    def forward(self, *inputs: torch.Tensor, segments: Segments | None = None) -> tuple[torch.Tensor, ...]:
+        """The expert's outputs for a batch. ``segments``: (activation id or None, rows) of each request in it.
 
-    def backward(self, *inputs_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Takes the inputs followed by the gradients of the outputs; returns input gradients, then steps."""
+        A batch of one request with an id keeps its graph for that request's backward; anything else runs without
+        autograd.
+        """
+        key = segments[0][0] if segments is not None and len(segments) == 1 else None
+        if key is None or self.activations is None or not self.activations.enabled:
+            with torch.inference_mode():
+                return self._to_schema(self._as_tuple(self.module(*inputs)))
+        params = list(self.module.parameters())
+        leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
+        saved = SavedBytes(params)
+        with torch.enable_grad(), saved.hooks():
+            outputs = self._as_tuple(self.module(*leaves))
+        if any(y.requires_grad for y in outputs):
+            self.activations.put(self.name, key, KeptForward(leaves, outputs, parameter_versions(params), saved.nbytes))
+        return self._to_schema(tuple(y.detach() for y in outputs))
+
+    def _to_schema(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        # under autocast outputs may come out in half precision; callers were promised the schema's dtype
+        return tuple(y.to(s.torch_dtype) for y, s in zip(outputs, self.outputs_schema))
+
+    def backward(self, *inputs_and_grads: torch.Tensor, segments: Segments | None = None) -> tuple[torch.Tensor, ...]:
+        """Takes the inputs followed by the gradients of the outputs; returns input gradients, then steps once.
+
+        ``segments`` as in :meth:`forward`: requests whose forward was kept (and is still valid) reuse that graph;
+        the others are recomputed together in one batch.
+        """
         n_in = len(self.inputs_schema)
-        inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs_and_grads[:n_in]]
-        grad_outputs = inputs_and_grads[n_in:]
+        inputs, grad_outputs = inputs_and_grads[:n_in], inputs_and_grads[n_in:]
+        if segments is None or self.activations is None or all(key is None for key, _ in segments):
+            input_grads = self._recompute_backward(inputs, grad_outputs)
+        else:
+            input_grads = self._segmented_backward(inputs, grad_outputs, segments)
+        self._apply_gradients()
+        return input_grads
+
+    def _segmented_backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
+                            segments: Segments) -> tuple[torch.Tensor, ...]:
+        assert self.activations is not None
+        versions = parameter_versions(self.module.parameters())
+        pieces: list[tuple[torch.Tensor, ...] | None] = []
+        recompute: list[slice] = []
+        start = 0
+        for key, rows in segments:
+            part = slice(start, start + rows)
+            start += rows
+            kept = self.activations.take(self.name, key, versions, [x[part] for x in inputs]) if key else None
+            if kept is None:
+                pieces.append(None)
+                recompute.append(part)
+                continue
+            pairs = [(y, g[part]) for y, g in zip(kept.outputs, grad_outputs) if y.requires_grad]
+            torch.autograd.backward([y for y, _ in pairs], [g.to(y.dtype) for y, g in pairs])
+            pieces.append(tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in kept.inputs))
+        if recompute:
+            redone = self._recompute_backward([torch.cat([x[p] for p in recompute]) for x in inputs],
+                                              [torch.cat([g[p] for p in recompute]) for g in grad_outputs])
+            sizes = [p.stop - p.start for p in recompute]
+            redone_parts = iter(zip(*(torch.split(g, sizes) for g in redone)))
+            pieces = [piece if piece is not None else next(redone_parts) for piece in pieces]
+        return tuple(torch.cat([piece[i] for piece in pieces]) if len(pieces) > 1 else pieces[0][i]
+                     for i in range(len(inputs)))
+
+    def _recompute_backward(self, inputs: Sequence[torch.Tensor],
+                            grad_outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Runs the forward again with autograd, then backward: input gradients; parameter gradients accumulate."""
+        inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
         with torch.enable_grad():
             outputs = self._as_tuple(self.module(*inputs))
             pairs = [(y, g) for y, g in zip(outputs, grad_outputs) if y.requires_grad]
             if pairs:
                 torch.autograd.backward([y for y, _ in pairs], [g.to(y.dtype) for y, g in pairs])
-        input_grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs)
-        self._apply_gradients()
-        return input_grads
+        return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs)
 
     def _apply_gradients(self) -> None:
         if self.optimizer is None:
@@ -132,6 +195,8 @@ class ExpertBackend:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.activations is not None:
+            self.activations.drop_expert(self.name)  # graphs kept before this step saved the old weights
         if self.scheduler is not None:
             self.scheduler.step()
 

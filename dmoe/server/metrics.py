@@ -13,6 +13,10 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
     dmoe_batch_errors_total{expert, method}         batches whose compute raised
     dmoe_optimizer_steps_total{expert}              optimizer steps applied (one per backward batch)
     dmoe_queue_length{expert, method}               requests waiting now (read at scrape time)
+    dmoe_activation_cache_total{result}             backward requests naming an activation id, by what happened:
+                                                    hit (kept graph used) or miss (forward recomputed); and kept
+                                                    forwards dropped unused: evicted (room, age), invalidated (step)
+    dmoe_activation_cache_bytes                     bytes of activations kept now
 """
 from __future__ import annotations
 
@@ -24,10 +28,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequen
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from dmoe.server.activations import ActivationCache
     from dmoe.server.servicer import ExpertServicer, HostedExpert
     from dmoe.server.task_pool import Task, TaskPool
 
@@ -51,18 +56,35 @@ class _QueueLengths(Collector):
         yield gauge
 
 
+class _ActivationCacheStats(Collector):
+    """Reads the server's activation cache counters when scraped."""
+
+    def __init__(self, cache: "ActivationCache"):
+        self._cache = cache
+
+    def collect(self):
+        cache = self._cache
+        counts = CounterMetricFamily("dmoe_activation_cache", "activation cache outcomes", labels=["result"])
+        for result, count in (("hit", cache.hits), ("miss", cache.misses), ("evicted", cache.evicted),
+                              ("invalidated", cache.invalidated)):
+            counts.add_metric([result], count)
+        yield counts
+        yield GaugeMetricFamily("dmoe_activation_cache_bytes", "bytes of activations kept now", value=self._cache.nbytes)
+
+
 class ServerMetrics:
     """The metrics of one server, in a registry of its own.
 
     Args:
         experts: uid -> hosted expert, as the servicer holds them (their pools give queue lengths and tell
             which batch belongs to which expert).
+        activations: the server's activation cache, whose counters are read at scrape time.
 
     Wire it up with :meth:`instrument` (the servicer's calls) and :meth:`observe_batch` (the runtime's
     batches); :meth:`serve` exposes the registry over HTTP and :meth:`close` stops that endpoint.
     """
 
-    def __init__(self, experts: dict[str, "HostedExpert"]):
+    def __init__(self, experts: dict[str, "HostedExpert"], activations: "ActivationCache | None" = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.experts = experts
         self._pool_labels: dict[int, tuple[str, str, bool]] = {}
@@ -85,6 +107,8 @@ class ServerMetrics:
         self.optimizer_steps = Counter("dmoe_optimizer_steps", "optimizer steps applied to an expert", ["expert"],
                                        registry=self.registry)
         self.registry.register(_QueueLengths(self._pools))
+        if activations is not None:
+            self.registry.register(_ActivationCacheStats(activations))
         self._http = None
         self._http_thread: threading.Thread | None = None
         self.endpoint: str | None = None

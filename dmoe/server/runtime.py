@@ -47,8 +47,8 @@ class Runtime:
         self.on_batch: BatchObserver | None = None
         self._thread = threading.Thread(target=self._serve, name="dmoe-runtime", daemon=True)
 
-    def create_pool(self, name: str, process: ProcessFn, max_batch_size: int) -> TaskPool:
-        pool = TaskPool(self, name, process, max_batch_size)
+    def create_pool(self, name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False) -> TaskPool:
+        pool = TaskPool(self, name, process, max_batch_size, keyed)
         self.pools.append(pool)
         return pool
 
@@ -125,7 +125,10 @@ class Runtime:
         autocast = (torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
                     if self.autocast else contextlib.nullcontext())
         with autocast:
-            outputs = pool.process(*inputs)
+            if pool.keyed:
+                outputs = pool.process(*inputs, segments=[(task.key, task.rows) for task in batch])
+            else:
+                outputs = pool.process(*inputs)
         rows = sum(task.rows for task in batch)
         outputs = [y.detach().cpu() for y in outputs]
         for i, y in enumerate(outputs):

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import grpc
 import torch
 
+from dmoe.server.activations import ActivationCache
 from dmoe.server.backend import ExpertBackend, expert_seed, make_optimizer
 from dmoe.server.checkpoints import Checkpoints
 from dmoe.server.decoding import RejectUndecodable
@@ -55,6 +56,9 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics (:mod:`dmoe.server.metrics`) on this port, 0 for a free one;
             None: collect them (``server.metrics``) but serve no endpoint.
         metrics_host: interface of the metrics endpoint; None: the same as ``host``.
+        activation_cache_mb: MiB of activations kept between a forward and its backward, so that backward skips
+            recomputing the forward (:mod:`dmoe.server.activations`); 0: always recompute.
+        activation_ttl: seconds a kept forward waits for its backward.
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +76,8 @@ class ServerConfig:
     reject_nonfinite: bool = True
     metrics_port: int | None = None
     metrics_host: str | None = None
+    activation_cache_mb: float = 512.0
+    activation_ttl: float = 60.0
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -103,13 +109,15 @@ class ExpertServer:
         self.device = resolve_device(self.config.device)
         self.announcer = announcer
         self.runtime = Runtime(self.device, self.config.autocast)
+        self.activations = ActivationCache(int(self.config.activation_cache_mb * 2**20), self.config.activation_ttl)
         experts = {}
         for uid, backend in self.backends.items():
             backend.module.to(self.device)
+            backend.activations = self.activations
             experts[uid] = HostedExpert(
                 backend,
-                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size),
-                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size),
+                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size, keyed=True),
+                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size, keyed=True),
             )
         self.servicer = ExpertServicer(
             experts, max_batch_size=self.config.max_batch_size, device=str(self.device),
@@ -118,7 +126,7 @@ class ExpertServer:
             faults=Faults(self.config.faults) if self.config.faults is not None else None,
             reject_nonfinite=self.config.reject_nonfinite,
         )
-        self.metrics = ServerMetrics(experts)
+        self.metrics = ServerMetrics(experts, self.activations)
         self.metrics.instrument(self.servicer)
         self.runtime.on_batch = self.metrics.observe_batch
         self.port: int | None = None
@@ -231,6 +239,7 @@ class ExpertServer:
         if self.checkpoints is not None:  # after in-flight calls finished, before the runtime stops
             self.checkpoints.close(save=self._loop is not None)
         self.runtime.close()
+        self.activations.clear()
         self.metrics.close()
         if self._loop is not None and self._loop_thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)

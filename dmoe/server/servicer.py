@@ -12,6 +12,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 import torch
 
+from dmoe.server.activations import MAX_ACTIVATION_ID_BYTES
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
 from dmoe.server.task_pool import TaskPool
@@ -148,10 +149,13 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         )
 
     async def _call(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,
-                    context: grpc.aio.ServicerContext) -> list[dmoe_pb2.Tensor]:
+                    context: grpc.aio.ServicerContext, activation_id: bytes = b"") -> list[dmoe_pb2.Tensor]:
         expert = await self._expert(uid, context)
         if compression not in Compression.values():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown response_compression {compression}")
+        if len(activation_id) > MAX_ACTIVATION_ID_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"activation_id has {len(activation_id)} bytes, "
+                                f"at most {MAX_ACTIVATION_ID_BYTES} are allowed")
         try:
             inputs = validate(tensors, expert.schemas(kind), self.max_batch_size)
         except RequestRejected as rejected:
@@ -166,10 +170,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 await context.abort(failure.code, f"{kind} of {uid}: {failure}")
         if kind == FORWARD:
             expert.backend.forward_calls += 1
-            future = expert.forward_pool.submit(*inputs)
+            future = expert.forward_pool.submit(*inputs, key=activation_id or None)
         else:
             expert.backend.backward_calls += 1
-            future = expert.backward_pool.submit(*inputs)
+            future = expert.backward_pool.submit(*inputs, key=activation_id or None)
         try:
             outputs = await asyncio.wrap_future(future)
             error = None
@@ -181,19 +185,22 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         return [serialize(y, compression) for y in outputs]
 
     async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
-        tensors = await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context)
+        tensors = await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
+                                   request.activation_id)
         return dmoe_pb2.ExpertResponse(tensors=tensors)
 
     async def backward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
-        tensors = await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context)
+        tensors = await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
+                                   request.activation_id)
         return dmoe_pb2.ExpertResponse(tensors=tensors)
 
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
                       context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
         uid, compression, groups, total, limit = None, NONE, [], 0, self.max_stream_bytes
+        activation_id = b""
         async for message in requests:
             if uid is None:
-                uid, compression = message.uid, message.response_compression
+                uid, compression, activation_id = message.uid, message.response_compression, message.activation_id
                 # refuse an unknown expert, or more bytes than a valid request can have, before buffering them
                 expert = await self._expert(uid, context)
                 limit = min(limit, expert.max_payload_bytes(kind, self.max_batch_size))
@@ -215,7 +222,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             rejection = (code, str(error))
         if rejection is not None:
             await context.abort(*rejection)
-        outputs = await self._call(kind, uid, tensors, compression, context)
+        outputs = await self._call(kind, uid, tensors, compression, context, activation_id)
         for group in cut_into_parts(outputs, self.stream_part_bytes):
             yield dmoe_pb2.ExpertResponse(tensors=group)
 

@@ -19,11 +19,15 @@ _sequence = itertools.count()
 
 @dataclass(eq=False)
 class Task:
-    """One request: tensors with a batch dimension, and the future its caller awaits."""
+    """One request: tensors with a batch dimension, and the future its caller awaits.
+
+    ``key``: the request's activation id, if any (see :mod:`dmoe.server.activations`).
+    """
 
     inputs: tuple[torch.Tensor, ...]
     future: "Future[list[torch.Tensor]]"
     rows: int
+    key: bytes | None = None
     seq: int = field(default_factory=lambda: next(_sequence))
     created: float = field(default_factory=time.monotonic)
 
@@ -38,19 +42,21 @@ class TaskPool:
         name: for logs, e.g. ``'ffn0.3_forward'``.
         process: called with the concatenated batch; returns tensors whose first dimension is the batch.
         max_batch_size: the most rows the runtime will put in one call of ``process``.
+        keyed: ``process`` also takes ``segments=[(task key, task rows), ...]``, one per task of the batch.
     """
 
-    def __init__(self, runtime: "Runtime", name: str, process: ProcessFn, max_batch_size: int):
+    def __init__(self, runtime: "Runtime", name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False):
         self.runtime, self.name, self.process, self.max_batch_size = runtime, name, process, max_batch_size
+        self.keyed = keyed
         self.tasks: deque[Task] = deque()
         self.batches = 0
         self.rows = 0
 
-    def submit(self, *inputs: torch.Tensor) -> "Future[list[torch.Tensor]]":
+    def submit(self, *inputs: torch.Tensor, key: bytes | None = None) -> "Future[list[torch.Tensor]]":
         """Queues one request (all tensors share the first, batch dimension); the future gets its outputs."""
         if not inputs:
             raise ValueError("a task needs at least one tensor")
-        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0])
+        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0], key=key)
         self.runtime.enqueue(self, task)
         return task.future
 

@@ -69,14 +69,16 @@ class ExpertInfo(_message.Message):
     def __init__(self, uid: _Optional[str] = ..., expert_cls: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSchema, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSchema, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., device: _Optional[str] = ..., hparams_json: _Optional[str] = ..., forward_calls: _Optional[int] = ..., backward_calls: _Optional[int] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
-    __slots__ = ("uid", "tensors", "response_compression")
+    __slots__ = ("uid", "tensors", "response_compression", "activation_id")
     UID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
     uid: str
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     response_compression: Compression
-    def __init__(self, uid: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., response_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    activation_id: bytes
+    def __init__(self, uid: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., response_compression: _Optional[_Union[Compression, str]] = ..., activation_id: _Optional[bytes] = ...) -> None: ...
 
 class ExpertResponse(_message.Message):
     __slots__ = ("tensors",)

@@ -1,0 +1,199 @@
+"""Activations kept between a forward and its backward: the cache's bounds, that a kept graph gives exactly what
+recomputing gives, and the whole path through a real server process and the DMoE layer."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+
+from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forward_future
+from dmoe.client.moe import RemoteMixtureOfExperts
+from dmoe.dht import DHT
+from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.server import ExpertBackend, create_expert
+from dmoe.server.activations import ActivationCache, KeptForward
+from dmoe.server.layers import expert_class
+from dmoe.uid import grid_uids
+from tests.procs import running
+from tests.test_metrics import scrape, value
+
+HIDDEN = 8
+
+
+def kept(nbytes: int, versions=(0,), age: float = 0.0) -> KeptForward:
+    return KeptForward((torch.zeros(1),), (torch.zeros(1),), versions, nbytes, created=time.monotonic() - age)
+
+
+# ---- the cache's bookkeeping ----------------------------------------------------------------------------------
+
+def test_a_kept_forward_is_taken_once_and_only_with_the_same_parameter_versions():
+    cache = ActivationCache(max_bytes=1000)
+    assert cache.put("e.0", b"a", kept(10, versions=(1, 2)))
+    assert cache.put("e.0", b"b", kept(10, versions=(1, 2)))
+    assert cache.put("e.0", b"c", kept(10, versions=(1, 2)))
+    same = [torch.zeros(1)]
+    assert cache.take("e.0", b"a", (1, 2), same) is not None
+    assert cache.take("e.0", b"a", (1, 2), same) is None               # consumed
+    assert cache.take("e.1", b"b", (1, 2), same) is None               # another expert's id space
+    assert cache.take("e.0", b"b", (1, 3), same) is None               # the weights changed since: stale
+    assert cache.take("e.0", b"c", (1, 2), [torch.ones(1)]) is None    # not the inputs it was computed from
+    assert (cache.hits, cache.misses, cache.invalidated, len(cache), cache.nbytes) == (1, 4, 1, 0, 0)
+
+
+def test_the_byte_budget_evicts_the_oldest_and_refuses_what_can_never_fit():
+    cache = ActivationCache(max_bytes=100)
+    for key in (b"1", b"2", b"3"):
+        assert cache.put("e.0", key, kept(40))
+    assert cache.nbytes == 80 and cache.evicted == 1
+    assert cache.take("e.0", b"1", (0,), [torch.zeros(1)]) is None
+    assert cache.take("e.0", b"3", (0,), [torch.zeros(1)]) is not None
+    assert not cache.put("e.0", b"big", kept(101))
+    assert cache.nbytes == 40
+
+
+def test_forwards_older_than_the_ttl_are_dropped():
+    cache = ActivationCache(max_bytes=100, ttl=10)
+    cache.put("e.0", b"old", kept(10, age=11))
+    cache.put("e.0", b"new", kept(10))
+    assert len(cache) == 1 and cache.evicted == 1
+    assert cache.take("e.0", b"new", (0,), [torch.zeros(1)]) is not None
+
+
+def test_an_optimizer_step_drops_only_that_experts_forwards():
+    cache = ActivationCache(max_bytes=100)
+    cache.put("e.0", b"a", kept(10))
+    cache.put("e.1", b"b", kept(10))
+    cache.drop_expert("e.0")
+    assert (len(cache), cache.nbytes, cache.invalidated) == (1, 10, 1)
+
+
+# ---- a backend with a cache gives exactly what recomputing gives ------------------------------------------------
+
+def twin_backends(name: str = "ffn", **kwargs) -> tuple[ExpertBackend, ExpertBackend, ActivationCache]:
+    """Two backends with the same weights and Adam state: one keeps activations, one always recomputes."""
+    cache = ActivationCache(max_bytes=1 << 30)
+
+    def build(activations):
+        module = create_expert(name, HIDDEN, seed=0, **kwargs)
+        return ExpertBackend("e.0", module, expert_class(name).sample(2, HIDDEN),
+                             torch.optim.Adam(module.parameters(), lr=0.01), activations=activations)
+
+    return build(cache), build(None), cache
+
+
+def assert_same_weights(a: ExpertBackend, b: ExpertBackend) -> None:
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,kwargs", [("ffn", {}), ("transformer", {"num_heads": 2})])
+def test_backward_from_a_kept_forward_equals_recomputing_bit_for_bit(name, kwargs):
+    cached, plain, cache = twin_backends(name, **kwargs)
+    for step in range(3):
+        x = torch.randn(4, *cached.inputs_schema[0].shape)
+        y_cached = cached.forward(x, segments=[(b"k%d" % step, 4)])
+        torch.testing.assert_close(y_cached, plain.forward(x), rtol=0, atol=0)
+        grad = torch.randn_like(y_cached[0])
+        torch.testing.assert_close(cached.backward(x, grad, segments=[(b"k%d" % step, 4)]), plain.backward(x, grad),
+                                   rtol=0, atol=0)
+        assert_same_weights(cached, plain)
+    assert (cache.hits, cache.misses, len(cache)) == (3, 0, 0)
+
+
+def test_a_backward_batch_mixing_kept_and_unkept_requests_steps_once_like_recomputing():
+    cached, plain, cache = twin_backends()
+    x, grad = torch.randn(9, HIDDEN), torch.randn(9, HIDDEN)
+    cached.forward(x[:2], segments=[(b"a", 2)])
+    cached.forward(x[5:], segments=[(b"c", 4)])
+    segments = [(b"a", 2), (b"never-kept", 3), (b"c", 4)]
+    torch.testing.assert_close(cached.backward(x, grad, segments=segments), plain.backward(x, grad),
+                               rtol=1e-6, atol=1e-7)  # one batch vs pieces: float sums associate differently
+    for p, q in zip(cached.module.parameters(), plain.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert (cache.hits, cache.misses) == (2, 1)
+
+
+def test_a_step_between_forward_and_backward_or_other_inputs_fall_back_to_recomputing():
+    cached, plain, cache = twin_backends()
+    x, grad, other = torch.randn(3, HIDDEN), torch.randn(3, HIDDEN), torch.randn(3, HIDDEN)
+    cached.forward(x, segments=[(b"first", 3)])
+    cached.forward(x, segments=[(b"second", 3)])
+    cached.forward(x, segments=[(b"third", 3)])
+    # the step of this backward makes the two other kept graphs stale (they saved the old weights)
+    torch.testing.assert_close(cached.backward(x, grad, segments=[(b"first", 3)]), plain.backward(x, grad))
+    torch.testing.assert_close(cached.backward(x, grad, segments=[(b"second", 3)]), plain.backward(x, grad))
+    assert cache.invalidated == 2 and len(cache) == 0
+    cached.forward(x, segments=[(b"fourth", 3)])
+    torch.testing.assert_close(cached.backward(other, grad, segments=[(b"fourth", 3)]), plain.backward(other, grad))
+    assert_same_weights(cached, plain)
+    assert (cache.hits, cache.misses) == (1, 2)
+
+
+def test_only_a_forward_batch_of_one_request_with_an_id_is_kept_and_its_size_excludes_the_weights():
+    cached, _, cache = twin_backends()
+    cached.forward(torch.randn(4, HIDDEN))
+    cached.forward(torch.randn(4, HIDDEN), segments=[(b"a", 2), (b"b", 2)])
+    assert len(cache) == 0
+    cached.forward(torch.randn(2, HIDDEN), segments=[(b"two", 2)])
+    two = cache.nbytes
+    cached.forward(torch.randn(4, HIDDEN), segments=[(b"four", 4)])
+    assert two > 0 and cache.nbytes - two == 2 * two  # saved activations grow with rows: no weights counted
+    disabled = ActivationCache(max_bytes=0)
+    cached.activations = disabled
+    cached.forward(torch.randn(2, HIDDEN), segments=[(b"x", 2)])
+    assert len(disabled) == 0
+
+
+# ---- through a real server process ---------------------------------------------------------------------------
+
+def test_server_process_uses_kept_activations_gives_the_same_training_and_refuses_long_ids():
+    args = ("-m", "servers.run_server", "--experts", "e.[0:2]", "--hidden-dim", str(HIDDEN), "--metrics-port", "0")
+    with running(*args) as keeping, running(*args, "--activation-cache-mb", "0") as recomputing:
+        metrics = keeping.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
+        experts = [RemoteExpert("e.0", proc.endpoint(), timeout=30) for proc in (keeping, recomputing)]
+        torch.manual_seed(0)
+        for _ in range(3):
+            x = torch.randn(5, HIDDEN, requires_grad=True)
+            outputs, grads = [], []
+            for expert in experts:
+                x.grad = None
+                y = expert(x)
+                y.pow(2).sum().backward()
+                outputs.append(y)
+                grads.append(x.grad)
+            torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+            torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+        with torch.no_grad():  # inference: no backward will come, so nothing is kept
+            experts[0](torch.randn(5, HIDDEN))
+        endpoint = experts[0].endpoint
+        with pytest.raises(RemoteExpertError, match="activation_id has 65 bytes"):
+            forward_future(endpoint, "e.0", [torch.randn(2, HIDDEN)], activation_id=b"x" * 65).result(30)
+        # a backward naming an id the server never saw is simply recomputed
+        x = torch.randn(2, HIDDEN)
+        backward_future(endpoint, "e.1", [x], [torch.randn(2, HIDDEN)], activation_id=b"unknown").result(30)
+        samples = scrape(metrics)
+    assert value(samples, "dmoe_activation_cache_total", result="hit") == 3
+    assert value(samples, "dmoe_activation_cache_total", result="miss") == 1
+    assert value(samples, "dmoe_activation_cache_bytes") == 0
+
+
+def test_the_dmoe_layer_backward_uses_the_activations_its_forward_kept():
+    grid = (2, 2)
+    config = SwarmConfig(layers=("ffn0",), grid=grid, n_servers=1, hidden_dim=HIDDEN,
+                         server_args=("--metrics-port", "0", "--refresh-period", "1"))
+    with LocalSwarm(config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
+        output = "".join(swarm.servers[0].output)
+        metrics = re.search(r"dmoe-server metrics on (\S+:\d+)", output).group(1)
+        deadline = time.monotonic() + 60
+        while not all(dht.get_experts(grid_uids("ffn0", grid))):
+            assert time.monotonic() < deadline, "experts were not declared in 60 s"
+            time.sleep(0.1)
+        layer = RemoteMixtureOfExperts(HIDDEN, grid, "ffn0", dht, k_best=2, k_min=2)
+        for _ in range(2):
+            layer(torch.randn(16, HIDDEN)).sum().backward()
+        samples = scrape(metrics)
+    assert layer.stats.experts_dropped == 0 and layer.stats.backward_failures == 0
+    assert value(samples, "dmoe_activation_cache_total", result="hit") == layer.stats.backward_calls > 0
+    assert value(samples, "dmoe_activation_cache_total", result="miss") == 0
