@@ -5,7 +5,9 @@ calls them through :class:`dmoe.RemoteMixtureOfExperts` (beam search over the DH
 backward requests that make each expert take an Adam step).
 In-process: :class:`dmoe.LocalMixtureOfExperts` with the same experts, gate, top-k and one Adam step per used
 expert after every backward. A second in-process baseline recomputes each expert's forward during backward
-(activation checkpointing), which is the maths the server does: it keeps no activations between requests.
+(activation checkpointing), which is what a server must do when it holds no activations for a backward (see
+dmoe/server/activations.py: it keeps them when the forward ran alone in its batch and no step came between).
+Both this process and the server use dmoe.allocator.keep_freed_memory(), as dmoe-server does.
 
     python benchmarks/bench_layer.py                 # h=1024, 4x4 grid, top-4, batches 16 64 256
     python benchmarks/bench_layer.py --quick         # small and fast (what the test suite runs)
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from dmoe.allocator import keep_freed_memory
 from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
@@ -34,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grid", type=int, nargs="+", default=[4, 4])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--steps", type=int, default=10, help="timed forward+backward steps per batch size")
+    parser.add_argument("--steps", type=int, default=15, help="timed forward+backward steps per batch size")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for server and baseline")
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -46,16 +49,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def time_steps(step, batch: int, hidden: int, steps: int, warmup: int) -> float:
-    """Median seconds of one forward+backward over ``steps`` timed runs."""
-    times = []
-    for i in range(warmup + steps):
-        x = torch.randn(batch, hidden, requires_grad=True)
-        start = time.perf_counter()
-        step(x)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_steps(steps: dict, batch: int, hidden: int, n_steps: int, warmup: int) -> dict[str, float]:
+    """Median seconds of one forward+backward of each variant; the variants take turns step by step, so that
+    the machine's slow and fast moments hit all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(warmup + n_steps):
+        for name, step in steps.items():
+            x = torch.randn(batch, hidden, requires_grad=True)
+            start = time.perf_counter()
+            step(x)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 class Checkpointed(torch.nn.Module):
@@ -84,6 +89,7 @@ def local_step_fn(layer: LocalMixtureOfExperts, lr: float):
 
 
 def main(argv=None) -> list[dict]:
+    keep_freed_memory()  # as dmoe-server does: the in-process baseline gets the same allocator settings
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -112,10 +118,9 @@ def main(argv=None) -> list[dict]:
             recompute.experts[name] = Checkpointed(recompute.experts[name])
         local_step, recompute_step = local_step_fn(local, args.lr), local_step_fn(recompute, args.lr)
         for batch in args.batches:
-            # interleave the three so that machine noise hits all of them alike
-            t_remote = time_steps(remote_step, batch, args.hidden, args.steps, args.warmup)
-            t_local = time_steps(local_step, batch, args.hidden, args.steps, args.warmup)
-            t_recompute = time_steps(recompute_step, batch, args.hidden, args.steps, args.warmup)
+            timed = time_steps({"remote": remote_step, "local": local_step, "recompute": recompute_step}, batch,
+                               args.hidden, args.steps, args.warmup)
+            t_remote, t_local, t_recompute = timed["remote"], timed["local"], timed["recompute"]
             rows.append(dict(batch=batch, remote_s=t_remote, inprocess_s=t_local, inprocess_recompute_s=t_recompute,
                              ratio=t_local / t_remote, ratio_vs_recompute=t_recompute / t_remote,
                              dropped=remote.stats.experts_dropped))

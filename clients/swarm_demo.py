@@ -20,10 +20,12 @@ import time
 
 from clients.data import DownloadError
 from clients.train import build_parser, parse_config, train
+from dmoe.allocator import keep_freed_memory
 from dmoe.launch import LocalSwarm, SwarmConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()
     demo = argparse.ArgumentParser(add_help=False)
     demo.add_argument("--servers", type=int, default=2, help="expert servers to start (each hosts a slice)")
     demo.add_argument("--server-threads", type=int, default=1, help="torch threads per expert server")

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from clients.data import VOCAB_SIZE, DownloadError, TextData, shakespeare
 from clients.model import GatedTransformerLM, ModelConfig, MoEFactory
+from dmoe.allocator import keep_freed_memory
 from dmoe.config import add_config_argument, non_negative, parse_args, positive
 
 
@@ -361,6 +362,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     config = parse_config(argv)
     try:
         train(config)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from dmoe.config import add_config_argument, parse_args, port_number, positive
+from dmoe.allocator import keep_freed_memory
+from dmoe.config import add_config_argument, non_negative, parse_args, port_number, positive
 from dmoe.dht import Identity, parse_endpoint
 from dmoe.server import ExpertServer, ServerConfig, expert_class_names
 from dmoe.server.checkpoints import CheckpointMismatch, CorruptCheckpoint
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between checkpoints (one is also written on shutdown)")
     state.add_argument("--reject-nonfinite", action=argparse.BooleanOptionalAction, default=True,
                        help="refuse requests whose inputs or gradients hold NaN/Inf (INVALID_ARGUMENT)")
+    parser.add_argument("--activation-cache-mb", type=non_negative(float), default=512.0,
+                        help="MiB of activations kept from a forward for its backward, which then skips recomputing "
+                             "the forward (0: always recompute)")
     parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
@@ -193,6 +197,7 @@ def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DHTAn
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()  # before any thread starts: every training step would page-fault otherwise
     parser = build_parser()
     args = parse_args(parser, argv)
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
@@ -220,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     config.faults = fault_config(args, parser)
     config.checkpoint_dir, config.checkpoint_interval = args.checkpoint_dir, args.checkpoint_interval
     config.reject_nonfinite = args.reject_nonfinite
+    config.activation_cache_mb = args.activation_cache_mb
     for peer in args.initial_peers:
         try:
             parse_endpoint(peer)
