@@ -10,6 +10,7 @@ import torch
 
 from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forward_future
 from dmoe.client.moe import RemoteMixtureOfExperts
+from dmoe.client.remote_expert import _call
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import ExpertBackend, create_expert
@@ -61,12 +62,14 @@ def test_forwards_older_than_the_ttl_are_dropped():
     assert cache.take("e.0", b"new", (0,), [torch.zeros(1)]) is not None
 
 
-def test_an_optimizer_step_drops_only_that_experts_forwards():
+def test_an_optimizer_step_drops_only_that_experts_graphs_and_keeps_their_inputs():
     cache = ActivationCache(max_bytes=100)
     cache.put("e.0", b"a", kept(10))
     cache.put("e.1", b"b", kept(10))
-    cache.drop_expert("e.0")
-    assert (len(cache), cache.nbytes, cache.invalidated) == (1, 10, 1)
+    cache.drop_graphs("e.0")
+    assert (len(cache), cache.nbytes, cache.invalidated) == (2, 10 + 4, 1)  # e.0 now holds its 4-byte input
+    assert cache.inputs("e.0", b"a") is not None and cache.inputs("e.0", b"zzz") is None
+    assert cache.take("e.0", b"a", (0,), [torch.zeros(1)]) is None  # no graph left: recompute
 
 
 # ---- a backend with a cache gives exactly what recomputing gives ------------------------------------------------
@@ -124,18 +127,22 @@ def test_a_step_between_forward_and_backward_or_other_inputs_fall_back_to_recomp
     # the step of this backward makes the two other kept graphs stale (they saved the old weights)
     torch.testing.assert_close(cached.backward(x, grad, segments=[(b"first", 3)]), plain.backward(x, grad))
     torch.testing.assert_close(cached.backward(x, grad, segments=[(b"second", 3)]), plain.backward(x, grad))
-    assert cache.invalidated == 2 and len(cache) == 0
+    assert cache.invalidated == 2 and len(cache) == 1  # the third's inputs stay held, its graph is gone
     cached.forward(x, segments=[(b"fourth", 3)])
     torch.testing.assert_close(cached.backward(other, grad, segments=[(b"fourth", 3)]), plain.backward(other, grad))
     assert_same_weights(cached, plain)
     assert (cache.hits, cache.misses) == (1, 2)
 
 
-def test_only_a_forward_batch_of_one_request_with_an_id_is_kept_and_its_size_excludes_the_weights():
+def test_a_shared_batch_holds_only_inputs_and_a_graphs_size_excludes_the_weights():
     cached, _, cache = twin_backends()
     cached.forward(torch.randn(4, HIDDEN))
-    cached.forward(torch.randn(4, HIDDEN), segments=[(b"a", 2), (b"b", 2)])
     assert len(cache) == 0
+    x = torch.randn(4, HIDDEN)
+    cached.forward(x, segments=[(b"a", 1), (None, 1), (b"b", 2)])  # three requests in one batch: no graphs
+    torch.testing.assert_close(cache.inputs("e.0", b"b")[0], x[2:])
+    assert len(cache) == 2 and cache.nbytes == 3 * HIDDEN * 4
+    cache.clear()
     cached.forward(torch.randn(2, HIDDEN), segments=[(b"two", 2)])
     two = cache.nbytes
     cached.forward(torch.randn(4, HIDDEN), segments=[(b"four", 4)])
@@ -170,11 +177,22 @@ def test_server_process_uses_kept_activations_gives_the_same_training_and_refuse
         endpoint = experts[0].endpoint
         with pytest.raises(RemoteExpertError, match="activation_id has 65 bytes"):
             forward_future(endpoint, "e.0", [torch.randn(2, HIDDEN)], activation_id=b"x" * 65).result(30)
-        # a backward naming an id the server never saw is simply recomputed
-        x = torch.randn(2, HIDDEN)
-        backward_future(endpoint, "e.1", [x], [torch.randn(2, HIDDEN)], activation_id=b"unknown").result(30)
+        # the gradients alone, for an id the server never saw: refused, so the client sends the inputs too
+        x, grad = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN)
+        with pytest.raises(RemoteExpertError, match="FAILED_PRECONDITION.*holds no inputs for this activation_id"):
+            _call("backward", endpoint, "e.1", [grad], timeout=30, compression=0, channels=None, unary_limit=2**20,
+                  activation_id=b"unknown").result(30)
+        backward_future(endpoint, "e.1", [x], [grad], activation_id=b"unknown").result(30)  # retried with inputs
+        forward_future(endpoint, "e.1", [x], activation_id=b"two rows").result(30)
+        with pytest.raises(RemoteExpertError, match="grad_output 0 has 3 rows, but the forward with this "):
+            _call("backward", endpoint, "e.1", [torch.randn(3, HIDDEN)], timeout=30, compression=0, channels=None,
+                  unary_limit=2**20, activation_id=b"two rows").result(30)
+        with pytest.raises(RemoteExpertError, match=r"INVALID_ARGUMENT: grad_output 0: expected shape \[\*, 8\]"):
+            _call("backward", endpoint, "e.1", [torch.randn(2, 3)], timeout=30, compression=0, channels=None,
+                  unary_limit=2**20, activation_id=b"two rows").result(30)
+        backward_future(endpoint, "e.1", [x], [grad], activation_id=b"two rows").result(30)
         samples = scrape(metrics)
-    assert value(samples, "dmoe_activation_cache_total", result="hit") == 3
+    assert value(samples, "dmoe_activation_cache_total", result="hit") == 4
     assert value(samples, "dmoe_activation_cache_total", result="miss") == 1
     assert value(samples, "dmoe_activation_cache_bytes") == 0
 

@@ -179,17 +179,18 @@ class _RemoteExperts(torch.autograd.Function):
         from dmoe.client.remote_expert import forward_future, new_activation_id
 
         inputs = flat.detach()
-        # a backward will follow: the servers may keep each forward's activations under its id until then
+        # a backward will follow: the servers keep each forward's inputs (and activations) under its id until then
         ids = [new_activation_id() if will_backward else None for _ in plan]
-        futures = [forward_future(endpoint, uid, [inputs[rows]], timeout=layer.forward_timeout,
+        sent = [inputs[rows] for _, _, rows, _ in plan]
+        futures = [forward_future(endpoint, uid, [rows_in], timeout=layer.forward_timeout,
                                   compression=layer.compression, channels=layer.channels, activation_id=key)
-                   for (uid, endpoint, rows, _), key in zip(plan, ids)]
+                   for (uid, endpoint, _, _), rows_in, key in zip(plan, sent, ids)]
         _wait_for_experts(futures, [rows for _, _, rows, _ in plan], len(inputs), layer.k_min,
                           layer.forward_timeout, layer.timeout_after_k_min)
         out: torch.Tensor | None = None
         alive = torch.zeros(len(inputs), k, dtype=torch.bool)
         answered = []
-        for (uid, endpoint, rows, slots), future, key in zip(plan, futures, ids):
+        for (uid, endpoint, rows, slots), future, key, rows_in in zip(plan, futures, ids, sent):
             result = layer._outcome(uid, endpoint, future)
             if result is None:
                 continue
@@ -197,7 +198,8 @@ class _RemoteExperts(torch.autograd.Function):
                 out = inputs.new_zeros(len(inputs), k, result[0].shape[-1], dtype=result[0].dtype)
             out[rows, slots] = result[0].to(out.device)
             alive[rows, slots] = True
-            answered.append((uid, endpoint, rows, slots, key))
+            # the rows sent are kept only to send again if the server lost them (a backward sends gradients alone)
+            answered.append((uid, endpoint, rows, slots, key, rows_in))
         if out is None:
             out = inputs.new_zeros(len(inputs), k, inputs.shape[-1])
         layer.stats.experts_chosen += len(plan)
@@ -213,15 +215,15 @@ class _RemoteExperts(torch.autograd.Function):
 
         layer, answered = ctx.layer, ctx.answered
         (inputs,) = ctx.saved_tensors
-        futures = [backward_future(endpoint, uid, [inputs[rows]], [grad_out[rows, slots].contiguous()],
+        futures = [backward_future(endpoint, uid, [rows_in], [grad_out[rows, slots].contiguous()],
                                    timeout=layer.backward_timeout, compression=layer.compression,
                                    channels=layer.channels, activation_id=key)
-                   for uid, endpoint, rows, slots, key in answered]
+                   for uid, endpoint, rows, slots, key, rows_in in answered]
         wait_futures(futures, timeout=layer.backward_timeout)
         grad_inputs = torch.zeros_like(inputs)
         got = torch.zeros(len(inputs), dtype=torch.long)
         wanted = torch.zeros(len(inputs), dtype=torch.long)
-        for (uid, endpoint, rows, _, _), future in zip(answered, futures):
+        for (uid, endpoint, rows, *_), future in zip(answered, futures):
             wanted[rows] += 1
             result = layer._outcome(uid, endpoint, future, backward=True)
             if result is not None:

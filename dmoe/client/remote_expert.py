@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Sequence
 
@@ -128,10 +129,33 @@ def backward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], gra
                     activation_id: bytes | None = None) -> "Future[list[torch.Tensor]]":
     """Starts expert ``uid``'s backward: resolves to the gradients of ``inputs``; the server applies its step.
 
-    ``activation_id``: the one the forward of these ``inputs`` was sent with, if any.
+    ``activation_id``: the one the forward of these ``inputs`` was sent with, if any. Then only the gradients
+    are sent at first, as the server holds the inputs since that forward; if it no longer does
+    (FAILED_PRECONDITION), the call is made again with the inputs, within the same ``timeout``.
     """
-    return _call("backward", endpoint, uid, [*inputs, *grad_outputs], timeout=timeout, compression=compression,
-                 channels=channels, unary_limit=unary_limit, activation_id=activation_id)
+    def send(tensors: Sequence[torch.Tensor], seconds: float | None) -> "Future[list[torch.Tensor]]":
+        return _call("backward", endpoint, uid, tensors, timeout=seconds, compression=compression, channels=channels,
+                     unary_limit=unary_limit, activation_id=activation_id)
+
+    if not activation_id:
+        return send([*inputs, *grad_outputs], timeout)
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    result: Future[list[torch.Tensor]] = Future()
+    attempt = send(grad_outputs, timeout)
+
+    def retry_with_inputs(first: Future) -> None:
+        error = None if first.cancelled() else first.exception()
+        if not (isinstance(error, RemoteExpertError) and error.code == grpc.StatusCode.FAILED_PRECONDITION):
+            _settle(result, first.result)
+            return
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        second = send([*inputs, *grad_outputs], remaining)
+        result.add_done_callback(lambda f: second.cancel() if f.cancelled() else None)
+        second.add_done_callback(lambda done: _settle(result, done.result))
+
+    attempt.add_done_callback(retry_with_inputs)
+    result.add_done_callback(lambda f: attempt.cancel() if f.cancelled() else None)
+    return result
 
 
 def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,

@@ -1,19 +1,21 @@
-"""Activations kept between an expert's forward and its backward, so that backward need not recompute forward.
+"""Activations kept between an expert's forward and its backward, so that backward need not recompute forward,
+and the client need not send the inputs again.
 
-A client that will send a backward names its forward request with a random ``activation_id``. When that
-request runs in a batch of its own, the expert's forward runs with autograd and its graph is kept here under
-(uid, activation_id). The backward naming the same id then only runs the backward pass: about a third less
-compute than recomputing the forward, which is what a server must otherwise do.
+A client that will send a backward names its forward request with a random ``activation_id``. The server then
+holds that request's inputs under (uid, activation_id); when the request ran in a batch of its own, it also holds
+the autograd graph of its forward. The backward naming the same id may leave the inputs out (the server answers
+FAILED_PRECONDITION if it no longer holds them, and the client sends them again), and when the graph is still
+valid it only runs the backward pass: about a third less compute than recomputing the forward.
 
 A kept graph is used only when it gives exactly what recomputing would:
-- the expert's parameters are unchanged since the forward (any optimizer step of the expert drops all of its
-  graphs: autograd saved the old weights), and
-- the backward request carries the same inputs as the forward did (compared element for element).
+- the expert's parameters are unchanged since the forward (an optimizer step of the expert drops all of its
+  graphs, as autograd saved the old weights; the inputs stay), and
+- the backward computes on the very inputs of the forward (compared element for element when sent again).
 Otherwise, or when the graph was evicted (byte budget, age) or never kept (the forward shared a batch with other
-requests), backward recomputes the forward as before. So the cache changes speed, never results.
+requests), backward recomputes the forward as before. So the cache changes speed and traffic, never results.
 
-One owner per server; the runtime thread is the only one that computes with it, the lock covers readers of the
-counters (metrics).
+One owner per server. The runtime thread adds and takes entries; the gRPC thread peeks at inputs; a lock covers
+both.
 """
 from __future__ import annotations
 
@@ -34,13 +36,18 @@ MAX_ACTIVATION_ID_BYTES = 64
 
 @dataclass(eq=False)
 class KeptForward:
-    """One forward's autograd graph: its input leaves, outputs, the parameter versions it saw, its size."""
+    """One forward request: its inputs and, when its graph was kept, its outputs and the parameter versions the
+    graph saw. ``nbytes``: what holding it costs (inputs and saved activations; the weights do not count)."""
 
     inputs: tuple[torch.Tensor, ...]
-    outputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...] | None
     versions: tuple[int, ...]
     nbytes: int
     created: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def inputs_only(cls, inputs: Sequence[torch.Tensor]) -> "KeptForward":
+        return cls(tuple(x.detach() for x in inputs), None, (), sum(x.nbytes for x in inputs))
 
 
 def parameter_versions(params: Iterable[torch.Tensor]) -> tuple[int, ...]:
@@ -116,32 +123,42 @@ class ActivationCache:
             self.nbytes += kept.nbytes
         return True
 
+    def inputs(self, uid: str, key: bytes) -> tuple[torch.Tensor, ...] | None:
+        """The inputs of the forward kept under (uid, key), left in place; None when not held."""
+        with self._lock:
+            kept = self._entries.get((uid, key))
+            return kept.inputs if kept is not None else None
+
     def take(self, uid: str, key: bytes, versions: tuple[int, ...],
              inputs: Sequence[torch.Tensor]) -> KeptForward | None:
-        """Removes the forward kept under (uid, key); returns it if its parameters are still ``versions`` and it
-        was computed from exactly ``inputs``."""
+        """Removes the forward kept under (uid, key); returns it if it has a graph, its parameters are still
+        ``versions`` and it was computed from exactly ``inputs``, else None (recompute)."""
         with self._lock:
             self._drop_expired(time.monotonic())
             kept = self._entries.pop((uid, key), None)
             if kept is not None:
                 self.nbytes -= kept.nbytes
-            if kept is not None and kept.versions != versions:
+            if kept is not None and kept.outputs is not None and kept.versions != versions:
                 self.invalidated += 1
                 kept = None
-            if kept is not None and not all(torch.equal(k, x) for k, x in zip(kept.inputs, inputs, strict=True)):
-                kept = None  # the client sent other inputs than its forward's: its own bug, recomputing is right
+            if kept is not None and (kept.outputs is None or not all(
+                    _same_values(k, x) for k, x in zip(kept.inputs, inputs, strict=True))):
+                kept = None  # inputs only; or the client sent other inputs than its forward's: recompute
             if kept is None:
                 self.misses += 1
             else:
                 self.hits += 1
             return kept
 
-    def drop_expert(self, uid: str) -> None:
-        """Drops every forward kept for ``uid``: called after its optimizer step made them stale."""
+    def drop_graphs(self, uid: str) -> None:
+        """Keeps only the inputs of ``uid``'s forwards: called after its optimizer step made their graphs stale."""
         with self._lock:
-            for entry_key in [k for k in self._entries if k[0] == uid]:
-                self._remove(entry_key)
-                self.invalidated += 1
+            for entry_key, kept in self._entries.items():
+                if entry_key[0] == uid and kept.outputs is not None:
+                    stale = self._entries[entry_key] = KeptForward.inputs_only(kept.inputs)
+                    stale.created = kept.created
+                    self.nbytes += stale.nbytes - kept.nbytes
+                    self.invalidated += 1
 
     def _drop_expired(self, now: float) -> None:
         while self._entries:
@@ -158,3 +175,10 @@ class ActivationCache:
         with self._lock:
             self._entries.clear()
             self.nbytes = 0
+
+
+def _same_values(kept: torch.Tensor, given: torch.Tensor) -> bool:
+    if (kept.data_ptr(), kept.shape, kept.stride(), kept.dtype) == (given.data_ptr(), given.shape, given.stride(),
+                                                                   given.dtype):
+        return True  # the very tensor the server held (a backward that left its inputs out)
+    return torch.equal(kept, given)

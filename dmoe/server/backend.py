@@ -107,21 +107,33 @@ class ExpertBackend:
     def forward(self, *inputs: torch.Tensor, segments: Segments | None = None) -> tuple[torch.Tensor, ...]:
         """The expert's outputs for a batch. ``segments``: (activation id or None, rows) of each request in it.
 
-        A batch of one request with an id keeps its graph for that request's backward; anything else runs without
-        autograd.
+        Requests with an id have their inputs held for their backward; a batch of one such request also keeps
+        its autograd graph. Anything else runs without autograd.
         """
-        key = segments[0][0] if segments is not None and len(segments) == 1 else None
-        if key is None or self.activations is None or not self.activations.enabled:
-            with torch.inference_mode():
-                return self._to_schema(self._as_tuple(self.module(*inputs)))
+        cache = self.activations if self.activations is not None and self.activations.enabled else None
+        if cache is None or segments is None or all(key is None for key, _ in segments):
+            return self._forward_no_grad(inputs)
+        if len(segments) > 1:
+            start = 0
+            for key, rows in segments:
+                if key is not None:
+                    cache.put(self.name, key, KeptForward.inputs_only([x[start:start + rows] for x in inputs]))
+                start += rows
+            return self._forward_no_grad(inputs)
         params = list(self.module.parameters())
         leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
         saved = SavedBytes(params)
+        for x in leaves:
+            saved.pack(x)  # held with the graph whether or not the module saves them
         with torch.enable_grad(), saved.hooks():
             outputs = self._as_tuple(self.module(*leaves))
-        if any(y.requires_grad for y in outputs):
-            self.activations.put(self.name, key, KeptForward(leaves, outputs, parameter_versions(params), saved.nbytes))
+        graph = outputs if any(y.requires_grad for y in outputs) else None
+        cache.put(self.name, segments[0][0], KeptForward(leaves, graph, parameter_versions(params), saved.nbytes))
         return self._to_schema(tuple(y.detach() for y in outputs))
+
+    def _forward_no_grad(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        with torch.inference_mode():
+            return self._to_schema(self._as_tuple(self.module(*inputs)))
 
     def _to_schema(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         # under autocast outputs may come out in half precision; callers were promised the schema's dtype
@@ -196,7 +208,7 @@ class ExpertBackend:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.activations is not None:
-            self.activations.drop_expert(self.name)  # graphs kept before this step saved the old weights
+            self.activations.drop_graphs(self.name)  # graphs kept before this step saved the old weights
         if self.scheduler is not None:
             self.scheduler.step()
 

@@ -118,10 +118,10 @@ class Runtime:
     def _compute(self, pool: TaskPool, batch: Sequence[Task]) -> list[torch.Tensor]:
         first = batch[0].inputs
         if len(batch) == 1:
-            inputs = list(first)
-        else:
-            inputs = [torch.cat([task.inputs[i] for task in batch]) for i in range(len(first))]
-        inputs = [x.to(self.device, non_blocking=True) for x in inputs]
+            inputs = [x.to(self.device, non_blocking=True) for x in first]
+        else:  # tasks may hold tensors on the device already (inputs the server kept): move each, then join
+            inputs = [torch.cat([task.inputs[i].to(self.device, non_blocking=True) for task in batch])
+                      for i in range(len(first))]
         autocast = (torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
                     if self.autocast else contextlib.nullcontext())
         with autocast:

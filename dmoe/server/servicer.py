@@ -53,7 +53,15 @@ class HostedExpert:
         inputs = [(f"input {i}", s) for i, s in enumerate(self.backend.inputs_schema)]
         if kind == FORWARD:
             return inputs
-        return inputs + [(f"grad_output {i}", s) for i, s in enumerate(self.backend.outputs_schema)]
+        return inputs + self.grad_schemas()
+
+    def grad_schemas(self) -> list[tuple[str, TensorSchema]]:
+        """What a backward that leaves its inputs out (held by the server since its forward) carries."""
+        return [(f"grad_output {i}", s) for i, s in enumerate(self.backend.outputs_schema)]
+
+    def held_inputs(self, activation_id: bytes) -> tuple[torch.Tensor, ...] | None:
+        cache = self.backend.activations
+        return cache.inputs(self.backend.name, activation_id) if cache is not None else None
 
     def max_payload_bytes(self, kind: str, max_batch_size: int) -> int:
         """The most tensor bytes a valid request can carry: uncompressed is the largest encoding."""
@@ -156,13 +164,27 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         if len(activation_id) > MAX_ACTIVATION_ID_BYTES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"activation_id has {len(activation_id)} bytes, "
                                 f"at most {MAX_ACTIVATION_ID_BYTES} are allowed")
+        schemas, held = expert.schemas(kind), None
+        if kind == BACKWARD and activation_id and len(tensors) == len(expert.grad_schemas()):
+            # the gradients alone: the inputs are those the server held since the forward with this id
+            schemas, held = expert.grad_schemas(), expert.held_inputs(activation_id)
+            if held is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "this server holds no inputs for this activation_id (never sent, expired or "
+                                    "evicted): send them with the gradients")
         try:
-            inputs = validate(tensors, expert.schemas(kind), self.max_batch_size)
+            inputs = validate(tensors, schemas, self.max_batch_size)
         except RequestRejected as rejected:
             await context.abort(rejected.code, rejected.message)
-        if self.reject_nonfinite and (bad := first_nonfinite(inputs, expert.schemas(kind))) is not None:
+        if self.reject_nonfinite and (bad := first_nonfinite(inputs, schemas)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{bad} holds NaN or Inf values (this server "
                                 "rejects non-finite inputs and gradients)")
+        if held is not None:
+            if held[0].shape[0] != inputs[0].shape[0]:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"grad_output 0 has {inputs[0].shape[0]} rows, but the forward with this "
+                                    f"activation_id had {held[0].shape[0]}")
+            inputs = [*held, *inputs]
         if self.faults is not None:
             try:
                 await self.faults.apply()  # the round trip's delay, then maybe a failure instead of compute
