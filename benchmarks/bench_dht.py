@@ -97,6 +97,9 @@ def bench(nodes: int, args: argparse.Namespace) -> list[dict]:
                           if i * quarter <= int(uid.split(".")[2]) < (i + 1) * quarter})
         for proc in declarers:
             proc.endpoint(timeout=120)
+        # every node verifies the entries stored on it: let that burst (and the nodes' start-up) finish first, so
+        # the searches are timed on a settled swarm rather than inside the declaration storm
+        time.sleep(args.settle)
         with DHT([peer], config=DHTConfig(rpc_timeout=args.rpc_timeout, num_replicas=args.num_replicas)) as client:
             run_searches(client, alive, args, max(args.batch), seed=0, searches=3)  # warm-up: routing table
             results = []
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-replicas", type=int, default=DHTConfig.num_replicas)
     parser.add_argument("--refresh-period", type=float, default=60.0,
                         help="declarers' refresh period (long: the after-kill phase sees no owner refresh)")
+    parser.add_argument("--settle", type=float, default=15.0,
+                        help="seconds between the declarers' first declaration and the first timed search")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
     parser.add_argument("--quick", action="store_true", help="N = 16, 64 and 20 searches per phase")
     args = parser.parse_args(argv)

@@ -98,17 +98,18 @@ def test_beam_search_over_the_swarm_equals_brute_force_with_random_alive_subsets
 
 
 def test_lookups_merge_what_the_closest_nodes_hold(swarm):
-    """Stock kademlia returns the first value found; here replicas holding different subkeys are merged."""
+    """Stock kademlia returns the first value found; here the read_width closest nodes holding different subkeys
+    are merged."""
     from kademlia.node import Node
     from kademlia.utils import digest
 
     client: DHT = swarm["client"]
     key = "merge-test"
-    others = client.run_coroutine(client.node.find_nodes(digest(key), client.config.num_replicas))
-    assert len(others) == client.config.num_replicas
+    others = client.run_coroutine(client.node.find_nodes(digest(key), client.config.read_width))
+    assert len(others) == client.config.read_width
     # this node is a replica too when it is among the closest (other readers ask it like any node)
     me = client.node.node
-    replicas = sorted([*others, me], key=Node(digest(key)).distance_to)[:client.config.num_replicas]
+    replicas = sorted([*others, me], key=Node(digest(key)).distance_to)[:client.config.read_width]
     expiration = time.time() + 60
 
     async def store_here(coord: int, entry) -> bool:

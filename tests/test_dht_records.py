@@ -1,7 +1,9 @@
 """In-process checks of the pieces that replace stock kademlia's: storage, routing, message limits."""
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 import umsgpack
@@ -142,3 +144,51 @@ def test_a_newcomer_closest_to_a_key_is_handed_its_record():
                 node.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_records_version_changes_exactly_when_its_live_entries_do():
+    now = [100.0]
+    storage = RecordStorage(clock=lambda: now[0])
+    storage.store(KEY, 1, "a:1", 150.0)
+    first = storage.versions[KEY]
+    assert not storage.store(KEY, 1, "a:1", 150.0)                # a replay: nothing changes
+    assert storage.versions[KEY] == first
+    storage.store(KEY, 1, "a:1", 160.0)                            # refreshed
+    refreshed = storage.versions[KEY]
+    storage.store(KEY, 2, "b:2", 120.0)
+    assert len({first, refreshed, storage.versions[KEY]}) == 3
+    before_expiry = storage.versions[KEY]
+    now[0] = 130.0
+    storage.get(KEY)                                               # subkey 2 expired
+    assert storage.versions[KEY] != before_expiry
+
+
+def test_replies_reuse_the_encoded_record_until_it_changes_and_readers_parse_identical_bytes_once():
+    from dmoe.dht.protocol import DHTProtocol
+    from dmoe.dht.signing import Identity, Verifier
+
+    identity = Identity()
+    protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+    expiration = time.time() + 60
+    protocol.storage.store(KEY, 1, *identity.entry(KEY, 1, "a:1", expiration))
+    first = protocol._value_reply(KEY, [])
+    assert protocol._value_reply(KEY, [])["record"] is first["record"]  # not encoded again
+    protocol.storage.store(KEY, 2, *identity.entry(KEY, 2, "b:2", expiration))
+    second = protocol._value_reply(KEY, [])
+    assert second["record"] != first["record"] and second == find_value_reply(protocol.storage.get(KEY), [])
+
+    calls = []
+    verifier = Verifier()
+    protocol.verifier = lambda *entry: calls.append(entry) or verifier(*entry)
+
+    async def parse_twice():
+        one, _ = await protocol.parse_value_reply(dict(second), KEY)
+        two, _ = await protocol.parse_value_reply(dict(second), KEY)
+        three, _ = await protocol.parse_value_reply(dict(second), b"x" * 20)  # same bytes, other key: checked
+        protocol.close_tasks()
+        return one, two, three
+
+    one, two, three = asyncio.run(parse_twice())
+    assert one is two and set(one) == {1, 2}
+    assert three == {}  # signed for KEY, not for the other key
+    assert len(calls) == 4  # two entries for KEY once, then both again for the other key

@@ -27,7 +27,7 @@ class RecordCrawl:
     protocol: the local node's protocol.
     target: the key (as a Node) whose neighbourhood is searched.
     peers: contacts to start from (usually the routing table's closest).
-    width: how many closest responding nodes end the search (``num_replicas`` for records, ``ksize`` for
+    width: how many closest responding nodes end the search (``read_width`` for records, ``ksize`` for
         bootstrap).
     fetch_records: ask ``find_value`` (records + contacts) instead of ``find_node`` (contacts only).
     hedge: let nodes slower than ``config.hedge_after`` stop holding the search up (for latency-bound reads; a
@@ -50,7 +50,6 @@ class RecordCrawl:
         self.responded: dict[bytes, Node] = {}
         self.sent: dict[bytes, float] = {}  # node id -> loop time its request left (after waiting for a slot)
         self.records: list[Record] = []
-        self.seen: dict[tuple[str, bytes], Record] = {}  # reply -> parsed, so identical replicas are parsed once
         self.held: dict[bytes, Record] = {}  # what each responding node holds, for read repair
         # nodes that recently failed to answer or answered late: still asked (a busy machine makes live nodes
         # late too), but they do not hold a hedged search up
@@ -83,7 +82,7 @@ class RecordCrawl:
             return node, (ok, data)
         self.sent.pop(node.id, None)  # it answered: verifying its entries is our time, not its lateness
         try:
-            return node, (True, await self.protocol.parse_value_reply(data, self.target.id, self.seen))
+            return node, (True, await self.protocol.parse_value_reply(data, self.target.id))
         except MalformedRequest as error:
             return node, (True, error)
 

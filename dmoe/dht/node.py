@@ -102,14 +102,14 @@ class DHTNode(Server):
         return (await self.find_nodes(key_id, self.config.ksize))[:self.config.num_replicas]
 
     async def get_record(self, key: str) -> Record:
-        """Merges what the ``num_replicas`` closest responding nodes (and this node) hold for ``key``."""
+        """Merges what the ``read_width`` closest responding nodes (and this node) hold for ``key``."""
         assert self.protocol is not None
         target = Node(digest(key))
         local = self.storage.get(target.id) or {}
-        peers = self.protocol.router.find_neighbors(target, k=self.config.num_replicas)
+        peers = self.protocol.router.find_neighbors(target, k=self.config.read_width)
         if not peers:
             return local
-        crawl = RecordCrawl(self.protocol, target, peers, self.config.num_replicas, hedge=True)
+        crawl = RecordCrawl(self.protocol, target, peers, self.config.read_width, hedge=True)
         nearest, record = await crawl.run(local)
         if record and self.config.read_repair:
             # a replica that died was replaced by a node that holds nothing yet: give it what the others hold

@@ -42,6 +42,10 @@ RPC_NAMES = frozenset({"ping", "store", "find_node", "find_value", "find_values"
 MAX_KEYS_PER_REQUEST = 128
 #: find_values replies stop adding records past this many bytes; the asker re-asks for the rest one by one.
 REPLY_BUDGET_BYTES = MAX_DATAGRAM_BYTES - 8192
+#: find_value replies remembered parsed and verified (each at most a datagram: a few tens of MB at worst)
+PARSED_REPLIES = 512
+#: encoded records a node keeps for its replies (re-encoded when the record changes)
+ENCODED_RECORDS = 1024
 
 
 class MessageTooLarge(ValueError):
@@ -104,18 +108,25 @@ def record_from_wire(entries: Any, max_value_bytes: int = 1 << 16) -> Record:
     return record
 
 
-def find_value_reply(record: Record, nodes: Sequence[Node]) -> dict[str, Any]:
+def find_value_reply(record: Record, nodes: Sequence[Node],
+                     encoded: tuple[str, bytes] | None = None) -> dict[str, Any]:
     """A find_value reply: the record and the contacts as JSON text, which Python decodes in C (pure-Python
     msgpack decoding of a 256-subkey record costs milliseconds, and a lookup reads several replicas), and the
     entries' owners and signatures as one binary string, 96 bytes per entry in the same order (as base64 in JSON
-    they would not fit a datagram next to 256 entries)."""
+    they would not fit a datagram next to 256 entries). ``encoded``: :func:`encode_record` of ``record``, when
+    the caller kept it from an earlier reply."""
+    text, auth = encoded if encoded is not None else encode_record(record)
+    return {"record": text, "auth": auth,
+            "nodes": json.dumps([[node.id.hex(), node.ip, node.port] for node in nodes], separators=(",", ":"))}
+
+
+def encode_record(record: Record) -> tuple[str, bytes]:
+    """The record part of a find_value reply: entries as JSON text, owners and signatures as bytes."""
     entries = sorted(record.items(), key=_order)
     auth = b"".join(entry.owner.ljust(PUBLIC_KEY_BYTES, b"\0") + entry.signature.ljust(SIGNATURE_BYTES, b"\0")
                     for _, entry in entries)
-    return {"record": json.dumps([[subkey, entry.value, entry.expiration] for subkey, entry in entries],
-                                 separators=(",", ":")),
-            "auth": auth,
-            "nodes": json.dumps([[node.id.hex(), node.ip, node.port] for node in nodes], separators=(",", ":"))}
+    return json.dumps([[subkey, entry.value, entry.expiration] for subkey, entry in entries],
+                      separators=(",", ":")), auth
 
 
 def parse_find_value_reply(data: Any, key: bytes, verifier: Callable[..., bool],
@@ -198,6 +209,8 @@ class DHTProtocol(KademliaProtocol):
         self._tasks: set[asyncio.Task] = set()  # strong references to fire-and-forget stores
         self._slots = asyncio.Semaphore(config.max_concurrent_rpcs)
         self._value_batches: dict[tuple[str, int], list[tuple[bytes, asyncio.Future, Any]]] = {}
+        self._parsed_replies: dict[tuple[bytes, str, bytes], Record] = {}  # see parse_value_reply
+        self._encoded: dict[bytes, tuple[int | None, str, bytes]] = {}  # key -> (version, record text, auth)
         self._slow_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups do not wait for it
         self._dead_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups skip it
         self.verifier = Verifier()
@@ -469,7 +482,7 @@ class DHTProtocol(KademliaProtocol):
         key = _check_id(key, "key")
         source = self._sender(sender, nodeid)
         nodes = self.router.find_neighbors(Node(key), exclude=source)
-        return find_value_reply(self.storage.get(key) or {}, nodes)
+        return self._value_reply(key, nodes)
 
     def rpc_find_values(self, sender: tuple[str, int], nodeid: Any, keys: Any) -> list[dict[str, str]]:
         """:meth:`rpc_find_value` for several keys, in order, stopping before the reply would outgrow a datagram."""
@@ -479,13 +492,25 @@ class DHTProtocol(KademliaProtocol):
         source = self._sender(sender, nodeid)
         replies, size = [], 0
         for key in keys:
-            nodes = self.router.find_neighbors(Node(key), k=2 * self.config.num_replicas, exclude=source)
-            reply = find_value_reply(self.storage.get(key) or {}, nodes)
+            nodes = self.router.find_neighbors(Node(key), k=2 * self.config.read_width, exclude=source)
+            reply = self._value_reply(key, nodes)
             size += len(reply["record"]) + len(reply["auth"]) + len(reply["nodes"]) + 40
             if replies and size > REPLY_BUDGET_BYTES:
                 break
             replies.append(reply)
         return replies
+
+    def _value_reply(self, key: bytes, nodes: Sequence[Node]) -> dict[str, Any]:
+        """:func:`find_value_reply` for what this node holds, re-encoding the record only after it changed:
+        readers ask for the same records every few seconds, while declarers change them far less often."""
+        record = self.storage.get(key) or {}  # drops expired entries first, which changes the version
+        version = self.storage.versions.get(key)
+        cached = self._encoded.get(key)
+        if cached is None or cached[0] != version or version is None:
+            if len(self._encoded) >= ENCODED_RECORDS:
+                del self._encoded[next(iter(self._encoded))]
+            cached = self._encoded[key] = (version, *encode_record(record))
+        return find_value_reply(record, nodes, cached[1:])
 
     # ---- replication to newcomers -------------------------------------------------------------------------
     def welcome_if_new(self, node: Node) -> None:
@@ -525,15 +550,31 @@ class DHTProtocol(KademliaProtocol):
                 nodes.append(Node(item[0], item[1], item[2]))
         return nodes
 
-    async def parse_value_reply(self, data: Any, key: bytes,
-                                seen: dict[tuple[str, bytes], Record]) -> tuple[Record, list[Node]]:
-        """:func:`parse_find_value_reply` on this node's verification thread: checking a burst of fresh entries
-        takes ~100 us each, and doing it on the loop would hold up every other reply until their peers looked dead
-        (the thread gives the loop the GIL every few milliseconds)."""
+    async def parse_value_reply(self, data: Any, key: bytes) -> tuple[Record, list[Node]]:
+        """:func:`parse_find_value_reply`, for a record this node has not parsed in these exact bytes before, on
+        this node's verification thread: checking a burst of fresh entries takes ~100 us each, and doing it on the
+        loop would hold up every other reply until their peers looked dead (the thread gives the loop the GIL every
+        few milliseconds).
+
+        Replies repeat: every replica of a record sends the same bytes, and a record changes only when a declarer
+        refreshes it, while clients look it up every few seconds. A reply whose (key, record, signatures) bytes
+        were parsed before gets that record object back at once, on the loop (identical replicas are then merged
+        once, as :func:`merge_records` counts them by identity); only its contacts are parsed anew.
+        """
+        parsed = self._parsed_replies
+        if isinstance(data, dict) and isinstance(data.get("record"), str) and isinstance(data.get("auth"), bytes):
+            memo = (key, data["record"], data["auth"])
+            if (record := parsed.get(memo)) is not None:
+                return parse_find_value_reply(data, key, self.verifier, {memo[1:]: record},
+                                              self.config.max_value_bytes)
         if self._verify_thread is None:
             self._verify_thread = ThreadPoolExecutor(1, thread_name_prefix="dmoe-dht-verify")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._verify_thread, parse_find_value_reply, data, key, self.verifier, seen, self.config.max_value_bytes)
+        record, nodes = await asyncio.get_running_loop().run_in_executor(
+            self._verify_thread, parse_find_value_reply, data, key, self.verifier, None, self.config.max_value_bytes)
+        if len(parsed) >= PARSED_REPLIES:
+            del parsed[next(iter(parsed))]  # the oldest parsed
+        parsed[key, data["record"], data["auth"]] = record
+        return record, nodes
 
     def close_tasks(self) -> None:
         if self._verify_thread is not None:

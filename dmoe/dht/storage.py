@@ -112,6 +112,10 @@ class RecordStorage(IStorage):
         self.max_records = max_records
         self.clock = clock
         self.data: dict[bytes, Record] = {}
+        #: per key, a number that changes whenever its live entries do (stored, replaced or expired), so that
+        #: what is derived from a record (its encoded reply) can be reused until then
+        self.versions: dict[bytes, int] = {}
+        self._changes = 0
 
     def store(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes = b"",
               signature: bytes = b"") -> bool:
@@ -136,7 +140,15 @@ class RecordStorage(IStorage):
             record = self.data[key] = {}
         if subkey not in record and len(record) >= self.max_subkeys:
             raise RecordFull(f"record {key.hex()} already holds {len(record)} subkeys (max_record_subkeys)")
-        return merge_entry(record, subkey, Entry(value, expiration, owner, signature))
+        before = record.get(subkey)
+        stored = merge_entry(record, subkey, Entry(value, expiration, owner, signature))
+        if record.get(subkey) is not before:
+            self._changed(key)
+        return stored
+
+    def _changed(self, key: bytes) -> None:
+        self._changes += 1
+        self.versions[key] = self._changes
 
     def entry(self, key: bytes, subkey: Subkey) -> Entry | None:
         """The live entry at ``subkey`` of ``key``, if any."""
@@ -154,10 +166,14 @@ class RecordStorage(IStorage):
         if record is None:
             return None
         now = self.clock()
-        for subkey in [s for s, entry in record.items() if entry.expiration <= now]:
+        expired = [s for s, entry in record.items() if entry.expiration <= now]
+        for subkey in expired:
             del record[subkey]
+        if expired:
+            self._changed(key)
         if not record:
             del self.data[key]
+            self.versions.pop(key, None)
             return None
         return record
 
