@@ -61,12 +61,15 @@ class RecordCrawl:
         for node in nodes:
             if node.id != self.self_id and node.id not in self.candidates:
                 self.candidates[node.id] = node
+                # A store must reach the true closest nodes, where reads will look: it asks nodes that recently
+                # timed out like any other (a busy machine makes live nodes time out, and skipping them put whole
+                # declarations where no reader looked). A hedged read asks them without waiting for them.
+                if not self.hedge:
+                    continue
                 if self.protocol.recently_dead(node.id):
-                    if not self.hedge:  # a store or bootstrap does not wait a timeout again for the dead
-                        self.dead.add(node.id)
                     self.suspects.add(node.id)
                     self.dead_suspects.add(node.id)
-                elif self.hedge and self.protocol.recently_slow(node.id):
+                elif self.protocol.recently_slow(node.id):
                     self.suspects.add(node.id)
 
     def _frontier(self, slow: set[bytes]) -> list[Node]:

@@ -366,15 +366,17 @@ class DHTProtocol(KademliaProtocol):
                                              [key for key, _, _ in batch], on_sent=sent)
             if not ok or not isinstance(replies, list):
                 replies = []
-            for index, (key, future, _) in enumerate(batch):
-                if index < len(replies):
-                    result: tuple[bool, Any] = (True, replies[index])
-                elif ok:  # the reply was full: ask for this one on its own
-                    result = await self.request(address, "find_value", self.source_node.id, key)
-                else:
-                    result = (False, None)
+            answered = min(len(replies), len(batch))
+            for (_, future, _), reply in zip(batch, replies[:answered]):
                 if not future.done():
-                    future.set_result(result)
+                    future.set_result((True, reply))
+            rest = batch[answered:]
+            if ok and rest:
+                # the reply was full: ask for the rest at once, in requests as large as the one that fitted
+                size = max(1, answered)
+                await asyncio.gather(*(self._send_find_values(node, [(key, future, None) for key, future, _ in
+                                                                    rest[start:start + size]])
+                                       for start in range(0, len(rest), size)))
         finally:
             for _, future, _ in batch:
                 if not future.done():
