@@ -44,6 +44,8 @@ MAX_KEYS_PER_REQUEST = 128
 REPLY_BUDGET_BYTES = MAX_DATAGRAM_BYTES - 8192
 #: find_value replies remembered parsed and verified (each at most a datagram: a few tens of MB at worst)
 PARSED_REPLIES = 512
+#: consecutive unanswered requests after which a contact is evicted from the routing table
+EVICT_AFTER_FAILURES = 3
 #: encoded records a node keeps for its replies (re-encoded when the record changes)
 ENCODED_RECORDS = 1024
 
@@ -213,6 +215,7 @@ class DHTProtocol(KademliaProtocol):
         self._encoded: dict[bytes, tuple[int | None, str, bytes]] = {}  # key -> (version, record text, auth)
         self._slow_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups do not wait for it
         self._dead_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups skip it
+        self._failures: dict[bytes, int] = {}  # node id -> consecutive unanswered requests
         self.verifier = Verifier()
         self._verify_thread: ThreadPoolExecutor | None = None
 
@@ -401,12 +404,22 @@ class DHTProtocol(KademliaProtocol):
         return results
 
     def handle_call_response(self, result: tuple[bool, Any], node: Node) -> tuple[bool, Any]:
-        """A silent node is evicted from the routing table (its replacement, if any, takes its place)."""
+        """A node that stays silent ``EVICT_AFTER_FAILURES`` times in a row is evicted from the routing table (its
+        replacement, if any, takes its place); after one silence, lookups already stop waiting for it.
+
+        Evicting on the first timeout emptied routing tables during bursts of declarations, when live nodes are
+        merely busy, and later stores then settled on nodes far from their keys, where no reader looks."""
         if not result[0]:
-            log.debug("no response from %s, evicting it", node)
-            self.router.remove_contact(node)
             self._dead_until[node.id] = time.monotonic() + self.config.dead_node_ttl
+            if len(self._failures) >= 1 << 16:
+                self._failures.clear()  # bounded: hostile peers cannot grow it without limit
+            failures = self._failures[node.id] = self._failures.get(node.id, 0) + 1
+            if failures >= EVICT_AFTER_FAILURES:
+                log.debug("no response from %s %d times, evicting it", node, failures)
+                self.router.remove_contact(node)
+                del self._failures[node.id]
             return result
+        self._failures.pop(node.id, None)
         self.welcome_if_new(node)
         return result
 
