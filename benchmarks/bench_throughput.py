@@ -154,7 +154,12 @@ def worker_main(role: str) -> None:
 
     The work runs in one non-main thread, as on the server (its runtime thread): on an oversubscribed machine,
     torch's OpenMP regions started from the main thread were measured up to 20x slower than from another thread.
+    The allocator settings are those of dmoe-server (dmoe.allocator), so the limit is not slowed by page faults
+    the server no longer takes.
     """
+    from dmoe.allocator import keep_freed_memory
+
+    keep_freed_memory()
     import torch
     torch.set_num_threads(int(os.environ.get("BENCH_TORCH_THREADS", "1")))
     limit = LimitWorker()
