@@ -179,9 +179,12 @@ class _RemoteExperts(torch.autograd.Function):
         from dmoe.client.remote_expert import forward_future, new_activation_id
 
         inputs = flat.detach()
+        # requests are built and answers gathered in host memory: inputs on a GPU cross to it once, and the
+        # mixed outputs cross back once, instead of one small copy per expert each way
+        host = inputs.cpu()
         # a backward will follow: the servers keep each forward's inputs (and activations) under its id until then
         ids = [new_activation_id() if will_backward else None for _ in plan]
-        sent = [inputs[rows] for _, _, rows, _ in plan]
+        sent = [host[rows] for _, _, rows, _ in plan]
         futures = [forward_future(endpoint, uid, [rows_in], timeout=layer.forward_timeout,
                                   compression=layer.compression, channels=layer.channels, activation_id=key)
                    for (uid, endpoint, _, _), rows_in, key in zip(plan, sent, ids)]
@@ -195,34 +198,35 @@ class _RemoteExperts(torch.autograd.Function):
             if result is None:
                 continue
             if out is None:
-                out = inputs.new_zeros(len(inputs), k, result[0].shape[-1], dtype=result[0].dtype)
-            out[rows, slots] = result[0].to(out.device)
+                out = host.new_zeros(len(inputs), k, result[0].shape[-1], dtype=result[0].dtype)
+            out[rows, slots] = result[0]
             alive[rows, slots] = True
             # the rows sent are kept only to send again if the server lost them (a backward sends gradients alone)
             answered.append((uid, endpoint, rows, slots, key, rows_in))
         if out is None:
-            out = inputs.new_zeros(len(inputs), k, inputs.shape[-1])
+            out = host.new_zeros(len(inputs), k, inputs.shape[-1])
         layer.stats.experts_chosen += len(plan)
         layer.stats.experts_dropped += len(plan) - len(answered)
         ctx.layer, ctx.answered = layer, answered
-        ctx.save_for_backward(inputs)
+        ctx.inputs_like = (inputs.shape, inputs.dtype, inputs.device)
         ctx.mark_non_differentiable(alive)
-        return out, alive
+        return out.to(inputs.device), alive
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_alive: Any):
         from dmoe.client.remote_expert import backward_future
 
         layer, answered = ctx.layer, ctx.answered
-        (inputs,) = ctx.saved_tensors
-        futures = [backward_future(endpoint, uid, [rows_in], [grad_out[rows, slots].contiguous()],
+        shape, dtype, device = ctx.inputs_like
+        grad_host = grad_out.cpu()  # one copy off the GPU, sliced per expert
+        futures = [backward_future(endpoint, uid, [rows_in], [grad_host[rows, slots].contiguous()],
                                    timeout=layer.backward_timeout, compression=layer.compression,
                                    channels=layer.channels, activation_id=key)
                    for uid, endpoint, rows, slots, key, rows_in in answered]
         wait_futures(futures, timeout=layer.backward_timeout)
-        grad_inputs = torch.zeros_like(inputs)
-        got = torch.zeros(len(inputs), dtype=torch.long)
-        wanted = torch.zeros(len(inputs), dtype=torch.long)
+        grad_inputs = torch.zeros(shape, dtype=dtype)
+        got = torch.zeros(shape[0], dtype=torch.long)
+        wanted = torch.zeros(shape[0], dtype=torch.long)
         for (uid, endpoint, rows, *_), future in zip(answered, futures):
             wanted[rows] += 1
             result = layer._outcome(uid, endpoint, future, backward=True)
@@ -236,7 +240,7 @@ class _RemoteExperts(torch.autograd.Function):
                 f"{int(short.sum())} rows got fewer than backward_k_min={layer.backward_k_min} expert gradients "
                 f"in {layer.uid_prefix!r}"
             )
-        return None, grad_inputs, None, None, None, None
+        return None, grad_inputs.to(device), None, None, None, None
 
 
 class RemoteMixtureOfExperts(_MixtureBase):

@@ -1,0 +1,92 @@
+"""The GPU paths on real hardware: expert servers computing on CUDA (full precision and autocast), and a client
+whose layer and inputs live on the GPU. Skipped where torch sees no CUDA device (CI has none); the rest of the
+suite runs its servers on CUDA too on such a machine, since ``--device`` defaults to cuda when available."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dmoe.client import RemoteExpert, backward_future, expert_info, forward_future
+from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
+from dmoe.dht import DHT
+from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.server import create_expert, expert_seed
+from dmoe.uid import grid_uids
+from tests.procs import running
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+HIDDEN = 64
+
+
+def server_args(*extra: str) -> tuple[str, ...]:
+    return ("-m", "servers.run_server", "--experts", "ffn.[0:2]", "--expert-cls", "ffn", "--hidden-dim",
+            str(HIDDEN), "--optimizer", "sgd", "--lr", "0.1", "--seed", "3", *extra)
+
+
+def local_copy(uid: str, device: str = "cpu") -> torch.nn.Module:
+    return create_expert("ffn", HIDDEN, seed=expert_seed(3, uid)).to(device)
+
+
+def test_a_cuda_server_computes_what_the_cpu_module_computes_and_trains():
+    with running(*server_args("--device", "cuda")) as proc:
+        endpoint = proc.endpoint()
+        assert expert_info(endpoint, "ffn.0")["device"].startswith("cuda")
+        local = local_copy("ffn.0")
+        x, grad = torch.randn(33, HIDDEN), torch.randn(33, HIDDEN)
+        expert = RemoteExpert("ffn.0", endpoint, timeout=60)
+        x_remote = x.clone().requires_grad_()
+        output = expert(x_remote)
+        assert output.device.type == "cpu" and output.dtype == torch.float32
+        x_local = x.clone().requires_grad_()
+        expected = local(x_local)
+        torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
+        output.backward(grad)  # gradient-only backward: the server kept this forward's activations on the GPU
+        expected.backward(grad)
+        torch.testing.assert_close(x_remote.grad, x_local.grad, atol=1e-4, rtol=1e-4)
+        torch.optim.SGD(local.parameters(), lr=0.1).step()
+        with torch.no_grad():
+            torch.testing.assert_close(expert(x), local(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("autocast", ["bf16", "fp16"])
+def test_an_autocast_cuda_server_answers_float32_close_to_full_precision(autocast):
+    with running(*server_args("--device", "cuda", "--autocast", autocast)) as proc:
+        endpoint, local = proc.endpoint(), local_copy("ffn.1")
+        x, grad = torch.randn(16, HIDDEN), torch.randn(16, HIDDEN)
+        output = forward_future(endpoint, "ffn.1", [x]).result(60)[0]
+        assert output.dtype == torch.float32 and torch.isfinite(output).all()
+        torch.testing.assert_close(output, local(x).detach(), atol=0.05, rtol=0.05)
+        x_local = x.clone().requires_grad_()
+        local(x_local).backward(grad)
+        grad_x = backward_future(endpoint, "ffn.1", [x], [grad]).result(60)[0]
+        assert grad_x.dtype == torch.float32
+        torch.testing.assert_close(grad_x, x_local.grad, atol=0.05, rtol=0.05)
+
+
+def test_a_layer_on_the_gpu_mixes_cuda_served_experts_like_in_process_gpu_experts():
+    grid = (2, 4)
+    config = SwarmConfig(layers=("ffn0",), grid=grid, n_servers=2, hidden_dim=HIDDEN,
+                         server_args=("--device", "cuda", "--refresh-period", "1"))
+    with LocalSwarm(config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
+        uids = grid_uids("ffn0", grid)
+        deadline = time.monotonic() + 60
+        while not all(dht.get_experts(uids)):
+            assert time.monotonic() < deadline, "experts were not declared in 60 s"
+            time.sleep(0.1)
+        torch.manual_seed(0)
+        local = LocalMixtureOfExperts(HIDDEN, grid, "ffn0", k_best=3, expert_factory=lambda uid: create_expert(
+            "ffn", HIDDEN, seed=expert_seed(0, uid))).cuda()
+        remote = RemoteMixtureOfExperts(HIDDEN, grid, "ffn0", dht, k_best=3, k_min=3).cuda()
+        remote.proj.load_state_dict(local.proj.state_dict())
+        x = torch.randn(4, 6, HIDDEN, device="cuda", requires_grad=True)
+        output = remote(x)
+        assert output.device.type == "cuda"
+        with torch.no_grad():
+            torch.testing.assert_close(output, local(x), atol=1e-4, rtol=1e-4)
+        output.pow(2).sum().backward()
+        assert x.grad.device.type == "cuda" and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+        assert remote.proj.weight.grad.device.type == "cuda"
+        assert remote.stats.experts_dropped == 0 and remote.stats.backward_failures == 0
