@@ -43,6 +43,7 @@ class Proc:
         )
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.output: list[str] = []
+        self._endpoint: str | None = None
         self._reader = threading.Thread(target=self._read, name=f"reader-{self.popen.pid}", daemon=True)
         self._reader.start()
 
@@ -80,7 +81,11 @@ class Proc:
                 return match
 
     def endpoint(self, timeout: float = 60.0) -> str:
-        return self.wait_for(LISTENING, timeout).group(1)
+        """The address the program announced; waits for the announcement the first time only (lines are read
+        once, so a second wait would block until the timeout)."""
+        if self._endpoint is None:
+            self._endpoint = self.wait_for(LISTENING, timeout).group(1)
+        return self._endpoint
 
     def kill(self) -> None:
         """SIGKILL the whole process group: a crash to simulate, or the last resort of cleanup."""
