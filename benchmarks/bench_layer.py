@@ -11,6 +11,7 @@ Both this process and the server use dmoe.allocator.keep_freed_memory(), as dmoe
 
     python benchmarks/bench_layer.py                 # h=1024, 4x4 grid, top-4, batches 16 64 256
     python benchmarks/bench_layer.py --quick         # small and fast (what the test suite runs)
+    python benchmarks/bench_layer.py --device cuda   # server, in-process experts, gate and inputs on the GPU
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for server and baseline")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--device", default="cpu", help="where the server, the baselines and the gate compute")
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="h=64, batches 8 32, 3 steps")
     args = parser.parse_args(argv)
@@ -49,15 +51,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def time_steps(steps: dict, batch: int, hidden: int, n_steps: int, warmup: int) -> dict[str, float]:
+def time_steps(steps: dict, batch: int, hidden: int, n_steps: int, warmup: int,
+               device: torch.device) -> dict[str, float]:
     """Median seconds of one forward+backward of each variant; the variants take turns step by step, so that
     the machine's slow and fast moments hit all of them alike."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + n_steps):
         for name, step in steps.items():
-            x = torch.randn(batch, hidden, requires_grad=True)
+            x = torch.randn(batch, hidden, device=device, requires_grad=True)
+            sync()
             start = time.perf_counter()
             step(x)
+            sync()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
@@ -93,10 +99,11 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    device = torch.device(args.device)
     rows = []
     swarm_config = SwarmConfig(layers=("ffn0",), grid=tuple(args.grid), n_servers=1, hidden_dim=args.hidden,
                                threads_per_server=args.threads,
-                               server_args=("--optimizer", "adam", "--lr", str(args.lr),
+                               server_args=("--optimizer", "adam", "--lr", str(args.lr), "--device", args.device,
                                             "--max-batch-size", str(max(args.batches) * args.k)))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         uids = grid_uids("ffn0", args.grid)
@@ -106,32 +113,32 @@ def main(argv=None) -> list[dict]:
                 raise TimeoutError("experts were not declared in the DHT within 60 s")
             time.sleep(0.2)
         remote = RemoteMixtureOfExperts(args.hidden, args.grid, "ffn0", dht, k_best=args.k, forward_timeout=60,
-                                        backward_timeout=60, timeout_after_k_min=60, k_min=args.k)
+                                        backward_timeout=60, timeout_after_k_min=60, k_min=args.k).to(device)
 
         def remote_step(x):
             remote(x).sum().backward()
             remote.proj.zero_grad(set_to_none=True)
 
-        local = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k)
-        recompute = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k)
+        local = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k).to(device)
+        recompute = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k).to(device)
         for name in list(recompute.experts):
             recompute.experts[name] = Checkpointed(recompute.experts[name])
         local_step, recompute_step = local_step_fn(local, args.lr), local_step_fn(recompute, args.lr)
         for batch in args.batches:
             timed = time_steps({"remote": remote_step, "local": local_step, "recompute": recompute_step}, batch,
-                               args.hidden, args.steps, args.warmup)
+                               args.hidden, args.steps, args.warmup, device)
             t_remote, t_local, t_recompute = timed["remote"], timed["local"], timed["recompute"]
             rows.append(dict(batch=batch, remote_s=t_remote, inprocess_s=t_local, inprocess_recompute_s=t_recompute,
                              ratio=t_local / t_remote, ratio_vs_recompute=t_recompute / t_remote,
                              dropped=remote.stats.experts_dropped))
     args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / "bench_layer.csv"
+    out = args.results / ("bench_layer.csv" if device.type == "cpu" else f"bench_layer_{device.type}.csv")
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
-          f"{args.threads} torch threads, median of {args.steps} steps")
+          f"{args.threads} torch threads, device {args.device}, median of {args.steps} steps")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
           f"{'vs recompute':>13}")
     for r in rows:

@@ -16,6 +16,7 @@ its clients run elsewhere.
     python benchmarks/bench_throughput.py --preset quick        # ~3 minutes on a shared 2-core machine
     python benchmarks/bench_throughput.py --preset compute      # ffn h=1024, batches 64..2048, both modes
     python benchmarks/bench_throughput.py --preset overhead     # nop, batch 1, many clients: requests/s
+    python benchmarks/bench_throughput.py --preset compute --device cuda   # server and limit on the GPU
 """
 from __future__ import annotations
 
@@ -126,14 +127,16 @@ class LimitWorker:
         if key not in self.backends:
             backends = []
             for i in range(cmd["experts"]):
-                module = create_expert(cmd["expert_cls"], cmd["hidden_dim"], seed=i)
+                module = create_expert(cmd["expert_cls"], cmd["hidden_dim"], seed=i).to(cmd["device"])
                 sample = expert_class(cmd["expert_cls"]).sample(2, cmd["hidden_dim"])
                 backends.append(ExpertBackend(f"b.{i}", module, sample,
                                               make_optimizer(cmd["optimizer"], module.parameters(), cmd["lr"])))
             self.backends[key] = backends
         backends = self.backends[key]
         x, grad = make_inputs(cmd)
-        x, grad = x.clone(), grad.clone()
+        x, grad = x.to(cmd["device"], copy=True), grad.to(cmd["device"], copy=True)
+        # on a GPU, a request is done when its results exist, as the server's are once copied into a reply
+        sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
         done, i = 0, 0
         cpu = time.process_time()
         start = time.perf_counter()
@@ -143,6 +146,7 @@ class LimitWorker:
             backend.forward(x)
             if cmd["mode"] == "fwd+bwd":
                 backend.backward(x, grad)
+            sync()
             done += 1
         del torch
         return {"requests": done, "samples": done * cmd["batch"], "seconds": elapsed,
@@ -210,10 +214,10 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(case: Case, threads: int, optimizer: str, lr: float):
+def start_server(case: Case, threads: int, optimizer: str, lr: float, device: str):
     from dmoe.launch import Proc
     return Proc(["-m", "servers.run_server", "--experts", f"bench.[0:{case.experts}]", "--expert-cls", case.expert_cls,
-                 "--hidden-dim", str(case.hidden_dim), "--max-batch-size", str(case.batch), "--device", "cpu",
+                 "--hidden-dim", str(case.hidden_dim), "--max-batch-size", str(case.batch), "--device", device,
                  "--torch-threads", str(threads), "--optimizer", optimizer, "--lr", str(lr), "--log-level", "WARNING"],
                 env={"OMP_NUM_THREADS": str(threads)})
 
@@ -230,6 +234,7 @@ def main() -> None:
                         help="torch threads of the server and of the in-process limit (default 1)")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--device", default="cpu", help="where the server and the limit compute (cpu, cuda)")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
     parser.add_argument("--worker", choices=["client", "limit"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -240,7 +245,7 @@ def main() -> None:
     duration = args.duration or (2.0 if args.preset == "quick" else 4.0)
     n_clients = max(case.clients for case in cases)
     print(f"preset {args.preset}: {len(cases)} cases, {duration:.0f}s each, server/limit torch threads "
-          f"{args.torch_threads}, {os.cpu_count()} cores", flush=True)
+          f"{args.torch_threads}, {os.cpu_count()} cores, device {args.device}", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []
@@ -256,9 +261,11 @@ def main() -> None:
             if key != server_key:
                 if server is not None:
                     server.stop()
-                server, server_key = start_server(case, args.torch_threads, args.optimizer, args.lr), key
+                server, server_key = start_server(case, args.torch_threads, args.optimizer, args.lr,
+                                                         args.device), key
                 endpoint = server.endpoint(timeout=120)
-            cmd = {**asdict(case), "optimizer": args.optimizer, "lr": args.lr, "duration": duration}
+            cmd = {**asdict(case), "optimizer": args.optimizer, "lr": args.lr, "duration": duration,
+                   "device": args.device}
             uids = [f"bench.{i}" for i in range(case.experts)]
             limit_rates, remote_rates, remote_requests = [], [], []
             limit_work, remote_work = [0.0, 0.0], [0.0, 0.0]  # (samples, cpu seconds)
@@ -282,7 +289,8 @@ def main() -> None:
                 remote_requests.append(sum(r["requests"] for r in remote) / duration)
             remote_rate = sum(remote_rates) / len(remote_rates)
             limit_rate = sum(limit_rates) / len(limit_rates)
-            row = {**asdict(case), "duration_s": duration, "rounds": args.rounds, "torch_threads": args.torch_threads,
+            row = {**asdict(case), "device": args.device, "duration_s": duration, "rounds": args.rounds,
+                   "torch_threads": args.torch_threads,
                    "remote_samples_per_s": round(remote_rate, 1),
                    "remote_requests_per_s": round(sum(remote_requests) / len(remote_requests), 1),
                    "limit_samples_per_s": round(limit_rate, 1),
@@ -305,7 +313,7 @@ def main() -> None:
         if server is not None:
             server.stop()
     args.results.mkdir(parents=True, exist_ok=True)
-    path = args.results / f"throughput_{args.preset}_{time.strftime('%Y%m%d-%H%M%S')}.csv"
+    path = args.results / f"throughput_{args.preset}_{args.device}_{time.strftime('%Y%m%d-%H%M%S')}.csv"
     with path.open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()
