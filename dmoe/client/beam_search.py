@@ -15,7 +15,7 @@ from typing import Callable, Container, Mapping, Protocol, Sequence, Union
 
 import torch
 
-from dmoe.uid import DELIMITER, is_valid_prefix, join_uid, split_uid
+from dmoe.uid import DELIMITER, is_valid_prefix, split_uid
 
 Exclude = Union[Callable[[str, str], bool], Container[str], None]
 Continuations = dict[int, str]
@@ -150,17 +150,26 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
                     break
                 heapq.heappop(heap)
                 depth = len(coords) + 1
-                for coord, child_endpoint in continuations.items():
-                    if not 0 <= coord < grid[depth - 1]:
-                        continue  # declared on a larger grid than this gate scores
-                    child = coords + (coord,)
-                    child_score = prefix_score + scores[depth - 1][row][coord]
-                    child_name = join_uid(layer, child)
-                    if depth == ndims:
-                        if not is_excluded(child_name, child_endpoint):
-                            heapq.heappush(heap, (-child_score, 1, child_name, child, child_score, child_endpoint))
-                    else:
-                        heapq.heappush(heap, (-bound(row, child_score, depth), 0, child_name, child, child_score, ""))
+                row_scores, size = scores[depth - 1][row], grid[depth - 1]
+                # (names are built by hand: the layer is validated and coordinates are in-range ints)
+                children = [(prefix_score + row_scores[coord], coord, child_endpoint)
+                            for coord, child_endpoint in continuations.items() if 0 <= coord < size]
+                if depth < ndims:
+                    for child_score, coord, _ in children:
+                        heapq.heappush(heap, (-bound(row, child_score, depth), 0, f"{name}.{coord}",
+                                              coords + (coord,), child_score, ""))
+                    continue
+                # experts: only the best (k - found) allowed ones can still make this row's top k, plus any that
+                # tie with the last of them (ties are broken by uid, in the heap)
+                need, last = k - len(found), None
+                for child_score, coord, child_endpoint in sorted(children, key=lambda c: -c[0]):
+                    if need <= 0 and child_score != last:
+                        break
+                    child_name = f"{name}.{coord}"
+                    if is_excluded(child_name, child_endpoint):
+                        continue
+                    heapq.heappush(heap, (-child_score, 1, child_name, coords + (coord,), child_score, child_endpoint))
+                    need, last = need - 1, child_score
             if not heap or len(found) >= k:
                 active.discard(row)
                 continue
