@@ -132,6 +132,62 @@ def test_a_failing_batch_fails_only_its_tasks_and_the_runtime_keeps_serving():
         torch.testing.assert_close(pool.submit(torch.ones(2)).result(30)[0], torch.full((2,), 2.0))
 
 
+def test_a_bad_task_batched_with_good_ones_fails_alone():
+    batches: list[int] = []
+
+    def picky(x):
+        batches.append(x.shape[0])
+        if (x < 0).any():
+            raise ValueError("negative input")
+        return (x + 1,)
+
+    with Runtime() as runtime:
+        gate = Gate()
+        blocker = runtime.create_pool("gate", gate, 100)
+        pool = runtime.create_pool("picky", picky, 100)
+        blocker.submit(torch.zeros(1))
+        assert gate.entered.wait(30)
+        inputs = [torch.ones(2), -torch.ones(3), torch.full((1,), 5.0)]
+        futures = [pool.submit(x) for x in inputs]  # queued behind the gate: they form one batch
+        gate.opened.set()
+        torch.testing.assert_close(futures[0].result(30)[0], torch.full((2,), 2.0))
+        with pytest.raises(ValueError, match="negative input"):
+            futures[1].result(30)
+        torch.testing.assert_close(futures[2].result(30)[0], torch.full((1,), 6.0))
+    assert batches == [6, 2, 3, 1]
+
+
+def test_a_backward_that_fails_half_way_leaves_no_gradients_for_the_next_step():
+    class Fragile(torch.nn.Module):
+        """Two layers; backward raises between them, after the second layer's gradients were accumulated."""
+
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            self.fail = False
+
+        def forward(self, x):
+            h = self.first(x)
+            if self.fail:
+                h.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("backward failed")))
+            return self.second(h)
+
+    module = Fragile()
+    backend = ExpertBackend("f.0", module, [torch.randn(2, 4)], torch.optim.SGD(module.parameters(), lr=0.1))
+    reference = Fragile()
+    reference.load_state_dict(module.state_dict())
+    module.fail = True
+    with pytest.raises(RuntimeError, match="backward failed"):
+        backend.backward(torch.randn(3, 4), torch.randn(3, 4))
+    assert all(p.grad is None for p in module.parameters())
+    module.fail = False
+    x, grad = torch.randn(3, 4), torch.randn(3, 4)
+    backend.backward(x, grad)
+    reference(x).backward(grad)
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    torch.testing.assert_close(module.state_dict(), reference.state_dict())
+
+
 def test_runtime_close_fails_queued_tasks_and_returns_promptly():
     runtime = Runtime().start()
     gate = Gate()

@@ -147,10 +147,17 @@ class ExpertBackend:
         """
         n_in = len(self.inputs_schema)
         inputs, grad_outputs = inputs_and_grads[:n_in], inputs_and_grads[n_in:]
-        if segments is None or self.activations is None or all(key is None for key, _ in segments):
-            input_grads = self._recompute_backward(inputs, grad_outputs)
-        else:
-            input_grads = self._segmented_backward(inputs, grad_outputs, segments)
+        try:
+            if segments is None or self.activations is None or all(key is None for key, _ in segments):
+                input_grads = self._recompute_backward(inputs, grad_outputs)
+            else:
+                input_grads = self._segmented_backward(inputs, grad_outputs, segments)
+        except BaseException:
+            # a backward that failed half-way may have added to some parameters' .grad: the next step must not
+            # apply those (the runtime may run the batch's other requests again, one at a time)
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            raise
         self._apply_gradients()
         return input_grads
 

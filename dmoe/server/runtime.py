@@ -24,7 +24,8 @@ class Runtime:
 
     One thread runs all compute, so an expert's forward and backward never race on its weights and the device is
     never oversubscribed; torch releases the GIL while it computes, so the gRPC loop keeps receiving meanwhile.
-    A batch that raises fails only the tasks in it; the runtime carries on with the next one.
+    A batch that raises is run again one task at a time, so only the task that raises fails; the runtime carries
+    on with the next batch.
 
     Args:
         device: where experts run (their modules must already be there); inputs are moved there with one copy.
@@ -98,9 +99,16 @@ class Runtime:
             outputs = self._compute(pool, batch)
         except Exception as error:
             self._observe(pool, batch, started, error)
-            logger.warning("%s failed on a batch of %d tasks: %r", pool.name, len(batch), error)
-            for task in batch:
-                task.future.set_exception(error)
+            if len(batch) > 1:
+                # one caller's bad request must not fail the others it was batched with: each runs alone again,
+                # and only the culprit fails
+                logger.warning("%s failed on a batch of %d tasks (%r): running each alone", pool.name, len(batch),
+                               error)
+                for task in batch:
+                    self._run(pool, [task])
+                return
+            logger.warning("%s failed on a task: %r", pool.name, error)
+            batch[0].future.set_exception(error)
             return
         self._observe(pool, batch, started, None)
         sizes = [task.rows for task in batch]
