@@ -69,7 +69,7 @@ def row(nodes: int, phase: str, batch: int, latencies: list[float], success: flo
 
 def bench(nodes: int, args: argparse.Namespace) -> list[dict]:
     common = ["-m", "dmoe.dht", "--log-level", "ERROR", "--rpc-timeout", str(args.rpc_timeout),
-              "--num-replicas", str(args.num_replicas)]
+              "--num-replicas", str(args.num_replicas), "--read-width", str(args.read_width)]
     rows, cols = args.grid
     with processes() as procs:
         def start(*extra: str) -> Proc:
@@ -100,7 +100,8 @@ def bench(nodes: int, args: argparse.Namespace) -> list[dict]:
         # every node verifies the entries stored on it: let that burst (and the nodes' start-up) finish first, so
         # the searches are timed on a settled swarm rather than inside the declaration storm
         time.sleep(args.settle)
-        with DHT([peer], config=DHTConfig(rpc_timeout=args.rpc_timeout, num_replicas=args.num_replicas)) as client:
+        with DHT([peer], config=DHTConfig(rpc_timeout=args.rpc_timeout, num_replicas=args.num_replicas,
+                                              read_width=args.read_width)) as client:
             run_searches(client, alive, args, max(args.batch), seed=0, searches=3)  # warm-up: routing table
             results = []
             for batch in args.batch:
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--searches", type=int, default=50, help="timed beam searches per phase")
     parser.add_argument("--rpc-timeout", type=float, default=DHTConfig.rpc_timeout)
     parser.add_argument("--num-replicas", type=int, default=DHTConfig.num_replicas)
+    parser.add_argument("--read-width", type=int, default=DHTConfig.read_width,
+                        help="closest responding nodes a lookup merges (client and nodes)")
     parser.add_argument("--refresh-period", type=float, default=60.0,
                         help="declarers' refresh period (long: the after-kill phase sees no owner refresh)")
     parser.add_argument("--settle", type=float, default=15.0,
