@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=15, help="timed forward+backward steps per batch size")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for server and baseline")
+    parser.add_argument("--client-threads", type=int, default=None,
+                        help="torch threads of this process while it runs the remote layer, whose own compute is "
+                             "only the gate (default: --threads)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--device", default="cpu", help="where the server, the baselines and the gate compute")
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -116,8 +119,10 @@ def main(argv=None) -> list[dict]:
                                         backward_timeout=60, timeout_after_k_min=60, k_min=args.k).to(device)
 
         def remote_step(x):
+            torch.set_num_threads(args.client_threads or args.threads)
             remote(x).sum().backward()
             remote.proj.zero_grad(set_to_none=True)
+            torch.set_num_threads(args.threads)
 
         local = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k).to(device)
         recompute = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k).to(device)
@@ -138,7 +143,8 @@ def main(argv=None) -> list[dict]:
         writer.writeheader()
         writer.writerows(rows)
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
-          f"{args.threads} torch threads, device {args.device}, median of {args.steps} steps")
+          f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}), device {args.device}, "
+          f"median of {args.steps} steps")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
           f"{'vs recompute':>13}")
     for r in rows:
