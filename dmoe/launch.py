@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from dmoe.signals import PARENT_ENV
+
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,12 +31,14 @@ LISTENING = re.compile(r"listening on (\S+:\d+)")
 class Proc:
     """A child Python process whose stdout is read by a thread, so readiness lines can be awaited.
 
-    The child runs in its own process group, so :meth:`kill` takes its children with it.
+    The child runs in its own process group, so :meth:`kill` takes its children with it. dmoe's programs stop by
+    themselves within a second or two if this process dies without stopping them (see :func:`dmoe.signals.orphaned`).
     """
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False):
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         full_env.update(env or {})
+        full_env[PARENT_ENV] = str(os.getpid())  # dmoe programs stop when this process dies without stopping them
         self.args = list(args)
         self.echo = echo
         self.popen = subprocess.Popen(

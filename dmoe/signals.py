@@ -1,8 +1,24 @@
-"""A clean, fast Ctrl-C for programs whose main thread waits while other threads (gRPC, torch, DHT) work."""
+"""A clean, fast Ctrl-C for programs whose main thread waits while other threads (gRPC, torch, DHT) work, and a
+clean stop for programs whose launcher died."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
+import time
+
+#: set by :class:`dmoe.launch.Proc` to the launcher's pid: a program whose launcher dies stops too
+PARENT_ENV = "DMOE_PARENT_PID"
+#: seconds between checks that the launcher is still alive
+ORPHAN_CHECK_PERIOD = 1.0
+
+
+def orphaned() -> bool:
+    """True when this process was started by :class:`dmoe.launch.Proc` and that launcher has died (this process
+    was handed to another parent). A launcher killed without cleanup (SIGKILL, a crash, a SIGTERM it does not
+    handle) would otherwise leave its DHT nodes and servers running, with nobody reading their output."""
+    parent = os.environ.get(PARENT_ENV)
+    return parent is not None and parent.isdigit() and os.getppid() != int(parent)
 
 
 class StopSignals:
@@ -30,13 +46,21 @@ class StopSignals:
         return self
 
     def wait(self, timeout: float | None = None) -> int | None:
-        """Blocks until a stop signal arrives and returns its number; None if ``timeout`` seconds pass first."""
-        self._reader.settimeout(timeout)
+        """Blocks until a stop signal arrives and returns its number; None if ``timeout`` seconds pass first.
+
+        A launcher's death (see :func:`orphaned`) counts as ``SIGHUP``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.received:
+            if orphaned():
+                return signal.SIGHUP
+            left = ORPHAN_CHECK_PERIOD if deadline is None else min(ORPHAN_CHECK_PERIOD, deadline - time.monotonic())
+            if left <= 0:
+                return None
+            self._reader.settimeout(left)
             try:
                 self._reader.recv(64)  # the Python handler has run by the time the next line executes
             except TimeoutError:
-                return None
+                continue
         return self.received[0]
 
     def __exit__(self, *exc) -> None:

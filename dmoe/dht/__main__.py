@@ -22,6 +22,7 @@ from dmoe.dht.config import DHTConfig
 from dmoe.dht.experts import announce_forever, declare_experts
 from dmoe.dht.node import DHTNode, parse_endpoint
 from dmoe.dht.signing import Identity
+from dmoe.signals import ORPHAN_CHECK_PERIOD, orphaned
 from dmoe.uid import expand_pattern
 
 log = logging.getLogger("dmoe.dht")
@@ -69,6 +70,14 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+
+    async def stop_when_orphaned() -> None:
+        while not orphaned():
+            await asyncio.sleep(ORPHAN_CHECK_PERIOD)
+        log.info("the launching process died")
+        stop.set()
+
+    watchdog = asyncio.ensure_future(stop_when_orphaned())
     identity = Identity.load_or_create(args.identity) if args.identity else None
     nodes: list[DHTNode] = []
     announcer: asyncio.Task | None = None
@@ -99,6 +108,7 @@ async def run(args: argparse.Namespace) -> None:
         await stop.wait()
         log.info("shutting down")
     finally:
+        watchdog.cancel()
         if announcer is not None:
             announcer.cancel()
         for node in nodes:

@@ -1,0 +1,49 @@
+"""dmoe.launch: programs started for a local swarm never outlive the process that started them."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import textwrap
+import time
+
+from dmoe.signals import ORPHAN_CHECK_PERIOD
+from tests.procs import running
+
+# a launcher that starts a DHT node and an expert server, reports their pids, then waits to be killed
+LAUNCHER = textwrap.dedent("""
+    import time
+    from dmoe.launch import Proc
+    dht = Proc(["-m", "dmoe.dht", "--port", "0", "--log-level", "WARNING"])
+    server = Proc(["-m", "servers.run_server", "--experts", "orphan.[0:2]", "--expert-cls", "nop", "--hidden-dim", "4",
+                   "--device", "cpu", "--torch-threads", "1", "--initial-peers", dht.endpoint()])
+    server.endpoint(120)
+    print("children", dht.popen.pid, server.popen.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (the children are not ours to wait for)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_dht_node_and_server_stop_when_their_launcher_is_killed():
+    children: list[int] = []
+    try:
+        with running("-c", LAUNCHER) as launcher:
+            children = [int(pid) for pid in launcher.wait_for(re.compile(r"children (\d+) (\d+)"), 180).groups()]
+            assert not any(exited(pid) for pid in children)
+            launcher.kill()  # SIGKILL: the launcher runs no cleanup at all
+        deadline = time.monotonic() + 30 * ORPHAN_CHECK_PERIOD
+        while not all(exited(pid) for pid in children):
+            assert time.monotonic() < deadline, f"still running after their launcher died: {children}"
+            time.sleep(0.1)
+    finally:
+        for pid in children:
+            if not exited(pid):
+                os.kill(pid, signal.SIGKILL)
