@@ -192,3 +192,121 @@ def test_replies_reuse_the_encoded_record_until_it_changes_and_readers_parse_ide
     assert one is two and set(one) == {1, 2}
     assert three == {}  # signed for KEY, not for the other key
     assert len(calls) == 4  # two entries for KEY once, then both again for the other key
+
+
+def test_a_find_values_reply_is_split_back_into_replies_and_a_truncated_one_is_refused():
+    from dmoe.dht.protocol import VALUES_HEADER, split_values_reply
+
+    parts = [(b'[[1,"a:1",5.0]]', b"x" * 96, b'[]'), (b"[]", b"", b'[["' + b"ab" * 20 + b'","127.0.0.1",9]]')]
+    blob = b"".join(VALUES_HEADER.pack(len(r), len(a), len(n)) + r + a + n for r, a, n in parts)
+    assert split_values_reply(blob) == [{"record": r.decode(), "auth": a, "nodes": n.decode()} for r, a, n in parts]
+    for broken in (blob[:-1], blob[:5], blob + b"\x00", "text", None):
+        assert split_values_reply(broken) is None
+    assert split_values_reply(blob.replace(b"a:1", b"\xff:1")) is None  # not ASCII
+
+
+async def _swarm(count: int, config: DHTConfig):
+    from dmoe.dht.node import DHTNode
+
+    nodes = [DHTNode(config) for _ in range(count)]
+    addresses = [await node.listen(0) for node in nodes]
+    for node in nodes[1:]:
+        await node.bootstrap([addresses[0]])
+    return nodes
+
+
+def test_a_declaration_that_missed_the_nodes_readers_ask_is_stored_there_when_read_back():
+    """A store lands where its own search pointed; if busy nodes made that the wrong place, readers saw nothing
+    until the next refresh. ``make_readable`` reads the record back as a reader would and fills the gap."""
+    from kademlia.utils import digest
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=2, read_width=3)
+        nodes = await _swarm(12, config)
+        try:
+            writer, reader = nodes[1], nodes[2]
+            key = "ffn0.3"
+            target = Node(digest(key))
+            entry = writer.identity.entry(digest(key), 17, "127.0.0.1:1", time.time() + 60)
+            far = [contact for contact in writer.protocol.router.contacts() if contact.id != reader.node.id]
+            far.sort(key=target.distance_to)
+            assert await writer.store_record(key, {17: entry}, nodes=far[-2:]) == [True]  # the far end
+            for node in nodes:  # the writer stores a copy itself when it is closer than its chosen replicas
+                if node is not writer and node.node.id not in {contact.id for contact in far[-2:]}:
+                    assert node.storage.get(digest(key)) is None
+            assert await reader.get_record(key) == {}, "the misplaced store was visible: the scenario is wrong"
+            assert await writer.make_readable(key, {17: entry}) >= 1
+            assert (await reader.get_record(key))[17] == entry
+            assert await writer.make_readable(key, {17: entry}) == 0  # nothing left to repair
+        finally:
+            for node in nodes:
+                node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_searches_do_not_wait_again_for_nodes_that_already_timed_out():
+    """Store searches used to wait one RPC timeout per dead node they met, round after round, so declarations
+    after churn took longer than they live; and every look-up of an absent key waited for the dead too."""
+    from kademlia.utils import digest
+
+    async def scenario() -> None:
+        config = DHTConfig(rpc_timeout=3.0)
+        nodes = await _swarm(16, config)
+        try:
+            searcher = nodes[1]
+            for node in nodes[8:]:
+                node.stop()  # silent from now on, still in everyone's routing table
+            keys = [digest(f"key{i}") for i in range(8)]
+            await asyncio.gather(*(searcher.find_replicas(key) for key in keys))  # meets the dead: waits for them
+            started = time.monotonic()
+            replicas = await asyncio.gather(*(searcher.find_replicas(key) for key in keys))
+            assert time.monotonic() - started < config.rpc_timeout / 2, "a store search waited for dead nodes"
+            alive = {node.node.id for node in nodes[:8]}
+            assert all(len(found) == 7 and {n.id for n in found} <= alive for found in replicas)  # all but itself
+            started = time.monotonic()
+            assert await searcher.get_records(["absent0", "absent1"]) == {"absent0": {}, "absent1": {}}
+            assert time.monotonic() - started < config.rpc_timeout / 2, "a look-up of an absent key waited"
+        finally:
+            for node in nodes:
+                node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_contacts_with_addresses_no_datagram_can_reach_are_dropped_and_never_close_the_socket():
+    """A hostile reply listing a contact at port 70000 made ``sendto`` raise, and asyncio then closed the asker's
+    socket: one reply silenced the node. Host names would be resolved on the loop. Both are dropped."""
+    from dmoe.dht.protocol import _parse_contacts
+
+    good = ["ab" * 20, "127.0.0.1", 9]
+    hostile = [["cd" * 20, "127.0.0.1", 70000], ["cd" * 20, "127.0.0.1", 0], ["cd" * 20, "peer.example", 9],
+               ["cd" * 20, "127.0.0.1", True], ["cd" * 20, "::1", 9]]
+    assert [(n.ip, n.port) for n in _parse_contacts([good, *hostile])] == [("127.0.0.1", 9), ("::1", 9)]
+
+    async def scenario() -> None:
+        nodes = await _swarm(2, DHTConfig(rpc_timeout=0.5))
+        try:
+            protocol = nodes[1].protocol
+            assert protocol.parse_nodes([[b"x" * 20, "127.0.0.1", 70000], [b"y" * 20, "localhost", 9]]) == []
+            for address in [("127.0.0.1", 70000), ("no-such-host.invalid", 9)]:
+                assert await protocol.request(address, "ping", nodes[1].node.id) == (False, None)
+            assert not nodes[1].transport.is_closing()
+            ok, node_id = await protocol.request(("127.0.0.1", nodes[0].transport.get_extra_info("sockname")[1]),
+                                                 "ping", nodes[1].node.id)
+            assert ok and node_id == nodes[0].node.id
+        finally:
+            for node in nodes:
+                node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_initial_peers_may_be_host_names():
+    from dmoe.dht import DHT
+
+    with DHT() as first:
+        with DHT([f"localhost:{first.endpoint.rsplit(':', 1)[1]}"]) as second:
+            assert second.node.protocol.router.contacts()[0].ip == "127.0.0.1"
+        with pytest.raises(ConnectionError, match="none of the initial DHT peers"):
+            DHT(["no-such-host.invalid:9"])

@@ -10,6 +10,7 @@ most replicas hold). Entries not validly signed for the key are dropped as repli
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 from typing import Any
 
@@ -55,42 +56,83 @@ class RecordCrawl:
         # late too), but they do not hold a hedged search up
         self.suspects: set[bytes] = set()
         self.dead_suspects: set[bytes] = set()  # the suspects that timed out (not merely answered late)
+        self.distance: dict[bytes, int] = {}  # candidate id -> XOR distance to the target
+        self._inbox: list[tuple[Node, tuple[bool, Any]]] = []  # outcomes of queries not yet accepted
+        self._wake: asyncio.Future | None = None  # resolved when an outcome lands in the inbox
         self._add(peers)
 
     def _add(self, nodes: list[Node]) -> None:
         for node in nodes:
             if node.id != self.self_id and node.id not in self.candidates:
                 self.candidates[node.id] = node
-                # A store must reach the true closest nodes, where reads will look: it asks nodes that recently
-                # timed out like any other (a busy machine makes live nodes time out, and skipping them put whole
-                # declarations where no reader looked). A hedged read asks them without waiting for them.
-                if not self.hedge:
-                    continue
+                self.distance[node.id] = self.target.long_id ^ node.long_id
+                # Nodes that recently timed out are asked (a busy machine makes live nodes time out, and skipping
+                # them put whole declarations where no reader looked), but no search waits for them: a store
+                # search that did waited one RPC timeout per dead node met, round after round, until declarations
+                # took longer than they live. Stores that miss a busy node are caught by
+                # :meth:`DHTNode.make_readable`. A hedged read does not wait for recently slow nodes either.
                 if self.protocol.recently_dead(node.id):
                     self.suspects.add(node.id)
                     self.dead_suspects.add(node.id)
-                elif self.protocol.recently_slow(node.id):
+                elif self.hedge and self.protocol.recently_slow(node.id):
                     self.suspects.add(node.id)
 
     def _frontier(self, slow: set[bytes]) -> list[Node]:
-        alive = [node for node in self.candidates.values() if node.id not in self.dead and node.id not in slow]
-        alive.sort(key=self.target.distance_to)
-        return alive[:self.width]
+        distance = self.distance
+        alive = [node_id for node_id in distance if node_id not in self.dead and node_id not in slow]
+        return [self.candidates[node_id] for node_id in heapq.nsmallest(self.width, alive, key=distance.__getitem__)]
 
-    async def _ask(self, node: Node) -> tuple[Node, tuple[bool, Any]]:
+    def _ask(self, node: Node) -> None:
+        """Sends the query; its outcome lands in ``self._inbox`` (from a callback: a lookup that waits on many
+        replies costs no task per reply)."""
         if not self.fetch_records:
-            return node, await self.protocol.call_find_node(node, self.target)
-        ok, data = await self.protocol.call_find_value(node, self.target, on_sent=self._mark_sent)
+            task = asyncio.ensure_future(self.protocol.call_find_node(node, self.target))
+            task.add_done_callback(lambda done: done.cancelled() or self._deliver(node, done.result()))
+            self.protocol.adopt(task)
+            return
+        future = self.protocol.find_value_soon(node, self.target, on_sent=self._mark_sent)
+        future.add_done_callback(lambda done: done.cancelled() or self._on_value(node, done.result()))
+
+    def _on_value(self, node: Node, result: tuple[bool, Any]) -> None:
+        ok, data = self.protocol.handle_call_response(result, node)
         if not ok:
-            return node, (ok, data)
+            self._deliver(node, (False, None))
+            return
         self.sent.pop(node.id, None)  # it answered: verifying its entries is our time, not its lateness
         try:
-            return node, (True, await self.protocol.parse_value_reply(data, self.target.id))
+            known = self.protocol.parse_known_value_reply(data, self.target.id)
         except MalformedRequest as error:
-            return node, (True, error)
+            self._deliver(node, (True, error))
+            return
+        if known is not None:
+            self._deliver(node, (True, known))
+            return
+
+        async def verify() -> None:  # entries not seen before: checked on the protocol's verification thread
+            try:
+                self._deliver(node, (True, await self.protocol.parse_value_reply(data, self.target.id)))
+            except MalformedRequest as error:
+                self._deliver(node, (True, error))
+        self.protocol.spawn(verify())
+
+    def _deliver(self, node: Node, reply: tuple[bool, Any]) -> None:
+        self._inbox.append((node, reply))
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
     def _mark_sent(self, node: Node) -> None:
         self.sent[node.id] = asyncio.get_running_loop().time()
+
+    async def _sleep(self, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+        """Until a reply is delivered or ``timeout`` seconds pass."""
+        self._wake = wake = loop.create_future()
+        timer = loop.call_later(timeout, _resolve, wake) if timeout is not None else None
+        try:
+            await wake
+        finally:
+            self._wake = None
+            if timer is not None:
+                timer.cancel()
 
     def _accept(self, node: Node, reply: tuple[bool, Any]) -> None:
         ok, data = reply
@@ -116,48 +158,54 @@ class RecordCrawl:
         holds) hold, empty if none."""
         loop = asyncio.get_running_loop()
         hedge_after = self.protocol.config.hedge_after if self.hedge else float("inf")
-        pending: dict[asyncio.Task, bytes] = {}  # task -> node id
-        try:
-            while True:
-                now = loop.time()
-                sent = [(node_id, self.sent[node_id]) for node_id in pending.values() if node_id in self.sent]
-                late = {node_id for node_id, at in sent if now - at >= hedge_after}
-                for node_id in late - self.suspects:
-                    self.protocol.mark_slow(node_id)  # concurrent and later lookups will not wait for it
-                slow = late | (self.suspects - set(self.responded))
-                frontier = self._frontier(slow)
-                horizon = self.target.distance_to(frontier[-1]) if len(frontier) >= self.width else None
-                # Late nodes closer than the frontier's edge are asked anyway. Nodes that timed out are asked only
-                # when nothing was found yet or the live ones do not fill the frontier (each pending request to a
-                # dead node holds a slot until its timeout).
-                found = not self.fetch_records or any(self.records)
-                to_ask = frontier + [self.candidates[node_id] for node_id in self.suspects if horizon is None or (
-                    (node_id not in self.dead_suspects or not found)
-                    and self.target.distance_to(self.candidates[node_id]) < horizon)]
-                for node in to_ask:
-                    if node.id not in self.contacted and node.id not in self.dead:
-                        self.contacted.add(node.id)
-                        pending[asyncio.ensure_future(self._ask(node))] = node.id
-                # An empty answer waits for every node still asked (a busy replica must not make a live record
-                # look dead); otherwise nobody late or suspect holds the search up.
-                must_wait = [node_id for node_id in pending.values()
-                             if not found or not frontier or node_id not in self.suspects and node_id not in slow]
+        pending: set[bytes] = set()  # ids of nodes asked that have neither answered nor timed out
+        while True:
+            now = loop.time()
+            sent = [(node_id, self.sent[node_id]) for node_id in pending if node_id in self.sent]
+            late = {node_id for node_id, at in sent if now - at >= hedge_after}
+            for node_id in late - self.suspects:
+                self.protocol.mark_slow(node_id)  # concurrent and later lookups will not wait for it
+            slow = late | (self.suspects - self.responded.keys())
+            frontier = self._frontier(slow)
+            horizon = self.distance[frontier[-1].id] if len(frontier) >= self.width else None
+            # Late nodes closer than the frontier's edge are asked anyway. In a hedged read, nodes that timed out
+            # are asked only when nothing was found yet or the live ones do not fill the frontier (each pending
+            # request to a dead node holds a slot until its timeout); a store search asks them all.
+            found = not self.fetch_records or any(self.records)
+            to_ask = frontier + [self.candidates[node_id] for node_id in self.suspects if horizon is None or (
+                (node_id not in self.dead_suspects or not found or not self.hedge)
+                and self.distance[node_id] < horizon)]
+            for node in to_ask:
+                if node.id not in self.contacted and node.id not in self.dead:
+                    self.contacted.add(node.id)
+                    pending.add(node.id)
+                    self._ask(node)
+            if not self._inbox:
+                # An empty answer waits for every live node still asked (a busy replica must not make a live record
+                # look dead), though not for nodes that timed out before once the frontier is full (else every
+                # look-up of a dead prefix waited an RPC timeout after churn); otherwise nobody late or suspect
+                # holds the search up.
+                must_wait = [node_id for node_id in pending if not frontier or (
+                    (node_id not in self.dead_suspects or horizon is None) if not found else
+                    node_id not in self.suspects and node_id not in slow)]
                 if all(node.id in self.responded for node in frontier) and (horizon is not None and found
                                                                             or not must_wait):
                     break
                 waits = [at + hedge_after - now for node_id, at in sent if node_id not in slow and self.hedge]
                 if self.hedge and len(sent) < len(pending):
                     waits.append(hedge_after)  # a queued request gets sent meanwhile: look again then
-                done, _ = await asyncio.wait(pending, timeout=max(0.0, min(waits)) if waits else None,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    del pending[task]
-                    self._accept(*task.result())
-        finally:
-            # left to finish on their own: a timeout still marks its node dead (and evicts it), which is what
-            # keeps the next lookups from waiting on that node again
-            for task in pending:
-                self.protocol.adopt(task)
-        nearest = sorted(self.responded.values(), key=self.target.distance_to)[:self.width]
+                # Requests still pending when the lookup ends are left to finish on their own: a timeout still
+                # marks its node dead (and evicts it), which keeps the next lookups from waiting on that node.
+                await self._sleep(loop, max(0.0, min(waits)) if waits else None)
+            inbox, self._inbox = self._inbox, []
+            for node, reply in inbox:
+                pending.discard(node.id)
+                self._accept(node, reply)
+        nearest = sorted(self.responded.values(), key=lambda node: self.distance[node.id])[:self.width]
         held = list(self.held.values()) + ([local] if local else [])
         return nearest, merge_records(held)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -12,7 +12,7 @@ from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.crawling import RecordCrawl
-from dmoe.dht.protocol import DHTProtocol
+from dmoe.dht.protocol import DHTProtocol, valid_address
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage
 
@@ -78,11 +78,26 @@ class DHTNode(Server):
     async def bootstrap(self, addrs: Iterable[tuple[str, int]]) -> list[Node]:
         """Pings the given peers and crawls towards our own id to fill the routing table; returns who answered."""
         assert self.protocol is not None
-        found = await asyncio.gather(*(self.protocol.ping_address(addr) for addr in addrs))
+        found = await asyncio.gather(*(self._ping(addr) for addr in addrs))
         peers = [node for node in found if node is not None]
         if peers:
             await RecordCrawl(self.protocol, self.node, peers, self.config.ksize, fetch_records=False).run()
         return peers
+
+    async def _ping(self, address: tuple[str, int]) -> Node | None:
+        """Pings an initial peer, resolving a host name first (contacts learnt from peers must be IP literals)."""
+        assert self.protocol is not None
+        host, port = address
+        if not valid_address(host, port):
+            try:
+                family = self.transport.get_extra_info("socket").family  # what our socket can send to
+                infos = await asyncio.get_running_loop().getaddrinfo(host, port, family=family,
+                                                                     type=socket.SOCK_DGRAM)
+            except OSError as error:
+                log.warning("cannot resolve initial peer %s:%s: %s", host, port, error)
+                return None
+            host, port = infos[0][4][:2]
+        return await self.protocol.ping_address((host, port))
 
     async def find_nodes(self, key_id: bytes, width: int) -> list[Node]:
         """The ``width`` closest responding nodes to a 20-byte id."""
@@ -157,6 +172,33 @@ class DHTNode(Server):
                 elif results[index] is False and isinstance(result, str):
                     results[index] = result
         return results
+
+    async def make_readable(self, key: str, record: Record) -> int:
+        """Stores ``record``'s entries on those of the ``read_width`` closest responding nodes (the nodes a reader
+        merges) that lack them at this expiration; returns how many nodes lacked some.
+
+        A store goes to the replicas its own search found. While nodes are busy (a declaration storm on a loaded
+        machine) a close node can time out in that search or in the store itself, and entries that missed every
+        node readers ask stayed invisible until the owner's next refresh (a whole server's quarter of a prefix
+        record, seen in the DHT benchmark). Reading the record back the way a reader does closes that gap.
+        """
+        assert self.protocol is not None
+        target = Node(digest(key))
+        peers = self.protocol.router.find_neighbors(target, k=self.config.read_width)
+        if not peers:
+            return 0
+        # not hedged: a busy close node is exactly the one that may lack the entries
+        crawl = RecordCrawl(self.protocol, target, peers, self.config.read_width)
+        nearest, _ = await crawl.run()
+        stores = []
+        for node in nearest:
+            held = crawl.held.get(node.id, {})
+            missing = {subkey: entry for subkey, entry in record.items()
+                       if (have := held.get(subkey)) is None or have.expiration < entry.expiration}
+            if missing:
+                stores.append(self.protocol.call_store(node, target.id, missing))
+        await asyncio.gather(*stores)
+        return len(stores)
 
     async def get(self, key: str) -> Record:  # type: ignore[override]
         return await self.get_record(key)

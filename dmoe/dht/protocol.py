@@ -9,11 +9,13 @@ is short, dead contacts are evicted, and anything malformed or oversized is logg
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
 import os
 import re
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from hashlib import sha1
@@ -48,6 +50,12 @@ PARSED_REPLIES = 512
 EVICT_AFTER_FAILURES = 3
 #: encoded records a node keeps for its replies (re-encoded when the record changes)
 ENCODED_RECORDS = 1024
+#: contact lists of find_value replies remembered parsed (a few KB each)
+PARSED_CONTACTS = 4096
+#: a find_values reply is one binary string: per key, these three lengths, then the record's JSON text, its owners
+#: and signatures, and the contacts' JSON text (one string decodes in one step; a list of maps took ~43
+#: pure-Python reads per reply)
+VALUES_HEADER = struct.Struct(">III")
 
 
 class MessageTooLarge(ValueError):
@@ -133,35 +141,88 @@ def encode_record(record: Record) -> tuple[str, bytes]:
 
 def parse_find_value_reply(data: Any, key: bytes, verifier: Callable[..., bool],
                            seen: dict[tuple[str, bytes], Record] | None = None,
-                           max_value_bytes: int = 1 << 16) -> tuple[Record, list[Node]]:
+                           max_value_bytes: int = 1 << 16,
+                           contacts: dict[str, list[Node]] | None = None) -> tuple[Record, list[Node]]:
     """The inverse of :func:`find_value_reply`, keeping only entries validly signed for ``key``; raises
     :class:`MalformedRequest` on anything malformed.
 
     ``seen`` maps replies already parsed in this lookup: an identical replica gets the same record object back
-    instead of being parsed and verified again.
+    instead of being parsed and verified again. ``contacts`` maps contact lists (as JSON text) already parsed to
+    their nodes, which the caller must not modify: a node answers the same key with the same contacts until its
+    routing table changes, and building Node objects was the largest cost of a reply whose record was known.
     """
     if not isinstance(data, dict) or not isinstance(data.get("record"), str) or not isinstance(data.get("nodes"), str) \
             or not isinstance(data.get("auth"), bytes):
         raise MalformedRequest("a find_value reply must hold 'record' and 'nodes' as JSON text and 'auth' as bytes")
-    text, auth = data["record"], data["auth"]
+    text, auth, nodes_text = data["record"], data["auth"], data["nodes"]
     try:
-        raw_nodes = json.loads(data["nodes"])
         record = seen.get((text, auth)) if seen is not None else None
         if record is None:
             record = _verified_record(json.loads(text), auth, key, verifier, max_value_bytes)
+        nodes = contacts.get(nodes_text) if contacts is not None else None
+        if nodes is None:
+            nodes = _parse_contacts(json.loads(nodes_text))
     except ValueError as error:
         raise MalformedRequest(f"undecodable find_value reply: {error}") from None
     if seen is not None:
         seen[text, auth] = record
+    if contacts is not None:
+        if len(contacts) >= PARSED_CONTACTS:
+            del contacts[next(iter(contacts))]  # the oldest parsed
+        contacts[nodes_text] = nodes
+    return record, nodes
+
+
+def valid_address(ip: Any, port: Any) -> bool:
+    """An IP literal and a port a datagram can go to. A contact's address comes from peers: a port past 65535
+    made ``sendto`` raise and asyncio close the asker's socket (one hostile reply killed the node), and a host
+    name would be resolved, blocking the loop."""
+    if not isinstance(ip, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return False
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_contacts(raw_nodes: Any) -> list[Node]:
+    """Contacts ``[[id hex, ip, port], ...]``; malformed items are skipped."""
     nodes = []
     for item in raw_nodes if isinstance(raw_nodes, list) else []:
         if (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and len(item[0]) == 2 * ID_BYTES
-                and isinstance(item[1], str) and isinstance(item[2], int)):
+                and valid_address(item[1], item[2])):
             try:
                 nodes.append(Node(bytes.fromhex(item[0]), item[1], item[2]))
             except ValueError:
                 continue
-    return record, nodes
+    return nodes
+
+
+def split_values_reply(blob: Any) -> list[dict[str, Any]] | None:
+    """The find_value replies packed in a find_values reply (see :data:`VALUES_HEADER`), or None if it is
+    malformed."""
+    if not isinstance(blob, bytes):
+        return None
+    replies, offset, header = [], 0, VALUES_HEADER.size
+    view = memoryview(blob)
+    while offset < len(blob):
+        if offset + header > len(blob):
+            return None
+        record_bytes, auth_bytes, nodes_bytes = VALUES_HEADER.unpack_from(blob, offset)
+        offset += header
+        end = offset + record_bytes + auth_bytes + nodes_bytes
+        if end > len(blob):
+            return None
+        try:
+            record = str(view[offset:offset + record_bytes], "ascii")
+            nodes = str(view[end - nodes_bytes:end], "ascii")
+        except UnicodeDecodeError:
+            return None
+        replies.append({"record": record, "auth": bytes(view[offset + record_bytes:end - nodes_bytes]),
+                        "nodes": nodes})
+        offset = end
+    return replies
 
 
 def _verified_record(entries: Any, auth: bytes, key: bytes, verifier: Callable[..., bool],
@@ -212,6 +273,7 @@ class DHTProtocol(KademliaProtocol):
         self._slots = asyncio.Semaphore(config.max_concurrent_rpcs)
         self._value_batches: dict[tuple[str, int], list[tuple[bytes, asyncio.Future, Any]]] = {}
         self._parsed_replies: dict[tuple[bytes, str, bytes], Record] = {}  # see parse_value_reply
+        self._parsed_contacts: dict[str, list[Node]] = {}  # see parse_find_value_reply
         self._encoded: dict[bytes, tuple[int | None, str, bytes]] = {}  # key -> (version, record text, auth)
         self._slow_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups do not wait for it
         self._dead_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups skip it
@@ -290,7 +352,7 @@ class DHTProtocol(KademliaProtocol):
         msg_id = sha1(os.urandom(32)).digest()
         timeout = loop.call_later(self._wait_timeout, self._timeout, msg_id)
         self._outstanding[msg_id] = (future, timeout, (address[0], address[1]))
-        if self.transport is None:
+        if self.transport is None or not valid_address(address[0], address[1]):
             timeout.cancel()
             del self._outstanding[msg_id]
             future.set_result((False, None))
@@ -336,14 +398,21 @@ class DHTProtocol(KademliaProtocol):
         beam search makes) are coalesced into one ``find_values`` datagram: on a busy machine the cost of a
         look-up is mostly per datagram, not per byte.
         """
+        return self.handle_call_response(await self.find_value_soon(node_to_ask, node_to_find, on_sent), node_to_ask)
+
+    def find_value_soon(self, node_to_ask: Node, node_to_find: Node,
+                        on_sent: Callable[[Node], None] | None = None) -> "asyncio.Future[tuple[bool, Any]]":
+        """:meth:`call_find_value` as a bare future of the raw ``(ok, reply)``, for callers that handle the result in
+        a callback (the caller must pass it to :meth:`handle_call_response`): a lookup batch then costs no task per
+        (node, key)."""
         address = (node_to_ask.ip, node_to_ask.port)
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         batch = self._value_batches.setdefault(address, [])
         if not batch:
-            asyncio.get_running_loop().call_soon(self._flush_values, node_to_ask)
+            loop.call_soon(self._flush_values, node_to_ask)
         batch.append((node_to_find.id, future, on_sent))
-        result = await future
-        return self.handle_call_response(result, node_to_ask)
+        return future
 
     def _flush_values(self, node: Node) -> None:
         batch = self._value_batches.pop((node.ip, node.port), [])
@@ -365,10 +434,12 @@ class DHTProtocol(KademliaProtocol):
                 if not future.done():
                     future.set_result(result)
                 return
-            ok, replies = await self.request(address, "find_values", self.source_node.id,
-                                             [key for key, _, _ in batch], on_sent=sent)
-            if not ok or not isinstance(replies, list):
-                replies = []
+            ok, blob = await self.request(address, "find_values", self.source_node.id,
+                                          [key for key, _, _ in batch], on_sent=sent)
+            replies = split_values_reply(blob) if ok else []
+            if replies is None:
+                log.warning("malformed find_values reply from %s", node)
+                ok, replies = False, []
             answered = min(len(replies), len(batch))
             for (_, future, _), reply in zip(batch, replies[:answered]):
                 if not future.done():
@@ -499,21 +570,23 @@ class DHTProtocol(KademliaProtocol):
         nodes = self.router.find_neighbors(Node(key), exclude=source)
         return self._value_reply(key, nodes)
 
-    def rpc_find_values(self, sender: tuple[str, int], nodeid: Any, keys: Any) -> list[dict[str, str]]:
-        """:meth:`rpc_find_value` for several keys, in order, stopping before the reply would outgrow a datagram."""
+    def rpc_find_values(self, sender: tuple[str, int], nodeid: Any, keys: Any) -> bytes:
+        """:meth:`rpc_find_value` for several keys, in order, stopping before the reply would outgrow a datagram; as
+        one binary string (see :data:`VALUES_HEADER` and :func:`split_values_reply`)."""
         if not isinstance(keys, (list, tuple)) or not 0 < len(keys) <= MAX_KEYS_PER_REQUEST:
             raise MalformedRequest(f"find_values takes a list of 1 to {MAX_KEYS_PER_REQUEST} keys")
         keys = [_check_id(key, "key") for key in keys]
         source = self._sender(sender, nodeid)
-        replies, size = [], 0
+        parts, size = [], 0
         for key in keys:
             nodes = self.router.find_neighbors(Node(key), k=2 * self.config.read_width, exclude=source)
             reply = self._value_reply(key, nodes)
-            size += len(reply["record"]) + len(reply["auth"]) + len(reply["nodes"]) + 40
-            if replies and size > REPLY_BUDGET_BYTES:
+            record, auth, contacts = reply["record"].encode(), reply["auth"], reply["nodes"].encode()
+            size += VALUES_HEADER.size + len(record) + len(auth) + len(contacts)
+            if parts and size > REPLY_BUDGET_BYTES:
                 break
-            replies.append(reply)
-        return replies
+            parts += [VALUES_HEADER.pack(len(record), len(auth), len(contacts)), record, auth, contacts]
+        return b"".join(parts)
 
     def _value_reply(self, key: bytes, nodes: Sequence[Node]) -> dict[str, Any]:
         """:func:`find_value_reply` for what this node holds, re-encoding the record only after it changed:
@@ -561,9 +634,19 @@ class DHTProtocol(KademliaProtocol):
         nodes = []
         for item in data if isinstance(data, (list, tuple)) else []:
             if (isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], bytes)
-                    and len(item[0]) == ID_BYTES and isinstance(item[1], str) and isinstance(item[2], int)):
+                    and len(item[0]) == ID_BYTES and valid_address(item[1], item[2])):
                 nodes.append(Node(item[0], item[1], item[2]))
         return nodes
+
+    def parse_known_value_reply(self, data: Any, key: bytes) -> tuple[Record, list[Node]] | None:
+        """:meth:`parse_value_reply` at once, for a reply whose record bytes were parsed and verified before; None
+        for any other (raises :class:`MalformedRequest` on a malformed one)."""
+        if isinstance(data, dict) and isinstance(data.get("record"), str) and isinstance(data.get("auth"), bytes):
+            memo = (key, data["record"], data["auth"])
+            if (record := self._parsed_replies.get(memo)) is not None:
+                return parse_find_value_reply(data, key, self.verifier, {memo[1:]: record},
+                                              self.config.max_value_bytes, self._parsed_contacts)
+        return None
 
     async def parse_value_reply(self, data: Any, key: bytes) -> tuple[Record, list[Node]]:
         """:func:`parse_find_value_reply`, for a record this node has not parsed in these exact bytes before, on
@@ -574,14 +657,13 @@ class DHTProtocol(KademliaProtocol):
         Replies repeat: every replica of a record sends the same bytes, and a record changes only when a declarer
         refreshes it, while clients look it up every few seconds. A reply whose (key, record, signatures) bytes
         were parsed before gets that record object back at once, on the loop (identical replicas are then merged
-        once, as :func:`merge_records` counts them by identity); only its contacts are parsed anew.
+        once, as :func:`merge_records` counts them by identity), and so do its contacts when a reply brought the
+        same ones before.
         """
+        known = self.parse_known_value_reply(data, key)
+        if known is not None:
+            return known
         parsed = self._parsed_replies
-        if isinstance(data, dict) and isinstance(data.get("record"), str) and isinstance(data.get("auth"), bytes):
-            memo = (key, data["record"], data["auth"])
-            if (record := parsed.get(memo)) is not None:
-                return parse_find_value_reply(data, key, self.verifier, {memo[1:]: record},
-                                              self.config.max_value_bytes)
         if self._verify_thread is None:
             self._verify_thread = ThreadPoolExecutor(1, thread_name_prefix="dmoe-dht-verify")
         record, nodes = await asyncio.get_running_loop().run_in_executor(
