@@ -352,7 +352,8 @@ class DHTProtocol(KademliaProtocol):
         msg_id = sha1(os.urandom(32)).digest()
         timeout = loop.call_later(self._wait_timeout, self._timeout, msg_id)
         self._outstanding[msg_id] = (future, timeout, (address[0], address[1]))
-        if self.transport is None or not valid_address(address[0], address[1]):
+        port = address[1]  # a bad port makes asyncio close the socket (addresses from peers are checked on parsing)
+        if self.transport is None or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             timeout.cancel()
             del self._outstanding[msg_id]
             future.set_result((False, None))
