@@ -163,6 +163,8 @@ class RecordCrawl:
             now = loop.time()
             sent = [(node_id, self.sent[node_id]) for node_id in pending if node_id in self.sent]
             late = {node_id for node_id, at in sent if now - at >= hedge_after}
+            if late and self.protocol.drain() and self._inbox:
+                continue  # replies were waiting unread: they are not late (see DHTProtocol.drain)
             for node_id in late - self.suspects:
                 self.protocol.mark_slow(node_id)  # concurrent and later lookups will not wait for it
             slow = late | (self.suspects - self.responded.keys())

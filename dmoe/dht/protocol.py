@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import socket
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -279,6 +280,7 @@ class DHTProtocol(KademliaProtocol):
         self._dead_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups skip it
         self._failures: dict[bytes, int] = {}  # node id -> consecutive unanswered requests
         self.verifier = Verifier()
+        self._drain_socket: socket.socket | None = None  # see drain()
         self._verify_thread: ThreadPoolExecutor | None = None
 
     # ---- receiving ----------------------------------------------------------------------------------------
@@ -336,7 +338,43 @@ class DHTProtocol(KademliaProtocol):
         if self.transport is not None:
             self.transport.sendto(RESPONSE + msg_id + payload, address)
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # asyncio hands out a socket wrapper without recvfrom; a duplicate descriptor reads the same socket
+        sock = transport.get_extra_info("socket")
+        self._drain_socket = socket.socket(sock.family, sock.type, fileno=os.dup(sock.fileno()))
+        self._drain_socket.setblocking(False)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._drain_socket is not None:
+            self._drain_socket.close()
+            self._drain_socket = None
+        super().connection_lost(exc)
+
+    def drain(self) -> int:
+        """Reads every datagram already waiting in the socket; returns how many.
+
+        asyncio reads one datagram per loop iteration but fires every due timer in that iteration, so when the loop
+        lags (a process whose other threads hold the GIL) replies that arrived in time sat unread while their
+        timeouts fired: every replica of a record looked dead and a read came back empty. Timeouts and lateness
+        are judged after draining."""
+        sock = self._drain_socket
+        count = 0
+        while sock is not None and count < 4096:
+            try:
+                data, addr = sock.recvfrom(MAX_DATAGRAM_BYTES + 64)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as error:  # e.g. an ICMP error queued on the socket; asyncio would report the same
+                self.error_received(error)
+                break
+            count += 1
+            self.datagram_received(data, addr)
+        return count
+
     def _timeout(self, msg_id: bytes) -> None:
+        if msg_id in self._outstanding:
+            self.drain()  # its reply may be waiting unread
         pending = self._outstanding.pop(msg_id, None)
         if pending is not None and not pending[0].done():
             pending[0].set_result((False, None))
@@ -675,6 +713,9 @@ class DHTProtocol(KademliaProtocol):
         return record, nodes
 
     def close_tasks(self) -> None:
+        if self._drain_socket is not None:
+            self._drain_socket.close()
+            self._drain_socket = None
         if self._verify_thread is not None:
             self._verify_thread.shutdown(wait=False, cancel_futures=True)
         for task in list(self._tasks):
