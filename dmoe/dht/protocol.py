@@ -163,22 +163,26 @@ def parse_find_value_reply(data: Any, key: bytes, verifier: Callable[..., bool],
         nodes = contacts.get(nodes_text) if contacts is not None else None
         if nodes is None:
             nodes = _parse_contacts(json.loads(nodes_text))
+            if contacts is not None:
+                if len(contacts) >= PARSED_CONTACTS:
+                    del contacts[next(iter(contacts))]  # the oldest parsed
+                contacts[nodes_text] = nodes
     except ValueError as error:
         raise MalformedRequest(f"undecodable find_value reply: {error}") from None
     if seen is not None:
         seen[text, auth] = record
-    if contacts is not None:
-        if len(contacts) >= PARSED_CONTACTS:
-            del contacts[next(iter(contacts))]  # the oldest parsed
-        contacts[nodes_text] = nodes
     return record, nodes
 
 
+def valid_port(port: Any) -> bool:
+    """A port a datagram can go to: any other made ``sendto`` raise, and asyncio then closed the sender's socket."""
+    return isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
+
+
 def valid_address(ip: Any, port: Any) -> bool:
-    """An IP literal and a port a datagram can go to. A contact's address comes from peers: a port past 65535
-    made ``sendto`` raise and asyncio close the asker's socket (one hostile reply killed the node), and a host
-    name would be resolved, blocking the loop."""
-    if not isinstance(ip, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+    """An IP literal and a valid port. A contact's address comes from peers: a port past 65535 closed the asker's
+    socket (one hostile reply killed the node), and a host name would be resolved, blocking the loop."""
+    if not isinstance(ip, str) or not valid_port(port):
         return False
     try:
         ipaddress.ip_address(ip)
@@ -346,10 +350,13 @@ class DHTProtocol(KademliaProtocol):
         self._drain_socket.setblocking(False)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._close_drain_socket()
+        super().connection_lost(exc)
+
+    def _close_drain_socket(self) -> None:
         if self._drain_socket is not None:
             self._drain_socket.close()
             self._drain_socket = None
-        super().connection_lost(exc)
 
     def drain(self) -> int:
         """Reads every datagram already waiting in the socket; returns how many.
@@ -390,8 +397,8 @@ class DHTProtocol(KademliaProtocol):
         msg_id = sha1(os.urandom(32)).digest()
         timeout = loop.call_later(self._wait_timeout, self._timeout, msg_id)
         self._outstanding[msg_id] = (future, timeout, (address[0], address[1]))
-        port = address[1]  # a bad port makes asyncio close the socket (addresses from peers are checked on parsing)
-        if self.transport is None or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        # only the port, which would close the socket: addresses from peers were checked whole when parsed
+        if self.transport is None or not valid_port(address[1]):
             timeout.cancel()
             del self._outstanding[msg_id]
             future.set_result((False, None))
@@ -713,9 +720,7 @@ class DHTProtocol(KademliaProtocol):
         return record, nodes
 
     def close_tasks(self) -> None:
-        if self._drain_socket is not None:
-            self._drain_socket.close()
-            self._drain_socket = None
+        self._close_drain_socket()  # also here: the loop may stop before the transport reports its loss
         if self._verify_thread is not None:
             self._verify_thread.shutdown(wait=False, cancel_futures=True)
         for task in list(self._tasks):
