@@ -59,6 +59,9 @@ class RecordCrawl:
         self.distance: dict[bytes, int] = {}  # candidate id -> XOR distance to the target
         self._inbox: list[tuple[Node, tuple[bool, Any]]] = []  # outcomes of queries not yet accepted
         self._wake: asyncio.Future | None = None  # resolved when an outcome lands in the inbox
+        # while asleep: the frontier's edge and the frontier nodes yet to answer (see _must_wake)
+        self._horizon: int | None = None
+        self._awaiting: set[bytes] | None = None
         self._add(peers)
 
     def _add(self, nodes: list[Node]) -> None:
@@ -117,8 +120,25 @@ class RecordCrawl:
 
     def _deliver(self, node: Node, reply: tuple[bool, Any]) -> None:
         self._inbox.append((node, reply))
-        if self._wake is not None and not self._wake.done():
+        if self._wake is not None and not self._wake.done() and self._must_wake(node, reply):
             self._wake.set_result(None)
+
+    def _must_wake(self, node: Node, reply: tuple[bool, Any]) -> bool:
+        """False when the sleeping loop would only go back to sleep: the reply is a record from a frontier node, other
+        frontier nodes have yet to answer, and it names no new contact closer than the frontier's edge (so the
+        frontier, and what to ask, stay the same). A look-up then wakes about once instead of once per reply; the
+        replies wait in the inbox."""
+        awaiting, horizon = self._awaiting, self._horizon
+        ok, data = reply
+        if (awaiting is None or horizon is None or node.id not in awaiting or not ok or not self.fetch_records
+                or isinstance(data, MalformedRequest)):
+            return True
+        awaiting.discard(node.id)
+        if not awaiting:
+            return True
+        target, candidates, self_id = self.target.long_id, self.candidates, self.self_id
+        return any(contact.id not in candidates and contact.id != self_id and target ^ contact.long_id < horizon
+                   for contact in data[1])
 
     def _mark_sent(self, node: Node) -> None:
         self.sent[node.id] = asyncio.get_running_loop().time()
@@ -198,7 +218,11 @@ class RecordCrawl:
                     waits.append(hedge_after)  # a queued request gets sent meanwhile: look again then
                 # Requests still pending when the lookup ends are left to finish on their own: a timeout still
                 # marks its node dead (and evicts it), which keeps the next lookups from waiting on that node.
+                self._horizon = horizon
+                self._awaiting = {node.id for node in frontier if node.id not in self.responded
+                                  and node.id not in self.suspects}
                 await self._sleep(loop, max(0.0, min(waits)) if waits else None)
+                self._awaiting = None
             inbox, self._inbox = self._inbox, []
             for node, reply in inbox:
                 pending.discard(node.id)

@@ -130,6 +130,8 @@ class DHTNode(Server):
             # a replica that died was replaced by a node that holds nothing yet: give it what the others hold
             for node in nearest:
                 held = crawl.held.get(node.id, {})
+                if held.keys() >= record.keys():
+                    continue  # the usual case, checked without a loop in Python
                 missing = {subkey: entry for subkey, entry in record.items() if subkey not in held}
                 if missing:
                     self.protocol.spawn(self.protocol.call_store(node, target.id, missing))

@@ -27,8 +27,7 @@ class DHTRoutingTable(RoutingTable):
         """The min(k, known) contacts closest to ``node`` by XOR distance, closest first."""
         k = k or self.ksize
         self.buckets[self.get_bucket_for(node)].touch_last_updated()  # a looked-up region is not lonely
-        candidates = (
-            contact for contact in self.contacts()
-            if contact.id != node.id and (exclude is None or not contact.same_home_as(exclude))
-        )
-        return heapq.nsmallest(k, candidates, key=node.distance_to)
+        node_id, target = node.id, node.long_id  # (every look-up calls this, on every node it asks: kept lean)
+        candidates = [contact for bucket in self.buckets for contact in bucket.nodes.values()
+                      if contact.id != node_id and (exclude is None or not contact.same_home_as(exclude))]
+        return heapq.nsmallest(k, candidates, key=lambda contact: contact.long_id ^ target)
