@@ -49,6 +49,7 @@ def test_beam_search_equals_brute_force_with_ties_dead_and_excluded_experts(prob
     expected = brute_force_top_k(alive, "ffn", scores, k, exclude=excluded)
     assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=excluded) == expected
     assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=lambda uid, endpoint: uid in excluded, lookahead=1) == expected
+    assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=excluded, speculate=False) == expected
 
 
 def test_beam_search_on_a_sparse_64x64_grid_with_random_scores_is_exact_and_batched():
@@ -61,6 +62,25 @@ def test_beam_search_on_a_sparse_64x64_grid_with_random_scores_is_exact_and_batc
     looked_up = [prefix for call in fake.calls for prefix in call]
     assert len(looked_up) == len(set(looked_up)), "a prefix was looked up twice in one search"
     assert len(fake.calls) <= 6, f"{len(fake.calls)} sequential rounds of look-ups"
+
+
+def test_speculative_lookups_make_a_cold_search_of_a_full_grid_one_round_and_stay_exact_when_guesses_die():
+    uids = [join_uid("ffn0", (i, j)) for i in range(64) for j in range(64)]
+    scores = [torch.randn(16, 64, generator=torch.Generator().manual_seed(s)) for s in (3, 4)]
+    full = FakeDHT({uid: "10.0.0.1:8000" for uid in uids})
+    plain = FakeDHT(full_alive := {uid: "10.0.0.1:8000" for uid in uids})
+    expected = brute_force_top_k(full_alive, "ffn0", scores, 4)
+    assert beam_search(full, "ffn0", scores, 4) == expected
+    assert beam_search(plain, "ffn0", scores, 4, speculate=False) == expected
+    assert len(full.calls) == 1 and len(plain.calls) == 2
+    assert sorted(full.calls[0]) == sorted(plain.calls[0] + plain.calls[1]), "speculation fetched more than needed"
+    # 50 alive experts of 4096: most guesses are dead prefixes, looked up once, and the result stays exact
+    rng = random.Random(1)
+    sparse = {uid: "10.0.0.2:8000" for uid in rng.sample(uids, 50)}
+    fake = FakeDHT(sparse)
+    assert beam_search(fake, "ffn0", scores, 4) == brute_force_top_k(sparse, "ffn0", scores, 4)
+    looked_up = [prefix for call in fake.calls for prefix in call]
+    assert len(looked_up) == len(set(looked_up))
 
 
 def test_prefix_cache_spares_lookups_and_remembers_dead_prefixes_until_ttl():
