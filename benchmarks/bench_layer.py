@@ -29,6 +29,7 @@ from dmoe.allocator import keep_freed_memory
 from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.server.backend import make_optimizer
 from dmoe.uid import grid_uids
 
 
@@ -84,7 +85,7 @@ class Checkpointed(torch.nn.Module):
 
 
 def local_step_fn(layer: LocalMixtureOfExperts, lr: float):
-    optimizers = {name: torch.optim.Adam(expert.parameters(), lr=lr) for name, expert in layer.experts.items()}
+    optimizers = {name: make_optimizer("adam", expert.parameters(), lr) for name, expert in layer.experts.items()}
 
     def step(x):
         layer(x).sum().backward()

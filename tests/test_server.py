@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dmoe.client import RemoteExpert, backward_future, forward_future
-from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, create_expert, expert_seed
+from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, create_expert, expert_seed, make_optimizer
 from dmoe.server.layers import TRANSFORMER_SEQ_LEN, expert_class
 from servers import run_server
 from tests.procs import running
@@ -36,6 +36,23 @@ def test_backend_backward_returns_autograd_input_grads_then_steps():
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     with torch.no_grad():
         torch.testing.assert_close(backend.forward(x)[0], reference(x))
+
+
+@pytest.mark.parametrize("name, reference_cls", [("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)])
+def test_make_optimizer_is_fused_on_cpu_and_steps_like_the_plain_optimizer(name, reference_cls):
+    module, reference = create_expert("ffn", 8, seed=0), create_expert("ffn", 8, seed=0)
+    optimizer = make_optimizer(name, module.parameters(), 0.01)
+    assert optimizer.defaults["fused"] is True
+    plain = reference_cls(reference.parameters(), lr=0.01)
+    for _ in range(3):
+        x, grad = torch.randn(4, 8), torch.randn(4, 8)
+        for model, opt in ((module, optimizer), (reference, plain)):
+            model(x).backward(grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for param, expected in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, expected)
+    assert make_optimizer(name, create_expert("nop", 8).parameters(), 0.01) is None
 
 
 def test_backend_schema_comes_from_the_sample_input():

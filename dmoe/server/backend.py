@@ -250,9 +250,21 @@ class ExpertBackend:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
+#: devices whose fused optimizer kernels torch provides
+FUSED_DEVICES = frozenset({"cpu", "cuda"})
+
+
 def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer | None:
-    """``'adam'``/``'sgd'`` over ``params``; None when there is nothing to train."""
+    """``'adam'``/``'sgd'`` over ``params``; None when there is nothing to train.
+
+    The fused implementation where torch has one for the parameters' device and dtype: the same update in one pass
+    over each tensor instead of one per arithmetic operation (Adam over 16 ffn experts with h=1024 on 2 CPU cores:
+    0.50 s -> 0.19 s per step of all of them). An expert server spends much of its time in these steps.
+    """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     params = [p for p in params if p.requires_grad]
-    return OPTIMIZERS[name](params, lr=lr) if params else None
+    if not params:
+        return None
+    fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    return OPTIMIZERS[name](params, lr=lr, fused=fused or None)
