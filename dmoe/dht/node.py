@@ -14,7 +14,7 @@ from dmoe.dht.config import DHTConfig
 from dmoe.dht.crawling import RecordCrawl
 from dmoe.dht.protocol import DHTProtocol, valid_address
 from dmoe.dht.signing import Identity
-from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage
+from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, missing_entries
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +129,7 @@ class DHTNode(Server):
         if record and self.config.read_repair:
             # a replica that died was replaced by a node that holds nothing yet: give it what the others hold
             for node in nearest:
-                held = crawl.held.get(node.id, {})
-                if held.keys() >= record.keys():
-                    continue  # the usual case, checked without a loop in Python
-                missing = {subkey: entry for subkey, entry in record.items() if subkey not in held}
+                missing = missing_entries(crawl.held.get(node.id, {}), record)
                 if missing:
                     self.protocol.spawn(self.protocol.call_store(node, target.id, missing))
         return record
@@ -194,9 +191,7 @@ class DHTNode(Server):
         nearest, _ = await crawl.run()
         stores = []
         for node in nearest:
-            held = crawl.held.get(node.id, {})
-            missing = {subkey: entry for subkey, entry in record.items()
-                       if (have := held.get(subkey)) is None or have.expiration < entry.expiration}
+            missing = missing_entries(crawl.held.get(node.id, {}), record, older_too=True)
             if missing:
                 stores.append(self.protocol.call_store(node, target.id, missing))
         await asyncio.gather(*stores)

@@ -104,6 +104,15 @@ def merge_records(records: list[Record], now: float | None = None) -> Record:
     return merged
 
 
+def missing_entries(held: Record, record: Record, *, older_too: bool = False) -> Record:
+    """The entries of ``record`` that ``held`` (what a replica sent) lacks, and with ``older_too`` also those it
+    holds with an earlier expiration: what to store on that replica so it serves ``record``."""
+    if not older_too and held.keys() >= record.keys():
+        return {}  # the usual case, checked without a loop in Python
+    return {subkey: entry for subkey, entry in record.items()
+            if (have := held.get(subkey)) is None or (older_too and have.expiration < entry.expiration)}
+
+
 class RecordStorage(IStorage):
     """A node's local records, keyed by the 20-byte key digest."""
 
