@@ -274,6 +274,40 @@ def test_searches_do_not_wait_again_for_nodes_that_already_timed_out():
     asyncio.run(scenario())
 
 
+def test_a_lookup_whose_closest_contacts_all_died_asks_the_next_ones_in_time():
+    """Right after half of a swarm died, about one key in 32 had lost every contact a reader would ask first. The
+    lookup had nobody else to ask: it waited an RPC timeout and answered "no record", so beam search dropped a
+    live prefix (the first search after a kill in the DHT benchmark). It now falls back to the next contacts."""
+    from kademlia.utils import digest
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=8, read_width=3, rpc_timeout=3.0)
+        nodes = await _swarm(16, config)
+        try:
+            key = "ffn0.5"
+            target = Node(digest(key))
+            by_distance = sorted(nodes, key=lambda node: target.distance_to(node.node))
+            reader, writer = by_distance[-1], by_distance[-2]
+            entry = writer.identity.entry(digest(key), 3, "127.0.0.1:1", time.time() + 60)
+            assert await writer.store_record(key, {3: entry}) == [True]
+            first_asked = reader.protocol.router.find_neighbors(target, k=config.read_width)
+            assert len(first_asked) == config.read_width
+            for node in nodes:
+                if node.node.id in {contact.id for contact in first_asked}:
+                    node.stop()  # silent from now on, still in the reader's routing table
+            holders = [node for node in nodes if node.protocol.transport is not None
+                       and not node.protocol.transport.is_closing() and node.storage.get(target.id)]
+            assert holders, "no live replica is left: the scenario is wrong"
+            started = time.monotonic()
+            assert (await reader.get_record(key)).get(3) == entry
+            assert time.monotonic() - started < config.rpc_timeout / 2, "the lookup waited for the dead"
+        finally:
+            for node in nodes:
+                node.stop()
+
+    asyncio.run(scenario())
+
+
 def test_contacts_with_addresses_no_datagram_can_reach_are_dropped_and_never_close_the_socket():
     """A hostile reply listing a contact at port 70000 made ``sendto`` raise, and asyncio then closed the asker's
     socket: one reply silenced the node. Host names would be resolved on the loop. Both are dropped."""

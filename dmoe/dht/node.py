@@ -116,12 +116,22 @@ class DHTNode(Server):
         """
         return (await self.find_nodes(key_id, self.config.ksize))[:self.config.num_replicas]
 
+    def _starting_peers(self, target: Node) -> list[Node]:
+        """Where a record lookup starts: more contacts than it reads from, closest first.
+
+        A lookup asks the ``read_width`` closest; the others are asked only when some of those fail to answer in
+        time. Started from exactly ``read_width`` contacts, a lookup whose contacts had all just died (one in 32
+        keys right after half the swarm did) had nobody else to ask: it waited an RPC timeout and found nothing,
+        and beam search took a live prefix for a dead one.
+        """
+        return self.protocol.router.find_neighbors(target, k=max(self.config.ksize, 2 * self.config.read_width))
+
     async def get_record(self, key: str) -> Record:
         """Merges what the ``read_width`` closest responding nodes (and this node) hold for ``key``."""
         assert self.protocol is not None
         target = Node(digest(key))
         local = self.storage.get(target.id) or {}
-        peers = self.protocol.router.find_neighbors(target, k=self.config.read_width)
+        peers = self._starting_peers(target)
         if not peers:
             return local
         crawl = RecordCrawl(self.protocol, target, peers, self.config.read_width, hedge=True)
@@ -183,7 +193,7 @@ class DHTNode(Server):
         """
         assert self.protocol is not None
         target = Node(digest(key))
-        peers = self.protocol.router.find_neighbors(target, k=self.config.read_width)
+        peers = self._starting_peers(target)
         if not peers:
             return 0
         # not hedged: a busy close node is exactly the one that may lack the entries
