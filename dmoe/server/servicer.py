@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from dmoe.server.activations import MAX_ACTIVATION_ID_BYTES
@@ -108,10 +109,25 @@ def validate(tensors: Sequence[dmoe_pb2.Tensor], schemas: Sequence[tuple[str, Te
     return decoded
 
 
+#: dtypes numpy checks without a copy
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
 def first_nonfinite(tensors: Sequence[torch.Tensor], schemas: Sequence[tuple[str, TensorSchema]]) -> str | None:
-    """The label of the first floating-point tensor holding a NaN or an Inf, or None when all are finite."""
+    """The label of the first floating-point tensor holding a NaN or an Inf, or None when all are finite.
+
+    Checked with numpy where it can be: on this (gRPC) thread a torch op over more than ~32k elements starts an
+    OpenMP team of its own, whose threads then spin for ~10 ms after every request and take cores from the
+    compute thread's team. numpy runs on the calling thread alone.
+    """
     for tensor, (label, _) in zip(tensors, schemas):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not tensor.is_floating_point():
+            continue
+        if tensor.dtype in _NUMPY_FLOATS and tensor.device.type == "cpu":
+            finite = bool(np.isfinite(tensor.numpy()).all())
+        else:
+            finite = bool(torch.isfinite(tensor).all())
+        if not finite:
             return label
     return None
 

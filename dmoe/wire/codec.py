@@ -107,7 +107,7 @@ def expected_numel(message: dmoe_pb2.Tensor, max_numel: int) -> int:
     numel = math.prod(shape)
     if numel > max_numel:
         raise TensorTooLarge(f"tensor of shape {shape} has {numel} elements, the limit is {max_numel}")
-    itemsize = torch.empty((), dtype=DTYPES[message.dtype]).element_size()
+    itemsize = DTYPES[message.dtype].itemsize
     compression = message.compression
     if compression == NONE or not DTYPES[message.dtype].is_floating_point:
         if compression != NONE:
