@@ -128,3 +128,21 @@ def test_backend_skips_optimizer_steps_with_nonfinite_gradients():
     torch.testing.assert_close(module.state_dict(), before)
     backend.backward(x, torch.randn(3, HIDDEN))  # a finite gradient still trains
     assert backend.skipped_steps == 1 and not torch.equal(module.state_dict()["ffn.0.weight"], before["ffn.0.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_gradient_check_finds_every_nan_and_inf_but_no_large_finite_half_values(dtype):
+    from dmoe.server.backend import all_finite
+    from dmoe.server.servicer import first_nonfinite
+
+    big = torch.full((4, 1000), 60000.0, dtype=dtype)  # sums past float16's range, every element finite
+    assert all_finite([big, torch.zeros(0, dtype=dtype)])
+    assert first_nonfinite([big], [("g", None)]) is None
+    for bad in (math.nan, math.inf, -math.inf):
+        broken = big.clone()
+        broken[3, 999] = bad
+        assert not all_finite([big, broken])
+        assert first_nonfinite([big, broken], [("a", None), ("b", None)]) == "b"
+    opposite = big.clone()
+    opposite[0, 0], opposite[1, 1] = math.inf, -math.inf  # cancelling infinities still count
+    assert not all_finite([opposite]) and first_nonfinite([opposite], [("g", None)]) == "g"
