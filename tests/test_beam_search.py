@@ -70,10 +70,16 @@ def test_speculative_lookups_make_a_cold_search_of_a_full_grid_one_round_and_sta
     full = FakeDHT({uid: "10.0.0.1:8000" for uid in uids})
     plain = FakeDHT(full_alive := {uid: "10.0.0.1:8000" for uid in uids})
     expected = brute_force_top_k(full_alive, "ffn0", scores, 4)
+    exact = FakeDHT(full_alive)
     assert beam_search(full, "ffn0", scores, 4) == expected
     assert beam_search(plain, "ffn0", scores, 4, speculate=False) == expected
-    assert len(full.calls) == 1 and len(plain.calls) == 2
-    assert sorted(full.calls[0]) == sorted(plain.calls[0] + plain.calls[1]), "speculation fetched more than needed"
+    assert beam_search(exact, "ffn0", scores, 4, spare=0) == expected
+    assert len(full.calls) == 1 and len(plain.calls) == 2 and len(exact.calls) == 1
+    # with no spare, a full grid's cold search fetches exactly the prefixes its answer runs through
+    needed = {"ffn0"} | {uid.rsplit(".", 1)[0] for row in expected for uid, _ in row}
+    assert sorted(exact.calls[0]) == sorted(needed), "speculation fetched other prefixes than the answer needs"
+    assert set(full.calls[0]) >= needed
+    assert len(needed) < len(full.calls[0]) <= len(plain.calls[0] + plain.calls[1])
     # 50 alive experts of 4096: most guesses are dead prefixes, looked up once, and the result stays exact
     rng = random.Random(1)
     sparse = {uid: "10.0.0.2:8000" for uid in rng.sample(uids, 50)}
