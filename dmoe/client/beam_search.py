@@ -110,10 +110,10 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
         ``exclude(uid, endpoint) -> bool``.
     cache: a :class:`PrefixCache` to consult and fill; None looks everything up afresh.
     lookahead: unknown prefixes per row fetched in each round (default ``k``): more per round, fewer rounds.
-    speculate: fetch, with each unknown prefix a row needs, the child prefixes that the row's top-k experts would
-        run through if every expert were alive (off that plan: its ``lookahead`` best-scoring children). When they
-        are alive (the usual case), the next round's look-ups ride along with this round's: a cold search of a 2-d
-        grid takes one round trip instead of two. A dead guess costs one empty look-up.
+    speculate: fetch, with each unknown prefix a row needs, the child prefixes that the row's best ``k + spare``
+        experts would run through if every expert were alive (off that plan: its ``lookahead`` best-scoring
+        children). When they are alive (the usual case), the next round's look-ups ride along with this round's: a
+        cold search of a 2-d grid takes one round trip instead of two. A dead guess costs one empty look-up.
     spare: speculation plans for each row's best ``k + spare`` experts (default ``(k + 1) // 2``), so that this many
         of them may turn out dead or excluded without costing another round.
     Ties in score are broken by uid (string order), exactly as :func:`brute_force_top_k` does.
@@ -146,7 +146,8 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
         """The row's best coordinates at ``depth``, as many as a plan or a fallback guess can use."""
         if (depth, row) not in top_coords:
             row_scores = scores[depth][row]
-            top_coords[depth, row] = heapq.nlargest(max(planned_experts, lookahead), range(grid[depth]), key=row_scores.__getitem__)
+            top_coords[depth, row] = heapq.nlargest(max(planned_experts, lookahead), range(grid[depth]),
+                                                    key=row_scores.__getitem__)
         return top_coords[depth, row]
 
     def plan(row: int) -> dict[str, list[str]]:
@@ -156,16 +157,17 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
         Those experts are a beam of that width per dimension over each dimension's as many best coordinates (an
         expert's score is a sum of independent per-dimension terms, so nothing outside them can rank higher). With
         spare=0 these are exactly the prefixes a cold search of a full grid needs (~30 for 16 rows of a 64x64 grid,
-        against ~41 when guessing the k best-scoring children of every needed prefix), but a grid with 10% of its
-        experts missing then needed a second round in 90% of 16-row searches; with the default spare (2 for k=4):
-        ~37 prefixes, and a second round in 7% of them (41 and 40% before; 50% missing: ~2 rounds either way).
+        against ~42 when guessing the k best-scoring children of every needed prefix), but a grid with 10% of its
+        experts missing then needed a second round in ~90% of 16-row searches; with the default spare (2 for k=4):
+        ~37 prefixes, and a second round in ~7% of them (~42 and ~40% before; 50% missing: ~2 rounds either way).
         """
         if row not in plans:
             beam: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
             for dim in range(ndims):
                 row_scores = scores[dim][row]
+                best_coords = top(dim, row)[:planned_experts]
                 beam = heapq.nlargest(planned_experts, ((score + row_scores[coord], coords + (coord,))
-                                          for score, coords in beam for coord in top(dim, row)[:planned_experts]))
+                                                        for score, coords in beam for coord in best_coords))
             children: dict[str, list[str]] = {}
             for _, coords in beam:
                 parent = layer
