@@ -43,6 +43,23 @@ def test_expired_entries_disappear_and_far_future_expirations_are_capped():
     assert storage.iter_older_than(0) == [], "holders must never republish (owners refresh)"
 
 
+def test_an_entry_expires_on_time_whatever_was_stored_and_read_before_it():
+    now = [100.0]
+    storage = RecordStorage(clock=lambda: now[0])
+    storage.store(KEY, 1, "a:1", 500.0)
+    assert storage.get(KEY) == {1: Entry("a:1", 500.0)}  # read: nothing there expires before 500
+    storage.store(KEY, 2, "b:2", 200.0)                   # ...until this is stored
+    storage.store(KEY, 1, "a:1", 900.0)                   # and a refresh moves the earliest expiration later
+    now[0] = 199.0
+    assert set(storage.get(KEY)) == {1, 2}
+    now[0] = 200.0
+    assert storage.get(KEY) == {1: Entry("a:1", 900.0)}
+    now[0] = 899.0
+    assert storage.live(KEY) == {1: Entry("a:1", 900.0)}
+    now[0] = 900.0
+    assert storage.live(KEY) is None and storage.get(KEY) is None and KEY not in storage.versions
+
+
 def test_merge_records_drops_expired_and_keeps_latest():
     merged = merge_records([{1: Entry("a", 10.0), 2: Entry("b", 5.0)}, {1: Entry("c", 20.0), 3: Entry("d", 1.0)}],
                            now=4.0)
@@ -104,6 +121,34 @@ def test_find_neighbors_returns_the_k_closest_contacts_the_table_knows():
         stock_short += len(stock.find_neighbors(key)) < 20 or \
             {n.id for n in stock.find_neighbors(key)} != {n.id for n in expected}
     assert stock_short > 0, "stock kademlia no longer shows the defect this table fixes"
+
+
+def test_neighbours_stay_exact_while_contacts_come_and_go_and_the_asker_is_left_out():
+    """find_neighbors remembers answers per key until the table changes: every answer must still equal a fresh
+    sort of what the table holds, without the excluded address (here held by two contacts)."""
+    rng = random.Random(1)
+    me = _random_node(rng)
+    table = DHTRoutingTable(None, 20, me)
+    asker = _random_node(rng)
+    twin = Node(_random_node(rng).id, asker.ip, asker.port)  # a stale id at the asker's address
+    keys = [_random_node(rng) for _ in range(30)]
+    for node in [_random_node(rng) for _ in range(40)] + [asker, twin]:
+        table.add_contact(node)
+    for step in range(60):
+        action = rng.random()
+        known = table.contacts()
+        if action < 0.3:
+            table.add_contact(_random_node(rng))
+        elif action < 0.5 and len(known) > 10:
+            table.remove_contact(rng.choice(known))
+        known = table.contacts()
+        for key in rng.sample(keys, 10):
+            k = rng.choice([5, 10, 20])
+            exclude = asker if rng.random() < 0.7 else None
+            expected = sorted((n for n in known if n.id != key.id and (exclude is None or not n.same_home_as(exclude))),
+                              key=key.distance_to)[:k]
+            for _ in range(2):  # the second answer comes from the remembered list
+                assert [n.id for n in table.find_neighbors(key, k=k, exclude=exclude)] == [n.id for n in expected]
 
 
 def test_a_newcomer_closest_to_a_key_is_handed_its_record():

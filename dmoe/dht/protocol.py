@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from hashlib import sha1
 from typing import Any, Callable, Sequence
 
-import umsgpack
+import msgpack
 from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 
@@ -52,6 +52,8 @@ EVICT_AFTER_FAILURES = 3
 ENCODED_RECORDS = 1024
 #: contact lists of find_value replies remembered parsed (a few KB each)
 PARSED_CONTACTS = 4096
+#: contact lists a node keeps encoded for its replies (re-encoded when its routing table changes; ~1 KB each)
+ENCODED_CONTACTS = 4096
 #: a find_values reply is one binary string: per key, these three lengths, then the record's JSON text, its owners
 #: and signatures, and the contacts' JSON text (one string decodes in one step; a list of maps took ~43
 #: pure-Python reads per reply)
@@ -118,16 +120,20 @@ def record_from_wire(entries: Any, max_value_bytes: int = 1 << 16) -> Record:
     return record
 
 
-def find_value_reply(record: Record, nodes: Sequence[Node],
+def find_value_reply(record: Record, nodes: Sequence[Node] | str,
                      encoded: tuple[str, bytes] | None = None) -> dict[str, Any]:
-    """A find_value reply: the record and the contacts as JSON text, which Python decodes in C (pure-Python
-    msgpack decoding of a 256-subkey record costs milliseconds, and a lookup reads several replicas), and the
+    """A find_value reply: the record and the contacts as JSON text, which Python decodes in one C call (the
+    pure-Python msgpack decoder this was designed against took milliseconds for a 256-subkey record), and the
     entries' owners and signatures as one binary string, 96 bytes per entry in the same order (as base64 in JSON
-    they would not fit a datagram next to 256 entries). ``encoded``: :func:`encode_record` of ``record``, when
-    the caller kept it from an earlier reply."""
+    they would not fit a datagram next to 256 entries). ``nodes``: the contacts, or :func:`encode_contacts` of
+    them. ``encoded``: :func:`encode_record` of ``record``, when the caller kept it from an earlier reply."""
     text, auth = encoded if encoded is not None else encode_record(record)
-    return {"record": text, "auth": auth,
-            "nodes": json.dumps([[node.id.hex(), node.ip, node.port] for node in nodes], separators=(",", ":"))}
+    return {"record": text, "auth": auth, "nodes": nodes if isinstance(nodes, str) else encode_contacts(nodes)}
+
+
+def encode_contacts(nodes: Sequence[Node]) -> str:
+    """The contacts part of a find_value reply."""
+    return json.dumps([[node.id.hex(), node.ip, node.port] for node in nodes], separators=(",", ":"))
 
 
 def encode_record(record: Record) -> tuple[str, bytes]:
@@ -260,7 +266,7 @@ def chunk_entries(entries: list[list[Any]], budget: int = MAX_REQUEST_BYTES - 20
     chunks: list[list[list[Any]]] = [[]]
     size = 0
     for entry in entries:
-        entry_size = len(umsgpack.packb(entry))
+        entry_size = len(msgpack.packb(entry))
         if entry_size > budget:
             raise MessageTooLarge(f"record entry of {entry_size} bytes cannot fit in one request")
         if size + entry_size > budget and chunks[-1]:
@@ -283,6 +289,8 @@ class DHTProtocol(KademliaProtocol):
         self._parsed_replies: dict[tuple[bytes, str, bytes], Record] = {}  # see parse_value_reply
         self._parsed_contacts: dict[str, list[Node]] = {}  # see parse_find_value_reply
         self._encoded: dict[bytes, tuple[int | None, str, bytes]] = {}  # key -> (version, record text, auth)
+        # (key, k, asker's address) -> (routing table version, contacts text): see _contacts_for
+        self._contacts_text: dict[tuple[bytes, int, str, int], tuple[int, str]] = {}
         self._slow_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups do not wait for it
         self._dead_until: dict[bytes, float] = {}  # node id -> monotonic time until which lookups skip it
         self._failures: dict[bytes, int] = {}  # node id -> consecutive unanswered requests
@@ -301,8 +309,8 @@ class DHTProtocol(KademliaProtocol):
             return
         msg_id = data[1:HEADER_BYTES]
         try:
-            payload = umsgpack.unpackb(data[HEADER_BYTES:])
-        except Exception as error:  # umsgpack raises many types on garbage; none may kill the node
+            payload = msgpack.unpackb(data[HEADER_BYTES:])
+        except Exception as error:  # msgpack raises many types on garbage; none may kill the node
             log.warning("dropping undecodable datagram from %s: %r", addr, error)
             return
         if kind == REQUEST:
@@ -338,10 +346,10 @@ class DHTProtocol(KademliaProtocol):
         except Exception:  # a bug serving one request must not take the node down
             log.exception("failed to serve %s request from %s", name, address)
             return
-        payload = umsgpack.packb(response)
+        payload = msgpack.packb(response)
         if len(payload) + HEADER_BYTES > MAX_DATAGRAM_BYTES:  # records are capped, so this is a bug, not a peer
             log.error("reply to %s from %s would be %d bytes, over one datagram", name, address, len(payload))
-            payload = umsgpack.packb({"error": "reply too large"})
+            payload = msgpack.packb({"error": "reply too large"})
         if self.transport is not None:
             self.transport.sendto(RESPONSE + msg_id + payload, address)
 
@@ -392,7 +400,7 @@ class DHTProtocol(KademliaProtocol):
     # ---- sending ------------------------------------------------------------------------------------------
     def _call(self, address: tuple[str, int], name: str, *args: Any) -> "asyncio.Future[tuple[bool, Any]]":
         """Sends one request; the future resolves to ``(True, reply)`` or ``(False, None)`` after the timeout."""
-        payload = umsgpack.packb([name, list(args)])
+        payload = msgpack.packb([name, list(args)])
         if len(payload) > MAX_REQUEST_BYTES:
             raise MessageTooLarge(f"{name} request of {len(payload)} bytes exceeds {MAX_REQUEST_BYTES}")
         loop = asyncio.get_running_loop()
@@ -616,8 +624,7 @@ class DHTProtocol(KademliaProtocol):
         """The local record (possibly empty) *and* the closest contacts, so lookups can keep merging."""
         key = _check_id(key, "key")
         source = self._sender(sender, nodeid)
-        nodes = self.router.find_neighbors(Node(key), exclude=source)
-        return self._value_reply(key, nodes)
+        return self._value_reply(key, self._contacts_for(key, self.router.ksize, source))
 
     def rpc_find_values(self, sender: tuple[str, int], nodeid: Any, keys: Any) -> bytes:
         """:meth:`rpc_find_value` for several keys, in order, stopping before the reply would outgrow a datagram; as
@@ -628,8 +635,7 @@ class DHTProtocol(KademliaProtocol):
         source = self._sender(sender, nodeid)
         parts, size = [], 0
         for key in keys:
-            nodes = self.router.find_neighbors(Node(key), k=2 * self.config.read_width, exclude=source)
-            reply = self._value_reply(key, nodes)
+            reply = self._value_reply(key, self._contacts_for(key, 2 * self.config.read_width, source))
             record, auth, contacts = reply["record"].encode(), reply["auth"], reply["nodes"].encode()
             size += VALUES_HEADER.size + len(record) + len(auth) + len(contacts)
             if parts and size > REPLY_BUDGET_BYTES:
@@ -637,10 +643,23 @@ class DHTProtocol(KademliaProtocol):
             parts += [VALUES_HEADER.pack(len(record), len(auth), len(contacts)), record, auth, contacts]
         return b"".join(parts)
 
-    def _value_reply(self, key: bytes, nodes: Sequence[Node]) -> dict[str, Any]:
+    def _contacts_for(self, key: bytes, k: int, asker: Node) -> str:
+        """:func:`encode_contacts` of the ``k`` contacts closest to ``key`` other than ``asker``, encoded again only
+        after the routing table changed: readers ask the same keys every few seconds."""
+        memo = (key, k, asker.ip, asker.port)
+        cached = self._contacts_text.get(memo)
+        if cached is not None and cached[0] == self.router.version:
+            return cached[1]
+        text = encode_contacts(self.router.find_neighbors(Node(key), k=k, exclude=asker))
+        if len(self._contacts_text) >= ENCODED_CONTACTS and memo not in self._contacts_text:
+            del self._contacts_text[next(iter(self._contacts_text))]  # the oldest
+        self._contacts_text[memo] = (self.router.version, text)
+        return text
+
+    def _value_reply(self, key: bytes, nodes: Sequence[Node] | str) -> dict[str, Any]:
         """:func:`find_value_reply` for what this node holds, re-encoding the record only after it changed:
         readers ask for the same records every few seconds, while declarers change them far less often."""
-        record = self.storage.get(key) or {}  # drops expired entries first, which changes the version
+        record = self.storage.live(key) or {}  # drops expired entries first, which changes the version
         version = self.storage.versions.get(key)
         cached = self._encoded.get(key)
         if cached is None or cached[0] != version or version is None:

@@ -127,6 +127,9 @@ class RecordStorage(IStorage):
         #: what is derived from a record (its encoded reply) can be reused until then
         self.versions: dict[bytes, int] = {}
         self._changes = 0
+        #: per key, a time no later than its earliest expiration: until then nothing in it can have expired, so
+        #: reading it needs no scan (nodes read records far more often than entries expire)
+        self._soonest: dict[bytes, float] = {}
 
     def store(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes = b"",
               signature: bytes = b"") -> bool:
@@ -155,6 +158,7 @@ class RecordStorage(IStorage):
         stored = merge_entry(record, subkey, Entry(value, expiration, owner, signature))
         if record.get(subkey) is not before:
             self._changed(key)
+            self._soonest[key] = min(expiration, self._soonest.get(key, expiration))
         return stored
 
     def _changed(self, key: bytes) -> None:
@@ -177,6 +181,8 @@ class RecordStorage(IStorage):
         if record is None:
             return None
         now = self.clock()
+        if now < self._soonest.get(key, now):
+            return record
         expired = [s for s, entry in record.items() if entry.expiration <= now]
         for subkey in expired:
             del record[subkey]
@@ -185,8 +191,15 @@ class RecordStorage(IStorage):
         if not record:
             del self.data[key]
             self.versions.pop(key, None)
+            self._soonest.pop(key, None)
             return None
+        self._soonest[key] = min(entry.expiration for entry in record.values())
         return record
+
+    def live(self, key: bytes) -> Record | None:
+        """The live entries of ``key`` (None when none are left) without copying them: the caller must not change
+        them, nor keep them past its next store."""
+        return self._live(key)
 
     def get(self, key: bytes, default: Record | None = None) -> Record | None:
         """A copy of the live entries of ``key``, or ``default`` when none are left."""
