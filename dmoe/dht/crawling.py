@@ -65,20 +65,27 @@ class RecordCrawl:
         self._add(peers)
 
     def _add(self, nodes: list[Node]) -> None:
+        candidates, distance, target, self_id = self.candidates, self.distance, self.target.long_id, self.self_id
+        protocol = self.protocol
+        # (every reply brings a list of contacts, mostly known already: this loop runs ~200 times per look-up batch)
         for node in nodes:
-            if node.id != self.self_id and node.id not in self.candidates:
-                self.candidates[node.id] = node
-                self.distance[node.id] = self.target.long_id ^ node.long_id
-                # Nodes that recently timed out are asked (a busy machine makes live nodes time out, and skipping
-                # them put whole declarations where no reader looked), but no search waits for them: a store
-                # search that did waited one RPC timeout per dead node met, round after round, until declarations
-                # took longer than they live. Stores that miss a busy node are caught by
-                # :meth:`DHTNode.make_readable`. A hedged read does not wait for recently slow nodes either.
-                if self.protocol.recently_dead(node.id):
-                    self.suspects.add(node.id)
-                    self.dead_suspects.add(node.id)
-                elif self.hedge and self.protocol.recently_slow(node.id):
-                    self.suspects.add(node.id)
+            node_id = node.id
+            if node_id in candidates or node_id == self_id:
+                continue
+            candidates[node_id] = node
+            distance[node_id] = target ^ node.long_id
+            if not protocol.may_be_suspect(node_id):
+                continue
+            # Nodes that recently timed out are asked (a busy machine makes live nodes time out, and skipping
+            # them put whole declarations where no reader looked), but no search waits for them: a store
+            # search that did waited one RPC timeout per dead node met, round after round, until declarations
+            # took longer than they live. Stores that miss a busy node are caught by
+            # :meth:`DHTNode.make_readable`. A hedged read does not wait for recently slow nodes either.
+            if protocol.recently_dead(node_id):
+                self.suspects.add(node_id)
+                self.dead_suspects.add(node_id)
+            elif self.hedge and protocol.recently_slow(node_id):
+                self.suspects.add(node_id)
 
     def _frontier(self, slow: set[bytes]) -> list[Node]:
         distance = self.distance

@@ -555,6 +555,10 @@ class DHTProtocol(KademliaProtocol):
         """A node that let a lookup wait past ``hedge_after``: later lookups ask it without waiting for it."""
         self._slow_until.setdefault(node_id, time.monotonic() + self.config.dead_node_ttl)
 
+    def may_be_suspect(self, node_id: bytes) -> bool:
+        """False for a node neither :meth:`recently_dead` nor :meth:`recently_slow` (cheaply: no clock read)."""
+        return node_id in self._dead_until or node_id in self._slow_until
+
     def recently_slow(self, node_id: bytes) -> bool:
         until = self._slow_until.get(node_id)
         if until is not None and until <= time.monotonic():
