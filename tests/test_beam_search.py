@@ -133,3 +133,50 @@ def test_beam_search_rejects_mismatched_scores():
     with pytest.raises(ValueError):
         beam_search(FakeDHT({}), "ffn.0", [torch.zeros(2, 3)], 1)
     assert beam_search(FakeDHT({}), "ffn", [torch.zeros(2, 3)], 3) == [[], []]
+
+
+@pytest.mark.parametrize("kind", ["ties", "rounding"])
+def test_beam_search_equals_brute_force_on_larger_grids_where_siblings_tie_in_bound(kind):
+    """Children of an expanded prefix reach its row's heap one at a time, best bound first: siblings tied in bound
+    (equal scores, or float64 sums that round alike, e.g. 2**53 + 1 == 2**53) must still come out as the heap
+    would order them, and none may be skipped."""
+    rng = random.Random(3)
+    for case in range(60):
+        grid = [rng.randint(2, 12) for _ in range(rng.choice([2, 3]))]
+        uids = [join_uid("ffn", c) for c in itertools.product(*(range(g) for g in grid))]
+        fraction_alive = rng.choice([1.0, 0.7, 0.2])
+        alive = {uid: f"host:{rng.randrange(4)}" for uid in uids if rng.random() < fraction_alive}
+        batch = rng.randint(1, 4)
+        if kind == "ties":
+            values, dtype = [-1.0, 0.0, 0.0, 1.0, 2.0], torch.float32
+        else:
+            values, dtype = [2.0 ** 53, 2.0 ** 53 + 2, 0.0, 1.0, 2.0, 3.0, -1.0], torch.float64
+        scores = [torch.tensor([[rng.choice(values) for _ in range(g)] for _ in range(batch)], dtype=dtype)
+                  for g in grid]
+        excluded = set(rng.sample(sorted(alive), min(3, len(alive))))
+        k = rng.randint(1, 8)
+        expected = brute_force_top_k(alive, "ffn", scores, k, exclude=excluded)
+        for kwargs in ({}, {"lookahead": 1, "spare": 0}, {"speculate": False}):
+            fake = FakeDHT(alive)
+            assert beam_search(fake, "ffn", scores, k, exclude=excluded, **kwargs) == expected, (case, kwargs)
+            looked_up = [prefix for call in fake.calls for prefix in call]
+            assert len(looked_up) == len(set(looked_up)), "a prefix was looked up twice in one search"
+
+
+@pytest.mark.parametrize("dtype, scores_9_10, best_last", [(torch.float32, (1.0, 1.0), 1.0),
+                                                           (torch.float64, (1.0, 0.0), 2.0 ** 53)],
+                         ids=["equal scores", "sums that round alike"])
+def test_siblings_tied_in_bound_are_looked_up_in_name_order_as_the_heap_breaks_ties(dtype, scores_9_10, best_last):
+    """'ffn.10' sorts before 'ffn.9': with equal bounds it is expanded, hence looked up, first."""
+    alive = {join_uid("ffn", (i, j)): "host:0" for i in range(12) for j in range(2)}
+    first = [-10.0] * 12
+    first[9], first[10] = scores_9_10
+    scores = [torch.tensor([first], dtype=dtype), torch.tensor([[best_last, 0.0]], dtype=dtype)]
+    expected = brute_force_top_k(alive, "ffn", scores, 1)
+    assert expected == [[("ffn.10.0", "host:0")]]
+    fake = FakeDHT(alive)
+    assert beam_search(fake, "ffn", scores, 1, lookahead=1, speculate=False) == expected
+    assert fake.calls == [["ffn"], ["ffn.10"], ["ffn.9"]]
+    fake = FakeDHT(alive)
+    assert beam_search(fake, "ffn", scores, 1, lookahead=2, speculate=False) == expected
+    assert fake.calls == [["ffn"], ["ffn.10", "ffn.9"]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import Callable, Container, Mapping, Protocol, Sequence, Union
+from typing import Callable, Container, Iterator, Mapping, Protocol, Sequence, Union
 
 import torch
 
@@ -96,6 +96,72 @@ def uid_score(scores: list[list[list[float]]], row: int, coords: Sequence[int]) 
     return total
 
 
+class _Siblings:
+    """The alive children of one expanded prefix for one row, produced lazily in the order the row's heap pops them.
+
+    Pushing every alive child (up to a grid dimension's size) of each expanded prefix cost most of the search's
+    CPU time, though few of them are ever popped. Siblings' bounds are their scores plus the same best scores of the
+    remaining dimensions, so walking coordinates best score first yields them in bound order (rounding keeps that
+    order, at worst making bounds equal; NaN scores, which no order suits, aside); runs of equal bounds are sorted by
+    name, as the heap breaks ties. Only the next unpopped sibling sits in the heap: popping one pushes the one after
+    (see :meth:`item`).
+    """
+
+    __slots__ = ("number", "depth", "ready", "children", "held")
+
+    def __init__(self, number: int, parent: str, depth: int, prefix_score: float, row_scores: list[float],
+                 order: list[int], alive: Continuations, tail: list[float]):
+        self.number, self.depth = number, depth  # number: this one's index in the search's list of them
+        self.ready: list[tuple] = []  # the heap items of the children made so far, in pop order
+        self.children = self._children(parent, prefix_score, row_scores, order, alive, tail)
+        self.held: tuple[float, str, float] | None = None  # the first child of the next run, already read
+
+    @staticmethod
+    def _children(parent: str, prefix_score: float, row_scores: list[float], order: list[int], alive: Continuations,
+                  tail: list[float]) -> Iterator[tuple[float, str, float]]:
+        """(-bound, name, score) of each alive child, best score (hence bound) first."""
+        for coord in order:
+            if coord in alive:
+                score = prefix_score + row_scores[coord]
+                bound = score  # summed in the same order as the root's bound and brute force's scores
+                for best in tail:
+                    bound += best
+                yield -bound, f"{parent}.{coord}", score
+
+    def item(self, index: int) -> tuple | None:
+        """The heap item of the ``index``-th child in pop order, or None past the last."""
+        ready = self.ready
+        while index >= len(ready):
+            first = self.held if self.held is not None else next(self.children, None)
+            if first is None:
+                return None
+            run = [first]  # the children with first's bound
+            self.held = None
+            for child in self.children:
+                if child[0] != first[0]:
+                    self.held = child
+                    break
+                run.append(child)
+            if len(run) > 1:
+                run.sort(key=lambda c: c[1])
+            for neg_bound, name, score in run:
+                ready.append((neg_bound, 0, name, self.depth, score, self.number, len(ready)))
+        return ready[index]
+
+
+def _in_pop_order(heap: list[tuple], groups: list[_Siblings], n: int) -> Iterator[tuple]:
+    """The ``n`` first items ``heap`` would pop, counting the siblings not pushed yet (``item[5]`` indexes
+    ``groups``, -1 for none)."""
+    pending = heapq.nsmallest(n, heap)  # sorted, hence a heap
+    for _ in range(n):
+        if not pending:
+            return
+        item = heapq.heappop(pending)
+        yield item
+        if not item[1] and item[5] >= 0 and (after := groups[item[5]].item(item[6] + 1)) is not None:
+            heapq.heappush(pending, after)
+
+
 def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch.Tensor], k: int, *,
                 exclude: Exclude = None, cache: PrefixCache | None = None,
                 lookahead: int | None = None, speculate: bool = True,
@@ -125,30 +191,26 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
     batch, scores = _score_lists(grid_scores)
     ndims = len(scores)
     grid = [len(scores[dim][0]) if batch else 0 for dim in range(ndims)]
-    is_excluded = _excluder(exclude)
+    is_excluded = None if exclude is None else _excluder(exclude)
     lookahead = k if lookahead is None else max(1, lookahead)
     known: dict[str, Continuations] = {}
 
-    # heap items: (-bound, 0 for a prefix / 1 for a uid, name, coords, prefix score, endpoint)
-    best = [[max(scores[dim][row]) for dim in range(ndims)] for row in range(batch)]
+    # per dimension and row: the coordinates, best score first (ties: lower coordinate first, as heapq.nlargest)
+    orders = [[sorted(range(grid[dim]), key=row_scores.__getitem__, reverse=True) for row_scores in scores[dim]]
+              for dim in range(ndims)]
+    best = [[scores[dim][row][orders[dim][row][0]] for dim in range(ndims)] for row in range(batch)]
 
-    def bound(row: int, prefix_score: float, depth: int) -> float:
-        total = prefix_score
-        for dim in range(depth, ndims):
-            total += best[row][dim]
-        return total
+    def child_order(ncoords: int, row: int, continuations: Continuations) -> list[int]:
+        """Coordinates to walk, best score first, for the alive children of a prefix with ``ncoords`` coordinates:
+        the row's presorted ones, or when few are alive (where walking all would cost more) those sorted."""
+        size = grid[ncoords]
+        if len(continuations) * 8 >= size:
+            return orders[ncoords][row]
+        return sorted([coord for coord in continuations if 0 <= coord < size], key=scores[ncoords][row].__getitem__,
+                      reverse=True)
 
-    top_coords: dict[tuple[int, int], list[int]] = {}
     planned_experts = k + ((k + 1) // 2 if spare is None else max(0, spare))
     plans: dict[int, dict[str, list[str]]] = {}
-
-    def top(depth: int, row: int) -> list[int]:
-        """The row's best coordinates at ``depth``, as many as a plan or a fallback guess can use."""
-        if (depth, row) not in top_coords:
-            row_scores = scores[depth][row]
-            top_coords[depth, row] = heapq.nlargest(max(planned_experts, lookahead), range(grid[depth]),
-                                                    key=row_scores.__getitem__)
-        return top_coords[depth, row]
 
     def plan(row: int) -> dict[str, list[str]]:
         """Parent prefix -> the child prefixes the row's best ``k + spare`` experts run through if every expert is
@@ -165,9 +227,12 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
             beam: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
             for dim in range(ndims):
                 row_scores = scores[dim][row]
-                best_coords = top(dim, row)[:planned_experts]
-                beam = heapq.nlargest(planned_experts, ((score + row_scores[coord], coords + (coord,))
-                                                        for score, coords in beam for coord in best_coords))
+                best_coords = orders[dim][row][:planned_experts]
+                # (score, coords, coord) compares as (score, coords + (coord,)) and no two tie (coordinates are
+                # unique): the same as heapq.nlargest, in C, and coords are joined only for the survivors
+                ranked = sorted([(score + row_scores[coord], coords, coord)
+                                 for score, coords in beam for coord in best_coords], reverse=True)[:planned_experts]
+                beam = [(score, coords + (coord,)) for score, coords, coord in ranked]
             children: dict[str, list[str]] = {}
             for _, coords in beam:
                 parent = layer
@@ -188,9 +253,19 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
         if planned is not None:
             return planned
         # off the plan (something on it was dead or excluded): the best-scoring children
-        return [f"{name}.{coord}" for coord in top(depth, row)[:lookahead]]
+        return [f"{name}.{coord}" for coord in orders[depth][row][:lookahead]]
 
-    heaps = [[(-bound(row, 0.0, 0), 0, layer, (), 0.0, "")] for row in range(batch)]
+    def root(row: int) -> tuple:
+        bound = 0.0
+        for dim in range(ndims):
+            bound += best[row][dim]
+        return -bound, 0, layer, 0, 0.0, -1, 0
+
+    # heap items: a prefix (-bound, 0, name, its number of coordinates, its score, the index of its _Siblings in
+    # ``groups`` or -1, its index there) or an expert (-score, 1, uid, endpoint); names are unique in a row's heap,
+    # so comparisons stop at them
+    heaps = [[root(row)] for row in range(batch)]
+    groups: list[_Siblings] = []  # indexed by heap items rather than referenced: no reference cycles to collect
     results: list[list[tuple[str, str]]] = [[] for _ in range(batch)]
     active = set(range(batch))
 
@@ -199,44 +274,49 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
         for row in sorted(active):
             heap, found = heaps[row], results[row]
             while heap and len(found) < k:
-                neg_bound, is_uid, name, coords, prefix_score, endpoint = heap[0]
-                if is_uid:
+                top = heap[0]
+                if top[1]:
                     heapq.heappop(heap)
-                    found.append((name, endpoint))
+                    found.append((top[2], top[3]))
                     continue
+                _, _, name, ncoords, prefix_score, group, index = top
                 continuations = known.get(name)
                 if continuations is None:
                     break
                 heapq.heappop(heap)
-                depth = len(coords) + 1
-                row_scores, size = scores[depth - 1][row], grid[depth - 1]
-                # (names are built by hand: the layer is validated and coordinates are in-range ints)
-                children = [(prefix_score + row_scores[coord], coord, child_endpoint)
-                            for coord, child_endpoint in continuations.items() if 0 <= coord < size]
-                if depth < ndims:
-                    for child_score, coord, _ in children:
-                        heapq.heappush(heap, (-bound(row, child_score, depth), 0, f"{name}.{coord}",
-                                              coords + (coord,), child_score, ""))
+                if group >= 0 and (after := groups[group].item(index + 1)) is not None:
+                    heapq.heappush(heap, after)
+                row_scores, coords = scores[ncoords][row], child_order(ncoords, row, continuations)
+                if ncoords + 1 < ndims:
+                    groups.append(_Siblings(len(groups), name, ncoords + 1, prefix_score, row_scores, coords,
+                                            continuations, best[row][ncoords + 1:]))
+                    first = groups[-1].item(0)
+                    if first is not None:
+                        heapq.heappush(heap, first)
                     continue
-                # experts: only the best (k - found) allowed ones can still make this row's top k, plus any that
-                # tie with the last of them (ties are broken by uid, in the heap)
+                # experts, best score first: only the best (k - found) allowed ones can still make this row's top
+                # k, plus any that tie with the last of them (ties are broken by uid, in the heap)
                 need, last = k - len(found), None
-                for child_score, coord, child_endpoint in sorted(children, key=lambda c: -c[0]):
+                for coord in coords:
+                    if coord not in continuations:
+                        continue
+                    child_score = prefix_score + row_scores[coord]
                     if need <= 0 and child_score != last:
                         break
-                    child_name = f"{name}.{coord}"
-                    if is_excluded(child_name, child_endpoint):
+                    # (names are built by hand: the layer is validated and coordinates are in-range ints)
+                    child_name, child_endpoint = f"{name}.{coord}", continuations[coord]
+                    if is_excluded is not None and is_excluded(child_name, child_endpoint):
                         continue
-                    heapq.heappush(heap, (-child_score, 1, child_name, coords + (coord,), child_score, child_endpoint))
+                    heapq.heappush(heap, (-child_score, 1, child_name, child_endpoint))
                     need, last = need - 1, child_score
             if not heap or len(found) >= k:
                 active.discard(row)
                 continue
             unknown = 0
-            for item in heapq.nsmallest(lookahead * 4, heap):
+            for item in _in_pop_order(heap, groups, lookahead * 4):
                 if not item[1] and item[2] not in known:
                     wanted[item[2]] = None
-                    for guess in guesses(row, item[2], len(item[3])):
+                    for guess in guesses(row, item[2], item[3]):
                         if guess not in known:
                             wanted[guess] = None
                     unknown += 1
@@ -260,7 +340,12 @@ def _fetch(dht: ContinuationSource, prefixes: list[str], known: dict[str, Contin
     if missing:
         fetched = dht.get_alive_continuations(missing)
         for prefix in missing:
-            continuations = {int(c): e for c, e in (fetched.get(prefix) or {}).items()}
+            continuations = fetched.get(prefix) or {}
+            # a copy with int coordinates; when they are ints already (as the DHT returns them), a plain copy
+            if {int}.issuperset(map(type, continuations)):
+                continuations = dict(continuations)
+            else:
+                continuations = {int(c): e for c, e in continuations.items()}
             known[prefix] = continuations
             if cache is not None:
                 cache.put(prefix, continuations)
