@@ -17,3 +17,15 @@ class ExplodingExpert(nn.Module):
         if (x.abs() > 1000).any():
             raise ValueError("input too large to handle")
         return self.linear(x)
+
+
+@register_expert_class("widen", lambda batch, hidden: torch.randn(batch, hidden))
+class WideningExpert(nn.Module):
+    """Answers rows twice as wide as its inputs: a server whose experts do not fit the layer that calls them."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, 2 * hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)

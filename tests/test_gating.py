@@ -1,9 +1,10 @@
 """Gating maths of the DMoE layer: structured scores, renormalisation over survivors, gradients into the gate."""
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from dmoe.client.moe import LocalMixtureOfExperts, NoAliveExpertsError
+from dmoe.client.moe import LocalMixtureOfExperts, NoAliveExpertsError, _bits, _from_bits, _zeros
 
 
 class Scale(nn.Module):
@@ -93,3 +94,16 @@ def test_sequence_inputs_are_routed_per_token():
     layer = make_layer(k_best=2)
     x = torch.randn(2, 5, 4, dtype=torch.double)
     assert torch.allclose(layer(x), reference(layer, x.reshape(10, 4)).reshape(2, 5, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_remote_layers_row_copies_move_every_float_dtype_bit_for_bit(dtype):
+    """Requests and answers are sliced and scattered as raw bits with numpy, which has no bfloat16."""
+    x = torch.randn(5, 3).to(dtype)
+    rows = np.array([4, 0, 2])
+    assert torch.equal(_from_bits(_bits(x)[rows], dtype), x[rows])
+    out = _zeros((5, 2, 3), dtype)
+    assert out.dtype == dtype and torch.equal(out, torch.zeros(5, 2, 3, dtype=dtype))
+    _bits(out)[rows, np.array([1, 0, 1])] = _bits(x[rows])
+    assert torch.equal(out[4, 1], x[4]) and torch.equal(out[0, 0], x[0]) and torch.equal(out[2, 1], x[2])
+    assert int((out != 0).any(-1).sum()) == 3  # nothing else was written

@@ -103,6 +103,30 @@ def test_killed_server_loses_no_rows_and_is_avoided_afterwards():
         assert layer.stats.experts_dropped == first_drops  # the dead server is banned: not chosen again
 
 
+def test_answers_of_the_wrong_shape_are_dropped_and_their_experts_avoided():
+    with processes() as procs:
+        boot = Proc(["-m", "dmoe.dht", "--host", "127.0.0.1", "--port", "0"])
+        procs.append(boot)
+        peer = boot.endpoint()
+        for pattern, cls in (("ffn0.[0:2].[0:4]", "ffn"), ("ffn0.[2:4].[0:4]", "widen")):
+            procs.append(Proc(["-m", "servers.run_server", "--experts", pattern, "--expert-cls", cls,
+                               "--custom-module", "tests/custom_experts.py", "--hidden-dim", str(HIDDEN),
+                               "--initial-peers", peer]))
+        for proc in procs[1:]:
+            proc.endpoint()
+        with DHT(initial_peers=[peer]) as dht:
+            wait_until_declared(dht, UIDS)
+            layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=4)
+            x = torch.randn(64, HIDDEN, requires_grad=True)
+            out = layer(x)  # rows whose experts all answered too wide are re-routed to the others
+            out.sum().backward()
+            assert out.shape == (64, HIDDEN) and torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+            dropped = layer.stats.experts_dropped
+            assert dropped > 0
+            layer(x)
+            assert layer.stats.experts_dropped == dropped  # the widening experts are banned: not chosen again
+
+
 def test_trainer_keeps_training_when_a_server_is_killed(tmp_path):
     text = tmp_path / "verse.txt"
     text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog, and so forth.\n"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import grpc
+import numpy as np
 import torch
 from torch import nn
 
@@ -133,19 +134,19 @@ class _MixtureBase(nn.Module):
         return torch.einsum("nk,nkd->nd", weights.to(expert_out.dtype), expert_out)
 
 
-def _wait_for_experts(futures: Sequence[Future], rows: Sequence[torch.Tensor], n_rows: int, k_min: int,
+def _wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,
                       timeout: float | None, timeout_after_k_min: float | None) -> None:
     """Waits until every row has ``k_min`` answers (or nothing left to wait for), then at most
     ``timeout_after_k_min`` more for stragglers; never past ``timeout`` in total. Futures left pending are
-    cancelled and count as dropped."""
+    cancelled and count as dropped. ``rows[i]``: the rows future ``i`` answers (distinct)."""
     start = time.monotonic()
     deadline = start + timeout if timeout is not None else float("inf")
-    chosen = torch.zeros(n_rows, dtype=torch.long)
+    chosen = np.zeros(n_rows, dtype=np.int64)
     for r in rows:
         chosen[r] += 1
-    needed = chosen.clamp(max=k_min)
-    answered = torch.zeros(n_rows, dtype=torch.long)
-    pending_per_row = chosen.clone()
+    needed = np.minimum(chosen, k_min)
+    answered = np.zeros(n_rows, dtype=np.int64)
+    pending_per_row = chosen.copy()
     pending = set(range(len(futures)))
     index = {id(f): i for i, f in enumerate(futures)}
     k_min_reached_at: float | None = None
@@ -170,47 +171,80 @@ def _wait_for_experts(futures: Sequence[Future], rows: Sequence[torch.Tensor], n
         futures[i].cancel()
 
 
+#: integer types by byte width, to move elements of any torch dtype as raw bits (numpy lacks bfloat16)
+_BITS = {1: (torch.int8, np.int8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32), 8: (torch.int64, np.int64)}
+
+
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's elements as same-width integers.
+
+    The layer gathers each expert's rows and scatters its answers with numpy rather than torch: torch runs such
+    copies (64 rows of 1024 floats and up) on its OpenMP team, whose idle threads then spin for milliseconds after
+    every one. A client sharing its machine with an expert server took that CPU from the server's compute (~20 ms
+    of a 240 ms step of a 16-expert layer at batch 16, ~50 ms at batch 256); numpy copies on the calling thread.
+    """
+    return tensor.view(_BITS[tensor.element_size()][0]).numpy()
+
+
+def _from_bits(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(bits).view(dtype)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros``, filled by numpy on this thread (all-zero bits are zero in every float format)."""
+    return _from_bits(np.zeros(shape, dtype=_BITS[dtype.itemsize][1]), dtype)
+
+
+#: dtypes whose input gradients are summed with numpy (others with torch's index_add_)
+_NUMPY_SUMS = (torch.float32, torch.float64)
+
+
 class _RemoteExperts(torch.autograd.Function):
     """Calls each chosen expert once with all of its rows; backward sends the matching output gradients."""
 
     @staticmethod
     def forward(ctx, dummy: torch.Tensor, flat: torch.Tensor, layer: "RemoteMixtureOfExperts",
-                plan: list[tuple[str, str, torch.Tensor, torch.Tensor]], k: int, will_backward: bool):
+                plan: list[tuple[str, str, np.ndarray, np.ndarray]], k: int, will_backward: bool):
         from dmoe.client.remote_expert import forward_future, new_activation_id
 
         inputs = flat.detach()
         # requests are built and answers gathered in host memory: inputs on a GPU cross to it once, and the
         # mixed outputs cross back once, instead of one small copy per expert each way
-        host = inputs.cpu()
+        host = inputs.cpu().contiguous()
+        host_bits = _bits(host)
         # a backward will follow: the servers keep each forward's inputs (and activations) under its id until then
         ids = [new_activation_id() if will_backward else None for _ in plan]
-        sent = [host[rows] for _, _, rows, _ in plan]
+        sent = [_from_bits(host_bits[rows], host.dtype) for _, _, rows, _ in plan]
         futures = [forward_future(endpoint, uid, [rows_in], timeout=layer.forward_timeout,
                                   compression=layer.compression, channels=layer.channels, activation_id=key)
                    for (uid, endpoint, _, _), rows_in, key in zip(plan, sent, ids)]
         _wait_for_experts(futures, [rows for _, _, rows, _ in plan], len(inputs), layer.k_min,
                           layer.forward_timeout, layer.timeout_after_k_min)
         out: torch.Tensor | None = None
-        alive = torch.zeros(len(inputs), k, dtype=torch.bool)
+        out_bits = None
+        alive = np.zeros((len(inputs), k), dtype=bool)
         answered = []
         for (uid, endpoint, rows, slots), future, key, rows_in in zip(plan, futures, ids, sent):
-            result = layer._outcome(uid, endpoint, future)
+            # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
+            result = layer._outcome(uid, endpoint, future, shape=(len(rows), inputs.shape[-1]))
             if result is None:
                 continue
             if out is None:
-                out = host.new_zeros(len(inputs), k, result[0].shape[-1], dtype=result[0].dtype)
-            out[rows, slots] = result[0]
+                out = _zeros((len(inputs), k, inputs.shape[-1]), result[0].dtype)
+                out_bits = _bits(out)
+            out_bits[rows, slots] = _bits(result[0].to(out.dtype))
             alive[rows, slots] = True
             # the rows sent are kept only to send again if the server lost them (a backward sends gradients alone)
             answered.append((uid, endpoint, rows, slots, key, rows_in))
         if out is None:
-            out = host.new_zeros(len(inputs), k, inputs.shape[-1])
+            out = _zeros((len(inputs), k, inputs.shape[-1]), host.dtype)
         layer.stats.experts_chosen += len(plan)
         layer.stats.experts_dropped += len(plan) - len(answered)
         ctx.layer, ctx.answered = layer, answered
         ctx.inputs_like = (inputs.shape, inputs.dtype, inputs.device)
-        ctx.mark_non_differentiable(alive)
-        return out.to(inputs.device), alive
+        alive_t = torch.from_numpy(alive)
+        ctx.mark_non_differentiable(alive_t)
+        return out.to(inputs.device), alive_t
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_alive: Any):
@@ -218,23 +252,30 @@ class _RemoteExperts(torch.autograd.Function):
 
         layer, answered = ctx.layer, ctx.answered
         shape, dtype, device = ctx.inputs_like
-        grad_host = grad_out.cpu()  # one copy off the GPU, sliced per expert
-        futures = [backward_future(endpoint, uid, [rows_in], [grad_host[rows, slots].contiguous()],
+        grad_host = grad_out.cpu().contiguous()  # one copy off the GPU, sliced per expert (with numpy: see _bits)
+        grad_bits = _bits(grad_host)
+        futures = [backward_future(endpoint, uid, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
                                    timeout=layer.backward_timeout, compression=layer.compression,
                                    channels=layer.channels, activation_id=key)
                    for uid, endpoint, rows, slots, key, rows_in in answered]
         wait_futures(futures, timeout=layer.backward_timeout)
-        grad_inputs = torch.zeros(shape, dtype=dtype)
-        got = torch.zeros(shape[0], dtype=torch.long)
-        wanted = torch.zeros(shape[0], dtype=torch.long)
-        for (uid, endpoint, rows, *_), future in zip(answered, futures):
+        grad_inputs = _zeros(tuple(shape), dtype)
+        # rows are distinct within one expert's request, so a plain indexed add accumulates them
+        grad_sum = grad_inputs.numpy() if dtype in _NUMPY_SUMS else None
+        got = np.zeros(shape[0], dtype=np.int64)
+        wanted = np.zeros(shape[0], dtype=np.int64)
+        for (uid, endpoint, rows, _, _, rows_in), future in zip(answered, futures):
             wanted[rows] += 1
-            result = layer._outcome(uid, endpoint, future, backward=True)
-            if result is not None:
-                grad_inputs.index_add_(0, rows, result[0].to(grad_inputs.dtype))
-                got[rows] += 1
+            result = layer._outcome(uid, endpoint, future, backward=True, shape=tuple(rows_in.shape))
+            if result is None:
+                continue
+            if grad_sum is not None:
+                grad_sum[rows] += result[0].to(dtype).numpy()
+            else:
+                grad_inputs.index_add_(0, torch.from_numpy(rows), result[0].to(dtype))
+            got[rows] += 1
         layer.stats.backward_calls += len(answered)
-        short = got < wanted.clamp(max=layer.backward_k_min)
+        short = got < np.minimum(wanted, layer.backward_k_min)
         if bool(short.any()):
             raise RuntimeError(
                 f"{int(short.sum())} rows got fewer than backward_k_min={layer.backward_k_min} expert gradients "
@@ -294,8 +335,9 @@ class RemoteMixtureOfExperts(_MixtureBase):
 
         if self._cache is None:
             self._cache = PrefixCache()
+        # (no predicate while nothing is banned: beam search would call it for every candidate expert)
         found = beam_search(self.dht, self.uid_prefix, [s.float().cpu() for s in grid_scores], self.k_best,
-                            exclude=self._is_excluded, cache=self._cache)
+                            exclude=self._is_excluded if len(self.bans) else None, cache=self._cache)
         chosen = []
         for row in found:
             for uid, endpoint in row:
@@ -303,7 +345,7 @@ class RemoteMixtureOfExperts(_MixtureBase):
             chosen.append([uid for uid, _ in row])
         return chosen
 
-    def _plan(self, chosen: list[list[str]]) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
+    def _plan(self, chosen: list[list[str]]) -> list[tuple[str, str, np.ndarray, np.ndarray]]:
         """Groups (row, slot) pairs by expert: one request per expert carries all of its rows."""
         groups: dict[str, tuple[list[int], list[int]]] = {}
         for row, uids in enumerate(chosen):
@@ -311,19 +353,28 @@ class RemoteMixtureOfExperts(_MixtureBase):
                 rows, slots = groups.setdefault(uid, ([], []))
                 rows.append(row)
                 slots.append(slot)
-        return [(uid, self._endpoints[uid], torch.tensor(rows), torch.tensor(slots))
+        return [(uid, self._endpoints[uid], np.array(rows, dtype=np.int64), np.array(slots, dtype=np.int64))
                 for uid, (rows, slots) in groups.items()]
 
     def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
         # the dummy requires grad, so autograd records this call (and a backward can follow) whenever grad is on
         return _RemoteExperts.apply(self._dummy, flat, self, self._plan(chosen), self.k_best, torch.is_grad_enabled())
 
-    def _outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False) -> list[torch.Tensor] | None:
-        """The future's result, or None after banning whatever failed (the expert, or its whole server)."""
-        if future.done() and not future.cancelled() and future.exception() is None:
-            self.bans.succeed(uid, endpoint)
-            return future.result()
+    def _outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
+                 shape: tuple[int, ...] | None = None) -> list[torch.Tensor] | None:
+        """The future's result, or None after banning whatever failed (the expert, or its whole server).
+
+        An answer whose first tensor is not floating-point of ``shape`` counts as the expert's failure: a faulty or
+        hostile server (or one hosting other experts under these uids) must not break the mixture.
+        """
         error = None if not future.done() or future.cancelled() else future.exception()
+        if future.done() and not future.cancelled() and error is None:
+            result = future.result()
+            problem = _malformed(result, shape)
+            if problem is None:
+                self.bans.succeed(uid, endpoint)
+                return result
+            error = RuntimeError(f"malformed answer: {problem}")
         code = getattr(error, "code", None)
         server_down = error is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         backoff = self.bans.fail(uid=None if server_down else uid, endpoint=endpoint if server_down else None)
@@ -333,6 +384,18 @@ class RemoteMixtureOfExperts(_MixtureBase):
         if backward:
             self.stats.backward_failures += 1
         return None
+
+
+def _malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None) -> str | None:
+    """What is wrong with an expert's answer that should be floating-point of ``shape`` (None: nothing)."""
+    if not result:
+        return "no tensors"
+    first = result[0]
+    if shape is not None and tuple(first.shape) != shape:
+        return f"expected shape {list(shape)}, got {list(first.shape)}"
+    if not first.is_floating_point():
+        return f"expected floating-point values, got {first.dtype}"
+    return None
 
 
 class LocalMixtureOfExperts(_MixtureBase):
