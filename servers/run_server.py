@@ -98,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compression", choices=sorted(COMPRESSIONS), default="none",
                         help="response compression when a client asks for none")
     parser.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights")
-    parser.add_argument("--torch-threads", type=positive_int, default=None, help="torch intra-op threads")
+    parser.add_argument("--torch-threads", type=positive_int, default=None,
+                        help="torch intra-op threads in all (default: torch's, i.e. OMP_NUM_THREADS or the cores)")
+    parser.add_argument("--workers", type=positive_int, default=None,
+                        help="threads that compute, sharing out the torch threads (default: 2 on a CPU with 2+ "
+                             "threads, 1 on a GPU)")
     dht = parser.add_argument_group("DHT", "how the server announces its experts")
     dht.add_argument("--initial-peers", nargs="*", default=[],
                      help="HOST:PORT of any DHT node (printed by dmoe-dht); none: this server starts a new DHT")
@@ -221,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.torch_threads)
     config = ServerConfig(host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size,
                           autocast=args.autocast, response_compression=args.compression,
-                          max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port)
+                          max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
+                          workers=args.workers)
     config.faults = fault_config(args, parser)
     config.checkpoint_dir, config.checkpoint_interval = args.checkpoint_dir, args.checkpoint_interval
     config.reject_nonfinite = args.reject_nonfinite

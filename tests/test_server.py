@@ -224,6 +224,71 @@ def test_runtime_close_fails_queued_tasks_and_returns_promptly():
         blocker.submit(torch.zeros(1)).result(1)
 
 
+def test_two_workers_run_other_experts_beside_a_busy_one_but_never_one_experts_pools_at_once():
+    with Runtime(workers=2) as runtime:
+        gate = Gate()
+        busy = runtime.create_pool("a.forward", gate, 100, group="a")
+        same_expert = runtime.create_pool("a.backward", lambda x: (x + 1,), 100, group="a")
+        other_expert = runtime.create_pool("b.forward", lambda x: (x + 2,), 100, group="b")
+        first = busy.submit(torch.zeros(1))
+        assert gate.entered.wait(30)
+        behind = same_expert.submit(torch.zeros(1))
+        # the second worker serves expert b at once, although it queued after a's backward
+        torch.testing.assert_close(other_expert.submit(torch.zeros(1)).result(30)[0], torch.full((1,), 2.0))
+        time.sleep(0.2)  # (a's backward would have run by now if a busy group did not hold it back)
+        assert not behind.done()
+        gate.opened.set()
+        first.result(30)
+        torch.testing.assert_close(behind.result(30)[0], torch.ones(1))
+
+
+def test_paused_waits_for_running_batches_and_starts_none_until_it_exits():
+    with Runtime(workers=2) as runtime:
+        gate = Gate()
+        slow = runtime.create_pool("slow", gate, 100)
+        quick = runtime.create_pool("quick", lambda x: (x,), 100)
+        running_task = slow.submit(torch.zeros(1))
+        assert gate.entered.wait(30)
+        inside = threading.Event()
+        release = threading.Event()
+
+        def pauser():
+            with runtime.paused():
+                inside.set()
+                release.wait(30)
+
+        thread = threading.Thread(target=pauser)
+        thread.start()
+        assert not inside.wait(0.3), "paused() returned while a batch was still running"
+        gate.opened.set()
+        running_task.result(30)
+        assert inside.wait(30)
+        held = quick.submit(torch.zeros(1))
+        time.sleep(0.2)
+        assert not held.done(), "a batch started while the runtime was paused"
+        release.set()
+        thread.join(30)
+        held.result(30)
+
+
+def test_workers_compute_with_their_share_of_torch_threads_and_leave_the_callers_count_alone():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        with Runtime(workers=2, threads_per_worker=1) as runtime:
+            pool = runtime.create_pool("p", lambda x: (seen.append(torch.get_num_threads()), (x,))[1], 100)
+            pool.submit(torch.zeros(1)).result(30)
+            assert torch.get_num_threads() == 2
+            fresh = []
+            thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+        assert seen == [1] and fresh == [2]
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---- ExpertServer in this process ------------------------------------------------------------------------------
 
 class RecordingAnnouncer:
@@ -248,7 +313,7 @@ def test_in_process_server_announces_serves_and_closes_quickly():
     elapsed = time.monotonic() - started
     assert announcer.calls[-1] == ("close",)
     assert elapsed < server.config.shutdown_grace, f"close took {elapsed:.2f}s with no calls in flight"
-    assert not server.runtime._thread.is_alive()
+    assert not any(thread.is_alive() for thread in server.runtime._threads)
 
 
 # ---- the dmoe-server program -----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
@@ -97,17 +97,18 @@ class Checkpoints:
     Args:
         directory: created if missing; holds ``experts.pt`` (and, only while a write is in progress, a temp file).
         backends: uid -> backend, the experts of one server.
-        compute_lock: held while the state is copied; the runtime holds it while it runs a batch, so a
-            snapshot never sees half of an optimizer step. None when nothing computes concurrently.
+        pause: entered while the state is copied (the runtime's :meth:`~dmoe.server.runtime.Runtime.paused`): no
+            batch runs meanwhile, so a snapshot never sees half of an optimizer step. None when nothing computes
+            concurrently.
         interval: seconds between periodic saves; None or 0 saves only on ``close()``.
     """
 
     def __init__(self, directory: str | os.PathLike, backends: Mapping[str, ExpertBackend], *,
-                 compute_lock: threading.Lock | None = None, interval: float | None = 60.0):
+                 pause: Callable[[], ContextManager[Any]] | None = None, interval: float | None = 60.0):
         self.directory = Path(directory)
         self.path = self.directory / FILENAME
         self.backends = dict(backends)
-        self.compute_lock = compute_lock
+        self.pause = pause
         self.interval = interval
         self.saves = 0
         self.last_saved: float | None = None  # time.time() of the last snapshot written
@@ -186,7 +187,7 @@ class Checkpoints:
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of every expert's state in host memory."""
         experts = {}
-        with self.compute_lock if self.compute_lock is not None else contextlib.nullcontext():
+        with self.pause() if self.pause is not None else contextlib.nullcontext():
             for uid, backend in self.backends.items():
                 experts[uid] = {"state": _to_host(backend.state_dict()), "description": describe(backend),
                                 "forward_calls": backend.forward_calls, "backward_calls": backend.backward_calls}

@@ -59,6 +59,9 @@ class ServerConfig:
         activation_cache_mb: MiB of activations kept between a forward and its backward, so that backward skips
             recomputing the forward (:mod:`dmoe.server.activations`); 0: always recompute.
         activation_ttl: seconds a kept forward waits for its backward.
+        workers: threads that compute (see :class:`~dmoe.server.runtime.Runtime`); torch's intra-op threads are
+            shared out between them. None: two on a CPU with two or more threads (each half of them), one on a
+            GPU.
     """
 
     host: str = "127.0.0.1"
@@ -78,6 +81,7 @@ class ServerConfig:
     metrics_host: str | None = None
     activation_cache_mb: float = 512.0
     activation_ttl: float = 60.0
+    workers: int | None = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -86,11 +90,22 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def compute_workers(workers: int | None, device: torch.device) -> tuple[int, int | None]:
+    """(compute threads, torch intra-op threads for each) for a server on ``device``: ``workers`` share out torch's
+    threads; None picks two on a CPU with two or more threads, one on a GPU (its kernels queue on one stream)."""
+    threads = torch.get_num_threads()
+    if workers is None:
+        workers = 2 if device.type == "cpu" and threads >= 2 else 1
+    if workers < 1:
+        raise ValueError(f"workers must be positive, got {workers}")
+    return workers, (max(1, threads // workers) if workers > 1 else None)
+
+
 class ExpertServer:
     """Serves ``backends`` over gRPC: ``start()``, then ``endpoint``; ``close()`` or use as a context manager.
 
-    Threads: one runtime thread computes (see :class:`Runtime`), one thread runs the asyncio loop of the gRPC
-    server. Both belong to this object and stop in ``close()``. With ``config.checkpoint_dir``, experts are restored
+    Threads: the runtime's workers compute (see :class:`Runtime`), one thread runs the asyncio loop of the gRPC
+    server. All belong to this object and stop in ``close()``. With ``config.checkpoint_dir``, experts are restored
     from the directory's checkpoint in the constructor (a mismatch raises CheckpointMismatch before anything
     serves), and a third thread checkpoints every ``checkpoint_interval`` s; ``close()`` writes a last one.
 
@@ -108,7 +123,8 @@ class ExpertServer:
         self.backends = {check_uid(uid): backend for uid, backend in backends.items()}
         self.device = resolve_device(self.config.device)
         self.announcer = announcer
-        self.runtime = Runtime(self.device, self.config.autocast)
+        workers, threads = compute_workers(self.config.workers, self.device)
+        self.runtime = Runtime(self.device, self.config.autocast, workers=workers, threads_per_worker=threads)
         self.activations = ActivationCache(int(self.config.activation_cache_mb * 2**20), self.config.activation_ttl)
         experts = {}
         for uid, backend in self.backends.items():
@@ -116,8 +132,10 @@ class ExpertServer:
             backend.activations = self.activations
             experts[uid] = HostedExpert(
                 backend,
-                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size, keyed=True),
-                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size, keyed=True),
+                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size, keyed=True,
+                                         group=uid),
+                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size, keyed=True,
+                                         group=uid),
             )
         self.servicer = ExpertServicer(
             experts, max_batch_size=self.config.max_batch_size, device=str(self.device),
@@ -137,7 +155,7 @@ class ExpertServer:
         self.checkpoints: Checkpoints | None = None
         if self.config.checkpoint_dir is not None:  # restored now: a mismatch fails construction, before serving
             self.checkpoints = Checkpoints(self.config.checkpoint_dir, self.backends,
-                                           compute_lock=self.runtime.compute_lock,
+                                           pause=self.runtime.paused,
                                            interval=self.config.checkpoint_interval)
             self.checkpoints.restore()
 

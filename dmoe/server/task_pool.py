@@ -6,7 +6,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 
 import torch
 
@@ -43,11 +43,14 @@ class TaskPool:
         process: called with the concatenated batch; returns tensors whose first dimension is the batch.
         max_batch_size: the most rows the runtime will put in one call of ``process``.
         keyed: ``process`` also takes ``segments=[(task key, task rows), ...]``, one per task of the batch.
+        group: pools of one group (an expert's forward and backward) never run at once; None: this pool alone.
     """
 
-    def __init__(self, runtime: "Runtime", name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False):
+    def __init__(self, runtime: "Runtime", name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False,
+                 group: Hashable = None):
         self.runtime, self.name, self.process, self.max_batch_size = runtime, name, process, max_batch_size
         self.keyed = keyed
+        self.group = group if group is not None else id(self)
         self.tasks: deque[Task] = deque()
         self.batches = 0
         self.rows = 0
