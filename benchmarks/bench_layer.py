@@ -30,6 +30,7 @@ from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import make_optimizer
+from dmoe.server.server import compute_workers
 from dmoe.uid import grid_uids
 
 
@@ -45,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--client-threads", type=int, default=None,
                         help="torch threads of this process while it runs the remote layer, whose own compute is "
                              "only the gate (default: --threads)")
+    parser.add_argument("--server-workers", type=int, default=None,
+                        help="the server's --workers (default: the server's own choice, two of 1 thread each for 2)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--device", default="cpu", help="where the server, the baselines and the gate compute")
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -108,7 +111,8 @@ def main(argv=None) -> list[dict]:
     swarm_config = SwarmConfig(layers=("ffn0",), grid=tuple(args.grid), n_servers=1, hidden_dim=args.hidden,
                                threads_per_server=args.threads,
                                server_args=("--optimizer", "adam", "--lr", str(args.lr), "--device", args.device,
-                                            "--max-batch-size", str(max(args.batches) * args.k)))
+                                            "--max-batch-size", str(max(args.batches) * args.k),
+                                            *(("--workers", str(args.server_workers)) if args.server_workers else ())))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         uids = grid_uids("ffn0", args.grid)
         deadline = time.monotonic() + 60
@@ -143,9 +147,10 @@ def main(argv=None) -> list[dict]:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    workers, _ = compute_workers(args.server_workers, device)  # what the server (with as many threads) runs
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
-          f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}), device {args.device}, "
-          f"median of {args.steps} steps")
+          f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {workers} "
+          f"workers sharing them), device {args.device}, median of {args.steps} steps")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
           f"{'vs recompute':>13}")
     for r in rows:
