@@ -352,6 +352,7 @@ def test_program_remote_transformer_matches_local_block():
     (["--experts", "ffn.[3:1]"], "--experts"),
     (["--experts", "ffn.0", "--optimizer", "lbfgs"], "--optimizer"),
     (["--experts", "ffn.0", "--port", "70000"], "--port"),
+    (["--experts", "ffn.0", "--workers", "0"], "--workers"),
     (["--experts", "ffn.0", "--expert-kwargs", "{\"bogus\": 1}"], "--expert-kwargs"),
     (["--hidden-dim", "8"], "--experts"),
     (["--experts", "ffn.0", "--device", "gpu0"], "--device"),
