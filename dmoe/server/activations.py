@@ -14,7 +14,7 @@ A kept graph is used only when it gives exactly what recomputing would:
 Otherwise, or when the graph was evicted (byte budget, age) or never kept (the forward shared a batch with other
 requests), backward recomputes the forward as before. So the cache changes speed and traffic, never results.
 
-One owner per server. The runtime thread adds and takes entries; the gRPC thread peeks at inputs; a lock covers
+One owner per server. The runtime workers add and take entries; the gRPC thread peeks at inputs; a lock covers
 both.
 """
 from __future__ import annotations

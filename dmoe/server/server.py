@@ -1,4 +1,4 @@
-"""``ExpertServer``: hosts experts behind gRPC; owns the runtime thread and the asyncio loop thread."""
+"""``ExpertServer``: hosts experts behind gRPC; owns the runtime workers and the asyncio loop thread."""
 from __future__ import annotations
 
 import asyncio

@@ -1,7 +1,7 @@
 """The gRPC face of a server: validates each request against the expert's schema, then queues it for the runtime.
 
 Handlers run on the server's asyncio loop and only await futures, so one thread serves any number of concurrent
-calls while the runtime thread computes. Every rejection happens before tensors are allocated.
+calls while the runtime workers compute. Every rejection happens before tensors are allocated.
 """
 from __future__ import annotations
 
