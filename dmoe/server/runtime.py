@@ -77,12 +77,12 @@ class Runtime:
 
     def start(self) -> "Runtime":
         """Starts the workers; returns once each has set its torch threads (see :meth:`_serve`)."""
-        threads = torch.get_num_threads()
+        threads = torch.get_num_threads() if self.threads_per_worker is not None else None
         for thread in self._threads:
             thread.start()
         for _ in self._threads:
             self._started.acquire()
-        if self.threads_per_worker is not None:
+        if threads is not None:
             # torch.set_num_threads sets the calling thread's count and the default of threads that have not used
             # torch yet: put the default back, so that this process's other threads keep what they had
             torch.set_num_threads(threads)
