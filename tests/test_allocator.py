@@ -7,7 +7,7 @@ import sys
 import pytest
 
 # Two h=1024 ffn experts take forward+backward+Adam steps on a thread, as the server's runtime does; prints the
-# minor page faults of a typical step once warmed up. Their gradients (16 MiB each) are freed and re-allocated
+# minor page faults of each of 20 steps once warmed up. Their gradients (16 MiB each) are freed and re-allocated
 # every step.
 SCRIPT = """
 import resource, sys, threading, torch
@@ -29,28 +29,32 @@ def step():
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def work():
-    step(); step()
+    for _ in range(3):
+        step()
     counts = []
-    for _ in range(5):
+    for _ in range(20):
         before = faults()
         step()
         counts.append(faults() - before)
-    print(sorted(counts)[2])  # the median step: the heap may still grow once (one 16 MiB block, ~4,100 faults)
+    print(*counts)
 thread = threading.Thread(target=work)
 thread.start()
 thread.join()
 """
 
 
-def faults_per_step(mode: str) -> int:
+def faults_per_step(mode: str) -> list[int]:
     out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    return int(out.stdout.strip().splitlines()[-1])
+    return [int(count) for count in out.stdout.strip().splitlines()[-1].split()]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_training_steps_on_a_thread_stop_page_faulting_with_keep_freed_memory():
     default, tuned = faults_per_step("default"), faults_per_step("tuned")
-    # a gradient of 16 MiB is 4,096 pages: by default each step faults several of them in again
-    assert default > 4096
-    assert tuned < default / 10
+    # a gradient of 16 MiB is 4,096 pages: by default a step faults 3-4 of them in again (12,000-16,000 faults).
+    # Tuned, the heap still grows by a block now and then while its free space settles: 0-3 times in 20 steps on
+    # the development VM, but one CI machine faulted a block (4,096) in most steps. Whole runs are compared, and
+    # the bound allows a block per step: without the settings every step faults three or more.
+    assert sum(default) > 20 * 4096, default
+    assert sum(tuned) < sum(default) / 3, (tuned, default)
