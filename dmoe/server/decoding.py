@@ -32,13 +32,28 @@ def _total(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 class RejectUndecodable(grpc.aio.ServerInterceptor):
-    """Server interceptor for unary-unary and stream-stream methods (the ones ExpertService has)."""
+    """Server interceptor for unary-unary and stream-stream methods (the ones ExpertService has).
+
+    The wrapped handler of each method is built once and reused: gRPC asks the interceptor on every call.
+    """
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the wrapped one)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        method, parse = details.method, _total(handler.request_deserializer)
+        cached = self._wrapped.get(details.method)  # only methods the server has: unknown ones have no handler
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(details.method, handler)
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
+
+    @staticmethod
+    def _wrap(method: str, handler):
+        parse = _total(handler.request_deserializer)
         if handler.unary_unary is not None:
             behavior = handler.unary_unary
 
