@@ -9,7 +9,7 @@ expert after every backward. A second in-process baseline recomputes each expert
 dmoe/server/activations.py: it keeps them when the forward ran alone in its batch and no step came between).
 Both this process and the server use dmoe.allocator.keep_freed_memory(), as dmoe-server does.
 
-    python benchmarks/bench_layer.py                 # h=1024, 4x4 grid, top-4, batches 16 64 256
+    python benchmarks/bench_layer.py                 # h=1024, 4x4 grid, top-4, batches 16 64 256, 3 rounds
     python benchmarks/bench_layer.py --quick         # small and fast (what the test suite runs)
     python benchmarks/bench_layer.py --device cuda   # server, in-process experts, gate and inputs on the GPU
 """
@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--steps", type=int, default=15, help="timed forward+backward steps per batch size")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times every batch size is measured, in turns (default 3, --quick 1); the ratio printed "
+                             "is the median round's, with the lowest and highest (one round's moves by several "
+                             "hundredths on a quiet 2-core VM)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for server and baseline")
     parser.add_argument("--client-threads", type=int, default=None,
@@ -53,8 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="h=64, batches 8 32, 3 steps")
     args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.quick:
         args.hidden, args.batches, args.steps, args.warmup = 64, [8, 32], 3, 1
+    args.rounds = args.rounds or (1 if args.quick else 3)
     return args
 
 
@@ -134,13 +141,20 @@ def main(argv=None) -> list[dict]:
         for name in list(recompute.experts):
             recompute.experts[name] = Checkpointed(recompute.experts[name])
         local_step, recompute_step = local_step_fn(local, args.lr), local_step_fn(recompute, args.lr)
-        for batch in args.batches:
-            timed = time_steps({"remote": remote_step, "local": local_step, "recompute": recompute_step}, batch,
-                               args.hidden, args.steps, args.warmup, device)
-            t_remote, t_local, t_recompute = timed["remote"], timed["local"], timed["recompute"]
-            rows.append(dict(batch=batch, remote_s=t_remote, inprocess_s=t_local, inprocess_recompute_s=t_recompute,
-                             ratio=t_local / t_remote, ratio_vs_recompute=t_recompute / t_remote,
-                             dropped=remote.stats.experts_dropped))
+        rounds: dict[int, list[dict[str, float]]] = {batch: [] for batch in args.batches}
+        for _ in range(args.rounds):
+            for batch in args.batches:
+                rounds[batch].append(time_steps({"remote": remote_step, "local": local_step,
+                                                 "recompute": recompute_step}, batch, args.hidden, args.steps,
+                                                args.warmup, device))
+        for batch, timed in rounds.items():
+            ratios = sorted(t["local"] / t["remote"] for t in timed)
+            median = {name: statistics.median(t[name] for t in timed) for name in timed[0]}
+            rows.append(dict(batch=batch, remote_s=median["remote"], inprocess_s=median["local"],
+                             inprocess_recompute_s=median["recompute"], ratio=statistics.median(ratios),
+                             ratio_min=ratios[0], ratio_max=ratios[-1],
+                             ratio_vs_recompute=statistics.median(t["recompute"] / t["remote"] for t in timed),
+                             rounds=len(timed), dropped=remote.stats.experts_dropped))
     args.results.mkdir(parents=True, exist_ok=True)
     out = args.results / ("bench_layer.csv" if device.type == "cpu" else f"bench_layer_{device.type}.csv")
     with out.open("w", newline="") as f:
@@ -150,12 +164,12 @@ def main(argv=None) -> list[dict]:
     workers, _ = compute_workers(args.server_workers, device)  # what the server (with as many threads) runs
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
           f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {workers} "
-          f"workers sharing them), device {args.device}, median of {args.steps} steps")
+          f"workers sharing them), device {args.device}, median of {args.steps} steps, {args.rounds} round(s)")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
-          f"{'vs recompute':>13}")
+          f"{'(rounds: low-high)':>19} {'vs recompute':>13}")
     for r in rows:
         print(f"{r['batch']:>6} {r['remote_s']:>10.4f} {r['inprocess_s']:>10.4f} {r['inprocess_recompute_s']:>20.4f} "
-              f"{r['ratio']:>17.2f} {r['ratio_vs_recompute']:>13.2f}")
+              f"{r['ratio']:>17.2f} {r['ratio_min']:>14.2f}-{r['ratio_max']:.2f} {r['ratio_vs_recompute']:>13.2f}")
     print(f"wrote {out}")
     return rows
 

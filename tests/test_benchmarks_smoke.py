@@ -118,3 +118,26 @@ def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
     assert all(int(r["expert_calls"]) > 0 for r in rows)  # the mixtures really used their experts
     assert math.isclose(float(rows[1]["ratio_to_local"]), losses[1] / losses[0], rel_tol=1e-3)
     assert (tmp_path / "quality_tiny.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_layer_benchmark_quick_writes_sane_csv(tmp_path):
+    stdout = run_benchmark("bench_layer.py", "--quick", "--rounds", "2", "--results", str(tmp_path))
+    assert "speed vs in-proc" in stdout
+    rows = read_csv(tmp_path / "bench_layer.csv")
+    assert [int(r["batch"]) for r in rows] == [8, 32]
+    for r in rows:
+        assert int(r["rounds"]) == 2 and int(r["dropped"]) == 0  # a calm local swarm answers every call
+        assert 0 < float(r["ratio_min"]) <= float(r["ratio"]) <= float(r["ratio_max"])
+        assert math.isclose(float(r["ratio"]), float(r["inprocess_s"]) / float(r["remote_s"]), rel_tol=0.5)
+
+
+def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path):
+    run_benchmark("bench_dht.py", "--nodes", "16", "--grid", "8", "8", "--searches", "5", "--settle", "1",
+                  "--results", str(tmp_path))
+    rows = read_csv(tmp_path / "bench_dht.csv")
+    phases = {r["phase"] for r in rows}
+    assert {"before_kill", "before_kill_cached", "after_killing_8"} <= phases
+    for r in rows:
+        assert 0 < float(r["p50_ms"]) <= float(r["p95_ms"]) <= float(r["max_ms"])
+        if r["phase"].startswith("before_kill"):
+            assert float(r["success_rate"]) == 1.0, r  # equal to brute force over the declared experts
