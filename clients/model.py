@@ -123,6 +123,13 @@ class GatedTransformerLM(nn.Module):
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return tokens
 
+    def balance_loss(self) -> torch.Tensor | None:
+        """The mean over blocks of their mixture layers' load-balancing loss from the last forward (layers built
+        with ``switch=True`` set one); None when no layer has one."""
+        losses = [block.moe.balance_loss for block in self.blocks
+                  if getattr(block.moe, "balance_loss", None) is not None]
+        return torch.stack(losses).mean() if losses else None
+
     def moe_counters(self) -> tuple[int, int]:
         """(experts chosen, experts dropped), summed over layers since the layers were built; (0, 0) for
         mixture layers that keep no ``stats``."""

@@ -50,6 +50,9 @@ class TrainConfig:
     dropout: float = _option(0.0, "dropout on the client's layers", non_negative(float))
     grid: tuple[int, ...] = _option((4, 4), "expert grid of each layer, e.g. --grid 4 4", positive(int))
     k_best: int = _option(4, "experts mixed per token", positive(int))
+    switch: bool = _option(False, "Switch-style gating (use with --k-best 1): a token's expert weighs its router "
+                                  "probability over the whole grid, and a load-balancing loss is added")
+    balance_coef: float = _option(0.1, "weight of the load-balancing loss with --switch", non_negative(float))
     # experts
     experts: str = _option("local", "in-process experts or experts found through the DHT", choices=("local", "remote"))
     initial_peers: tuple[str, ...] = _option((), "HOST:PORT of DHT peers (with --experts remote)")
@@ -134,14 +137,15 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
                 batch = data.batch("train", config.batch_size, config.seq_len, batch_generator(config.seed, step))
                 inputs, targets = (t.to(config.device) for t in batch)
                 _, loss = model(inputs, targets)
+                balance = model.balance_loss() if config.switch else None
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                (loss + config.balance_coef * balance if balance is not None else loss).backward()
                 if config.grad_clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                 optimizer.step()
                 step += 1
                 history["train"].append((step, loss.item()))
-                meter.add(loss.item(), inputs.numel())
+                meter.add(loss.item(), inputs.numel(), balance.item() if balance is not None else None)
                 bar.update()
                 bar.set_postfix(meter.postfix(model), refresh=False)
                 if step % config.eval_interval == 0 and step < config.steps:
@@ -176,7 +180,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
 def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> MoEFactory:
     """One mixture layer per block, experts ``ffn{i}.*.*``; the DHT client node and any layer with ``close()``
     are registered on ``resources``. Imported lazily: the model and data code do not need the network stack."""
-    common = dict(in_features=config.hidden, grid_size=tuple(config.grid), k_best=config.k_best)
+    common = dict(in_features=config.hidden, grid_size=tuple(config.grid), k_best=config.k_best, switch=config.switch)
     if config.experts == "local":
         from dmoe.client.moe import LocalMixtureOfExperts
 
@@ -205,23 +209,29 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> Mo
 
 
 class IntervalMeter:
-    """Mean loss, tokens per second and the share of chosen experts that were dropped, since the last restart."""
+    """Mean loss, tokens per second and the share of chosen experts that were dropped, since the last restart
+    (with --switch also the mean load-balancing loss: 1 is perfectly even)."""
 
     def __init__(self, model: GatedTransformerLM):
         self.restart(model)
 
     def restart(self, model: GatedTransformerLM) -> None:
         self.since, self.counters, self.losses, self.tokens = time.perf_counter(), model.moe_counters(), [], 0
+        self.balances: list[float] = []
 
-    def add(self, loss: float, tokens: int) -> None:
+    def add(self, loss: float, tokens: int, balance: float | None = None) -> None:
         self.losses.append(loss)
         self.tokens += tokens
+        if balance is not None:
+            self.balances.append(balance)
 
     def postfix(self, model: GatedTransformerLM, window: int = 10) -> dict[str, str]:
         chosen, dropped = (now - before for now, before in zip(model.moe_counters(), self.counters))
         shown = {"loss": f"{sum(self.losses) / len(self.losses):.3f}",
                  "tok/s": f"{self.tokens / max(time.perf_counter() - self.since, 1e-9):,.0f}",
                  "dropped": f"{dropped / chosen:.1%}" if chosen else "n/a"}
+        if self.balances:
+            shown["balance"] = f"{sum(self.balances) / len(self.balances):.2f}"
         if len(self.losses) >= window:
             self.restart(model)
         return shown

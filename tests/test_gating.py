@@ -96,6 +96,73 @@ def test_sequence_inputs_are_routed_per_token():
     assert torch.allclose(layer(x), reference(layer, x.reshape(10, 4)).reshape(2, 5, 4))
 
 
+def switch_reference(layer, x, dead=()):
+    """Brute force for ``switch=True``: each chosen (alive) expert weighs its softmax probability over all six."""
+    scores = layer.proj(x)
+    s0, s1 = scores[:, :3], scores[:, 3:]
+    out = []
+    for row in range(len(x)):
+        total = {f"ffn0.{i}.{j}": s0[row, i] + s1[row, j] for i in range(3) for j in range(2)}
+        probs = dict(zip(total, torch.softmax(torch.stack(list(total.values())), 0)))
+        top = sorted(total, key=lambda uid: -float(total[uid].detach()))[: layer.k_best]
+        out.append(sum(probs[uid] * layer.experts[uid.replace(".", "_")](x[row]) for uid in top if uid not in dead))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("k_best, dead", [(1, ()), (2, ("ffn0.1.0", "ffn0.2.1"))])
+def test_switch_weights_are_router_probabilities_over_the_whole_grid_not_renormalised(k_best, dead):
+    torch.manual_seed(4)
+    layer = make_layer(k_best=k_best, dead=set(dead), switch=True)
+    x = torch.randn(9, 4, dtype=torch.double)
+    assert torch.allclose(layer(x), switch_reference(layer, x, dead))
+
+
+def test_switch_top1_gate_gradients_match_finite_differences():
+    torch.manual_seed(5)
+    layer = make_layer(k_best=1, switch=True)
+    x = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda inp, weight: layer(inp), (x, layer.proj.weight))
+    assert torch.autograd.gradcheck(lambda inp, weight: (layer(inp), layer.balance_loss)[1], (x, layer.proj.weight))
+
+
+def test_balance_loss_is_switch_formula_per_dimension_and_one_for_a_uniform_router():
+    torch.manual_seed(6)
+    layer = make_layer(k_best=2, switch=True)
+    x = torch.randn(8, 4, dtype=torch.double)
+    layer(x)
+    scores = layer.proj(x)
+    chosen = layer._choose([s.detach() for s in scores.split((3, 2), dim=-1)])
+    expected = []
+    for dim, (size, part) in enumerate(zip((3, 2), scores.split((3, 2), dim=-1))):
+        coords = [int(uid.split(".")[1 + dim]) for row in chosen for uid in row]
+        share = torch.tensor([coords.count(c) / len(coords) for c in range(size)], dtype=torch.double)
+        expected.append(size * (share * torch.softmax(part, -1).mean(0)).sum())
+    assert torch.allclose(layer.balance_loss, torch.stack(expected).mean())
+    with torch.no_grad():
+        layer.proj.weight.zero_(), layer.proj.bias.zero_()
+    layer(x)  # a uniform router: P = 1/size whatever the shares, so each dimension's term is exactly 1
+    assert torch.allclose(layer.balance_loss, torch.tensor(1.0, dtype=torch.double))
+
+
+def test_minimising_the_balance_loss_spreads_tokens_over_the_grid():
+    torch.manual_seed(7)
+    layer = make_layer(k_best=1, switch=True)
+    with torch.no_grad():
+        layer.proj.bias.copy_(torch.tensor([4.0, 0, 0, 4.0, 0]))  # nearly every token to expert ffn0.0.0
+    x = torch.randn(64, 4, dtype=torch.double)
+    optimizer = torch.optim.SGD(layer.proj.parameters(), lr=0.5)
+    losses = []
+    for _ in range(60):
+        layer(x)
+        losses.append(float(layer.balance_loss.detach()))
+        optimizer.zero_grad()
+        layer.balance_loss.backward()
+        optimizer.step()
+    used = {uid for row in layer._choose([s.detach() for s in layer.proj(x).split((3, 2), dim=-1)]) for uid in row}
+    assert losses[0] > 1.8 and losses[-1] < 1.2, losses
+    assert len(used) >= 4, used
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_the_remote_layers_row_copies_move_every_float_dtype_bit_for_bit(dtype):
     """Requests and answers are sliced and scattered as raw bits with numpy, which has no bfloat16."""

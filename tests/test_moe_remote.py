@@ -57,17 +57,20 @@ def test_rows_routed_to_one_expert_travel_in_one_request(swarm):
     assert layer.stats.experts_dropped == 0
 
 
-def test_remote_layer_computes_the_same_mixture_as_in_process_experts(swarm):
+@pytest.mark.parametrize("k_best, switch", [(3, False), (1, True)])
+def test_remote_layer_computes_the_same_mixture_as_in_process_experts(swarm, k_best, switch):
     _, dht = swarm
     torch.manual_seed(0)
     # the servers' experts are seeded per uid (seed 0): rebuild the same weights here
-    local = LocalMixtureOfExperts(HIDDEN, GRID, "ffn0", k_best=3, expert_factory=lambda uid: create_expert(
-        "ffn", HIDDEN, seed=expert_seed(0, uid)))
-    remote = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=3, k_min=3)
+    local = LocalMixtureOfExperts(HIDDEN, GRID, "ffn0", k_best=k_best, switch=switch, expert_factory=lambda uid:
+                                  create_expert("ffn", HIDDEN, seed=expert_seed(0, uid)))
+    remote = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=k_best, k_min=k_best, switch=switch)
     remote.proj.load_state_dict(local.proj.state_dict())
     x = torch.randn(8, 5, HIDDEN)  # [batch, seq, hidden]: routed per token
     with torch.no_grad():  # forward only: a backward would change the servers' weights for later tests
         assert torch.allclose(remote(x), local(x), atol=1e-5)
+    if switch:
+        assert torch.allclose(remote.balance_loss, local.balance_loss)
 
 
 def test_gradients_reach_the_gate_and_the_inputs_and_experts_train(swarm):

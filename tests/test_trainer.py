@@ -214,3 +214,24 @@ def test_local_experts_from_the_library_lower_the_loss(text_file, tmp_path):
     config = tiny(text_file, tmp_path, experts="local", batch_size=8)
     result = train(config)
     assert result["final_val_loss"] < result["history"]["val"][0][1] - 2.0, result["history"]["val"]
+
+
+def test_switch_gating_with_one_expert_per_token_trains_and_shows_the_balance(text_file, tmp_path):
+    config = parse_config(["--data", str(text_file), "--switch", "--k-best", "1", "--balance-coef", "0.05"])
+    assert config.switch and config.k_best == 1 and config.balance_coef == 0.05
+    config = tiny(text_file, tmp_path, experts="local", batch_size=8, k_best=1, switch=True, balance_coef=0.05)
+    result = train(config)
+    assert result["final_val_loss"] < result["history"]["val"][0][1] - 2.0, result["history"]["val"]
+
+    from dmoe.client.moe import LocalMixtureOfExperts
+    model = GatedTransformerLM(config.model_config(), lambda i: LocalMixtureOfExperts(
+        config.hidden, config.grid, f"ffn{i}", k_best=1, switch=True))
+    model(torch.randint(0, 256, (2, 8)))
+    balance = model.balance_loss()  # the blocks' mean, differentiable w.r.t. their gates
+    assert balance.shape == () and 0 < float(balance.detach()) <= 2.0  # at most the grid side: all on one coordinate
+    balance.backward()
+    assert all(block.moe.proj.weight.grad.abs().sum() > 0 for block in model.blocks)
+    meter = IntervalMeter(model)
+    meter.add(3.0, 100, balance=1.25)
+    assert meter.postfix(model)["balance"] == "1.25"
+    assert GatedTransformerLM(config.model_config(), stand_in_factory(config)).balance_loss() is None

@@ -47,10 +47,20 @@ class MoEStats:
 
 
 class _MixtureBase(nn.Module):
-    """Gating maths shared by the remote layer and its in-process twin (same maths, other transport)."""
+    """Gating maths shared by the remote layer and its in-process twin (same maths, other transport).
+
+    Two ways to weigh the chosen experts:
+
+    - default: a softmax over the chosen experts' scores, renormalised over those that answered;
+    - ``switch=True`` (Switch Transformer style, usually with ``k_best=1``): each chosen expert's probability under
+      the router's softmax over the *whole* grid, which for summed coordinate scores is the product of one softmax
+      per grid dimension. Not renormalised: with one expert per row a renormalised weight would always be 1 and the
+      gate would get no gradient. Each forward also sets :attr:`balance_loss`, the load-balancing term to add
+      (times a small coefficient) to the training loss.
+    """
 
     def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
-                 allow_zero_outputs: bool = False):
+                 allow_zero_outputs: bool = False, switch: bool = False):
         super().__init__()
         if k_best < 1:
             raise ValueError(f"k_best must be >= 1, got {k_best}")
@@ -59,6 +69,11 @@ class _MixtureBase(nn.Module):
         self.uid_prefix = uid_prefix
         self.k_best = k_best
         self.allow_zero_outputs = allow_zero_outputs
+        self.switch = switch
+        #: set by each forward when ``switch``: 1 when tokens and router probability spread evenly over every grid
+        #: dimension's coordinates, up to the dimension's size when all go to one coordinate. Differentiable
+        #: w.r.t. the gate.
+        self.balance_loss: torch.Tensor | None = None
         self.proj = nn.Linear(in_features, sum(self.grid_size))
         self.stats = MoEStats()
         self._coords_cache: dict[str, tuple[int, ...]] = {}
@@ -86,8 +101,28 @@ class _MixtureBase(nn.Module):
             retry_out, alive[lost] = self._run_experts(flat[lost], rechosen)
             expert_out = expert_out.index_put((lost,), retry_out.to(expert_out.dtype))
         self.stats.forward_passes += 1
+        if self.switch:
+            self.balance_loss = self._balance_loss(grid_scores, coords, valid)
         out = self._combine(grid_scores, coords, valid & alive, expert_out)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _balance_loss(self, grid_scores: list[torch.Tensor], coords: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
+        """Switch Transformer's auxiliary loss ``n * sum_i f_i * P_i`` per grid dimension, averaged over dimensions.
+
+        ``f_i``: the share of routed (row, slot) pairs whose expert has coordinate ``i`` in that dimension;
+        ``P_i``: the router's mean probability of coordinate ``i``. Factorised by dimension because the router's
+        probability of an expert is the product of its coordinates' (and the grid may hold far more experts than
+        a batch has rows).
+        """
+        coords, valid = coords.to(grid_scores[0].device), valid.to(grid_scores[0].device)
+        routed = valid.sum().clamp_min(1)
+        terms = []
+        for dim, (size, scores) in enumerate(zip(self.grid_size, grid_scores)):
+            share = torch.zeros(size, dtype=scores.dtype, device=scores.device).index_add_(
+                0, coords[:, :, dim][valid], torch.ones(int(valid.sum()), dtype=scores.dtype, device=scores.device))
+            terms.append(size * (share / routed * torch.softmax(scores, dim=-1).mean(0)).sum())
+        return torch.stack(terms).mean()
 
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
         raise NotImplementedError
@@ -115,9 +150,8 @@ class _MixtureBase(nn.Module):
 
     def _combine(self, grid_scores: list[torch.Tensor], coords: torch.Tensor, alive: torch.Tensor,
                  expert_out: torch.Tensor) -> torch.Tensor:
-        """Softmax of the chosen experts' scores renormalised over those that answered, then a weighted sum."""
+        """The chosen experts' weights (see the class docstring), then their weighted sum."""
         coords, alive = coords.to(expert_out.device), alive.to(expert_out.device)
-        logits = sum(scores.gather(1, coords[:, :, dim]) for dim, scores in enumerate(grid_scores))
         has_any = alive.any(dim=1)
         if not bool(has_any.all()):
             missing = int((~has_any).sum())
@@ -127,6 +161,14 @@ class _MixtureBase(nn.Module):
                     f"{missing} of {len(has_any)} rows got no answer from any expert of {self.uid_prefix!r}; "
                     "pass allow_zero_outputs=True to use zeros for them instead"
                 )
+        if self.switch:
+            # the router's probability of each chosen expert over the whole grid: summed coordinate scores, so the
+            # log-probability is the sum of each dimension's log-softmax; experts that did not answer weigh 0
+            log_probs = [torch.log_softmax(scores, dim=-1) for scores in grid_scores]
+            log_p = sum(lp.gather(1, coords[:, :, dim]) for dim, lp in enumerate(log_probs))
+            weights = torch.exp(log_p) * alive
+            return torch.einsum("nk,nkd->nd", weights.to(expert_out.dtype), expert_out)
+        logits = sum(scores.gather(1, coords[:, :, dim]) for dim, scores in enumerate(grid_scores))
         # -inf for experts that did not answer; rows with none at all get finite logits and zero weights, so
         # neither the output nor the gradient ever sees NaN.
         fill = torch.where(has_any, float("-inf"), 0.0).to(logits.dtype)[:, None]
@@ -302,6 +344,8 @@ class RemoteMixtureOfExperts(_MixtureBase):
     :param bans: shares the ban book between layers (experts of a dead server are banned once for all).
     :param reroute_attempts: rows that none of their experts answered are sent, within the same forward, to
         the next-best experts that are not banned, up to this many times.
+    :param switch: Switch-style weights (the router's probability over the whole grid; usually with ``k_best=1``)
+        and a :attr:`balance_loss` per forward; see :class:`_MixtureBase`.
 
     Routing is per token: ``[batch, seq, hidden]`` inputs are flattened to rows. Rows sent to the same expert
     travel in one request, and all chosen experts are called concurrently.
@@ -311,8 +355,9 @@ class RemoteMixtureOfExperts(_MixtureBase):
                  k_min: int = 1, forward_timeout: float | None = 10.0, timeout_after_k_min: float | None = 1.0,
                  backward_k_min: int = 1, backward_timeout: float | None = 10.0, allow_zero_outputs: bool = False,
                  compression: int = NONE, bans: Bans | None = None, ban_config: BanConfig | None = None,
-                 channels: ChannelPool | None = None, cache: Any = None, reroute_attempts: int = 1):
-        super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs)
+                 channels: ChannelPool | None = None, cache: Any = None, reroute_attempts: int = 1,
+                 switch: bool = False):
+        super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs, switch)
         self.reroute_attempts = reroute_attempts
         self.dht = dht
         self.k_min, self.backward_k_min = k_min, backward_k_min
@@ -409,8 +454,8 @@ class LocalMixtureOfExperts(_MixtureBase):
 
     def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, *, k_best: int = 4,
                  expert_cls: str = "ffn", expert_factory: Callable[[str], nn.Module] | None = None,
-                 allow_zero_outputs: bool = False, **expert_kwargs: Any):
-        super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs)
+                 allow_zero_outputs: bool = False, switch: bool = False, **expert_kwargs: Any):
+        super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs, switch)
         if expert_factory is None:
             from dmoe.server.layers import create_expert
 
