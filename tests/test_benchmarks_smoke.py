@@ -138,6 +138,6 @@ def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path
     phases = {r["phase"] for r in rows}
     assert {"before_kill", "before_kill_cached", "after_killing_8"} <= phases
     for r in rows:
-        assert 0 < float(r["p50_ms"]) <= float(r["p95_ms"]) <= float(r["max_ms"])
+        assert 0 <= float(r["p50_ms"]) <= float(r["p95_ms"]) <= float(r["max_ms"]) < 60_000
         if r["phase"].startswith("before_kill"):
             assert float(r["success_rate"]) == 1.0, r  # equal to brute force over the declared experts
