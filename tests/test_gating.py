@@ -37,8 +37,9 @@ def make_layer(dead=(), **kwargs):
     return layer.double()
 
 
-def reference(layer, x, dead=()):
-    """Brute force: an expert's score is the sum of its coordinates' scores; softmax over the top-k alive."""
+def reference(layer, x, dead=(), switch=False):
+    """Brute force: an expert's score is the sum of its coordinates' scores; the top-k alive are mixed with a
+    softmax over themselves, or (``switch``) each with its softmax probability over all six experts."""
     scores = layer.proj(x)
     s0, s1 = scores[:, :3], scores[:, 3:]
     out = []
@@ -46,7 +47,11 @@ def reference(layer, x, dead=()):
         total = {f"ffn0.{i}.{j}": s0[row, i] + s1[row, j] for i in range(3) for j in range(2)}
         top = sorted(total, key=lambda uid: -float(total[uid].detach()))[: layer.k_best]
         top = [uid for uid in top if uid not in dead]
-        weights = torch.softmax(torch.stack([total[uid] for uid in top]), 0)
+        if switch:
+            probs = dict(zip(total, torch.softmax(torch.stack(list(total.values())), 0)))
+            weights = [probs[uid] for uid in top]
+        else:
+            weights = torch.softmax(torch.stack([total[uid] for uid in top]), 0)
         out.append(sum(w * layer.experts[uid.replace(".", "_")](x[row]) for w, uid in zip(weights, top)))
     return torch.stack(out)
 
@@ -96,25 +101,12 @@ def test_sequence_inputs_are_routed_per_token():
     assert torch.allclose(layer(x), reference(layer, x.reshape(10, 4)).reshape(2, 5, 4))
 
 
-def switch_reference(layer, x, dead=()):
-    """Brute force for ``switch=True``: each chosen (alive) expert weighs its softmax probability over all six."""
-    scores = layer.proj(x)
-    s0, s1 = scores[:, :3], scores[:, 3:]
-    out = []
-    for row in range(len(x)):
-        total = {f"ffn0.{i}.{j}": s0[row, i] + s1[row, j] for i in range(3) for j in range(2)}
-        probs = dict(zip(total, torch.softmax(torch.stack(list(total.values())), 0)))
-        top = sorted(total, key=lambda uid: -float(total[uid].detach()))[: layer.k_best]
-        out.append(sum(probs[uid] * layer.experts[uid.replace(".", "_")](x[row]) for uid in top if uid not in dead))
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("k_best, dead", [(1, ()), (2, ("ffn0.1.0", "ffn0.2.1"))])
 def test_switch_weights_are_router_probabilities_over_the_whole_grid_not_renormalised(k_best, dead):
     torch.manual_seed(4)
     layer = make_layer(k_best=k_best, dead=set(dead), switch=True)
     x = torch.randn(9, 4, dtype=torch.double)
-    assert torch.allclose(layer(x), switch_reference(layer, x, dead))
+    assert torch.allclose(layer(x), reference(layer, x, dead, switch=True))
 
 
 def test_switch_top1_gate_gradients_match_finite_differences():
