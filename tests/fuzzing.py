@@ -111,7 +111,13 @@ def valid_request(target: Target, rpc: str, rows: int = 4, uid: str | None = Non
 def mutated_bytes(draw, target: Target, rpc: str) -> bytes:
     """A valid request's bytes with a few flips, cuts, insertions and duplications: mostly not parseable,
     sometimes parseable into a different (lying) request."""
-    data = bytearray(valid_request(target, rpc, draw(st.integers(1, 6))).SerializeToString())
+    if rpc.endswith("_batch"):
+        kind = rpc.removesuffix("_batch")
+        items = [valid_request(target, kind, draw(st.integers(1, 6)), uid=draw(st.sampled_from(target.uids)))
+                 for _ in range(draw(st.integers(1, 3)))]
+        data = bytearray(dmoe_pb2.BatchRequest(items=items).SerializeToString())
+    else:
+        data = bytearray(valid_request(target, rpc, draw(st.integers(1, 6))).SerializeToString())
     for _ in range(draw(st.integers(1, 4))):
         op = draw(st.sampled_from(["flip", "cut", "insert", "duplicate", "set"]))
         at = draw(st.integers(0, max(0, len(data) - 1)))
@@ -128,7 +134,7 @@ def mutated_bytes(draw, target: Target, rpc: str) -> bytes:
     return bytes(data)
 
 
-RPCS = ["forward", "backward", "forward", "backward", "info"]
+RPCS = ["forward", "backward", "forward", "backward", "info", "forward_batch", "backward_batch"]
 
 
 @st.composite
@@ -143,6 +149,12 @@ def cases(draw, target: Target) -> Case:
             return Case(rpc, dmoe_pb2.ExpertUID(uid=draw(uids(target))).SerializeToString(), kind)
         return Case(rpc, draw(st.binary(max_size=64)), "random bytes")
     if kind == "structured":
+        if rpc.endswith("_batch"):
+            # junk items beside valid ones: each must get its own clear status
+            items = draw(st.lists(st.one_of(structured_request(target), st.builds(
+                valid_request, st.just(target), st.just(rpc.removesuffix("_batch")), st.integers(1, 6),
+                st.sampled_from(target.uids))), max_size=4))
+            return Case(rpc, dmoe_pb2.BatchRequest(items=items).SerializeToString(), kind)
         return Case(rpc, draw(structured_request(target)).SerializeToString(), kind)
     if kind == "mutated":
         return Case(rpc, draw(mutated_bytes(target, rpc)), kind)
@@ -171,6 +183,19 @@ def check_outcome(case: Case, code: grpc.StatusCode, details: str, response, tar
         tensors = dmoe_pb2.ExpertResponse.FromString(response).tensors
         if len(tensors) != 1 or tensors[0].shape[1:] != [target.hidden]:
             return f"{case.kind} {case.rpc}: answered with a malformed response"
+    if code == grpc.StatusCode.OK and case.rpc.endswith("_batch"):
+        items = dmoe_pb2.BatchRequest.FromString(case.payload).items  # it parsed on the server, so here too
+        results = dmoe_pb2.BatchResponse.FromString(response).results
+        if len(results) != len(items):
+            return f"{case.kind} {case.rpc}: {len(results)} results for {len(items)} items"
+        for result in results:
+            item_code = next((c for c in grpc.StatusCode if c.value[0] == result.code), None)
+            if item_code not in CLEAR_CODES:
+                return f"{case.kind} {case.rpc}: an item got the unclear status {result.code}: {result.message}"
+            if result.code != 0 and not result.message:
+                return f"{case.kind} {case.rpc}: an item got status {item_code.name} without a message"
+            if result.code == 0 and (len(result.tensors) != 1 or result.tensors[0].shape[1:] != [target.hidden]):
+                return f"{case.kind} {case.rpc}: an item was answered with malformed tensors"
     return None
 
 

@@ -9,7 +9,7 @@ import torch
 
 from dmoe.client import RemoteExpert, RemoteExpertError, forward_future
 from dmoe.server import create_expert, expert_seed
-from dmoe.wire import ChannelPool, dmoe_pb2, serialize
+from dmoe.wire import MAX_BATCH_ITEMS, ChannelPool, dmoe_pb2, deserialize, serialize
 from dmoe.wire.codec import UINT8
 from tests import custom_experts  # noqa: F401 - registers 'explode' here too, to rebuild the expert locally
 from tests.procs import running
@@ -137,6 +137,41 @@ def test_bad_streams_get_a_clear_status(stub):
     for messages, code, words in cases:
         error = stream_call(stub, "forward_stream", messages)
         assert error.code() == code and words in error.details(), (messages, error.details())
+
+
+
+def test_every_bad_item_of_a_batch_call_fails_alone_with_its_status_and_the_good_ones_are_answered(server, stub):
+    # each bad request above (but the one over the message limit: that is the whole call's) as one item of a
+    # batch call; forward's between good items. Items answer in order, each as a call of its own would have ended
+    x = torch.randn(8, HIDDEN)
+    for rpc in ("forward", "backward"):
+        cases = [case for case in CASES.values() if case[0] == rpc and case[3] != "larger than max"]
+        # (no good backward items: their steps would change bad.0's weights, which the next test relies on)
+        goods = [request(serialize(x[i:i + 4]), uid="bad.0") for i in (0, 4)] if rpc == "forward" else []
+        items = [*goods[:1], *(request for _, request, _, _ in cases), *goods[1:]]
+        results = list(getattr(stub, f"{rpc}_batch")(dmoe_pb2.BatchRequest(items=items), timeout=30).results)
+        assert len(results) == len(items)
+        if goods:
+            first, *results, last = results
+            assert first.code == last.code == 0, (first.message, last.message)
+            outputs = torch.cat([deserialize(first.tensors[0]), deserialize(last.tensors[0])])
+            with torch.no_grad():
+                local = create_expert("explode", HIDDEN, seed=expert_seed(0, "bad.0"))
+                torch.testing.assert_close(outputs, local(x), rtol=1e-4, atol=1e-5)
+        for result, (_, _, code, words) in zip(results, cases):
+            assert result.code == code.value[0] and words in result.message, (code, result.message)
+
+
+def test_batch_calls_with_no_items_too_many_items_or_too_many_bytes_are_refused(stub):
+    for items, code, words in [
+        ([], Code.INVALID_ARGUMENT, "forward_batch: the request has no items"),
+        ([request(uid="")] * (MAX_BATCH_ITEMS + 1), Code.RESOURCE_EXHAUSTED, f"at most {MAX_BATCH_ITEMS} per call"),
+        ([request(good(), uid="bad.0")] * (2 * MAX_MESSAGE // (4 * 4 * HIDDEN)), Code.RESOURCE_EXHAUSTED,
+         "larger than max"),
+    ]:
+        with pytest.raises(grpc.RpcError) as error:
+            stub.forward_batch(dmoe_pb2.BatchRequest(items=items), timeout=30)
+        assert error.value.code() == code and words in error.value.details(), error.value.details()
 
 
 def test_compute_failure_reaches_remote_expert_as_exception_with_server_message(server):

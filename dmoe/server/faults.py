@@ -2,7 +2,8 @@
 
 The delay is paid by the server's handler before it answers (``await asyncio.sleep``, so the event loop keeps
 serving other calls and the runtime keeps computing): one delay per call models the whole client -> server ->
-client round trip. Jitter follows the paper's setup: an exponential distribution with the configured mean.
+client round trip, so a batch call (many experts' requests) waits one delay, and each of its items fails or not
+on its own. Jitter follows the paper's setup: an exponential distribution with the configured mean.
 A failed call is answered with ``fail_code`` and the details ``"injected failure"`` after the delay, the way a
 request lost on a slow link costs its round trip too. The default code is ABORTED: the call failed, the server
 did not, so clients ban the expert rather than the whole server (UNAVAILABLE would say the server is down).
@@ -76,21 +77,36 @@ class Faults:
             logger.warning("injecting faults: %.1f ms mean latency (%s jitter), %.1f%% of calls fail with %s",
                            config.latency_ms, config.jitter, 100 * config.fail_rate, config.fail_code)
 
+    def _delay(self) -> float:
+        mean = self.config.latency_ms / 1000
+        return self._random.expovariate(1 / mean) if self.config.jitter == "exponential" and mean > 0 else mean
+
     def draw(self) -> tuple[float, bool]:
         """(seconds to wait, whether the call fails) for one call."""
         cfg = self.config
         with self._lock:
-            mean = cfg.latency_ms / 1000
-            delay = self._random.expovariate(1 / mean) if cfg.jitter == "exponential" and mean > 0 else mean
+            delay = self._delay()
             fail = cfg.fail_rate > 0 and self._random.random() < cfg.fail_rate
             self.calls += 1
             self.failures += fail
         return delay, fail
 
-    async def apply(self) -> None:
-        """Waits the drawn delay without blocking the loop; raises :class:`InjectedFailure` for a failing call."""
-        delay, fail = self.draw()
-        if delay > 0:
-            await asyncio.sleep(delay)
+    async def apply(self, delay: bool = True) -> None:
+        """Waits the drawn delay without blocking the loop; raises :class:`InjectedFailure` for a failing call.
+
+        ``delay=False``: only the failure is drawn, for an item of a batch call that paid its delay once
+        (:meth:`wait`).
+        """
+        seconds, fail = self.draw()
+        if delay and seconds > 0:
+            await asyncio.sleep(seconds)
         if fail:
             raise InjectedFailure(grpc.StatusCode[self.config.fail_code])
+
+    async def wait(self) -> None:
+        """Waits one call's delay (a batch call: one round trip for all of its items, which then :meth:`apply`
+        their failures with ``delay=False``)."""
+        with self._lock:
+            seconds = self._delay()
+        if seconds > 0:
+            await asyncio.sleep(seconds)

@@ -5,8 +5,10 @@ servers can live in one process, as they do in tests. Scrape ``http://HOST:PORT/
 :meth:`ServerMetrics.serve` has started the endpoint.
 
 Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
-    dmoe_requests_total{expert, method, code}      calls answered, by gRPC status code (OK, INVALID_ARGUMENT, ...)
+    dmoe_requests_total{expert, method, code}      expert requests answered, by gRPC status code (OK,
+                                                    INVALID_ARGUMENT, ...); each item of a batch call is one
     dmoe_request_seconds{expert, method}            histogram of the time from receiving a call to answering it
+    dmoe_grpc_calls_total{rpc}                      gRPC calls received, by RPC (forward, forward_batch, ...)
     dmoe_batch_rows{expert, method}                 histogram of rows per batch the runtime ran
     dmoe_batch_seconds{expert, method}              histogram of compute time per batch
     dmoe_queue_wait_seconds{expert, method}         histogram of time requests waited in their task pool
@@ -94,6 +96,7 @@ class ServerMetrics:
         labels = ["expert", "method"]
         self.requests = Counter("dmoe_requests", "calls answered, by gRPC status code", labels + ["code"],
                                 registry=self.registry)
+        self.grpc_calls = Counter("dmoe_grpc_calls", "gRPC calls received, by RPC", ["rpc"], registry=self.registry)
         self.request_seconds = Histogram("dmoe_request_seconds", "time from receiving a call to answering it",
                                          labels, buckets=LATENCY_BUCKETS, registry=self.registry)
         self.batch_rows = Histogram("dmoe_batch_rows", "rows per batch the runtime ran", labels,
@@ -158,10 +161,13 @@ class ServerMetrics:
             setattr(servicer, method, self._wrap_unary(getattr(servicer, method), method))
             stream = f"{method}_stream"
             setattr(servicer, stream, self._wrap_stream(getattr(servicer, stream), method))
+            batch = f"{method}_batch"
+            setattr(servicer, batch, self._wrap_batch(getattr(servicer, batch), method))
 
     def _wrap_unary(self, handler: Callable, method: str) -> Callable:
         @functools.wraps(handler)
         async def counted(request, context):
+            self.grpc_calls.labels(method).inc()
             started, error = time.monotonic(), None
             try:
                 return await handler(request, context)
@@ -172,9 +178,31 @@ class ServerMetrics:
                 self._record(request.uid, method, context, started, error)
         return counted
 
+    def _wrap_batch(self, handler: Callable, method: str) -> Callable:
+        """Counts each item of a batch call as a request of its own, with the item's status code."""
+        @functools.wraps(handler)
+        async def counted(request, context):
+            self.grpc_calls.labels(f"{method}_batch").inc()
+            started = time.monotonic()
+            try:
+                response = await handler(request, context)
+            except BaseException:
+                # the whole call was refused (no items, too many): one request of no expert
+                code = _status_code(context) or grpc.StatusCode.UNKNOWN
+                self.requests.labels(UNKNOWN_EXPERT, method, code.name).inc()
+                raise
+            elapsed = time.monotonic() - started
+            for item, result in zip(request.items, response.results):
+                label = self._expert_label(item.uid)
+                self.requests.labels(label, method, _CODES.get(result.code, grpc.StatusCode.UNKNOWN).name).inc()
+                self.request_seconds.labels(label, method).observe(elapsed)
+            return response
+        return counted
+
     def _wrap_stream(self, handler: Callable, method: str) -> Callable:
         @functools.wraps(handler)
         async def counted(request_iterator, context) -> AsyncIterator:
+            self.grpc_calls.labels(f"{method}_stream").inc()
             started, error, uid = time.monotonic(), None, [""]
 
             async def remember_uid():
@@ -212,6 +240,9 @@ class ServerMetrics:
             if self._http_thread is not None:
                 self._http_thread.join(5)
             self._http = None
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _status_code(context: Any) -> grpc.StatusCode | None:

@@ -18,7 +18,7 @@ from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
 from dmoe.server.task_pool import TaskPool
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
-from dmoe.wire.channels import STREAM_PART_BYTES
+from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES
 from dmoe.wire.codec import (
     NONE,
     Compression,
@@ -143,24 +143,32 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         max_stream_bytes: the most bytes a streamed request may carry in total.
         faults: injected latency and failures for experiments (:mod:`dmoe.server.faults`); None: none.
         reject_nonfinite: answer INVALID_ARGUMENT to requests whose floating-point tensors hold NaN or Inf.
+        max_batch_items: batch calls with more items are refused (RESOURCE_EXHAUSTED).
     """
 
     def __init__(self, experts: dict[str, HostedExpert], *, max_batch_size: int, device: str,
                  default_compression: int = NONE, max_stream_bytes: int = 1 << 30,
                  stream_part_bytes: int = STREAM_PART_BYTES, faults: Faults | None = None,
-                 reject_nonfinite: bool = True):
+                 reject_nonfinite: bool = True, max_batch_items: int = MAX_BATCH_ITEMS):
         self.experts = experts
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
         self.max_stream_bytes, self.stream_part_bytes = max_stream_bytes, stream_part_bytes
         self.faults = faults
         self.reject_nonfinite = reject_nonfinite
+        self.max_batch_items = max_batch_items
 
-    async def _expert(self, uid: str, context: grpc.aio.ServicerContext) -> HostedExpert:
+    def _lookup(self, uid: str) -> HostedExpert:
         expert = self.experts.get(uid)
         if expert is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"expert {uid!r} is not hosted on this server")
+            raise RequestRejected(grpc.StatusCode.NOT_FOUND, f"expert {uid!r} is not hosted on this server")
         return expert
+
+    async def _expert(self, uid: str, context: grpc.aio.ServicerContext) -> HostedExpert:
+        try:
+            return self._lookup(uid)
+        except RequestRejected as rejected:
+            await context.abort(rejected.code, rejected.message)
 
     async def info(self, request: dmoe_pb2.ExpertUID, context: grpc.aio.ServicerContext) -> dmoe_pb2.ExpertInfo:
         backend = (await self._expert(request.uid, context)).backend
@@ -174,38 +182,47 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
     async def _call(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,
                     context: grpc.aio.ServicerContext, activation_id: bytes = b"") -> list[dmoe_pb2.Tensor]:
-        expert = await self._expert(uid, context)
+        try:
+            return await self._compute(kind, uid, tensors, compression, activation_id)
+        except RequestRejected as rejected:
+            await context.abort(rejected.code, rejected.message)
+
+    async def _compute(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,
+                       activation_id: bytes = b"", delay: bool = True) -> list[dmoe_pb2.Tensor]:
+        """Validates one expert's request, runs it on the runtime and encodes the answer.
+
+        Raises :class:`RequestRejected` with the status to answer (a call of its own, or one item of a batch).
+        ``delay``: injected faults include the round trip's delay (a batch pays it once for all of its items).
+        """
+        expert = self._lookup(uid)
         if compression not in Compression.values():
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown response_compression {compression}")
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown response_compression {compression}")
         if len(activation_id) > MAX_ACTIVATION_ID_BYTES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"activation_id has {len(activation_id)} bytes, "
-                                f"at most {MAX_ACTIVATION_ID_BYTES} are allowed")
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"activation_id has {len(activation_id)} "
+                                  f"bytes, at most {MAX_ACTIVATION_ID_BYTES} are allowed")
         schemas, held = expert.schemas(kind), None
         if kind == BACKWARD and activation_id and len(tensors) == len(expert.grad_schemas()):
             # the gradients alone: the inputs are those the server held since the forward with this id
             schemas, held = expert.grad_schemas(), expert.held_inputs(activation_id)
             if held is None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    "this server holds no inputs for this activation_id (never sent, expired or "
-                                    "evicted): send them with the gradients")
-        try:
-            inputs = validate(tensors, schemas, self.max_batch_size)
-        except RequestRejected as rejected:
-            await context.abort(rejected.code, rejected.message)
+                raise RequestRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                      "this server holds no inputs for this activation_id (never sent, expired or "
+                                      "evicted): send them with the gradients")
+        inputs = validate(tensors, schemas, self.max_batch_size)
         if self.reject_nonfinite and (bad := first_nonfinite(inputs, schemas)) is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{bad} holds NaN or Inf values (this server "
-                                "rejects non-finite inputs and gradients)")
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{bad} holds NaN or Inf values (this server "
+                                  "rejects non-finite inputs and gradients)")
         if held is not None:
             if held[0].shape[0] != inputs[0].shape[0]:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"grad_output 0 has {inputs[0].shape[0]} rows, but the forward with this "
-                                    f"activation_id had {held[0].shape[0]}")
+                raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"grad_output 0 has {inputs[0].shape[0]} rows, but the forward with this "
+                                      f"activation_id had {held[0].shape[0]}")
             inputs = [*held, *inputs]
         if self.faults is not None:
             try:
-                await self.faults.apply()  # the round trip's delay, then maybe a failure instead of compute
+                await self.faults.apply(delay=delay)  # the round trip's delay, then maybe a failure instead
             except InjectedFailure as failure:
-                await context.abort(failure.code, f"{kind} of {uid}: {failure}")
+                raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
         if kind == FORWARD:
             expert.backend.forward_calls += 1
             future = expert.forward_pool.submit(*inputs, key=activation_id or None)
@@ -214,13 +231,33 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             future = expert.backward_pool.submit(*inputs, key=activation_id or None)
         try:
             outputs = await asyncio.wrap_future(future)
-            error = None
         except Exception as exc:
-            error = f"{kind} of {uid} failed on the server: {type(exc).__name__}: {exc}"
-        if error is not None:
-            await context.abort(grpc.StatusCode.INTERNAL, error)
+            raise RequestRejected(grpc.StatusCode.INTERNAL,
+                                  f"{kind} of {uid} failed on the server: {type(exc).__name__}: {exc}") from None
         compression = compression or self.default_compression
         return [serialize(y, compression) for y in outputs]
+
+    async def _batch(self, kind: str, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
+        """Runs every item as its own call would run (concurrently, each on its own expert's task pool) and
+        answers each item's outcome: one bad or failing item never fails the others."""
+        items = request.items
+        if not items:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}_batch: the request has no items")
+        if len(items) > self.max_batch_items:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{kind}_batch: {len(items)} items, at most "
+                                f"{self.max_batch_items} per call are allowed")
+        if self.faults is not None:
+            await self.faults.wait()  # one round trip for the whole call
+        results = await asyncio.gather(*(self._item(kind, item) for item in items))
+        return dmoe_pb2.BatchResponse(results=results)
+
+    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest) -> dmoe_pb2.ExpertResult:
+        try:
+            tensors = await self._compute(kind, item.uid, item.tensors, item.response_compression,
+                                          item.activation_id, delay=False)
+        except RequestRejected as rejected:
+            return dmoe_pb2.ExpertResult(code=rejected.code.value[0], message=rejected.message)
+        return dmoe_pb2.ExpertResult(tensors=tensors)
 
     async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
         tensors = await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
@@ -231,6 +268,12 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         tensors = await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
                                    request.activation_id)
         return dmoe_pb2.ExpertResponse(tensors=tensors)
+
+    async def forward_batch(self, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
+        return await self._batch(FORWARD, request, context)
+
+    async def backward_batch(self, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
+        return await self._batch(BACKWARD, request, context)
 
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
                       context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:

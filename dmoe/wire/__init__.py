@@ -1,5 +1,5 @@
 """The wire: tensor codec, compression, generated gRPC stubs, channel options."""
-from dmoe.wire.channels import MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, grpc_options
+from dmoe.wire.channels import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, grpc_options
 from dmoe.wire.codec import (
     FLOAT16,
     NONE,
@@ -14,7 +14,7 @@ from dmoe.wire.codec import (
 )
 
 __all__ = [
-    "FLOAT16", "NONE", "UINT8", "MAX_MESSAGE_BYTES", "STREAM_PART_BYTES", "ChannelPool", "InvalidTensor",
-    "TensorTooLarge", "cut_into_parts", "deserialize", "grpc_options", "join_parts", "parse_compression",
-    "serialize",
+    "FLOAT16", "NONE", "UINT8", "MAX_BATCH_ITEMS", "MAX_MESSAGE_BYTES", "STREAM_PART_BYTES", "ChannelPool",
+    "InvalidTensor", "TensorTooLarge", "cut_into_parts", "deserialize", "grpc_options", "join_parts",
+    "parse_compression", "serialize",
 ]

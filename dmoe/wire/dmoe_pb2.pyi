@@ -85,3 +85,25 @@ class ExpertResponse(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ExpertRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[ExpertRequest, _Mapping]]] = ...) -> None: ...
+
+class ExpertResult(_message.Message):
+    __slots__ = ("tensors", "code", "message")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    code: int
+    message: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class BatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ExpertResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ExpertResult, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,16 @@ class ExpertServiceStub:
                 request_serializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertRequest.SerializeToString,
                 response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertResponse.FromString,
                 _registered_method=True)
+        self.forward_batch = channel.unary_unary(
+                '/dmoe.ExpertService/forward_batch',
+                request_serializer=dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.SerializeToString,
+                response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.FromString,
+                _registered_method=True)
+        self.backward_batch = channel.unary_unary(
+                '/dmoe.ExpertService/backward_batch',
+                request_serializer=dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.SerializeToString,
+                response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -95,6 +105,19 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def forward_batch(self, request, context):
+        """Many experts per call; the whole request must fit in one message (clients fall back to the calls above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def backward_batch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +145,16 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.backward_stream,
                     request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertRequest.FromString,
                     response_serializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertResponse.SerializeToString,
+            ),
+            'forward_batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.forward_batch,
+                    request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.FromString,
+                    response_serializer=dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.SerializeToString,
+            ),
+            'backward_batch': grpc.unary_unary_rpc_method_handler(
+                    servicer.backward_batch,
+                    request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.FromString,
+                    response_serializer=dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +292,60 @@ class ExpertService:
             '/dmoe.ExpertService/backward_stream',
             dmoe_dot_wire_dot_dmoe__pb2.ExpertRequest.SerializeToString,
             dmoe_dot_wire_dot_dmoe__pb2.ExpertResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def forward_batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dmoe.ExpertService/forward_batch',
+            dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.SerializeToString,
+            dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def backward_batch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dmoe.ExpertService/backward_batch',
+            dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.SerializeToString,
+            dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
