@@ -2,7 +2,7 @@
 
 Remote: a DHT node and an expert server process host ``--grid`` ffn experts; this process holds the gate and
 calls them through :class:`dmoe.RemoteMixtureOfExperts` (beam search over the DHT, one request per chosen expert,
-backward requests that make each expert take an Adam step).
+all of a server's in one call, backward requests that make each expert take an Adam step).
 In-process: :class:`dmoe.LocalMixtureOfExperts` with the same experts, gate, top-k and one Adam step per used
 expert after every backward. A second in-process baseline recomputes each expert's forward during backward
 (activation checkpointing), which is what a server must do when it holds no activations for a backward (see

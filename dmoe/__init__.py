@@ -7,7 +7,15 @@ alive experts with :func:`beam_search` and calls them over gRPC.
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
 from dmoe.client.moe import LocalMixtureOfExperts, MoEStats, NoAliveExpertsError, RemoteMixtureOfExperts
-from dmoe.client.remote_expert import RemoteExpert, RemoteExpertError, backward_future, expert_info, forward_future
+from dmoe.client.remote_expert import (
+    RemoteExpert,
+    RemoteExpertError,
+    backward_future,
+    backward_futures,
+    expert_info,
+    forward_future,
+    forward_futures,
+)
 from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import (
@@ -27,6 +35,6 @@ __all__ = [
     "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertAnnouncer", "ExpertBackend", "ExpertServer",
     "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
     "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig", "backward_future",
-    "beam_search", "create_expert", "expand_pattern", "expert_class_names", "expert_info", "forward_future",
-    "grid_uids", "register_expert_class", "split_uid",
+    "backward_futures", "beam_search", "create_expert", "expand_pattern", "expert_class_names", "expert_info",
+    "forward_future", "forward_futures", "grid_uids", "register_expert_class", "split_uid",
 ]

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import torch
 
-from dmoe.client import forward_future
+from dmoe.client import forward_future, forward_futures
 from dmoe.client.remote_expert import RemoteExpertError
 from dmoe.server.faults import INJECTED_FAILURE, FaultConfig, Faults
 from servers import run_server
@@ -43,16 +43,24 @@ def test_injected_latency_delays_every_call_without_serialising_them():
         futures = [forward_future(endpoint, f"ffn0.{i % 2}", [x], timeout=30) for i in range(8)]
         wait(futures)
         concurrent = time.perf_counter() - start
-    assert all(f.exception() is None for f in futures)
+        start = time.perf_counter()
+        items = forward_futures([(f"ffn0.{i % 2}", endpoint, [x], None) for i in range(8)], timeout=30)
+        wait(items)
+        batched = time.perf_counter() - start
+    assert all(f.exception() is None for f in futures + items)
     assert single >= 0.4
     # eight calls that each wait 0.4 s on the server's event loop overlap instead of taking 3.2 s
     assert concurrent < 1.6, f"8 concurrent calls took {concurrent:.2f} s"
+    # eight experts' requests in one batch call: one round trip's delay for all of them
+    assert 0.4 <= batched < 0.8, f"a batch call of 8 items took {batched:.2f} s"
 
 
 def test_fail_rate_fails_some_calls_with_a_clear_status_and_serves_the_rest():
     with serve("--fail-rate", "0.5", "--fault-seed", "1") as server:
         endpoint = server.endpoint()
         futures = [forward_future(endpoint, "ffn0.1", [torch.randn(3, 8)], timeout=30) for _ in range(30)]
+        # the items of one batch call fail or not each on its own, like calls of their own
+        futures += forward_futures([("ffn0.1", endpoint, [torch.randn(3, 8)], None) for _ in range(30)], timeout=30)
         wait(futures)
     errors = [f.exception() for f in futures if f.exception() is not None]
     assert 0 < len(errors) < len(futures)

@@ -3,6 +3,7 @@ and the trainer surviving a server killed in the middle of training."""
 import re
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -34,7 +35,8 @@ def wait_until_declared(dht: DHT, uids, timeout: float = 60.0) -> list[str]:
 @pytest.fixture(scope="module")
 def swarm():
     config = SwarmConfig(layers=("ffn0",), grid=GRID, n_servers=2, hidden_dim=HIDDEN,
-                         server_args=("--optimizer", "sgd", "--lr", "0.1", "--refresh-period", "1"))
+                         server_args=("--optimizer", "sgd", "--lr", "0.1", "--refresh-period", "1",
+                                      "--metrics-port", "0"))
     with LocalSwarm(config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         wait_until_declared(dht, UIDS)
         yield swarm, dht
@@ -55,6 +57,7 @@ def test_rows_routed_to_one_expert_travel_in_one_request(swarm):
     assert set(calls.values()) <= {0, 1}
     assert sum(calls.values()) == layer.stats.experts_chosen > 4
     assert layer.stats.experts_dropped == 0
+
 
 
 @pytest.mark.parametrize("k_best, switch", [(3, False), (1, True)])
@@ -87,6 +90,31 @@ def test_gradients_reach_the_gate_and_the_inputs_and_experts_train(swarm):
     assert not torch.allclose(before, after)  # the servers applied SGD steps
     assert layer.stats.backward_calls > 0 and layer.stats.backward_failures == 0
 
+
+def grpc_calls(swarm) -> dict[tuple[int, str], float]:
+    """(server index, rpc) -> gRPC calls that server received, from its metrics endpoint."""
+    counts = {}
+    for i, server in enumerate(swarm.servers):
+        metrics = re.search(r"dmoe-server metrics on (\S+:\d+)", "".join(server.output)).group(1)
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if match := re.fullmatch(r'dmoe_grpc_calls_total\{rpc="(\w+)"\} (\S+)', line):
+                    counts[i, match.group(1)] = float(match.group(2))
+    return counts
+
+
+def test_a_forward_and_a_backward_cost_one_call_per_server(swarm):
+    # (after the tests that need the servers' initial weights: backward trains the experts)
+    local_swarm, dht = swarm
+    layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=4)
+    layer(torch.randn(64, HIDDEN)).sum().backward()  # warm: the beam search's cache, the channels
+    before = grpc_calls(local_swarm)
+    layer(torch.randn(64, HIDDEN)).sum().backward()
+    after = grpc_calls(local_swarm)
+    calls = {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
+    # 64 rows x 4 experts over 16 experts on 2 servers: each server got one forward_batch and one backward_batch
+    assert calls == {(0, "forward_batch"): 1, (1, "forward_batch"): 1, (0, "backward_batch"): 1,
+                     (1, "backward_batch"): 1}, calls
 
 def test_killed_server_loses_no_rows_and_is_avoided_afterwards():
     config = SwarmConfig(layers=("ffn0",), grid=GRID, n_servers=2, hidden_dim=HIDDEN,

@@ -8,7 +8,16 @@ import grpc
 import pytest
 import torch
 
-from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, expert_info, forward_future
+from dmoe.client import (
+    RemoteExpert,
+    RemoteExpertError,
+    backward_future,
+    backward_futures,
+    expert_info,
+    forward_future,
+    forward_futures,
+    new_activation_id,
+)
 from dmoe.server import create_expert, expert_seed
 from dmoe.wire import ChannelPool
 from tests.procs import running
@@ -19,7 +28,7 @@ LR = 0.1
 
 @pytest.fixture(scope="module")
 def server():
-    with running("-m", "servers.run_server", "--experts", "ffn.[0:7]", "--expert-cls", "ffn",
+    with running("-m", "servers.run_server", "--experts", "ffn.[0:9]", "--expert-cls", "ffn",
                  "--hidden-dim", str(HIDDEN), "--optimizer", "sgd", "--lr", str(LR), "--seed", "7",
                  "--max-batch-size", "65536", "--torch-threads", "1") as proc:
         yield proc.endpoint()
@@ -103,6 +112,48 @@ def test_payloads_over_the_unary_limit_are_streamed_in_parts(server):
     local(x_local).backward(grad)
     grad_x = backward_future(server, "ffn.5", [x], [grad], unary_limit=1024).result(timeout=60)[0]
     torch.testing.assert_close(grad_x, x_local.grad)
+
+
+def test_batched_calls_answer_each_expert_as_its_own_call_would(server):
+    # one call for the server (two with a small unary_limit, plus the item too large for one message, streamed)
+    xs = [torch.randn(n, HIDDEN) for n in (3, 5, 1, 300)]
+    uids = ["ffn.0", "ffn.3", "ffn.99", "ffn.4"]
+    for limit in (None, 2048):
+        futures = forward_futures([(uid, server, [x], None) for uid, x in zip(uids, xs)], timeout=60,
+                                  **({"unary_limit": limit} if limit else {}))
+        with torch.no_grad():
+            for i in (0, 1, 3):
+                torch.testing.assert_close(futures[i].result(timeout=60)[0], local_copy(uids[i])(xs[i]))
+        with pytest.raises(RemoteExpertError) as error:
+            futures[2].result(timeout=60)
+        assert error.value.code == grpc.StatusCode.NOT_FOUND and "ffn.99" in str(error.value)
+
+
+def test_batched_backward_resends_the_inputs_of_experts_whose_server_no_longer_holds_them(server):
+    # ffn.7 ran its forward under this id, so the server holds its inputs; ffn.8's id was never sent (as if
+    # evicted): FAILED_PRECONDITION, then sent again with the inputs. Both give autograd's gradients and step.
+    x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    kept = new_activation_id()
+    forward_futures([("ffn.7", server, [x], kept)], timeout=60)[0].result(timeout=60)
+    before = {uid: expert_info(server, uid)["backward_calls"] for uid in ("ffn.7", "ffn.8")}
+    items = [("ffn.7", server, [x], [grad], kept), ("ffn.8", server, [x], [grad], new_activation_id())]
+    grads = backward_futures(items, timeout=60)
+    for uid, future in zip(("ffn.7", "ffn.8"), grads):
+        x_local = x.clone().requires_grad_()
+        local_copy(uid)(x_local).backward(grad)
+        torch.testing.assert_close(future.result(timeout=60)[0], x_local.grad)
+        assert expert_info(server, uid)["backward_calls"] == before[uid] + 1
+
+
+def test_batched_calls_to_a_dead_server_fail_every_item_unavailable():
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{free.getsockname()[1]}"  # nothing listens: connection refused
+    futures = forward_futures([(f"ffn.{i}", endpoint, [torch.randn(2, HIDDEN)], None) for i in range(3)], timeout=10)
+    for future in futures:
+        with pytest.raises(RemoteExpertError) as error:
+            future.result(timeout=60)
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_info_reports_schema_and_counts_one_request_per_call(server):

@@ -6,12 +6,15 @@ from dmoe.client.remote_expert import (
     RemoteExpert,
     RemoteExpertError,
     backward_future,
+    backward_futures,
     expert_info,
     forward_future,
+    forward_futures,
+    new_activation_id,
 )
 
 __all__ = [
     "BanConfig", "Bans", "LocalMixtureOfExperts", "MoEStats", "NoAliveExpertsError", "PrefixCache",
-    "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "backward_future", "beam_search",
-    "expert_info", "forward_future",
+    "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "backward_future", "backward_futures",
+    "beam_search", "expert_info", "forward_future", "forward_futures", "new_activation_id",
 ]

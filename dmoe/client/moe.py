@@ -242,12 +242,13 @@ _NUMPY_SUMS = (torch.float32, torch.float64)
 
 
 class _RemoteExperts(torch.autograd.Function):
-    """Calls each chosen expert once with all of its rows; backward sends the matching output gradients."""
+    """Calls each chosen expert once with all of its rows (one call per server); backward sends the matching
+    output gradients."""
 
     @staticmethod
     def forward(ctx, dummy: torch.Tensor, flat: torch.Tensor, layer: "RemoteMixtureOfExperts",
                 plan: list[tuple[str, str, np.ndarray, np.ndarray]], k: int, will_backward: bool):
-        from dmoe.client.remote_expert import forward_future, new_activation_id
+        from dmoe.client.remote_expert import forward_futures, new_activation_id
 
         inputs = flat.detach()
         # requests are built and answers gathered in host memory: inputs on a GPU cross to it once, and the
@@ -257,9 +258,10 @@ class _RemoteExperts(torch.autograd.Function):
         # a backward will follow: the servers keep each forward's inputs (and activations) under its id until then
         ids = [new_activation_id() if will_backward else None for _ in plan]
         sent = [_from_bits(host_bits[rows], host.dtype) for _, _, rows, _ in plan]
-        futures = [forward_future(endpoint, uid, [rows_in], timeout=layer.forward_timeout,
-                                  compression=layer.compression, channels=layer.channels, activation_id=key)
-                   for (uid, endpoint, _, _), rows_in, key in zip(plan, sent, ids)]
+        # one call per server carries all of its experts' requests; each expert still answers (or fails) alone
+        futures = forward_futures([(uid, endpoint, [rows_in], key)
+                                   for (uid, endpoint, _, _), rows_in, key in zip(plan, sent, ids)],
+                                  timeout=layer.forward_timeout, compression=layer.compression, channels=layer.channels)
         _wait_for_experts(futures, [rows for _, _, rows, _ in plan], len(inputs), layer.k_min,
                           layer.forward_timeout, layer.timeout_after_k_min)
         out: torch.Tensor | None = None
@@ -290,16 +292,16 @@ class _RemoteExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_alive: Any):
-        from dmoe.client.remote_expert import backward_future
+        from dmoe.client.remote_expert import backward_futures
 
         layer, answered = ctx.layer, ctx.answered
         shape, dtype, device = ctx.inputs_like
         grad_host = grad_out.cpu().contiguous()  # one copy off the GPU, sliced per expert (with numpy: see _bits)
         grad_bits = _bits(grad_host)
-        futures = [backward_future(endpoint, uid, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
+        futures = backward_futures([(uid, endpoint, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
+                                     key) for uid, endpoint, rows, slots, key, rows_in in answered],
                                    timeout=layer.backward_timeout, compression=layer.compression,
-                                   channels=layer.channels, activation_id=key)
-                   for uid, endpoint, rows, slots, key, rows_in in answered]
+                                   channels=layer.channels)
         wait_futures(futures, timeout=layer.backward_timeout)
         grad_inputs = _zeros(tuple(shape), dtype)
         # rows are distinct within one expert's request, so a plain indexed add accumulates them
@@ -348,7 +350,8 @@ class RemoteMixtureOfExperts(_MixtureBase):
         and a :attr:`balance_loss` per forward; see :class:`_MixtureBase`.
 
     Routing is per token: ``[batch, seq, hidden]`` inputs are flattened to rows. Rows sent to the same expert
-    travel in one request, and all chosen experts are called concurrently.
+    travel in one request, the requests to one server's experts in one gRPC call, and all servers are called
+    concurrently. Each expert still answers or fails alone (and is dropped alone).
     """
 
     def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, dht: Any, *, k_best: int = 4,

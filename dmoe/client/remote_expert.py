@@ -1,8 +1,9 @@
-"""Calling experts on other machines: non-blocking ``forward_future``/``backward_future``, and ``RemoteExpert``.
+"""Calling experts on other machines: non-blocking ``forward_future``/``backward_future``, their per-server
+batched forms ``forward_futures``/``backward_futures``, and ``RemoteExpert``.
 
 Calls go through the sync gRPC stack's ``.future()``, so starting one costs a serialisation and no thread: the
-gating layer can start k calls at once and wait for the first ones to come back. Payloads larger than one
-message are streamed in parts by a short-lived thread that ends with its call.
+gating layer can start all of its calls at once and wait for the first ones to come back. Payloads larger than
+one message are streamed in parts by a short-lived thread that ends with its call.
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ import grpc
 import torch
 from torch import nn
 
-from dmoe.wire import MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2
+from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2
 from dmoe.wire.codec import NONE, cut_into_parts, deserialize, join_parts, message_bytes, parse_compression, serialize
 
 #: Requests above this many tensor bytes are streamed (headroom for the message's own fields).
 UNARY_LIMIT_BYTES = MAX_MESSAGE_BYTES - 1024 * 1024
+#: gRPC status codes by their number, as batch calls carry them per item
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class RemoteExpertError(RuntimeError):
@@ -140,22 +143,150 @@ def backward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], gra
     if not activation_id:
         return send([*inputs, *grad_outputs], timeout)
     deadline = time.monotonic() + timeout if timeout is not None else None
-    result: Future[list[torch.Tensor]] = Future()
-    attempt = send(grad_outputs, timeout)
+    return _resend_with_inputs(send(grad_outputs, timeout), lambda seconds: send([*inputs, *grad_outputs], seconds),
+                               deadline)
 
-    def retry_with_inputs(first: Future) -> None:
-        error = None if first.cancelled() else first.exception()
+
+def _resend_with_inputs(first: "Future[list[torch.Tensor]]",
+                        resend: Callable[[float | None], "Future[list[torch.Tensor]]"],
+                        deadline: float | None) -> "Future[list[torch.Tensor]]":
+    """``first``'s outcome, unless the server held no inputs for it (FAILED_PRECONDITION): then ``resend``'s, a
+    call with the inputs made within what is left until ``deadline``."""
+    result: Future[list[torch.Tensor]] = Future()
+
+    def retry_with_inputs(done: Future) -> None:
+        error = None if done.cancelled() else done.exception()
         if not (isinstance(error, RemoteExpertError) and error.code == grpc.StatusCode.FAILED_PRECONDITION):
-            _settle(result, first.result)
+            _settle(result, done.result)
             return
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        second = send([*inputs, *grad_outputs], remaining)
+        second = resend(remaining)
         result.add_done_callback(lambda f: second.cancel() if f.cancelled() else None)
-        second.add_done_callback(lambda done: _settle(result, done.result))
+        second.add_done_callback(lambda again: _settle(result, again.result))
 
-    attempt.add_done_callback(retry_with_inputs)
-    result.add_done_callback(lambda f: attempt.cancel() if f.cancelled() else None)
+    first.add_done_callback(retry_with_inputs)
+    result.add_done_callback(lambda f: first.cancel() if f.cancelled() else None)
     return result
+
+
+#: one expert's part of a batched call: (uid, endpoint, tensors, activation_id)
+Item = tuple[str, str, Sequence[torch.Tensor], "bytes | None"]
+
+
+def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, list[dmoe_pb2.Tensor], bytes | None]], *,
+                timeout: float | None, compression: int, channels: ChannelPool) -> "list[Future[list[torch.Tensor]]]":
+    """One ``{method}_batch`` call carrying every item (uid, serialized tensors, activation_id); a future each."""
+    request = dmoe_pb2.BatchRequest(items=[
+        dmoe_pb2.ExpertRequest(uid=uid, tensors=messages, response_compression=compression,
+                               activation_id=activation_id or b"")
+        for uid, messages, activation_id in items])
+    call = getattr(channels.stub(endpoint), f"{method}_batch").future(request, timeout=timeout)
+    futures: list[Future[list[torch.Tensor]]] = [Future() for _ in items]
+
+    def fail(uid: str, code: grpc.StatusCode, message: str) -> Callable[[], Any]:
+        def raise_error():
+            raise RemoteExpertError(uid, endpoint, code, message)
+        return raise_error
+
+    def settle(_) -> None:
+        try:
+            results = call.result().results
+        except grpc.RpcError as error:
+            for (uid, _, _), future in zip(items, futures):
+                _settle(future, fail(uid, error.code(), error.details() or ""))
+            return
+        except grpc.FutureCancelledError:
+            return  # cancelled because every item was cancelled (or answered) already
+        for i, ((uid, _, _), future) in enumerate(zip(items, futures)):
+            if i >= len(results):
+                _settle(future, fail(uid, grpc.StatusCode.UNKNOWN,
+                                     f"the server answered {len(results)} results for {len(items)} items"))
+            elif results[i].code == 0:
+                _settle(future, lambda tensors=results[i].tensors: [deserialize(t) for t in tensors])
+            else:
+                _settle(future, fail(uid, _CODES.get(results[i].code, grpc.StatusCode.UNKNOWN), results[i].message))
+
+    def cancel_when_unwanted(future: Future) -> None:
+        # the call is cancelled once every item was cancelled (or had its answer): nobody waits for it then
+        if future.cancelled() and all(f.done() for f in futures):
+            call.cancel()
+
+    call.add_done_callback(settle)
+    for future in futures:
+        future.add_done_callback(cancel_when_unwanted)
+    return futures
+
+
+def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compression: int | str,
+             channels: ChannelPool | None, unary_limit: int) -> "list[Future[list[torch.Tensor]]]":
+    """Sends ``items`` with one batch call per server (more if they exceed one message or ``MAX_BATCH_ITEMS``);
+    an item too large for one message goes alone, streamed."""
+    channels = channels or ChannelPool.default()
+    compression = parse_compression(compression)
+    futures: list[Future | None] = [None] * len(items)
+    by_endpoint: dict[str, list[int]] = {}
+    for i, (_, endpoint, _, _) in enumerate(items):
+        by_endpoint.setdefault(endpoint, []).append(i)
+    for endpoint, indices in by_endpoint.items():
+        packs: list[list[tuple[int, str, list[dmoe_pb2.Tensor], bytes | None]]] = [[]]
+        size = 0
+        for i in indices:
+            uid, _, tensors, activation_id = items[i]
+            messages = [serialize(t, compression) for t in tensors]
+            nbytes = message_bytes(messages)
+            if nbytes > unary_limit:
+                futures[i] = _call(method, endpoint, uid, tensors, timeout=timeout, compression=compression,
+                                   channels=channels, unary_limit=unary_limit, activation_id=activation_id)
+                continue
+            if packs[-1] and (size + nbytes > unary_limit or len(packs[-1]) >= MAX_BATCH_ITEMS):
+                packs.append([])
+                size = 0
+            packs[-1].append((i, uid, messages, activation_id))
+            size += nbytes
+        for pack in filter(None, packs):
+            sent = _batch_call(method, endpoint, [(uid, messages, key) for _, uid, messages, key in pack],
+                               timeout=timeout, compression=compression, channels=channels)
+            for (i, _, _, _), future in zip(pack, sent):
+                futures[i] = future
+    return futures  # type: ignore[return-value]
+
+
+def forward_futures(items: Sequence[Item], *, timeout: float | None = None, compression: int | str = NONE,
+                    channels: ChannelPool | None = None,
+                    unary_limit: int = UNARY_LIMIT_BYTES) -> "list[Future[list[torch.Tensor]]]":
+    """Starts the forwards of many experts, ``(uid, endpoint, inputs, activation_id)`` each, with one call per
+    server, and returns a future per item, as :func:`forward_future` would (one failing item fails alone).
+
+    One call per server instead of one per expert: gRPC costs a fixed ~0.5 ms of CPU per call on each side, which
+    a layer calling 16 experts per step otherwise pays 16 times over.
+    """
+    return _batched("forward", items, timeout=timeout, compression=compression, channels=channels,
+                    unary_limit=unary_limit)
+
+
+def backward_futures(items: Sequence[tuple[str, str, Sequence[torch.Tensor], Sequence[torch.Tensor], bytes | None]],
+                     *, timeout: float | None = None, compression: int | str = NONE,
+                     channels: ChannelPool | None = None,
+                     unary_limit: int = UNARY_LIMIT_BYTES) -> "list[Future[list[torch.Tensor]]]":
+    """:func:`backward_future` for many experts, ``(uid, endpoint, inputs, grad_outputs, activation_id)`` each,
+    with one call per server. Items with an activation id send their gradients alone; those whose server no
+    longer holds the inputs are sent again, each with its inputs, within the same ``timeout``."""
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    first = _batched("backward", [(uid, endpoint, grads if key else [*inputs, *grads], key)
+                                  for uid, endpoint, inputs, grads, key in items],
+                     timeout=timeout, compression=compression, channels=channels, unary_limit=unary_limit)
+    futures = []
+    for (uid, endpoint, inputs, grads, key), sent in zip(items, first):
+        if not key:
+            futures.append(sent)
+            continue
+
+        def resend(seconds: float | None, uid=uid, endpoint=endpoint, tensors=[*inputs, *grads], key=key):
+            return _call("backward", endpoint, uid, tensors, timeout=seconds, compression=compression,
+                         channels=channels, unary_limit=unary_limit, activation_id=key)
+
+        futures.append(_resend_with_inputs(sent, resend, deadline))
+    return futures
 
 
 def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,
