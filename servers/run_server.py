@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between checkpoints (one is also written on shutdown)")
     state.add_argument("--reject-nonfinite", action=argparse.BooleanOptionalAction, default=True,
                        help="refuse requests whose inputs or gradients hold NaN/Inf (INVALID_ARGUMENT)")
+    state.add_argument("--max-abs-value", type=non_negative(float), default=1e6,
+                       help="refuse requests whose inputs or gradients hold values of a larger magnitude, which "
+                            "could blow up an expert's weights (INVALID_ARGUMENT; 0: no limit)")
     parser.add_argument("--activation-cache-mb", type=non_negative(float), default=512.0,
                         help="MiB of activations kept from a forward for its backward, which then skips recomputing "
                              "the forward (0: always recompute)")
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     config.faults = fault_config(args, parser)
     config.checkpoint_dir, config.checkpoint_interval = args.checkpoint_dir, args.checkpoint_interval
     config.reject_nonfinite = args.reject_nonfinite
+    config.max_abs_value = args.max_abs_value
     config.activation_cache_mb = args.activation_cache_mb
     for peer in args.initial_peers:
         try:

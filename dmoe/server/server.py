@@ -53,6 +53,9 @@ class ServerConfig:
         checkpoint_interval: seconds between periodic checkpoints (one is also written on ``close()``).
         reject_nonfinite: refuse (INVALID_ARGUMENT) requests whose floating-point tensors hold NaN or Inf, before
             they reach an expert. On by default: one bad client must not spoil a batch shared with others.
+        max_abs_value: refuse (INVALID_ARGUMENT) requests holding values of a larger magnitude (0: no limit). A
+            finite but huge gradient (2e19 from one flipped bit) would push an expert's weights past what float32
+            outputs survive in one SGD step; values up to the default leave them finite.
         metrics_port: serve Prometheus metrics (:mod:`dmoe.server.metrics`) on this port, 0 for a free one;
             None: collect them (``server.metrics``) but serve no endpoint.
         metrics_host: interface of the metrics endpoint; None: the same as ``host``.
@@ -77,6 +80,7 @@ class ServerConfig:
     checkpoint_dir: str | None = None
     checkpoint_interval: float = 60.0
     reject_nonfinite: bool = True
+    max_abs_value: float = 1e6
     metrics_port: int | None = None
     metrics_host: str | None = None
     activation_cache_mb: float = 512.0
@@ -142,7 +146,7 @@ class ExpertServer:
             default_compression=parse_compression(self.config.response_compression),
             max_stream_bytes=self.config.max_stream_bytes,
             faults=Faults(self.config.faults) if self.config.faults is not None else None,
-            reject_nonfinite=self.config.reject_nonfinite,
+            reject_nonfinite=self.config.reject_nonfinite, max_abs_value=self.config.max_abs_value or None,
         )
         self.metrics = ServerMetrics(experts, self.activations)
         self.metrics.instrument(self.servicer)

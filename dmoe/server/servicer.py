@@ -6,6 +6,7 @@ calls while the runtime workers compute. Every rejection happens before tensors 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -113,22 +114,34 @@ def validate(tensors: Sequence[dmoe_pb2.Tensor], schemas: Sequence[tuple[str, Te
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
-def first_nonfinite(tensors: Sequence[torch.Tensor], schemas: Sequence[tuple[str, TensorSchema]]) -> str | None:
-    """The label of the first floating-point tensor holding a NaN or an Inf, or None when all are finite.
+def first_bad_values(tensors: Sequence[torch.Tensor], schemas: Sequence[tuple[str, TensorSchema]], *,
+                     reject_nonfinite: bool = True, max_abs_value: float | None = None) -> str | None:
+    """Why the first floating-point tensor with values this server refuses is refused, or None if there is none.
 
-    Checked with numpy where it can be: on this (gRPC) thread a torch op over more than ~32k elements starts an
-    OpenMP team of its own, whose threads then spin for ~10 ms after every request and take cores from the
-    compute thread's team. numpy runs on the calling thread alone.
+    Refused: NaN or Inf (with ``reject_nonfinite``), and finite magnitudes above ``max_abs_value``. A
+    finite but huge gradient is as bad as an infinite one: one element of 2e19 (a flipped exponent bit) makes an
+    SGD step that leaves an expert's weights at ~1e16 and its outputs non-finite from then on, for every client.
+    Checked with numpy where it can be (the smallest and largest value: two passes, no copy): on this (gRPC)
+    thread a torch op over more than ~32k elements starts an OpenMP team of its own, whose threads then spin for
+    ~10 ms after every request and take cores from the compute workers. numpy runs on the calling thread alone.
     """
     for tensor, (label, _) in zip(tensors, schemas):
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() or tensor.numel() == 0:
             continue
         if tensor.dtype in _NUMPY_FLOATS and tensor.device.type == "cpu":
-            finite = bool(np.isfinite(tensor.numpy()).all())
+            values = tensor.numpy()
+            low, high = float(values.min()), float(values.max())
         else:
-            finite = bool(torch.isfinite(tensor).all())
-        if not finite:
-            return label
+            low, high = (float(v) for v in torch.aminmax(tensor.float()))
+        largest = max(-low, high)
+        if not math.isfinite(low) or not math.isfinite(high):
+            if reject_nonfinite:
+                return f"{label} holds NaN or Inf values (this server rejects non-finite inputs and gradients)"
+            finite = tensor[torch.isfinite(tensor)]  # let them through; the limit is for the finite ones
+            largest = float(finite.abs().max()) if finite.numel() else 0.0
+        if max_abs_value is not None and largest > max_abs_value:
+            return (f"{label} holds a value of magnitude {largest:.3g}, above this server's limit {max_abs_value:g} "
+                    "(--max-abs-value)")
     return None
 
 
@@ -143,19 +156,21 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         max_stream_bytes: the most bytes a streamed request may carry in total.
         faults: injected latency and failures for experiments (:mod:`dmoe.server.faults`); None: none.
         reject_nonfinite: answer INVALID_ARGUMENT to requests whose floating-point tensors hold NaN or Inf.
+        max_abs_value: ... or values of a larger magnitude (None: any).
         max_batch_items: batch calls with more items are refused (RESOURCE_EXHAUSTED).
     """
 
     def __init__(self, experts: dict[str, HostedExpert], *, max_batch_size: int, device: str,
                  default_compression: int = NONE, max_stream_bytes: int = 1 << 30,
                  stream_part_bytes: int = STREAM_PART_BYTES, faults: Faults | None = None,
-                 reject_nonfinite: bool = True, max_batch_items: int = MAX_BATCH_ITEMS):
+                 reject_nonfinite: bool = True, max_abs_value: float | None = None,
+                 max_batch_items: int = MAX_BATCH_ITEMS):
         self.experts = experts
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
         self.max_stream_bytes, self.stream_part_bytes = max_stream_bytes, stream_part_bytes
         self.faults = faults
-        self.reject_nonfinite = reject_nonfinite
+        self.reject_nonfinite, self.max_abs_value = reject_nonfinite, max_abs_value
         self.max_batch_items = max_batch_items
 
     def _lookup(self, uid: str) -> HostedExpert:
@@ -209,9 +224,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                       "this server holds no inputs for this activation_id (never sent, expired or "
                                       "evicted): send them with the gradients")
         inputs = validate(tensors, schemas, self.max_batch_size)
-        if self.reject_nonfinite and (bad := first_nonfinite(inputs, schemas)) is not None:
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{bad} holds NaN or Inf values (this server "
-                                  "rejects non-finite inputs and gradients)")
+        problem = first_bad_values(inputs, schemas, reject_nonfinite=self.reject_nonfinite,
+                                   max_abs_value=self.max_abs_value)
+        if problem is not None:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if held is not None:
             if held[0].shape[0] != inputs[0].shape[0]:
                 raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
