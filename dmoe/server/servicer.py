@@ -156,7 +156,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         max_stream_bytes: the most bytes a streamed request may carry in total.
         faults: injected latency and failures for experiments (:mod:`dmoe.server.faults`); None: none.
         reject_nonfinite: answer INVALID_ARGUMENT to requests whose floating-point tensors hold NaN or Inf.
-        max_abs_value: ... or values of a larger magnitude (None: any).
+        max_abs_value: answer INVALID_ARGUMENT to requests holding finite values of a larger magnitude (None: no limit).
         max_batch_items: batch calls with more items are refused (RESOURCE_EXHAUSTED).
     """
 
