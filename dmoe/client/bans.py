@@ -39,11 +39,19 @@ class Bans:
         return f"endpoint:{endpoint}" if uid is None else f"uid:{uid}"
 
     def fail(self, *, uid: str | None = None, endpoint: str | None = None) -> float:
-        """Records a failure of an expert (``uid``) or a server (``endpoint``); returns the ban's length."""
+        """Records a failure of an expert (``uid``) or a server (``endpoint``); returns the ban's length.
+
+        Failures while the ban runs belong to the same incident and change nothing: a server that dies fails every
+        call in flight to it (all the experts a step chose there), which must cost one backoff, not double it once
+        per expert. The backoff doubles when the first try after a ban fails again.
+        """
+        now = self.clock()
         with self._lock:
             ban = self._bans.setdefault(self._key(uid, endpoint), _Ban())
+            if ban.until > now:
+                return ban.backoff
             ban.backoff = min(self.config.max_backoff, ban.backoff * 2 if ban.backoff else self.config.initial_backoff)
-            ban.until = self.clock() + ban.backoff
+            ban.until = now + ban.backoff
             return ban.backoff
 
     def succeed(self, uid: str, endpoint: str) -> None:
