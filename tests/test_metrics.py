@@ -8,7 +8,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from dmoe.client import RemoteExpertError, backward_future, forward_future
+from dmoe.client import RemoteExpertError, backward_future, forward_future, forward_futures
 from dmoe.server import ExpertServer, ServerConfig
 from tests.procs import running
 
@@ -43,13 +43,20 @@ def test_server_process_started_from_a_config_file_counts_requests_batches_error
             forward_future(endpoint, "ffn0.9", [x]).result(30)
         with pytest.raises(RemoteExpertError):  # more rows than --max-batch-size
             forward_future(endpoint, "ffn0.1", [torch.randn(65, 8)]).result(30)
+        # one batch call of three items: each counts as a request of its expert, with its own status
+        items = forward_futures([(uid, endpoint, [x], None) for uid in ("ffn0.1", "ffn0.1", "ffn0.7")], timeout=30)
+        assert [future.exception() is None for future in items] == [True, True, False]
         samples = scrape(metrics)
 
     assert value(samples, "dmoe_requests_total", expert="ffn0.0", method="forward", code="OK") == 3
     assert value(samples, "dmoe_requests_total", expert="ffn0.0", method="backward", code="OK") == 2
     assert value(samples, "dmoe_requests_total", expert="ffn0.1", method="forward", code="INVALID_ARGUMENT") == 1
     assert value(samples, "dmoe_requests_total", expert="ffn0.1", method="forward", code="RESOURCE_EXHAUSTED") == 1
-    assert value(samples, "dmoe_requests_total", expert="unknown", method="forward", code="NOT_FOUND") == 1
+    assert value(samples, "dmoe_requests_total", expert="unknown", method="forward", code="NOT_FOUND") == 2
+    assert value(samples, "dmoe_requests_total", expert="ffn0.1", method="forward", code="OK") == 2
+    assert value(samples, "dmoe_grpc_calls_total", rpc="forward_batch") == 1
+    assert value(samples, "dmoe_grpc_calls_total", rpc="forward") == 5  # streamed forward: one forward_stream
+    assert value(samples, "dmoe_grpc_calls_total", rpc="forward_stream") == 1
     assert value(samples, "dmoe_request_seconds_count", expert="ffn0.0", method="forward") == 3
     assert value(samples, "dmoe_batch_rows_sum", expert="ffn0.0", method="forward") == 15
     assert value(samples, "dmoe_batch_rows_count", expert="ffn0.0", method="backward") == 2
