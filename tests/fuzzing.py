@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from dmoe.wire import dmoe_pb2, serialize
+from dmoe.wire import dmoe_pb2, serialize, status_code
 from dmoe.wire.codec import DTYPES
 
 SERVICE = "/dmoe.ExpertService/"
@@ -197,7 +197,7 @@ def check_outcome(case: Case, code: grpc.StatusCode, details: str, response, tar
         if len(results) != len(items):
             return f"{case.kind} {case.rpc}: {len(results)} results for {len(items)} items"
         for result in results:
-            item_code = next((c for c in grpc.StatusCode if c.value[0] == result.code), None)
+            item_code = status_code(result.code)
             if item_code not in CLEAR_CODES:
                 return f"{case.kind} {case.rpc}: an item got the unclear status {result.code}: {result.message}"
             if result.code != 0 and not result.message:

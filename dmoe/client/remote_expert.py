@@ -18,13 +18,11 @@ import grpc
 import torch
 from torch import nn
 
-from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2
+from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2, status_code
 from dmoe.wire.codec import NONE, cut_into_parts, deserialize, join_parts, message_bytes, parse_compression, serialize
 
 #: Requests above this many tensor bytes are streamed (headroom for the message's own fields).
 UNARY_LIMIT_BYTES = MAX_MESSAGE_BYTES - 1024 * 1024
-#: gRPC status codes by their number, as batch calls carry them per item
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class RemoteExpertError(RuntimeError):
@@ -204,7 +202,7 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, list[dmoe
             elif results[i].code == 0:
                 _settle(future, lambda tensors=results[i].tensors: [deserialize(t) for t in tensors])
             else:
-                _settle(future, fail(uid, _CODES.get(results[i].code, grpc.StatusCode.UNKNOWN), results[i].message))
+                _settle(future, fail(uid, status_code(results[i].code) or grpc.StatusCode.UNKNOWN, results[i].message))
 
     def cancel_when_unwanted(future: Future) -> None:
         # the call is cancelled once every item was cancelled (or had its answer): nobody waits for it then

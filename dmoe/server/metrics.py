@@ -33,6 +33,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dmoe.wire import status_code
+
 if TYPE_CHECKING:
     from dmoe.server.activations import ActivationCache
     from dmoe.server.servicer import ExpertServicer, HostedExpert
@@ -194,7 +196,7 @@ class ServerMetrics:
             elapsed = time.monotonic() - started
             for item, result in zip(request.items, response.results):
                 label = self._expert_label(item.uid)
-                self.requests.labels(label, method, _CODES.get(result.code, grpc.StatusCode.UNKNOWN).name).inc()
+                self.requests.labels(label, method, (status_code(result.code) or grpc.StatusCode.UNKNOWN).name).inc()
                 self.request_seconds.labels(label, method).observe(elapsed)
             return response
         return counted
@@ -242,9 +244,6 @@ class ServerMetrics:
             self._http = None
 
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
 def _status_code(context: Any) -> grpc.StatusCode | None:
     """The status an aborted handler set, where the context can tell (grpc.aio's does)."""
     try:
@@ -254,5 +253,5 @@ def _status_code(context: Any) -> grpc.StatusCode | None:
     if isinstance(code, grpc.StatusCode):
         return code
     if isinstance(code, int):
-        return next((c for c in grpc.StatusCode if c.value[0] == code), None)
+        return status_code(code)
     return None

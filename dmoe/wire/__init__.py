@@ -1,5 +1,12 @@
 """The wire: tensor codec, compression, generated gRPC stubs, channel options."""
-from dmoe.wire.channels import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, grpc_options
+from dmoe.wire.channels import (
+    MAX_BATCH_ITEMS,
+    MAX_MESSAGE_BYTES,
+    STREAM_PART_BYTES,
+    ChannelPool,
+    grpc_options,
+    status_code,
+)
 from dmoe.wire.codec import (
     FLOAT16,
     NONE,
@@ -16,5 +23,5 @@ from dmoe.wire.codec import (
 __all__ = [
     "FLOAT16", "NONE", "UINT8", "MAX_BATCH_ITEMS", "MAX_MESSAGE_BYTES", "STREAM_PART_BYTES", "ChannelPool",
     "InvalidTensor", "TensorTooLarge", "cut_into_parts", "deserialize", "grpc_options", "join_parts",
-    "parse_compression", "serialize",
+    "parse_compression", "serialize", "status_code",
 ]

@@ -15,6 +15,14 @@ MAX_BATCH_ITEMS = 1024
 STREAM_PART_BYTES = 2 * 1024 * 1024
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode | None:
+    """The gRPC status code with this number (batch calls carry each item's status as one), None if none has it."""
+    return _STATUS_CODES.get(number)
+
+
 def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Channel/server options: raised message limits (gRPC's default is 4 MiB) and keepalive pings."""
     return [
