@@ -5,12 +5,16 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Coroutine, Sequence, TypeVar
+from typing import Any, Coroutine, Mapping, Sequence, TypeVar
+
+from kademlia.utils import digest
 
 from dmoe.dht import experts
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
+from dmoe.dht.protocol import check_entry
 from dmoe.dht.signing import Identity
+from dmoe.dht.storage import Record, Subkey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,6 +60,48 @@ class DHT:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError("DHT call timed out") from None
+
+    @property
+    def identity(self) -> Identity:
+        """The key pair that signs what this node stores and owns its int subkeys."""
+        return self.node.identity
+
+    def store(self, key: str, subkey: Subkey, value: str, expiration_time: float) -> bool:
+        """Stores one signed entry ``record[key][subkey] = value`` until ``expiration_time`` (absolute,
+        ``time.time()``); True when at least one of the key's replicas accepted it.
+
+        An int subkey is owned: until it expires only this node's identity may refresh it. A str subkey (at most
+        10 characters) is shared: anyone may extend it and the longest-living entry wins (see
+        :mod:`dmoe.dht.storage`). Values are printable ASCII without spaces, quotes or backslashes, at most
+        ``config.max_value_bytes`` bytes. Raises ValueError for a value or subkey no node would accept.
+        """
+        return self.store_many({key: {subkey: (value, expiration_time)}})[key][subkey] is True
+
+    def store_many(self, records: Mapping[str, Mapping[Subkey, tuple[str, float]]]
+                   ) -> dict[str, dict[Subkey, bool | str]]:
+        """Stores several records' entries concurrently: ``{key: {subkey: (value, expiration_time)}}``.
+
+        Returns per key and subkey True when at least one replica accepted the entry, False when none did
+        (unreachable or already superseded) or the reason a replica refused it (a full record, another owner).
+        """
+        signed: dict[str, Record] = {}
+        for key, entries in records.items():
+            signed[key] = {}
+            for subkey, (value, expiration_time) in entries.items():
+                check_entry(subkey, value, expiration_time, self.config.max_value_bytes)
+                expiration_time = round(float(expiration_time), 3)  # signed exactly as sent
+                signed[key][subkey] = self.node.identity.entry(digest(key), subkey, value, expiration_time)
+        replies = self.run_coroutine(self.node.store_records(signed))
+        return {key: dict(zip(signed[key], replies[key])) for key in signed}
+
+    def get(self, key: str) -> Record:
+        """The live entries of ``key``'s record, each validly signed by its owner: ``{subkey: Entry(value,
+        expiration, owner, signature)}``; empty when nothing is stored."""
+        return self.get_many([key])[key]
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, Record]:
+        """:meth:`get` for several keys, looked up concurrently."""
+        return self.run_coroutine(self.node.get_records(list(keys)))
 
     def declare_experts(self, uids: Sequence[str], endpoint: str, expiration: float | None = None) -> list[bool]:
         """Declares ``uids`` served at ``endpoint`` for ``expiration`` seconds (default from the config).

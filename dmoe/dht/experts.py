@@ -75,17 +75,9 @@ async def declare_experts(node: DHTNode, uids: Sequence[str], endpoint: str,
     # rounded to milliseconds: shorter in every reply, and signed exactly as sent
     records, places = declaration_records(uids, endpoint, round(time.time() + expiration, 3),
                                           config.max_record_subkeys, node.identity)
-    replies = await asyncio.gather(*(node.store_record(key, records[key], nodes)
-                                     for key, nodes in zip(keys, replicas)))
-    # entries a replica refused (a full record, another owner) would be refused again
-    readable = {key: {subkey: entry for (subkey, entry), result in zip(records[key].items(), reply)
-                      if not isinstance(result, str)} for key, reply in zip(keys, replies)}
-    repaired = await asyncio.gather(*(node.make_readable(key, readable[key]) for key in keys if readable[key]))
-    if any(repaired):
-        log.info("%d of %d declared records had not reached some of the nodes readers ask; stored there now",
-                 sum(map(bool, repaired)), len(keys))
+    replies = await node.store_records({key: records[key] for key in keys}, replicas)  # in the replicas' order
     stored: dict[tuple[str, int | str], bool | str] = {}
-    for key, reply in zip(keys, replies):
+    for key, reply in replies.items():
         for subkey, result in zip(records[key], reply):
             stored[key, subkey] = result
             if isinstance(result, str):

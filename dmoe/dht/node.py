@@ -182,6 +182,27 @@ class DHTNode(Server):
                     results[index] = result
         return results
 
+    async def store_records(self, records: dict[str, Record], replicas: Sequence[list[Node]] | None = None
+                            ) -> dict[str, list[bool | str]]:
+        """Stores several records concurrently (see :meth:`store_record`), then makes each readable where readers
+        look (:meth:`make_readable`); returns, per key, the result of each entry in order.
+
+        ``replicas``: the replicas of each key in ``records``' order, when the caller already found them.
+        """
+        keys = list(records)
+        if replicas is None:
+            replicas = await asyncio.gather(*(self.find_replicas(digest(key)) for key in keys))
+        replies = await asyncio.gather(*(self.store_record(key, records[key], nodes)
+                                         for key, nodes in zip(keys, replicas)))
+        # entries a replica refused (a full record, another owner) would be refused again
+        readable = {key: {subkey: entry for (subkey, entry), result in zip(records[key].items(), reply)
+                          if not isinstance(result, str)} for key, reply in zip(keys, replies)}
+        repaired = await asyncio.gather(*(self.make_readable(key, readable[key]) for key in keys if readable[key]))
+        if any(repaired):
+            log.info("%d of %d stored records had not reached some of the nodes readers ask; stored there now",
+                     sum(map(bool, repaired)), len(keys))
+        return dict(zip(keys, replies))
+
     async def make_readable(self, key: str, record: Record) -> int:
         """Stores ``record``'s entries on those of the ``read_width`` closest responding nodes (the nodes a reader
         merges) that lack them at this expiration; returns how many nodes lacked some.

@@ -89,7 +89,7 @@ VALUE_PATTERN = re.compile(r"[!#-\[\]-~]*")
 MAX_STR_SUBKEY = 10
 
 
-def _check_entry(subkey: Any, value: Any, expiration: Any, max_value_bytes: int) -> None:
+def check_entry(subkey: Any, value: Any, expiration: Any, max_value_bytes: int) -> None:
     if isinstance(subkey, bool) or not isinstance(subkey, (int, str)):
         raise MalformedRequest("a subkey must be an int or a str")
     if isinstance(subkey, int) and not 0 <= subkey < 2**31 or isinstance(subkey, str) and (
@@ -112,7 +112,7 @@ def record_from_wire(entries: Any, max_value_bytes: int = 1 << 16) -> Record:
         if not isinstance(entry, (list, tuple)) or len(entry) != 5:
             raise MalformedRequest("a record entry must be [subkey, value, expiration, owner, signature]")
         subkey, value, expiration, owner, signature = entry
-        _check_entry(subkey, value, expiration, max_value_bytes)
+        check_entry(subkey, value, expiration, max_value_bytes)
         if not isinstance(owner, bytes) or not isinstance(signature, bytes) or len(owner) > PUBLIC_KEY_BYTES \
                 or len(signature) > SIGNATURE_BYTES:
             raise MalformedRequest("owner and signature must be bytes (32 and 64)")
@@ -249,7 +249,7 @@ def _verified_record(entries: Any, auth: bytes, key: bytes, verifier: Callable[.
         if not isinstance(entry, list) or len(entry) != 3:
             raise MalformedRequest("a record entry must be [subkey, value, expiration]")
         subkey, value, expiration = entry
-        _check_entry(subkey, value, expiration, max_value_bytes)
+        check_entry(subkey, value, expiration, max_value_bytes)
         offset = index * AUTH_BYTES
         owner, signature = auth[offset:offset + PUBLIC_KEY_BYTES], auth[offset + PUBLIC_KEY_BYTES:offset + AUTH_BYTES]
         if verifier(key, subkey, value, float(expiration), owner, signature):
