@@ -2,8 +2,10 @@
 
 Experts live on volunteers' expert servers (:class:`ExpertServer`), announce themselves in a Kademlia DHT
 (:class:`DHT`), and are mixed by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best
-alive experts with :func:`beam_search` and calls them over gRPC.
+alive experts with :func:`beam_search` and calls them over gRPC. Trainers average their dense parameters with
+:class:`DecentralizedAverager` (Moshpit all-reduce in groups found through the DHT).
 """
+from dmoe.averaging import AveragerConfig, DecentralizedAverager, GroupInfo
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
 from dmoe.client.moe import LocalMixtureOfExperts, MoEStats, NoAliveExpertsError, RemoteMixtureOfExperts
@@ -32,9 +34,10 @@ from dmoe.uid import expand_pattern, grid_uids, split_uid
 __version__ = "0.1.0"
 
 __all__ = [
-    "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertAnnouncer", "ExpertBackend", "ExpertServer",
-    "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
-    "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig", "backward_future",
-    "backward_futures", "beam_search", "create_expert", "expand_pattern", "expert_class_names", "expert_info",
-    "forward_future", "forward_futures", "grid_uids", "register_expert_class", "split_uid",
+    "AveragerConfig", "BanConfig", "Bans", "DHT", "DHTConfig", "DecentralizedAverager", "ExpertAnnouncer",
+    "ExpertBackend", "ExpertServer", "GroupInfo", "LocalMixtureOfExperts", "LocalSwarm", "MoEStats",
+    "NoAliveExpertsError", "PrefixCache", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime",
+    "ServerConfig", "SwarmConfig", "backward_future", "backward_futures", "beam_search", "create_expert",
+    "expand_pattern", "expert_class_names", "expert_info", "forward_future", "forward_futures", "grid_uids",
+    "register_expert_class", "split_uid",
 ]

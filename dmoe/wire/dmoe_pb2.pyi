@@ -107,3 +107,25 @@ class BatchResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ExpertResult]
     def __init__(self, results: _Optional[_Iterable[_Union[ExpertResult, _Mapping]]] = ...) -> None: ...
+
+class AveragingPart(_message.Message):
+    __slots__ = ("group_id", "sender", "weight", "values")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    sender: int
+    weight: float
+    values: Tensor
+    def __init__(self, group_id: _Optional[str] = ..., sender: _Optional[int] = ..., weight: _Optional[float] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AveragedPart(_message.Message):
+    __slots__ = ("contributors", "total_weight", "values")
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    contributors: _containers.RepeatedScalarFieldContainer[int]
+    total_weight: float
+    values: Tensor
+    def __init__(self, contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

@@ -355,3 +355,76 @@ class ExpertService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AveragingServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.reduce = channel.stream_stream(
+                '/dmoe.AveragingService/reduce',
+                request_serializer=dmoe_dot_wire_dot_dmoe__pb2.AveragingPart.SerializeToString,
+                response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.AveragedPart.FromString,
+                _registered_method=True)
+
+
+class AveragingServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def reduce(self, request_iterator, context):
+        """The owner answers once every member's values arrived or were refused, or allreduce_timeout passed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AveragingServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'reduce': grpc.stream_stream_rpc_method_handler(
+                    servicer.reduce,
+                    request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.AveragingPart.FromString,
+                    response_serializer=dmoe_dot_wire_dot_dmoe__pb2.AveragedPart.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dmoe.AveragingService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dmoe.AveragingService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AveragingService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def reduce(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dmoe.AveragingService/reduce',
+            dmoe_dot_wire_dot_dmoe__pb2.AveragingPart.SerializeToString,
+            dmoe_dot_wire_dot_dmoe__pb2.AveragedPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

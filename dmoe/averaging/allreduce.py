@@ -1,0 +1,373 @@
+"""Butterfly all-reduce inside one group: parts, the owner's checks and weighted average, the member's exchange.
+
+The tensors of every member are flattened into one float32 vector and cut into one contiguous part per member,
+sized in proportion to the bandwidth each declared (DeDLOC): a member in client mode owns an empty part. Each
+member streams its values of every part to that part's owner (scatter-reduce); the owner checks each piece as it
+arrives, and once every member delivered (or was refused, broke its stream, or ``allreduce_timeout`` passed) it
+averages the values it accepted, weighted, and streams the average back to every sender (all-gather).
+
+Agreement: an owner's answer names the members its average is over (its contributors). A member keeps the result
+only if every part came back and all owners name the same contributors, itself included. Otherwise (an owner died
+or answered garbage, or a refused or dying member reached some owners and not others) the members retry among
+those every owner accepted, minus the owners that failed, which every survivor computes alike from the same
+answers. A member that cannot agree keeps its own values: a mix of parts averaged over different sets of peers is
+never written, and neither is anything non-finite.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from dmoe.averaging.matchmaking import Group, Member
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
+from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, serialize
+
+log = logging.getLogger(__name__)
+
+#: the dtype parts travel and are averaged in (before any compression)
+DTYPE = torch.float32
+DTYPE_NAME = "float32"
+#: weights above this are refused: a sum of weights must stay finite and exact enough to divide by
+MAX_WEIGHT = 1e12
+
+
+class Refused(Exception):
+    """A stream refused by a part's owner, with the gRPC status to answer it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def partition(total: int, bandwidths: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` of each member's part of ``total`` values, sized in proportion to
+    ``bandwidths`` (0: an empty part). Every member computes the same bounds from the same published floats."""
+    shares = [max(0.0, float(b)) for b in bandwidths]
+    whole = sum(shares)
+    if not whole > 0:
+        raise ValueError("no member of the group accepts connections, nobody can own a part")
+    exact = [total * share / whole for share in shares]
+    sizes = [math.floor(x) for x in exact]
+    # the values left by rounding down go to the largest remainders (ties: the earlier member)
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in by_remainder[:total - sum(sizes)]:
+        sizes[i] += 1
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def bad_values(values: torch.Tensor, max_abs_value: float) -> str | None:
+    """Why ``values`` (float32, CPU) must be refused, or None. numpy's min and max: two passes, no copy, and no
+    torch thread team spinning on the gRPC thread afterwards."""
+    if values.numel() == 0:
+        return None
+    array = values.numpy()
+    low, high = float(array.min()), float(array.max())
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "holds NaN or Inf values"
+    if max_abs_value and max(-low, high) > max_abs_value:
+        return f"holds a value of magnitude {max(-low, high):.3g}, above the limit {max_abs_value:g} (max_abs_value)"
+    return None
+
+
+def decode_piece(message: dmoe_pb2.Tensor, room: int) -> torch.Tensor:
+    """A piece of a part (1-d float32, any compression, at most ``room`` values) as a float32 tensor; raises
+    :class:`Refused` naming what is wrong, before allocating anything for a wrong one."""
+    if message.dtype != DTYPE_NAME:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"values must be {DTYPE_NAME} (the dtype parts are averaged in), got {message.dtype or 'none'}")
+    if len(message.shape) != 1:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"a piece of a part must be 1-d, got shape {list(message.shape)}")
+    if message.shape[0] > room:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"wrong part size: a piece of {message.shape[0]} values exceeds the {room} left of the part")
+    try:
+        return deserialize(message, max_numel=room)
+    except (InvalidTensor, TensorTooLarge) as error:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"malformed piece: {error}") from None
+
+
+def encode_pieces(values: torch.Tensor, compression: int, piece_elements: int) -> list[dmoe_pb2.Tensor]:
+    return [serialize(values[i:i + piece_elements], compression) for i in range(0, values.numel(), piece_elements)]
+
+
+@dataclass
+class PartResult:
+    """An owner's average of its part, as every member (the owner included) will hold it."""
+
+    contributors: tuple[int, ...]
+    total_weight: float
+    pieces: list[dmoe_pb2.Tensor]  # what is streamed back, encoded once for every member
+    values: torch.Tensor | None    # None when nobody contributed
+
+
+class PartReducer:
+    """The owner's side of one part in one group: accepts each member's values once, checks every piece, and
+    averages what it accepted when everyone delivered or was dropped, or ``timeout`` seconds passed.
+
+    Lives on the averager's event loop (no locks: every method runs there). Refusals ban the sender from the group:
+    its values are thrown away and its later streams refused.
+    """
+
+    def __init__(self, group_id: str, members: Sequence[int], length: int, *, timeout: float, compression: int = NONE,
+                 max_abs_value: float = 0.0, piece_elements: int = 1 << 19):
+        self.group_id, self.members, self.length = group_id, frozenset(members), length
+        self.compression, self.max_abs_value, self.piece_elements = compression, max_abs_value, piece_elements
+        self.deadline = asyncio.get_running_loop().time() + timeout
+        self.values: dict[int, torch.Tensor] = {}
+        self.filled: dict[int, int] = {}
+        self.weights: dict[int, float] = {}
+        self.complete: set[int] = set()
+        self.dropped: dict[int, str] = {}
+        self.result: PartResult | None = None
+        self._done = asyncio.Event()
+
+    def time_left(self) -> float:
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    def ban(self, sender: int, refusal: Refused) -> Refused:
+        """Drops ``sender`` from the group with the reason it was refused; returns the refusal to raise."""
+        self.drop(sender, refusal.message)
+        return refusal
+
+    def drop(self, sender: int, reason: str) -> None:
+        if sender in self.members and sender not in self.complete and sender not in self.dropped:
+            log.info("group %s: dropped peer %s: %s", self.group_id, sender, reason)
+            self.dropped[sender] = reason
+            self.values.pop(sender, None)
+            self._check_done()
+
+    def begin(self, sender: int, weight: float) -> None:
+        """A sender's stream starts: it must be a member, not banned, not already streaming, with a sane weight."""
+        if sender not in self.members:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"peer {sender} is not a member of group {self.group_id}")
+        if sender in self.dropped:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"peer {sender} is banned from group {self.group_id}: {self.dropped[sender]}")
+        if sender in self.values or sender in self.complete:
+            raise self.ban(sender, Refused(grpc.StatusCode.ALREADY_EXISTS,
+                                           f"duplicate sender: peer {sender} already sent its part of group "
+                                           f"{self.group_id}; banned from the group"))
+        if self.result is not None:
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"group {self.group_id} was already averaged without peer {sender} (allreduce_timeout)")
+        if not (math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
+            raise self.ban(sender, Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"weight {weight} of peer {sender} is not a finite number in "
+                                           f"[0, {MAX_WEIGHT:g}]; banned from group {self.group_id}"))
+        self.values[sender] = torch.empty(self.length, dtype=DTYPE)
+        self.filled[sender] = 0
+        self.weights[sender] = weight
+
+    def add(self, sender: int, piece: dmoe_pb2.Tensor | torch.Tensor) -> None:
+        """The next piece of ``sender``'s values (a message, or a tensor for the owner's own values)."""
+        if sender not in self.values:  # dropped meanwhile (the deadline passed)
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, f"peer {sender} was dropped from group "
+                          f"{self.group_id}: {self.dropped.get(sender, 'the part was averaged without it')}")
+        room = self.length - self.filled[sender]
+        try:
+            values = decode_piece(piece, room) if isinstance(piece, dmoe_pb2.Tensor) else piece
+            problem = bad_values(values, self.max_abs_value)
+            if problem is not None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"the values of peer {sender} {problem}")
+        except Refused as refused:
+            raise self.ban(sender, Refused(refused.code, f"{refused.message}; peer {sender} is banned from group "
+                                                         f"{self.group_id}")) from None
+        start = self.filled[sender]
+        self.values[sender][start:start + values.numel()] = values
+        self.filled[sender] = start + values.numel()
+
+    def finish(self, sender: int) -> None:
+        """``sender``'s stream ended: its values count if they fill the part exactly."""
+        if sender not in self.values:
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"peer {sender} was dropped from group {self.group_id}: {self.dropped.get(sender, '')}")
+        if self.filled[sender] != self.length:
+            raise self.ban(sender, Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                           f"wrong part size: peer {sender} sent {self.filled[sender]} values, the part "
+                                           f"has {self.length}; banned from group {self.group_id}"))
+        self.complete.add(sender)
+        self._check_done()
+
+    def _check_done(self) -> None:
+        if self.result is None and self.members <= self.complete | self.dropped.keys():
+            self._finalize()
+
+    def _finalize(self) -> None:
+        contributors = tuple(sorted(self.complete))
+        total = sum(self.weights[s] for s in contributors)
+        values = None
+        if contributors:
+            coefficients = [self.weights[s] / total if total > 0 else 1 / len(contributors) for s in contributors]
+            values = self.values[contributors[0]].mul_(coefficients[0])  # reuses the buffer: it is not needed again
+            for sender, coefficient in zip(contributors[1:], coefficients[1:]):
+                values.add_(self.values[sender], alpha=coefficient)
+        pieces = encode_pieces(values, self.compression, self.piece_elements) if values is not None else []
+        if values is not None and self.compression != NONE:  # the owner keeps what the others will decode
+            values = torch.cat([deserialize(piece) for piece in pieces])
+        self.values.clear()
+        self.result = PartResult(contributors, total, pieces, values)
+        self._done.set()
+
+    async def wait(self) -> PartResult:
+        """The average, once every member delivered or was dropped; at the deadline, without the stragglers."""
+        try:
+            await asyncio.wait_for(self._done.wait(), self.time_left())
+        except asyncio.TimeoutError:
+            for sender in self.members - self.complete - self.dropped.keys():
+                self.drop(sender, "did not deliver its part within allreduce_timeout")
+            self._check_done()
+        assert self.result is not None
+        return self.result
+
+
+@dataclass
+class Outcome:
+    """What one owner answered a member, or why it did not."""
+
+    contributors: tuple[int, ...] | None = None
+    total_weight: float = 0.0
+    error: str | None = None
+
+
+async def send_and_receive(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: str, me: int, weight: float,
+                           values: torch.Tensor, out: torch.Tensor, *, compression: int, piece_elements: int,
+                           max_abs_value: float, timeout: float) -> Outcome:
+    """Streams ``values`` (this member's values of one part) to its owner and writes the average it answers into
+    ``out``; never raises (a failure is the outcome's ``error``)."""
+
+    async def requests():
+        for start in range(0, values.numel(), piece_elements):
+            piece = serialize(values[start:start + piece_elements], compression)  # encoded as it is sent
+            if start == 0:
+                yield dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight, values=piece)
+            else:
+                yield dmoe_pb2.AveragingPart(values=piece)
+
+    outcome, filled = Outcome(), 0
+    try:
+        call = stub.reduce(requests(), timeout=timeout)
+        async for reply in call:
+            if outcome.contributors is None:
+                outcome.contributors, outcome.total_weight = tuple(reply.contributors), reply.total_weight
+            try:
+                piece = decode_piece(reply.values, out.numel() - filled)
+            except Refused as refused:
+                return Outcome(error=f"malformed average: {refused.message}")
+            problem = bad_values(piece, max_abs_value)
+            if problem is not None:
+                return Outcome(error=f"the average {problem}")
+            out[filled:filled + piece.numel()] = piece
+            filled += piece.numel()
+    except grpc.aio.AioRpcError as error:
+        return Outcome(error=f"{error.code().name}: {error.details()}")
+    except Exception as error:  # noqa: BLE001 - an owner's failure, whatever it is, is this outcome
+        return Outcome(error=f"{type(error).__name__}: {error}")
+    if outcome.contributors is None or filled != out.numel() or not math.isfinite(outcome.total_weight):
+        return Outcome(error=f"incomplete average: {filled} of {out.numel()} values")
+    return outcome
+
+
+@dataclass
+class AllReduceResult:
+    contributors: tuple[int, ...]
+    total_weight: float
+    members: tuple[int, ...]            # of the attempt that succeeded
+    dropped: dict[int, str] = field(default_factory=dict)
+    attempts: int = 1
+
+
+def retry_group_id(group: Group, attempt: int, members: Sequence[Member]) -> str:
+    """The id of a retry among ``members``: a member that computed another set names another group, which the
+    others refuse as unknown, so no part is ever averaged over two different views of who survived."""
+    digest = hashlib.blake2b(",".join(str(m.peer_id) for m in members).encode(), digest_size=4).hexdigest()
+    return f"{group.group_id}.r{attempt}.{digest}"
+
+
+async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, out: torch.Tensor, *,
+                    stub_for: Callable[[str], dmoe_pb2_grpc.AveragingServiceStub],
+                    register: Callable[[str, PartReducer], None] | None,
+                    compression: int, piece_elements: int, max_abs_value: float, allreduce_timeout: float,
+                    join_timeout: float, max_retries: int, min_group_size: int, deadline: float,
+                    send: Callable[..., Awaitable[Outcome]] = send_and_receive) -> AllReduceResult | None:
+    """Averages ``flat`` with the group into ``out`` (never into ``flat``); None when the members could not agree.
+
+    ``register`` makes this peer's owned parts reachable by its gRPC service (None in client mode); ``deadline``
+    is ``time.monotonic()`` by which to give up.
+    """
+    members = list(group.members)
+    dropped: dict[int, str] = {}
+    for attempt in range(1 + max_retries):
+        group_id = group.group_id if attempt == 0 else retry_group_id(group, attempt, members)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.warning("group %s: out of time before attempt %d", group.group_id, attempt + 1)
+            return None
+        bounds = partition(flat.numel(), [m.bandwidth for m in members])
+        ids = [m.peer_id for m in members]
+        tasks: dict[int, Awaitable[Outcome]] = {}
+        for member, (start, end) in zip(members, bounds):
+            if end == start:
+                continue
+            if member.peer_id == me:
+                if register is None:
+                    raise RuntimeError("a peer in client mode cannot own a part")
+                reducer = PartReducer(group_id, ids, end - start, timeout=min(allreduce_timeout, left),
+                                      compression=compression, max_abs_value=max_abs_value,
+                                      piece_elements=piece_elements)
+                register(group_id, reducer)
+                tasks[me] = _own_part(reducer, me, weight, flat[start:end], out[start:end])
+            else:
+                tasks[member.peer_id] = send(
+                    stub_for(member.endpoint), group_id, me, weight, flat[start:end], out[start:end],
+                    compression=compression, piece_elements=piece_elements, max_abs_value=max_abs_value,
+                    timeout=min(allreduce_timeout + join_timeout + 5.0, left))
+        outcomes = dict(zip(tasks, await asyncio.gather(*tasks.values())))
+        failed = {owner: o.error for owner, o in outcomes.items() if o.error is not None}
+        views = {o.contributors for o in outcomes.values() if o.error is None}
+        if not failed and len(views) == 1:
+            contributors = next(iter(views))
+            if me in contributors:
+                total = next(iter(outcomes.values())).total_weight
+                dropped.update({pid: "refused or missing" for pid in ids if pid not in contributors})
+                return AllReduceResult(contributors, total, tuple(ids), dropped, attempt + 1)
+        accepted = set(ids).intersection(*views) if views else set()
+        for owner, error in failed.items():
+            dropped[owner] = error
+        survivors = [m for m in members if m.peer_id in accepted and m.peer_id not in failed]
+        log.info("group %s attempt %d: owners failed %s, %d different contributor lists; survivors %s",
+                 group.group_id, attempt + 1, failed or "none", len(views), [m.peer_id for m in survivors])
+        if (me not in {m.peer_id for m in survivors} or len(survivors) < min_group_size
+                or not any(m.bandwidth > 0 for m in survivors) or len(survivors) == len(members)):
+            return None
+        members = survivors
+    return None
+
+
+async def _own_part(reducer: PartReducer, me: int, weight: float, values: torch.Tensor,
+                    out: torch.Tensor) -> Outcome:
+    """The owner's own values go into its reducer without a network hop (checked like anyone's)."""
+    try:
+        reducer.begin(me, weight)
+        reducer.add(me, values)
+        reducer.finish(me)
+    except Refused as refused:
+        log.warning("this peer's own values were refused: %s", refused.message)
+    result = await reducer.wait()
+    if result.values is None:
+        return Outcome(error="nobody contributed to this peer's own part")
+    out.copy_(result.values)
+    return Outcome(result.contributors, result.total_weight)

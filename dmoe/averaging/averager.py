@@ -1,0 +1,255 @@
+"""``DecentralizedAverager``: averages a peer's tensors with peers found through the DHT, one Moshpit round per step.
+
+Threads: one asyncio loop (the gRPC server of the parts this peer owns, and its calls to other owners) and one
+step thread (matchmaking through the DHT's synchronous API, then waiting for the all-reduce on the loop). Both
+belong to the averager and stop in :meth:`DecentralizedAverager.shutdown`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Iterator, Mapping, Sequence
+
+import grpc
+import torch
+
+from dmoe.averaging import grid as moshpit
+from dmoe.averaging.allreduce import MAX_WEIGHT, AllReduceResult, Outcome, allreduce, send_and_receive
+from dmoe.averaging.config import AveragerConfig
+from dmoe.averaging.matchmaking import Matchmaker, Member, new_peer_id
+from dmoe.averaging.service import AveragingServicer
+from dmoe.dht import DHT
+from dmoe.wire import dmoe_pb2_grpc, grpc_options
+from dmoe.wire.codec import parse_compression
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What a step that averaged did.
+
+    members: the group as matchmaking formed it (peer ids, sorted); contributors: whose tensors the average is
+    over (members that died, stalled or were refused are left out); weight: what the averaged tensors weigh in the
+    next round (the contributors' mean weight, so that a full grid gives the exact weighted mean); dropped: members
+    left out, with the reason.
+    """
+
+    group_id: str
+    round: int
+    peer_id: int
+    members: tuple[int, ...]
+    contributors: tuple[int, ...]
+    weight: float
+    total_weight: float
+    attempts: int = 1
+    dropped: Mapping[int, str] = field(default_factory=dict)
+    matchmaking_s: float = 0.0
+    allreduce_s: float = 0.0
+
+
+class DecentralizedAverager:
+    """Averages ``tensors`` in place with other peers of averaging run ``prefix``, found through ``dht``.
+
+    Each :meth:`step` is one round of Moshpit SGD: matchmaking forms a group of up to ``target_group_size`` peers
+    through DHT records, then the group averages by butterfly all-reduce over gRPC (weighted by each member's
+    ``weight``). The tensors are written only once every part arrived and passed the checks, and only with the
+    average over one agreed set of members; otherwise they are left as they were.
+
+    Args:
+        tensors: floating-point tensors (any device), averaged as float32; keep using them, they are updated in
+            place (hold :meth:`get_tensors` while changing them, so a step never reads half an update).
+        dht: a running :class:`dmoe.DHT`; its signed records carry matchmaking.
+        prefix: the run's name: only averagers with the same prefix and the same tensor sizes average together.
+        config: :class:`AveragerConfig`; keyword arguments override its fields (``target_group_size=8``).
+        coordinates: this peer's cell in ``config.grid``; default random. Peers placed one per cell of a full grid
+            hold the exact average after ``len(grid)`` rounds.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], dht: DHT, prefix: str = "run1",
+                 config: AveragerConfig | None = None, *, coordinates: Sequence[int] | None = None, **overrides: Any):
+        known = {f.name for f in fields(AveragerConfig)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown averager settings {sorted(unknown)}; see AveragerConfig")
+        self.config = replace(config or AveragerConfig(), **overrides)
+        if not prefix or any(c.isspace() for c in prefix):
+            raise ValueError(f"prefix must be a non-empty name without spaces, got {prefix!r}")
+        self.tensors = list(tensors)
+        if not self.tensors or any(not t.is_floating_point() for t in self.tensors):
+            raise ValueError("averaging needs at least one tensor, all of them floating-point")
+        self.numel = sum(t.numel() for t in self.tensors)
+        if self.numel == 0:
+            raise ValueError("the tensors hold no values")
+        self.dht, self.prefix = dht, prefix
+        cfg = self.config
+        self.coordinates = (moshpit.check_coordinates(cfg.grid, coordinates) if coordinates is not None
+                            else moshpit.random_coordinates(cfg.grid))
+        self.compression = parse_compression(cfg.compression)
+        self.peer_id = new_peer_id()
+        #: the next round's number: peers that call step equally often stay in the same round
+        self.round = 0
+        #: what this peer's tensors weigh when a step is given no weight (after a step: its group's mean weight)
+        self.weight = 1.0
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._inflight: concurrent.futures.Future | None = None
+        self._stubs: dict[str, dmoe_pb2_grpc.AveragingServiceStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self._server: grpc.aio.Server | None = None
+        self.servicer: AveragingServicer | None = None
+        self.endpoint: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dmoe-averager-loop", daemon=True)
+        self._thread.start()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dmoe-averager-step")
+        try:
+            if not cfg.client_mode:
+                self.endpoint = self._run(self._serve(), timeout=30)
+        except BaseException:
+            self.shutdown()
+            raise
+        me = Member(self.peer_id, self.endpoint, 0.0 if cfg.client_mode else cfg.bandwidth)
+        self.matchmaker = Matchmaker(dht, me, cfg, self._stop)
+        log.info("averager %s of run %r: %d values in %d tensors, %s", self.peer_id, prefix, self.numel,
+                 len(self.tensors), f"serving at {self.endpoint}" if self.endpoint else "client mode")
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _serve(self) -> str:
+        cfg = self.config
+        self.servicer = AveragingServicer(self.prefix, cfg.join_timeout)
+        self._server = grpc.aio.server(options=grpc_options())
+        dmoe_pb2_grpc.add_AveragingServiceServicer_to_server(self.servicer, self._server)
+        port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"could not listen on {cfg.host}:{cfg.port}")
+        await self._server.start()
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _stub(self, endpoint: str) -> dmoe_pb2_grpc.AveragingServiceStub:
+        """A stub per endpoint, its channel created on the loop that uses it."""
+        stub = self._stubs.get(endpoint)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(endpoint, options=grpc_options())
+            self._channels.append(channel)
+            stub = self._stubs[endpoint] = dmoe_pb2_grpc.AveragingServiceStub(channel)
+        return stub
+
+    def step(self, weight: float | None = None, timeout: float | None = None, wait: bool = True
+             ) -> "GroupInfo | None | concurrent.futures.Future[GroupInfo | None]":
+        """One round: find a group and average with it. Returns its :class:`GroupInfo`, or None when the tensors
+        were left unchanged (nobody to average with, or the group could not agree in time).
+
+        weight: how much this peer's tensors count (samples since the last round); None: :attr:`weight`.
+        timeout: seconds for the whole step (default ``config.step_timeout``).
+        wait: False returns a ``concurrent.futures.Future`` at once; steps run one after another.
+        """
+        if self._closed:
+            raise RuntimeError("this averager is shut down")
+        if weight is not None and not (math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
+            raise ValueError(f"weight must be a finite number in [0, {MAX_WEIGHT:g}], got {weight}")
+        future = self._executor.submit(self._step, weight, timeout)
+        return future.result() if wait else future
+
+    def _step(self, weight: float | None, timeout: float | None) -> GroupInfo | None:
+        cfg = self.config
+        started = time.monotonic()
+        deadline = started + (cfg.step_timeout if timeout is None else timeout)
+        weight = self.weight if weight is None else float(weight)
+        round_number, self.round = self.round, self.round + 1
+        key = moshpit.group_key(self.prefix, round_number, cfg.grid, self.coordinates)
+        if self.servicer is not None:
+            self._loop.call_soon_threadsafe(self.servicer.begin_round, round_number)
+        group = self.matchmaker.find_group(round_number, key, time.time() + (deadline - time.monotonic()))
+        if group is None:
+            return None
+        matched = time.monotonic()
+        with self.lock:
+            flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in self.tensors])
+        out = torch.empty_like(flat)
+        running = asyncio.run_coroutine_threadsafe(allreduce(
+            group, self.peer_id, flat, weight, out, stub_for=self._stub,
+            register=self.servicer.register if self.servicer is not None else None,
+            compression=self.compression, piece_elements=cfg.piece_bytes // 4, max_abs_value=cfg.max_abs_value,
+            allreduce_timeout=cfg.allreduce_timeout, join_timeout=cfg.join_timeout, max_retries=cfg.max_retries,
+            min_group_size=cfg.min_group_size, deadline=deadline, send=self._send_part), self._loop)
+        self._inflight = running
+        try:
+            result: AllReduceResult | None = running.result(max(0.0, deadline - time.monotonic()) + 1.0)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            running.cancel()
+            log.warning("group %s: the all-reduce did not finish in time; tensors unchanged", group.group_id)
+            return None
+        finally:
+            self._inflight = None
+        if result is None:
+            log.warning("group %s: the members could not agree on an average; tensors unchanged", group.group_id)
+            return None
+        with self.lock, torch.no_grad():
+            offset = 0
+            for tensor in self.tensors:
+                tensor.copy_(out[offset:offset + tensor.numel()].view(tensor.shape))
+                offset += tensor.numel()
+        self.weight = result.total_weight / len(result.contributors)
+        self.coordinates = moshpit.coordinates_after(round_number, cfg.grid, self.coordinates,
+                                                     group.peer_ids.index(self.peer_id))
+        done = time.monotonic()
+        info = GroupInfo(group.group_id, round_number, self.peer_id, group.peer_ids, result.contributors,
+                         self.weight, result.total_weight, result.attempts, dict(result.dropped),
+                         matched - started, done - matched)
+        log.info("round %d: averaged with %d of %d members in %.2fs (+%.2fs matchmaking)", round_number,
+                 len(info.contributors), len(info.members), info.allreduce_s, info.matchmaking_s)
+        return info
+
+    async def _send_part(self, *args: Any, **kwargs: Any) -> Outcome:
+        """Sends this peer's values of one part to its owner and receives the average (test helpers that play a
+        misbehaving peer override it)."""
+        return await send_and_receive(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[list[torch.Tensor]]:
+        """The averaged tensors, locked: a step neither reads nor writes them while the caller holds them."""
+        with self.lock:
+            yield self.tensors
+
+    def shutdown(self) -> None:
+        """Stops matchmaking, any all-reduce in flight (the tensors are then left as they were), the gRPC server
+        and both threads; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._loop.is_running():
+            async def stop() -> None:
+                if self._server is not None:
+                    await self._server.stop(grace=0.5)
+                for channel in self._channels:
+                    await channel.close()
+            try:
+                self._run(stop(), timeout=10)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                log.warning("averager shutdown did not finish cleanly", exc_info=True)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> "DecentralizedAverager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,82 @@
+"""Settings of a :class:`~dmoe.averaging.DecentralizedAverager`, in one dataclass so programs can expose them as flags."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dmoe.wire.channels import STREAM_PART_BYTES
+from dmoe.wire.codec import parse_compression
+
+
+@dataclass
+class AveragerConfig:
+    """Knobs of decentralized averaging; every field has a sensible default.
+
+    target_group_size: most members of one group. With a Moshpit ``grid``, the grid's side (peers that share all
+        coordinates but one are meant to average together).
+    min_group_size: a peer that finds fewer members (itself included) when matchmaking ends averages with nobody.
+    matchmaking_time: seconds a leader waits for its group to fill up before it averages with whoever came.
+    allreduce_timeout: seconds a part's owner waits for every member's values (and a member for every owner's
+        answer) in one attempt; a member that has not delivered by then is dropped from the group.
+    max_retries: attempts after the first, among the members every survivor agrees on, when an attempt ends with
+        owners missing or reporting different contributors (a member died, stalled or was refused by some owners).
+    join_timeout: seconds an owner waits for a group it has not learnt from the DHT yet (a member may learn it a
+        little sooner) before it refuses the stream as an unknown group.
+    grid: Moshpit grid ``(M1, ..., Md)``: each round, peers that share all coordinates but the round's dimension
+        average together, then take their rank in the group as that coordinate, so ``M**d`` peers placed on a full
+        grid hold the exact global average after ``d`` rounds. Empty: every peer of the prefix is in one key.
+    bandwidth: this peer's declared bandwidth (any unit, the same for all peers): parts are sized in proportion.
+    client_mode: accept no connections (a peer behind NAT): no gRPC server, a part of size 0; the peer still sends
+        its values to every owner and receives their averages.
+    compression: ``'none'``, ``'float16'`` or ``'uint8'``, applied to every piece sent, both ways.
+    max_abs_value: owners refuse values of a larger magnitude (and members averages of one); 0: no limit.
+    host, port: where the gRPC server listens (port 0 picks a free one).
+    poll_period: seconds between DHT reads while matchmaking.
+    piece_bytes: bytes of values per streamed message.
+    declaration_ttl: seconds a matchmaking declaration lives past the declarer's deadline before a refresh, so
+        the others stop waiting for a peer that died soon after it declared.
+    """
+
+    target_group_size: int = 4
+    min_group_size: int = 2
+    matchmaking_time: float = 5.0
+    allreduce_timeout: float = 30.0
+    max_retries: int = 1
+    join_timeout: float = 3.0
+    grid: tuple[int, ...] = ()
+    bandwidth: float = 1.0
+    client_mode: bool = False
+    compression: str = "none"
+    max_abs_value: float = 1e6
+    host: str = "127.0.0.1"
+    port: int = 0
+    poll_period: float = 0.2
+    piece_bytes: int = STREAM_PART_BYTES
+    declaration_ttl: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.grid = tuple(int(side) for side in self.grid)
+        if not 2 <= self.min_group_size <= self.target_group_size:
+            raise ValueError(f"need 2 <= min_group_size <= target_group_size, got {self.min_group_size} and "
+                             f"{self.target_group_size}")
+        if any(side < 1 for side in self.grid):
+            raise ValueError(f"grid sides must be positive, got {self.grid}")
+        for name in ("matchmaking_time", "allreduce_timeout", "join_timeout", "poll_period", "declaration_ttl"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError(f"bandwidth must be positive and finite, got {self.bandwidth}")
+        if not self.max_abs_value >= 0:
+            raise ValueError(f"max_abs_value must be >= 0 (0: no limit), got {self.max_abs_value}")
+        if self.piece_bytes < 1024:
+            raise ValueError(f"piece_bytes must be at least 1024, got {self.piece_bytes}")
+        parse_compression(self.compression)  # raises ValueError naming the choices
+
+    @property
+    def step_timeout(self) -> float:
+        """How long a step may take at most when its caller gives no timeout: matchmaking (with the wait for a
+        smaller peer's declaration to expire), then every attempt with its join wait."""
+        matchmaking = 2 * self.matchmaking_time + 2 * self.declaration_ttl + 2 * self.poll_period
+        return matchmaking + (1 + self.max_retries) * (self.allreduce_timeout + self.join_timeout) + 5.0

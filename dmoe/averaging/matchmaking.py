@@ -1,0 +1,241 @@
+"""Matchmaking: peers that want to average find each other under one DHT key and agree on one member list.
+
+Every peer declares itself in record ``<prefix>.<round>.<group key>`` under its own peer id (an owned int subkey,
+so nobody else can rewrite it), with its endpoint, its bandwidth and a state: ``w`` waiting, ``x`` gone, or
+``L<n>.<nonce>`` leading a group of ``n``. The **leader** is the smallest waiting peer id not yet taken by another
+group: once it sees ``target_group_size`` waiting peers, or when its ``matchmaking_time`` is up and it sees at least
+``min_group_size``, it publishes the group in record ``<key>.<leader>.<nonce>`` (the group id): one entry per
+member, all owned by the leader's key, then marks itself as leading. Everyone else polls the key: a peer listed in
+a leader's group joins it; a peer left out of full groups waits for the next smallest waiting peer to lead (or
+leads itself). All members thus read the same list, signed by one key. A peer that finds nobody by its deadline
+marks itself gone and averages with no one.
+
+Waiting peers keep their declarations alive with short expirations, so a peer that dies while waiting stops
+holding the others up ``declaration_ttl`` seconds later; leaders take only peers whose declarations will live a
+little longer (``margin``), so that those still read the group before giving up.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from dmoe.averaging.config import AveragerConfig
+from dmoe.dht import DHT
+
+log = logging.getLogger(__name__)
+
+WAITING, GONE, LEADING = "w", "x", "L"
+_LEADING = re.compile(r"L(\d{1,4})\.([0-9a-f]{8})")
+#: largest peer id: ids are owned int subkeys of the DHT, which must lie in [0, 2**31)
+MAX_PEER_ID = 2**31 - 1
+
+
+def new_peer_id() -> int:
+    """A random peer id: the order of ids picks leaders, so it must not favour anyone."""
+    return secrets.randbelow(MAX_PEER_ID) + 1
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a group as the leader published it."""
+
+    peer_id: int
+    endpoint: str | None  # None: client mode, accepts no connections
+    bandwidth: float       # 0 for client mode: owns no part
+
+    def describe(self) -> str:
+        return f"{self.endpoint or '-'};{self.bandwidth:.6g}"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The outcome of matchmaking: the same for every member (they read it from one signed record)."""
+
+    group_id: str                # the DHT key of the group record; begins with "<prefix>.<round>."
+    round: int
+    leader: int
+    members: tuple[Member, ...]  # sorted by peer id: the order of the parts
+
+    @property
+    def peer_ids(self) -> tuple[int, ...]:
+        return tuple(m.peer_id for m in self.members)
+
+
+def parse_endpoint(text: str) -> str | None:
+    """``HOST:PORT`` as declared, ``None`` for ``-`` (client mode); raises ValueError for anything else."""
+    if text == "-":
+        return None
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad endpoint {text!r}")
+    return text
+
+
+def parse_member(peer_id: int, value: str) -> Member:
+    """A member from ``<endpoint>;<bandwidth>`` (a group entry or the first two fields of a declaration)."""
+    endpoint_text, _, bandwidth_text = value.partition(";")
+    endpoint = parse_endpoint(endpoint_text)
+    bandwidth = float(bandwidth_text)
+    if not math.isfinite(bandwidth) or bandwidth < 0:
+        raise ValueError(f"bad bandwidth {bandwidth_text!r}")
+    return Member(peer_id, endpoint, bandwidth if endpoint is not None else 0.0)
+
+
+@dataclass(frozen=True)
+class Declaration:
+    member: Member
+    state: str
+    expiration: float
+    owner: bytes
+
+
+def parse_declarations(record: Mapping) -> dict[int, Declaration]:
+    """The well-formed declarations of a key's record (int subkeys); malformed ones are skipped."""
+    found = {}
+    for subkey, entry in record.items():
+        if not isinstance(subkey, int) or isinstance(subkey, bool):
+            continue
+        try:
+            head, _, state = entry.value.rpartition(";")
+            member = parse_member(subkey, head)
+        except ValueError:
+            log.debug("skipping a malformed declaration %r of peer %s", entry.value, subkey)
+            continue
+        if state in (WAITING, GONE) or _LEADING.fullmatch(state):
+            found[subkey] = Declaration(member, state, entry.expiration, entry.owner)
+    return found
+
+
+class Matchmaker:
+    """Finds this peer's group for one round at a time through ``dht`` (see the module docstring).
+
+    ``stop`` (set by the averager's shutdown) ends a search early. Not thread-safe: one search at a time.
+    """
+
+    def __init__(self, dht: DHT, me: Member, config: AveragerConfig, stop: threading.Event):
+        self.dht, self.me, self.config, self.stop = dht, me, config, stop
+        self._expiration = 0.0  # of this peer's latest declaration: a later store must expire later to count
+        self.margin = max(1.0, 3 * config.poll_period)
+
+    def _declare(self, key: str, state: str, expiration: float) -> bool:
+        self._expiration = max(expiration, self._expiration + 0.01)
+        try:
+            return self.dht.store(key, self.me.peer_id, f"{self.me.describe()};{state}", self._expiration)
+        except (TimeoutError, RuntimeError) as error:
+            log.warning("could not declare in %s: %s", key, error)
+            return False
+
+    def find_group(self, round_number: int, key: str, deadline: float) -> Group | None:
+        """This peer's group for the round, or None when it found nobody before the matchmaking time (plus the
+        wait for smaller peers that were still alive) or the wall-clock ``deadline`` (``time.time()``) ran out."""
+        cfg = self.config
+        matchmaking_ends = time.time() + cfg.matchmaking_time
+        self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl)
+        groups: dict[int, Group] = {}  # leader id -> group read completely
+        unreadable: dict[int, float] = {}  # leader id -> since when its group could not be read in full
+        while not self.stop.is_set() and time.time() < deadline:
+            try:
+                declarations = parse_declarations(self.dht.get(key))
+            except (TimeoutError, RuntimeError) as error:
+                log.debug("matchmaking read of %s failed: %s", key, error)
+                declarations = None
+            if declarations is not None:
+                outcome = self._look(round_number, key, declarations, groups, unreadable, matchmaking_ends)
+                if outcome is not _WAIT:
+                    return outcome
+            self.stop.wait(cfg.poll_period * random.uniform(0.75, 1.25))
+        self._declare(key, GONE, self._expiration)
+        return None
+
+    def _look(self, round_number: int, key: str, declarations: dict[int, Declaration], groups: dict[int, Group],
+              unreadable: dict[int, float], matchmaking_ends: float) -> "Group | None | object":
+        """One look at the key's declarations: a group to join, one led now, None (gave up) or _WAIT."""
+        cfg, me = self.config, self.me.peer_id
+        leaders = {pid: d for pid, d in declarations.items() if d.state.startswith(LEADING)}
+        unread = [pid for pid in leaders if pid not in groups]
+        if unread:
+            self._read_groups(round_number, key, {pid: leaders[pid] for pid in unread}, groups)
+        for leader in sorted(groups):
+            if me in groups[leader].peer_ids:
+                return groups[leader]
+        now = time.time()
+        for pid in leaders:
+            if pid not in groups:
+                unreadable.setdefault(pid, now)
+        # a group not readable in full yet: who it took is unknown, so wait; but not for long, a leader that
+        # published a malformed group (or died half-way) must not hold up every larger peer
+        if any(pid not in groups and now - unreadable[pid] < self.margin for pid in leaders):
+            return _WAIT
+        taken = {pid for group in groups.values() for pid in group.peer_ids}
+        waiting = {pid: d for pid, d in declarations.items() if d.state == WAITING and pid not in taken}
+        waiting.pop(me, None)
+        if any(pid < me for pid in waiting):  # a smaller peer leads; stay visible until it does
+            if self._expiration - now < self.margin + 2 * cfg.poll_period:
+                self._declare(key, WAITING, now + cfg.declaration_ttl + self.margin)
+            return _WAIT
+        # this peer leads: the smallest waiting peer that no group has taken
+        available = [self.me] + [d.member for pid, d in sorted(waiting.items()) if d.expiration > now + self.margin]
+        if len(available) < cfg.target_group_size and now < matchmaking_ends:
+            return _WAIT
+        members = available[:cfg.target_group_size]
+        if len(members) < cfg.min_group_size or not any(m.endpoint for m in members):
+            log.info("matchmaking in %s: found %d peer(s) that can average, giving up", key, len(members))
+            self._declare(key, GONE, now + cfg.declaration_ttl)
+            return None
+        return self._lead(round_number, key, members)
+
+    def _lead(self, round_number: int, key: str, members: list[Member]) -> Group | None:
+        cfg = self.config
+        nonce = secrets.token_hex(4)
+        group_id = f"{key}.{self.me.peer_id}.{nonce}"
+        expiration = time.time() + cfg.matchmaking_time + cfg.declaration_ttl + 10.0
+        self._expiration = max(expiration, self._expiration + 0.01)
+        state = f"{LEADING}{len(members)}.{nonce}"
+        try:
+            results = self.dht.store_many({
+                group_id: {m.peer_id: (m.describe(), expiration) for m in members},
+                key: {self.me.peer_id: (f"{self.me.describe()};{state}", self._expiration)},
+            })
+        except (TimeoutError, RuntimeError) as error:
+            results = {"error": {0: str(error)}}
+        failed = [f"{subkey}: {result}" for record in results.values() for subkey, result in record.items()
+                  if result is not True]
+        if failed:
+            log.warning("could not publish group %s (%s); averaging with no one", group_id, ", ".join(failed))
+            self._declare(key, GONE, time.time() + cfg.declaration_ttl)
+            return None
+        members = sorted(members, key=lambda m: m.peer_id)
+        log.info("leading group %s of %d", group_id, len(members))
+        return Group(group_id, round_number, self.me.peer_id, tuple(members))
+
+    def _read_groups(self, round_number: int, key: str, leaders: dict[int, Declaration],
+                     groups: dict[int, Group]) -> None:
+        """Reads the groups of ``leaders``; keeps those readable in full (every entry signed by the leader)."""
+        ids = {pid: f"{key}.{pid}.{_LEADING.fullmatch(d.state).group(2)}" for pid, d in leaders.items()}
+        try:
+            records = self.dht.get_many(list(ids.values()))
+        except (TimeoutError, RuntimeError) as error:
+            log.debug("reading groups failed: %s", error)
+            return
+        for pid, group_id in ids.items():
+            declaration = leaders[pid]
+            size = int(_LEADING.fullmatch(declaration.state).group(1))
+            members = []
+            for subkey, entry in records.get(group_id, {}).items():
+                if isinstance(subkey, int) and entry.owner == declaration.owner:  # others may write there too
+                    try:
+                        members.append(parse_member(subkey, entry.value))
+                    except ValueError:
+                        pass
+            if len(members) == size and pid in {m.peer_id for m in members}:
+                groups[pid] = Group(group_id, round_number, pid, tuple(sorted(members, key=lambda m: m.peer_id)))
+
+
+_WAIT = object()

@@ -1,0 +1,126 @@
+"""The gRPC face of an averager: ``AveragingService.reduce`` streams, each a member's values of a part this peer owns.
+
+Every refusal is a gRPC status whose message names what is wrong (unknown round or group, not a member, duplicate
+sender, wrong dtype, shape or size, non-finite or too large values); refusals of a member's values also ban it
+from the group, and the round goes on for the others. Handlers run on the averager's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from dmoe.averaging.allreduce import PartReducer, Refused
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+#: groups whose reducers are kept (for late streams to get a clear answer); older ones are forgotten
+KEPT_GROUPS = 8
+#: rounds (the current one and the ones before) whose groups this peer still answers for
+KEPT_ROUNDS = 2
+
+
+class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
+    """Serves the parts this peer owns in the groups of averaging run ``prefix``.
+
+    join_timeout: how long a stream for a group of a current round waits for this peer to learn the group from
+        the DHT (a member may learn it sooner) before it is refused as unknown.
+    """
+
+    def __init__(self, prefix: str, join_timeout: float):
+        self.prefix, self.join_timeout = prefix, join_timeout
+        self.rounds: collections.deque[int] = collections.deque(maxlen=KEPT_ROUNDS)
+        self.groups: collections.OrderedDict[str, PartReducer] = collections.OrderedDict()
+        self._learnt: dict[str, asyncio.Event] = {}
+
+    def begin_round(self, round_number: int) -> None:
+        if round_number not in self.rounds:
+            self.rounds.append(round_number)
+
+    def register(self, group_id: str, reducer: PartReducer) -> None:
+        self.groups[group_id] = reducer
+        while len(self.groups) > KEPT_GROUPS:
+            self.groups.popitem(last=False)
+        event = self._learnt.pop(group_id, None)
+        if event is not None:
+            event.set()
+
+    async def _find(self, group_id: str) -> PartReducer:
+        if not group_id.startswith(self.prefix + "."):
+            raise Refused(grpc.StatusCode.NOT_FOUND,
+                          f"unknown group {group_id!r}: this peer averages run {self.prefix!r} only")
+        round_text = group_id[len(self.prefix) + 1:].split(".", 1)[0]
+        if not round_text.isdigit():
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"malformed group id {group_id!r}: no round number after "
+                                                     f"{self.prefix!r}")
+        if int(round_text) not in self.rounds:
+            at = f"round {self.rounds[-1]}" if self.rounds else "no round yet"
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"unknown round {int(round_text)} (this peer is at {at})")
+        reducer = self.groups.get(group_id)
+        if reducer is None:
+            event = self._learnt.setdefault(group_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), self.join_timeout)
+            except asyncio.TimeoutError:
+                self._learnt.pop(group_id, None)
+                raise Refused(grpc.StatusCode.NOT_FOUND,
+                              f"unknown group {group_id!r} in round {int(round_text)}: this peer is not in it "
+                              f"(or did not learn it within {self.join_timeout:g}s)") from None
+            reducer = self.groups[group_id]
+        return reducer
+
+    async def reduce(self, request_iterator: AsyncIterator[dmoe_pb2.AveragingPart],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[dmoe_pb2.AveragedPart]:
+        reducer, sender = None, None
+        try:
+            try:
+                first = await asyncio.wait_for(anext(request_iterator, None), self.join_timeout)
+            except asyncio.TimeoutError:
+                raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"no first message within {self.join_timeout:g}s of opening the stream") from None
+            if first is None:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              "empty stream: the first message must name the group and the sender")
+            reducer = await self._find(first.group_id)
+            reducer.begin(first.sender, first.weight)
+            sender = first.sender
+            try:
+                await asyncio.wait_for(self._receive(reducer, sender, first, request_iterator), reducer.time_left())
+            except asyncio.TimeoutError:
+                raise reducer.ban(sender, Refused(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"peer {sender} did not deliver its part of group "
+                    f"{reducer.group_id} within allreduce_timeout; dropped from the group")) from None
+            except Refused:
+                raise
+            except BaseException as error:  # the sender went away (cancelled, connection lost): not a refusal
+                reducer.drop(sender, f"its stream broke ({type(error).__name__})")
+                raise
+            result = await reducer.wait()
+        except Refused as refused:
+            await context.abort(refused.code, refused.message)
+            return
+        for index, piece in enumerate(result.pieces):
+            if index == 0:
+                yield dmoe_pb2.AveragedPart(contributors=result.contributors, total_weight=result.total_weight,
+                                            values=piece)
+            else:
+                yield dmoe_pb2.AveragedPart(values=piece)
+        if not result.pieces:
+            yield dmoe_pb2.AveragedPart(contributors=result.contributors, total_weight=result.total_weight)
+
+    @staticmethod
+    async def _receive(reducer: PartReducer, sender: int, first: dmoe_pb2.AveragingPart,
+                       request_iterator: AsyncIterator[dmoe_pb2.AveragingPart]) -> None:
+        if first.HasField("values"):
+            reducer.add(sender, first.values)
+        async for message in request_iterator:
+            if message.group_id or message.sender:
+                raise reducer.ban(sender, Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                                  f"peer {sender}: only the first message of a stream may name the "
+                                                  f"group and the sender; banned from group {reducer.group_id}"))
+            reducer.add(sender, message.values)
+        reducer.finish(sender)
