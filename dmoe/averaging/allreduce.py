@@ -144,11 +144,17 @@ class PartReducer:
         return refusal
 
     def drop(self, sender: int, reason: str) -> None:
-        if sender in self.members and sender not in self.complete and sender not in self.dropped:
-            log.info("group %s: dropped peer %s: %s", self.group_id, sender, reason)
-            self.dropped[sender] = reason
-            self.values.pop(sender, None)
-            self._check_done()
+        """Leaves ``sender`` out of the average (even if it delivered: a duplicate stream bans the first too),
+        unless the average was already taken with it."""
+        if sender not in self.members or sender in self.dropped:
+            return
+        if self.result is not None and sender in self.result.contributors:
+            return
+        log.info("group %s: dropped peer %s: %s", self.group_id, sender, reason)
+        self.dropped[sender] = reason
+        self.complete.discard(sender)
+        self.values.pop(sender, None)
+        self._check_done()
 
     def begin(self, sender: int, weight: float) -> None:
         """A sender's stream starts: it must be a member, not banned, not already streaming, with a sane weight."""
@@ -318,23 +324,25 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
             return None
         bounds = partition(flat.numel(), [m.bandwidth for m in members])
         ids = [m.peer_id for m in members]
+        mine = bounds[ids.index(me)]
+        reducer = None
+        if mine[1] > mine[0]:
+            if register is None:
+                raise RuntimeError("a peer in client mode cannot own a part")
+            reducer = PartReducer(group_id, ids, mine[1] - mine[0], timeout=min(allreduce_timeout, left),
+                                  compression=compression, max_abs_value=max_abs_value, piece_elements=piece_elements)
+            register(group_id, reducer)
         tasks: dict[int, Awaitable[Outcome]] = {}
         for member, (start, end) in zip(members, bounds):
             if end == start:
                 continue
             if member.peer_id == me:
-                if register is None:
-                    raise RuntimeError("a peer in client mode cannot own a part")
-                reducer = PartReducer(group_id, ids, end - start, timeout=min(allreduce_timeout, left),
-                                      compression=compression, max_abs_value=max_abs_value,
-                                      piece_elements=piece_elements)
-                register(group_id, reducer)
                 tasks[me] = _own_part(reducer, me, weight, flat[start:end], out[start:end])
             else:
-                tasks[member.peer_id] = send(
+                tasks[member.peer_id] = _dead_owner_leaves(reducer, member.peer_id, send(
                     stub_for(member.endpoint), group_id, me, weight, flat[start:end], out[start:end],
                     compression=compression, piece_elements=piece_elements, max_abs_value=max_abs_value,
-                    timeout=min(allreduce_timeout + join_timeout + 5.0, left))
+                    timeout=min(allreduce_timeout + join_timeout + 5.0, left)))
         outcomes = dict(zip(tasks, await asyncio.gather(*tasks.values())))
         failed = {owner: o.error for owner, o in outcomes.items() if o.error is not None}
         views = {o.contributors for o in outcomes.values() if o.error is None}
@@ -357,6 +365,17 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
     return None
 
 
+async def _dead_owner_leaves(reducer: PartReducer | None, owner: int, sending: Awaitable[Outcome]) -> Outcome:
+    """A member whose own part this peer could not reach is dead: it will not send its values of this peer's part
+    either, so this peer's part stops waiting for them (a member killed before its streams reached everyone would
+    otherwise hold up every part it never reached until allreduce_timeout)."""
+    outcome = await sending
+    if reducer is not None and outcome.error is not None and outcome.error.startswith(
+            f"{grpc.StatusCode.UNAVAILABLE.name}:"):
+        reducer.drop(owner, f"its own part was unreachable ({outcome.error})")
+    return outcome
+
+
 async def _own_part(reducer: PartReducer, me: int, weight: float, values: torch.Tensor,
                     out: torch.Tensor) -> Outcome:
     """The owner's own values go into its reducer without a network hop (checked like anyone's)."""
@@ -369,5 +388,8 @@ async def _own_part(reducer: PartReducer, me: int, weight: float, values: torch.
     result = await reducer.wait()
     if result.values is None:
         return Outcome(error="nobody contributed to this peer's own part")
+    problem = bad_values(result.values, max_abs_value=0.0)  # finite inputs can still overflow without a limit
+    if problem is not None:
+        return Outcome(error=f"the average of this peer's own part {problem}")
     out.copy_(result.values)
     return Outcome(result.contributors, result.total_weight)

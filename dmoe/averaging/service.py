@@ -89,7 +89,8 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
             reducer.begin(first.sender, first.weight)
             sender = first.sender
             try:
-                await asyncio.wait_for(self._receive(reducer, sender, first, request_iterator), reducer.time_left())
+                await asyncio.wait_for(self._receive(reducer, sender, first, request_iterator, context),
+                                       reducer.time_left())
             except asyncio.TimeoutError:
                 raise reducer.ban(sender, Refused(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"peer {sender} did not deliver its part of group "
@@ -100,6 +101,9 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                 reducer.drop(sender, f"its stream broke ({type(error).__name__})")
                 raise
             result = await reducer.wait()
+            if sender in reducer.dropped:  # banned after its values arrived (a duplicate stream)
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                              f"peer {sender} is banned from group {reducer.group_id}: {reducer.dropped[sender]}")
         except Refused as refused:
             await context.abort(refused.code, refused.message)
             return
@@ -114,7 +118,8 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
 
     @staticmethod
     async def _receive(reducer: PartReducer, sender: int, first: dmoe_pb2.AveragingPart,
-                       request_iterator: AsyncIterator[dmoe_pb2.AveragingPart]) -> None:
+                       request_iterator: AsyncIterator[dmoe_pb2.AveragingPart],
+                       context: grpc.aio.ServicerContext) -> None:
         if first.HasField("values"):
             reducer.add(sender, first.values)
         async for message in request_iterator:
@@ -123,4 +128,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                                                   f"peer {sender}: only the first message of a stream may name the "
                                                   f"group and the sender; banned from group {reducer.group_id}"))
             reducer.add(sender, message.values)
+        if context.cancelled():  # a sender that died mid-stream ends it too: dropped, not refused
+            reducer.drop(sender, "its stream broke")
+            raise asyncio.CancelledError
         reducer.finish(sender)

@@ -1,0 +1,240 @@
+"""Decentralized averaging between real processes on 127.0.0.1: exact weighted means in one group and on Moshpit
+grids, a peer killed or stalled mid all-reduce, hostile members and owners, compression.
+
+A DHT bootstrap node runs in its own process; peers run in ``tests/averaging_peers.py`` processes, many per process
+as threads (each with its own DHT node and gRPC server), every group spread over two processes. The runs of the
+module start together once (``runs``); each test checks its own run's saved tensors and reports.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import pytest
+import torch
+
+from dmoe import DHT, DecentralizedAverager
+from tests.averaging_peers import ATTACKS, STALLED, make_tensors, weight_of
+from tests.procs import Proc, processes, running
+
+#: matchmaking waits 30 s for a group to fill: the processes start at their own pace on a loaded machine
+QUICK = {"poll_period": 0.1, "piece_bytes": 262144, "matchmaking_time": 30.0}
+CLIENT = {"settings": {"client_mode": True}}
+
+JOBS = [
+    # one group, one round: a peer with 3x the bandwidth (a 3x part), peers in client mode (no part)
+    {"prefix": "one4", "indices": [0, 1, 2, 3], "weighted": True,
+     "peers": {"0": {"settings": {"bandwidth": 3.0}}, "3": CLIENT}},
+    {"prefix": "one8", "indices": list(range(8)), "weighted": True, "peers": {"6": CLIENT, "7": CLIENT}},
+    {"prefix": "one9", "indices": list(range(9)), "weighted": True, "peers": {"4": CLIENT}},
+    # full Moshpit grids: d rounds
+    {"prefix": "grid8", "indices": list(range(8)), "weighted": True, "grid": [2, 2, 2], "rounds": 3},
+    {"prefix": "grid9", "indices": list(range(9)), "weighted": True, "grid": [3, 3], "rounds": 2},
+    {"prefix": "float16", "indices": [0, 1, 2, 3], "weighted": True, "settings": {"compression": "float16"}},
+    {"prefix": "uint8", "indices": [0, 1, 2, 3], "weighted": True, "settings": {"compression": "uint8"}},
+    # failures: peer 3 stalls / attacks / lies as an owner
+    {"prefix": "stall", "indices": [0, 1, 2, 3], "settings": {"allreduce_timeout": 4.0},
+     "peers": {"3": {"behaviour": "stall"}}},
+    {"prefix": "hostile", "indices": [0, 1, 2, 3], "weighted": True, "rounds": len(ATTACKS),
+     "settings": {"allreduce_timeout": 10.0}, "peers": {"3": {"behaviour": "hostile"}}},
+    {"prefix": "liar", "indices": [0, 1, 2, 3], "settings": {"allreduce_timeout": 10.0},
+     "peers": {"3": {"behaviour": "bad-owner"}}},
+]
+
+
+@pytest.fixture(scope="module")
+def bootstrap() -> Iterator[str]:
+    with running("-m", "dmoe.dht", "--log-level", "WARNING") as proc:
+        yield proc.endpoint()
+
+
+def start_peers(bootstrap: str, out: Path, jobs: Sequence[dict[str, Any]]) -> Proc:
+    jobs = [{**job, "settings": {**QUICK, **job.get("settings", {})}} for job in jobs]  # run by one process
+    return Proc(["-m", "tests.averaging_peers", "--initial-peers", bootstrap, "--out", str(out),
+                 "--jobs", json.dumps(jobs)])
+
+
+def results_of(proc: Proc, timeout: float = 240.0) -> dict[tuple[str, int], dict]:
+    proc.popen.wait(timeout)
+    proc.wait_for("^result ", timeout=5)  # raises with the output if the process printed no result
+    found = {}
+    for line in proc.output:
+        if line.startswith("result "):
+            result = json.loads(line[len("result "):])
+            found[result["prefix"], result["index"]] = result
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs(bootstrap: str, tmp_path_factory) -> tuple[Path, dict[str, dict[int, dict]]]:
+    """Every job of JOBS at once, each job's peers split between two processes."""
+    out = tmp_path_factory.mktemp("averaging")
+    jobs = [job if job.get("grid") else
+            {**job, "settings": {"target_group_size": len(job["indices"]), **job.get("settings", {})}} for job in JOBS]
+    halves = [[{**job, "indices": job["indices"][:len(job["indices"]) // 2]} for job in jobs],
+              [{**job, "indices": job["indices"][len(job["indices"]) // 2:]} for job in jobs]]
+    with processes() as procs:
+        procs += [start_peers(bootstrap, out, jobs) for jobs in halves]
+        found = {key: result for proc in procs for key, result in results_of(proc).items()}
+    by_prefix: dict[str, dict[int, dict]] = {}
+    for (prefix, index), result in found.items():
+        by_prefix.setdefault(prefix, {})[index] = result
+    return out, by_prefix
+
+
+def job_results(runs, prefix: str) -> tuple[Path, dict[int, dict]]:
+    out, by_prefix = runs
+    results = by_prefix[prefix]
+    for result in results.values():
+        assert result["error"] is None, result["error"]
+    return out / prefix, results
+
+
+def weighted_mean(indices: Sequence[int], weighted: bool = True) -> list[torch.Tensor]:
+    weights = [weight_of(i, weighted) for i in indices]
+    tensors = [make_tensors(i) for i in indices]
+    return [sum(w * t[k] for w, t in zip(weights, tensors)) / sum(weights) for k in range(len(tensors[0]))]
+
+
+def saved(folder: Path, index: int, round_number: int = -1) -> list[torch.Tensor]:
+    if round_number < 0:
+        round_number = max(int(p.name.split(".r")[1].split(".")[0]) for p in folder.glob(f"peer{index}.r*.pt"))
+    return torch.load(folder / f"peer{index}.r{round_number}.pt")
+
+
+def assert_holds(folder: Path, indices: Sequence[int], expected: Sequence[torch.Tensor], round_number: int = -1,
+                 atol: float = 1e-5) -> None:
+    for index in indices:
+        for got, want in zip(saved(folder, index, round_number), expected):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"peer {index}: {m}")
+
+
+@pytest.mark.parametrize("prefix", ["one4", "one8", "one9"])
+def test_one_group_holds_the_exact_weighted_mean_after_one_round(runs, prefix):
+    folder, results = job_results(runs, prefix)
+    everyone = sorted(results)
+    assert_holds(folder, everyone, weighted_mean(everyone))
+    for result in results.values():
+        (info,) = result["infos"]
+        assert info["members"] == info["contributors"] and len(info["members"]) == len(everyone)
+        assert info["weight"] == pytest.approx(sum(weight_of(i) for i in everyone) / len(everyone))
+
+
+@pytest.mark.parametrize("prefix, grid", [("grid8", (2, 2, 2)), ("grid9", (3, 3))])
+def test_a_full_moshpit_grid_holds_the_exact_weighted_mean_after_d_rounds(runs, prefix, grid):
+    folder, results = job_results(runs, prefix)
+    everyone = sorted(results)
+    assert_holds(folder, everyone, weighted_mean(everyone), round_number=len(grid) - 1)
+    for result in results.values():
+        assert [len(info["members"]) for info in result["infos"]] == [max(grid)] * len(grid)
+
+
+def test_one_round_of_a_grid_averages_each_line_only(runs):
+    """After round 0 of a 3x3 grid a peer holds the mean of its line, not the global one: every round matters."""
+    folder, _ = job_results(runs, "grid9")
+    for column in range(3):  # round 0 frees dimension 0: cells (0, c), (1, c), (2, c), peers c, 3 + c, 6 + c
+        line = [column, 3 + column, 6 + column]
+        assert_holds(folder, line, weighted_mean(line), round_number=0)
+    assert not torch.allclose(saved(folder, 0, 0)[0], weighted_mean(range(9))[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("compression", ["float16", "uint8"])
+def test_compressed_rounds_stay_within_the_codec_error(runs, compression):
+    folder, results = job_results(runs, compression)
+    everyone = sorted(results)
+    exact, inputs = weighted_mean(everyone), [make_tensors(i) for i in everyone]
+    held = [saved(folder, i) for i in everyone]
+    for k, want in enumerate(exact):
+        got = held[0][k]
+        assert all(torch.equal(h[k], got) for h in held)  # every member holds the very same values
+        error = float((got - want).abs().max())
+        largest = max(float(x[k].abs().max()) for x in inputs) + float(want.abs().max())
+        if compression == "float16":
+            # each value is rounded to half precision twice (on its way to the owner, and back): 2**-11 each
+            assert 0 < error <= largest * 2**-11
+        else:
+            # one 8-bit step of a block's range each way (a weighted mean of the senders' steps, then the answer's)
+            spread = max(float(x[k].max() - x[k].min()) for x in inputs) + float(want.max() - want.min())
+            assert largest * 2**-11 < error <= spread / 255
+
+
+def test_a_member_stalling_past_allreduce_timeout_is_dropped_and_keeps_its_own_values(runs):
+    folder, results = job_results(runs, "stall")
+    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2], weighted=False))
+    assert_holds(folder, [3], make_tensors(3), atol=0)  # it could not agree with anyone: its own values, untouched
+    assert results[3]["infos"] == [None]
+    for index in range(3):
+        (info,) = results[index]["infos"]
+        assert len(info["contributors"]) == 3 and info["attempts"] == 2
+        assert 4 <= results[index]["seconds"][0] < 4 * 4  # waited allreduce_timeout for it, and not much longer
+
+
+def test_a_hostile_member_is_refused_with_clear_statuses_and_the_others_average_correctly(runs):
+    folder, results = job_results(runs, "hostile")
+    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2]))
+    first = results[0]["infos"][0]
+    (hostile_id,) = set(first["members"]) - set(first["contributors"])
+    for index in range(3):
+        for info in results[index]["infos"]:  # every round averaged, among the honest members only
+            assert info is not None and len(info["contributors"]) == 3 and hostile_id not in info["contributors"]
+    statuses: dict[str, list[dict]] = {}
+    for status in results[3]["statuses"]:
+        statuses.setdefault(status["attack"], []).append(status)
+    expected = {
+        "unknown round": ("NOT_FOUND", "unknown round 7"),
+        "unknown group": ("NOT_FOUND", "unknown group"),
+        "not a member": ("PERMISSION_DENIED", "not a member"),
+        "nan": ("INVALID_ARGUMENT", "NaN"),
+        "huge": ("INVALID_ARGUMENT", "above the limit"),
+        "short": ("INVALID_ARGUMENT", "wrong part size"),
+        "float64": ("INVALID_ARGUMENT", "must be float32"),
+        "2d": ("INVALID_ARGUMENT", "must be 1-d"),
+        "duplicate": ("ALREADY_EXISTS", "duplicate sender"),
+    }
+    for attack, (code, words) in expected.items():
+        assert any(s["code"] == code and words in s["message"] for s in statuses[attack]), (attack, statuses[attack])
+    for attack in ("nan", "huge", "short", "float64", "2d", "duplicate"):
+        assert any("banned" in s["message"] for s in statuses[attack]), (attack, statuses[attack])
+
+
+def test_an_owner_answering_nan_is_dropped_and_the_others_average_among_themselves(runs):
+    folder, results = job_results(runs, "liar")
+    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2], weighted=False))
+    assert results[3]["infos"] == [None]  # its own part failed its own check: it keeps its values (not NaN)
+    assert_holds(folder, [3], make_tensors(3), atol=0)
+    for index in range(3):
+        assert len(results[index]["infos"][0]["contributors"]) == 3
+
+
+def test_a_peer_killed_mid_allreduce_is_dropped_and_the_survivors_average_among_themselves(bootstrap, tmp_path):
+    kill = {"prefix": "kill", "weighted": True, "settings": {"allreduce_timeout": 20.0, "target_group_size": 4}}
+    with processes() as procs:
+        survivors = start_peers(bootstrap, tmp_path, [{**kill, "indices": [0, 1, 2]}])
+        victim = start_peers(bootstrap, tmp_path, [{**kill, "indices": [3], "peers": {"3": {"behaviour": "stall"}}}])
+        procs += [survivors, victim]
+        for _ in range(3):  # its streams to each of the 3 other owners have started
+            victim.wait_for(STALLED, timeout=120)
+        killed_at = time.monotonic()
+        victim.kill()  # SIGKILL
+        results = results_of(survivors)
+        returned_after = time.monotonic() - killed_at
+    assert returned_after < 20, f"survivors took {returned_after:.1f}s after the kill, more than allreduce_timeout"
+    assert_holds(tmp_path / "kill", [0, 1, 2], weighted_mean([0, 1, 2]))  # the survivors' mean, without the victim
+    for result in results.values():
+        assert result["error"] is None, result["error"]
+        (info,) = result["infos"]
+        assert len(info["members"]) == 4 and len(info["contributors"]) == 3 and info["attempts"] == 2
+
+
+def test_a_lone_peer_averages_with_nobody_and_leaves_its_tensors(bootstrap):
+    tensors = make_tensors(0)
+    with DHT(initial_peers=[bootstrap]) as dht, \
+            DecentralizedAverager([t.clone() for t in tensors], dht, "lone", matchmaking_time=1.0) as averager:
+        start = time.monotonic()
+        assert averager.step() is None
+        assert time.monotonic() - start < 10
+        assert all(torch.equal(a, b) for a, b in zip(averager.tensors, tensors))
+        assert averager.round == 1
