@@ -32,6 +32,8 @@ JOBS = [
     # full Moshpit grids: d rounds
     {"prefix": "grid8", "indices": list(range(8)), "weighted": True, "grid": [2, 2, 2], "rounds": 3},
     {"prefix": "grid9", "indices": list(range(9)), "weighted": True, "grid": [3, 3], "rounds": 2},
+    # every peer starts in the same cell: ranks taken as coordinates spread them over the grid
+    {"prefix": "crowd", "indices": [0, 1, 2, 3], "weighted": True, "grid": [2, 2], "cell": [0, 0], "rounds": 2},
     {"prefix": "float16", "indices": [0, 1, 2, 3], "weighted": True, "settings": {"compression": "float16"}},
     {"prefix": "uint8", "indices": [0, 1, 2, 3], "weighted": True, "settings": {"compression": "uint8"}},
     # failures: peer 3 stalls / attacks / lies as an owner
@@ -139,6 +141,17 @@ def test_one_round_of_a_grid_averages_each_line_only(runs):
         line = [column, 3 + column, 6 + column]
         assert_holds(folder, line, weighted_mean(line), round_number=0)
     assert not torch.allclose(saved(folder, 0, 0)[0], weighted_mean(range(9))[0], atol=1e-3)
+
+
+def test_peers_crowded_in_one_cell_spread_over_the_grid_and_reach_the_exact_mean(runs):
+    """Moshpit's rule: after averaging, a peer takes its rank in its group as the coordinate just averaged along,
+    so two pairs from one crowded cell of a 2x2 grid pair across in the next round."""
+    folder, results = job_results(runs, "crowd")
+    assert_holds(folder, [0, 1, 2, 3], weighted_mean([0, 1, 2, 3]), round_number=1)
+    for result in results.values():
+        first, second = result["infos"]
+        assert len(first["members"]) == len(second["members"]) == 2
+        assert set(first["members"]) & set(second["members"]) == {result["infos"][0]["peer_id"]}
 
 
 @pytest.mark.parametrize("compression", ["float16", "uint8"])
