@@ -7,7 +7,9 @@ module start together once (``runs``); each test checks its own run's saved tens
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -247,7 +249,28 @@ def test_a_lone_peer_averages_with_nobody_and_leaves_its_tensors(bootstrap):
     with DHT(initial_peers=[bootstrap]) as dht, \
             DecentralizedAverager([t.clone() for t in tensors], dht, "lone", matchmaking_time=1.0) as averager:
         start = time.monotonic()
-        assert averager.step() is None
+        future = averager.step(wait=False)
+        assert isinstance(future, concurrent.futures.Future)
+        assert future.result(timeout=30) is None
         assert time.monotonic() - start < 10
         assert all(torch.equal(a, b) for a, b in zip(averager.tensors, tensors))
         assert averager.round == 1
+
+
+def test_shutdown_ends_a_step_in_flight_and_stops_every_thread(bootstrap):
+    before = set(threading.enumerate())
+    with DHT(initial_peers=[bootstrap]) as dht:
+        averager = DecentralizedAverager(make_tensors(0), dht, "shutdown", matchmaking_time=60.0)
+        future = averager.step(wait=False)
+        deadline = time.monotonic() + 30
+        while averager.peer_id not in dht.get("shutdown.0.*"):  # it declared itself and waits for others
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        start = time.monotonic()
+        averager.shutdown()
+        assert time.monotonic() - start < 5
+        assert future.result(timeout=1) is None
+        with pytest.raises(RuntimeError, match="shut down"):
+            averager.step()
+    left = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith("dmoe")]
+    assert not left

@@ -165,3 +165,18 @@ def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path
         assert 0 <= float(r["p50_ms"]) <= float(r["p95_ms"]) <= float(r["max_ms"]) < 60_000
         if r["phase"].startswith("before_kill"):
             assert float(r["success_rate"]) == 1.0, r  # equal to brute force over the declared experts
+
+
+def test_averaging_benchmark_small_runs_and_a_full_grid_is_exact(tmp_path):
+    stdout = run_benchmark("bench_averaging.py", "--numel", "100000", "--peers", "2", "--rounds", "1",
+                           "--limit-repeats", "1", "--moshpit-grid", "2", "2", "--moshpit-rounds", "2",
+                           "--moshpit-processes", "1", "--fail-rates", "0", "--results", str(tmp_path))
+    last = stdout.strip().splitlines()[-1]
+    fields = dict(item.split("=") for item in last.split())
+    assert set(fields) == {"peers2_round_s", "peers2_fraction_of_limit", "moshpit4_err_after_2"}, last
+    assert float(fields["peers2_round_s"]) > 0 and float(fields["peers2_fraction_of_limit"]) > 0
+    assert float(fields["moshpit4_err_after_2"]) < 1e-5  # a full 2x2 grid holds the exact mean after 2 rounds
+    (row,) = read_csv(tmp_path / "bench_averaging.csv")
+    assert int(row["peers"]) == 2 and int(row["failed_peer_rounds"]) == 0
+    rounds = read_csv(tmp_path / "bench_averaging_moshpit.csv")
+    assert [int(r["averaged"]) for r in rounds] == [4, 4]
