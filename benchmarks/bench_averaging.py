@@ -88,8 +88,10 @@ async def stream_to(endpoint: str, numel: int, repeats: int) -> list[float]:
         stub = dmoe_pb2_grpc.AveragingServiceStub(channel)
         for _ in range(repeats + 1):  # the first one warms the connection up
             async def requests():
-                for start in range(0, numel, piece_elements):
-                    yield dmoe_pb2.AveragingPart(weight=numel, values=serialize(values[start:start + piece_elements]))
+                for start in range(0, numel, piece_elements):  # encoded as the averager encodes its pieces
+                    message = dmoe_pb2.AveragingPart(weight=numel)
+                    serialize(values[start:start + piece_elements], out=message.values)
+                    yield message
             began = time.perf_counter()
             async for reply in stub.reduce(requests(), timeout=600):
                 assert reply.total_weight == numel

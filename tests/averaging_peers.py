@@ -140,7 +140,9 @@ class LyingOwner(PartReducer):
         super()._finalize()
         if self.result is not None and self.result.values is not None:
             self.result.values.fill_(float("nan"))
-            self.result.pieces = [serialize(self.result.values)]
+            self.result.messages = [dmoe_pb2.AveragedPart(contributors=self.result.contributors,
+                                                          total_weight=self.result.total_weight,
+                                                          values=serialize(self.result.values))]
 
 
 def lying(register):

@@ -30,6 +30,16 @@ def test_float16_and_uint8_compression_errors_are_bounded():
     assert len(serialize(x, UINT8).buffer) == x.numel()
 
 
+@pytest.mark.parametrize("compression", [NONE, FLOAT16, UINT8])
+def test_serialize_into_a_field_of_a_larger_message_gives_the_same_tensor(compression):
+    x = torch.randn(3, 700)
+    part = dmoe_pb2.AveragingPart(group_id="g")
+    part.values.shape.append(99)  # whatever the field held before is replaced
+    serialize(x, compression, out=part.values)
+    assert part.values == serialize(x, compression)
+    assert torch.equal(deserialize(part.values), deserialize(serialize(x, compression)))
+
+
 def test_compression_leaves_integer_tensors_exact():
     x = torch.arange(1000)
     assert torch.equal(deserialize(serialize(x, UINT8)), x)

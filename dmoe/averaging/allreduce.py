@@ -100,18 +100,30 @@ def decode_piece(message: dmoe_pb2.Tensor, room: int) -> torch.Tensor:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"malformed piece: {error}") from None
 
 
-def encode_pieces(values: torch.Tensor, compression: int, piece_elements: int) -> list[dmoe_pb2.Tensor]:
-    return [serialize(values[i:i + piece_elements], compression) for i in range(0, values.numel(), piece_elements)]
-
-
 @dataclass
 class PartResult:
     """An owner's average of its part, as every member (the owner included) will hold it."""
 
     contributors: tuple[int, ...]
     total_weight: float
-    pieces: list[dmoe_pb2.Tensor]  # what is streamed back, encoded once for every member
-    values: torch.Tensor | None    # None when nobody contributed
+    messages: list[dmoe_pb2.AveragedPart]  # what is streamed back, encoded once for every member
+    values: torch.Tensor | None             # None when nobody contributed
+
+    @classmethod
+    def encode(cls, contributors: tuple[int, ...], total_weight: float, values: torch.Tensor | None,
+               compression: int, piece_elements: int) -> "PartResult":
+        messages = []
+        for start in range(0, values.numel() if values is not None else 0, piece_elements):
+            message = dmoe_pb2.AveragedPart()
+            serialize(values[start:start + piece_elements], compression, out=message.values)
+            messages.append(message)
+        if not messages:
+            messages.append(dmoe_pb2.AveragedPart())
+        messages[0].contributors.extend(contributors)
+        messages[0].total_weight = total_weight
+        if values is not None and compression != NONE:  # the owner keeps what the others will decode
+            values = torch.cat([deserialize(m.values) for m in messages])
+        return cls(contributors, total_weight, messages, values)
 
 
 class PartReducer:
@@ -221,11 +233,8 @@ class PartReducer:
             values = self.values[contributors[0]].mul_(coefficients[0])  # reuses the buffer: it is not needed again
             for sender, coefficient in zip(contributors[1:], coefficients[1:]):
                 values.add_(self.values[sender], alpha=coefficient)
-        pieces = encode_pieces(values, self.compression, self.piece_elements) if values is not None else []
-        if values is not None and self.compression != NONE:  # the owner keeps what the others will decode
-            values = torch.cat([deserialize(piece) for piece in pieces])
         self.values.clear()
-        self.result = PartResult(contributors, total, pieces, values)
+        self.result = PartResult.encode(contributors, total, values, self.compression, self.piece_elements)
         self._done.set()
 
     async def wait(self) -> PartResult:
@@ -257,11 +266,10 @@ async def send_and_receive(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: s
 
     async def requests():
         for start in range(0, values.numel(), piece_elements):
-            piece = serialize(values[start:start + piece_elements], compression)  # encoded as it is sent
-            if start == 0:
-                yield dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight, values=piece)
-            else:
-                yield dmoe_pb2.AveragingPart(values=piece)
+            message = dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight) if start == 0 else \
+                dmoe_pb2.AveragingPart()
+            serialize(values[start:start + piece_elements], compression, out=message.values)  # encoded as sent
+            yield message
 
     outcome, filled = Outcome(), 0
     try:

@@ -107,14 +107,8 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
         except Refused as refused:
             await context.abort(refused.code, refused.message)
             return
-        for index, piece in enumerate(result.pieces):
-            if index == 0:
-                yield dmoe_pb2.AveragedPart(contributors=result.contributors, total_weight=result.total_weight,
-                                            values=piece)
-            else:
-                yield dmoe_pb2.AveragedPart(values=piece)
-        if not result.pieces:
-            yield dmoe_pb2.AveragedPart(contributors=result.contributors, total_weight=result.total_weight)
+        for message in result.messages:
+            yield message
 
     @staticmethod
     async def _receive(reducer: PartReducer, sender: int, first: dmoe_pb2.AveragingPart,

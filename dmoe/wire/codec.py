@@ -69,8 +69,12 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def serialize(tensor: torch.Tensor, compression: int = NONE) -> dmoe_pb2.Tensor:
-    """Packs ``tensor`` (any device) into a message; compression applies to floating-point tensors only."""
+def serialize(tensor: torch.Tensor, compression: int = NONE, out: dmoe_pb2.Tensor | None = None) -> dmoe_pb2.Tensor:
+    """Packs ``tensor`` (any device) into a message; compression applies to floating-point tensors only.
+
+    ``out``: a Tensor field of a larger message to fill in place (returned). Passing a finished Tensor to the
+    larger message's constructor instead copies every byte of it once more.
+    """
     name = dtype_name(tensor.dtype)
     if not tensor.is_floating_point() or tensor.numel() == 0:
         compression = NONE
@@ -80,7 +84,12 @@ def serialize(tensor: torch.Tensor, compression: int = NONE) -> dmoe_pb2.Tensor:
         buffer, aux = _quantize_uint8(tensor)
     else:
         compression, buffer, aux = NONE, _raw_bytes(tensor), b""
-    return dmoe_pb2.Tensor(buffer=buffer, shape=tensor.shape, dtype=name, compression=compression, aux=aux)
+    if out is None:
+        return dmoe_pb2.Tensor(buffer=buffer, shape=tensor.shape, dtype=name, compression=compression, aux=aux)
+    out.Clear()
+    out.buffer, out.dtype, out.compression, out.aux = buffer, name, compression, aux
+    out.shape.extend(tensor.shape)
+    return out
 
 
 def _quantize_uint8(tensor: torch.Tensor) -> tuple[bytes, bytes]:
