@@ -128,7 +128,7 @@ class Matchmaker:
         self._expiration = max(expiration, self._expiration + 0.01)
         try:
             return self.dht.store(key, self.me.peer_id, f"{self.me.describe()};{state}", self._expiration)
-        except (TimeoutError, RuntimeError) as error:
+        except TimeoutError as error:
             log.warning("could not declare in %s: %s", key, error)
             return False
 
@@ -143,7 +143,7 @@ class Matchmaker:
         while not self.stop.is_set() and time.time() < deadline:
             try:
                 declarations = parse_declarations(self.dht.get(key))
-            except (TimeoutError, RuntimeError) as error:
+            except TimeoutError as error:
                 log.debug("matchmaking read of %s failed: %s", key, error)
                 declarations = None
             if declarations is not None:
@@ -203,7 +203,7 @@ class Matchmaker:
                 group_id: {m.peer_id: (m.describe(), expiration) for m in members},
                 key: {self.me.peer_id: (f"{self.me.describe()};{state}", self._expiration)},
             })
-        except (TimeoutError, RuntimeError) as error:
+        except TimeoutError as error:
             results = {"error": {0: str(error)}}
         failed = [f"{subkey}: {result}" for record in results.values() for subkey, result in record.items()
                   if result is not True]
@@ -221,7 +221,7 @@ class Matchmaker:
         ids = {pid: f"{key}.{pid}.{_LEADING.fullmatch(d.state).group(2)}" for pid, d in leaders.items()}
         try:
             records = self.dht.get_many(list(ids.values()))
-        except (TimeoutError, RuntimeError) as error:
+        except TimeoutError as error:
             log.debug("reading groups failed: %s", error)
             return
         for pid, group_id in ids.items():

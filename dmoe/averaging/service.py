@@ -60,17 +60,17 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
         if int(round_text) not in self.rounds:
             at = f"round {self.rounds[-1]}" if self.rounds else "no round yet"
             raise Refused(grpc.StatusCode.NOT_FOUND, f"unknown round {int(round_text)} (this peer is at {at})")
-        reducer = self.groups.get(group_id)
-        if reducer is None:
+        if group_id not in self.groups:
             event = self._learnt.setdefault(group_id, asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), self.join_timeout)
             except asyncio.TimeoutError:
-                self._learnt.pop(group_id, None)
-                raise Refused(grpc.StatusCode.NOT_FOUND,
-                              f"unknown group {group_id!r} in round {int(round_text)}: this peer is not in it "
-                              f"(or did not learn it within {self.join_timeout:g}s)") from None
-            reducer = self.groups[group_id]
+                self._learnt.pop(group_id, None)  # not kept: streams naming random groups must not pile up
+        reducer = self.groups.get(group_id)
+        if reducer is None:
+            raise Refused(grpc.StatusCode.NOT_FOUND,
+                          f"unknown group {group_id!r} in round {int(round_text)}: this peer is not in it "
+                          f"(or did not learn it within {self.join_timeout:g}s)")
         return reducer
 
     async def reduce(self, request_iterator: AsyncIterator[dmoe_pb2.AveragingPart],
