@@ -2,21 +2,27 @@
 
 1. The limit: 25M float32 (100 MB) through one gRPC stream from one process to another, in the pieces the
    averager sends (encoded, then decoded into a buffer on the other side, as an owner does).
-2. All-reduce: 2, 4, 8 and 16 peer processes, each with its own DHT node and 25M float32, average as one group
-   (``DecentralizedAverager.step``) for ``--rounds`` rounds. Seconds per round (the slowest peer's all-reduce, the
-   median over rounds) and bandwidth per peer: in a butterfly all-reduce each peer sends (and receives)
-   ``2 (n-1)/n`` times the tensor's bytes, which over the round's seconds is its effective bandwidth, set next to
-   the limit. Every peer process competes for the same cores, so the aggregate column (all peers' bandwidth over
-   the limit) says how much of the machine's single-stream throughput the group used.
-3. Moshpit: 16 peers on a 4x4 grid (threads in ``--moshpit-processes`` processes, each peer with its own DHT node
-   and gRPC server), each with its own random vector; after each round, the spread around the true mean relative
-   to the spread before averaging: sqrt(mean_i |x_i - mean|^2 / mean_i |x_i(0) - mean|^2). With a failure rate p,
-   ceil(p x peers) peers drawn at random (seeded) sit out each round: they keep their values and coordinates.
+2. All-reduce: 2, 4, 8 and 16 peer processes, each with its own DHT node and 25M float32, start together and
+   average as one group (``DecentralizedAverager.step``) for ``--rounds`` rounds. Seconds per round (the slowest
+   peer's all-reduce, the median over rounds) and bandwidth per peer: in a butterfly all-reduce each peer sends (and
+   receives) ``2 (n-1)/n`` times the tensor's bytes, which over the round's seconds is its effective bandwidth, set
+   next to the limit. On one machine every peer process competes for the same cores, which are then the "link":
+   the aggregate column (all peers' bandwidth over the limit) says how much of the machine's single-stream
+   throughput the group used.
+3. The same with every peer's uplink paced to ``--uplink-MBps`` (``AveragerConfig.max_send_rate``; the limit
+   is then one stream paced alike): the regime of peers on their own machines, where the link, not the CPU, is
+   the bottleneck. ``--paced-peers`` counts, 0 to skip.
+4. Moshpit: 16 peers on a 4x4 grid (threads in ``--moshpit-processes`` processes, each peer with its own DHT node
+   and gRPC server), each with its own random vector, one round per time slot (``--slot`` seconds, as a trainer
+   that averages every so often). After each round, the spread around the true mean relative to the spread
+   before averaging: sqrt(sum_i |x_i - mean|^2 / sum_i |x_i(0) - mean|^2). With a failure rate p, ceil(p x peers)
+   peers drawn at random (seeded) sit out each round: they keep their values and coordinates. Next to it, the same
+   plan simulated with perfectly timed rounds (numpy, no network): what the algorithm itself gives.
 
     python benchmarks/bench_averaging.py                       # the full run
-    python benchmarks/bench_averaging.py --numel 200000 --peers 2 4 --rounds 1 --moshpit-rounds 2  # seconds
+    python benchmarks/bench_averaging.py --numel 200000 --peers 2 4 --rounds 1 --paced-peers 0 --moshpit-rounds 2
 
-The last line reads ``peers8_round_s=... peers8_fraction_of_limit=... moshpit16_err_after_2=...``.
+The last line reads ``peers8_round_s=... peers8_fraction_of_limit=... moshpit16_err_after_2=...`` (unpaced).
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dmoe import DHT, AveragerConfig, DecentralizedAverager  # noqa: E402
-from dmoe.averaging.allreduce import decode_piece  # noqa: E402
+from dmoe.averaging.allreduce import SendPace, decode_piece  # noqa: E402
 from dmoe.averaging.grid import check_coordinates  # noqa: E402
 from dmoe.launch import Proc, processes  # noqa: E402
 from dmoe.wire import STREAM_PART_BYTES, dmoe_pb2, dmoe_pb2_grpc, grpc_options  # noqa: E402
@@ -80,10 +87,11 @@ async def serve_sink() -> None:
     await server.wait_for_termination()
 
 
-async def stream_to(endpoint: str, numel: int, repeats: int) -> list[float]:
+async def stream_to(endpoint: str, numel: int, repeats: int, rate: float) -> list[float]:
     values = vector(0, numel)
     piece_elements = STREAM_PART_BYTES // 4
     seconds = []
+    pace = SendPace(rate)
     async with grpc.aio.insecure_channel(endpoint, options=grpc_options()) as channel:
         stub = dmoe_pb2_grpc.AveragingServiceStub(channel)
         for _ in range(repeats + 1):  # the first one warms the connection up
@@ -91,6 +99,7 @@ async def stream_to(endpoint: str, numel: int, repeats: int) -> list[float]:
                 for start in range(0, numel, piece_elements):  # encoded as the averager encodes its pieces
                     message = dmoe_pb2.AveragingPart(weight=numel)
                     serialize(values[start:start + piece_elements], out=message.values)
+                    await pace.wait(message.ByteSize())
                     yield message
             began = time.perf_counter()
             async for reply in stub.reduce(requests(), timeout=600):
@@ -99,13 +108,14 @@ async def stream_to(endpoint: str, numel: int, repeats: int) -> list[float]:
     return seconds[1:]
 
 
-def single_stream_limit(numel: int, repeats: int) -> float:
-    """Bytes per second through one gRPC stream between two processes (the median of ``repeats``)."""
+def single_stream_limit(numel: int, repeats: int, rate: float = 0.0) -> float:
+    """Bytes per second through one gRPC stream between two processes (the median of ``repeats``), its sender
+    paced to ``rate`` bytes per second (0: as fast as it goes)."""
     with processes() as procs:
         procs.append(Proc([SCRIPT, "--role", "sink"]))
         endpoint = procs[0].wait_for(r"listening on (\S+)").group(1)
         procs.append(Proc([SCRIPT, "--role", "source", "--endpoint", endpoint, "--numel", str(numel),
-                           "--rounds", str(repeats)]))
+                           "--rounds", str(repeats), "--max-send-rate", str(rate)]))
         seconds = json.loads(procs[1].wait_for(r"^seconds (.*)", timeout=600).group(1))
     return numel * 4 / statistics.median(seconds)
 
@@ -118,7 +128,8 @@ def run_peers(args: argparse.Namespace) -> None:
     grid = tuple(args.grid)
     skip = json.loads(args.skip)  # round -> indices that sit it out
     config = AveragerConfig(target_group_size=args.target, grid=grid, matchmaking_time=args.matchmaking_time,
-                            allreduce_timeout=args.allreduce_timeout, poll_period=0.1)
+                            allreduce_timeout=args.allreduce_timeout, poll_period=0.1,
+                            max_send_rate=args.max_send_rate)
     with concurrent.futures.ThreadPoolExecutor(len(indices)) as pool:  # each may wait out dead contacts
         dhts = list(pool.map(lambda _: DHT(initial_peers=[args.initial_peers]), indices))
     cells = [None] * len(indices)
@@ -131,15 +142,21 @@ def run_peers(args: argparse.Namespace) -> None:
     if args.check:  # every peer's start is known from its index: the true mean, computed here
         mean = sum(vector(i, args.numel) for i in range(args.total)) / args.total
     lock = threading.Lock()
+    print("ready", flush=True)
+    start_file = Path(args.start_file)
+    while not start_file.exists():  # every peer of the run is up: the main process writes the start time
+        time.sleep(0.05)
+    started = json.loads(start_file.read_text())["t0"]
 
     def run(index: int, averager: DecentralizedAverager) -> None:
         for round_number in range(args.rounds):
+            time.sleep(max(0.0, started + round_number * args.slot - time.time()))
             if index in skip.get(str(round_number), []):
                 averager.round += 1  # sits this round out, keeps its values and coordinates
                 info = None
             else:
                 info = averager.step()
-            line = {"round": round_number, "index": index, "averaged": info is not None,
+            line = {"round": round_number, "index": index, "peer_id": averager.peer_id, "averaged": info is not None,
                     "allreduce_s": info.allreduce_s if info else None,
                     "matchmaking_s": info.matchmaking_s if info else None,
                     "members": len(info.members) if info else 0}
@@ -161,16 +178,27 @@ def run_peers(args: argparse.Namespace) -> None:
 
 
 def start_peers(initial_peers: str, prefix: str, indices: list[int], args: argparse.Namespace, *, numel: int,
-                rounds: int, target: int, total: int, grid=(), skip=None, check=False) -> Proc:
+                rounds: int, target: int, total: int, start_file: Path, grid=(), skip=None, check=False,
+                slot: float = 0.0, rate: float = 0.0) -> Proc:
     command = [SCRIPT, "--role", "peers", "--initial-peers", initial_peers, "--prefix", prefix, "--numel", str(numel),
                "--rounds", str(rounds), "--target", str(target), "--total", str(total),
                "--matchmaking-time", str(args.matchmaking_time), "--allreduce-timeout", str(args.allreduce_timeout),
-               "--skip", json.dumps(skip or {}), "--indices", *map(str, indices)]
+               "--skip", json.dumps(skip or {}), "--start-file", str(start_file), "--slot", str(slot),
+               "--max-send-rate", str(rate), "--indices", *map(str, indices)]
     if grid:
         command += ["--grid", *map(str, grid)]
     if check:
         command.append("--check")
     return Proc(command, env={"OMP_NUM_THREADS": "1"})
+
+
+def start_together(procs: list[Proc], start_file: Path) -> None:
+    """Waits until every peer process is up, then tells them all to begin (a common start, not a fixed sleep)."""
+    for proc in procs:
+        proc.wait_for("^ready", timeout=600)
+    temporary = start_file.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"t0": time.time() + 0.5}))
+    temporary.rename(start_file)
 
 
 def rounds_of(procs: list[Proc], timeout: float) -> list[dict]:
@@ -181,11 +209,14 @@ def rounds_of(procs: list[Proc], timeout: float) -> list[dict]:
     return lines
 
 
-def allreduce_row(peers: int, limit: float, dht: DHT, args: argparse.Namespace) -> dict:
+def allreduce_row(peers: int, limit: float, dht: DHT, args: argparse.Namespace, rate: float = 0.0) -> dict:
+    start_file = args.work / f"start-ar{peers}-{int(rate)}.json"
     with processes() as procs:
-        procs += [start_peers(dht.endpoint, f"ar{peers}", [i], args, numel=args.numel, rounds=args.rounds,
-                              target=peers, total=peers) for i in range(peers)]
-        lines = rounds_of(procs, timeout=600)
+        procs += [start_peers(dht.endpoint, f"ar{peers}-{int(rate)}", [i], args, numel=args.numel,
+                              rounds=args.rounds, target=peers, total=peers, start_file=start_file, rate=rate)
+                  for i in range(peers)]
+        start_together(procs, start_file)
+        lines = rounds_of(procs, timeout=1800)
     failed = [line for line in lines if not line["averaged"]]
     if failed:
         logging.warning("%d of %d peer-rounds did not average", len(failed), len(lines))
@@ -193,7 +224,8 @@ def allreduce_row(peers: int, limit: float, dht: DHT, args: argparse.Namespace) 
                  for r in range(args.rounds) if any(line["averaged"] for line in lines if line["round"] == r)]
     round_s = statistics.median(per_round)
     per_peer = 2 * (peers - 1) / peers * args.numel * 4 / round_s
-    return {"peers": peers, "numel": args.numel, "rounds": len(per_round), "round_s": round(round_s, 3),
+    return {"peers": peers, "uplink_MBps": round(rate / 1e6, 1) if rate else "-", "numel": args.numel,
+            "rounds": len(per_round), "round_s": round(round_s, 3),
             "peer_MBps": round(per_peer / 1e6, 1), "limit_MBps": round(limit / 1e6, 1),
             "fraction_of_limit": round(per_peer / limit, 3), "aggregate_fraction": round(peers * per_peer / limit, 3),
             "failed_peer_rounds": len(failed), "load_avg": round(os.getloadavg()[0], 2)}
@@ -205,31 +237,62 @@ def moshpit_rows(fail_rate: float, dht: DHT, args: argparse.Namespace) -> list[d
     out_per_round = math.ceil(fail_rate * total)  # 10% of 16: 2 peers (12.5%) sit out every round
     skip = {str(r): sorted(rng.sample(range(total), out_per_round)) for r in range(args.moshpit_rounds)}
     split = [list(range(total))[p::args.moshpit_processes] for p in range(args.moshpit_processes)]
+    start_file = args.work / f"start-mosh{int(fail_rate * 100)}.json"
     with processes() as procs:
         procs += [start_peers(dht.endpoint, f"mosh{int(fail_rate * 100)}", indices, args, numel=args.moshpit_numel,
                               rounds=args.moshpit_rounds, target=max(args.moshpit_grid), total=total,
-                              grid=args.moshpit_grid, skip=skip, check=True) for indices in split]
-        lines = rounds_of(procs, timeout=600)
+                              start_file=start_file, grid=args.moshpit_grid, skip=skip, check=True, slot=args.slot)
+                  for indices in split]
+        start_together(procs, start_file)
+        lines = rounds_of(procs, timeout=1800)
     vectors = [vector(i, args.moshpit_numel) for i in range(total)]
     mean = sum(vectors) / total
     start = sum(float((v - mean).pow(2).sum()) for v in vectors)
+    ids = {line["index"]: line["peer_id"] for line in lines}
+    simulated = simulate_moshpit(vectors, args.moshpit_grid, skip, args.moshpit_rounds, [ids[i] for i in range(total)])
     rows = []
     for r in range(args.moshpit_rounds):
         done = [line for line in lines if line["round"] == r]
         error = math.sqrt(sum(line["err2"] for line in done) / start)
         rows.append({"grid": "x".join(map(str, args.moshpit_grid)), "fail_rate": fail_rate, "round": r + 1,
                      "sat_out": len(skip[str(r)]), "averaged": sum(line["averaged"] for line in done),
-                     "relative_error": error})
+                     "relative_error": error, "simulated_error": simulated[r]})
     return rows
+
+
+def simulate_moshpit(vectors: list[torch.Tensor], grid: list[int], skip: dict[str, list[int]], rounds: int,
+                     ids: list[int]) -> list[float]:
+    """The same plan with perfectly timed rounds: each key's waiting peers in groups of the grid's side (by peer id,
+    as leaders take them), averaged, ranks becoming coordinates. What the algorithm gives without the network."""
+    x = torch.stack(vectors).double()
+    mean = x.mean(0)
+    start = float((x - mean).pow(2).sum())
+    cells = [[(i // math.prod(grid[d + 1:])) % grid[d] for d in range(len(grid))] for i in range(len(vectors))]
+    side, errors = max(grid), []
+    for r in range(rounds):
+        free = r % len(grid)
+        keys: dict[tuple, list[int]] = {}
+        for i, cell in enumerate(cells):
+            if i not in skip[str(r)]:
+                keys.setdefault(tuple(c for d, c in enumerate(cell) if d != free), []).append(i)
+        for members in keys.values():
+            members.sort(key=lambda i: ids[i])
+            for group in (members[k:k + side] for k in range(0, len(members), side)):
+                if len(group) >= 2:
+                    x[group] = x[group].mean(0)
+                    for rank, i in enumerate(group):
+                        cells[i][free] = rank % grid[free]
+        errors.append(math.sqrt(float((x - mean).pow(2).sum()) / start))
+    return errors
 
 
 def print_table(rows: list[dict]) -> None:
     keys = list(rows[0])
-    widths = [max(len(k), *(len(f"{row[k]:.3g}" if isinstance(row[k], float) and k == "relative_error" else
-                                str(row[k])) for row in rows)) for k in keys]
+    widths = [max(len(k), *(len(f"{row[k]:.3g}" if k.endswith("_error") else str(row[k])) for row in rows))
+              for k in keys]
     print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
     for row in rows:
-        cells = [f"{row[k]:.3g}" if k == "relative_error" else str(row[k]) for k in keys]
+        cells = [f"{row[k]:.3g}" if k.endswith("_error") else str(row[k]) for k in keys]
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
 
 
@@ -252,6 +315,9 @@ def main() -> None:
     parser.add_argument("--moshpit-rounds", type=int, default=4)
     parser.add_argument("--moshpit-processes", type=int, default=2)
     parser.add_argument("--fail-rates", type=float, nargs="+", default=[0.0, 0.1])
+    parser.add_argument("--uplink-MBps", type=float, default=20.0, help="pace of every peer's sends in part 3")
+    parser.add_argument("--paced-peers", type=int, nargs="+", default=[2, 4, 8], help="part 3's counts; 0: skip")
+    parser.add_argument("--slot", type=float, default=5.0, help="seconds between Moshpit rounds' starts")
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--allreduce-timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -267,6 +333,8 @@ def main() -> None:
     parser.add_argument("--grid", type=int, nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--skip", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--start-file", help=argparse.SUPPRESS)
+    parser.add_argument("--max-send-rate", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -274,7 +342,8 @@ def main() -> None:
         asyncio.run(serve_sink())
         return
     if args.role == "source":
-        print("seconds " + json.dumps(asyncio.run(stream_to(args.endpoint, args.numel, args.rounds))), flush=True)
+        seconds = asyncio.run(stream_to(args.endpoint, args.numel, args.rounds, args.max_send_rate))
+        print("seconds " + json.dumps(seconds), flush=True)
         return
     if args.role == "peers":
         run_peers(args)
@@ -282,24 +351,46 @@ def main() -> None:
 
     limit = single_stream_limit(args.numel, args.limit_repeats)
     print(f"single gRPC stream between two processes: {args.numel * 4 / 1e6:.0f} MB at {limit / 1e6:.1f} MB/s")
-    with DHT() as dht:
+    paced_peers = [n for n in args.paced_peers if n > 0]
+    rate = args.uplink_MBps * 1e6
+    paced_limit = single_stream_limit(args.numel, 1, rate) if paced_peers else 0.0
+    if paced_peers:
+        print(f"the same stream paced to {args.uplink_MBps:g} MB/s: {paced_limit / 1e6:.1f} MB/s")
+    with tempfile.TemporaryDirectory() as work, DHT() as dht:
+        args.work = Path(work)
         rows = []
         for peers in args.peers:
             rows.append(allreduce_row(peers, limit, dht, args))
             print(f"all-reduce among {peers}: {rows[-1]['round_s']} s/round", file=sys.stderr, flush=True)
+        paced = []
+        for peers in paced_peers:
+            paced.append(allreduce_row(peers, paced_limit, dht, args, rate=rate))
+            print(f"paced all-reduce among {peers}: {paced[-1]['round_s']} s/round", file=sys.stderr, flush=True)
         mosh = []
         for fail_rate in args.fail_rates:
             mosh += moshpit_rows(fail_rate, dht, args)
     print("\nall-reduce (one group, one round; bandwidth per peer = 2(n-1)/n x bytes / round_s)")
     print_table(rows)
+    if paced:
+        print(f"\nthe same, every peer's sends paced to {args.uplink_MBps:g} MB/s (limit: one stream paced alike)")
+        print_table(paced)
     print(f"\nMoshpit averaging, grid {'x'.join(map(str, args.moshpit_grid))}: spread around the true mean after each "
           "round, relative to the start")
     print_table(mosh)
-    write_csv(args.results / "bench_averaging.csv", rows)
+    write_csv(args.results / "bench_averaging.csv", rows + paced)
     write_csv(args.results / "bench_averaging_moshpit.csv", mosh)
     headline = next((r for r in rows if r["peers"] == 8), rows[-1])
     total = math.prod(args.moshpit_grid)
     after = next((r for r in mosh if r["fail_rate"] == 0 and r["round"] == 2), mosh[-1])
+    if paced:
+        row = next((r for r in paced if r["peers"] == 8), paced[-1])
+        print(f"paced to {args.uplink_MBps:g} MB/s: peers{row['peers']}_round_s={row['round_s']} "
+              f"peers{row['peers']}_fraction_of_paced_limit={row['fraction_of_limit']}")
+    failing = [r for r in mosh if r["fail_rate"] > 0]
+    if failing:
+        row = failing[-1]
+        print(f"with {row['sat_out']} of {total} peers out per round: error after {row['round']} rounds "
+              f"{row['relative_error']:.3g} (simulated with perfect timing: {row['simulated_error']:.3g})")
     print(f"peers{headline['peers']}_round_s={headline['round_s']} "
           f"peers{headline['peers']}_fraction_of_limit={headline['fraction_of_limit']} "
           f"moshpit{total}_err_after_{after['round']}={after['relative_error']:.3g}")

@@ -10,7 +10,7 @@ import torch
 
 from dmoe import AveragerConfig
 from dmoe.averaging import grid as moshpit
-from dmoe.averaging.allreduce import PartReducer, Refused, partition
+from dmoe.averaging.allreduce import PartReducer, Refused, SendPace, partition
 from dmoe.averaging.matchmaking import parse_declarations
 from dmoe.dht.storage import Entry
 from dmoe.wire.codec import FLOAT16, serialize
@@ -137,3 +137,14 @@ def test_malformed_declarations_are_skipped():
 def test_bad_settings_are_refused_naming_them(settings, words):
     with pytest.raises(ValueError, match=words):
         AveragerConfig(**settings)
+
+
+def test_a_paced_peer_sends_no_faster_than_its_rate():
+    async def send_five() -> float:
+        pace = SendPace(rate=10_000)  # bytes per second
+        start = asyncio.get_running_loop().time()
+        for _ in range(5):
+            await pace.wait(1000)  # each goes 0.1 s after the one before, the first 0.1 s after the start
+        return asyncio.get_running_loop().time() - start
+    assert asyncio.run(send_five()) >= 0.5
+    assert asyncio.run(asyncio.wait_for(SendPace(0).wait(10**9), 1)) is None  # 0: no pacing

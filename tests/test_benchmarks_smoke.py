@@ -169,14 +169,19 @@ def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path
 
 def test_averaging_benchmark_small_runs_and_a_full_grid_is_exact(tmp_path):
     stdout = run_benchmark("bench_averaging.py", "--numel", "100000", "--peers", "2", "--rounds", "1",
-                           "--limit-repeats", "1", "--moshpit-grid", "2", "2", "--moshpit-rounds", "2",
-                           "--moshpit-processes", "1", "--fail-rates", "0", "--results", str(tmp_path))
+                           "--limit-repeats", "1", "--paced-peers", "2", "--uplink-MBps", "2",
+                           "--moshpit-grid", "2", "2", "--moshpit-rounds", "2", "--moshpit-processes", "1",
+                           "--fail-rates", "0", "--slot", "2", "--results", str(tmp_path))
     last = stdout.strip().splitlines()[-1]
     fields = dict(item.split("=") for item in last.split())
     assert set(fields) == {"peers2_round_s", "peers2_fraction_of_limit", "moshpit4_err_after_2"}, last
     assert float(fields["peers2_round_s"]) > 0 and float(fields["peers2_fraction_of_limit"]) > 0
     assert float(fields["moshpit4_err_after_2"]) < 1e-5  # a full 2x2 grid holds the exact mean after 2 rounds
-    (row,) = read_csv(tmp_path / "bench_averaging.csv")
-    assert int(row["peers"]) == 2 and int(row["failed_peer_rounds"]) == 0
+    free, paced = read_csv(tmp_path / "bench_averaging.csv")
+    assert int(free["peers"]) == int(paced["peers"]) == 2
+    assert int(free["failed_peer_rounds"]) == int(paced["failed_peer_rounds"]) == 0
+    assert 0 < float(paced["fraction_of_limit"]) < 1.5  # paced peers against a stream paced alike
+    assert float(paced["round_s"]) > float(free["round_s"])  # 2 MB/s is far below what loopback carries
     rounds = read_csv(tmp_path / "bench_averaging_moshpit.csv")
     assert [int(r["averaged"]) for r in rounds] == [4, 4]
+    assert float(rounds[1]["simulated_error"]) < 1e-5

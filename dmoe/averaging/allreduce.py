@@ -100,6 +100,25 @@ def decode_piece(message: dmoe_pb2.Tensor, room: int) -> torch.Tensor:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"malformed piece: {error}") from None
 
 
+class SendPace:
+    """Paces every message a peer sends, over all its streams, to ``rate`` bytes per second (0: no pacing).
+
+    One clock for the peer's link: a message goes out when its bytes would have crossed a link of that rate after
+    the bytes sent before it, as on a real uplink (so a short burst is paced too). Lives on the averager's loop.
+    """
+
+    def __init__(self, rate: float = 0.0):
+        self.rate = rate
+        self._free_at = 0.0
+
+    async def wait(self, nbytes: int) -> None:
+        if self.rate <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        self._free_at = max(now, self._free_at) + nbytes / self.rate
+        await asyncio.sleep(self._free_at - now)
+
+
 @dataclass
 class PartResult:
     """An owner's average of its part, as every member (the owner included) will hold it."""
@@ -215,8 +234,8 @@ class PartReducer:
                           f"peer {sender} was dropped from group {self.group_id}: {self.dropped.get(sender, '')}")
         if self.filled[sender] != self.length:
             raise self.ban(sender, Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                           f"wrong part size: peer {sender} sent {self.filled[sender]} values, the part "
-                                           f"has {self.length}; banned from group {self.group_id}"))
+                                           f"wrong part size: peer {sender} sent {self.filled[sender]} values, the "
+                                           f"part has {self.length}; banned from group {self.group_id}"))
         self.complete.add(sender)
         self._check_done()
 
@@ -260,7 +279,7 @@ class Outcome:
 
 async def send_and_receive(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: str, me: int, weight: float,
                            values: torch.Tensor, out: torch.Tensor, *, compression: int, piece_elements: int,
-                           max_abs_value: float, timeout: float) -> Outcome:
+                           max_abs_value: float, timeout: float, pace: SendPace | None = None) -> Outcome:
     """Streams ``values`` (this member's values of one part) to its owner and writes the average it answers into
     ``out``; never raises (a failure is the outcome's ``error``)."""
 
@@ -269,6 +288,8 @@ async def send_and_receive(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: s
             message = dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight) if start == 0 else \
                 dmoe_pb2.AveragingPart()
             serialize(values[start:start + piece_elements], compression, out=message.values)  # encoded as sent
+            if pace is not None:
+                await pace.wait(message.ByteSize())
             yield message
 
     outcome, filled = Outcome(), 0
@@ -316,6 +337,7 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                     register: Callable[[str, PartReducer], None] | None,
                     compression: int, piece_elements: int, max_abs_value: float, allreduce_timeout: float,
                     join_timeout: float, max_retries: int, min_group_size: int, deadline: float,
+                    pace: SendPace | None = None,
                     send: Callable[..., Awaitable[Outcome]] = send_and_receive) -> AllReduceResult | None:
     """Averages ``flat`` with the group into ``out`` (never into ``flat``); None when the members could not agree.
 
@@ -350,7 +372,7 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                 tasks[member.peer_id] = _dead_owner_leaves(reducer, member.peer_id, send(
                     stub_for(member.endpoint), group_id, me, weight, flat[start:end], out[start:end],
                     compression=compression, piece_elements=piece_elements, max_abs_value=max_abs_value,
-                    timeout=min(allreduce_timeout + join_timeout + 5.0, left)))
+                    timeout=min(allreduce_timeout + join_timeout + 5.0, left), pace=pace))
         outcomes = dict(zip(tasks, await asyncio.gather(*tasks.values())))
         failed = {owner: o.error for owner, o in outcomes.items() if o.error is not None}
         views = {o.contributors for o in outcomes.values() if o.error is None}

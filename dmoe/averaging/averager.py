@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from dmoe.averaging import grid as moshpit
-from dmoe.averaging.allreduce import MAX_WEIGHT, AllReduceResult, Outcome, allreduce, send_and_receive
+from dmoe.averaging.allreduce import MAX_WEIGHT, AllReduceResult, Outcome, SendPace, allreduce, send_and_receive
 from dmoe.averaging.config import AveragerConfig
 from dmoe.averaging.matchmaking import Matchmaker, Member, new_peer_id
 from dmoe.averaging.service import AveragingServicer
@@ -106,6 +106,7 @@ class DecentralizedAverager:
         self._server: grpc.aio.Server | None = None
         self.servicer: AveragingServicer | None = None
         self.endpoint: str | None = None
+        self._pace = SendPace(cfg.max_send_rate)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dmoe-averager-loop", daemon=True)
         self._thread.start()
@@ -126,7 +127,7 @@ class DecentralizedAverager:
 
     async def _serve(self) -> str:
         cfg = self.config
-        self.servicer = AveragingServicer(self.prefix, cfg.join_timeout)
+        self.servicer = AveragingServicer(self.prefix, cfg.join_timeout, self._pace)
         self._server = grpc.aio.server(options=grpc_options())
         dmoe_pb2_grpc.add_AveragingServiceServicer_to_server(self.servicer, self._server)
         port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -182,7 +183,7 @@ class DecentralizedAverager:
             register=self.servicer.register if self.servicer is not None else None,
             compression=self.compression, piece_elements=cfg.piece_bytes // 4, max_abs_value=cfg.max_abs_value,
             allreduce_timeout=cfg.allreduce_timeout, join_timeout=cfg.join_timeout, max_retries=cfg.max_retries,
-            min_group_size=cfg.min_group_size, deadline=deadline, send=self._send_part), self._loop)
+            min_group_size=cfg.min_group_size, deadline=deadline, pace=self._pace, send=self._send_part), self._loop)
         self._inflight = running
         try:
             result: AllReduceResult | None = running.result(max(0.0, deadline - time.monotonic()) + 1.0)

@@ -1,4 +1,5 @@
-"""Settings of a :class:`~dmoe.averaging.DecentralizedAverager`, in one dataclass so programs can expose them as flags."""
+"""Settings of a :class:`~dmoe.averaging.DecentralizedAverager`, in one dataclass so programs can expose them as
+flags."""
 from __future__ import annotations
 
 import math
@@ -29,6 +30,8 @@ class AveragerConfig:
     client_mode: accept no connections (a peer behind NAT): no gRPC server, a part of size 0; the peer still sends
         its values to every owner and receives their averages.
     compression: ``'none'``, ``'float16'`` or ``'uint8'``, applied to every piece sent, both ways.
+    max_send_rate: bytes per second this peer sends at most, over all its streams (0: no limit); leaves room on a
+        shared uplink, and emulates a slow one in experiments.
     max_abs_value: owners refuse values of a larger magnitude (and members averages of one); 0: no limit.
     host, port: where the gRPC server listens (port 0 picks a free one).
     poll_period: seconds between DHT reads while matchmaking.
@@ -47,6 +50,7 @@ class AveragerConfig:
     bandwidth: float = 1.0
     client_mode: bool = False
     compression: str = "none"
+    max_send_rate: float = 0.0
     max_abs_value: float = 1e6
     host: str = "127.0.0.1"
     port: int = 0
@@ -68,6 +72,8 @@ class AveragerConfig:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
             raise ValueError(f"bandwidth must be positive and finite, got {self.bandwidth}")
+        if not (math.isfinite(self.max_send_rate) and self.max_send_rate >= 0):
+            raise ValueError(f"max_send_rate must be >= 0 (0: no limit), got {self.max_send_rate}")
         if not self.max_abs_value >= 0:
             raise ValueError(f"max_abs_value must be >= 0 (0: no limit), got {self.max_abs_value}")
         if self.piece_bytes < 1024:

@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from dmoe.averaging.allreduce import PartReducer, Refused
+from dmoe.averaging.allreduce import PartReducer, Refused, SendPace
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,11 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
 
     join_timeout: how long a stream for a group of a current round waits for this peer to learn the group from
         the DHT (a member may learn it sooner) before it is refused as unknown.
+    pace: paces the answers with the peer's own streams (``max_send_rate``).
     """
 
-    def __init__(self, prefix: str, join_timeout: float):
-        self.prefix, self.join_timeout = prefix, join_timeout
+    def __init__(self, prefix: str, join_timeout: float, pace: SendPace | None = None):
+        self.prefix, self.join_timeout, self.pace = prefix, join_timeout, pace
         self.rounds: collections.deque[int] = collections.deque(maxlen=KEPT_ROUNDS)
         self.groups: collections.OrderedDict[str, PartReducer] = collections.OrderedDict()
         self._learnt: dict[str, asyncio.Event] = {}
@@ -108,6 +109,8 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
             await context.abort(refused.code, refused.message)
             return
         for message in result.messages:
+            if self.pace is not None:
+                await self.pace.wait(message.ByteSize())
             yield message
 
     @staticmethod
