@@ -3,6 +3,7 @@ Moshpit grid keys and coordinates, matchmaking records, settings."""
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -12,7 +13,6 @@ from dmoe import AveragerConfig
 from dmoe.averaging import grid as moshpit
 from dmoe.averaging.allreduce import PartReducer, Refused, SendPace, partition
 from dmoe.averaging.matchmaking import parse_declarations
-from dmoe.dht.storage import Entry
 from dmoe.wire.codec import FLOAT16, serialize
 
 
@@ -118,6 +118,12 @@ def test_group_keys_free_one_dimension_per_round_and_ranks_become_coordinates():
     assert moshpit.coordinates_after(2, (2, 2, 2), [1, 1, 1], rank=2) == [1, 1, 0]  # more members than the side
     with pytest.raises(ValueError, match="do not lie in the grid"):
         moshpit.check_coordinates((4, 4), [4, 0])
+
+
+class Entry(NamedTuple):  # what DHT.get returns per subkey (only these fields are read)
+    value: str
+    expiration: float
+    owner: bytes = b""
 
 
 def test_malformed_declarations_are_skipped():
