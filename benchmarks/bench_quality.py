@@ -10,14 +10,11 @@ Three runs of ``clients.train.train`` with the same seed, data, steps and client
 Reported: the final validation loss of each run and the ratios remote/local and remote-faulty/local
 (goals: within 3% and 8%).
 
-Fairness. Expert parameters are trained the way a server trains them in all three runs, not by the client's
-optimizer: a server steps each expert's own Adam (constant ``--expert-lr``, torch defaults otherwise) once per
-backward call that reaches it, with the gradients of that call only, while the client's AdamW with warm-up and
-cosine decay trains only the client's own parameters (embeddings, attention, gates, head). The local run wraps
-each in-process expert in a :class:`dmoe.server.backend.ExpertBackend` (the class the servers use) whose
-parameters are hidden from the client's optimizer and which steps in backward, exactly like a server. Aligning
-the other way (servers following the client's schedule) would need a scheduler on the servers that the client
-cannot drive. Initial weights match too: expert ``uid`` starts from ``expert_seed(seed, uid)`` everywhere.
+Fairness: the trainer's ``--experts local`` trains each expert as a server does (:mod:`dmoe.server.in_process`:
+the server's own ``ExpertBackend``, its own Adam at a constant ``--expert-lr``, stepped once per backward that
+reaches it), and the servers are started with the trainer's ``expert_server_args()``, so the three runs differ
+only by the network and the injected faults. Initial weights match too: expert ``uid`` starts from
+``expert_seed(seed, uid)`` everywhere.
 
     python benchmarks/bench_quality.py                   # small CPU preset, < 10 min on 2 cores
     python benchmarks/bench_quality.py --preset gpu      # larger model and more steps, for a GPU box
@@ -32,16 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from clients.train import TrainConfig, make_moe_factory, train
-from dmoe.client.moe import LocalMixtureOfExperts
-from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
-from dmoe.server.backend import ExpertBackend, expert_seed, make_optimizer
-from dmoe.server.layers import create_expert, expert_class
-from dmoe.uid import grid_uids
 
 VARIANTS = ("local", "remote", "remote-faulty")
 GOALS = {"remote": 1.03, "remote-faulty": 1.08}
@@ -67,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--latency-ms", type=float, default=200.0, help="mean latency of the faulty run")
     parser.add_argument("--fail-rate", type=float, default=0.1, help="failing expert calls in the faulty run")
-    parser.add_argument("--expert-lr", type=float, default=1e-3, help="each expert's Adam lr (servers and local)")
+    parser.add_argument("--expert-lr", type=float, default=TrainConfig.expert_lr,
+                        help="each expert's Adam lr (servers and local)")
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--timeout-after-k-min", type=float, default=0.5,
                         help="seconds a forward waits for slower experts once each token has one answer")
@@ -84,62 +76,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-class _ServerStep(torch.autograd.Function):
-    """Forward without autograd; backward recomputes, returns the input gradient and steps the expert, as a
-    server's ``ExpertBackend.backward`` does."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, backend: ExpertBackend) -> torch.Tensor:
-        ctx.backend = backend
-        ctx.save_for_backward(x)
-        with torch.no_grad():
-            return backend.module(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        return ctx.backend.backward(x, grad)[0], None
-
-
-class ServerTrainedExpert(nn.Module):
-    """An in-process expert trained by its own optimizer in backward; its parameters are not this module's, so
-    the client's optimizer (and gradient clipping) never touches them, just as with a remote expert."""
-
-    def __init__(self, backend: ExpertBackend):
-        super().__init__()
-        self._backend = (backend,)  # a tuple, so nn.Module does not register the expert's parameters
-
-    @property
-    def backend(self) -> ExpertBackend:
-        return self._backend[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ServerStep.apply(x, self.backend)
-
-
-def local_factory(config: TrainConfig, args: argparse.Namespace):
-    def expert(uid: str) -> nn.Module:
-        module = create_expert(config.expert_cls, config.hidden, seed=expert_seed(args.seed, uid)).to(config.device)
-        with torch.random.fork_rng(devices=[]):  # the sample must not shift the client's initialisation
-            sample = expert_class(config.expert_cls).sample(2, config.hidden)
-        backend = ExpertBackend(uid, module, sample, make_optimizer("adam", module.parameters(), args.expert_lr))
-        return ServerTrainedExpert(backend)
-
-    return lambda i: LocalMixtureOfExperts(config.hidden, tuple(config.grid), f"ffn{i}", k_best=config.k_best,
-                                           expert_factory=expert)
-
-
-def wait_declared(initial_peers: str, layers: int, grid, timeout: float = 60.0) -> None:
-    """Blocks until every expert is found in the DHT, so the first steps do not run without experts."""
-    uids = [uid for i in range(layers) for uid in grid_uids(f"ffn{i}", grid)]
-    with DHT(initial_peers=[initial_peers]) as dht:
-        deadline = time.monotonic() + timeout
-        while not all(dht.get_experts(uids)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"experts were not declared in the DHT within {timeout} s")
-            time.sleep(0.2)
-
-
 def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict:
     preset = dict(PRESETS[args.preset])
     if args.steps:
@@ -147,7 +83,8 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict:
     config = TrainConfig(
         data=args.data, data_dir=args.data_dir, seed=args.seed, threads=args.threads, out_dir=str(out_dir / variant),
         checkpoint_interval=10**9, sample_bytes=0, experts="local" if variant == "local" else "remote",
-        timeout_after_k_min=args.timeout_after_k_min, backward_timeout=args.backward_timeout, **preset)
+        expert_lr=args.expert_lr, timeout_after_k_min=args.timeout_after_k_min, backward_timeout=args.backward_timeout,
+        **preset)
     started = time.monotonic()
     layers: list[nn.Module] = []
 
@@ -158,10 +95,10 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict:
         return build
 
     if variant == "local":
-        result = train(config, recorded(local_factory(config, args)))
+        with contextlib.ExitStack() as resources:
+            result = train(config, recorded(make_moe_factory(config, resources)))
     else:
-        server_args = ["--optimizer", "adam", "--lr", str(args.expert_lr), "--seed", str(args.seed),
-                       "--torch-threads", str(args.threads), "--log-level", "WARNING",
+        server_args = [*config.expert_server_args(), "--torch-threads", str(args.threads), "--log-level", "WARNING",
                        "--device", "cuda" if config.device.startswith("cuda") else "cpu"]
         if variant == "remote-faulty":
             server_args += ["--inject-latency-ms", str(args.latency_ms), "--latency-jitter", "exponential",
@@ -170,7 +107,7 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict:
                                    n_servers=args.servers, hidden_dim=config.hidden, threads_per_server=args.threads,
                                    server_args=server_args)
         with LocalSwarm(swarm_config) as swarm, contextlib.ExitStack() as resources:
-            wait_declared(swarm.initial_peers, config.layers, config.grid)
+            swarm.wait_declared()
             config.initial_peers = (swarm.initial_peers,)
             result = train(config, recorded(make_moe_factory(config, resources)))
     minutes = (time.monotonic() - started) / 60

@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     swarm_config = SwarmConfig(
         layers=tuple(f"ffn{i}" for i in range(config.layers)), grid=tuple(config.grid), n_servers=args.servers,
         hidden_dim=config.hidden, threads_per_server=args.server_threads, echo=args.verbose,
-        # the experts' own optimizer: Adam at the client's peak learning rate
-        server_args=("--optimizer", "adam", "--lr", str(config.lr), "--refresh-period", "5",
+        # the experts train (and start) as --experts local ones would: one source of truth, the trainer's flags
+        server_args=(*config.expert_server_args(), "--refresh-period", "5",
                      "--log-level", "INFO" if args.verbose else "WARNING"),
     )
     started = time.monotonic()
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         with LocalSwarm(swarm_config) as swarm:
             print(f"swarm up in {time.monotonic() - started:.1f}s: DHT at {swarm.initial_peers}, "
                   f"servers at {', '.join(swarm.server_endpoints)}", flush=True)
+            swarm.wait_declared()
             config.initial_peers = (swarm.initial_peers,)
             result = train(config)
             print(f"demo done: validation perplexity {result['final_val_perplexity']:.2f} after {result['step']} "

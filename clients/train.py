@@ -5,9 +5,16 @@
     dmoe-train --data my.txt --steps 2000 --resume      # any text file; continue from the last checkpoint
 
 Every field of :class:`TrainConfig` is a flag (``batch_size`` -> ``--batch-size``) and a key of a
-``--config`` TOML file (flags override the file). The client's own parameters
-(embeddings, attention, gates, head) and its optimizer are checkpointed; remote experts keep their own
-parameters and optimizers on their servers.
+``--config`` TOML file (flags override the file).
+
+The client's AdamW (warm-up, cosine decay, clipping) trains only the client's own parameters (embeddings,
+attention, gates, head). Every expert is trained as a server trains it: by its own optimizer
+(``--expert-optimizer``, constant ``--expert-lr``, ``--expert-clip-grad-norm``), stepped once per backward that
+reaches it. ``--experts local`` builds such experts in process, so a local run differs from a remote one only by
+the network; for a remote swarm to match it, start its servers with :meth:`TrainConfig.expert_server_args`
+(``--optimizer adam --lr 0.003 --seed 0`` by default), as ``make demo`` does. Checkpoints hold the client's
+parameters and optimizer, and in-process experts with their optimizers; remote experts are checkpointed by their
+servers (``dmoe-server --checkpoint-dir``).
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ from clients.data import VOCAB_SIZE, DownloadError, TextData, shakespeare
 from clients.model import GatedTransformerLM, ModelConfig, MoEFactory
 from dmoe.allocator import keep_freed_memory
 from dmoe.config import add_config_argument, non_negative, parse_args, positive
+from dmoe.server.backend import OPTIMIZERS
+from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 
 
 
@@ -57,6 +66,12 @@ class TrainConfig:
     experts: str = _option("local", "in-process experts or experts found through the DHT", choices=("local", "remote"))
     initial_peers: tuple[str, ...] = _option((), "HOST:PORT of DHT peers (with --experts remote)")
     expert_cls: str = _option("ffn", "expert type of in-process experts (with --experts local)")
+    expert_optimizer: str = _option("adam", "each expert's own optimizer, stepped once per backward that reaches it "
+                                            "(in-process experts; make demo passes it to its servers)",
+                                    choices=tuple(OPTIMIZERS))
+    expert_lr: float = _option(3e-3, "the experts' constant learning rate (servers: --lr)", positive(float))
+    expert_clip_grad_norm: float = _option(0.0, "clip each expert's gradient norm before its step (0: off; servers: "
+                                                "--clip-grad-norm)", non_negative(float))
     k_min: int = _option(1, "answers each token waits for before the timeout_after_k_min grace", positive(int))
     forward_timeout: float = _option(10.0, "seconds to wait for experts' forward answers", positive(float))
     backward_timeout: float = _option(10.0, "seconds to wait for experts' backward answers", positive(float))
@@ -97,6 +112,14 @@ class TrainConfig:
             raise ValueError("--initial-peers HOST:PORT is required with --experts remote")
         if self.val_fraction >= 1:
             raise ValueError(f"--val-fraction must be below 1, got {self.val_fraction}")
+
+    def expert_optimizer_config(self) -> ExpertOptimizerConfig:
+        """How every expert is trained: in process (``--experts local``) and on the servers ``make demo`` starts."""
+        return ExpertOptimizerConfig(self.expert_optimizer, self.expert_lr, self.expert_clip_grad_norm or None)
+
+    def expert_server_args(self) -> list[str]:
+        """The ``dmoe-server`` flags under which remote experts train, and start, as ``--experts local`` ones do."""
+        return [*self.expert_optimizer_config().server_args(), "--seed", str(self.seed)]
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=VOCAB_SIZE, seq_len=self.seq_len, hidden=self.hidden, n_layers=self.layers,
@@ -184,7 +207,11 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> Mo
     if config.experts == "local":
         from dmoe.client.moe import LocalMixtureOfExperts
 
-        return lambda i: LocalMixtureOfExperts(uid_prefix=f"ffn{i}", expert_cls=config.expert_cls, **common)
+        # trained as a server trains them (their own optimizer, stepped in backward), so that local and remote
+        # runs differ only by the network
+        experts = in_process_experts(config.expert_cls, config.hidden, config.expert_optimizer_config(),
+                                     seed=config.seed, device=config.device)
+        return lambda i: LocalMixtureOfExperts(uid_prefix=f"ffn{i}", expert_factory=experts, **common)
 
     from dmoe.client.moe import RemoteMixtureOfExperts
     from dmoe.dht import DHT

@@ -20,11 +20,14 @@ from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import (
     ExpertBackend,
+    ExpertOptimizerConfig,
     ExpertServer,
+    InProcessExpert,
     Runtime,
     ServerConfig,
     create_expert,
     expert_class_names,
+    in_process_experts,
     register_expert_class,
 )
 from dmoe.uid import expand_pattern, grid_uids, split_uid
@@ -32,9 +35,9 @@ from dmoe.uid import expand_pattern, grid_uids, split_uid
 __version__ = "0.1.0"
 
 __all__ = [
-    "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertAnnouncer", "ExpertBackend", "ExpertServer",
+    "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertAnnouncer", "ExpertBackend", "ExpertOptimizerConfig", "ExpertServer", "InProcessExpert",
     "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
     "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig", "backward_future",
     "backward_futures", "beam_search", "create_expert", "expand_pattern", "expert_class_names", "expert_info",
-    "forward_future", "forward_futures", "grid_uids", "register_expert_class", "split_uid",
+    "forward_future", "forward_futures", "grid_uids", "in_process_experts", "register_expert_class", "split_uid",
 ]

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from dmoe.dht import DHT
 from dmoe.signals import PARENT_ENV
+from dmoe.uid import grid_uids
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +186,17 @@ class LocalSwarm:
             raise
         logger.info("local swarm: DHT %s, servers %s", self.initial_peers, self.server_endpoints)
         return self
+
+    def wait_declared(self, timeout: float = 60.0) -> None:
+        """Blocks until every expert of the swarm is found in its DHT, so a client's first steps do not run
+        without the experts that are still being declared."""
+        uids = [uid for layer in self.config.layers for uid in grid_uids(layer, self.config.grid)]
+        with DHT(initial_peers=[self.initial_peers]) as dht:
+            deadline = time.monotonic() + timeout
+            while not all(dht.get_experts(uids)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the swarm's experts were not all declared in the DHT within {timeout} s")
+                time.sleep(0.2)
 
     def server_command(self, pattern: str) -> list[str]:
         cfg = self.config

@@ -6,6 +6,7 @@ last test uses the library's ``LocalMixtureOfExperts`` through ``--experts local
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from clients import train as trainer
 from clients.model import GatedTransformerLM, ModelConfig
 from clients.train import IntervalMeter, TrainConfig, parse_config, train
+from dmoe.server.in_process import InProcessExpert
 
 torch.set_num_threads(1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -154,6 +156,9 @@ def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file,
     (["--hidden", "30", "--heads", "4"], "--hidden"),
     (["--grid", "2", "2", "--k-best", "5"], "--k-best"),
     (["--experts", "remote"], "--initial-peers"),
+    (["--expert-optimizer", "lamb"], "--expert-optimizer"),
+    (["--expert-lr", "0"], "--expert-lr"),
+    (["--expert-clip-grad-norm", "-1"], "--expert-clip-grad-norm"),
 ])
 def test_bad_flag_values_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -210,10 +215,61 @@ class ZeroMixture(nn.Module):
 
 
 def test_local_experts_from_the_library_lower_the_loss(text_file, tmp_path):
-    pytest.importorskip("dmoe.client.moe", reason="LocalMixtureOfExperts is not in dmoe/client/moe.py yet")
     config = tiny(text_file, tmp_path, experts="local", batch_size=8)
     result = train(config)
     assert result["final_val_loss"] < result["history"]["val"][0][1] - 2.0, result["history"]["val"]
+
+
+class Interrupting(nn.Module):
+    """Wraps a mixture layer; raises KeyboardInterrupt (Ctrl-C mid-step) at its ``at``-th call."""
+
+    def __init__(self, inner: nn.Module, at: int | None):
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.inner(x)
+
+
+def test_local_experts_are_trained_by_their_own_optimizer_and_resume_with_it(text_file, tmp_path):
+    def run(path, steps_before_interrupt=None, resume=False):
+        config = tiny(text_file, tmp_path / path, experts="local", steps=16, eval_interval=100, layers=1,
+                      checkpoint_interval=1000, expert_optimizer="sgd", expert_lr=0.05, resume=resume)
+        at = None if steps_before_interrupt is None else config.eval_batches + steps_before_interrupt + 1
+        with contextlib.ExitStack() as resources:
+            factory = trainer.make_moe_factory(config, resources)
+            layers = []
+            result = train(config, lambda i: layers.append(Interrupting(factory(i), at)) or layers[-1])
+        return result, layers[0].inner
+
+    straight, layer = run("straight")
+    experts = list(layer.experts.values())
+    assert all(isinstance(expert, InProcessExpert) for expert in experts)
+    # the client's optimizer does not see the experts; each expert's own SGD at --expert-lr stepped it
+    assert not any(name.startswith("inner.experts") for name, _ in layer.named_parameters(prefix="inner"))
+    assert {e.backend.optimizer.param_groups[0]["lr"] for e in experts} == {0.05}
+    assert isinstance(experts[0].backend.optimizer, torch.optim.SGD)
+    assert sum(e.backend.backward_calls for e in experts) > 0
+
+    interrupted, _ = run("resumed", steps_before_interrupt=7)
+    assert interrupted["interrupted"] and interrupted["step"] == 7
+    resumed, _ = run("resumed", resume=True)
+    assert resumed["history"]["train"] == straight["history"]["train"]  # the experts resumed, not re-initialised
+
+
+def test_expert_optimizer_flags_are_what_the_servers_are_started_with():
+    from servers.run_server import build_parser as server_parser
+
+    config = parse_config(["--expert-optimizer", "sgd", "--expert-lr", "0.02", "--expert-clip-grad-norm", "0.5",
+                           "--seed", "7"])
+    args = config.expert_server_args()
+    assert args == ["--optimizer", "sgd", "--lr", "0.02", "--clip-grad-norm", "0.5", "--seed", "7"]
+    served = server_parser().parse_args(["--experts", "ffn0.0.0", *args])
+    assert (served.optimizer, served.lr, served.clip_grad_norm, served.seed) == ("sgd", 0.02, 0.5, 7)
+    assert "--clip-grad-norm" not in parse_config([]).expert_server_args()  # 0: no clipping, as a server's default
 
 
 def test_switch_gating_with_one_expert_per_token_trains_and_shows_the_balance(text_file, tmp_path):
