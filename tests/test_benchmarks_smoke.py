@@ -165,3 +165,18 @@ def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path
         assert 0 <= float(r["p50_ms"]) <= float(r["p95_ms"]) <= float(r["max_ms"]) < 60_000
         if r["phase"].startswith("before_kill"):
             assert float(r["success_rate"]) == 1.0, r  # equal to brute force over the declared experts
+
+
+def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):
+    run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "1", "--results", str(tmp_path))
+    (path,) = tmp_path.glob("throughput_smoke_cpu_*.csv")
+    rows = {r["mode"]: r for r in read_csv(path)}
+    assert set(rows) == {"fwd", "fwd+bwd", "fwd+bwd cached"}
+    for mode, r in rows.items():
+        batch = int(r["batch"])
+        assert float(r["remote_samples_per_s"]) > 0 and float(r["limit_samples_per_s"]) > 0
+        assert math.isclose(float(r["remote_requests_per_s"]) * batch, float(r["remote_samples_per_s"]), rel_tol=0.01)
+        # the server ran every request as a batch of its own, the size the limit runs
+        assert f"forward {batch}x" in r["server_formed"]
+        assert (f"backward {batch}x" in r["server_formed"]) == (mode != "fwd")
+        assert ("cache hits" in r["server_formed"]) == (mode == "fwd+bwd cached")
