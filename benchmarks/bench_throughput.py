@@ -123,10 +123,11 @@ def run_client(cmd: dict) -> dict:
     finishes, counts = [0.0] * inflight, [0] * inflight
 
     def loop(slot: int) -> None:
-        i = slot
+        # each thread of each client calls an expert of its own while there are enough: an optimizer step of an
+        # expert drops the graphs other requests kept for it, which would make the cached mode recompute
+        uid = uids[(cmd["client_index"] * inflight + slot) % len(uids)]
         while time.time() < end:
-            request(uids[i % len(uids)])
-            i += inflight
+            request(uid)
             counts[slot] += 1
             finishes[slot] = time.time()
 
@@ -370,8 +371,8 @@ def main() -> None:
                 limit_work = [limit_work[0] + measured["samples"], limit_work[1] + measured["cpu"]]
                 server_cpu = process_cpu_seconds(server.popen.pid)
                 start_at = time.time() + 0.2
-                for worker in clients[:case.clients]:
-                    worker.send({**cmd, "phase": "measure", "start_at": start_at})
+                for index, worker in enumerate(clients[:case.clients]):
+                    worker.send({**cmd, "phase": "measure", "start_at": start_at, "client_index": index})
                 remote = [worker.receive() for worker in clients[:case.clients]]
                 span = max(r["last_finish"] for r in remote) - min(r["first_start"] for r in remote)
                 remote_work[0] += sum(r["samples"] for r in remote)

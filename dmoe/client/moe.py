@@ -222,8 +222,8 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
 
     The layer gathers each expert's rows and scatters its answers with numpy rather than torch: torch runs such
     copies (64 rows of 1024 floats and up) on its OpenMP team, whose idle threads then spin for milliseconds after
-    every one. A client sharing its machine with an expert server took that CPU from the server's compute (~20 ms
-    of a 240 ms step of a 16-expert layer at batch 16, ~50 ms at batch 256); numpy copies on the calling thread.
+    every one. A client sharing its machine with an expert server took that CPU from the server's compute; numpy
+    copies on the calling thread.
     """
     return tensor.view(_BITS[tensor.element_size()][0]).numpy()
 

@@ -255,7 +255,7 @@ def forward_futures(items: Sequence[Item], *, timeout: float | None = None, comp
     """Starts the forwards of many experts, ``(uid, endpoint, inputs, activation_id)`` each, with one call per
     server, and returns a future per item, as :func:`forward_future` would (one failing item fails alone).
 
-    One call per server instead of one per expert: gRPC costs a fixed ~0.5 ms of CPU per call on each side, which
+    One call per server instead of one per expert: gRPC costs a fixed amount of CPU per call on each side, which
     a layer calling 16 experts per step otherwise pays 16 times over.
     """
     return _batched("forward", items, timeout=timeout, compression=compression, channels=channels,

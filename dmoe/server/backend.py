@@ -25,9 +25,8 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "a
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True when no element of ``tensors`` is NaN or infinite, in one read pass per tensor and one host sync.
 
-    A sum is NaN or infinite when any element is, and torch sums in parallel and vectorised: on CPU half the time
-    of the total norm this used to take, which cost ~10% of an expert's backward step (its squares also overflow
-    far sooner). A sum that overflows counts as non-finite too, which takes gradients summing past ~3e38.
+    A sum is NaN or infinite when any element is, and torch sums in parallel and vectorised: cheaper than the total
+    norm (whose squares also overflow far sooner). A sum that overflows counts as non-finite too, which takes gradients summing past ~3e38.
     """
     sums = [t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype) for t in tensors]
     return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in sums])).all())
@@ -269,8 +268,8 @@ def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torc
     """``'adam'``/``'sgd'`` over ``params``; None when there is nothing to train.
 
     The fused implementation where torch has one for the parameters' device and dtype: the same update in one pass
-    over each tensor instead of one per arithmetic operation (Adam over 16 ffn experts with h=1024 on 2 CPU cores:
-    0.50 s -> 0.19 s per step of all of them). An expert server spends much of its time in these steps.
+    over each tensor instead of one per arithmetic operation. An expert server spends much of its time in these
+    steps.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")

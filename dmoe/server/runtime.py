@@ -31,8 +31,7 @@ class Runtime:
     steps (module calls, autograd, optimizer bookkeeping) with the other cores idle, and each op waits for the
     slowest of its threads, so whenever the gRPC thread or a client on the same machine takes a core, the whole
     op stalls. Two workers with half the threads each interleave: one computes while the other runs Python or is
-    preempted. Measured on 2 cores, 16 h=1024 ffn experts at batch 16: a remote layer step 241-250 ms with one
-    worker of 2 threads, 220-228 ms with two of 1 (three or four workers of 1 thread: ~240 ms).
+    preempted (benchmarks/README.md, "Figures behind design choices").
 
     Args:
         device: where experts run (their modules must already be there); inputs are moved there with one copy.

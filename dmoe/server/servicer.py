@@ -119,11 +119,11 @@ def first_bad_values(tensors: Sequence[torch.Tensor], schemas: Sequence[tuple[st
     """Why the first floating-point tensor with values this server refuses is refused, or None if there is none.
 
     Refused: NaN or Inf (with ``reject_nonfinite``), and finite magnitudes above ``max_abs_value``. A
-    finite but huge gradient is as bad as an infinite one: one element of 2e19 (a flipped exponent bit) makes an
-    SGD step that leaves an expert's weights at ~1e16 and its outputs non-finite from then on, for every client.
+    finite but huge gradient is as bad as an infinite one: one element with a flipped exponent bit makes an SGD
+    step that leaves an expert's weights huge and its outputs non-finite from then on, for every client.
     Checked with numpy where it can be (the smallest and largest value: two passes, no copy): on this (gRPC)
-    thread a torch op over more than ~32k elements starts an OpenMP team of its own, whose threads then spin for
-    ~10 ms after every request and take cores from the compute workers. numpy runs on the calling thread alone.
+    thread a large torch op starts an OpenMP team of its own, whose threads then spin after every request and take
+    cores from the compute workers. numpy runs on the calling thread alone.
     """
     for tensor, (label, _) in zip(tensors, schemas):
         if not tensor.is_floating_point() or tensor.numel() == 0:
