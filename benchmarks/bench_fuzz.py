@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dmoe.client.remote_expert import forward_future  # noqa: E402
+from dmoe.experts import create_expert, expert_seed  # noqa: E402
 from dmoe.launch import Proc  # noqa: E402
-from dmoe.server import create_expert, expert_seed  # noqa: E402
 from dmoe.wire import grpc_options  # noqa: E402
 from tests import fuzzing  # noqa: E402
 

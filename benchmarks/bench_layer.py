@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from dmoe.allocator import keep_freed_memory
-from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
+from dmoe.client.gating import LocalMixtureOfExperts
+from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import make_optimizer

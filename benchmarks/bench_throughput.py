@@ -83,7 +83,7 @@ def preset_cases(name: str) -> list[Case]:
 def make_inputs(case: dict):
     import torch
 
-    from dmoe.server.layers import expert_class
+    from dmoe.experts import expert_class
     torch.manual_seed(0)
     x = expert_class(case["expert_cls"]).sample(case["batch"], case["hidden_dim"])[0]
     return x, torch.randn_like(x)
@@ -155,9 +155,9 @@ class LimitWorker:
     def run(self, cmd: dict) -> dict:
         import torch
 
-        from dmoe.server import ExpertBackend, create_expert, make_optimizer
+        from dmoe.experts import create_expert, expert_class
+        from dmoe.server import ExpertBackend, make_optimizer
         from dmoe.server.activations import ActivationCache
-        from dmoe.server.layers import expert_class
         key = (cmd["expert_cls"], cmd["hidden_dim"])
         if key not in self.backends:
             backends = []

@@ -205,7 +205,7 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> Mo
     are registered on ``resources``. Imported lazily: the model and data code do not need the network stack."""
     common = dict(in_features=config.hidden, grid_size=tuple(config.grid), k_best=config.k_best, switch=config.switch)
     if config.experts == "local":
-        from dmoe.client.moe import LocalMixtureOfExperts
+        from dmoe.client.gating import LocalMixtureOfExperts
 
         # trained as a server trains them (their own optimizer, stepped in backward), so that local and remote
         # runs differ only by the network

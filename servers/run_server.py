@@ -22,13 +22,14 @@ import torch
 from dmoe.allocator import keep_freed_memory
 from dmoe.config import add_config_argument, non_negative, parse_args, port_number, positive
 from dmoe.dht import Identity, parse_endpoint
-from dmoe.server import ExpertServer, ServerConfig, expert_class_names
+from dmoe.experts import expert_class_names
+from dmoe.server import ExpertServer, ServerConfig
+from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.checkpoints import CheckpointMismatch, CorruptCheckpoint
 from dmoe.server.dht_announcer import DHTAnnouncer
 from dmoe.server.faults import JITTERS, FaultConfig
-from dmoe.server.server import resolve_device
-from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.runtime import AUTOCAST_DTYPES
+from dmoe.server.server import resolve_device
 from dmoe.signals import StopSignals
 from dmoe.swarm import free_experts
 from dmoe.uid import UIDError, expand_pattern, is_valid_prefix

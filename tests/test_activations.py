@@ -12,10 +12,10 @@ from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forwar
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import _call
 from dmoe.dht import DHT
+from dmoe.experts import create_expert, expert_class
 from dmoe.launch import LocalSwarm, SwarmConfig
-from dmoe.server import ExpertBackend, create_expert
+from dmoe.server import ExpertBackend
 from dmoe.server.activations import ActivationCache, KeptForward
-from dmoe.server.layers import expert_class
 from dmoe.uid import grid_uids
 from tests.procs import running
 from tests.test_metrics import scrape, value

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dmoe.client import RemoteExpert, RemoteExpertError, forward_future
-from dmoe.server import create_expert, expert_seed
-from dmoe.wire import MAX_BATCH_ITEMS, ChannelPool, dmoe_pb2, deserialize, serialize
+from dmoe.experts import create_expert, expert_seed
+from dmoe.wire import MAX_BATCH_ITEMS, ChannelPool, deserialize, dmoe_pb2, serialize
 from dmoe.wire.codec import UINT8
 from tests import custom_experts  # noqa: F401 - registers 'explode' here too, to rebuild the expert locally
 from tests.procs import running

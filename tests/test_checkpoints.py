@@ -10,7 +10,8 @@ import torch
 
 from dmoe.client.remote_expert import backward_future, expert_info, forward_future
 from dmoe.dht import DHT
-from dmoe.server import ExpertBackend, ExpertServer, ServerConfig, create_expert
+from dmoe.experts import create_expert
+from dmoe.server import ExpertBackend, ExpertServer, ServerConfig
 from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint
 from tests.procs import Proc, processes
 

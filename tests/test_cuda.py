@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from dmoe.client import RemoteExpert, backward_future, expert_info, forward_future
-from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
+from dmoe.client.gating import LocalMixtureOfExperts
+from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.dht import DHT
+from dmoe.experts import create_expert, expert_seed
 from dmoe.launch import LocalSwarm, SwarmConfig
-from dmoe.server import create_expert, expert_seed
 from dmoe.uid import grid_uids
 from tests.procs import running
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from dmoe.client.remote_expert import backward_future, forward_future
 from dmoe.client import RemoteExpertError
-from dmoe.server import ExpertBackend, create_expert, expert_seed
+from dmoe.client.remote_expert import backward_future, forward_future
+from dmoe.experts import create_expert, expert_seed
+from dmoe.server import ExpertBackend
 from dmoe.wire import grpc_options
 from tests import fuzzing
 from tests.procs import running

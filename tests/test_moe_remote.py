@@ -1,18 +1,18 @@
 """The DMoE layer against a real local swarm: batching per expert, same maths as in-process, dead servers,
 and the trainer surviving a server killed in the middle of training."""
 import re
-import sys
 import time
 import urllib.request
 
 import pytest
 import torch
 
-from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
+from dmoe.client.gating import LocalMixtureOfExperts
+from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
+from dmoe.experts import create_expert, expert_seed
 from dmoe.launch import LocalSwarm, SwarmConfig
-from dmoe.server import create_expert, expert_seed
 from dmoe.uid import grid_uids
 from procs import Proc, processes
 

@@ -18,7 +18,7 @@ from dmoe.client import (
     forward_futures,
     new_activation_id,
 )
-from dmoe.server import create_expert, expert_seed
+from dmoe.experts import create_expert, expert_seed
 from dmoe.wire import ChannelPool
 from tests.procs import running
 

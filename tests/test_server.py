@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dmoe.client import RemoteExpert, backward_future, forward_future
-from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, create_expert, expert_seed, make_optimizer
-from dmoe.server.layers import TRANSFORMER_SEQ_LEN, expert_class
+from dmoe.experts import TRANSFORMER_SEQ_LEN, create_expert, expert_class, expert_seed
+from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, make_optimizer
 from servers import run_server
 from tests.procs import running
 

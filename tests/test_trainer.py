@@ -279,7 +279,7 @@ def test_switch_gating_with_one_expert_per_token_trains_and_shows_the_balance(te
     result = train(config)
     assert result["final_val_loss"] < result["history"]["val"][0][1] - 2.0, result["history"]["val"]
 
-    from dmoe.client.moe import LocalMixtureOfExperts
+    from dmoe.client.gating import LocalMixtureOfExperts
     model = GatedTransformerLM(config.model_config(), lambda i: LocalMixtureOfExperts(
         config.hidden, config.grid, f"ffn{i}", k_best=1, switch=True))
     model(torch.randint(0, 256, (2, 8)))

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmoe.wire import FLOAT16, NONE, UINT8, InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
+from dmoe.wire import FLOAT16, UINT8, InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.codec import DTYPES
 

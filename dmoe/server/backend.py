@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -54,11 +53,6 @@ class TensorSchema:
 
     def describe(self) -> str:
         return f"[{', '.join(['*', *map(str, self.shape)])}] {self.dtype}"
-
-
-def expert_seed(seed: int, uid: str) -> int:
-    """A reproducible per-expert seed, so experts differ from each other and a test can rebuild any one of them."""
-    return (seed * 1_000_003 + zlib.crc32(uid.encode())) % 2**31
 
 
 class ExpertBackend:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dmoe.server.backend import OPTIMIZERS, ExpertBackend, expert_seed, make_optimizer
-from dmoe.server.layers import create_expert, expert_class
+from dmoe.experts import create_expert, expert_class, expert_seed
+from dmoe.server.backend import OPTIMIZERS, ExpertBackend, make_optimizer
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ from typing import Any, Mapping, Protocol, Sequence
 import grpc
 import torch
 
+from dmoe.experts import create_expert, expert_class, expert_seed
 from dmoe.server.activations import ActivationCache
-from dmoe.server.backend import ExpertBackend, expert_seed, make_optimizer
+from dmoe.server.backend import ExpertBackend, make_optimizer
 from dmoe.server.checkpoints import Checkpoints
 from dmoe.server.decoding import RejectUndecodable
 from dmoe.server.faults import FaultConfig, Faults
-from dmoe.server.layers import create_expert, expert_class
 from dmoe.server.metrics import ServerMetrics
 from dmoe.server.runtime import Runtime
 from dmoe.server.servicer import ExpertServicer, HostedExpert

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc
-import numpy as np
 import torch
 
 from dmoe.server.activations import MAX_ACTIVATION_ID_BYTES
