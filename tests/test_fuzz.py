@@ -133,7 +133,7 @@ def test_backend_skips_optimizer_steps_with_nonfinite_gradients():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_the_value_checks_find_every_nan_inf_and_huge_value_but_pass_large_finite_half_values(dtype):
     from dmoe.server.backend import all_finite
-    from dmoe.server.servicer import first_bad_values
+    from dmoe.server.validation import first_bad_values
 
     big = torch.full((4, 1000), 60000.0, dtype=dtype)  # sums past float16's range, every element finite
     assert all_finite([big, torch.zeros(0, dtype=dtype)])

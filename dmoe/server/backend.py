@@ -71,8 +71,8 @@ class ExpertBackend:
         optimizer: built over ``module``'s parameters; None for parameter-free experts (nothing to train).
         scheduler: stepped after every optimizer step.
         clip_grad_norm: clip the gradient norm to this before each step (None: no clipping).
-        expert_cls: the registry name, reported by ``info``.
-        hparams: constructor and optimizer arguments, reported by ``info`` (JSON-serialisable).
+        expert_cls: the registry name, reported by the ``info`` RPC.
+        hparams: constructor and optimizer arguments, reported by the ``info`` RPC (JSON-serialisable).
         activations: where forwards are kept for their backward (the server's, shared by its experts); None:
             always recompute.
     """
@@ -222,18 +222,6 @@ class ExpertBackend:
             self.activations.drop_graphs(self.name)  # graphs kept before this step saved the old weights
         if self.scheduler is not None:
             self.scheduler.step()
-
-    def info(self) -> dict[str, Any]:
-        """What ``ExpertService.info`` reports (minus server-wide fields such as the device)."""
-        return {
-            "uid": self.name,
-            "expert_cls": self.expert_cls,
-            "inputs": [(list(s.shape), s.dtype) for s in self.inputs_schema],
-            "outputs": [(list(s.shape), s.dtype) for s in self.outputs_schema],
-            "hparams": self.hparams,
-            "forward_calls": self.forward_calls,
-            "backward_calls": self.backward_calls,
-        }
 
     def hparams_json(self) -> str:
         return json.dumps(self.hparams, sort_keys=True, default=str)

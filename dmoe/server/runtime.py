@@ -6,6 +6,7 @@ import heapq
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
@@ -70,7 +71,7 @@ class Runtime:
     def create_pool(self, name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False,
                     group: Hashable = None) -> TaskPool:
         """A new pool; pools sharing a ``group`` (default: each pool its own) never run concurrently."""
-        pool = TaskPool(self, name, process, max_batch_size, keyed, group)
+        pool = TaskPool(name, process, max_batch_size, keyed, group)
         self.pools.append(pool)
         return pool
 
@@ -87,15 +88,21 @@ class Runtime:
             torch.set_num_threads(threads)
         return self
 
-    def enqueue(self, pool: TaskPool, task: Task) -> None:
+    def submit(self, pool: TaskPool, *inputs: torch.Tensor, key: bytes | None = None) -> "Future[list[torch.Tensor]]":
+        """Queues one request for ``pool`` (all tensors share the first, batch dimension), from any thread; the
+        future gets its outputs. ``key``: the request's activation id, if any."""
+        if not inputs:
+            raise ValueError("a task needs at least one tensor")
+        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0], key=key)
         with self._cond:
             if self._closed:
                 task.future.set_exception(RuntimeError("the server is shutting down"))
-                return
+                return task.future
             pool.tasks.append(task)
             if len(pool.tasks) == 1:
                 heapq.heappush(self._ready, (task.seq, pool))
                 self._cond.notify()
+        return task.future
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
