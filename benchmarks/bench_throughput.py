@@ -103,10 +103,10 @@ def run_client(cmd: dict) -> dict:
     uids, endpoint, mode = cmd["uids"], cmd["endpoint"], cmd["mode"]
 
     def request(uid: str) -> None:
-        key = new_activation_id() if mode == CACHED else None
-        forward_future(endpoint, uid, [x], activation_id=key).result()
-        if mode != "fwd":  # with a key only the gradients travel back, and the server reuses the kept graph
-            backward_future(endpoint, uid, [x], [grad], activation_id=key).result()
+        activation_id = new_activation_id() if mode == CACHED else None
+        forward_future(endpoint, uid, [x], activation_id=activation_id).result()
+        if mode != "fwd":  # with an id only the gradients travel back, and the server reuses the kept graph
+            backward_future(endpoint, uid, [x], [grad], activation_id=activation_id).result()
 
     inflight = cmd["inflight"]
     if cmd["phase"] == "warmup":

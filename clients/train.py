@@ -203,7 +203,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
 def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> MoEFactory:
     """One mixture layer per block, experts ``ffn{i}.*.*``; the DHT client node and any layer with ``close()``
     are registered on ``resources``. Imported lazily: the model and data code do not need the network stack."""
-    common = dict(in_features=config.hidden, grid_size=tuple(config.grid), k_best=config.k_best, switch=config.switch)
+    common = dict(in_features=config.hidden, grid=tuple(config.grid), k_best=config.k_best, switch=config.switch)
     if config.experts == "local":
         from dmoe.client.gating import LocalMixtureOfExperts
 
@@ -211,7 +211,7 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> Mo
         # runs differ only by the network
         experts = in_process_experts(config.expert_cls, config.hidden, config.expert_optimizer_config(),
                                      seed=config.seed, device=config.device)
-        return lambda i: LocalMixtureOfExperts(uid_prefix=f"ffn{i}", expert_factory=experts, **common)
+        return lambda i: LocalMixtureOfExperts(layer=f"ffn{i}", expert_factory=experts, **common)
 
     from dmoe.client.moe import RemoteMixtureOfExperts
     from dmoe.dht import DHT
@@ -224,7 +224,7 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> Mo
 
     def remote_layer(i: int) -> torch.nn.Module:
         layer = RemoteMixtureOfExperts(
-            uid_prefix=f"ffn{i}", dht=dht, k_min=config.k_min, forward_timeout=config.forward_timeout,
+            layer=f"ffn{i}", dht=dht, k_min=config.k_min, forward_timeout=config.forward_timeout,
             backward_k_min=config.backward_k_min, backward_timeout=config.backward_timeout,
             timeout_after_k_min=config.timeout_after_k_min,
             allow_zero_outputs=config.allow_zero_outputs, bans=bans, **common)

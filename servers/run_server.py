@@ -36,7 +36,7 @@ from dmoe.uid import UIDError, expand_pattern, is_valid_prefix
 from dmoe.wire import MAX_MESSAGE_BYTES
 from dmoe.wire.codec import COMPRESSIONS
 
-logger = logging.getLogger("dmoe-server")
+logger = logging.getLogger(__name__)
 positive_int, positive_float = positive(int), positive(float)
 
 

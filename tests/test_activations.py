@@ -45,8 +45,8 @@ def test_a_kept_forward_is_taken_once_and_only_with_the_same_parameter_versions(
 
 def test_the_byte_budget_evicts_the_oldest_and_refuses_what_can_never_fit():
     cache = ActivationCache(max_bytes=100)
-    for key in (b"1", b"2", b"3"):
-        assert cache.put("e.0", key, kept(40))
+    for activation_id in (b"1", b"2", b"3"):
+        assert cache.put("e.0", activation_id, kept(40))
     assert cache.nbytes == 80 and cache.evicted == 1
     assert cache.take("e.0", b"1", (0,), [torch.zeros(1)]) is None
     assert cache.take("e.0", b"3", (0,), [torch.zeros(1)]) is not None

@@ -29,13 +29,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 class StandInMixture(nn.Module):
     """Same interface as the DMoE layers: [rows, hidden] -> [rows, hidden], experts on a grid, per-token top-k."""
 
-    def __init__(self, in_features, grid_size, uid_prefix, k_best, interrupt_at_call=None, **_):
+    def __init__(self, in_features, grid, layer, k_best, interrupt_at_call=None, **_):
         super().__init__()
-        self.uid_prefix, self.k_best, self.grid_size = uid_prefix, k_best, tuple(grid_size)
-        self.gate = nn.Linear(in_features, sum(grid_size))
-        self.experts = nn.ModuleList(StandInExpert(in_features) for _ in range(math.prod(grid_size)))
-        coords = torch.tensor(list(itertools.product(*(range(g) for g in grid_size))))  # [experts, dims]
-        offsets = torch.tensor([0, *itertools.accumulate(grid_size)][:-1])
+        self.layer, self.k_best, self.grid = layer, k_best, tuple(grid)
+        self.gate = nn.Linear(in_features, sum(grid))
+        self.experts = nn.ModuleList(StandInExpert(in_features) for _ in range(math.prod(grid)))
+        coords = torch.tensor(list(itertools.product(*(range(g) for g in grid))))  # [experts, dims]
+        offsets = torch.tensor([0, *itertools.accumulate(grid)][:-1])
         self.register_buffer("score_columns", coords + offsets, persistent=False)
         self.stats = SimpleNamespace(experts_chosen=0, experts_dropped=0)
         self.calls, self.interrupt_at_call = 0, interrupt_at_call
@@ -188,7 +188,7 @@ def test_progress_shows_dropped_share_of_the_last_interval_only():
     assert shown["dropped"] == "5.0%" and shown["loss"] == "2.000"
 
 
-def test_every_block_gets_its_own_layer_with_per_layer_uid_prefix():
+def test_every_block_gets_its_own_layer_with_its_own_layer_name():
     prefixes = []
 
     def factory(i):

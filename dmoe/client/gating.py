@@ -47,14 +47,14 @@ class MixtureBase(nn.Module):
       (times a small coefficient) to the training loss.
     """
 
-    def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, k_best: int,
+    def __init__(self, in_features: int, grid: Sequence[int], layer: str, k_best: int,
                  allow_zero_outputs: bool = False, switch: bool = False):
         super().__init__()
         if k_best < 1:
             raise ValueError(f"k_best must be >= 1, got {k_best}")
         self.in_features = in_features
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self.uid_prefix = uid_prefix
+        self.grid = tuple(int(g) for g in grid)
+        self.layer = layer
         self.k_best = k_best
         self.allow_zero_outputs = allow_zero_outputs
         self.switch = switch
@@ -62,7 +62,7 @@ class MixtureBase(nn.Module):
         #: dimension's coordinates, up to the dimension's size when all go to one coordinate. Differentiable
         #: w.r.t. the gate.
         self.balance_loss: torch.Tensor | None = None
-        self.proj = nn.Linear(in_features, sum(self.grid_size))
+        self.proj = nn.Linear(in_features, sum(self.grid))
         self.stats = MoEStats()
         self._coords_cache: dict[str, tuple[int, ...]] = {}
         self.reroute_attempts = 0  # in-process experts never fail
@@ -71,7 +71,7 @@ class MixtureBase(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected inputs [..., {self.in_features}], got {list(x.shape)}")
         flat = x.reshape(-1, self.in_features)
-        grid_scores = list(self.proj(flat).split(self.grid_size, dim=-1))
+        grid_scores = list(self.proj(flat).split(self.grid, dim=-1))
         detached = [s.detach() for s in grid_scores]
         chosen = self._choose(detached)                                # per row: uids, best first
         coords, valid = self._coords_tensor(chosen, flat.shape[0])     # [n, k, ndim], [n, k]
@@ -106,7 +106,7 @@ class MixtureBase(nn.Module):
         coords, valid = coords.to(grid_scores[0].device), valid.to(grid_scores[0].device)
         routed = valid.sum().clamp_min(1)
         terms = []
-        for dim, (size, scores) in enumerate(zip(self.grid_size, grid_scores)):
+        for dim, (size, scores) in enumerate(zip(self.grid, grid_scores)):
             share = torch.zeros(size, dtype=scores.dtype, device=scores.device).index_add_(
                 0, coords[:, :, dim][valid], torch.ones(int(valid.sum()), dtype=scores.dtype, device=scores.device))
             terms.append(size * (share / routed * torch.softmax(scores, dim=-1).mean(0)).sum())
@@ -120,14 +120,14 @@ class MixtureBase(nn.Module):
 
     def _coords_tensor(self, chosen: list[list[str]], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Grid coordinates [n, k, ndim] of the chosen experts, and which slots hold one (rows may get < k)."""
-        pad = (0,) * len(self.grid_size)
+        pad = (0,) * len(self.grid)
         coords, valid = [], []
         for uids in chosen:
             uids = uids[: self.k_best]
             row = [self._coords_of(uid) for uid in uids]
             coords.append(row + [pad] * (self.k_best - len(row)))
             valid.append([True] * len(row) + [False] * (self.k_best - len(row)))
-        shape = (n_rows, self.k_best, len(self.grid_size))
+        shape = (n_rows, self.k_best, len(self.grid))
         return torch.tensor(coords, dtype=torch.long).reshape(shape), torch.tensor(valid, dtype=torch.bool).reshape(shape[:2])
 
     def _coords_of(self, uid: str) -> tuple[int, ...]:
@@ -146,7 +146,7 @@ class MixtureBase(nn.Module):
             self.stats.rows_without_expert += missing
             if not self.allow_zero_outputs:
                 raise NoAliveExpertsError(
-                    f"{missing} of {len(has_any)} rows got no answer from any expert of {self.uid_prefix!r}; "
+                    f"{missing} of {len(has_any)} rows got no answer from any expert of {self.layer!r}; "
                     "pass allow_zero_outputs=True to use zeros for them instead"
                 )
         if self.switch:
@@ -173,16 +173,16 @@ class LocalMixtureOfExperts(MixtureBase):
     as the servers'.
     """
 
-    def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, *, k_best: int = 4,
+    def __init__(self, in_features: int, grid: Sequence[int], layer: str, *, k_best: int = 4,
                  expert_cls: str = "ffn", expert_factory: Callable[[str], nn.Module] | None = None,
                  allow_zero_outputs: bool = False, switch: bool = False, **expert_kwargs: Any):
-        super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs, switch)
+        super().__init__(in_features, grid, layer, k_best, allow_zero_outputs, switch)
         if expert_factory is None:
             def expert_factory(uid: str) -> nn.Module:
                 return create_expert(expert_cls, in_features, **expert_kwargs)
 
-        self.uids = [join_uid(uid_prefix, coords) for coords in torch.cartesian_prod(
-            *[torch.arange(g) for g in self.grid_size]).reshape(-1, len(self.grid_size)).tolist()]
+        self.uids = [join_uid(layer, coords) for coords in torch.cartesian_prod(
+            *[torch.arange(g) for g in self.grid]).reshape(-1, len(self.grid)).tolist()]
         # ModuleDict keys may not contain dots
         self.experts = nn.ModuleDict({uid.replace(".", "_"): expert_factory(uid) for uid in self.uids})
 

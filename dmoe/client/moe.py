@@ -85,8 +85,8 @@ class _RemoteExperts(torch.autograd.Function):
         ids = [new_activation_id() if will_backward else None for _ in plan]
         sent = [_from_bits(host_bits[call.rows], host.dtype) for call in plan]
         # one call per server carries all of its experts' requests; each expert still answers (or fails) alone
-        futures = forward_futures([(uid, endpoint, [rows_in], key)
-                                   for (uid, endpoint, _, _), rows_in, key in zip(plan, sent, ids)],
+        futures = forward_futures([(uid, endpoint, [rows_in], activation_id)
+                                   for (uid, endpoint, _, _), rows_in, activation_id in zip(plan, sent, ids)],
                                   timeout=policy.forward_timeout, compression=policy.compression,
                                   channels=policy.channels)
         wait_for_experts(futures, [call.rows for call in plan], len(inputs), policy.k_min, policy.forward_timeout,
@@ -95,7 +95,7 @@ class _RemoteExperts(torch.autograd.Function):
         out_bits = None
         alive = np.zeros((len(inputs), k), dtype=bool)
         answered = []
-        for (uid, endpoint, rows, slots), future, key, rows_in in zip(plan, futures, ids, sent):
+        for (uid, endpoint, rows, slots), future, activation_id, rows_in in zip(plan, futures, ids, sent):
             # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
             result = policy.outcome(uid, endpoint, future, shape=(len(rows), inputs.shape[-1]))
             if result is None:
@@ -106,7 +106,7 @@ class _RemoteExperts(torch.autograd.Function):
             out_bits[rows, slots] = _bits(result[0].to(out.dtype))
             alive[rows, slots] = True
             # the rows sent are kept only to send again if the server lost them (a backward sends gradients alone)
-            answered.append(AnsweredCall(uid, endpoint, rows, slots, key, rows_in))
+            answered.append(AnsweredCall(uid, endpoint, rows, slots, activation_id, rows_in))
         if out is None:
             out = _zeros((len(inputs), k, inputs.shape[-1]), host.dtype)
         policy.stats.experts_chosen += len(plan)
@@ -124,7 +124,7 @@ class _RemoteExperts(torch.autograd.Function):
         grad_host = grad_out.cpu().contiguous()  # one copy off the GPU, sliced per expert (with numpy: see _bits)
         grad_bits = _bits(grad_host)
         futures = backward_futures([(uid, endpoint, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
-                                     key) for uid, endpoint, rows, slots, key, rows_in in answered],
+                                     activation_id) for uid, endpoint, rows, slots, activation_id, rows_in in answered],
                                    timeout=policy.backward_timeout, compression=policy.compression,
                                    channels=policy.channels)
         wait_futures(futures, timeout=policy.backward_timeout)
@@ -157,8 +157,8 @@ class RemoteMixtureOfExperts(MixtureBase):
     """A mixture-of-experts layer whose experts are served by other machines and found through the DHT.
 
     :param in_features: hidden size of the inputs (the experts' input and output size).
-    :param grid_size: the expert grid of this layer, e.g. ``(16, 16)`` for uids ``ffn0.0.0`` .. ``ffn0.15.15``.
-    :param uid_prefix: the layer name, e.g. ``"ffn0"``.
+    :param grid: the expert grid of this layer, e.g. ``(16, 16)`` for uids ``ffn0.0.0`` .. ``ffn0.15.15``.
+    :param layer: the layer name, e.g. ``"ffn0"``.
     :param dht: a :class:`dmoe.dht.DHT` node to search for alive experts.
     :param k_best: experts chosen per row (token).
     :param k_min: forward waits until every row has this many answers (or no call left pending) ...
@@ -179,20 +179,20 @@ class RemoteMixtureOfExperts(MixtureBase):
     concurrently. Each expert still answers or fails alone (and is dropped alone).
     """
 
-    def __init__(self, in_features: int, grid_size: Sequence[int], uid_prefix: str, dht: Any, *, k_best: int = 4,
+    def __init__(self, in_features: int, grid: Sequence[int], layer: str, dht: Any, *, k_best: int = 4,
                  k_min: int = 1, forward_timeout: float | None = 10.0, timeout_after_k_min: float | None = 1.0,
                  backward_k_min: int = 1, backward_timeout: float | None = 10.0, allow_zero_outputs: bool = False,
                  compression: int = NONE, bans: Bans | None = None, ban_config: BanConfig | None = None,
                  channels: ChannelPool | None = None, cache: Any = None, reroute_attempts: int = 1,
                  switch: bool = False):
-        super().__init__(in_features, grid_size, uid_prefix, k_best, allow_zero_outputs, switch)
+        super().__init__(in_features, grid, layer, k_best, allow_zero_outputs, switch)
         self.reroute_attempts = reroute_attempts
         self.dht = dht
         self.policy = CallPolicy(k_min=k_min, timeout_after_k_min=timeout_after_k_min,
                                  forward_timeout=forward_timeout, backward_k_min=backward_k_min,
                                  backward_timeout=backward_timeout, compression=compression, channels=channels,
                                  bans=bans if bans is not None else Bans(ban_config or BanConfig()),
-                                 stats=self.stats, layer_name=uid_prefix)
+                                 stats=self.stats, layer_name=layer)
         self.bans = self.policy.bans
         self._cache = cache if cache is not None else PrefixCache()
         self._endpoints: dict[str, str] = {}
@@ -205,7 +205,7 @@ class RemoteMixtureOfExperts(MixtureBase):
 
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
         # (no predicate while nothing is banned: beam search would call it for every candidate expert)
-        found = beam_search(self.dht, self.uid_prefix, [s.float().cpu() for s in grid_scores], self.k_best,
+        found = beam_search(self.dht, self.layer, [s.float().cpu() for s in grid_scores], self.k_best,
                             exclude=self._is_excluded if len(self.bans) else None, cache=self._cache)
         chosen = []
         for row in found:

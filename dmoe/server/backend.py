@@ -115,13 +115,14 @@ class ExpertBackend:
         its autograd graph. Anything else runs without autograd.
         """
         cache = self.activations if self.activations is not None and self.activations.enabled else None
-        if cache is None or segments is None or all(key is None for key, _ in segments):
+        if cache is None or segments is None or all(aid is None for aid, _ in segments):
             return self._forward_no_grad(inputs)
         if len(segments) > 1:
             start = 0
-            for key, rows in segments:
-                if key is not None:
-                    cache.put(self.name, key, KeptForward.inputs_only([x[start:start + rows] for x in inputs]))
+            for activation_id, rows in segments:
+                if activation_id is not None:
+                    cache.put(self.name, activation_id,
+                              KeptForward.inputs_only([x[start:start + rows] for x in inputs]))
                 start += rows
             return self._forward_no_grad(inputs)
         params = list(self.module.parameters())
@@ -152,7 +153,7 @@ class ExpertBackend:
         n_in = len(self.inputs_schema)
         inputs, grad_outputs = inputs_and_grads[:n_in], inputs_and_grads[n_in:]
         try:
-            if segments is None or self.activations is None or all(key is None for key, _ in segments):
+            if segments is None or self.activations is None or all(aid is None for aid, _ in segments):
                 input_grads = self._recompute_backward(inputs, grad_outputs)
             else:
                 input_grads = self._segmented_backward(inputs, grad_outputs, segments)
@@ -172,10 +173,11 @@ class ExpertBackend:
         pieces: list[tuple[torch.Tensor, ...] | None] = []
         recompute: list[slice] = []
         start = 0
-        for key, rows in segments:
+        for activation_id, rows in segments:
             part = slice(start, start + rows)
             start += rows
-            kept = self.activations.take(self.name, key, versions, [x[part] for x in inputs]) if key else None
+            kept = (self.activations.take(self.name, activation_id, versions, [x[part] for x in inputs])
+                    if activation_id else None)
             if kept is None:
                 pieces.append(None)
                 recompute.append(part)

@@ -68,10 +68,10 @@ class Runtime:
     def workers(self) -> int:
         return len(self._threads)
 
-    def create_pool(self, name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False,
+    def create_pool(self, name: str, process: ProcessFn, max_batch_size: int, segmented: bool = False,
                     group: Hashable = None) -> TaskPool:
         """A new pool; pools sharing a ``group`` (default: each pool its own) never run concurrently."""
-        pool = TaskPool(name, process, max_batch_size, keyed, group)
+        pool = TaskPool(name, process, max_batch_size, segmented, group)
         self.pools.append(pool)
         return pool
 
@@ -88,12 +88,13 @@ class Runtime:
             torch.set_num_threads(threads)
         return self
 
-    def submit(self, pool: TaskPool, *inputs: torch.Tensor, key: bytes | None = None) -> "Future[list[torch.Tensor]]":
+    def submit(self, pool: TaskPool, *inputs: torch.Tensor,
+               activation_id: bytes | None = None) -> "Future[list[torch.Tensor]]":
         """Queues one request for ``pool`` (all tensors share the first, batch dimension), from any thread; the
-        future gets its outputs. ``key``: the request's activation id, if any."""
+        future gets its outputs. ``activation_id``: the request's, if any."""
         if not inputs:
             raise ValueError("a task needs at least one tensor")
-        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0], key=key)
+        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0], activation_id=activation_id)
         with self._cond:
             if self._closed:
                 task.future.set_exception(RuntimeError("the server is shutting down"))
@@ -215,8 +216,8 @@ class Runtime:
         autocast = (torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
                     if self.autocast else contextlib.nullcontext())
         with autocast:
-            if pool.keyed:
-                outputs = pool.process(*inputs, segments=[(task.key, task.rows) for task in batch])
+            if pool.segmented:
+                outputs = pool.process(*inputs, segments=[(task.activation_id, task.rows) for task in batch])
             else:
                 outputs = pool.process(*inputs)
         rows = sum(task.rows for task in batch)

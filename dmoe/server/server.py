@@ -141,10 +141,10 @@ class ExpertServer:
             backend.module.to(self.device)
             experts[uid] = HostedExpert(
                 backend,
-                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size, keyed=True,
-                                         group=uid),
-                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size, keyed=True,
-                                         group=uid),
+                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size,
+                                         segmented=True, group=uid),
+                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size,
+                                         segmented=True, group=uid),
             )
         self.servicer = ExpertServicer(
             experts, self.runtime, max_batch_size=self.config.max_batch_size, device=str(self.device),

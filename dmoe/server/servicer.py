@@ -145,10 +145,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
         if kind == FORWARD:
             expert.backend.forward_calls += 1
-            future = self.runtime.submit(expert.forward_pool, *inputs, key=activation_id or None)
+            future = self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
         else:
             expert.backend.backward_calls += 1
-            future = self.runtime.submit(expert.backward_pool, *inputs, key=activation_id or None)
+            future = self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
         try:
             outputs = await asyncio.wrap_future(future)
         except Exception as exc:

@@ -18,13 +18,13 @@ _sequence = itertools.count()
 class Task:
     """One request: tensors with a batch dimension, and the future its caller awaits.
 
-    ``key``: the request's activation id, if any (see :mod:`dmoe.server.activations`).
+    ``activation_id``: the request's, if any (see :mod:`dmoe.server.activations`).
     """
 
     inputs: tuple[torch.Tensor, ...]
     future: "Future[list[torch.Tensor]]"
     rows: int
-    key: bytes | None = None
+    activation_id: bytes | None = None
     seq: int = field(default_factory=lambda: next(_sequence))
     created: float = field(default_factory=time.monotonic)
 
@@ -40,14 +40,14 @@ class TaskPool:
         name: for logs, e.g. ``'ffn0.3_forward'``.
         process: called with the concatenated batch; returns tensors whose first dimension is the batch.
         max_batch_size: the most rows the runtime will put in one call of ``process``.
-        keyed: ``process`` also takes ``segments=[(task key, task rows), ...]``, one per task of the batch.
+        segmented: ``process`` also takes ``segments=[(activation id, rows), ...]``, one per task of the batch.
         group: pools of one group (an expert's forward and backward) never run at once; None: this pool alone.
     """
 
-    def __init__(self, name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False,
+    def __init__(self, name: str, process: ProcessFn, max_batch_size: int, segmented: bool = False,
                  group: Hashable = None):
         self.name, self.process, self.max_batch_size = name, process, max_batch_size
-        self.keyed = keyed
+        self.segmented = segmented
         self.group = group if group is not None else id(self)
         self.tasks: deque[Task] = deque()
         self.batches = 0
