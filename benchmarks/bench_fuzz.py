@@ -71,7 +71,7 @@ def main() -> None:
             code, details, response = fuzzing.send(channel, case)
             counts[(case.rpc, case.kind, code.name)] += 1
             problem = fuzzing.check_outcome(case, code, details, response, TARGET)
-            if problem is not None and len(problems) < 20:
+            if problem is not None:
                 problems.append(problem)
             done += 1
             if done % 1000 == 0 or done == 1:
@@ -106,9 +106,11 @@ def main() -> None:
     print(f"server RSS {rss_samples[0][1] / 2**20:.0f} -> {rss_samples[-1][1] / 2**20:.0f} MiB "
           f"(growth {growth:+.1f} MiB, bound {args.rss_bound_mib:.0f})")
     print(f"server alive: {alive}; reference expert correct afterwards: {correct}; fuzzed expert finite: "
-          f"{trained_finite}; unclear answers: {sum(1 for _ in problems)}")
-    for problem in problems:
+          f"{trained_finite}; unclear or malformed answers: {len(problems):,}")
+    for problem in problems[:20]:
         print("  " + problem)
+    if len(problems) > 20:
+        print(f"  ... and {len(problems) - 20:,} more")
 
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"fuzz_{time.strftime('%Y%m%d-%H%M%S')}.csv"

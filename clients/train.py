@@ -152,7 +152,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
         bar = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
         try:
             if step == 0:
-                report_validation(model, data, config, step, history)
+                report_validation(model, data, config, step, history, started)
             meter = IntervalMeter(model)
             while step < config.steps and not over_time(started, config):
                 for group in optimizer.param_groups:
@@ -172,7 +172,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
                 bar.update()
                 bar.set_postfix(meter.postfix(model), refresh=False)
                 if step % config.eval_interval == 0 and step < config.steps:
-                    report_validation(model, data, config, step, history)
+                    report_validation(model, data, config, step, history, started)
                     meter.restart(model)  # validation time is not training throughput
                 if step % config.checkpoint_interval == 0:
                     save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
@@ -186,7 +186,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
         val_loss = math.nan
         with contextlib.suppress(KeyboardInterrupt):
             if not history["val"] or history["val"][-1][0] != step:
-                report_validation(model, data, config, step, history)
+                report_validation(model, data, config, step, history, started)
             val_loss = history["val"][-1][1]
         save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
         plot_path = plot_losses(history, out_dir / "loss.png")
@@ -293,9 +293,11 @@ def evaluate(model: GatedTransformerLM, data: TextData, config: TrainConfig) -> 
     return sum(losses) / len(losses)
 
 
-def report_validation(model, data, config, step: int, history: dict) -> None:
+def report_validation(model, data, config, step: int, history: dict, started: float) -> None:
+    """Appends (step, loss) to history["val"] and (step, seconds since ``started``) to history["val_seconds"]."""
     loss = evaluate(model, data, config)
     history["val"].append((step, loss))
+    history.setdefault("val_seconds", []).append((step, time.monotonic() - started))
     tqdm.write(f"step {step}: validation loss {loss:.3f} perplexity {math.exp(loss):.2f}")
 
 

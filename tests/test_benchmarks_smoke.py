@@ -133,14 +133,15 @@ def test_latency_benchmark_quick_writes_sane_csv_and_png(tmp_path):
 
 
 def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
-    run_benchmark("bench_quality.py", "--quick", "--variants", "local", "remote-faulty", "--results", str(tmp_path))
+    stdout = run_benchmark("bench_quality.py", "--quick", "--report-only", "--variants", "local", "remote-faulty",
+                           "no-experts", "--results", str(tmp_path))
     rows = read_csv(tmp_path / "quality_tiny.csv")
-    assert [r["variant"] for r in rows] == ["local", "remote-faulty"]
+    assert [r["variant"] for r in rows] == ["local", "remote-faulty", "no-experts"]
     losses = [float(r["val_loss"]) for r in rows]
     assert all(0 < loss < math.log(256) + 1 for loss in losses)  # finite, and no worse than a bad guess
-    assert float(rows[0]["ratio_to_local"]) == 1
-    assert all(int(r["expert_calls"]) > 0 for r in rows)  # the mixtures really used their experts
-    assert math.isclose(float(rows[1]["ratio_to_local"]), losses[1] / losses[0], rel_tol=1e-3)
+    assert int(rows[0]["expert_calls"]) > 0 and int(rows[1]["expert_calls"]) > 0  # the mixtures used experts
+    assert int(rows[2]["expert_calls"]) == 0  # the control has none
+    assert "remote-faulty" in stdout and ("all goals met" in stdout or "goals missed" in stdout)
     assert (tmp_path / "quality_tiny.png").read_bytes().startswith(PNG_MAGIC)
 
 
