@@ -124,11 +124,16 @@ def test_latency_benchmark_quick_writes_sane_csv_and_png(tmp_path):
     assert "headline: throughput at" in stdout
     rows = read_csv(tmp_path / "latency_quick.csv")
     latencies = sorted({float(r["latency_ms"]) for r in rows})
-    assert {r["mode"] for r in rows} == {"dmoe", "pipeline", "pipeline-mb"}
-    assert len(rows) == len(latencies) * 3 and latencies[0] == 0 and len(latencies) >= 2
-    assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    modes = {"dmoe", "pipeline", "pipeline-mb", "pipeline-async", "shallow", "shallow-async"}
+    assert {r["mode"] for r in rows} == modes
+    assert len(rows) == len(latencies) * len(modes) and latencies[0] == 0 and len(latencies) >= 2
+    assert all(float(r["samples_per_s"]) > 0 and float(r["expert_rows_per_s"]) > 0 for r in rows)
     assert all(float(r["ratio_to_0ms"]) == 1 for r in rows if float(r["latency_ms"]) == 0)
-    assert {int(r["in_flight"]) for r in rows if r["mode"] == "pipeline"} == {1}
+    in_flight = {r["mode"]: int(r["in_flight"]) for r in rows}
+    assert in_flight["pipeline"] == in_flight["shallow"] == 1
+    assert in_flight["pipeline-async"] == in_flight["shallow-async"] == in_flight["dmoe"]  # same total in flight
+    hops = {r["mode"]: int(r["hops"]) for r in rows}
+    assert hops["shallow"] == hops["dmoe"] <= hops["pipeline"]  # equal depth (--quick has one server: no deeper)
     assert (tmp_path / "latency_quick.png").read_bytes().startswith(PNG_MAGIC)
 
 
