@@ -51,9 +51,9 @@ def test_injected_latency_delays_every_call_without_serialising_them():
     assert all(f.exception() is None for f in futures + items)
     assert single >= 0.4
     # eight calls that each wait 0.4 s on the server's event loop overlap instead of taking 3.2 s
-    assert concurrent < 1.6, f"8 concurrent calls took {concurrent:.2f} s"
+    assert concurrent < 2.4, f"8 concurrent calls took {concurrent:.2f} s"  # serialised: 3.2 s; slack for load
     # eight experts' requests in one batch call: their delays do not add up either
-    assert 0.4 <= batched < 1.6, f"a batch call of 8 items took {batched:.2f} s"
+    assert 0.4 <= batched < 2.4, f"a batch call of 8 items took {batched:.2f} s"
 
 
 def test_fail_rate_fails_some_calls_with_a_clear_status_and_serves_the_rest():
