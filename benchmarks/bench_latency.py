@@ -36,6 +36,7 @@ from dmoe.client.bans import Bans
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import backward_future, forward_future
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
 from dmoe.launch import LocalSwarm, SwarmConfig, split_grid
 from dmoe.uid import expand_pattern, grid_uids
 
@@ -172,7 +173,7 @@ def run_latency(args, latency_ms: float) -> list[dict]:
     with LocalSwarm(config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         uids = [uid for i in range(args.layers) for uid in grid_uids(f"ffn{i}", args.grid)]
         deadline = time.monotonic() + 60
-        while not all(dht.get_experts(uids)):  # the first steps must not run without experts
+        while not all(get_experts(dht, uids)):  # the first steps must not run without experts
             if time.monotonic() > deadline:
                 raise TimeoutError("experts were not declared in the DHT within 60 s")
             time.sleep(0.2)

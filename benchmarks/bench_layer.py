@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from dmoe.allocator import keep_freed_memory
 from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import make_optimizer
 from dmoe.server.server import compute_workers
@@ -123,7 +124,7 @@ def main(argv=None) -> list[dict]:
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         uids = grid_uids("ffn0", args.grid)
         deadline = time.monotonic() + 60
-        while not all(dht.get_experts(uids)):
+        while not all(get_experts(dht, uids)):
             if time.monotonic() > deadline:
                 raise TimeoutError("experts were not declared in the DHT within 60 s")
             time.sleep(0.2)

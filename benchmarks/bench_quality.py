@@ -38,6 +38,7 @@ from torch import nn
 from clients.train import TrainConfig, make_moe_factory, train
 from dmoe.client.moe import LocalMixtureOfExperts
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import ExpertBackend, expert_seed, make_optimizer
 from dmoe.server.layers import create_expert, expert_class
@@ -134,7 +135,7 @@ def wait_declared(initial_peers: str, layers: int, grid, timeout: float = 60.0) 
     uids = [uid for i in range(layers) for uid in grid_uids(f"ffn{i}", grid)]
     with DHT(initial_peers=[initial_peers]) as dht:
         deadline = time.monotonic() + timeout
-        while not all(dht.get_experts(uids)):
+        while not all(get_experts(dht, uids)):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"experts were not declared in the DHT within {timeout} s")
             time.sleep(0.2)

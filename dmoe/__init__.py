@@ -1,7 +1,7 @@
 """dmoe: Decentralized Mixture-of-Experts for PyTorch.
 
-Experts live on volunteers' expert servers (:class:`ExpertServer`), announce themselves in a Kademlia DHT
-(:class:`DHT`), and are mixed by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best
+Experts live on volunteers' expert servers (:class:`ExpertServer`), are announced in the expert directory
+(:class:`Announcer`, :mod:`dmoe.directory`) kept in a Kademlia DHT of signed records (:class:`DHT`), and are mixed by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best
 alive experts with :func:`beam_search` and calls them over gRPC.
 """
 from dmoe.client.bans import BanConfig, Bans
@@ -16,7 +16,8 @@ from dmoe.client.remote_expert import (
     forward_future,
     forward_futures,
 )
-from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer
+from dmoe.dht import DHT, DHTConfig
+from dmoe.directory import Announcer, declare_experts, get_experts
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import (
     ExpertBackend,
@@ -32,9 +33,10 @@ from dmoe.uid import expand_pattern, grid_uids, split_uid
 __version__ = "0.1.0"
 
 __all__ = [
-    "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertAnnouncer", "ExpertBackend", "ExpertServer",
+    "Announcer", "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertBackend", "ExpertServer",
     "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
     "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig", "backward_future",
-    "backward_futures", "beam_search", "create_expert", "expand_pattern", "expert_class_names", "expert_info",
-    "forward_future", "forward_futures", "grid_uids", "register_expert_class", "split_uid",
+    "backward_futures", "beam_search", "create_expert", "declare_experts", "expand_pattern", "expert_class_names",
+    "expert_info", "forward_future", "forward_futures", "get_experts", "grid_uids", "register_expert_class",
+    "split_uid",
 ]

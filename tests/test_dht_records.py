@@ -11,7 +11,7 @@ from kademlia.node import Node
 from kademlia.routing import RoutingTable
 
 from dmoe.dht.config import DHTConfig
-from dmoe.dht.experts import declaration_records
+from dmoe.directory.declarations import declaration_records
 from dmoe.dht.protocol import (MAX_DATAGRAM_BYTES, MAX_REQUEST_BYTES, chunk_entries, find_value_reply,
                                record_to_wire)
 from dmoe.dht.routing import DHTRoutingTable

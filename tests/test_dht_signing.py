@@ -12,7 +12,7 @@ import umsgpack
 from kademlia.node import Node
 
 from dmoe.dht.config import DHTConfig
-from dmoe.dht.experts import continuations, declaration_records
+from dmoe.directory import continuations, declaration_records
 from dmoe.dht.protocol import DHTProtocol, find_value_reply, parse_find_value_reply, record_to_wire
 from dmoe.dht.signing import Identity, Verifier, verify
 from dmoe.dht.storage import Entry, NotOwner, RecordFull, RecordStorage, merge_records

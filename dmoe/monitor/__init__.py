@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
-from dmoe.swarm import alive_experts
+from dmoe.directory import alive_experts
 
 logger = logging.getLogger(__name__)
 
