@@ -17,7 +17,7 @@ from kademlia.utils import digest
 
 from dmoe.client.beam_search import beam_search, brute_force_top_k
 from dmoe.dht import DHT, Identity
-from dmoe.dht.protocol import parse_find_value_reply
+from dmoe.dht.messages import parse_find_value_reply
 from dmoe.directory import get_alive_continuations, get_experts
 from dmoe.uid import grid_uids
 from tests.procs import Proc, processes

@@ -8,7 +8,7 @@ rooms above (the expert directory, :mod:`dmoe.directory`).
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.dht import DHT
 from dmoe.dht.node import DHTNode, parse_endpoint
-from dmoe.dht.protocol import MessageTooLarge
+from dmoe.dht.transport import MessageTooLarge
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Entry, Record, RecordFull, Subkey
 

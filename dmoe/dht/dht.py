@@ -11,11 +11,11 @@ from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
-from dmoe.dht.protocol import check_entry
+from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Record, Subkey
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -118,7 +118,7 @@ class DHT:
             try:
                 with_timeout.result(5)
             except Exception:
-                log.warning("DHT shutdown did not finish cleanly", exc_info=True)
+                logger.warning("DHT shutdown did not finish cleanly", exc_info=True)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():

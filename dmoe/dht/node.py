@@ -12,11 +12,12 @@ from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.crawling import RecordCrawl
-from dmoe.dht.protocol import DHTProtocol, valid_address
+from dmoe.dht.messages import valid_address
+from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, missing_entries
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -58,8 +59,8 @@ class DHTNode(Server):
         try:  # replies to a burst of look-ups arrive together; a small buffer would drop them
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.config.socket_buffer_bytes)
         except OSError:
-            log.debug("could not enlarge the UDP receive buffer", exc_info=True)
-        log.info("DHT node %s bound to UDP %s:%d", self.node.id.hex()[:8], host, bound_port)
+            logger.debug("could not enlarge the UDP receive buffer", exc_info=True)
+        logger.info("DHT node %s bound to UDP %s:%d", self.node.id.hex()[:8], host, bound_port)
         self.refresh_table()
         return host, bound_port
 
@@ -94,7 +95,7 @@ class DHTNode(Server):
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, family=family,
                                                                      type=socket.SOCK_DGRAM)
             except OSError as error:
-                log.warning("cannot resolve initial peer %s:%s: %s", host, port, error)
+                logger.warning("cannot resolve initial peer %s:%s: %s", host, port, error)
                 return None
             host, port = infos[0][4][:2]
         return await self.protocol.ping_address((host, port))
@@ -199,8 +200,8 @@ class DHTNode(Server):
                           if not isinstance(result, str)} for key, reply in zip(keys, replies)}
         repaired = await asyncio.gather(*(self.make_readable(key, readable[key]) for key in keys if readable[key]))
         if any(repaired):
-            log.info("%d of %d stored records had not reached some of the nodes readers ask; stored there now",
-                     sum(map(bool, repaired)), len(keys))
+            logger.info("%d of %d stored records had not reached some of the nodes readers ask; stored there now",
+                        sum(map(bool, repaired)), len(keys))
         return dict(zip(keys, replies))
 
     async def make_readable(self, key: str, record: Record) -> int:

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from dmoe.dht.storage import Entry, Subkey
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -56,7 +56,7 @@ class Identity:
             if len(seed) != 32:
                 raise ValueError(f"identity file {path} is not a 32-byte Ed25519 key ({len(seed)} bytes)")
             identity = cls(Ed25519PrivateKey.from_private_bytes(seed))
-            log.info("loaded DHT identity %s from %s", identity.public_key.hex()[:16], path)
+            logger.info("loaded DHT identity %s from %s", identity.public_key.hex()[:16], path)
             return identity
         identity = cls()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,7 @@ class Identity:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-        log.info("created DHT identity %s in %s", identity.public_key.hex()[:16], path)
+        logger.info("created DHT identity %s in %s", identity.public_key.hex()[:16], path)
         return identity
 
     def sign(self, key: bytes, subkey: Subkey, value: str, expiration: float) -> bytes:

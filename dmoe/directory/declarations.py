@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 from kademlia.utils import digest
 
 from dmoe.dht import DHT, DHTNode, Identity
-from dmoe.dht.protocol import VALUE_PATTERN
+from dmoe.dht.messages import VALUE_PATTERN
 from dmoe.dht.storage import Entry, Record, Subkey
 from dmoe.uid import check_uid, strict_prefixes
 
