@@ -28,6 +28,8 @@ logger = logging.getLogger("dmoe.dht")  # this module's __name__ is __main__ whe
 #: What a program built on this one does once its nodes are up, before it says it is ready: it gets the first node
 #: and may return a task that runs until shutdown (cancelled then).
 Start = Callable[[DHTNode], Awaitable["asyncio.Task | None"]]
+#: The config fields the program takes as flags: all but client_mode, as others join through this program's nodes.
+FLAG_FIELDS = [field for field in dataclasses.fields(DHTConfig) if field.name != "client_mode"]
 
 
 def _flag_bool(text: str) -> bool:
@@ -48,7 +50,7 @@ def build_parser(prog: str = "dmoe-dht", description: str = __doc__.split("\n\n"
                         help="Ed25519 key file signing what the first node stores (created if absent; default: "
                              "ephemeral key)")
     parser.add_argument("--log-level", default="INFO")
-    for field in dataclasses.fields(DHTConfig):
+    for field in FLAG_FIELDS:
         kind = _flag_bool if isinstance(field.default, bool) else type(field.default)
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default,
                             help=f"DHTConfig.{field.name} (default {field.default})")
@@ -67,7 +69,7 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
 
 async def run(args: argparse.Namespace, start: Start | None = None, prog: str = "dmoe-dht") -> None:
     """Runs the nodes until SIGINT/SIGTERM (or until the launching process dies); ``start``: see :data:`Start`."""
-    config = DHTConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(DHTConfig)})
+    config = DHTConfig(**{field.name: getattr(args, field.name) for field in FLAG_FIELDS})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

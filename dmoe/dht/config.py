@@ -38,6 +38,9 @@ class DHTConfig:
     socket_buffer_bytes: UDP receive buffer requested from the kernel (capped by net.core.rmem_max).
     routing_refresh_period: seconds between refreshes of lonely routing-table buckets.
     call_timeout: upper bound (seconds) on one synchronous facade call.
+    client_mode: a node that asks but never answers (a trainer or a monitor behind NAT, which others could not
+        reach): it serves no request and stores nothing, and its requests carry no node id, so other nodes never
+        take it as a contact (never add it to their routing tables, never name it in their replies).
     """
 
     ksize: int = 20
@@ -57,6 +60,7 @@ class DHTConfig:
     max_records: int = 1 << 16
     routing_refresh_period: float = 600.0
     call_timeout: float = 60.0
+    client_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.ksize < 1 or self.num_replicas < 1 or self.read_width < 1 or self.alpha < 1:

@@ -27,18 +27,21 @@ class DHT:
     config: :class:`DHTConfig` (timeouts, replication, record limits).
     identity: the key pair that signs what this node stores and owns the int subkeys it stores first (see
         :meth:`Identity.load_or_create`); default: a fresh, ephemeral one.
+    client_mode: ask but never answer (see :attr:`DHTConfig.client_mode`): for processes others cannot reach, or
+        that should not hold the swarm's records (trainers, monitors). It stores and reads through the swarm as any
+        node does, but nobody can join through it (its :attr:`endpoint` answers nothing).
     Raises ``ConnectionError`` when initial peers were given and none answered.
     """
 
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
-                 config: DHTConfig | None = None, identity: Identity | None = None):
-        self.config = config or DHTConfig()
+                 config: DHTConfig | None = None, identity: Identity | None = None, client_mode: bool = False):
         addresses = [parse_endpoint(peer) for peer in initial_peers]
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="dmoe-dht-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self.node = DHTNode(self.config, identity=identity)
+        self.node = DHTNode(config, identity=identity, client_mode=client_mode)
+        self.config = self.node.config
         try:
             bound_host, bound_port = self.run_coroutine(self.node.listen(port, host))
             self.endpoint = f"{bound_host}:{bound_port}"

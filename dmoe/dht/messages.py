@@ -307,10 +307,10 @@ class EncodedReplies:
         # (key, k, asker's address) -> (routing table version, contacts text)
         self._contacts: dict[tuple[bytes, int, str, int], tuple[int, str]] = {}
 
-    def contacts(self, router: DHTRoutingTable, key: bytes, k: int, asker: Node) -> str:
-        """:func:`encode_contacts` of the ``k`` contacts closest to ``key`` other than ``asker``, encoded again only
-        after the routing table changed."""
-        memo = (key, k, asker.ip, asker.port)
+    def contacts(self, router: DHTRoutingTable, key: bytes, k: int, asker: Node | None) -> str:
+        """:func:`encode_contacts` of the ``k`` contacts closest to ``key`` other than ``asker`` (None: a client-mode
+        node, which is no contact), encoded again only after the routing table changed."""
+        memo = (key, k, asker.ip, asker.port) if asker is not None else (key, k, "", 0)
         cached = self._contacts.get(memo)
         if cached is not None and cached[0] == router.version:
             return cached[1]

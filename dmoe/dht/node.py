@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from typing import Iterable, Sequence
@@ -32,16 +33,19 @@ class DHTNode(Server):
     """A Kademlia node whose values are subkey records (see :mod:`dmoe.dht.storage`).
 
     Nothing is republished by the nodes that merely hold a record (stock kademlia re-stores everything hourly,
-    which resets ages and revives stale copies); owners refresh their declarations instead.
+    which resets ages and revives stale copies); owners refresh their entries instead.
+
+    client_mode: overrides ``config.client_mode`` when True (see :class:`DHTConfig`).
     """
 
     protocol_class = DHTProtocol
 
     def __init__(self, config: DHTConfig | None = None, node_id: bytes | None = None,
-                 identity: Identity | None = None):
-        self.config = config or DHTConfig()
+                 identity: Identity | None = None, client_mode: bool = False):
+        config = config or DHTConfig()
+        self.config = dataclasses.replace(config, client_mode=True) if client_mode else config
         super().__init__(ksize=self.config.ksize, alpha=self.config.alpha, node_id=node_id)
-        self.identity = identity or Identity()  # signs what this node declares
+        self.identity = identity or Identity()  # signs what this node stores
         self.storage: RecordStorage = RecordStorage(self.config.max_record_subkeys, self.config.max_expiration,
                                                     max_records=self.config.max_records)
         self.protocol: DHTProtocol | None = None
@@ -164,8 +168,8 @@ class DHTNode(Server):
         if nodes is None:
             nodes = await self.find_replicas(key_id)
         results: list[bool | str] = [False] * len(record)
-        store_here = len(nodes) < self.config.num_replicas or (
-            self.node.distance_to(target) < max(node.distance_to(target) for node in nodes))
+        store_here = not self.config.client_mode and (len(nodes) < self.config.num_replicas or (
+            self.node.distance_to(target) < max(node.distance_to(target) for node in nodes)))
         if store_here:
             for index, (subkey, entry) in enumerate(record.items()):
                 try:

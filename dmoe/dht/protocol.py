@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 #: Keys per find_values request (22 bytes each, well under the request limit).
 MAX_KEYS_PER_REQUEST = 128
+#: The node id in the requests of a client-mode node: the receiver does not take it as a contact.
+CLIENT_ID = b""
 
 
 class ValueAsk(NamedTuple):
@@ -46,7 +48,9 @@ class DHTProtocol(UDPTransport):
     def __init__(self, source_node: Node, storage: RecordStorage, config: DHTConfig):
         super().__init__(config)
         self.source_node, self.storage, self.config = source_node, storage, config
-        self.own_id = source_node.id  # what this node sends as its id in its requests
+        # what this node sends as its id in its requests: none from a client-mode node, which answers nothing and so
+        # must never become anyone's contact
+        self.own_id = CLIENT_ID if config.client_mode else source_node.id
         self.router = DHTRoutingTable(self, config.ksize, source_node)
         self.peers = PeerBook(config.dead_node_ttl)
         self.verifier = Verifier()
@@ -177,7 +181,11 @@ class DHTProtocol(UDPTransport):
         return result
 
     # ---- serving ------------------------------------------------------------------------------------------
-    def _sender(self, address: tuple[str, int], nodeid: Any) -> Node:
+    def _sender(self, address: tuple[str, int], nodeid: Any) -> Node | None:
+        """The asker as a contact, welcomed into the routing table; None for a client-mode node (:data:`CLIENT_ID`),
+        which is neither added nor ever named in a reply."""
+        if nodeid == CLIENT_ID:
+            return None
         source = Node(check_id(nodeid, "node id"), address[0], address[1])
         self.welcome_if_new(source)
         return source

@@ -72,6 +72,7 @@ class UDPTransport(RPCProtocol):
 
     def __init__(self, config: DHTConfig):
         super().__init__(wait_timeout=config.rpc_timeout)
+        self.serves = not config.client_mode  # a client-mode node answers no request
         self._outstanding: dict[bytes, PendingRequest] = {}
         self._slots = asyncio.Semaphore(config.max_concurrent_rpcs)
         self._tasks: set[asyncio.Future] = set()  # strong references to fire-and-forget work
@@ -82,6 +83,9 @@ class UDPTransport(RPCProtocol):
         kind = data[:1]
         if len(data) < HEADER_BYTES + 1 or kind not in (REQUEST, RESPONSE):
             logger.warning("dropping malformed datagram of %d bytes from %s", len(data), addr)
+            return
+        if kind == REQUEST and not self.serves:
+            logger.debug("not answering a request from %s: this node is in client mode", addr)
             return
         if kind == REQUEST and len(data) > HEADER_BYTES + MAX_REQUEST_BYTES:
             logger.warning("dropping oversized request of %d bytes from %s", len(data), addr)

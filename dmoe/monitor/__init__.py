@@ -38,7 +38,8 @@ class SwarmMonitor:
         info_timeout: seconds to wait for one expert's ``info`` answer; an expert that does not answer is shown as
             declared but unreachable (its server may just have died; its DHT record has not expired yet).
         workers: concurrent ``info`` calls.
-        dht: an existing DHT node to read through (then ``initial_peers`` is unused and the node is not closed).
+        dht: an existing DHT node to read through (then ``initial_peers`` is unused and the node is not closed);
+            by default the monitor's own node, in client mode (it reads the swarm and answers nobody).
 
     Load is the calls (forward + backward) per second an expert answered between two polls; latency is the round
     trip of the ``info`` RPC, per server (the median over its experts).
@@ -54,7 +55,7 @@ class SwarmMonitor:
         self.period, self.info_timeout = period, info_timeout
         self.initial_peers = list(initial_peers)
         self._own_dht = dht is None
-        self.dht = dht if dht is not None else DHT(initial_peers=self.initial_peers)
+        self.dht = dht if dht is not None else DHT(initial_peers=self.initial_peers, client_mode=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dmoe-monitor-info")
         self._colors: dict[str, str] = {}
         self._previous: dict[tuple[str, str], tuple[float, int]] = {}  # (uid, endpoint) -> (time, calls)
