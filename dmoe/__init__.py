@@ -1,8 +1,9 @@
 """dmoe: Decentralized Mixture-of-Experts for PyTorch.
 
 Experts live on volunteers' expert servers (:class:`ExpertServer`), are announced in the expert directory
-(:class:`Announcer`, :mod:`dmoe.directory`) kept in a Kademlia DHT of signed records (:class:`DHT`), and are mixed by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best
-alive experts with :func:`beam_search` and calls them over gRPC.
+(:class:`Announcer`, :mod:`dmoe.directory`) kept in a Kademlia DHT of signed records (:class:`DHT`), and are mixed
+by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best alive experts with :func:`beam_search`
+and calls them over gRPC.
 """
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search

@@ -3,7 +3,7 @@
 ``DHT`` is the synchronous node (its asyncio loop lives in a thread it owns): ``store``/``store_many`` write signed
 entries ``record[key][subkey] = value`` until an absolute expiration, ``get``/``get_many`` read the live ones.
 ``Identity`` is the key pair that signs them; ``DHTConfig`` holds the knobs. What the records mean is up to the
-rooms above (the expert directory, :mod:`dmoe.directory`).
+rooms above (:mod:`dmoe.directory`, for one).
 """
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.dht import DHT

@@ -19,11 +19,11 @@ class DHTConfig:
         made every lookup touching a dead node wait 5 s; reads here do not wait for it at all (see hedge_after),
         so this only needs to be long enough that a live node on a busy machine is not declared dead: a false
         death makes a store skip a replica that reads will ask.
-    default_expiration: lifetime (seconds) of a declaration when the caller gives none.
+    default_expiration: lifetime (seconds) of an entry when the caller gives none.
     max_expiration: expirations further in the future than this are capped, so no record outlives its owner by long.
-    max_record_subkeys: a record keeps at most this many subkeys, which bounds its reply to one datagram for grid
-        dimensions up to 256; stores beyond it are refused with an error the declarer sees.
-    max_value_bytes: longest value (an endpoint) a record entry may carry. With each entry's 96 bytes of owner key
+    max_record_subkeys: a record keeps at most this many subkeys, which keeps its reply within one datagram; stores
+        beyond it are refused with an error the writer sees.
+    max_value_bytes: longest value a record entry may carry. With each entry's 96 bytes of owner key
         and signature, this is what keeps a 256-subkey record's reply within one datagram.
     max_records: most records (keys) a node stores; stores of new keys beyond it are refused, so a flood of stores
         cannot exhaust a node's memory.

@@ -78,9 +78,9 @@ class RecordCrawl:
             if not peers.may_be_suspect(node_id):
                 continue
             # Nodes that recently timed out are asked (a busy machine makes live nodes time out, and skipping
-            # them put whole declarations where no reader looked), but no search waits for them: a store
-            # search that did waited one RPC timeout per dead node met, round after round, until declarations
-            # took longer than they live. Stores that miss a busy node are caught by
+            # them put whole stores where no reader looked), but no search waits for them: a store
+            # search that did waited one RPC timeout per dead node met, round after round, until storing
+            # took longer than the entries live. Stores that miss a busy node are caught by
             # :meth:`DHTNode.make_readable`. A hedged read does not wait for recently slow nodes either.
             if peers.recently_dead(node_id):
                 self.suspects.add(node_id)
@@ -213,7 +213,7 @@ class RecordCrawl:
             if not self._inbox:
                 # An empty answer waits for every live node still asked (a busy replica must not make a live record
                 # look dead), though not for nodes that timed out before once the frontier is full (else every
-                # look-up of a dead prefix waited an RPC timeout after churn); otherwise nobody late or suspect
+                # look-up of an absent key waited an RPC timeout after churn); otherwise nobody late or suspect
                 # holds the search up.
                 must_wait = [node_id for node_id in pending if not frontier or (
                     (node_id not in self.dead_suspects or horizon is None) if not found else

@@ -16,7 +16,7 @@ import re
 import socket
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from kademlia.node import Node
 
@@ -61,9 +61,9 @@ def _order(item: tuple[Any, Any]) -> tuple[bool, Any]:
     return (isinstance(item[0], str), item[0])
 
 
-#: Values are endpoints: printable ASCII that JSON does not escape, so a reply's size is what the caps say.
+#: Values are printable ASCII that JSON does not escape (endpoints, say), so a reply's size is what the caps say.
 VALUE_PATTERN = re.compile(r"[!#-\[\]-~]*")
-#: Longest str subkey (a shared prefix claim: a coordinate in decimal).
+#: Longest str (shared) subkey.
 MAX_STR_SUBKEY = 10
 
 
@@ -298,12 +298,19 @@ class ReplyParser:
             self._verify_thread.shutdown(wait=False, cancel_futures=True)
 
 
+class EncodedRecord(NamedTuple):
+    """A record as a find_value reply carries it (see :func:`encode_record`), and the storage version it encodes."""
+    version: int | None
+    text: str
+    auth: bytes
+
+
 class EncodedReplies:
     """What a node sends in its find_value replies, encoded again only after it changed: readers ask for the same
     records every few seconds, while their owners change them far less often."""
 
     def __init__(self) -> None:
-        self._records: dict[bytes, tuple[int | None, str, bytes]] = {}  # key -> (version, record text, auth)
+        self._records: dict[bytes, EncodedRecord] = {}
         # (key, k, asker's address) -> (routing table version, contacts text)
         self._contacts: dict[tuple[bytes, int, str, int], tuple[int, str]] = {}
 
@@ -325,8 +332,8 @@ class EncodedReplies:
         record = storage.live(key) or {}  # drops expired entries first, which changes the version
         version = storage.versions.get(key)
         cached = self._records.get(key)
-        if cached is None or cached[0] != version or version is None:
+        if cached is None or cached.version != version or version is None:
             if len(self._records) >= ENCODED_RECORDS:
                 del self._records[next(iter(self._records))]
-            cached = self._records[key] = (version, *encode_record(record))
-        return find_value_reply(record, nodes, cached[1:])
+            cached = self._records[key] = EncodedRecord(version, *encode_record(record))
+        return find_value_reply(record, nodes, (cached.text, cached.auth))

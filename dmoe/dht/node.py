@@ -127,7 +127,7 @@ class DHTNode(Server):
         A lookup asks the ``read_width`` closest; the others are asked only when some of those fail to answer in
         time. Started from exactly ``read_width`` contacts, a lookup whose contacts had all just died (one in 32
         keys right after half the swarm did) had nobody else to ask: it waited an RPC timeout and found nothing,
-        and beam search took a live prefix for a dead one.
+        and a reader took a live record for an absent one.
         """
         return self.protocol.router.find_neighbors(target, k=max(self.config.ksize, 2 * self.config.read_width))
 
@@ -212,7 +212,7 @@ class DHTNode(Server):
         """Stores ``record``'s entries on those of the ``read_width`` closest responding nodes (the nodes a reader
         merges) that lack them at this expiration; returns how many nodes lacked some.
 
-        A store goes to the replicas its own search found. While nodes are busy (a declaration storm on a loaded
+        A store goes to the replicas its own search found. While nodes are busy (a storm of stores on a loaded
         machine) a close node can time out in that search or in the store itself, and entries that missed every
         node readers ask stayed invisible until the owner's next refresh (a whole server's quarter of a prefix
         record, seen in the DHT benchmark). Reading the record back the way a reader does closes that gap.

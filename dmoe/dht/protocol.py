@@ -86,7 +86,7 @@ class DHTProtocol(UDPTransport):
         """Asks one node for one key's record and contacts.
 
         Requests for different keys to the same node made in the same loop iteration (a batch of look-ups, as
-        beam search makes) are coalesced into one ``find_values`` datagram: on a busy machine the cost of a
+        a reader of many keys makes) are coalesced into one ``find_values`` datagram: on a busy machine the cost of a
         look-up is mostly per datagram, not per byte.
         """
         return self.handle_call_response(await self.find_value_soon(node_to_ask, node_to_find, on_sent), node_to_ask)
@@ -169,7 +169,7 @@ class DHTProtocol(UDPTransport):
         """A node that stays silent ``EVICT_AFTER_FAILURES`` times in a row is evicted from the routing table (its
         replacement, if any, takes its place); after one silence, lookups already stop waiting for it.
 
-        Evicting on the first timeout emptied routing tables during bursts of declarations, when live nodes are
+        Evicting on the first timeout emptied routing tables during bursts of stores, when live nodes are
         merely busy, and later stores then settled on nodes far from their keys, where no reader looks."""
         if not result[0]:
             if self.peers.failed(node.id):

@@ -1,4 +1,4 @@
-"""Signed record entries: each server has an Ed25519 identity, and every entry it declares carries its public key
+"""Signed record entries: each writer has an Ed25519 identity, and every entry it stores carries its public key
 and a signature over (record key digest, subkey, value, expiration).
 
 Nodes verify entries before storing them and clients verify what they receive before using it, so an entry
@@ -28,8 +28,8 @@ _DOMAIN = b"dmoe-dht-entry-v1\x00"
 
 
 def entry_message(key: bytes, subkey: Subkey, value: str, expiration: float) -> bytes:
-    """The bytes an entry's signature covers. The kind byte tells the int subkey 3 (a uid's own entry) from the
-    str subkey "3" (a shared prefix claim), so a signature for one kind can never pass for the other."""
+    """The bytes an entry's signature covers. The kind byte tells the int subkey 3 (an owned entry) from the
+    str subkey "3" (a shared one), so a signature for one kind can never pass for the other."""
     kind = b"i" if isinstance(subkey, int) else b"s"
     subkey_bytes = str(subkey).encode()
     return b"".join((_DOMAIN, key, struct.pack(">d", float(expiration)), kind, len(subkey_bytes).to_bytes(1, "big"),
@@ -37,7 +37,7 @@ def entry_message(key: bytes, subkey: Subkey, value: str, expiration: float) -> 
 
 
 class Identity:
-    """An Ed25519 key pair: the server's identity in the DHT (owner of the uids it declares first).
+    """An Ed25519 key pair: a node's identity in the DHT (owner of the int subkeys it stores first).
 
     Use :meth:`load_or_create` for an identity that survives restarts, or ``Identity()`` for an ephemeral one.
     """

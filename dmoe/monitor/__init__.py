@@ -76,7 +76,7 @@ class SwarmMonitor:
             self._colors[endpoint] = f"hsl({hue:.0f}, 70%, 50%)"
         return self._colors[endpoint]
 
-    def _info(self, endpoint: str, uid: str) -> tuple[dict[str, Any] | None, float]:
+    def _info(self, uid: str, endpoint: str) -> tuple[dict[str, Any] | None, float]:
         started = time.monotonic()
         try:
             info = expert_info(endpoint, uid, timeout=self.info_timeout)
@@ -98,7 +98,7 @@ class SwarmMonitor:
             layer["alive"] = len(alive)
             layer["experts"] = {uid: {"endpoint": endpoint} for uid, endpoint in alive.items()}
             located.update(alive)
-        futures = {uid: self._pool.submit(self._info, endpoint, uid) for uid, endpoint in located.items()}
+        futures = {uid: self._pool.submit(self._info, uid, endpoint) for uid, endpoint in located.items()}
         now = time.monotonic()
         servers: dict[str, dict[str, Any]] = {}
         latencies: dict[str, list[float]] = {}

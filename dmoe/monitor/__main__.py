@@ -19,7 +19,7 @@ from dmoe.monitor import MonitorServer, SwarmMonitor
 from dmoe.signals import StopSignals
 from dmoe.uid import is_valid_prefix
 
-log = logging.getLogger("dmoe-monitor")
+logger = logging.getLogger("dmoe.monitor")  # this module's __name__ is __main__ when run as a program
 
 
 
@@ -77,9 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"argument --port: cannot listen on {args.host}:{args.port}: {error.strerror or error}")
     with StopSignals() as stop, monitor, server:
         print(f"dmoe-monitor listening on {server.endpoint}", flush=True)
-        log.info("open http://%s/ to watch %s", server.endpoint, ", ".join(args.layers))
+        logger.info("open http://%s/ to watch %s", server.endpoint, ", ".join(args.layers))
         signum = stop.wait()
-        log.info("%s received, shutting down", signal.Signals(signum).name)
+        logger.info("%s received, shutting down", signal.Signals(signum).name)
     return 0
 
 
