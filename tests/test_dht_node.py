@@ -72,7 +72,7 @@ def test_searches_do_not_wait_again_for_nodes_that_already_timed_out():
 
 
 def test_a_lookup_whose_closest_contacts_all_died_asks_the_next_ones_in_time():
-    """Right after half of a swarm died, about one key in 32 had lost every contact a reader would ask first. The
+    """Right after half of a swarm died, a few keys had lost every contact a reader would ask first. The
     lookup had nobody else to ask: it waited an RPC timeout and answered "no record", so beam search dropped a
     live prefix (the first search after a kill in the DHT benchmark). It now falls back to the next contacts."""
 

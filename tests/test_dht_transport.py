@@ -46,7 +46,7 @@ def test_requests_to_addresses_no_datagram_can_reach_fail_and_never_close_the_so
 def test_a_reply_that_arrived_in_time_counts_even_when_the_loop_lagged_past_its_timeout():
     """asyncio reads one datagram per loop iteration but fires every due timer in that iteration: when a node's
     loop lagged (other threads holding the GIL), replies sitting unread timed out, every replica looked dead and
-    reads came back empty (40 of 40 cold searches wrong with two busy threads beside the client)."""
+    reads came back empty (every cold search was wrong with two busy threads beside the client)."""
 
     peers = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
     stop = threading.Event()

@@ -215,10 +215,9 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
 
         Those experts are a beam of that width per dimension over each dimension's as many best coordinates (an
         expert's score is a sum of independent per-dimension terms, so nothing outside them can rank higher). With
-        spare=0 these are exactly the prefixes a cold search of a full grid needs (~30 for 16 rows of a 64x64 grid,
-        against ~42 when guessing the k best-scoring children of every needed prefix), but a grid with 10% of its
-        experts missing then needed a second round in ~90% of 16-row searches; with the default spare (2 for k=4):
-        ~37 prefixes, and a second round in ~7% of them (~42 and ~40% before; 50% missing: ~2 rounds either way).
+        spare=0 these are exactly the prefixes a cold search of a full grid needs (fewer than guessing the k
+        best-scoring children of every needed prefix), but when some experts are missing a second round is then
+        needed often; the spares make it rare for a few more prefixes (figures in ``benchmarks/README.md``).
         """
         if row not in plans:
             beam: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]

@@ -10,8 +10,8 @@ class DHTConfig:
 
     ksize: routing-table bucket size (Kademlia's k for routing).
     num_replicas: how many of the nodes closest to a key store its record. A record survives as long as one
-        replica does: with 10, half of the nodes dying at once loses a given record with probability 1/1024
-        (with 5 it was 1/32, so a 64x64 grid's 65 records often lost one).
+        replica does: when half of the nodes die at once, a given record is lost with probability 2**-num_replicas,
+        and a swarm holds many records.
     read_width: lookups merge what this many of the closest *responding* nodes hold. After nodes die, the closest
         live nodes are still among the original replicas, so reads need not ask all of them.
     alpha: parallelism of the node-finding crawls used by bootstrap.

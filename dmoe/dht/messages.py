@@ -36,7 +36,7 @@ PARSED_CONTACTS = 4096
 #: contact lists a node keeps encoded for its replies (re-encoded when its routing table changes; ~1 KB each)
 ENCODED_CONTACTS = 4096
 #: a find_values reply is one binary string: per key, these three lengths, then the record's JSON text, its owners
-#: and signatures, and the contacts' JSON text (one string decodes in one step; a list of maps took ~43
+#: and signatures, and the contacts' JSON text (one string decodes in one step; a list of maps took many
 #: pure-Python reads per reply)
 VALUES_HEADER = struct.Struct(">III")
 
@@ -101,7 +101,7 @@ def record_from_wire(entries: Any, max_value_bytes: int = 1 << 16) -> Record:
 def find_value_reply(record: Record, nodes: Sequence[Node] | str,
                      encoded: tuple[str, bytes] | None = None) -> dict[str, Any]:
     """A find_value reply: the record and the contacts as JSON text, which Python decodes in one C call (the
-    pure-Python msgpack decoder this was designed against took milliseconds for a 256-subkey record), and the
+    pure-Python msgpack decoder this was designed against was slow for a record of hundreds of subkeys), and the
     entries' owners and signatures as one binary string, 96 bytes per entry in the same order (as base64 in JSON
     they would not fit a datagram next to 256 entries). ``nodes``: the contacts, or :func:`encode_contacts` of
     them. ``encoded``: :func:`encode_record` of ``record``, when the caller kept it from an earlier reply."""
@@ -167,7 +167,7 @@ def valid_address(ip: Any, port: Any) -> bool:
     socket (one hostile reply killed the node), and a host name would be resolved, blocking the loop."""
     if not isinstance(ip, str) or not valid_port(port):
         return False
-    # inet_pton: ~15x cheaper than ipaddress.ip_address and the same verdicts, but for scoped IPv6 (fe80::1%eth0),
+    # inet_pton: far cheaper than ipaddress.ip_address and the same verdicts, but for scoped IPv6 (fe80::1%eth0),
     # which means nothing in a contact passed between machines
     for family in (socket.AF_INET, socket.AF_INET6):
         try:

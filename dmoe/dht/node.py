@@ -125,8 +125,8 @@ class DHTNode(Server):
         """Where a record lookup starts: more contacts than it reads from, closest first.
 
         A lookup asks the ``read_width`` closest; the others are asked only when some of those fail to answer in
-        time. Started from exactly ``read_width`` contacts, a lookup whose contacts had all just died (one in 32
-        keys right after half the swarm did) had nobody else to ask: it waited an RPC timeout and found nothing,
+        time. Started from exactly ``read_width`` contacts, a lookup whose contacts had all just died (a few keys
+        in every swarm that just lost half its nodes) had nobody else to ask: it waited an RPC timeout and found nothing,
         and a reader took a live record for an absent one.
         """
         return self.protocol.router.find_neighbors(target, k=max(self.config.ksize, 2 * self.config.read_width))
@@ -214,8 +214,8 @@ class DHTNode(Server):
 
         A store goes to the replicas its own search found. While nodes are busy (a storm of stores on a loaded
         machine) a close node can time out in that search or in the store itself, and entries that missed every
-        node readers ask stayed invisible until the owner's next refresh (a whole server's quarter of a prefix
-        record, seen in the DHT benchmark). Reading the record back the way a reader does closes that gap.
+        node readers ask stayed invisible until the owner's next refresh. Reading the record back the way a reader
+        does closes that gap.
         """
         assert self.protocol is not None
         target = Node(digest(key))

@@ -1,8 +1,9 @@
 """The DHT protocol: the ``rpc_*`` handlers a node serves and the ``call_*`` wrappers that ask them.
 
 The RPCs are stock Kademlia's (ping, store, find_node, find_value) plus ``find_values``, several keys' find_value in
-one datagram. Records are stored one chunk of subkeys per request and signed entries are verified before they are
-stored. Underneath: :mod:`~dmoe.dht.transport` (datagrams, timeouts, budgets), :mod:`~dmoe.dht.messages` (what
+one datagram. Stock ``KademliaProtocol`` stores one opaque value per request (refused above ~8 KB); here a store
+carries ``(subkey, value, expiration, owner, signature)`` entries, chunked under the request limit, and signed
+entries are verified before they are stored. Underneath: :mod:`~dmoe.dht.transport` (datagrams, timeouts, budgets), :mod:`~dmoe.dht.messages` (what
 the messages carry), :mod:`~dmoe.dht.peers` (who failed to answer).
 """
 from __future__ import annotations
@@ -204,7 +205,7 @@ class DHTProtocol(UDPTransport):
             if entry.owner and current is not None and isinstance(subkey, int) and (
                     current.owner != entry.owner or current.expiration >= entry.expiration):
                 # refused or stale whether or not the signature holds: a flood of hijacks or replays costs no
-                # verification (~100 us each)
+                # verification (the slow part of a store)
                 if current.owner == entry.owner:
                     results.append(False)
                     continue

@@ -98,8 +98,8 @@ def _public_key(owner: bytes) -> Ed25519PublicKey:
 
 
 class Verifier:
-    """:func:`verify` with a bounded memo: lookups re-read the same entries every few seconds (one verification
-    costs ~100 us, a lookup of a 64x64 grid sees thousands of entries)."""
+    """:func:`verify` with a bounded memo: lookups re-read the same entries every few seconds, and a verification
+    costs far more than a look-up of the memo."""
 
     def __init__(self, capacity: int = 1 << 17):
         self.capacity = capacity
