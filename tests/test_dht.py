@@ -35,6 +35,16 @@ def dht_proc(procs: list[Proc], *args: str, program: str = "dmoe.dht") -> Proc:
     return proc
 
 
+def start_nodes(procs: list[Proc], members: int, nodes_each: int) -> tuple[Proc, list[Proc]]:
+    """A bootstrap node, and ``members`` processes of ``nodes_each`` nodes that joined through it (all up)."""
+    boot = dht_proc(procs)
+    peer = boot.endpoint()
+    started = [dht_proc(procs, "--num-nodes", str(nodes_each), "--initial-peers", peer) for _ in range(members)]
+    for member in started:
+        member.endpoint()
+    return boot, started
+
+
 def declarer_proc(procs: list[Proc], *args: str) -> Proc:
     """DHT nodes whose first declares experts (``--declare PATTERN --endpoint HOST:PORT``) and keeps them declared."""
     return dht_proc(procs, *args, program="dmoe.directory")
@@ -58,11 +68,8 @@ def expected_grid() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[dict]:
     with processes() as procs:
-        boot = dht_proc(procs)
+        boot, members = start_nodes(procs, 8, 2)
         peer = boot.endpoint()
-        members = [dht_proc(procs, "--num-nodes", "2", "--initial-peers", peer) for _ in range(8)]
-        for member in members:
-            member.endpoint()
         servers = [declarer_proc(procs, "--initial-peers", peer, "--declare", f"ffn0.[0:16].[{4 * i}:{4 * i + 4}]",
                             "--endpoint", SERVERS[i], "--refresh-period", str(REFRESH),
                             "--expiration", str(EXPIRATION)) for i in range(4)]

@@ -17,12 +17,11 @@ from kademlia.utils import digest
 from dmoe.dht import DHT, DHTConfig, parse_endpoint
 from dmoe.dht.messages import record_to_wire
 from tests.procs import Proc, processes
-from tests.test_dht import dht_proc
+from tests.test_dht import start_nodes
 
 
 def node_endpoints(proc: Proc) -> list[str]:
     """Every node of a ``dmoe-dht`` process, from its readiness line."""
-    proc.endpoint()
     (line,) = [line for line in proc.output if "listening on" in line]
     return re.findall(r"\d+\.\d+\.\d+\.\d+:\d+", line)
 
@@ -30,10 +29,9 @@ def node_endpoints(proc: Proc) -> list[str]:
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[dict]:
     with processes() as procs:
-        boot = dht_proc(procs)
-        peer = boot.endpoint()
-        members = [dht_proc(procs, "--num-nodes", "3", "--initial-peers", peer) for _ in range(2)]
-        yield {"peer": peer, "endpoints": [peer] + [endpoint for member in members for endpoint in node_endpoints(member)]}
+        boot, members = start_nodes(procs, 2, 3)
+        yield {"peer": boot.endpoint(),
+               "endpoints": [boot.endpoint()] + [endpoint for member in members for endpoint in node_endpoints(member)]}
 
 
 def contacts(inspector: DHT, endpoint: str, target: bytes) -> list[tuple[bytes, str, int]]:

@@ -20,8 +20,7 @@ def test_a_declaration_that_missed_the_nodes_readers_ask_is_stored_there_when_re
 
     async def scenario() -> None:
         config = DHTConfig(num_replicas=2, read_width=3)
-        nodes = await in_process_swarm(12, config)
-        try:
+        async with in_process_swarm(12, config) as nodes:
             key = "ffn0.3"
             target = Node(digest(key))
             by_distance = sorted(nodes, key=lambda node: target.distance_to(node.node))
@@ -36,9 +35,6 @@ def test_a_declaration_that_missed_the_nodes_readers_ask_is_stored_there_when_re
             assert await writer.make_readable(key, {17: entry}) >= 1
             assert (await reader.get_record(key))[17] == entry
             assert await writer.make_readable(key, {17: entry}) == 0  # nothing left to repair
-        finally:
-            for node in nodes:
-                node.stop()
 
     asyncio.run(scenario())
 
@@ -49,8 +45,7 @@ def test_searches_do_not_wait_again_for_nodes_that_already_timed_out():
 
     async def scenario() -> None:
         config = DHTConfig(rpc_timeout=3.0)
-        nodes = await in_process_swarm(16, config)
-        try:
+        async with in_process_swarm(16, config) as nodes:
             searcher = nodes[1]
             for node in nodes[8:]:
                 node.stop()  # silent from now on, still in everyone's routing table
@@ -64,9 +59,6 @@ def test_searches_do_not_wait_again_for_nodes_that_already_timed_out():
             started = time.monotonic()
             assert await searcher.get_records(["absent0", "absent1"]) == {"absent0": {}, "absent1": {}}
             assert time.monotonic() - started < config.rpc_timeout / 2, "a look-up of an absent key waited"
-        finally:
-            for node in nodes:
-                node.stop()
 
     asyncio.run(scenario())
 
@@ -78,8 +70,7 @@ def test_a_lookup_whose_closest_contacts_all_died_asks_the_next_ones_in_time():
 
     async def scenario() -> None:
         config = DHTConfig(num_replicas=8, read_width=3, rpc_timeout=3.0)
-        nodes = await in_process_swarm(16, config)
-        try:
+        async with in_process_swarm(16, config) as nodes:
             key = "ffn0.5"
             target = Node(digest(key))
             by_distance = sorted(nodes, key=lambda node: target.distance_to(node.node))
@@ -97,9 +88,6 @@ def test_a_lookup_whose_closest_contacts_all_died_asks_the_next_ones_in_time():
             started = time.monotonic()
             assert (await reader.get_record(key)).get(3) == entry
             assert time.monotonic() - started < config.rpc_timeout / 2, "the lookup waited for the dead"
-        finally:
-            for node in nodes:
-                node.stop()
 
     asyncio.run(scenario())
 

@@ -21,7 +21,7 @@ from dmoe.dht.messages import parse_find_value_reply
 from dmoe.directory import get_alive_continuations, get_experts
 from dmoe.uid import grid_uids
 from tests.procs import Proc, processes
-from tests.test_dht import declarer_proc, dht_proc, wait_until
+from tests.test_dht import declarer_proc, start_nodes, wait_until
 
 HONEST = "127.0.0.1:9500"
 VICTIMS = ["sig0.3.0", "sig0.3.1", "sig0.3.2", "sig0.3.3"]
@@ -34,11 +34,8 @@ def swarm(tmp_path_factory) -> Iterator[dict]:
     key_file = tmp_path_factory.mktemp("keys") / "honest.key"
     owner = Identity.load_or_create(key_file).public_key
     with processes() as procs:
-        boot = dht_proc(procs)
+        boot, _ = start_nodes(procs, 3, 2)
         peer = boot.endpoint()
-        members = [dht_proc(procs, "--num-nodes", "2", "--initial-peers", peer) for _ in range(3)]
-        for member in members:
-            member.endpoint()
         honest = declarer_proc(procs, "--initial-peers", peer, "--declare", "sig0.[0:4].[0:4]", "--endpoint", HONEST,
                           "--refresh-period", "1", "--expiration", "8", "--identity", str(key_file))
         honest.endpoint()

@@ -27,8 +27,7 @@ def test_store_requests_are_chunked_under_the_request_limit():
 def test_requests_to_addresses_no_datagram_can_reach_fail_and_never_close_the_socket():
     """``sendto`` to port 70000 raised, and asyncio then closed the sender's socket: the node fell silent."""
     async def scenario() -> None:
-        nodes = await in_process_swarm(2, DHTConfig(rpc_timeout=0.5))
-        try:
+        async with in_process_swarm(2, DHTConfig(rpc_timeout=0.5)) as nodes:
             protocol = nodes[1].protocol
             for address in [("127.0.0.1", 70000), ("no-such-host.invalid", 9)]:
                 assert await protocol.request(address, "ping", nodes[1].node.id) == (False, None)
@@ -36,9 +35,6 @@ def test_requests_to_addresses_no_datagram_can_reach_fail_and_never_close_the_so
             ok, node_id = await protocol.request(("127.0.0.1", nodes[0].transport.get_extra_info("sockname")[1]),
                                                  "ping", nodes[1].node.id)
             assert ok and node_id == nodes[0].node.id
-        finally:
-            for node in nodes:
-                node.stop()
 
     asyncio.run(scenario())
 
