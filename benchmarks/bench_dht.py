@@ -68,12 +68,12 @@ def row(nodes: int, phase: str, batch: int, latencies: list[float], success: flo
 
 
 def bench(nodes: int, args: argparse.Namespace) -> list[dict]:
-    common = ["-m", "dmoe.dht", "--log-level", "ERROR", "--rpc-timeout", str(args.rpc_timeout),
+    common = ["--log-level", "ERROR", "--rpc-timeout", str(args.rpc_timeout),
               "--num-replicas", str(args.num_replicas), "--read-width", str(args.read_width)]
     rows, cols = args.grid
     with processes() as procs:
-        def start(*extra: str) -> Proc:
-            procs.append(Proc([*common, *extra]))
+        def start(*extra: str, program: str = "dmoe.dht") -> Proc:
+            procs.append(Proc(["-m", program, *common, *extra]))
             return procs[-1]
 
         boot = start()
@@ -92,7 +92,7 @@ def bench(nodes: int, args: argparse.Namespace) -> list[dict]:
             declarers.append(start("--initial-peers", member_endpoints[i % len(members)], "--declare",
                                    f"ffn0.[0:{rows}].[{i * quarter}:{(i + 1) * quarter}]", "--endpoint", endpoint,
                                    "--refresh-period", str(args.refresh_period),
-                                   "--expiration", str(10 * args.refresh_period)))
+                                   "--expiration", str(10 * args.refresh_period), program="dmoe.directory"))
             alive.update({uid: endpoint for uid in grid_uids("ffn0", (rows, cols))
                           if i * quarter <= int(uid.split(".")[2]) < (i + 1) * quarter})
         for proc in declarers:

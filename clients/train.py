@@ -218,7 +218,7 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> Mo
 
     from dmoe.client.bans import Bans
 
-    dht = DHT(initial_peers=list(config.initial_peers))
+    dht = DHT(initial_peers=list(config.initial_peers), client_mode=True)  # asks, never answers (behind NAT)
     resources.callback(dht.close)
     bans = Bans()  # shared: a server found dead by one layer is avoided by every layer at once
 

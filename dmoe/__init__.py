@@ -1,8 +1,9 @@
 """dmoe: Decentralized Mixture-of-Experts for PyTorch.
 
-Experts live on volunteers' expert servers (:class:`ExpertServer`), announce themselves in a Kademlia DHT
-(:class:`DHT`), and are mixed by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best
-alive experts with :func:`beam_search` and calls them over gRPC.
+Experts live on volunteers' expert servers (:class:`ExpertServer`), are announced in the expert directory
+(:class:`Announcer`, :mod:`dmoe.directory`) kept in a Kademlia DHT of signed records (:class:`DHT`), and are mixed
+by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best alive experts with :func:`beam_search`
+and calls them over gRPC.
 """
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
@@ -17,7 +18,8 @@ from dmoe.client.remote_expert import (
     forward_future,
     forward_futures,
 )
-from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer
+from dmoe.dht import DHT, DHTConfig
+from dmoe.directory import Announcer, declare_experts, get_experts
 from dmoe.experts import create_expert, expert_class_names, expert_seed, register_expert_class
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import (
@@ -34,9 +36,10 @@ from dmoe.uid import expand_pattern, grid_uids, split_uid
 __version__ = "0.1.0"
 
 __all__ = [
-    "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertAnnouncer", "ExpertBackend", "ExpertOptimizerConfig", "ExpertServer", "InProcessExpert",
-    "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
-    "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig", "backward_future",
-    "backward_futures", "beam_search", "create_expert", "expand_pattern", "expert_class_names", "expert_info", "expert_seed",
-    "forward_future", "forward_futures", "grid_uids", "in_process_experts", "register_expert_class", "split_uid",
+    "Announcer", "BanConfig", "Bans", "DHT", "DHTConfig", "ExpertBackend", "ExpertOptimizerConfig", "ExpertServer",
+    "InProcessExpert", "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache",
+    "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig",
+    "backward_future", "backward_futures", "beam_search", "create_expert", "declare_experts", "expand_pattern",
+    "expert_class_names", "expert_info", "expert_seed", "forward_future", "forward_futures", "get_experts",
+    "grid_uids", "in_process_experts", "register_expert_class", "split_uid",
 ]

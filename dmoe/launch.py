@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
 from dmoe.signals import PARENT_ENV
 from dmoe.uid import grid_uids
 
@@ -191,9 +192,9 @@ class LocalSwarm:
         """Blocks until every expert of the swarm is found in its DHT, so a client's first steps do not run
         without the experts that are still being declared."""
         uids = [uid for layer in self.config.layers for uid in grid_uids(layer, self.config.grid)]
-        with DHT(initial_peers=[self.initial_peers]) as dht:
+        with DHT(initial_peers=[self.initial_peers], client_mode=True) as dht:
             deadline = time.monotonic() + timeout
-            while not all(dht.get_experts(uids)):
+            while not all(get_experts(dht, uids)):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the swarm's experts were not all declared in the DHT within {timeout} s")
                 time.sleep(0.2)

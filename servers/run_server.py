@@ -22,16 +22,15 @@ import torch
 from dmoe.allocator import keep_freed_memory
 from dmoe.config import add_config_argument, non_negative, parse_args, port_number, positive
 from dmoe.dht import Identity, parse_endpoint
+from dmoe.directory import Announcer, free_experts
 from dmoe.experts import expert_class_names
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.checkpoints import CheckpointMismatch, CorruptCheckpoint
-from dmoe.server.dht_announcer import DHTAnnouncer
 from dmoe.server.faults import JITTERS, FaultConfig
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import resolve_device
 from dmoe.signals import StopSignals
-from dmoe.swarm import free_experts
 from dmoe.uid import UIDError, expand_pattern, is_valid_prefix
 from dmoe.wire import MAX_MESSAGE_BYTES
 from dmoe.wire.codec import COMPRESSIONS
@@ -189,7 +188,7 @@ def fault_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
                        seed=args.fault_seed)
 
 
-def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DHTAnnouncer:
+def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Announcer:
     """The server's own DHT node, joined through ``--initial-peers``; exits naming the flag if none answers."""
     path = args.identity or (Path(args.checkpoint_dir) / "dht_identity.key" if args.checkpoint_dir else None)
     try:
@@ -197,9 +196,9 @@ def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> DHTAn
     except (OSError, ValueError) as error:
         parser.error(f"argument --identity: {error}")
     try:
-        return DHTAnnouncer(args.initial_peers, host=args.host, port=args.dht_port,
-                            refresh_period=args.refresh_period, expiration=args.expiration,
-                            announce_host=args.announce_host, identity=identity)
+        return Announcer.join(args.initial_peers, host=args.host, port=args.dht_port, identity=identity,
+                              refresh_period=args.refresh_period, expiration=args.expiration,
+                              announce_host=args.announce_host)
     except (ConnectionError, OSError) as error:
         parser.error(f"argument --initial-peers: {error}")
 

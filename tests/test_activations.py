@@ -12,6 +12,7 @@ from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forwar
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import _call
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_class
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import ExpertBackend
@@ -205,7 +206,7 @@ def test_the_dmoe_layer_backward_uses_the_activations_its_forward_kept():
         output = "".join(swarm.servers[0].output)
         metrics = re.search(r"dmoe-server metrics on (\S+:\d+)", output).group(1)
         deadline = time.monotonic() + 60
-        while not all(dht.get_experts(grid_uids("ffn0", grid))):
+        while not all(get_experts(dht, grid_uids("ffn0", grid))):
             assert time.monotonic() < deadline, "experts were not declared in 60 s"
             time.sleep(0.1)
         layer = RemoteMixtureOfExperts(HIDDEN, grid, "ffn0", dht, k_best=2, k_min=2)

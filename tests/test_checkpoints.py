@@ -10,6 +10,7 @@ import torch
 
 from dmoe.client.remote_expert import backward_future, expert_info, forward_future
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
 from dmoe.experts import create_expert
 from dmoe.server import ExpertBackend, ExpertServer, ServerConfig
 from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint
@@ -87,9 +88,9 @@ def test_killed_server_restarts_from_its_last_checkpoint_losing_at_most_one_inte
 
         with DHT(initial_peers=[peer]) as client:  # re-announced at the new endpoint
             deadline = time.monotonic() + 30
-            while client.get_experts(["ck.0", "ck.1"]) != [new_endpoint] * 2 and time.monotonic() < deadline:
+            while get_experts(client, ["ck.0", "ck.1"]) != [new_endpoint] * 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert client.get_experts(["ck.0", "ck.1"]) == [new_endpoint] * 2
+            assert get_experts(client, ["ck.0", "ck.1"]) == [new_endpoint] * 2
 
         # a clean shutdown writes a final checkpoint holding every step taken since the last periodic one
         backward_future(new_endpoint, "ck.1", [torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)]).result(timeout=30)

@@ -10,7 +10,7 @@ import pytest
 from clients import train
 from dmoe.config import parse_args
 from dmoe.monitor import __main__ as monitor_program
-from dmoe.swarm import alive_experts, choose_experts
+from dmoe.directory import alive_experts, choose_experts
 from servers import run_server
 from tests.procs import running
 

@@ -12,6 +12,7 @@ from dmoe.client import RemoteExpert, backward_future, expert_info, forward_futu
 from dmoe.client.gating import LocalMixtureOfExperts
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_seed
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.uid import grid_uids
@@ -74,7 +75,7 @@ def test_a_layer_on_the_gpu_mixes_cuda_served_experts_like_in_process_gpu_expert
     with LocalSwarm(config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         uids = grid_uids("ffn0", grid)
         deadline = time.monotonic() + 60
-        while not all(dht.get_experts(uids)):
+        while not all(get_experts(dht, uids)):
             assert time.monotonic() < deadline, "experts were not declared in 60 s"
             time.sleep(0.1)
         torch.manual_seed(0)

@@ -11,6 +11,7 @@ from dmoe.client.gating import LocalMixtureOfExperts
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_seed
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.uid import grid_uids
@@ -24,7 +25,7 @@ UIDS = grid_uids("ffn0", GRID)
 def wait_until_declared(dht: DHT, uids, timeout: float = 60.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
-        endpoints = dht.get_experts(uids)
+        endpoints = get_experts(dht, uids)
         if all(endpoints):
             return endpoints
         if time.monotonic() > deadline:
@@ -48,7 +49,7 @@ def forward_counts(endpoints) -> dict[str, int]:
 
 def test_rows_routed_to_one_expert_travel_in_one_request(swarm):
     _, dht = swarm
-    endpoints = dht.get_experts(UIDS)
+    endpoints = get_experts(dht, UIDS)
     layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=4)
     before = forward_counts(endpoints)
     layer(torch.randn(64, HIDDEN))

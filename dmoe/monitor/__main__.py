@@ -19,7 +19,7 @@ from dmoe.monitor import MonitorServer, SwarmMonitor
 from dmoe.signals import StopSignals
 from dmoe.uid import is_valid_prefix
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dmoe.monitor")  # this module's __name__ is __main__ when run as a program
 
 
 

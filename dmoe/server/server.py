@@ -5,7 +5,7 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import grpc
 import torch
@@ -22,15 +22,10 @@ from dmoe.server.servicer import ExpertServicer, HostedExpert
 from dmoe.uid import check_uid, expand_pattern
 from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_compression
 
+if TYPE_CHECKING:  # the server calls whatever it is given; it needs no DHT of its own
+    from dmoe.directory import Announcer
+
 logger = logging.getLogger(__name__)
-
-
-class Announcer(Protocol):
-    """Whatever tells the world where the experts are (the DHT refresher): started once the server listens."""
-
-    def start(self, uids: Sequence[str], endpoint: str) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass
