@@ -32,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.train import TrainConfig, make_moe_factory, train  # noqa: E402
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig  # noqa: E402
+from dmoe.trainer.loop import TrainConfig, make_moe_factory, train  # noqa: E402
 
 
 class ChaosSwarm(LocalSwarm):

@@ -47,7 +47,7 @@ def main() -> None:
     if args.quick:
         args.cases, args.tcp_junk = 300, 50
 
-    server = Proc(["-m", "servers.run_server", "--experts", "fz.[0:2]", "--expert-cls", "ffn",
+    server = Proc(["-m", "dmoe.cli.server", "--experts", "fz.[0:2]", "--expert-cls", "ffn",
                    "--hidden-dim", str(HIDDEN), "--max-batch-size", str(MAX_BATCH), "--max-message-bytes",
                    str(64 * 1024), "--optimizer", "sgd", "--torch-threads", "1", "--log-level", "ERROR"],
                   env={"OMP_NUM_THREADS": "1"})

@@ -12,7 +12,7 @@ In-process, two baselines doing the server's work without the network, with the 
   server's own ``ExpertBackend``, forward without autograd, backward recomputing it and stepping Adam, which is
   what a server does when it holds no activations for a backward.
 
-Both this process and the server use dmoe.allocator.keep_freed_memory(), as dmoe-server does, and the same
+Both this process and the server use dmoe.cli.allocator.keep_freed_memory(), as dmoe-server does, and the same
 torch thread count; the server spreads them over ``--workers`` (two of one thread each for 2 threads on a CPU,
 computing different experts at once) where the baselines use them inside each operation: pass
 ``--server-workers 1`` to place threads the same way.
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from dmoe.allocator import keep_freed_memory
+from dmoe.cli.allocator import keep_freed_memory
 from dmoe.client.gating import LocalMixtureOfExperts
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.dht import DHT

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clients.train import TrainConfig, make_moe_factory, train
 from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.trainer.loop import TrainConfig, make_moe_factory, train
 
 VARIANTS = ("local", "remote", "remote-faulty", "no-experts")
 GOALS = {"remote": 1.03, "remote-faulty": 1.08}

@@ -208,10 +208,10 @@ def worker_main(role: str) -> None:
 
     The work runs in one non-main thread, as on the server (its runtime thread): on an oversubscribed machine,
     torch's OpenMP regions started from the main thread were measured up to 20x slower than from another thread.
-    The allocator settings are those of dmoe-server (dmoe.allocator), so the limit is not slowed by page faults
+    The allocator settings are those of dmoe-server (dmoe.cli.allocator), so the limit is not slowed by page faults
     the server no longer takes.
     """
-    from dmoe.allocator import keep_freed_memory
+    from dmoe.cli.allocator import keep_freed_memory
 
     keep_freed_memory()
     import torch
@@ -266,7 +266,7 @@ def process_cpu_seconds(pid: int) -> float:
 
 def start_server(case: Case, args: argparse.Namespace):
     from dmoe.launch import Proc
-    return Proc(["-m", "servers.run_server", "--experts", f"bench.[0:{case.experts}]", "--expert-cls", case.expert_cls,
+    return Proc(["-m", "dmoe.cli.server", "--experts", f"bench.[0:{case.experts}]", "--expert-cls", case.expert_cls,
                  "--hidden-dim", str(case.hidden_dim), "--max-batch-size", str(case.batch), "--device", args.device,
                  "--torch-threads", str(args.torch_threads), "--optimizer", args.optimizer, "--lr", str(args.lr),
                  "--activation-cache-mb", str(args.activation_cache_mb), "--metrics-port", "0",

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from dmoe.cli.signals import PARENT_ENV
 from dmoe.dht import DHT
 from dmoe.directory import get_experts
-from dmoe.signals import PARENT_ENV
 from dmoe.uid import grid_uids
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class Proc:
     """A child Python process whose stdout is read by a thread, so readiness lines can be awaited.
 
     The child runs in its own process group, so :meth:`kill` takes its children with it. dmoe's programs stop by
-    themselves within a second or two if this process dies without stopping them (see :func:`dmoe.signals.orphaned`).
+    themselves within a second or two if this process dies without stopping them (see :func:`dmoe.cli.signals.orphaned`).
     """
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False):
@@ -201,7 +201,7 @@ class LocalSwarm:
 
     def server_command(self, pattern: str) -> list[str]:
         cfg = self.config
-        return ["-m", "servers.run_server", "--experts", pattern, "--expert-cls", cfg.expert_cls,
+        return ["-m", "dmoe.cli.server", "--experts", pattern, "--expert-cls", cfg.expert_cls,
                 "--hidden-dim", str(cfg.hidden_dim), "--host", cfg.host, "--port", "0",
                 "--initial-peers", self.initial_peers, *cfg.server_args]
 

@@ -157,7 +157,7 @@ def test_a_shared_batch_holds_only_inputs_and_a_graphs_size_excludes_the_weights
 # ---- through a real server process ---------------------------------------------------------------------------
 
 def test_server_process_uses_kept_activations_gives_the_same_training_and_refuses_long_ids():
-    args = ("-m", "servers.run_server", "--experts", "e.[0:2]", "--hidden-dim", str(HIDDEN), "--metrics-port", "0")
+    args = ("-m", "dmoe.cli.server", "--experts", "e.[0:2]", "--hidden-dim", str(HIDDEN), "--metrics-port", "0")
     with running(*args) as keeping, running(*args, "--activation-cache-mb", "0") as recomputing:
         metrics = keeping.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
         experts = [RemoteExpert("e.0", proc.endpoint(), timeout=30) for proc in (keeping, recomputing)]

@@ -11,9 +11,9 @@ import pytest
 # every step.
 SCRIPT = """
 import resource, sys, threading, torch
-import dmoe.allocator
+import dmoe.cli.allocator
 if sys.argv[1] == "tuned":
-    assert dmoe.allocator.keep_freed_memory()
+    assert dmoe.cli.allocator.keep_freed_memory()
 from dmoe.experts import create_expert, expert_class
 from dmoe.server import ExpertBackend
 torch.set_num_threads(1)

@@ -22,7 +22,7 @@ Code = grpc.StatusCode
 
 @pytest.fixture(scope="module")
 def server():
-    with running("-m", "servers.run_server", "--experts", "bad.[0:2]", "--expert-cls", "explode",
+    with running("-m", "dmoe.cli.server", "--experts", "bad.[0:2]", "--expert-cls", "explode",
                  "--custom-module", "tests/custom_experts.py", "--hidden-dim", str(HIDDEN),
                  "--max-batch-size", str(MAX_BATCH), "--max-message-bytes", str(MAX_MESSAGE),
                  "--optimizer", "sgd", "--torch-threads", "1") as proc:

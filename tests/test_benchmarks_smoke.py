@@ -18,17 +18,17 @@ import grpc
 import pytest
 import torch
 
+from dmoe.cli import server as run_server
 from dmoe.client import forward_future, forward_futures
 from dmoe.client.remote_expert import RemoteExpertError
 from dmoe.server.faults import INJECTED_FAILURE, FaultConfig, Faults, InjectedFailure
-from servers import run_server
 from tests.procs import ROOT, running
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def serve(*flags: str):
-    return running("-m", "servers.run_server", "--experts", "ffn0.[0:2]", "--hidden-dim", "8",
+    return running("-m", "dmoe.cli.server", "--experts", "ffn0.[0:2]", "--hidden-dim", "8",
                    "--torch-threads", "1", *flags)
 
 

@@ -23,7 +23,7 @@ WRITE_SLACK = 2.0
 
 
 def server_args(checkpoint_dir, *extra: str) -> list[str]:
-    return ["-m", "servers.run_server", "--experts", "ck.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
+    return ["-m", "dmoe.cli.server", "--experts", "ck.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
             "--optimizer", "adam", "--lr", "0.01", "--torch-threads", "1", "--checkpoint-dir", str(checkpoint_dir),
             "--checkpoint-interval", str(INTERVAL), *extra]
 

@@ -24,7 +24,7 @@ HIDDEN = 64
 
 
 def server_args(*extra: str) -> tuple[str, ...]:
-    return ("-m", "servers.run_server", "--experts", "ffn.[0:2]", "--expert-cls", "ffn", "--hidden-dim",
+    return ("-m", "dmoe.cli.server", "--experts", "ffn.[0:2]", "--expert-cls", "ffn", "--hidden-dim",
             str(HIDDEN), "--optimizer", "sgd", "--lr", "0.1", "--seed", "3", *extra)
 
 

@@ -127,7 +127,7 @@ def test_a_restarted_server_with_its_key_takes_its_uids_back_and_others_cannot(s
 
 
 def test_dmoe_server_keeps_its_dht_identity_in_the_checkpoint_dir_unless_given_one(tmp_path):
-    from servers.run_server import build_parser, join_dht
+    from dmoe.cli.server import build_parser, join_dht
 
     parser = build_parser()
     for flags, key_file in [(["--checkpoint-dir", str(tmp_path / "ckpt")], tmp_path / "ckpt" / "dht_identity.key"),

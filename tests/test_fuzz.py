@@ -24,7 +24,7 @@ HIDDEN = 8
 MAX_BATCH = 32
 TARGET = fuzzing.Target(uids=("fz.0", "fz.1"), hidden=HIDDEN, max_batch=MAX_BATCH)
 # fz.1 is never trained by the fuzzer (backward cases go to fz.0 only), so its weights stay the seeded ones
-SERVER = ["-m", "servers.run_server", "--experts", "fz.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
+SERVER = ["-m", "dmoe.cli.server", "--experts", "fz.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
           "--max-batch-size", str(MAX_BATCH), "--max-message-bytes", str(64 * 1024), "--optimizer", "sgd",
           "--torch-threads", "1"]
 

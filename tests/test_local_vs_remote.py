@@ -12,8 +12,8 @@ import contextlib
 import pytest
 import torch
 
-from clients.train import TrainConfig, make_moe_factory, train
 from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.trainer.loop import TrainConfig, make_moe_factory, train
 
 torch.set_num_threads(1)
 

@@ -141,7 +141,7 @@ def test_answers_of_the_wrong_shape_are_dropped_and_their_experts_avoided():
         procs.append(boot)
         peer = boot.endpoint()
         for pattern, cls in (("ffn0.[0:2].[0:4]", "ffn"), ("ffn0.[2:4].[0:4]", "widen")):
-            procs.append(Proc(["-m", "servers.run_server", "--experts", pattern, "--expert-cls", cls,
+            procs.append(Proc(["-m", "dmoe.cli.server", "--experts", pattern, "--expert-cls", cls,
                                "--custom-module", "tests/custom_experts.py", "--hidden-dim", str(HIDDEN),
                                "--initial-peers", peer]))
         for proc in procs[1:]:
@@ -166,7 +166,7 @@ def test_trainer_keeps_training_when_a_server_is_killed(tmp_path):
     config = SwarmConfig(layers=("ffn0", "ffn1"), grid=GRID, n_servers=2, hidden_dim=32,
                          server_args=("--optimizer", "adam", "--lr", "0.003", "--refresh-period", "30"))
     with LocalSwarm(config) as swarm, processes() as procs:
-        trainer = Proc(["-m", "clients.train", "--experts", "remote", "--initial-peers", swarm.initial_peers,
+        trainer = Proc(["-m", "dmoe.cli.train", "--experts", "remote", "--initial-peers", swarm.initial_peers,
                         "--data", str(text), "--hidden", "32", "--layers", "2", "--seq-len", "32", "--steps", "60",
                         "--batch-size", "8", "--eval-interval", "10", "--eval-batches", "2", "--sample-bytes", "0",
                         "--warmup-steps", "5", "--out-dir", str(tmp_path / "run"), "--threads", "1"])

@@ -28,7 +28,7 @@ LR = 0.1
 
 @pytest.fixture(scope="module")
 def server():
-    with running("-m", "servers.run_server", "--experts", "ffn.[0:9]", "--expert-cls", "ffn",
+    with running("-m", "dmoe.cli.server", "--experts", "ffn.[0:9]", "--expert-cls", "ffn",
                  "--hidden-dim", str(HIDDEN), "--optimizer", "sgd", "--lr", str(LR), "--seed", "7",
                  "--max-batch-size", "65536", "--torch-threads", "1") as proc:
         yield proc.endpoint()

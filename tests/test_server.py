@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from dmoe.cli import server as run_server
 from dmoe.client import RemoteExpert, backward_future, forward_future
 from dmoe.experts import TRANSFORMER_SEQ_LEN, create_expert, expert_class, expert_seed
 from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, make_optimizer
-from servers import run_server
 from tests.procs import running
 
 
@@ -320,7 +320,7 @@ def test_in_process_server_announces_serves_and_closes_quickly():
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_program_prints_one_listening_line_and_exits_cleanly_on_signal(signum):
-    with running("-m", "servers.run_server", "--experts", "ffn.[0:2].[0:2]", "--hidden-dim", "8") as proc:
+    with running("-m", "dmoe.cli.server", "--experts", "ffn.[0:2].[0:2]", "--hidden-dim", "8") as proc:
         endpoint = proc.endpoint()
         x = torch.randn(2, 8)
         assert forward_future(endpoint, "ffn.1.1", [x]).result(30)[0].shape == (2, 8)
@@ -332,7 +332,7 @@ def test_program_prints_one_listening_line_and_exits_cleanly_on_signal(signum):
 
 def test_program_remote_transformer_matches_local_block():
     kwargs = {"num_heads": 2}
-    with running("-m", "servers.run_server", "--experts", "tf.0", "--expert-cls", "transformer", "--hidden-dim", "16",
+    with running("-m", "dmoe.cli.server", "--experts", "tf.0", "--expert-cls", "transformer", "--hidden-dim", "16",
                  "--expert-kwargs", json.dumps(kwargs), "--seed", "3", "--optimizer", "sgd") as proc:
         endpoint = proc.endpoint()
         local = create_expert("transformer", 16, seed=expert_seed(3, "tf.0"), **kwargs)

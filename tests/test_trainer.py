@@ -1,4 +1,4 @@
-"""The trainer in clients/: short real training runs on a generated text, checkpoints, flags, the loss curve.
+"""The trainer (dmoe/trainer, dmoe-train): short real training runs on a generated text, checkpoints, flags, the loss curve.
 
 The mixture layers here are a test-local stand-in with the DMoE layer's interface (grid gating, top-k, in-process
 ``LayerNorm(x + ffn(x))`` experts, ``stats`` counters), so the trainer is tested without the network stack; the
@@ -17,10 +17,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from clients import train as trainer
-from clients.model import GatedTransformerLM, ModelConfig
-from clients.train import IntervalMeter, TrainConfig, parse_config, train
+from dmoe.cli import train as train_program
+from dmoe.cli.train import parse_config
 from dmoe.server.in_process import InProcessExpert
+from dmoe.trainer import loop as trainer
+from dmoe.trainer.loop import IntervalMeter, TrainConfig, train
+from dmoe.trainer.model import GatedTransformerLM, ModelConfig
 
 torch.set_num_threads(1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -134,7 +136,7 @@ def test_resume_refuses_a_checkpoint_of_a_different_model(text_file, tmp_path):
 
 def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: stand_in_factory(config))
-    trainer.main(["--data", str(text_file), "--out-dir", str(tmp_path / "cli"), "--steps", "20", "--seq-len", "32",
+    train_program.main(["--data", str(text_file), "--out-dir", str(tmp_path / "cli"), "--steps", "20", "--seq-len", "32",
                   "--hidden", "32", "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--eval-interval", "10",
                   "--eval-batches", "2", "--sample-bytes", "20", "--threads", "1"])
     out = capsys.readouterr()
@@ -261,7 +263,7 @@ def test_local_experts_are_trained_by_their_own_optimizer_and_resume_with_it(tex
 
 
 def test_expert_optimizer_flags_are_what_the_servers_are_started_with():
-    from servers.run_server import build_parser as server_parser
+    from dmoe.cli.server import build_parser as server_parser
 
     config = parse_config(["--expert-optimizer", "sgd", "--expert-lr", "0.02", "--expert-clip-grad-norm", "0.5",
                            "--seed", "7"])

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Sequence
 
-from dmoe.dht.__main__ import build_parser, parse_args, serve
+from dmoe.cli.dht import build_parser, parse_args, serve
 from dmoe.dht.node import DHTNode
 from dmoe.directory.announcer import announce_forever
 from dmoe.directory.declarations import declare

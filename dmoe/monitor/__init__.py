@@ -3,7 +3,7 @@
 :class:`SwarmMonitor` reads the DHT every ``period`` seconds (as beam search does, one grid dimension per look-up),
 asks every alive expert for its call counters through the ``info`` RPC, and keeps the result as one JSON-able
 snapshot. :class:`MonitorServer` serves that snapshot at ``/api/swarm`` and a page at ``/`` that draws it as a
-heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.monitor.__main__`) runs both.
+heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.cli.monitor`) runs both.
 """
 from __future__ import annotations
 
