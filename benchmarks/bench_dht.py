@@ -8,7 +8,10 @@ so every search goes to the DHT; then the largest batch again with a warm :class
 loop would run it. Success means the answer equals brute force over the declared experts. Then half of the N
 nodes are killed (SIGKILL, whole processes) and the cold searches are timed again at once, while the swarm still
 routes through the dead; the declarers refresh only every ``--refresh-period`` (60 s), so what the after-kill
-phase finds comes from surviving replicas and read repair, not from owners re-declaring.
+phase finds comes from surviving replicas and read repair, not from owners re-declaring. The killed half is taken
+from the member nodes only: the bootstrap node, the four declarers' own nodes and the client's stay up (the
+declarers stand for servers, which are alive by definition of what a search must find; killing servers is the
+chaos benchmark's part), so the half that dies holds a share of the replicas, not all of any record's.
 
     python benchmarks/bench_dht.py            # N = 16, 64, 128
     python benchmarks/bench_dht.py --quick    # N = 16, 64; fewer searches
