@@ -1,10 +1,15 @@
 """Chaos under training: the trainer runs while expert servers and DHT nodes are killed (SIGKILL) and restarted.
 
 Two runs of clients/train.py with remote experts and the same seed: a calm one, and one where a chaos thread
-picks a random expert server or DHT node every ``--mean-gap`` seconds (exponentially distributed), kills it with
-SIGKILL, and starts it again after a random downtime. Servers checkpoint into their own directories, so a
-restarted server resumes its experts. Reported: whether training raised, the final validation loss of both runs,
-the share of chosen experts that were dropped, and the chaos events.
+picks a random expert server or DHT node every ``--mean-gap`` seconds (exponentially distributed; the first
+victim is always an expert server), kills it with SIGKILL, and starts it again after a random downtime. Servers
+checkpoint into their own directories, so a restarted server resumes its experts. Reported: whether training
+raised, the final validation loss of both runs, the share of chosen experts that were dropped, the kills by kind
+and the chaos events.
+
+PASS requires all of: neither run raised; at least one expert server was killed during training (a run that only
+killed DHT nodes, or nothing, tests too little); and the chaos run's final validation loss is at most
+``--max-loss-ratio`` (default 1.05) times the calm run's.
 
     python benchmarks/bench_chaos.py                     # 4 servers, 8 DHT nodes, 300 steps per run
     python benchmarks/bench_chaos.py --steps 1000 --servers 6 --dht-nodes 12
@@ -27,8 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clients.train import TrainConfig, make_moe_factory, train  # noqa: E402
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig  # noqa: E402
+from dmoe.trainer.loop import TrainConfig, make_moe_factory, train  # noqa: E402
 
 
 class ChaosSwarm(LocalSwarm):
@@ -78,7 +83,7 @@ def chaos(swarm: ChaosSwarm, stop: threading.Event, rng: random.Random, mean_gap
     """Kills a random server or extra DHT node, waits a random downtime, restarts it; until ``stop``."""
     started = time.monotonic()
     while not stop.wait(rng.expovariate(1 / mean_gap)):
-        kind = rng.choice(["server", "dht"])
+        kind = rng.choice(["server", "dht"]) if events else "server"  # a run that kills servers at all
         index = rng.randrange(len(swarm.servers) if kind == "server" else len(swarm.dht_nodes))
         victim = swarm.servers[index] if kind == "server" else swarm.dht_nodes[index]
         victim.kill()
@@ -98,17 +103,17 @@ def chaos(swarm: ChaosSwarm, stop: threading.Event, rng: random.Random, mean_gap
 
 def run(args, with_chaos: bool, data: str, workdir: Path) -> dict:
     layers = tuple(f"ffn{i}" for i in range(args.layers))
-    swarm = ChaosSwarm(SwarmConfig(layers=layers, grid=tuple(args.grid), n_servers=args.servers,
-                                   hidden_dim=args.hidden, server_args=["--refresh-period", "2", "--optimizer",
-                                                                        "adam", "--lr", "3e-3", "--torch-threads", "1",
-                                                                        "--log-level", "WARNING"]),
-                       workdir / ("chaos" if with_chaos else "calm") / "checkpoints", args.checkpoint_interval)
     config = TrainConfig(data=data, out_dir=str(workdir / ("chaos" if with_chaos else "calm")), seq_len=32,
                          hidden=args.hidden, layers=args.layers, heads=2, grid=tuple(args.grid), k_best=4,
                          batch_size=8, steps=args.steps, lr=1e-2, warmup_steps=10,
                          eval_interval=max(args.steps // 4, 1),
                          eval_batches=4, checkpoint_interval=10**9, sample_bytes=0, threads=1, experts="remote",
                          forward_timeout=5, backward_timeout=5, timeout_after_k_min=0.5, seed=args.seed)
+    swarm = ChaosSwarm(SwarmConfig(layers=layers, grid=tuple(args.grid), n_servers=args.servers,
+                                   hidden_dim=args.hidden,
+                                   server_args=[*config.expert_server_args(), "--refresh-period", "2",
+                                                "--torch-threads", "1", "--log-level", "WARNING"]),
+                       workdir / ("chaos" if with_chaos else "calm") / "checkpoints", args.checkpoint_interval)
     stop, events, layers_built = threading.Event(), [], []
     result, error = None, None
     with swarm, contextlib.ExitStack() as resources:
@@ -142,7 +147,9 @@ def run(args, with_chaos: bool, data: str, workdir: Path) -> dict:
             "final_val_loss": result["final_val_loss"] if result else float("nan"),
             "steps": result["step"] if result else 0, "experts_chosen": chosen, "experts_dropped": dropped,
             "dropped_share": dropped / chosen if chosen else 0.0, "backward_failures": failures,
-            "kills": sum(e["event"].startswith("kill") for e in events), "events": events}
+            "kills": sum(e["event"].startswith("kill") for e in events),
+            "server_kills": sum(e["event"].startswith("kill server") for e in events),
+            "dht_kills": sum(e["event"].startswith("kill dht") for e in events), "events": events}
 
 
 def main() -> None:
@@ -158,6 +165,8 @@ def main() -> None:
     parser.add_argument("--max-downtime", type=float, default=10.0)
     parser.add_argument("--checkpoint-interval", type=float, default=5.0, help="servers' --checkpoint-interval")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-loss-ratio", type=float, default=1.05,
+                        help="PASS needs the chaos run's final validation loss within this factor of the calm run's")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
     parser.add_argument("--quick", action="store_true", help="2 servers, 3 DHT nodes, 60 steps: a smoke run")
     args = parser.parse_args()
@@ -176,11 +185,13 @@ def main() -> None:
         print(f"{row['run']:5}: raised {row['raised'] or 'nothing'}; {row['steps']} steps in {row['seconds']}s; "
               f"val loss {row['first_val_loss']:.3f} -> {row['final_val_loss']:.3f}; dropped "
               f"{row['experts_dropped']:,}/{row['experts_chosen']:,} = {row['dropped_share']:.1%} of chosen experts; "
-              f"{row['backward_failures']} lost backward calls; {row['kills']} kills")
+              f"{row['backward_failures']} lost backward calls; {row['kills']} kills ({row['server_kills']} expert "
+              f"servers, {row['dht_kills']} DHT nodes)")
     for event in rows[1]["events"]:
         print(f"  t={event['t']:>6}s {event['event']}")
     calm, chaotic = rows
-    print(f"final loss with chaos / without: {chaotic['final_val_loss'] / calm['final_val_loss']:.3f}")
+    ratio = chaotic["final_val_loss"] / calm["final_val_loss"]
+    print(f"final loss with chaos / without: {ratio:.3f} (at most {args.max_loss_ratio} to pass)")
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"chaos_{time.strftime('%Y%m%d-%H%M%S')}.csv"
     with path.open("w", newline="") as file:
@@ -188,8 +199,13 @@ def main() -> None:
         writer.writeheader()
         writer.writerows({k: v for k, v in row.items() if k != "events"} for row in rows)
     print(f"wrote {path}")
-    ok = not any(row["raised"] for row in rows) and chaotic["final_val_loss"] < chaotic["first_val_loss"]
-    print("PASS" if ok else "FAIL")
+    failures = [f"the {row['run']} run raised" for row in rows if row["raised"]]
+    if chaotic["server_kills"] < 1:
+        failures.append("no expert server was killed during training (longer --steps or shorter --mean-gap)")
+    if not ratio <= args.max_loss_ratio:  # NaN fails too
+        failures.append(f"chaos/calm validation loss {ratio:.3f} > {args.max_loss_ratio}")
+    ok = not failures
+    print("PASS" if ok else "FAIL: " + "; ".join(failures))
     sys.exit(0 if ok else 1)
 
 

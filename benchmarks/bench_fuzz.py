@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dmoe.client.remote_expert import forward_future  # noqa: E402
+from dmoe.experts import create_expert, expert_seed  # noqa: E402
 from dmoe.launch import Proc  # noqa: E402
-from dmoe.server import create_expert, expert_seed  # noqa: E402
 from dmoe.wire import grpc_options  # noqa: E402
 from tests import fuzzing  # noqa: E402
 
@@ -47,7 +47,7 @@ def main() -> None:
     if args.quick:
         args.cases, args.tcp_junk = 300, 50
 
-    server = Proc(["-m", "servers.run_server", "--experts", "fz.[0:2]", "--expert-cls", "ffn",
+    server = Proc(["-m", "dmoe.cli.server", "--experts", "fz.[0:2]", "--expert-cls", "ffn",
                    "--hidden-dim", str(HIDDEN), "--max-batch-size", str(MAX_BATCH), "--max-message-bytes",
                    str(64 * 1024), "--optimizer", "sgd", "--torch-threads", "1", "--log-level", "ERROR"],
                   env={"OMP_NUM_THREADS": "1"})
@@ -71,7 +71,7 @@ def main() -> None:
             code, details, response = fuzzing.send(channel, case)
             counts[(case.rpc, case.kind, code.name)] += 1
             problem = fuzzing.check_outcome(case, code, details, response, TARGET)
-            if problem is not None and len(problems) < 20:
+            if problem is not None:
                 problems.append(problem)
             done += 1
             if done % 1000 == 0 or done == 1:
@@ -106,9 +106,11 @@ def main() -> None:
     print(f"server RSS {rss_samples[0][1] / 2**20:.0f} -> {rss_samples[-1][1] / 2**20:.0f} MiB "
           f"(growth {growth:+.1f} MiB, bound {args.rss_bound_mib:.0f})")
     print(f"server alive: {alive}; reference expert correct afterwards: {correct}; fuzzed expert finite: "
-          f"{trained_finite}; unclear answers: {sum(1 for _ in problems)}")
-    for problem in problems:
+          f"{trained_finite}; unclear or malformed answers: {len(problems):,}")
+    for problem in problems[:20]:
         print("  " + problem)
+    if len(problems) > 20:
+        print(f"  ... and {len(problems) - 20:,} more")
 
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"fuzz_{time.strftime('%Y%m%d-%H%M%S')}.csv"

@@ -12,10 +12,19 @@ dmoe/server/faults.py), and three ways of training the same experts run one afte
   and one batch is in flight, as in the paper's baseline.
 * ``pipeline-mb``: the same pipeline with as many micro-batches in flight as it has stages (a full GPipe-style
   pipeline without staleness), which is the fairest synchronous baseline.
+* ``pipeline-async``: the same pipeline with as many micro-batches in flight as DMoE has trainers, each walking
+  the stages on its own while the experts step asynchronously (as in PipeDream or SWARM parallelism): the same
+  total in flight as DMoE, and the same staleness.
+* ``shallow`` and ``shallow-async``: pipelines of the same depth as the DMoE model, one stage per layer (servers
+  alternating), with 1 and with ``--trainers`` micro-batches in flight: a step then crosses the network 2 x
+  ``--layers`` times, as a DMoE step does (whose hops call every server at once).
 
 Throughput is samples per second of forward+backward (each backward makes the experts take an optimizer step)
-counted over a window after a warm-up. The headline is each mode's throughput at 200 ms as a fraction of its own
-throughput at 0 ms, measured in the same run on the same machine.
+counted over a window after a warm-up. Samples are not the same work in every mode: a DMoE sample is computed by
+``--k`` experts per layer, a pipeline sample by one expert per stage, so ``expert rows/s`` (samples/s times
+expert evaluations per sample) compares the work done; ``client ms/sample`` is the CPU the client process spent
+per sample (gating, beam search, serialisation, autograd). The headline is each mode's throughput at 200 ms as a
+fraction of its own throughput at 0 ms, measured in the same run on the same machine.
 
     python benchmarks/bench_latency.py                    # 0 10 50 100 200 500 1000 ms, exponential jitter
     python benchmarks/bench_latency.py --quick            # tiny and fast (what the test suite runs)
@@ -37,9 +46,9 @@ from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import backward_future, forward_future
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig, split_grid
-from dmoe.uid import expand_pattern, grid_uids
+from dmoe.uid import expand_pattern
 
-MODES = ("dmoe", "pipeline", "pipeline-mb")
+MODES = ("dmoe", "pipeline", "pipeline-mb", "pipeline-async", "shallow", "shallow-async")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--tag", default=None, help="file name stem (default: latency or latency_quick)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--quick", action="store_true", help="0 and 20 ms, tiny model, ~1 s windows")
     args = parser.parse_args(argv)
     if args.quick:
@@ -73,13 +83,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.latencies, args.trainers, args.window, args.warmup, args.min_steps = [0, 20], 8, 1.0, 0.3, 1.0
     if args.servers > args.grid[0]:
         parser.error(f"argument --servers: at most the first grid axis ({args.grid[0]})")
+    args.modes = [m for m in MODES if m in args.modes]  # in table order
     if 0 not in args.latencies:
         parser.error("argument --latencies: must include 0 (ratios are relative to 0 ms)")
     return args
 
 
-def measure(step: Callable[[], int], workers: int, warmup: float, window: float) -> float:
-    """Samples per second completed during ``window`` seconds by ``workers`` threads looping on ``step``."""
+def measure(step: Callable[[], int], workers: int, warmup: float, window: float) -> tuple[float, float]:
+    """Samples per second completed during ``window`` seconds by ``workers`` threads looping on ``step``, and
+    this process's CPU seconds per sample meanwhile."""
     stop, lock = threading.Event(), threading.Lock()
     done = [0]
     errors: list[BaseException] = []
@@ -99,16 +111,17 @@ def measure(step: Callable[[], int], workers: int, warmup: float, window: float)
         thread.start()
     stop.wait(warmup)
     with lock:
-        start_count, start = done[0], time.perf_counter()
+        start_count, start, cpu = done[0], time.perf_counter(), time.process_time()
     stop.wait(window)
     with lock:
-        end_count, end = done[0], time.perf_counter()
+        end_count, end, cpu = done[0], time.perf_counter(), time.process_time() - cpu
     stop.set()
     for thread in threads:
         thread.join()
     if errors:
         raise errors[0]
-    return (end_count - start_count) / (end - start)
+    samples = end_count - start_count
+    return samples / (end - start), cpu / max(samples, 1)
 
 
 def dmoe_step_fn(args, dht: DHT, bans: Bans, latency_s: float, layer_stats: list) -> Callable[[], int]:
@@ -132,12 +145,15 @@ def dmoe_step_fn(args, dht: DHT, bans: Bans, latency_s: float, layer_stats: list
     return step
 
 
-def pipeline_stages(args, swarm: LocalSwarm) -> list[tuple[str, str]]:
-    """(uid, endpoint) of one expert per (layer, server), alternating servers: every hop crosses the network."""
+def pipeline_stages(args, swarm: LocalSwarm, shallow: bool = False) -> list[tuple[str, str]]:
+    """(uid, endpoint) of one expert per (layer, server), alternating servers: every hop crosses the network.
+    ``shallow``: one stage per layer only (servers still alternating), the depth of the DMoE model."""
     patterns = split_grid([f"ffn{i}" for i in range(args.layers)], args.grid, args.servers)
     stages = []
     for layer in range(args.layers):
         for server, pattern in enumerate(patterns):
+            if shallow and server != layer % args.servers:
+                continue
             uid = next(u for u in expand_pattern(pattern) if u.startswith(f"ffn{layer}."))
             stages.append((uid, swarm.server_endpoints[server]))
     return stages
@@ -170,32 +186,31 @@ def run_latency(args, latency_ms: float) -> list[dict]:
                          hidden_dim=args.hidden, threads_per_server=args.server_threads, server_args=server_args)
     rows = []
     with LocalSwarm(config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
-        uids = [uid for i in range(args.layers) for uid in grid_uids(f"ffn{i}", args.grid)]
-        deadline = time.monotonic() + 60
-        while not all(dht.get_experts(uids)):  # the first steps must not run without experts
-            if time.monotonic() > deadline:
-                raise TimeoutError("experts were not declared in the DHT within 60 s")
-            time.sleep(0.2)
-        stages = pipeline_stages(args, swarm)
-        # round trips in one step of each mode, so that every window counts several steps
-        round_trips = {"dmoe": 2 * args.layers, "pipeline": 2 * len(stages), "pipeline-mb": 2 * len(stages)}
-        for mode in MODES:
+        swarm.wait_declared()  # the first steps must not run without experts
+        deep, shallow = pipeline_stages(args, swarm), pipeline_stages(args, swarm, shallow=True)
+        for mode in args.modes:
             stats: list = []
             if mode == "dmoe":
                 step, workers = dmoe_step_fn(args, dht, Bans(), latency_s, stats), args.trainers
+                hops, experts_per_sample = args.layers, args.layers * args.k
             else:
+                stages = shallow if mode.startswith("shallow") else deep
                 step = pipeline_step_fn(args, stages, latency_s)
-                workers = 1 if mode == "pipeline" else len(stages)
-            step_time = round_trips[mode] * latency_s  # the latency's share of one step, on average
+                workers = {"pipeline": 1, "pipeline-mb": len(stages), "shallow": 1}.get(mode, args.trainers)
+                hops, experts_per_sample = len(stages), len(stages)
+            step_time = 2 * hops * latency_s  # the latency's share of one step, on average
             warmup, window = max(args.warmup, step_time), max(args.window, args.min_steps * step_time)
-            samples_per_s = measure(step, workers, warmup, window)
+            samples_per_s, cpu_per_sample = measure(step, workers, warmup, window)
             chosen = sum(s.experts_chosen for s in stats)
             dropped = sum(s.experts_dropped for s in stats)
-            rows.append({"latency_ms": latency_ms, "mode": mode, "in_flight": workers,
+            rows.append({"latency_ms": latency_ms, "mode": mode, "in_flight": workers, "hops": 2 * hops,
                          "samples_per_s": round(samples_per_s, 3),
+                         "expert_rows_per_s": round(samples_per_s * experts_per_sample, 1),
+                         "client_ms_per_sample": round(1000 * cpu_per_sample, 3),
                          "dropped_share": round(dropped / chosen, 4) if chosen else ""})
-            print(f"{latency_ms:7.0f} ms  {mode:12s} {workers:3d} in flight  {samples_per_s:9.1f} samples/s"
-                  + (f"  ({dropped}/{chosen} expert calls dropped)" if chosen else ""), flush=True)
+            print(f"{latency_ms:7.0f} ms  {mode:14s} {workers:3d} in flight  {samples_per_s:9.1f} samples/s "
+                  f"{samples_per_s * experts_per_sample:9.1f} expert rows/s  client {1000 * cpu_per_sample:.2f} "
+                  "ms/sample" + (f"  ({dropped}/{chosen} expert calls dropped)" if chosen else ""), flush=True)
     return rows
 
 
@@ -207,6 +222,8 @@ def average(runs: list[dict], rounds: int) -> list[dict]:
         speeds = [r["samples_per_s"] for r in same]
         dropped = [r["dropped_share"] for r in same if r["dropped_share"] != ""]
         rows.append({**same[0], "samples_per_s": round(sum(speeds) / len(speeds), 3), "rounds": rounds,
+                     "expert_rows_per_s": round(sum(r["expert_rows_per_s"] for r in same) / len(same), 1),
+                     "client_ms_per_sample": round(sum(r["client_ms_per_sample"] for r in same) / len(same), 3),
                      "min_samples_per_s": min(speeds), "max_samples_per_s": max(speeds),
                      "dropped_share": round(sum(dropped) / len(dropped), 4) if dropped else ""})
     return rows
@@ -225,7 +242,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig = Figure(figsize=(11, 4), tight_layout=True)
     FigureCanvasAgg(fig)
     absolute, relative = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    for mode in MODES:
+    for mode in dict.fromkeys(r["mode"] for r in rows):
         points = sorted((r["latency_ms"], r["samples_per_s"], r["ratio_to_0ms"]) for r in rows if r["mode"] == mode)
         xs = [max(x, 1) for x, _, _ in points]  # 0 ms drawn at 1 ms on the log axis
         absolute.plot(xs, [y for _, y, _ in points], "o-", label=mode)
@@ -242,17 +259,18 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def summary(rows: list[dict], headline_ms: float = 200) -> str:
-    lines = [f"{'latency ms':>10} " + " ".join(f"{m + ' /s':>16} {'ratio':>6}" for m in MODES)]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    lines = [f"{'latency ms':>10} {'mode':>14} {'in flight':>9} {'hops':>5} {'samples/s':>10} {'ratio':>6} "
+             f"{'expert rows/s':>13} {'client ms/sample':>16}"]
     for latency in sorted({r["latency_ms"] for r in rows}):
-        cells = []
-        for mode in MODES:
+        for mode in modes:
             r = next(r for r in rows if r["latency_ms"] == latency and r["mode"] == mode)
-            cells.append(f"{r['samples_per_s']:16.1f} {r['ratio_to_0ms']:6.3f}")
-        lines.append(f"{latency:10.0f} " + " ".join(cells))
+            lines.append(f"{latency:10.0f} {mode:>14} {r['in_flight']:9d} {r['hops']:5d} {r['samples_per_s']:10.1f} "
+                         f"{r['ratio_to_0ms']:6.3f} {r['expert_rows_per_s']:13.1f} {r['client_ms_per_sample']:16.2f}")
     at = headline_ms if any(r["latency_ms"] == headline_ms for r in rows) else max(r["latency_ms"] for r in rows)
     fractions = {r["mode"]: r["ratio_to_0ms"] for r in rows if r["latency_ms"] == at}
     lines.append(f"headline: throughput at {at:.0f} ms as a fraction of 0 ms: "
-                 + ", ".join(f"{m} {fractions[m]:.3f}" for m in MODES) + " (DMoE goal >= 0.9)")
+                 + ", ".join(f"{m} {fractions[m]:.3f}" for m in modes) + " (DMoE goal >= 0.9)")
     return "\n".join(lines)
 
 

@@ -3,11 +3,19 @@
 Remote: a DHT node and an expert server process host ``--grid`` ffn experts; this process holds the gate and
 calls them through :class:`dmoe.RemoteMixtureOfExperts` (beam search over the DHT, one request per chosen expert,
 all of a server's in one call, backward requests that make each expert take an Adam step).
-In-process: :class:`dmoe.LocalMixtureOfExperts` with the same experts, gate, top-k and one Adam step per used
-expert after every backward. A second in-process baseline recomputes each expert's forward during backward
-(activation checkpointing), which is what a server must do when it holds no activations for a backward (see
-dmoe/server/activations.py: it keeps them when the forward ran alone in its batch and no step came between).
-Both this process and the server use dmoe.allocator.keep_freed_memory(), as dmoe-server does.
+In-process, two baselines doing the server's work without the network, with the same experts, gate and top-k:
+
+* ``in-proc``: :class:`dmoe.LocalMixtureOfExperts` over plain experts (autograd keeps their activations) and one
+  Adam step per used expert after every backward: what the server does when its activation cache holds the
+  forward's graph (the remote layer sends activation ids, and a forward that ran alone in its batch is kept);
+* ``in-proc+recompute``: the experts of ``dmoe-train --experts local`` (:mod:`dmoe.server.in_process`): the
+  server's own ``ExpertBackend``, forward without autograd, backward recomputing it and stepping Adam, which is
+  what a server does when it holds no activations for a backward.
+
+Both this process and the server use dmoe.cli.allocator.keep_freed_memory(), as dmoe-server does, and the same
+torch thread count; the server spreads them over ``--workers`` (two of one thread each for 2 threads on a CPU,
+computing different experts at once) where the baselines use them inside each operation: pass
+``--server-workers 1`` to place threads the same way.
 
     python benchmarks/bench_layer.py                 # h=1024, 4x4 grid, top-4, batches 16 64 256, 3 rounds
     python benchmarks/bench_layer.py --quick         # small and fast (what the test suite runs)
@@ -23,15 +31,15 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from dmoe.allocator import keep_freed_memory
-from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
+from dmoe.cli.allocator import keep_freed_memory
+from dmoe.client.gating import LocalMixtureOfExperts
+from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import make_optimizer
+from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.server.server import compute_workers
-from dmoe.uid import grid_uids
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,18 +91,8 @@ def time_steps(steps: dict, batch: int, hidden: int, n_steps: int, warmup: int,
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-class Checkpointed(torch.nn.Module):
-    """Recomputes the wrapped expert's forward in backward, as the server does."""
-
-    def __init__(self, expert: torch.nn.Module):
-        super().__init__()
-        self.expert = expert
-
-    def forward(self, x):
-        return checkpoint(self.expert, x, use_reentrant=False)
-
-
 def local_step_fn(layer: LocalMixtureOfExperts, lr: float):
+    """Plain experts: one Adam step per expert that got gradients, after the backward."""
     optimizers = {name: make_optimizer("adam", expert.parameters(), lr) for name, expert in layer.experts.items()}
 
     def step(x):
@@ -103,6 +101,15 @@ def local_step_fn(layer: LocalMixtureOfExperts, lr: float):
             if next(expert.parameters()).grad is not None:
                 optimizers[name].step()
                 optimizers[name].zero_grad(set_to_none=True)
+        layer.proj.zero_grad(set_to_none=True)
+
+    return step
+
+
+def server_code_step_fn(layer: LocalMixtureOfExperts):
+    """In-process experts that step themselves in backward, as on the server."""
+    def step(x):
+        layer(x).sum().backward()
         layer.proj.zero_grad(set_to_none=True)
 
     return step
@@ -121,12 +128,7 @@ def main(argv=None) -> list[dict]:
                                             "--max-batch-size", str(max(args.batches) * args.k),
                                             *(("--workers", str(args.server_workers)) if args.server_workers else ())))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
-        uids = grid_uids("ffn0", args.grid)
-        deadline = time.monotonic() + 60
-        while not all(dht.get_experts(uids)):
-            if time.monotonic() > deadline:
-                raise TimeoutError("experts were not declared in the DHT within 60 s")
-            time.sleep(0.2)
+        swarm.wait_declared()
         remote = RemoteMixtureOfExperts(args.hidden, args.grid, "ffn0", dht, k_best=args.k, forward_timeout=60,
                                         backward_timeout=60, timeout_after_k_min=60, k_min=args.k).to(device)
 
@@ -137,10 +139,10 @@ def main(argv=None) -> list[dict]:
             torch.set_num_threads(args.threads)
 
         local = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k).to(device)
-        recompute = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k).to(device)
-        for name in list(recompute.experts):
-            recompute.experts[name] = Checkpointed(recompute.experts[name])
-        local_step, recompute_step = local_step_fn(local, args.lr), local_step_fn(recompute, args.lr)
+        server_code = in_process_experts("ffn", args.hidden, ExpertOptimizerConfig("adam", args.lr), device=device)
+        recompute = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k,
+                                          expert_factory=server_code).to(device)
+        local_step, recompute_step = local_step_fn(local, args.lr), server_code_step_fn(recompute)
         rounds: dict[int, list[dict[str, float]]] = {batch: [] for batch in args.batches}
         for _ in range(args.rounds):
             for batch in args.batches:

@@ -1,22 +1,29 @@
 """Throughput of one expert server against the in-process limit of the same work.
 
-N client processes send batches (forward, or forward + backward) to M experts hosted by one ``dmoe-server``
-process. The limit is the same work without RPC, in a process with the server's torch thread count: forward,
-then the backward request's recomputed forward + backward + optimizer step, with the same batch sizes (the
-server's max_batch_size equals the batch size, so it never merges requests into larger batches). Remote and
-limit measurements alternate (``--rounds``) because this machine is shared and its speed drifts; a request
-straddling a window edge is credited in proportion to its time inside the window.
+N client processes send batches to M experts hosted by one ``dmoe-server`` process, in three modes:
+``fwd``; ``fwd+bwd`` (the backward sends the inputs again and the server recomputes the forward); and
+``fwd+bwd cached``, how the DMoE layer really calls (the forward carries an activation id, the backward only the
+gradients and the id, and the server reuses the kept graph: no recompute).
 
-Three ratios are printed. ``ratio``: samples per wall-clock second, remote over limit. ``cpu ratio``: samples
-per CPU-second, where the remote side pays for the server process *and* the client processes, and the limit
-for its own process; it shows the cost of the RPC path even when other tenants of the machine make wall-clock
-figures swing. ``server cpu``: the same with the server process alone, i.e. what a dedicated server pays when
+The limit is the same work without the network: the server's own ``ExpertBackend`` with an activation cache,
+run one request at a time in a process with the server's torch thread count, optimizer and batch sizes (the
+server's ``--max-batch-size`` equals the batch size, so it cannot merge requests into larger batches; the
+``server formed`` column reads the server's metrics to show the rows per batch it really ran, and the cache hits).
+Both sides are warmed up first, and both count whole requests: the remote rate is the samples of all requests
+over the span from the first start to the last finish, the limit's over its loop's duration. Remote and limit
+measurements alternate (``--rounds``) because a shared machine's speed drifts.
+
+Three ratios are printed. ``ratio``: samples per wall-clock second, remote over limit (at most 1 up to
+measurement noise: the remote side does the limit's work plus the network's). ``cpu ratio``: samples per
+CPU-second, where the remote side pays for the server process *and* the client processes, and the limit for
+its own process. ``server cpu``: the same with the server process alone, i.e. what a dedicated server pays when
 its clients run elsewhere.
 
-    python benchmarks/bench_throughput.py --preset quick        # ~3 minutes on a shared 2-core machine
-    python benchmarks/bench_throughput.py --preset compute      # ffn h=1024, batches 64..2048, both modes
+    python benchmarks/bench_throughput.py --preset quick        # a few minutes on a shared 2-core machine
+    python benchmarks/bench_throughput.py --preset compute      # ffn h=1024, batches 64..2048, all modes
     python benchmarks/bench_throughput.py --preset overhead     # nop, batch 1, many clients: requests/s
     python benchmarks/bench_throughput.py --preset compute --device cuda   # server and limit on the GPU
+    python benchmarks/bench_throughput.py --preset smoke        # seconds; what the test suite runs
 """
 from __future__ import annotations
 
@@ -24,15 +31,21 @@ import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+CACHED = "fwd+bwd cached"  # forward with an activation id, backward with the id: the server reuses the kept graph
+MODES = ("fwd+bwd", CACHED, "fwd")
+LISTENING_METRICS = re.compile(r"metrics on (\S+:\d+)")
 
 
 @dataclass
@@ -40,7 +53,7 @@ class Case:
     expert_cls: str
     hidden_dim: int
     batch: int
-    mode: str           # "fwd" or "fwd+bwd"
+    mode: str           # one of MODES
     clients: int
     inflight: int       # concurrent requests per client process
     experts: int
@@ -51,8 +64,10 @@ def preset_cases(name: str) -> list[Case]:
     cases = []
     if name in compute_batches:
         for batch in compute_batches[name]:
-            for mode in ("fwd+bwd", "fwd"):
+            for mode in MODES:
                 cases.append(Case("ffn", 1024, batch, mode, clients=2, inflight=2, experts=4))
+    if name == "smoke":  # what the test suite runs: every mode once, in seconds
+        return [Case("ffn", 32, 16, mode, clients=1, inflight=2, experts=2) for mode in MODES]
     if name in ("quick", "overhead", "full"):
         for mode in ("fwd+bwd", "fwd"):
             cases.append(Case("nop", 16, 1, mode, clients=8, inflight=2, experts=4))
@@ -68,52 +83,71 @@ def preset_cases(name: str) -> list[Case]:
 def make_inputs(case: dict):
     import torch
 
-    from dmoe.server.layers import expert_class
+    from dmoe.experts import expert_class
     torch.manual_seed(0)
     x = expert_class(case["expert_cls"]).sample(case["batch"], case["hidden_dim"])[0]
     return x, torch.randn_like(x)
 
 
 def run_client(cmd: dict) -> dict:
-    """Sends requests from ``inflight`` threads until the window ends; credits each request's samples to the
-    window in proportion to the part of the request's duration that fell inside it (long requests straddle
-    window edges, and counting only whole requests would quantise the result)."""
+    """Sends requests from ``inflight`` threads.
+
+    ``phase == "warmup"``: each thread makes ``warmup_requests`` untimed requests (first calls open channels and
+    fill the server's allocator caches). ``phase == "measure"``: every thread starts at ``start_at`` and keeps
+    starting requests until ``duration`` has passed; every request is counted whole, and the result carries the
+    first start and the last finish, so the rate is completed samples over that span (no window cuts a request).
+    """
     from dmoe.client import backward_future, forward_future
+    from dmoe.client.remote_expert import new_activation_id
     x, grad = make_inputs(cmd)
-    uids, endpoint = cmd["uids"], cmd["endpoint"]
-    begin = cmd["start_at"] + cmd["warmup"]
-    end = begin + cmd["duration"]
-    credit = [0.0] * cmd["inflight"]
-    requests = [0] * cmd["inflight"]
-    completed = [0] * cmd["inflight"]
+    uids, endpoint, mode = cmd["uids"], cmd["endpoint"], cmd["mode"]
+
+    def request(uid: str) -> None:
+        activation_id = new_activation_id() if mode == CACHED else None
+        forward_future(endpoint, uid, [x], activation_id=activation_id).result()
+        if mode != "fwd":  # with an id only the gradients travel back, and the server reuses the kept graph
+            backward_future(endpoint, uid, [x], [grad], activation_id=activation_id).result()
+
+    inflight = cmd["inflight"]
+    if cmd["phase"] == "warmup":
+        threads = [threading.Thread(target=lambda slot=slot: [request(uids[(slot + j) % len(uids)])
+                                                              for j in range(cmd["warmup_requests"])])
+                   for slot in range(inflight)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return {}
+
+    end = cmd["start_at"] + cmd["duration"]
+    finishes, counts = [0.0] * inflight, [0] * inflight
 
     def loop(slot: int) -> None:
-        i = slot
-        while (started := time.time()) < end:
-            uid = uids[i % len(uids)]
-            i += cmd["inflight"]
-            forward_future(endpoint, uid, [x]).result()
-            if cmd["mode"] == "fwd+bwd":
-                backward_future(endpoint, uid, [x], [grad]).result()
-            finished = time.time()
-            inside = max(0.0, min(finished, end) - max(started, begin))
-            credit[slot] += cmd["batch"] * inside / (finished - started)
-            requests[slot] += inside / (finished - started)
-            completed[slot] += cmd["batch"]
+        # each thread of each client calls an expert of its own while there are enough: an optimizer step of an
+        # expert drops the graphs other requests kept for it, which would make the cached mode recompute
+        uid = uids[(cmd["client_index"] * inflight + slot) % len(uids)]
+        while time.time() < end:
+            request(uid)
+            counts[slot] += 1
+            finishes[slot] = time.time()
 
     time.sleep(max(0.0, cmd["start_at"] - time.time()))
-    cpu = time.process_time()
-    threads = [threading.Thread(target=loop, args=(slot,)) for slot in range(cmd["inflight"])]
+    first_start, cpu = time.time(), time.process_time()
+    threads = [threading.Thread(target=loop, args=(slot,)) for slot in range(inflight)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return {"requests": sum(requests), "samples": sum(credit), "completed": sum(completed),
-            "cpu": time.process_time() - cpu}
+    return {"requests": sum(counts), "samples": sum(counts) * cmd["batch"], "first_start": first_start,
+            "last_finish": max(finishes), "cpu": time.process_time() - cpu}
 
 
 class LimitWorker:
-    """Holds one backend per (class, hidden, expert) so weights and optimizer state persist like on a server."""
+    """The server's work without the network: the server's own ``ExpertBackend`` (with an activation cache
+    like the server's), one request at a time, with the server's batch sizes, optimizer and thread count.
+
+    Backends persist per (class, hidden) so weights and optimizer state evolve as on a server.
+    """
 
     def __init__(self):
         self.backends = {}
@@ -121,32 +155,48 @@ class LimitWorker:
     def run(self, cmd: dict) -> dict:
         import torch
 
-        from dmoe.server import ExpertBackend, create_expert, make_optimizer
-        from dmoe.server.layers import expert_class
+        from dmoe.experts import create_expert, expert_class
+        from dmoe.server import ExpertBackend, make_optimizer
+        from dmoe.server.activations import ActivationCache
         key = (cmd["expert_cls"], cmd["hidden_dim"])
         if key not in self.backends:
             backends = []
+            cache = ActivationCache(int(cmd["activation_cache_mb"] * 2**20))
             for i in range(cmd["experts"]):
                 module = create_expert(cmd["expert_cls"], cmd["hidden_dim"], seed=i).to(cmd["device"])
                 sample = expert_class(cmd["expert_cls"]).sample(2, cmd["hidden_dim"])
                 backends.append(ExpertBackend(f"b.{i}", module, sample,
-                                              make_optimizer(cmd["optimizer"], module.parameters(), cmd["lr"])))
+                                              make_optimizer(cmd["optimizer"], module.parameters(), cmd["lr"]),
+                                              activations=cache))
             self.backends[key] = backends
         backends = self.backends[key]
         x, grad = make_inputs(cmd)
         x, grad = x.to(cmd["device"], copy=True), grad.to(cmd["device"], copy=True)
         # on a GPU, a request is done when its results exist, as the server's are once copied into a reply
         sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+        rows = x.shape[0]
+
+        def request(backend) -> None:
+            if cmd["mode"] == CACHED:  # what the server runs for a forward with an id and its backward
+                segments = [(os.urandom(16), rows)]
+                backend.forward(x, segments=segments)
+                backend.backward(x, grad, segments=segments)
+            else:
+                backend.forward(x)
+                if cmd["mode"] == "fwd+bwd":
+                    backend.backward(x, grad)  # recomputes the forward, as the server does without an id
+            sync()
+
+        if cmd["phase"] == "warmup":
+            for j in range(cmd["warmup_requests"] * cmd["inflight"] * cmd["clients"]):
+                request(backends[j % len(backends)])
+            return {}
         done, i = 0, 0
         cpu = time.process_time()
         start = time.perf_counter()
         while (elapsed := time.perf_counter() - start) < cmd["duration"]:
-            backend = backends[i % len(backends)]
+            request(backends[i % len(backends)])
             i += 1
-            backend.forward(x)
-            if cmd["mode"] == "fwd+bwd":
-                backend.backward(x, grad)
-            sync()
             done += 1
         del torch
         return {"requests": done, "samples": done * cmd["batch"], "seconds": elapsed,
@@ -158,10 +208,10 @@ def worker_main(role: str) -> None:
 
     The work runs in one non-main thread, as on the server (its runtime thread): on an oversubscribed machine,
     torch's OpenMP regions started from the main thread were measured up to 20x slower than from another thread.
-    The allocator settings are those of dmoe-server (dmoe.allocator), so the limit is not slowed by page faults
+    The allocator settings are those of dmoe-server (dmoe.cli.allocator), so the limit is not slowed by page faults
     the server no longer takes.
     """
-    from dmoe.allocator import keep_freed_memory
+    from dmoe.cli.allocator import keep_freed_memory
 
     keep_freed_memory()
     import torch
@@ -214,26 +264,61 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(case: Case, threads: int, optimizer: str, lr: float, device: str):
+def start_server(case: Case, args: argparse.Namespace):
     from dmoe.launch import Proc
-    return Proc(["-m", "servers.run_server", "--experts", f"bench.[0:{case.experts}]", "--expert-cls", case.expert_cls,
-                 "--hidden-dim", str(case.hidden_dim), "--max-batch-size", str(case.batch), "--device", device,
-                 "--torch-threads", str(threads), "--optimizer", optimizer, "--lr", str(lr), "--log-level", "WARNING"],
-                env={"OMP_NUM_THREADS": str(threads)})
+    return Proc(["-m", "dmoe.cli.server", "--experts", f"bench.[0:{case.experts}]", "--expert-cls", case.expert_cls,
+                 "--hidden-dim", str(case.hidden_dim), "--max-batch-size", str(case.batch), "--device", args.device,
+                 "--torch-threads", str(args.torch_threads), "--optimizer", args.optimizer, "--lr", str(args.lr),
+                 "--activation-cache-mb", str(args.activation_cache_mb), "--metrics-port", "0",
+                 "--log-level", "WARNING"],
+                env={"OMP_NUM_THREADS": str(args.torch_threads)})
+
+
+def server_counters(metrics_endpoint: str) -> dict[str, float]:
+    """Rows and batches the server's runtime ran per method, and activation-cache hits, from its metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://{metrics_endpoint}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("dmoe_batch_rows_sum", "dmoe_batch_rows_count"):
+                name = f"{sample.labels.get('method', '?')}_{sample.name.rsplit('_', 1)[1]}"
+                counters[name] = counters.get(name, 0.0) + sample.value
+            elif family.name == "dmoe_activation_cache" and sample.labels.get("result") in ("hit", "miss"):
+                counters[sample.labels["result"]] = sample.value
+    return counters
+
+
+def formed_batches(before: dict[str, float], after: dict[str, float]) -> str:
+    """``forward 256x12 backward 256x12``: rows per batch the server formed (and how many) between two reads."""
+    parts = []
+    for method in ("forward", "backward"):
+        count = after.get(f"{method}_count", 0) - before.get(f"{method}_count", 0)
+        if count:
+            rows = (after.get(f"{method}_sum", 0) - before.get(f"{method}_sum", 0)) / count
+            parts.append(f"{method} {rows:.0f}x{count:.0f}")
+    hits = after.get("hit", 0) - before.get("hit", 0)
+    if hits:
+        parts.append(f"cache hits {hits:.0f}")
+    return " ".join(parts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="quick", choices=["quick", "compute", "overhead", "full"])
+    parser.add_argument("--preset", default="quick", choices=["quick", "compute", "overhead", "full", "smoke"])
     parser.add_argument("--duration", type=float, default=None, help="seconds per measurement (default by preset)")
-    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--warmup-requests", type=int, default=2,
+                        help="untimed requests per client thread (and as many for the limit) before each case")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved limit/remote measurements per case")
     # One by default: on this shared 2-core machine two OpenMP threads stall whenever another process runs,
     # and both sides' figures then swing by 3x from one second to the next. Use all cores on an idle machine.
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads of the server and of the in-process limit (default 1)")
-    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    parser.add_argument("--optimizer", default="adam", choices=["sgd", "adam"])
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--activation-cache-mb", type=float, default=512.0,
+                        help="the server's activation cache, and the limit's")
     parser.add_argument("--device", default="cpu", help="where the server and the limit compute (cpu, cuda)")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
     parser.add_argument("--worker", choices=["client", "limit"], help=argparse.SUPPRESS)
@@ -242,10 +327,10 @@ def main() -> None:
         return worker_main(args.worker)
 
     cases = preset_cases(args.preset)
-    duration = args.duration or (2.0 if args.preset == "quick" else 4.0)
+    duration = args.duration or {"quick": 2.0, "smoke": 0.5}.get(args.preset, 4.0)
     n_clients = max(case.clients for case in cases)
-    print(f"preset {args.preset}: {len(cases)} cases, {duration:.0f}s each, server/limit torch threads "
-          f"{args.torch_threads}, {os.cpu_count()} cores, device {args.device}", flush=True)
+    print(f"preset {args.preset}: {len(cases)} cases, {duration:g} s each, server/limit torch threads "
+          f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []
@@ -253,44 +338,54 @@ def main() -> None:
     try:
         for worker in [*clients, limit]:
             worker.receive()
-        header = (f"{'expert':>10} {'mode':>8} {'batch':>6} {'clients':>7} {'remote/s':>10} {'limit/s':>10} "
-                  f"{'range':>12} {'ratio':>6} {'cpu ratio':>9} {'server cpu':>10}")
+        header = (f"{'expert':>10} {'mode':>14} {'batch':>6} {'clients':>7} {'remote/s':>10} {'limit/s':>10} "
+                  f"{'range':>12} {'ratio':>6} {'cpu ratio':>9} {'server cpu':>10}  server formed")
         print(header, flush=True)
         for case in cases:
             key = (case.expert_cls, case.hidden_dim, case.batch, case.experts)
             if key != server_key:
                 if server is not None:
                     server.stop()
-                server, server_key = start_server(case, args.torch_threads, args.optimizer, args.lr,
-                                                         args.device), key
+                server, server_key = start_server(case, args), key
                 endpoint = server.endpoint(timeout=120)
+                metrics = next(LISTENING_METRICS.search(line).group(1) for line in server.output
+                               if LISTENING_METRICS.search(line))
             cmd = {**asdict(case), "optimizer": args.optimizer, "lr": args.lr, "duration": duration,
-                   "device": args.device}
-            uids = [f"bench.{i}" for i in range(case.experts)]
+                   "device": args.device, "activation_cache_mb": args.activation_cache_mb,
+                   "warmup_requests": args.warmup_requests, "endpoint": endpoint,
+                   "uids": [f"bench.{i}" for i in range(case.experts)]}
+            limit.send({**cmd, "phase": "warmup"})
+            limit.receive()
+            for worker in clients[:case.clients]:
+                worker.send({**cmd, "phase": "warmup"})
+            for worker in clients[:case.clients]:
+                worker.receive()
             limit_rates, remote_rates, remote_requests = [], [], []
             limit_work, remote_work = [0.0, 0.0], [0.0, 0.0]  # (samples, cpu seconds)
             server_work = 0.0  # cpu seconds of the server process alone
+            counters_before = server_counters(metrics)
             for _ in range(args.rounds):  # interleaved, so drifts of a shared machine hit both sides alike
-                limit.send(cmd)
+                limit.send({**cmd, "phase": "measure"})
                 measured = limit.receive()
                 limit_rates.append(measured["samples"] / measured["seconds"])
                 limit_work = [limit_work[0] + measured["samples"], limit_work[1] + measured["cpu"]]
                 server_cpu = process_cpu_seconds(server.popen.pid)
                 start_at = time.time() + 0.2
-                for worker in clients[:case.clients]:
-                    worker.send({**cmd, "endpoint": endpoint, "uids": uids, "start_at": start_at,
-                                 "warmup": args.warmup})
+                for index, worker in enumerate(clients[:case.clients]):
+                    worker.send({**cmd, "phase": "measure", "start_at": start_at, "client_index": index})
                 remote = [worker.receive() for worker in clients[:case.clients]]
-                remote_work[0] += sum(r["completed"] for r in remote)
+                span = max(r["last_finish"] for r in remote) - min(r["first_start"] for r in remote)
+                remote_work[0] += sum(r["samples"] for r in remote)
                 server_cpu = process_cpu_seconds(server.popen.pid) - server_cpu
                 server_work += server_cpu
                 remote_work[1] += server_cpu + sum(r["cpu"] for r in remote)
-                remote_rates.append(sum(r["samples"] for r in remote) / duration)
-                remote_requests.append(sum(r["requests"] for r in remote) / duration)
+                remote_rates.append(sum(r["samples"] for r in remote) / span)
+                remote_requests.append(sum(r["requests"] for r in remote) / span)
+            formed = formed_batches(counters_before, server_counters(metrics))
             remote_rate = sum(remote_rates) / len(remote_rates)
             limit_rate = sum(limit_rates) / len(limit_rates)
             row = {**asdict(case), "device": args.device, "duration_s": duration, "rounds": args.rounds,
-                   "torch_threads": args.torch_threads,
+                   "torch_threads": args.torch_threads, "optimizer": args.optimizer,
                    "remote_samples_per_s": round(remote_rate, 1),
                    "remote_requests_per_s": round(sum(remote_requests) / len(remote_requests), 1),
                    "limit_samples_per_s": round(limit_rate, 1),
@@ -300,13 +395,14 @@ def main() -> None:
                    "remote_samples_per_cpu_s": round(remote_work[0] / remote_work[1], 1),
                    "limit_samples_per_cpu_s": round(limit_work[0] / limit_work[1], 1),
                    "cpu_ratio": round((remote_work[0] / remote_work[1]) / (limit_work[0] / limit_work[1]), 3),
-                   "server_cpu_ratio": round((remote_work[0] / server_work) / (limit_work[0] / limit_work[1]), 3)}
+                   "server_cpu_ratio": round((remote_work[0] / server_work) / (limit_work[0] / limit_work[1]), 3),
+                   "server_formed": formed}
             rows.append(row)
             name = f"{case.expert_cls}{case.hidden_dim}"
             spread = f"{min(remote_rates) / max(limit_rates):.2f}-{max(remote_rates) / min(limit_rates):.2f}"
-            print(f"{name:>10} {case.mode:>8} {case.batch:>6} {case.clients:>7} {remote_rate:>10.1f} "
+            print(f"{name:>10} {case.mode:>14} {case.batch:>6} {case.clients:>7} {remote_rate:>10.1f} "
                   f"{limit_rate:>10.1f} {spread:>12} {remote_rate / limit_rate:>6.2f} {row['cpu_ratio']:>9.2f} "
-                  f"{row['server_cpu_ratio']:>10.2f}", flush=True)
+                  f"{row['server_cpu_ratio']:>10.2f}  {formed}", flush=True)
     finally:
         for worker in [*clients, limit]:
             worker.close()

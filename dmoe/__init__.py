@@ -1,14 +1,16 @@
 """dmoe: Decentralized Mixture-of-Experts for PyTorch.
 
-Experts live on volunteers' expert servers (:class:`ExpertServer`), announce themselves in a Kademlia DHT
-(:class:`DHT`), and are mixed by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best
-alive experts with :func:`beam_search` and calls them over gRPC. Trainers average their dense parameters with
-:class:`DecentralizedAverager` (Moshpit all-reduce in groups found through the DHT).
+Experts live on volunteers' expert servers (:class:`ExpertServer`), are announced in the expert directory
+(:class:`Announcer`, :mod:`dmoe.directory`) kept in a Kademlia DHT of signed records (:class:`DHT`), and are mixed
+by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best alive experts with :func:`beam_search`
+and calls them over gRPC. Trainers average their dense parameters with :class:`DecentralizedAverager` (Moshpit
+all-reduce in groups found through the DHT).
 """
 from dmoe.averaging import AveragerConfig, DecentralizedAverager, GroupInfo
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
-from dmoe.client.moe import LocalMixtureOfExperts, MoEStats, NoAliveExpertsError, RemoteMixtureOfExperts
+from dmoe.client.gating import LocalMixtureOfExperts, MoEStats, NoAliveExpertsError
+from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import (
     RemoteExpert,
     RemoteExpertError,
@@ -18,26 +20,29 @@ from dmoe.client.remote_expert import (
     forward_future,
     forward_futures,
 )
-from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer
+from dmoe.dht import DHT, DHTConfig
+from dmoe.directory import Announcer, declare_experts, get_experts
+from dmoe.experts import create_expert, expert_class_names, expert_seed, register_expert_class
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import (
     ExpertBackend,
+    ExpertOptimizerConfig,
     ExpertServer,
+    InProcessExpert,
     Runtime,
     ServerConfig,
-    create_expert,
-    expert_class_names,
-    register_expert_class,
+    in_process_experts,
 )
 from dmoe.uid import expand_pattern, grid_uids, split_uid
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AveragerConfig", "BanConfig", "Bans", "DHT", "DHTConfig", "DecentralizedAverager", "ExpertAnnouncer",
-    "ExpertBackend", "ExpertServer", "GroupInfo", "LocalMixtureOfExperts", "LocalSwarm", "MoEStats",
-    "NoAliveExpertsError", "PrefixCache", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime",
-    "ServerConfig", "SwarmConfig", "backward_future", "backward_futures", "beam_search", "create_expert",
-    "expand_pattern", "expert_class_names", "expert_info", "forward_future", "forward_futures", "grid_uids",
-    "register_expert_class", "split_uid",
+    "Announcer", "AveragerConfig", "BanConfig", "Bans", "DHT", "DHTConfig", "DecentralizedAverager",
+    "ExpertBackend", "ExpertOptimizerConfig", "ExpertServer", "GroupInfo", "InProcessExpert",
+    "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
+    "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig", "backward_future",
+    "backward_futures", "beam_search", "create_expert", "declare_experts", "expand_pattern", "expert_class_names",
+    "expert_info", "expert_seed", "forward_future", "forward_futures", "get_experts", "grid_uids",
+    "in_process_experts", "register_expert_class", "split_uid",
 ]

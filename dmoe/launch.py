@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from dmoe.signals import PARENT_ENV
+from dmoe.cli.signals import PARENT_ENV
+from dmoe.dht import DHT
+from dmoe.directory import get_experts
+from dmoe.uid import grid_uids
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ class Proc:
     """A child Python process whose stdout is read by a thread, so readiness lines can be awaited.
 
     The child runs in its own process group, so :meth:`kill` takes its children with it. dmoe's programs stop by
-    themselves within a second or two if this process dies without stopping them (see :func:`dmoe.signals.orphaned`).
+    themselves within a second or two if this process dies without stopping them (see :func:`dmoe.cli.signals.orphaned`).
     """
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False):
@@ -185,9 +188,20 @@ class LocalSwarm:
         logger.info("local swarm: DHT %s, servers %s", self.initial_peers, self.server_endpoints)
         return self
 
+    def wait_declared(self, timeout: float = 60.0) -> None:
+        """Blocks until every expert of the swarm is found in its DHT, so a client's first steps do not run
+        without the experts that are still being declared."""
+        uids = [uid for layer in self.config.layers for uid in grid_uids(layer, self.config.grid)]
+        with DHT(initial_peers=[self.initial_peers], client_mode=True) as dht:
+            deadline = time.monotonic() + timeout
+            while not all(get_experts(dht, uids)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the swarm's experts were not all declared in the DHT within {timeout} s")
+                time.sleep(0.2)
+
     def server_command(self, pattern: str) -> list[str]:
         cfg = self.config
-        return ["-m", "servers.run_server", "--experts", pattern, "--expert-cls", cfg.expert_cls,
+        return ["-m", "dmoe.cli.server", "--experts", pattern, "--expert-cls", cfg.expert_cls,
                 "--hidden-dim", str(cfg.hidden_dim), "--host", cfg.host, "--port", "0",
                 "--initial-peers", self.initial_peers, *cfg.server_args]
 

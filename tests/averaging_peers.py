@@ -4,8 +4,8 @@
 
 ``--jobs`` is a list of runs, all started at once, each ``{"prefix": "one4", "indices": [0, 1, 2, 3], "rounds": 1,
 "grid": [], "weighted": true, "settings": {AveragerConfig fields}, "peers": {"3": {"behaviour": "stall",
-"settings": {...}}}}`` (everything but prefix and indices optional; ``target_group_size`` defaults to the grid's
-side, or to the number of peers of the job in this process). Peer ``i`` averages :func:`make_tensors` ``(i)``
+"settings": {...}}}, "dht_client_mode": false}`` (everything but prefix and indices optional;
+``target_group_size`` defaults to the grid's side, or to the number of peers of the job in this process). Peer ``i`` averages :func:`make_tensors` ``(i)``
 with weight :func:`weight_of` ``(i)`` in its first round (then the weight its group carried), placed at cell
 ``i`` of the grid (row-major; grid jobs number their peers from 0), or at ``"cell"`` when the job names one for
 all. After each round it saves its tensors to ``DIR/<prefix>/peer<i>.r<round>.pt``; at the end it prints
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         (out / job["prefix"]).mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(len(places)) as pool:  # each may wait out dead contacts
-        dhts = list(pool.map(lambda _: DHT(initial_peers=[args.initial_peers]), places))
+        dhts = list(pool.map(lambda place: DHT(initial_peers=[args.initial_peers],
+                                               client_mode=place[0].get("dht_client_mode", False)), places))
     peers = [start_peer(job, index, dht) for (job, index), dht in zip(places, dhts)]
     threads = [threading.Thread(target=peer.run, args=(out,)) for peer in peers]
     for thread in threads:

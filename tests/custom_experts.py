@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from dmoe.server import register_expert_class
+from dmoe.experts import register_expert_class
 
 
 @register_expert_class("explode", lambda batch, hidden: torch.randn(batch, hidden))

@@ -18,14 +18,15 @@ import torch
 from hypothesis import strategies as st
 
 from dmoe.wire import dmoe_pb2, serialize, status_code
-from dmoe.wire.codec import DTYPES
+from dmoe.wire.codec import DTYPES, deserialize, join_parts
 
 SERVICE = "/dmoe.ExpertService/"
-#: What a server may answer a hostile case with (INTERNAL: a failure inside compute, with its message). UNKNOWN (an
-#: exception escaping a handler, or junk bytes that did not parse), DEADLINE_EXCEEDED (a hang) and UNAVAILABLE (a
-#: dead server) are failures of the server.
+#: What a server may answer a hostile case with (FAILED_PRECONDITION: a backward naming inputs it does not hold).
+#: INTERNAL (a request that passed validation and then failed inside compute), UNKNOWN (an exception escaping a
+#: handler, or junk bytes that did not parse), DEADLINE_EXCEEDED (a hang) and UNAVAILABLE (a dead server) are
+#: failures of the server: validation should have refused the request with a status naming what is wrong.
 CLEAR_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL}
+               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION}
 DEADLINE = 20.0
 
 
@@ -191,6 +192,18 @@ def check_outcome(case: Case, code: grpc.StatusCode, details: str, response, tar
         tensors = dmoe_pb2.ExpertResponse.FromString(response).tensors
         if len(tensors) != 1 or tensors[0].shape[1:] != [target.hidden]:
             return f"{case.kind} {case.rpc}: answered with a malformed response"
+    if code == grpc.StatusCode.OK and case.rpc.endswith("_stream"):
+        try:
+            tensors = join_parts([dmoe_pb2.ExpertResponse.FromString(r).tensors for r in response], 1 << 30)
+            decoded = [deserialize(t) for t in tensors]
+        except Exception as error:  # noqa: BLE001 - any failure to read the answer back is the finding
+            return f"{case.kind} {case.rpc}: answered with a stream that does not decode: {error}"
+        if len(decoded) != 1 or list(decoded[0].shape[1:]) != [target.hidden]:
+            return f"{case.kind} {case.rpc}: answered with malformed streamed tensors"
+    if code == grpc.StatusCode.OK and case.rpc == "info":
+        info = dmoe_pb2.ExpertInfo.FromString(response)
+        if info.uid not in target.uids or [list(s.shape) for s in info.inputs] != [[target.hidden]]:
+            return f"{case.kind} info: answered with a malformed ExpertInfo for {info.uid!r}"
     if code == grpc.StatusCode.OK and case.rpc.endswith("_batch"):
         items = dmoe_pb2.BatchRequest.FromString(case.payload).items  # it parsed on the server, so here too
         results = dmoe_pb2.BatchResponse.FromString(response).results

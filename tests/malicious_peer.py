@@ -25,10 +25,11 @@ from kademlia.node import Node
 from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
+from dmoe.dht.messages import parse_find_value_reply, record_to_wire
 from dmoe.dht.node import DHTNode, parse_endpoint
-from dmoe.dht.protocol import HEADER_BYTES, REQUEST, parse_find_value_reply, record_to_wire
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Entry, Record
+from dmoe.dht.transport import HEADER_BYTES, REQUEST
 from dmoe.uid import strict_prefixes
 
 EVIL = "10.66.6.6:666"

@@ -12,10 +12,11 @@ from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forwar
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import _call
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
+from dmoe.experts import create_expert, expert_class
 from dmoe.launch import LocalSwarm, SwarmConfig
-from dmoe.server import ExpertBackend, create_expert
+from dmoe.server import ExpertBackend
 from dmoe.server.activations import ActivationCache, KeptForward
-from dmoe.server.layers import expert_class
 from dmoe.uid import grid_uids
 from tests.procs import running
 from tests.test_metrics import scrape, value
@@ -45,8 +46,8 @@ def test_a_kept_forward_is_taken_once_and_only_with_the_same_parameter_versions(
 
 def test_the_byte_budget_evicts_the_oldest_and_refuses_what_can_never_fit():
     cache = ActivationCache(max_bytes=100)
-    for key in (b"1", b"2", b"3"):
-        assert cache.put("e.0", key, kept(40))
+    for activation_id in (b"1", b"2", b"3"):
+        assert cache.put("e.0", activation_id, kept(40))
     assert cache.nbytes == 80 and cache.evicted == 1
     assert cache.take("e.0", b"1", (0,), [torch.zeros(1)]) is None
     assert cache.take("e.0", b"3", (0,), [torch.zeros(1)]) is not None
@@ -156,7 +157,7 @@ def test_a_shared_batch_holds_only_inputs_and_a_graphs_size_excludes_the_weights
 # ---- through a real server process ---------------------------------------------------------------------------
 
 def test_server_process_uses_kept_activations_gives_the_same_training_and_refuses_long_ids():
-    args = ("-m", "servers.run_server", "--experts", "e.[0:2]", "--hidden-dim", str(HIDDEN), "--metrics-port", "0")
+    args = ("-m", "dmoe.cli.server", "--experts", "e.[0:2]", "--hidden-dim", str(HIDDEN), "--metrics-port", "0")
     with running(*args) as keeping, running(*args, "--activation-cache-mb", "0") as recomputing:
         metrics = keeping.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
         experts = [RemoteExpert("e.0", proc.endpoint(), timeout=30) for proc in (keeping, recomputing)]
@@ -205,7 +206,7 @@ def test_the_dmoe_layer_backward_uses_the_activations_its_forward_kept():
         output = "".join(swarm.servers[0].output)
         metrics = re.search(r"dmoe-server metrics on (\S+:\d+)", output).group(1)
         deadline = time.monotonic() + 60
-        while not all(dht.get_experts(grid_uids("ffn0", grid))):
+        while not all(get_experts(dht, grid_uids("ffn0", grid))):
             assert time.monotonic() < deadline, "experts were not declared in 60 s"
             time.sleep(0.1)
         layer = RemoteMixtureOfExperts(HIDDEN, grid, "ffn0", dht, k_best=2, k_min=2)

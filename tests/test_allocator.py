@@ -11,11 +11,11 @@ import pytest
 # every step.
 SCRIPT = """
 import resource, sys, threading, torch
-import dmoe.allocator
+import dmoe.cli.allocator
 if sys.argv[1] == "tuned":
-    assert dmoe.allocator.keep_freed_memory()
-from dmoe.server import ExpertBackend, create_expert
-from dmoe.server.layers import expert_class
+    assert dmoe.cli.allocator.keep_freed_memory()
+from dmoe.experts import create_expert, expert_class
+from dmoe.server import ExpertBackend
 torch.set_num_threads(1)
 backends = []
 for i in range(2):

@@ -30,7 +30,8 @@ JOBS = [
     {"prefix": "one4", "indices": [0, 1, 2, 3], "weighted": True,
      "peers": {"0": {"settings": {"bandwidth": 3.0}}, "3": CLIENT}},
     {"prefix": "one8", "indices": list(range(8)), "weighted": True, "peers": {"6": CLIENT, "7": CLIENT}},
-    {"prefix": "one9", "indices": list(range(9)), "weighted": True, "peers": {"4": CLIENT}},
+    # ... and peers whose DHT nodes are in client mode (as trainers' are): the records live on the bootstrap node
+    {"prefix": "one9", "indices": list(range(9)), "weighted": True, "peers": {"4": CLIENT}, "dht_client_mode": True},
     # full Moshpit grids: d rounds
     {"prefix": "grid8", "indices": list(range(8)), "weighted": True, "grid": [2, 2, 2], "rounds": 3},
     {"prefix": "grid9", "indices": list(range(9)), "weighted": True, "grid": [3, 3], "rounds": 2},

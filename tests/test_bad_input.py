@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dmoe.client import RemoteExpert, RemoteExpertError, forward_future
-from dmoe.server import create_expert, expert_seed
-from dmoe.wire import MAX_BATCH_ITEMS, ChannelPool, dmoe_pb2, deserialize, serialize
+from dmoe.experts import create_expert, expert_seed
+from dmoe.wire import MAX_BATCH_ITEMS, ChannelPool, deserialize, dmoe_pb2, serialize
 from dmoe.wire.codec import UINT8
 from tests import custom_experts  # noqa: F401 - registers 'explode' here too, to rebuild the expert locally
 from tests.procs import running
@@ -22,7 +22,7 @@ Code = grpc.StatusCode
 
 @pytest.fixture(scope="module")
 def server():
-    with running("-m", "servers.run_server", "--experts", "bad.[0:2]", "--expert-cls", "explode",
+    with running("-m", "dmoe.cli.server", "--experts", "bad.[0:2]", "--expert-cls", "explode",
                  "--custom-module", "tests/custom_experts.py", "--hidden-dim", str(HIDDEN),
                  "--max-batch-size", str(MAX_BATCH), "--max-message-bytes", str(MAX_MESSAGE),
                  "--optimizer", "sgd", "--torch-threads", "1") as proc:

@@ -18,17 +18,17 @@ import grpc
 import pytest
 import torch
 
+from dmoe.cli import server as run_server
 from dmoe.client import forward_future, forward_futures
 from dmoe.client.remote_expert import RemoteExpertError
 from dmoe.server.faults import INJECTED_FAILURE, FaultConfig, Faults, InjectedFailure
-from servers import run_server
 from tests.procs import ROOT, running
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def serve(*flags: str):
-    return running("-m", "servers.run_server", "--experts", "ffn0.[0:2]", "--hidden-dim", "8",
+    return running("-m", "dmoe.cli.server", "--experts", "ffn0.[0:2]", "--hidden-dim", "8",
                    "--torch-threads", "1", *flags)
 
 
@@ -51,9 +51,9 @@ def test_injected_latency_delays_every_call_without_serialising_them():
     assert all(f.exception() is None for f in futures + items)
     assert single >= 0.4
     # eight calls that each wait 0.4 s on the server's event loop overlap instead of taking 3.2 s
-    assert concurrent < 1.6, f"8 concurrent calls took {concurrent:.2f} s"
+    assert concurrent < 2.4, f"8 concurrent calls took {concurrent:.2f} s"  # serialised: 3.2 s; slack for load
     # eight experts' requests in one batch call: their delays do not add up either
-    assert 0.4 <= batched < 1.6, f"a batch call of 8 items took {batched:.2f} s"
+    assert 0.4 <= batched < 2.4, f"a batch call of 8 items took {batched:.2f} s"
 
 
 def test_fail_rate_fails_some_calls_with_a_clear_status_and_serves_the_rest():
@@ -124,23 +124,29 @@ def test_latency_benchmark_quick_writes_sane_csv_and_png(tmp_path):
     assert "headline: throughput at" in stdout
     rows = read_csv(tmp_path / "latency_quick.csv")
     latencies = sorted({float(r["latency_ms"]) for r in rows})
-    assert {r["mode"] for r in rows} == {"dmoe", "pipeline", "pipeline-mb"}
-    assert len(rows) == len(latencies) * 3 and latencies[0] == 0 and len(latencies) >= 2
-    assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    modes = {"dmoe", "pipeline", "pipeline-mb", "pipeline-async", "shallow", "shallow-async"}
+    assert {r["mode"] for r in rows} == modes
+    assert len(rows) == len(latencies) * len(modes) and latencies[0] == 0 and len(latencies) >= 2
+    assert all(float(r["samples_per_s"]) > 0 and float(r["expert_rows_per_s"]) > 0 for r in rows)
     assert all(float(r["ratio_to_0ms"]) == 1 for r in rows if float(r["latency_ms"]) == 0)
-    assert {int(r["in_flight"]) for r in rows if r["mode"] == "pipeline"} == {1}
+    in_flight = {r["mode"]: int(r["in_flight"]) for r in rows}
+    assert in_flight["pipeline"] == in_flight["shallow"] == 1
+    assert in_flight["pipeline-async"] == in_flight["shallow-async"] == in_flight["dmoe"]  # same total in flight
+    hops = {r["mode"]: int(r["hops"]) for r in rows}
+    assert hops["shallow"] == hops["dmoe"] <= hops["pipeline"]  # equal depth (--quick has one server: no deeper)
     assert (tmp_path / "latency_quick.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
-    run_benchmark("bench_quality.py", "--quick", "--variants", "local", "remote-faulty", "--results", str(tmp_path))
+    stdout = run_benchmark("bench_quality.py", "--quick", "--report-only", "--variants", "local", "remote-faulty",
+                           "no-experts", "--results", str(tmp_path))
     rows = read_csv(tmp_path / "quality_tiny.csv")
-    assert [r["variant"] for r in rows] == ["local", "remote-faulty"]
+    assert [r["variant"] for r in rows] == ["local", "remote-faulty", "no-experts"]
     losses = [float(r["val_loss"]) for r in rows]
     assert all(0 < loss < math.log(256) + 1 for loss in losses)  # finite, and no worse than a bad guess
-    assert float(rows[0]["ratio_to_local"]) == 1
-    assert all(int(r["expert_calls"]) > 0 for r in rows)  # the mixtures really used their experts
-    assert math.isclose(float(rows[1]["ratio_to_local"]), losses[1] / losses[0], rel_tol=1e-3)
+    assert int(rows[0]["expert_calls"]) > 0 and int(rows[1]["expert_calls"]) > 0  # the mixtures used experts
+    assert int(rows[2]["expert_calls"]) == 0  # the control has none
+    assert "remote-faulty" in stdout and ("all goals met" in stdout or "goals missed" in stdout)
     assert (tmp_path / "quality_tiny.png").read_bytes().startswith(PNG_MAGIC)
 
 
@@ -165,6 +171,21 @@ def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path
         assert 0 <= float(r["p50_ms"]) <= float(r["p95_ms"]) <= float(r["max_ms"]) < 60_000
         if r["phase"].startswith("before_kill"):
             assert float(r["success_rate"]) == 1.0, r  # equal to brute force over the declared experts
+
+
+def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):
+    run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "1", "--results", str(tmp_path))
+    (path,) = tmp_path.glob("throughput_smoke_cpu_*.csv")
+    rows = {r["mode"]: r for r in read_csv(path)}
+    assert set(rows) == {"fwd", "fwd+bwd", "fwd+bwd cached"}
+    for mode, r in rows.items():
+        batch = int(r["batch"])
+        assert float(r["remote_samples_per_s"]) > 0 and float(r["limit_samples_per_s"]) > 0
+        assert math.isclose(float(r["remote_requests_per_s"]) * batch, float(r["remote_samples_per_s"]), rel_tol=0.01)
+        # the server ran every request as a batch of its own, the size the limit runs
+        assert f"forward {batch}x" in r["server_formed"]
+        assert (f"backward {batch}x" in r["server_formed"]) == (mode != "fwd")
+        assert ("cache hits" in r["server_formed"]) == (mode == "fwd+bwd cached")
 
 
 def test_averaging_benchmark_small_runs_and_a_full_grid_is_exact(tmp_path):

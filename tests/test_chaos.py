@@ -1,6 +1,6 @@
 """Chaos under training: an expert server and a DHT node die (SIGKILL) mid-training; training goes on.
 
-A small version of benchmarks/bench_chaos.py: the trainer (clients/train.py) runs against a local swarm of real
+A small version of benchmarks/bench_chaos.py: the trainer (dmoe/trainer) runs against a local swarm of real
 processes; when it has made a given number of forward passes, one server and one DHT node are killed, and later
 the server is started again. Training must finish without raising, its loss must fall, and the progress bar must
 show the experts that were dropped.
@@ -14,8 +14,8 @@ import threading
 
 import torch
 
-from clients.train import TrainConfig, make_moe_factory, train
 from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.trainer.loop import TrainConfig, make_moe_factory, train
 from tests.procs import Proc, processes
 
 HIDDEN = 32

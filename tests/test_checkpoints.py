@@ -10,7 +10,9 @@ import torch
 
 from dmoe.client.remote_expert import backward_future, expert_info, forward_future
 from dmoe.dht import DHT
-from dmoe.server import ExpertBackend, ExpertServer, ServerConfig, create_expert
+from dmoe.directory import get_experts
+from dmoe.experts import create_expert
+from dmoe.server import ExpertBackend, ExpertServer, ServerConfig
 from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint
 from tests.procs import Proc, processes
 
@@ -21,7 +23,7 @@ WRITE_SLACK = 2.0
 
 
 def server_args(checkpoint_dir, *extra: str) -> list[str]:
-    return ["-m", "servers.run_server", "--experts", "ck.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
+    return ["-m", "dmoe.cli.server", "--experts", "ck.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
             "--optimizer", "adam", "--lr", "0.01", "--torch-threads", "1", "--checkpoint-dir", str(checkpoint_dir),
             "--checkpoint-interval", str(INTERVAL), *extra]
 
@@ -86,9 +88,9 @@ def test_killed_server_restarts_from_its_last_checkpoint_losing_at_most_one_inte
 
         with DHT(initial_peers=[peer]) as client:  # re-announced at the new endpoint
             deadline = time.monotonic() + 30
-            while client.get_experts(["ck.0", "ck.1"]) != [new_endpoint] * 2 and time.monotonic() < deadline:
+            while get_experts(client, ["ck.0", "ck.1"]) != [new_endpoint] * 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert client.get_experts(["ck.0", "ck.1"]) == [new_endpoint] * 2
+            assert get_experts(client, ["ck.0", "ck.1"]) == [new_endpoint] * 2
 
         # a clean shutdown writes a final checkpoint holding every step taken since the last periodic one
         backward_future(new_endpoint, "ck.1", [torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)]).result(timeout=30)

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from clients import train
-from dmoe.config import parse_args
-from dmoe.monitor import __main__ as monitor_program
-from dmoe.swarm import alive_experts, choose_experts
-from servers import run_server
+from dmoe.cli import monitor as monitor_program
+from dmoe.cli import server as run_server
+from dmoe.cli import train
+from dmoe.cli.config import parse_args
+from dmoe.directory import alive_experts, choose_experts
 from tests.procs import running
 
 
@@ -148,7 +148,7 @@ def test_alive_experts_walks_one_dimension_per_lookup_and_ignores_cells_outside_
 
 def test_num_experts_server_fills_the_cells_a_first_server_left_free():
     with running("-m", "dmoe.dht", "--port", "0") as dht:
-        common = ["-m", "servers.run_server", "--hidden-dim", "8", "--expert-cls", "nop",
+        common = ["-m", "dmoe.cli.server", "--hidden-dim", "8", "--expert-cls", "nop",
                   "--initial-peers", dht.endpoint()]
         with running(*common, "--experts", "ffn0.0.[0:2]") as first:
             first.endpoint()  # printed once its experts are declared

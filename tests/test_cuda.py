@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from dmoe.client import RemoteExpert, backward_future, expert_info, forward_future
-from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
+from dmoe.client.gating import LocalMixtureOfExperts
+from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
+from dmoe.experts import create_expert, expert_seed
 from dmoe.launch import LocalSwarm, SwarmConfig
-from dmoe.server import create_expert, expert_seed
 from dmoe.uid import grid_uids
 from tests.procs import running
 
@@ -22,7 +24,7 @@ HIDDEN = 64
 
 
 def server_args(*extra: str) -> tuple[str, ...]:
-    return ("-m", "servers.run_server", "--experts", "ffn.[0:2]", "--expert-cls", "ffn", "--hidden-dim",
+    return ("-m", "dmoe.cli.server", "--experts", "ffn.[0:2]", "--expert-cls", "ffn", "--hidden-dim",
             str(HIDDEN), "--optimizer", "sgd", "--lr", "0.1", "--seed", "3", *extra)
 
 
@@ -73,7 +75,7 @@ def test_a_layer_on_the_gpu_mixes_cuda_served_experts_like_in_process_gpu_expert
     with LocalSwarm(config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         uids = grid_uids("ffn0", grid)
         deadline = time.monotonic() + 60
-        while not all(dht.get_experts(uids)):
+        while not all(get_experts(dht, uids)):
             assert time.monotonic() < deadline, "experts were not declared in 60 s"
             time.sleep(0.1)
         torch.manual_seed(0)

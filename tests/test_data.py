@@ -7,8 +7,8 @@ import tarfile
 import pytest
 import torch
 
-from clients import data as data_module
-from clients.data import TextData, shakespeare
+from dmoe.trainer import data as data_module
+from dmoe.trainer.data import TextData, shakespeare
 
 
 def add_file(archive: tarfile.TarFile, name: str, text: str) -> None:

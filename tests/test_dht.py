@@ -18,8 +18,9 @@ import torch
 import umsgpack
 
 from dmoe.client.beam_search import beam_search, brute_force_top_k
-from dmoe.dht import DHT, DHTConfig, ExpertAnnouncer, MessageTooLarge
+from dmoe.dht import DHT, DHTConfig, MessageTooLarge
 from dmoe.dht.node import parse_endpoint
+from dmoe.directory import Announcer, declare_experts, get_alive_continuations, get_experts
 from dmoe.uid import grid_uids
 from tests.procs import Proc, processes
 
@@ -28,10 +29,25 @@ SERVERS = {i: f"127.0.0.1:{9000 + i}" for i in range(4)}
 REFRESH, EXPIRATION = 2.0, 6.0
 
 
-def dht_proc(procs: list[Proc], *args: str) -> Proc:
-    proc = Proc(["-m", "dmoe.dht", *FAST, *args])
+def dht_proc(procs: list[Proc], *args: str, program: str = "dmoe.dht") -> Proc:
+    proc = Proc(["-m", program, *FAST, *args])
     procs.append(proc)
     return proc
+
+
+def start_nodes(procs: list[Proc], members: int, nodes_each: int) -> tuple[Proc, list[Proc]]:
+    """A bootstrap node, and ``members`` processes of ``nodes_each`` nodes that joined through it (all up)."""
+    boot = dht_proc(procs)
+    peer = boot.endpoint()
+    started = [dht_proc(procs, "--num-nodes", str(nodes_each), "--initial-peers", peer) for _ in range(members)]
+    for member in started:
+        member.endpoint()
+    return boot, started
+
+
+def declarer_proc(procs: list[Proc], *args: str) -> Proc:
+    """DHT nodes whose first declares experts (``--declare PATTERN --endpoint HOST:PORT``) and keeps them declared."""
+    return dht_proc(procs, *args, program="dmoe.directory")
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
@@ -52,12 +68,9 @@ def expected_grid() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[dict]:
     with processes() as procs:
-        boot = dht_proc(procs)
+        boot, members = start_nodes(procs, 8, 2)
         peer = boot.endpoint()
-        members = [dht_proc(procs, "--num-nodes", "2", "--initial-peers", peer) for _ in range(8)]
-        for member in members:
-            member.endpoint()
-        servers = [dht_proc(procs, "--initial-peers", peer, "--declare", f"ffn0.[0:16].[{4 * i}:{4 * i + 4}]",
+        servers = [declarer_proc(procs, "--initial-peers", peer, "--declare", f"ffn0.[0:16].[{4 * i}:{4 * i + 4}]",
                             "--endpoint", SERVERS[i], "--refresh-period", str(REFRESH),
                             "--expiration", str(EXPIRATION)) for i in range(4)]
         for server in servers:
@@ -70,12 +83,12 @@ def swarm() -> Iterator[dict]:
 def test_four_servers_declaring_under_shared_prefixes_are_all_found(swarm):
     client: DHT = swarm["client"]
     expected = expected_grid()
-    assert client.get_experts(list(expected)) == list(expected.values())
-    rows = client.get_alive_continuations(["ffn0"] + [f"ffn0.{i}" for i in range(16)])
+    assert get_experts(client, list(expected)) == list(expected.values())
+    rows = get_alive_continuations(client, ["ffn0"] + [f"ffn0.{i}" for i in range(16)])
     assert sorted(rows["ffn0"]) == list(range(16))
     for i in range(16):
         assert rows[f"ffn0.{i}"] == {j: SERVERS[j // 4] for j in range(16)}
-    assert client.get_experts(["ffn0.16.0", "nolayer.0.0"]) == [None, None]
+    assert get_experts(client, ["ffn0.16.0", "nolayer.0.0"]) == [None, None]
 
 
 def test_beam_search_over_the_swarm_equals_brute_force_with_random_alive_subsets_and_exclusions(swarm):
@@ -83,7 +96,7 @@ def test_beam_search_over_the_swarm_equals_brute_force_with_random_alive_subsets
     rng = random.Random(1)
     subset = rng.sample(grid_uids("ffn1", (16, 16)), 90)
     with processes() as procs:
-        dht_proc(procs, "--initial-peers", swarm["peer"], "--declare", ",".join(subset),
+        declarer_proc(procs, "--initial-peers", swarm["peer"], "--declare", ",".join(subset),
                  "--endpoint", "127.0.0.1:9100", "--no-refresh", "--expiration", "120").endpoint()
         cases = [("ffn0", expected_grid()), ("ffn1", {uid: "127.0.0.1:9100" for uid in subset})]
         for trial in range(6):
@@ -123,25 +136,25 @@ def test_lookups_merge_what_the_closest_nodes_hold(swarm):
         results = client.run_coroutine(client.node.protocol.call_store(replica, digest(key), {coord: entry}))
         assert results == [True]
     with DHT([swarm["peer"]], config=DHTConfig(hedge_after=5.0)) as other:  # waits for every replica, even busy
-        assert other.get_alive_continuations([key])[key] == {c: f"r{c}:1" for c in range(len(replicas))}
+        assert get_alive_continuations(other, [key])[key] == {c: f"r{c}:1" for c in range(len(replicas))}
 
 
 def test_oversized_records_are_refused_with_clear_errors_and_full_records_still_reply(swarm, caplog):
     client: DHT = swarm["client"]
     with pytest.raises(ValueError, match=f"at most {client.config.max_value_bytes} bytes"):
-        client.declare_experts(["ffn2.0.0"], "h" * 200 + ":1")
+        declare_experts(client, ["ffn2.0.0"], "h" * 200 + ":1")
     with pytest.raises(ValueError, match="max_record_subkeys"):
-        client.declare_experts([f"ffn2.{i}" for i in range(300)], "127.0.0.1:1")
+        declare_experts(client, [f"ffn2.{i}" for i in range(300)], "127.0.0.1:1")
     big_endpoint = "a-rather-long-host-name-for-a-volunteer-machine.example.org:31337"
-    assert all(client.declare_experts([f"ffn2.{i}" for i in range(200)], big_endpoint, expiration=60))
+    assert all(declare_experts(client, [f"ffn2.{i}" for i in range(200)], big_endpoint, expiration=60))
     # the same node again, whose replicas hold the 200. A node that has just joined close to the key gets the record
     # only when a replica hands it over (in the background, on first contact): until then it accepts 256 of its own,
     # as a newcomer did on a loaded CI machine.
-    results = client.declare_experts([f"ffn2.{i}" for i in range(200, 300)], big_endpoint, expiration=60)
+    results = declare_experts(client, [f"ffn2.{i}" for i in range(200, 300)], big_endpoint, expiration=60)
     assert sum(results) == 56 and not any(results[56:]), "stores past the record limit were not refused"
     assert "record full" in caplog.text
     with DHT([swarm["peer"]]) as other:
-        record = other.get_alive_continuations(["ffn2"])["ffn2"]  # a 256-subkey reply still arrives whole
+        record = get_alive_continuations(other, ["ffn2"])["ffn2"]  # a 256-subkey reply still arrives whole
         assert len(record) == 256 and set(record.values()) == {big_endpoint}
         with pytest.raises(MessageTooLarge):
             other.run_coroutine(_raw_call(other, swarm["peer"], "find_node", os.urandom(9000)))
@@ -190,44 +203,44 @@ def test_malformed_and_oversized_datagrams_are_dropped_and_the_node_keeps_answer
                 break
     assert reply[:21] == b"\x01" + ping_id and len(umsgpack.unpackb(reply[21:])) == 20
     assert boot.popen.poll() is None
-    assert swarm["client"].get_experts(["ffn0.0.0"]) == [SERVERS[0]]
+    assert get_experts(swarm["client"], ["ffn0.0.0"]) == [SERVERS[0]]
 
 
 def test_experts_vanish_after_expiration_when_their_server_is_killed_or_stops_refreshing(swarm):
     client: DHT = swarm["client"]
     killed_uids, quiet_uids = grid_uids("ffn3", (2, 4)), grid_uids("ffn4", (2, 4))
     with processes() as procs:
-        killed = dht_proc(procs, "--initial-peers", swarm["peer"], "--declare", "ffn3.[0:2].[0:4]",
+        killed = declarer_proc(procs, "--initial-peers", swarm["peer"], "--declare", "ffn3.[0:2].[0:4]",
                           "--endpoint", "127.0.0.1:9200", "--refresh-period", "1", "--expiration", "3")
-        quiet = dht_proc(procs, "--initial-peers", swarm["peer"], "--declare", "ffn4.[0:2].[0:4]",
+        quiet = declarer_proc(procs, "--initial-peers", swarm["peer"], "--declare", "ffn4.[0:2].[0:4]",
                          "--endpoint", "127.0.0.1:9201", "--no-refresh", "--expiration", "4")
         killed.endpoint(), quiet.endpoint()
-        assert all(client.get_experts(killed_uids + quiet_uids))
+        assert all(get_experts(client, killed_uids + quiet_uids))
         killed.kill()
-        assert all(client.get_experts(killed_uids)), "experts vanished before their expiration"
-        gone = lambda uids: lambda: not any(client.get_experts(uids))  # noqa: E731
+        assert all(get_experts(client, killed_uids)), "experts vanished before their expiration"
+        gone = lambda uids: lambda: not any(get_experts(client, uids))  # noqa: E731
         wait_until(gone(killed_uids), 10, "a killed server's experts did not vanish")
         wait_until(gone(quiet_uids), 10, "experts that were never refreshed did not vanish")
         assert quiet.popen.poll() is None
         with DHT([swarm["peer"]]) as newcomer:  # joining nodes must not be handed stale copies
-            assert newcomer.get_experts(killed_uids + quiet_uids) == [None] * 16
+            assert get_experts(newcomer, killed_uids + quiet_uids) == [None] * 16
         scores = [torch.randn(4, 2), torch.randn(4, 4)]
         assert beam_search(client, "ffn3", scores, 4) == [[]] * 4
-    assert client.get_experts(["ffn0.15.15"]) == [SERVERS[3]]
+    assert get_experts(client, ["ffn0.15.15"]) == [SERVERS[3]]
 
 
 def test_an_announcer_keeps_experts_alive_past_their_expiration_until_closed(swarm):
     client: DHT = swarm["client"]
     uids = grid_uids("ffn5", (2, 2))
     with DHT([swarm["peer"]]) as server_dht:
-        announcer = ExpertAnnouncer(server_dht, uids, "127.0.0.1:9300", refresh_period=0.5, expiration=3.0)
-        assert all(announcer.first_results)
+        announcer = Announcer(server_dht, refresh_period=0.5, expiration=3.0)
+        assert all(announcer.start(uids, "127.0.0.1:9300"))
         until = time.monotonic() + 6.5  # more than two expirations: only refreshing keeps them
         while time.monotonic() < until:
-            assert client.get_experts(uids) == ["127.0.0.1:9300"] * 4
+            assert get_experts(client, uids) == ["127.0.0.1:9300"] * 4
             time.sleep(0.2)
         announcer.close()
-        wait_until(lambda: client.get_experts(uids) == [None] * 4, 5, "experts outlived their closed announcer")
+        wait_until(lambda: get_experts(client, uids) == [None] * 4, 5, "experts outlived their closed announcer")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -235,7 +248,7 @@ def test_the_dmoe_dht_program_prints_one_readiness_line_and_exits_cleanly_on_sig
     with processes() as procs:
         proc = dht_proc(procs, "--initial-peers", swarm["peer"])
         proc.endpoint()
-        assert swarm["client"].get_experts(["ffn0.1.1"]) == [SERVERS[0]]
+        assert get_experts(swarm["client"], ["ffn0.1.1"]) == [SERVERS[0]]
         proc.popen.send_signal(signum)
         assert proc.popen.wait(10) == 0
     ready = [line for line in proc.output if "listening on" in line]
@@ -250,11 +263,11 @@ def test_every_live_expert_is_still_found_right_after_half_the_nodes_are_killed(
         member.kill()
     expected = expected_grid()
     started = time.monotonic()
-    first = client.get_experts(list(expected))
+    first = get_experts(client, list(expected))
     first_lookup = time.monotonic() - started
     assert first_lookup < 2.5, f"first look-up after the kill took {first_lookup:.1f}s"
     missing = sum(endpoint is None for endpoint in first)
-    took = wait_until(lambda: client.get_experts(list(expected)) == list(expected.values()), 2 * REFRESH + 2,
+    took = wait_until(lambda: get_experts(client, list(expected)) == list(expected.values()), 2 * REFRESH + 2,
                       "live experts were not all found after half the nodes died")
     print(f"after the kill: first look-up {first_lookup:.2f}s with {missing} of 256 missing; all found after "
           f"{took:.2f}s more")

@@ -17,10 +17,11 @@ from kademlia.utils import digest
 
 from dmoe.client.beam_search import beam_search, brute_force_top_k
 from dmoe.dht import DHT, Identity
-from dmoe.dht.protocol import parse_find_value_reply
+from dmoe.dht.messages import parse_find_value_reply
+from dmoe.directory import get_alive_continuations, get_experts
 from dmoe.uid import grid_uids
 from tests.procs import Proc, processes
-from tests.test_dht import dht_proc, wait_until
+from tests.test_dht import declarer_proc, start_nodes, wait_until
 
 HONEST = "127.0.0.1:9500"
 VICTIMS = ["sig0.3.0", "sig0.3.1", "sig0.3.2", "sig0.3.3"]
@@ -33,16 +34,13 @@ def swarm(tmp_path_factory) -> Iterator[dict]:
     key_file = tmp_path_factory.mktemp("keys") / "honest.key"
     owner = Identity.load_or_create(key_file).public_key
     with processes() as procs:
-        boot = dht_proc(procs)
+        boot, _ = start_nodes(procs, 3, 2)
         peer = boot.endpoint()
-        members = [dht_proc(procs, "--num-nodes", "2", "--initial-peers", peer) for _ in range(3)]
-        for member in members:
-            member.endpoint()
-        honest = dht_proc(procs, "--initial-peers", peer, "--declare", "sig0.[0:4].[0:4]", "--endpoint", HONEST,
+        honest = declarer_proc(procs, "--initial-peers", peer, "--declare", "sig0.[0:4].[0:4]", "--endpoint", HONEST,
                           "--refresh-period", "1", "--expiration", "8", "--identity", str(key_file))
         honest.endpoint()
         with DHT([peer]) as client:
-            assert client.get_experts(VICTIMS) == [HONEST] * 4
+            assert get_experts(client, VICTIMS) == [HONEST] * 4
             attacker = Proc(["-m", "tests.malicious_peer", "--initial-peers", peer, "--victims", *VICTIMS,
                              "--owner", owner.hex()])
             procs.append(attacker)
@@ -80,13 +78,13 @@ def test_the_honest_owner_keeps_every_replica_and_is_found_despite_the_poisoned_
         holders += len(entries) == 4
     assert holders >= 3, "the honest record is missing from its replicas"
     for _ in range(20):  # across several of the owner's refreshes
-        assert client.get_experts(VICTIMS) == [HONEST] * 4
+        assert get_experts(client, VICTIMS) == [HONEST] * 4
     alive = {uid: HONEST for uid in grid_uids("sig0", (4, 4))}
     generator = torch.Generator().manual_seed(0)
     for k in (1, 4, 16):
         scores = [torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)]
         assert beam_search(client, "sig0", scores, k) == brute_force_top_k(alive, "sig0", scores, k)
-    assert client.get_alive_continuations(["sig0"])["sig0"] == {c: HONEST for c in range(4)}
+    assert get_alive_continuations(client, ["sig0"])["sig0"] == {c: HONEST for c in range(4)}
 
 
 def test_a_short_prefix_claim_does_not_cut_the_honest_one_short(swarm):
@@ -100,7 +98,7 @@ def test_a_short_prefix_claim_does_not_cut_the_honest_one_short(swarm):
 def test_every_process_survived_the_store_flood_and_keeps_serving(swarm):
     assert all(proc.alive for proc in swarm["procs"])
     with DHT([swarm["peer"]]) as newcomer:
-        assert newcomer.get_experts(VICTIMS) == [HONEST] * 4
+        assert get_experts(newcomer, VICTIMS) == [HONEST] * 4
 
 
 def test_a_restarted_server_with_its_key_takes_its_uids_back_and_others_cannot(swarm, tmp_path):
@@ -113,23 +111,23 @@ def test_a_restarted_server_with_its_key_takes_its_uids_back_and_others_cannot(s
                 "--refresh-period", "1", "--expiration", "60", "--identity", identity]
 
     with processes() as procs:
-        first = dht_proc(procs, *declarer("127.0.0.1:9601", str(key_file)))
+        first = declarer_proc(procs, *declarer("127.0.0.1:9601", str(key_file)))
         first.endpoint()
-        assert client.get_experts(uids) == ["127.0.0.1:9601"] * 4
+        assert get_experts(client, uids) == ["127.0.0.1:9601"] * 4
         first.kill()
-        squatter = dht_proc(procs, *declarer("127.0.0.1:9666", str(tmp_path / "squatter.key")))
+        squatter = declarer_proc(procs, *declarer("127.0.0.1:9666", str(tmp_path / "squatter.key")))
         squatter.endpoint()
-        restarted = dht_proc(procs, *declarer("127.0.0.1:9602", str(key_file)))
+        restarted = declarer_proc(procs, *declarer("127.0.0.1:9602", str(key_file)))
         restarted.endpoint()
-        took = wait_until(lambda: client.get_experts(uids) == ["127.0.0.1:9602"] * 4, 10,
+        took = wait_until(lambda: get_experts(client, uids) == ["127.0.0.1:9602"] * 4, 10,
                           "the restarted owner did not take its uids back")
         assert took < 30, "it waited for the old declarations to expire"
         for _ in range(10):
-            assert client.get_experts(uids) == ["127.0.0.1:9602"] * 4
+            assert get_experts(client, uids) == ["127.0.0.1:9602"] * 4
 
 
 def test_dmoe_server_keeps_its_dht_identity_in_the_checkpoint_dir_unless_given_one(tmp_path):
-    from servers.run_server import build_parser, join_dht
+    from dmoe.cli.server import build_parser, join_dht
 
     parser = build_parser()
     for flags, key_file in [(["--checkpoint-dir", str(tmp_path / "ckpt")], tmp_path / "ckpt" / "dht_identity.key"),

@@ -12,9 +12,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from dmoe.client.remote_expert import backward_future, forward_future
 from dmoe.client import RemoteExpertError
-from dmoe.server import ExpertBackend, create_expert, expert_seed
+from dmoe.client.remote_expert import backward_future, forward_future
+from dmoe.experts import create_expert, expert_seed
+from dmoe.server import ExpertBackend
 from dmoe.wire import grpc_options
 from tests import fuzzing
 from tests.procs import running
@@ -23,7 +24,7 @@ HIDDEN = 8
 MAX_BATCH = 32
 TARGET = fuzzing.Target(uids=("fz.0", "fz.1"), hidden=HIDDEN, max_batch=MAX_BATCH)
 # fz.1 is never trained by the fuzzer (backward cases go to fz.0 only), so its weights stay the seeded ones
-SERVER = ["-m", "servers.run_server", "--experts", "fz.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
+SERVER = ["-m", "dmoe.cli.server", "--experts", "fz.[0:2]", "--expert-cls", "ffn", "--hidden-dim", str(HIDDEN),
           "--max-batch-size", str(MAX_BATCH), "--max-message-bytes", str(64 * 1024), "--optimizer", "sgd",
           "--torch-threads", "1"]
 
@@ -132,7 +133,7 @@ def test_backend_skips_optimizer_steps_with_nonfinite_gradients():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_the_value_checks_find_every_nan_inf_and_huge_value_but_pass_large_finite_half_values(dtype):
     from dmoe.server.backend import all_finite
-    from dmoe.server.servicer import first_bad_values
+    from dmoe.server.validation import first_bad_values
 
     big = torch.full((4, 1000), 60000.0, dtype=dtype)  # sums past float16's range, every element finite
     assert all_finite([big, torch.zeros(0, dtype=dtype)])

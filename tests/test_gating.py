@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from dmoe.client.moe import LocalMixtureOfExperts, NoAliveExpertsError, _bits, _from_bits, _zeros
+from dmoe.client.gating import LocalMixtureOfExperts, NoAliveExpertsError
+from dmoe.client.moe import _bits, _from_bits, _zeros
 
 
 class Scale(nn.Module):

@@ -8,7 +8,7 @@ import signal
 import textwrap
 import time
 
-from dmoe.signals import ORPHAN_CHECK_PERIOD
+from dmoe.cli.signals import ORPHAN_CHECK_PERIOD
 from tests.procs import running
 
 # a launcher that starts a DHT node and an expert server, reports their pids, then waits to be killed
@@ -16,7 +16,7 @@ LAUNCHER = textwrap.dedent("""
     import time
     from dmoe.launch import Proc
     dht = Proc(["-m", "dmoe.dht", "--port", "0", "--log-level", "WARNING"])
-    server = Proc(["-m", "servers.run_server", "--experts", "orphan.[0:2]", "--expert-cls", "nop", "--hidden-dim", "4",
+    server = Proc(["-m", "dmoe.cli.server", "--experts", "orphan.[0:2]", "--expert-cls", "nop", "--hidden-dim", "4",
                    "--device", "cpu", "--torch-threads", "1", "--initial-peers", dht.endpoint()])
     server.endpoint(120)
     print("children", dht.popen.pid, server.popen.pid, flush=True)

@@ -1,18 +1,19 @@
 """The DMoE layer against a real local swarm: batching per expert, same maths as in-process, dead servers,
 and the trainer surviving a server killed in the middle of training."""
 import re
-import sys
 import time
 import urllib.request
 
 import pytest
 import torch
 
-from dmoe.client.moe import LocalMixtureOfExperts, RemoteMixtureOfExperts
+from dmoe.client.gating import LocalMixtureOfExperts
+from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
+from dmoe.directory import get_experts
+from dmoe.experts import create_expert, expert_seed
 from dmoe.launch import LocalSwarm, SwarmConfig
-from dmoe.server import create_expert, expert_seed
 from dmoe.uid import grid_uids
 from procs import Proc, processes
 
@@ -24,7 +25,7 @@ UIDS = grid_uids("ffn0", GRID)
 def wait_until_declared(dht: DHT, uids, timeout: float = 60.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
-        endpoints = dht.get_experts(uids)
+        endpoints = get_experts(dht, uids)
         if all(endpoints):
             return endpoints
         if time.monotonic() > deadline:
@@ -48,7 +49,7 @@ def forward_counts(endpoints) -> dict[str, int]:
 
 def test_rows_routed_to_one_expert_travel_in_one_request(swarm):
     _, dht = swarm
-    endpoints = dht.get_experts(UIDS)
+    endpoints = get_experts(dht, UIDS)
     layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=4)
     before = forward_counts(endpoints)
     layer(torch.randn(64, HIDDEN))
@@ -140,7 +141,7 @@ def test_answers_of_the_wrong_shape_are_dropped_and_their_experts_avoided():
         procs.append(boot)
         peer = boot.endpoint()
         for pattern, cls in (("ffn0.[0:2].[0:4]", "ffn"), ("ffn0.[2:4].[0:4]", "widen")):
-            procs.append(Proc(["-m", "servers.run_server", "--experts", pattern, "--expert-cls", cls,
+            procs.append(Proc(["-m", "dmoe.cli.server", "--experts", pattern, "--expert-cls", cls,
                                "--custom-module", "tests/custom_experts.py", "--hidden-dim", str(HIDDEN),
                                "--initial-peers", peer]))
         for proc in procs[1:]:
@@ -165,7 +166,7 @@ def test_trainer_keeps_training_when_a_server_is_killed(tmp_path):
     config = SwarmConfig(layers=("ffn0", "ffn1"), grid=GRID, n_servers=2, hidden_dim=32,
                          server_args=("--optimizer", "adam", "--lr", "0.003", "--refresh-period", "30"))
     with LocalSwarm(config) as swarm, processes() as procs:
-        trainer = Proc(["-m", "clients.train", "--experts", "remote", "--initial-peers", swarm.initial_peers,
+        trainer = Proc(["-m", "dmoe.cli.train", "--experts", "remote", "--initial-peers", swarm.initial_peers,
                         "--data", str(text), "--hidden", "32", "--layers", "2", "--seq-len", "32", "--steps", "60",
                         "--batch-size", "8", "--eval-interval", "10", "--eval-batches", "2", "--sample-bytes", "0",
                         "--warmup-steps", "5", "--out-dir", str(tmp_path / "run"), "--threads", "1"])

@@ -18,7 +18,7 @@ from dmoe.client import (
     forward_futures,
     new_activation_id,
 )
-from dmoe.server import create_expert, expert_seed
+from dmoe.experts import create_expert, expert_seed
 from dmoe.wire import ChannelPool
 from tests.procs import running
 
@@ -28,7 +28,7 @@ LR = 0.1
 
 @pytest.fixture(scope="module")
 def server():
-    with running("-m", "servers.run_server", "--experts", "ffn.[0:9]", "--expert-cls", "ffn",
+    with running("-m", "dmoe.cli.server", "--experts", "ffn.[0:9]", "--expert-cls", "ffn",
                  "--hidden-dim", str(HIDDEN), "--optimizer", "sgd", "--lr", str(LR), "--seed", "7",
                  "--max-batch-size", "65536", "--torch-threads", "1") as proc:
         yield proc.endpoint()

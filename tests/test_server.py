@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
+from dmoe.cli import server as run_server
 from dmoe.client import RemoteExpert, backward_future, forward_future
-from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, create_expert, expert_seed, make_optimizer
-from dmoe.server.layers import TRANSFORMER_SEQ_LEN, expert_class
-from servers import run_server
+from dmoe.experts import TRANSFORMER_SEQ_LEN, create_expert, expert_class, expert_seed
+from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, make_optimizer
 from tests.procs import running
 
 
@@ -105,10 +105,10 @@ def test_runtime_joins_queued_tasks_up_to_max_batch_size_and_splits_results():
         gate = Gate()
         blocker = runtime.create_pool("gate", gate, 100)
         pool = runtime.create_pool("double", double, max_batch_size=8)
-        first = blocker.submit(torch.zeros(1))
+        first = runtime.submit(blocker, torch.zeros(1))
         assert gate.entered.wait(30)
         xs = [torch.randn(3, 2) for _ in range(5)]
-        futures = [pool.submit(x) for x in xs]
+        futures = [runtime.submit(pool, x) for x in xs]
         gate.opened.set()
         first.result(30)
         for x, future in zip(xs, futures):
@@ -126,9 +126,9 @@ def test_runtime_serves_the_pool_with_the_oldest_task_first():
         gate = Gate()
         blocker = runtime.create_pool("gate", gate, 100)
         pools = {name: runtime.create_pool(name, recorder(name), 100) for name in "abc"}
-        blocker.submit(torch.zeros(1))
+        runtime.submit(blocker, torch.zeros(1))
         assert gate.entered.wait(30)
-        futures = [pools[name].submit(torch.zeros(1)) for name in "bcab"]
+        futures = [runtime.submit(pools[name], torch.zeros(1)) for name in "bcab"]
         gate.opened.set()
         for future in futures:
             future.result(30)
@@ -143,10 +143,10 @@ def test_a_failing_batch_fails_only_its_tasks_and_the_runtime_keeps_serving():
 
     with Runtime() as runtime:
         pool = runtime.create_pool("picky", picky, 100)
-        bad = pool.submit(-torch.ones(2))
+        bad = runtime.submit(pool, -torch.ones(2))
         with pytest.raises(ValueError, match="negative input"):
             bad.result(30)
-        torch.testing.assert_close(pool.submit(torch.ones(2)).result(30)[0], torch.full((2,), 2.0))
+        torch.testing.assert_close(runtime.submit(pool, torch.ones(2)).result(30)[0], torch.full((2,), 2.0))
 
 
 def test_a_bad_task_batched_with_good_ones_fails_alone():
@@ -162,10 +162,10 @@ def test_a_bad_task_batched_with_good_ones_fails_alone():
         gate = Gate()
         blocker = runtime.create_pool("gate", gate, 100)
         pool = runtime.create_pool("picky", picky, 100)
-        blocker.submit(torch.zeros(1))
+        runtime.submit(blocker, torch.zeros(1))
         assert gate.entered.wait(30)
         inputs = [torch.ones(2), -torch.ones(3), torch.full((1,), 5.0)]
-        futures = [pool.submit(x) for x in inputs]  # queued behind the gate: they form one batch
+        futures = [runtime.submit(pool, x) for x in inputs]  # queued behind the gate: they form one batch
         gate.opened.set()
         torch.testing.assert_close(futures[0].result(30)[0], torch.full((2,), 2.0))
         with pytest.raises(ValueError, match="negative input"):
@@ -209,9 +209,9 @@ def test_runtime_close_fails_queued_tasks_and_returns_promptly():
     runtime = Runtime().start()
     gate = Gate()
     blocker = runtime.create_pool("gate", gate, 100)
-    running_task = blocker.submit(torch.zeros(1))
+    running_task = runtime.submit(blocker, torch.zeros(1))
     assert gate.entered.wait(30)
-    queued = blocker.submit(torch.zeros(1))
+    queued = runtime.submit(blocker, torch.zeros(1))
     closer = threading.Thread(target=runtime.close)
     closer.start()
     gate.opened.set()
@@ -221,7 +221,7 @@ def test_runtime_close_fails_queued_tasks_and_returns_promptly():
     with pytest.raises(RuntimeError, match="shutting down"):
         queued.result(1)
     with pytest.raises(RuntimeError, match="shutting down"):
-        blocker.submit(torch.zeros(1)).result(1)
+        runtime.submit(blocker, torch.zeros(1)).result(1)
 
 
 def test_two_workers_run_other_experts_beside_a_busy_one_but_never_one_experts_pools_at_once():
@@ -230,11 +230,11 @@ def test_two_workers_run_other_experts_beside_a_busy_one_but_never_one_experts_p
         busy = runtime.create_pool("a.forward", gate, 100, group="a")
         same_expert = runtime.create_pool("a.backward", lambda x: (x + 1,), 100, group="a")
         other_expert = runtime.create_pool("b.forward", lambda x: (x + 2,), 100, group="b")
-        first = busy.submit(torch.zeros(1))
+        first = runtime.submit(busy, torch.zeros(1))
         assert gate.entered.wait(30)
-        behind = same_expert.submit(torch.zeros(1))
+        behind = runtime.submit(same_expert, torch.zeros(1))
         # the second worker serves expert b at once, although it queued after a's backward
-        torch.testing.assert_close(other_expert.submit(torch.zeros(1)).result(30)[0], torch.full((1,), 2.0))
+        torch.testing.assert_close(runtime.submit(other_expert, torch.zeros(1)).result(30)[0], torch.full((1,), 2.0))
         time.sleep(0.2)  # (a's backward would have run by now if a busy group did not hold it back)
         assert not behind.done()
         gate.opened.set()
@@ -247,7 +247,7 @@ def test_paused_waits_for_running_batches_and_starts_none_until_it_exits():
         gate = Gate()
         slow = runtime.create_pool("slow", gate, 100)
         quick = runtime.create_pool("quick", lambda x: (x,), 100)
-        running_task = slow.submit(torch.zeros(1))
+        running_task = runtime.submit(slow, torch.zeros(1))
         assert gate.entered.wait(30)
         inside = threading.Event()
         release = threading.Event()
@@ -263,7 +263,7 @@ def test_paused_waits_for_running_batches_and_starts_none_until_it_exits():
         gate.opened.set()
         running_task.result(30)
         assert inside.wait(30)
-        held = quick.submit(torch.zeros(1))
+        held = runtime.submit(quick, torch.zeros(1))
         time.sleep(0.2)
         assert not held.done(), "a batch started while the runtime was paused"
         release.set()
@@ -278,7 +278,7 @@ def test_workers_compute_with_their_share_of_torch_threads_and_leave_the_callers
         seen = []
         with Runtime(workers=2, threads_per_worker=1) as runtime:
             pool = runtime.create_pool("p", lambda x: (seen.append(torch.get_num_threads()), (x,))[1], 100)
-            pool.submit(torch.zeros(1)).result(30)
+            runtime.submit(pool, torch.zeros(1)).result(30)
             assert torch.get_num_threads() == 2
             fresh = []
             thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
@@ -320,7 +320,7 @@ def test_in_process_server_announces_serves_and_closes_quickly():
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_program_prints_one_listening_line_and_exits_cleanly_on_signal(signum):
-    with running("-m", "servers.run_server", "--experts", "ffn.[0:2].[0:2]", "--hidden-dim", "8") as proc:
+    with running("-m", "dmoe.cli.server", "--experts", "ffn.[0:2].[0:2]", "--hidden-dim", "8") as proc:
         endpoint = proc.endpoint()
         x = torch.randn(2, 8)
         assert forward_future(endpoint, "ffn.1.1", [x]).result(30)[0].shape == (2, 8)
@@ -332,7 +332,7 @@ def test_program_prints_one_listening_line_and_exits_cleanly_on_signal(signum):
 
 def test_program_remote_transformer_matches_local_block():
     kwargs = {"num_heads": 2}
-    with running("-m", "servers.run_server", "--experts", "tf.0", "--expert-cls", "transformer", "--hidden-dim", "16",
+    with running("-m", "dmoe.cli.server", "--experts", "tf.0", "--expert-cls", "transformer", "--hidden-dim", "16",
                  "--expert-kwargs", json.dumps(kwargs), "--seed", "3", "--optimizer", "sgd") as proc:
         endpoint = proc.endpoint()
         local = create_expert("transformer", 16, seed=expert_seed(3, "tf.0"), **kwargs)

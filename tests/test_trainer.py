@@ -1,4 +1,4 @@
-"""The trainer in clients/: short real training runs on a generated text, checkpoints, flags, the loss curve.
+"""The trainer (dmoe/trainer, dmoe-train): short real training runs on a generated text, checkpoints, flags, the loss curve.
 
 The mixture layers here are a test-local stand-in with the DMoE layer's interface (grid gating, top-k, in-process
 ``LayerNorm(x + ffn(x))`` experts, ``stats`` counters), so the trainer is tested without the network stack; the
@@ -6,6 +6,7 @@ last test uses the library's ``LocalMixtureOfExperts`` through ``--experts local
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import random
@@ -16,9 +17,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from clients import train as trainer
-from clients.model import GatedTransformerLM, ModelConfig
-from clients.train import IntervalMeter, TrainConfig, parse_config, train
+from dmoe.cli import train as train_program
+from dmoe.cli.train import parse_config
+from dmoe.server.in_process import InProcessExpert
+from dmoe.trainer import loop as trainer
+from dmoe.trainer.loop import IntervalMeter, TrainConfig, train
+from dmoe.trainer.model import GatedTransformerLM, ModelConfig
 
 torch.set_num_threads(1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -27,13 +31,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 class StandInMixture(nn.Module):
     """Same interface as the DMoE layers: [rows, hidden] -> [rows, hidden], experts on a grid, per-token top-k."""
 
-    def __init__(self, in_features, grid_size, uid_prefix, k_best, interrupt_at_call=None, **_):
+    def __init__(self, in_features, grid, layer, k_best, interrupt_at_call=None, **_):
         super().__init__()
-        self.uid_prefix, self.k_best, self.grid_size = uid_prefix, k_best, tuple(grid_size)
-        self.gate = nn.Linear(in_features, sum(grid_size))
-        self.experts = nn.ModuleList(StandInExpert(in_features) for _ in range(math.prod(grid_size)))
-        coords = torch.tensor(list(itertools.product(*(range(g) for g in grid_size))))  # [experts, dims]
-        offsets = torch.tensor([0, *itertools.accumulate(grid_size)][:-1])
+        self.layer, self.k_best, self.grid = layer, k_best, tuple(grid)
+        self.gate = nn.Linear(in_features, sum(grid))
+        self.experts = nn.ModuleList(StandInExpert(in_features) for _ in range(math.prod(grid)))
+        coords = torch.tensor(list(itertools.product(*(range(g) for g in grid))))  # [experts, dims]
+        offsets = torch.tensor([0, *itertools.accumulate(grid)][:-1])
         self.register_buffer("score_columns", coords + offsets, persistent=False)
         self.stats = SimpleNamespace(experts_chosen=0, experts_dropped=0)
         self.calls, self.interrupt_at_call = 0, interrupt_at_call
@@ -132,7 +136,7 @@ def test_resume_refuses_a_checkpoint_of_a_different_model(text_file, tmp_path):
 
 def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: stand_in_factory(config))
-    trainer.main(["--data", str(text_file), "--out-dir", str(tmp_path / "cli"), "--steps", "20", "--seq-len", "32",
+    train_program.main(["--data", str(text_file), "--out-dir", str(tmp_path / "cli"), "--steps", "20", "--seq-len", "32",
                   "--hidden", "32", "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--eval-interval", "10",
                   "--eval-batches", "2", "--sample-bytes", "20", "--threads", "1"])
     out = capsys.readouterr()
@@ -154,6 +158,9 @@ def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file,
     (["--hidden", "30", "--heads", "4"], "--hidden"),
     (["--grid", "2", "2", "--k-best", "5"], "--k-best"),
     (["--experts", "remote"], "--initial-peers"),
+    (["--expert-optimizer", "lamb"], "--expert-optimizer"),
+    (["--expert-lr", "0"], "--expert-lr"),
+    (["--expert-clip-grad-norm", "-1"], "--expert-clip-grad-norm"),
 ])
 def test_bad_flag_values_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -183,7 +190,7 @@ def test_progress_shows_dropped_share_of_the_last_interval_only():
     assert shown["dropped"] == "5.0%" and shown["loss"] == "2.000"
 
 
-def test_every_block_gets_its_own_layer_with_per_layer_uid_prefix():
+def test_every_block_gets_its_own_layer_with_its_own_layer_name():
     prefixes = []
 
     def factory(i):
@@ -210,10 +217,61 @@ class ZeroMixture(nn.Module):
 
 
 def test_local_experts_from_the_library_lower_the_loss(text_file, tmp_path):
-    pytest.importorskip("dmoe.client.moe", reason="LocalMixtureOfExperts is not in dmoe/client/moe.py yet")
     config = tiny(text_file, tmp_path, experts="local", batch_size=8)
     result = train(config)
     assert result["final_val_loss"] < result["history"]["val"][0][1] - 2.0, result["history"]["val"]
+
+
+class Interrupting(nn.Module):
+    """Wraps a mixture layer; raises KeyboardInterrupt (Ctrl-C mid-step) at its ``at``-th call."""
+
+    def __init__(self, inner: nn.Module, at: int | None):
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.inner(x)
+
+
+def test_local_experts_are_trained_by_their_own_optimizer_and_resume_with_it(text_file, tmp_path):
+    def run(path, steps_before_interrupt=None, resume=False):
+        config = tiny(text_file, tmp_path / path, experts="local", steps=16, eval_interval=100, layers=1,
+                      checkpoint_interval=1000, expert_optimizer="sgd", expert_lr=0.05, resume=resume)
+        at = None if steps_before_interrupt is None else config.eval_batches + steps_before_interrupt + 1
+        with contextlib.ExitStack() as resources:
+            factory = trainer.make_moe_factory(config, resources)
+            layers = []
+            result = train(config, lambda i: layers.append(Interrupting(factory(i), at)) or layers[-1])
+        return result, layers[0].inner
+
+    straight, layer = run("straight")
+    experts = list(layer.experts.values())
+    assert all(isinstance(expert, InProcessExpert) for expert in experts)
+    # the client's optimizer does not see the experts; each expert's own SGD at --expert-lr stepped it
+    assert not any(name.startswith("inner.experts") for name, _ in layer.named_parameters(prefix="inner"))
+    assert {e.backend.optimizer.param_groups[0]["lr"] for e in experts} == {0.05}
+    assert isinstance(experts[0].backend.optimizer, torch.optim.SGD)
+    assert sum(e.backend.backward_calls for e in experts) > 0
+
+    interrupted, _ = run("resumed", steps_before_interrupt=7)
+    assert interrupted["interrupted"] and interrupted["step"] == 7
+    resumed, _ = run("resumed", resume=True)
+    assert resumed["history"]["train"] == straight["history"]["train"]  # the experts resumed, not re-initialised
+
+
+def test_expert_optimizer_flags_are_what_the_servers_are_started_with():
+    from dmoe.cli.server import build_parser as server_parser
+
+    config = parse_config(["--expert-optimizer", "sgd", "--expert-lr", "0.02", "--expert-clip-grad-norm", "0.5",
+                           "--seed", "7"])
+    args = config.expert_server_args()
+    assert args == ["--optimizer", "sgd", "--lr", "0.02", "--clip-grad-norm", "0.5", "--seed", "7"]
+    served = server_parser().parse_args(["--experts", "ffn0.0.0", *args])
+    assert (served.optimizer, served.lr, served.clip_grad_norm, served.seed) == ("sgd", 0.02, 0.5, 7)
+    assert "--clip-grad-norm" not in parse_config([]).expert_server_args()  # 0: no clipping, as a server's default
 
 
 def test_switch_gating_with_one_expert_per_token_trains_and_shows_the_balance(text_file, tmp_path):
@@ -223,7 +281,7 @@ def test_switch_gating_with_one_expert_per_token_trains_and_shows_the_balance(te
     result = train(config)
     assert result["final_val_loss"] < result["history"]["val"][0][1] - 2.0, result["history"]["val"]
 
-    from dmoe.client.moe import LocalMixtureOfExperts
+    from dmoe.client.gating import LocalMixtureOfExperts
     model = GatedTransformerLM(config.model_config(), lambda i: LocalMixtureOfExperts(
         config.hidden, config.grid, f"ffn{i}", k_best=1, switch=True))
     model(torch.randint(0, 256, (2, 8)))

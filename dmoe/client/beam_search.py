@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import heapq
 import time
-from typing import Callable, Container, Iterator, Mapping, Protocol, Sequence, Union
+from typing import Callable, Container, Iterator, Mapping, Sequence, Union
 
 import torch
 
+from dmoe.dht import DHT
+from dmoe.directory.lookups import ContinuationSource, Continuations, continuation_source
 from dmoe.uid import DELIMITER, is_valid_prefix, split_uid
 
 Exclude = Union[Callable[[str, str], bool], Container[str], None]
-Continuations = dict[int, str]
-
-
-class ContinuationSource(Protocol):
-    """What beam search needs from the DHT (``dmoe.dht.DHT`` or a test fake)."""
-
-    def get_alive_continuations(self, prefixes: Sequence[str]) -> Mapping[str, Mapping[int, str]]: ...
 
 
 class PrefixCache:
@@ -162,13 +157,14 @@ def _in_pop_order(heap: list[tuple], groups: list[_Siblings], n: int) -> Iterato
             heapq.heappush(pending, after)
 
 
-def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch.Tensor], k: int, *,
+def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Sequence[torch.Tensor], k: int, *,
                 exclude: Exclude = None, cache: PrefixCache | None = None,
                 lookahead: int | None = None, speculate: bool = True,
                 spare: int | None = None) -> list[list[tuple[str, str]]]:
     """For each row, up to ``k`` alive experts ``(uid, endpoint)`` with the highest summed score, best first.
 
-    dht: anything with ``get_alive_continuations`` (a :class:`dmoe.dht.DHT`).
+    dht: a :class:`dmoe.dht.DHT` (read as the expert directory), or any other
+        :class:`~dmoe.directory.ContinuationSource`.
     layer: the grid's uid prefix, e.g. ``'ffn0'``.
     grid_scores: one ``[batch, grid_size_i]`` tensor per grid dimension.
     k: experts wanted per row (fewer are returned when fewer are alive).
@@ -194,6 +190,7 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
     is_excluded = None if exclude is None else _excluder(exclude)
     lookahead = k if lookahead is None else max(1, lookahead)
     known: dict[str, Continuations] = {}
+    source = continuation_source(dht)
 
     # per dimension and row: the coordinates, best score first (ties: lower coordinate first, as heapq.nlargest)
     orders = [[sorted(range(grid[dim]), key=row_scores.__getitem__, reverse=True) for row_scores in scores[dim]]
@@ -218,10 +215,9 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
 
         Those experts are a beam of that width per dimension over each dimension's as many best coordinates (an
         expert's score is a sum of independent per-dimension terms, so nothing outside them can rank higher). With
-        spare=0 these are exactly the prefixes a cold search of a full grid needs (~30 for 16 rows of a 64x64 grid,
-        against ~42 when guessing the k best-scoring children of every needed prefix), but a grid with 10% of its
-        experts missing then needed a second round in ~90% of 16-row searches; with the default spare (2 for k=4):
-        ~37 prefixes, and a second round in ~7% of them (~42 and ~40% before; 50% missing: ~2 rounds either way).
+        spare=0 these are exactly the prefixes a cold search of a full grid needs (fewer than guessing the k
+        best-scoring children of every needed prefix), but when some experts are missing a second round is then
+        needed often; the spares make it rare for a few more prefixes (figures in ``benchmarks/README.md``).
         """
         if row not in plans:
             beam: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
@@ -324,11 +320,11 @@ def beam_search(dht: ContinuationSource, layer: str, grid_scores: Sequence[torch
                         break
         if not wanted:
             break
-        _fetch(dht, list(wanted), known, cache)
+        _fetch(source, list(wanted), known, cache)
     return results
 
 
-def _fetch(dht: ContinuationSource, prefixes: list[str], known: dict[str, Continuations],
+def _fetch(source: ContinuationSource, prefixes: list[str], known: dict[str, Continuations],
            cache: PrefixCache | None) -> None:
     missing = []
     for prefix in prefixes:
@@ -338,7 +334,7 @@ def _fetch(dht: ContinuationSource, prefixes: list[str], known: dict[str, Contin
         else:
             known[prefix] = cached
     if missing:
-        fetched = dht.get_alive_continuations(missing)
+        fetched = source.get_alive_continuations(missing)
         for prefix in missing:
             continuations = fetched.get(prefix) or {}
             # a copy with int coordinates; when they are ints already (as the DHT returns them), a plain copy

@@ -10,8 +10,8 @@ class DHTConfig:
 
     ksize: routing-table bucket size (Kademlia's k for routing).
     num_replicas: how many of the nodes closest to a key store its record. A record survives as long as one
-        replica does: with 10, half of the nodes dying at once loses a given record with probability 1/1024
-        (with 5 it was 1/32, so a 64x64 grid's 65 records often lost one).
+        replica does: when half of the nodes die at once, a given record is lost with probability 2**-num_replicas,
+        and a swarm holds many records.
     read_width: lookups merge what this many of the closest *responding* nodes hold. After nodes die, the closest
         live nodes are still among the original replicas, so reads need not ask all of them.
     alpha: parallelism of the node-finding crawls used by bootstrap.
@@ -19,11 +19,11 @@ class DHTConfig:
         made every lookup touching a dead node wait 5 s; reads here do not wait for it at all (see hedge_after),
         so this only needs to be long enough that a live node on a busy machine is not declared dead: a false
         death makes a store skip a replica that reads will ask.
-    default_expiration: lifetime (seconds) of a declaration when the caller gives none.
+    default_expiration: lifetime (seconds) of an entry when the caller gives none.
     max_expiration: expirations further in the future than this are capped, so no record outlives its owner by long.
-    max_record_subkeys: a record keeps at most this many subkeys, which bounds its reply to one datagram for grid
-        dimensions up to 256; stores beyond it are refused with an error the declarer sees.
-    max_value_bytes: longest value (an endpoint) a record entry may carry. With each entry's 96 bytes of owner key
+    max_record_subkeys: a record keeps at most this many subkeys, which keeps its reply within one datagram; stores
+        beyond it are refused with an error the writer sees.
+    max_value_bytes: longest value a record entry may carry. With each entry's 96 bytes of owner key
         and signature, this is what keeps a 256-subkey record's reply within one datagram.
     max_records: most records (keys) a node stores; stores of new keys beyond it are refused, so a flood of stores
         cannot exhaust a node's memory.
@@ -38,6 +38,9 @@ class DHTConfig:
     socket_buffer_bytes: UDP receive buffer requested from the kernel (capped by net.core.rmem_max).
     routing_refresh_period: seconds between refreshes of lonely routing-table buckets.
     call_timeout: upper bound (seconds) on one synchronous facade call.
+    client_mode: a node that asks but never answers (a trainer or a monitor behind NAT, which others could not
+        reach): it serves no request and stores nothing, and its requests carry no node id, so other nodes never
+        take it as a contact (never add it to their routing tables, never name it in their replies).
     """
 
     ksize: int = 20
@@ -57,6 +60,7 @@ class DHTConfig:
     max_records: int = 1 << 16
     routing_refresh_period: float = 600.0
     call_timeout: float = 60.0
+    client_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.ksize < 1 or self.num_replicas < 1 or self.read_width < 1 or self.alpha < 1:

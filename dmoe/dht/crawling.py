@@ -16,10 +16,11 @@ from typing import Any
 
 from kademlia.node import Node
 
-from dmoe.dht.protocol import DHTProtocol, MalformedRequest
+from dmoe.dht.messages import MalformedRequest, parse_nodes
+from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.storage import Record, merge_records
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class RecordCrawl:
@@ -66,25 +67,25 @@ class RecordCrawl:
 
     def _add(self, nodes: list[Node]) -> None:
         candidates, distance, target, self_id = self.candidates, self.distance, self.target.long_id, self.self_id
-        protocol = self.protocol
-        # (every reply brings a list of contacts, mostly known already: this loop runs ~200 times per look-up batch)
+        peers = self.protocol.peers
+        # (every reply brings a list of contacts, mostly known already: this loop is the crawl's hottest)
         for node in nodes:
             node_id = node.id
             if node_id in candidates or node_id == self_id:
                 continue
             candidates[node_id] = node
             distance[node_id] = target ^ node.long_id
-            if not protocol.may_be_suspect(node_id):
+            if not peers.may_be_suspect(node_id):
                 continue
             # Nodes that recently timed out are asked (a busy machine makes live nodes time out, and skipping
-            # them put whole declarations where no reader looked), but no search waits for them: a store
-            # search that did waited one RPC timeout per dead node met, round after round, until declarations
-            # took longer than they live. Stores that miss a busy node are caught by
+            # them put whole stores where no reader looked), but no search waits for them: a store
+            # search that did waited one RPC timeout per dead node met, round after round, until storing
+            # took longer than the entries live. Stores that miss a busy node are caught by
             # :meth:`DHTNode.make_readable`. A hedged read does not wait for recently slow nodes either.
-            if protocol.recently_dead(node_id):
+            if peers.recently_dead(node_id):
                 self.suspects.add(node_id)
                 self.dead_suspects.add(node_id)
-            elif self.hedge and protocol.recently_slow(node_id):
+            elif self.hedge and peers.recently_slow(node_id):
                 self.suspects.add(node_id)
 
     def _frontier(self, slow: set[bytes]) -> list[Node]:
@@ -110,7 +111,7 @@ class RecordCrawl:
             return
         self.sent.pop(node.id, None)  # it answered: verifying its entries is our time, not its lateness
         try:
-            known = self.protocol.parse_known_value_reply(data, self.target.id)
+            known = self.protocol.replies.parse_known(data, self.target.id)
         except MalformedRequest as error:
             self._deliver(node, (True, error))
             return
@@ -120,7 +121,7 @@ class RecordCrawl:
 
         async def verify() -> None:  # entries not seen before: checked on the protocol's verification thread
             try:
-                self._deliver(node, (True, await self.protocol.parse_value_reply(data, self.target.id)))
+                self._deliver(node, (True, await self.protocol.replies.parse(data, self.target.id)))
             except MalformedRequest as error:
                 self._deliver(node, (True, error))
         self.protocol.spawn(verify())
@@ -168,7 +169,7 @@ class RecordCrawl:
             return
         if self.fetch_records:
             if isinstance(data, MalformedRequest):
-                log.warning("malformed find_value reply from %s: %s", node, data)
+                logger.warning("malformed find_value reply from %s: %s", node, data)
                 self.dead.add(node.id)
                 return
             record, nodes = data
@@ -176,7 +177,7 @@ class RecordCrawl:
                 self.records.append(record)
             self.held[node.id] = record
         else:
-            nodes = self.protocol.parse_nodes(data)
+            nodes = parse_nodes(data)
         self.responded[node.id] = node
         self._add(nodes)
 
@@ -193,7 +194,7 @@ class RecordCrawl:
             if late and self.protocol.drain() and self._inbox:
                 continue  # replies were waiting unread: they are not late (see DHTProtocol.drain)
             for node_id in late - self.suspects:
-                self.protocol.mark_slow(node_id)  # concurrent and later lookups will not wait for it
+                self.protocol.peers.mark_slow(node_id)  # concurrent and later lookups will not wait for it
             slow = late | (self.suspects - self.responded.keys())
             frontier = self._frontier(slow)
             horizon = self.distance[frontier[-1].id] if len(frontier) >= self.width else None
@@ -212,7 +213,7 @@ class RecordCrawl:
             if not self._inbox:
                 # An empty answer waits for every live node still asked (a busy replica must not make a live record
                 # look dead), though not for nodes that timed out before once the frontier is full (else every
-                # look-up of a dead prefix waited an RPC timeout after churn); otherwise nobody late or suspect
+                # look-up of an absent key waited an RPC timeout after churn); otherwise nobody late or suspect
                 # holds the search up.
                 must_wait = [node_id for node_id in pending if not frontier or (
                     (node_id not in self.dead_suspects or horizon is None) if not found else

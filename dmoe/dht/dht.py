@@ -9,14 +9,13 @@ from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 from kademlia.utils import digest
 
-from dmoe.dht import experts
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
-from dmoe.dht.protocol import check_entry
+from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Record, Subkey
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -26,20 +25,23 @@ class DHT:
     initial_peers: ``HOST:PORT`` of nodes already in the swarm (any one suffices); empty starts a new swarm.
     host, port: where this node listens for UDP (port 0 picks a free one; see :attr:`endpoint`).
     config: :class:`DHTConfig` (timeouts, replication, record limits).
-    identity: the key pair that signs this node's declarations and owns the uids it declares first (see
+    identity: the key pair that signs what this node stores and owns the int subkeys it stores first (see
         :meth:`Identity.load_or_create`); default: a fresh, ephemeral one.
+    client_mode: ask but never answer (see :attr:`DHTConfig.client_mode`): for processes others cannot reach, or
+        that should not hold the swarm's records (trainers, monitors). It stores and reads through the swarm as any
+        node does, but nobody can join through it (its :attr:`endpoint` answers nothing).
     Raises ``ConnectionError`` when initial peers were given and none answered.
     """
 
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
-                 config: DHTConfig | None = None, identity: Identity | None = None):
-        self.config = config or DHTConfig()
+                 config: DHTConfig | None = None, identity: Identity | None = None, client_mode: bool = False):
         addresses = [parse_endpoint(peer) for peer in initial_peers]
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="dmoe-dht-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self.node = DHTNode(self.config, identity=identity)
+        self.node = DHTNode(config, identity=identity, client_mode=client_mode)
+        self.config = self.node.config
         try:
             bound_host, bound_port = self.run_coroutine(self.node.listen(port, host))
             self.endpoint = f"{bound_host}:{bound_port}"
@@ -103,25 +105,6 @@ class DHT:
         """:meth:`get` for several keys, looked up concurrently."""
         return self.run_coroutine(self.node.get_records(list(keys)))
 
-    def declare_experts(self, uids: Sequence[str], endpoint: str, expiration: float | None = None) -> list[bool]:
-        """Declares ``uids`` served at ``endpoint`` for ``expiration`` seconds (default from the config).
-
-        Stores uid's endpoint under every strict prefix of each uid, all records concurrently; returns per uid
-        whether every part of its declaration reached at least one replica.
-        """
-        return self.run_coroutine(experts.declare_experts(self.node, list(uids), endpoint, expiration))
-
-    def get_experts(self, uids: Sequence[str]) -> list[str | None]:
-        """The endpoint of each uid, or None when it is not declared or has expired."""
-        return self.run_coroutine(experts.get_experts(self.node, list(uids)))
-
-    def get_alive_continuations(self, prefixes: Sequence[str]) -> dict[str, dict[int, str]]:
-        """For each grid prefix (``'ffn0'``, ``'ffn0.3'``): alive next coordinate -> endpoint.
-
-        At the last grid dimension the endpoint is the expert's own, so beam search needs no second look-up.
-        """
-        return self.run_coroutine(experts.get_alive_continuations(self.node, list(prefixes)))
-
     def close(self) -> None:
         """Stops the node and its loop thread; safe to call twice."""
         if self._closed:
@@ -138,7 +121,7 @@ class DHT:
             try:
                 with_timeout.result(5)
             except Exception:
-                log.warning("DHT shutdown did not finish cleanly", exc_info=True)
+                logger.warning("DHT shutdown did not finish cleanly", exc_info=True)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():
@@ -150,38 +133,3 @@ class DHT:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-class ExpertAnnouncer:
-    """Keeps ``uids`` declared at ``endpoint``: declares once now, then every ``refresh_period`` seconds.
-
-    The work runs as a task on the DHT's loop (no thread of its own); ``close()`` cancels it, after which the
-    declarations expire ``expiration`` seconds (default 3 refresh periods) after the last refresh.
-    """
-
-    def __init__(self, dht: DHT, uids: Sequence[str], endpoint: str, refresh_period: float = 20.0,
-                 expiration: float | None = None):
-        if refresh_period <= 0:
-            raise ValueError("refresh_period must be positive")
-        self.dht, self.uids, self.endpoint = dht, list(uids), endpoint
-        self.refresh_period = refresh_period
-        self.expiration = 3 * refresh_period if expiration is None else expiration
-        if self.expiration <= refresh_period:
-            log.warning("expiration %.1fs <= refresh period %.1fs: experts will blink out between refreshes",
-                        self.expiration, refresh_period)
-        self.first_results = dht.declare_experts(self.uids, endpoint, self.expiration)
-        self._future = asyncio.run_coroutine_threadsafe(self._after_first(), dht.loop)
-
-    async def _after_first(self) -> None:
-        await asyncio.sleep(self.refresh_period)
-        await experts.announce_forever(self.dht.node, self.uids, self.endpoint, self.refresh_period,
-                                       self.expiration)
-
-    def close(self) -> None:
-        """Stops refreshing (the records then expire on their own)."""
-        self._future.cancel()  # thread-safe: cancels the task on the DHT's loop
-
-    def __enter__(self) -> "ExpertAnnouncer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from typing import Iterable, Sequence
@@ -12,11 +13,12 @@ from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.crawling import RecordCrawl
-from dmoe.dht.protocol import DHTProtocol, valid_address
+from dmoe.dht.messages import valid_address
+from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, missing_entries
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -31,16 +33,19 @@ class DHTNode(Server):
     """A Kademlia node whose values are subkey records (see :mod:`dmoe.dht.storage`).
 
     Nothing is republished by the nodes that merely hold a record (stock kademlia re-stores everything hourly,
-    which resets ages and revives stale copies); owners refresh their declarations instead.
+    which resets ages and revives stale copies); owners refresh their entries instead.
+
+    client_mode: overrides ``config.client_mode`` when True (see :class:`DHTConfig`).
     """
 
     protocol_class = DHTProtocol
 
     def __init__(self, config: DHTConfig | None = None, node_id: bytes | None = None,
-                 identity: Identity | None = None):
-        self.config = config or DHTConfig()
+                 identity: Identity | None = None, client_mode: bool = False):
+        config = config or DHTConfig()
+        self.config = dataclasses.replace(config, client_mode=True) if client_mode else config
         super().__init__(ksize=self.config.ksize, alpha=self.config.alpha, node_id=node_id)
-        self.identity = identity or Identity()  # signs what this node declares
+        self.identity = identity or Identity()  # signs what this node stores
         self.storage: RecordStorage = RecordStorage(self.config.max_record_subkeys, self.config.max_expiration,
                                                     max_records=self.config.max_records)
         self.protocol: DHTProtocol | None = None
@@ -58,8 +63,8 @@ class DHTNode(Server):
         try:  # replies to a burst of look-ups arrive together; a small buffer would drop them
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.config.socket_buffer_bytes)
         except OSError:
-            log.debug("could not enlarge the UDP receive buffer", exc_info=True)
-        log.info("DHT node %s bound to UDP %s:%d", self.node.id.hex()[:8], host, bound_port)
+            logger.debug("could not enlarge the UDP receive buffer", exc_info=True)
+        logger.info("DHT node %s bound to UDP %s:%d", self.node.id.hex()[:8], host, bound_port)
         self.refresh_table()
         return host, bound_port
 
@@ -94,7 +99,7 @@ class DHTNode(Server):
                 infos = await asyncio.get_running_loop().getaddrinfo(host, port, family=family,
                                                                      type=socket.SOCK_DGRAM)
             except OSError as error:
-                log.warning("cannot resolve initial peer %s:%s: %s", host, port, error)
+                logger.warning("cannot resolve initial peer %s:%s: %s", host, port, error)
                 return None
             host, port = infos[0][4][:2]
         return await self.protocol.ping_address((host, port))
@@ -120,9 +125,9 @@ class DHTNode(Server):
         """Where a record lookup starts: more contacts than it reads from, closest first.
 
         A lookup asks the ``read_width`` closest; the others are asked only when some of those fail to answer in
-        time. Started from exactly ``read_width`` contacts, a lookup whose contacts had all just died (one in 32
-        keys right after half the swarm did) had nobody else to ask: it waited an RPC timeout and found nothing,
-        and beam search took a live prefix for a dead one.
+        time. Started from exactly ``read_width`` contacts, a lookup whose contacts had all just died (a few keys
+        in every swarm that just lost half its nodes) had nobody else to ask: it waited an RPC timeout and found nothing,
+        and a reader took a live record for an absent one.
         """
         return self.protocol.router.find_neighbors(target, k=max(self.config.ksize, 2 * self.config.read_width))
 
@@ -163,8 +168,8 @@ class DHTNode(Server):
         if nodes is None:
             nodes = await self.find_replicas(key_id)
         results: list[bool | str] = [False] * len(record)
-        store_here = len(nodes) < self.config.num_replicas or (
-            self.node.distance_to(target) < max(node.distance_to(target) for node in nodes))
+        store_here = not self.config.client_mode and (len(nodes) < self.config.num_replicas or (
+            self.node.distance_to(target) < max(node.distance_to(target) for node in nodes)))
         if store_here:
             for index, (subkey, entry) in enumerate(record.items()):
                 try:
@@ -199,18 +204,18 @@ class DHTNode(Server):
                           if not isinstance(result, str)} for key, reply in zip(keys, replies)}
         repaired = await asyncio.gather(*(self.make_readable(key, readable[key]) for key in keys if readable[key]))
         if any(repaired):
-            log.info("%d of %d stored records had not reached some of the nodes readers ask; stored there now",
-                     sum(map(bool, repaired)), len(keys))
+            logger.info("%d of %d stored records had not reached some of the nodes readers ask; stored there now",
+                        sum(map(bool, repaired)), len(keys))
         return dict(zip(keys, replies))
 
     async def make_readable(self, key: str, record: Record) -> int:
         """Stores ``record``'s entries on those of the ``read_width`` closest responding nodes (the nodes a reader
         merges) that lack them at this expiration; returns how many nodes lacked some.
 
-        A store goes to the replicas its own search found. While nodes are busy (a declaration storm on a loaded
+        A store goes to the replicas its own search found. While nodes are busy (a storm of stores on a loaded
         machine) a close node can time out in that search or in the store itself, and entries that missed every
-        node readers ask stayed invisible until the owner's next refresh (a whole server's quarter of a prefix
-        record, seen in the DHT benchmark). Reading the record back the way a reader does closes that gap.
+        node readers ask stayed invisible until the owner's next refresh. Reading the record back the way a reader
+        does closes that gap.
         """
         assert self.protocol is not None
         target = Node(digest(key))

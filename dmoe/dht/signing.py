@@ -1,4 +1,4 @@
-"""Signed record entries: each server has an Ed25519 identity, and every entry it declares carries its public key
+"""Signed record entries: each writer has an Ed25519 identity, and every entry it stores carries its public key
 and a signature over (record key digest, subkey, value, expiration).
 
 Nodes verify entries before storing them and clients verify what they receive before using it, so an entry
@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from dmoe.dht.storage import Entry, Subkey
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -28,8 +28,8 @@ _DOMAIN = b"dmoe-dht-entry-v1\x00"
 
 
 def entry_message(key: bytes, subkey: Subkey, value: str, expiration: float) -> bytes:
-    """The bytes an entry's signature covers. The kind byte tells the int subkey 3 (a uid's own entry) from the
-    str subkey "3" (a shared prefix claim), so a signature for one kind can never pass for the other."""
+    """The bytes an entry's signature covers. The kind byte tells the int subkey 3 (an owned entry) from the
+    str subkey "3" (a shared one), so a signature for one kind can never pass for the other."""
     kind = b"i" if isinstance(subkey, int) else b"s"
     subkey_bytes = str(subkey).encode()
     return b"".join((_DOMAIN, key, struct.pack(">d", float(expiration)), kind, len(subkey_bytes).to_bytes(1, "big"),
@@ -37,7 +37,7 @@ def entry_message(key: bytes, subkey: Subkey, value: str, expiration: float) -> 
 
 
 class Identity:
-    """An Ed25519 key pair: the server's identity in the DHT (owner of the uids it declares first).
+    """An Ed25519 key pair: a node's identity in the DHT (owner of the int subkeys it stores first).
 
     Use :meth:`load_or_create` for an identity that survives restarts, or ``Identity()`` for an ephemeral one.
     """
@@ -56,7 +56,7 @@ class Identity:
             if len(seed) != 32:
                 raise ValueError(f"identity file {path} is not a 32-byte Ed25519 key ({len(seed)} bytes)")
             identity = cls(Ed25519PrivateKey.from_private_bytes(seed))
-            log.info("loaded DHT identity %s from %s", identity.public_key.hex()[:16], path)
+            logger.info("loaded DHT identity %s from %s", identity.public_key.hex()[:16], path)
             return identity
         identity = cls()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,7 @@ class Identity:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-        log.info("created DHT identity %s in %s", identity.public_key.hex()[:16], path)
+        logger.info("created DHT identity %s in %s", identity.public_key.hex()[:16], path)
         return identity
 
     def sign(self, key: bytes, subkey: Subkey, value: str, expiration: float) -> bytes:
@@ -98,8 +98,8 @@ def _public_key(owner: bytes) -> Ed25519PublicKey:
 
 
 class Verifier:
-    """:func:`verify` with a bounded memo: lookups re-read the same entries every few seconds (one verification
-    costs ~100 us, a lookup of a 64x64 grid sees thousands of entries)."""
+    """:func:`verify` with a bounded memo: lookups re-read the same entries every few seconds, and a verification
+    costs far more than a look-up of the memo."""
 
     def __init__(self, capacity: int = 1 << 17):
         self.capacity = capacity

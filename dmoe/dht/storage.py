@@ -1,18 +1,17 @@
 """Records whose values are dictionaries merged per subkey, each subkey with its own absolute expiration.
 
-Stock ``ForgetfulStorage`` keeps one opaque value per key, so two servers announcing under one prefix overwrite
-each other, and its week-long TTL keeps stale copies alive. Here a record is ``{subkey: (value, expiration)}``:
-concurrent declarations merge, the latest expiration of a subkey wins, and expired entries vanish on access.
-Expirations are absolute wall-clock times (``time.time()``) carried in every message, so a copy replicated or
-repaired anywhere can never live longer than its owner intended.
+Stock ``ForgetfulStorage`` keeps one opaque value per key, so two writers of one key overwrite each other, and its
+week-long TTL keeps stale copies alive. Here a record is ``{subkey: (value, expiration)}``: concurrent writes merge,
+the latest expiration of a subkey wins, and expired entries vanish on access. Expirations are absolute wall-clock
+times (``time.time()``) carried in every message, so a copy replicated or repaired anywhere can never live longer
+than its owner intended.
 
 Entries are signed (:mod:`dmoe.dht.signing`) and come in two kinds, told apart by the subkey's type:
 
-* an **int** subkey is a uid's own entry (``ffn0.3 -> {17: endpoint}``): it is *owned* by the key that stored it
-  first, and until it expires only that key may refresh it; replays of its older entries are refused.
-* a **str** subkey is a shared prefix claim (``ffn0 -> {"3": endpoint}``: "some expert under ffn0.3 is alive").
-  Every server hosting ffn0.3.* claims it; any validly signed claim may extend it, none can shorten it, so the
-  entry kept is the one living longest and the coordinate is alive while any claim is.
+* an **int** subkey is *owned* by the key that stored it first: until it expires only that key may refresh it, and
+  replays of its older entries are refused (:mod:`dmoe.directory` keeps a uid's endpoint so);
+* a **str** subkey is *shared*: any validly signed entry may extend it, none can shorten it, so the entry kept is the
+  one living longest (the directory's claims that something under a prefix is alive).
 """
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ Subkey = Union[int, str]
 class Entry(NamedTuple):
     value: str
     expiration: float  # absolute, time.time()
-    owner: bytes = b""  # Ed25519 public key of the declarer (empty: unsigned, refused by nodes and clients)
+    owner: bytes = b""  # Ed25519 public key of the writer (empty: unsigned, refused by nodes and clients)
     signature: bytes = b""
 
 
@@ -41,12 +40,12 @@ class RecordFull(ValueError):
 
 
 class NotOwner(ValueError):
-    """A store for a uid whose live entry belongs to another key."""
+    """A store to an owned subkey whose live entry belongs to another key."""
 
 
 def merge_entry(record: Record, subkey: Subkey, entry: Entry) -> bool:
     """Keeps the entry with the latest expiration (for an owned subkey, only its owner's); True when ``entry`` was
-    stored or, for a shared claim, when the stored claim lives at least as long (so no declarer sees a failure
+    stored or, for a shared claim, when the stored claim lives at least as long (so no writer sees a failure
     because another one's claim outlives its own). A replayed or repeated entry changes nothing: False."""
     current = record.get(subkey)
     if current is not None:
@@ -221,7 +220,7 @@ class RecordStorage(IStorage):
                 continue
 
     def iter_older_than(self, seconds_old: float) -> list[tuple[bytes, Record]]:
-        """Nothing is ever republished by storage holders: owners refresh their own declarations."""
+        """Nothing is ever republished by storage holders: owners refresh their own entries."""
         return []
 
     def __iter__(self) -> Iterator[tuple[bytes, Record]]:

@@ -3,7 +3,7 @@
 :class:`SwarmMonitor` reads the DHT every ``period`` seconds (as beam search does, one grid dimension per look-up),
 asks every alive expert for its call counters through the ``info`` RPC, and keeps the result as one JSON-able
 snapshot. :class:`MonitorServer` serves that snapshot at ``/api/swarm`` and a page at ``/`` that draws it as a
-heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.monitor.__main__`) runs both.
+heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.cli.monitor`) runs both.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
-from dmoe.swarm import alive_experts
+from dmoe.directory import alive_experts
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ class SwarmMonitor:
         info_timeout: seconds to wait for one expert's ``info`` answer; an expert that does not answer is shown as
             declared but unreachable (its server may just have died; its DHT record has not expired yet).
         workers: concurrent ``info`` calls.
-        dht: an existing DHT node to read through (then ``initial_peers`` is unused and the node is not closed).
+        dht: an existing DHT node to read through (then ``initial_peers`` is unused and the node is not closed);
+            by default the monitor's own node, in client mode (it reads the swarm and answers nobody).
 
     Load is the calls (forward + backward) per second an expert answered between two polls; latency is the round
     trip of the ``info`` RPC, per server (the median over its experts).
@@ -54,7 +55,7 @@ class SwarmMonitor:
         self.period, self.info_timeout = period, info_timeout
         self.initial_peers = list(initial_peers)
         self._own_dht = dht is None
-        self.dht = dht if dht is not None else DHT(initial_peers=self.initial_peers)
+        self.dht = dht if dht is not None else DHT(initial_peers=self.initial_peers, client_mode=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dmoe-monitor-info")
         self._colors: dict[str, str] = {}
         self._previous: dict[tuple[str, str], tuple[float, int]] = {}  # (uid, endpoint) -> (time, calls)
@@ -75,7 +76,7 @@ class SwarmMonitor:
             self._colors[endpoint] = f"hsl({hue:.0f}, 70%, 50%)"
         return self._colors[endpoint]
 
-    def _info(self, endpoint: str, uid: str) -> tuple[dict[str, Any] | None, float]:
+    def _info(self, uid: str, endpoint: str) -> tuple[dict[str, Any] | None, float]:
         started = time.monotonic()
         try:
             info = expert_info(endpoint, uid, timeout=self.info_timeout)
@@ -97,7 +98,7 @@ class SwarmMonitor:
             layer["alive"] = len(alive)
             layer["experts"] = {uid: {"endpoint": endpoint} for uid, endpoint in alive.items()}
             located.update(alive)
-        futures = {uid: self._pool.submit(self._info, endpoint, uid) for uid, endpoint in located.items()}
+        futures = {uid: self._pool.submit(self._info, uid, endpoint) for uid, endpoint in located.items()}
         now = time.monotonic()
         servers: dict[str, dict[str, Any]] = {}
         latencies: dict[str, list[float]] = {}

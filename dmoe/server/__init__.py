@@ -1,12 +1,12 @@
-"""The expert server: backends, task pools and runtime, the gRPC servicer, and the expert zoo."""
-from dmoe.server.backend import ExpertBackend, TensorSchema, expert_seed, make_optimizer
-from dmoe.server.layers import create_expert, expert_class_names, register_expert_class
+"""The expert server: backends, task pools and runtime, the gRPC servicer (the expert classes: dmoe.experts)."""
+from dmoe.server.backend import ExpertBackend, TensorSchema, make_optimizer
+from dmoe.server.in_process import ExpertOptimizerConfig, InProcessExpert, in_process_experts
 from dmoe.server.runtime import Runtime
-from dmoe.server.server import Announcer, ExpertServer, ServerConfig
+from dmoe.server.server import ExpertServer, ServerConfig
 from dmoe.server.servicer import ExpertServicer
 from dmoe.server.task_pool import TaskPool
 
 __all__ = [
-    "Announcer", "ExpertBackend", "ExpertServer", "ExpertServicer", "Runtime", "ServerConfig", "TaskPool",
-    "TensorSchema", "create_expert", "expert_class_names", "expert_seed", "make_optimizer", "register_expert_class",
+    "ExpertBackend", "ExpertOptimizerConfig", "ExpertServer", "ExpertServicer", "InProcessExpert", "Runtime",
+    "ServerConfig", "TaskPool", "TensorSchema", "in_process_experts", "make_optimizer",
 ]

@@ -107,7 +107,7 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, uid: str, key: bytes, kept: KeptForward) -> bool:
+    def put(self, uid: str, activation_id: bytes, kept: KeptForward) -> bool:
         """Holds ``kept`` unless it alone exceeds the budget; evicts expired, then oldest entries to make room."""
         if kept.nbytes > self.max_bytes:
             return False
@@ -116,26 +116,26 @@ class ActivationCache:
             while self._entries and self.nbytes + kept.nbytes > self.max_bytes:
                 self._remove(next(iter(self._entries)))
                 self.evicted += 1
-            old = self._entries.pop((uid, key), None)
+            old = self._entries.pop((uid, activation_id), None)
             if old is not None:
                 self.nbytes -= old.nbytes
-            self._entries[(uid, key)] = kept
+            self._entries[(uid, activation_id)] = kept
             self.nbytes += kept.nbytes
         return True
 
-    def inputs(self, uid: str, key: bytes) -> tuple[torch.Tensor, ...] | None:
-        """The inputs of the forward kept under (uid, key), left in place; None when not held."""
+    def inputs(self, uid: str, activation_id: bytes) -> tuple[torch.Tensor, ...] | None:
+        """The inputs of the forward kept under (uid, activation_id), left in place; None when not held."""
         with self._lock:
-            kept = self._entries.get((uid, key))
+            kept = self._entries.get((uid, activation_id))
             return kept.inputs if kept is not None else None
 
-    def take(self, uid: str, key: bytes, versions: tuple[int, ...],
+    def take(self, uid: str, activation_id: bytes, versions: tuple[int, ...],
              inputs: Sequence[torch.Tensor]) -> KeptForward | None:
-        """Removes the forward kept under (uid, key); returns it if it has a graph, its parameters are still
+        """Removes the forward kept under (uid, activation_id); returns it if it has a graph, its parameters are still
         ``versions`` and it was computed from exactly ``inputs``, else None (recompute)."""
         with self._lock:
             self._drop_expired(time.monotonic())
-            kept = self._entries.pop((uid, key), None)
+            kept = self._entries.pop((uid, activation_id), None)
             if kept is not None:
                 self.nbytes -= kept.nbytes
             if kept is not None and kept.outputs is not None and kept.versions != versions:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -25,9 +24,8 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "a
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True when no element of ``tensors`` is NaN or infinite, in one read pass per tensor and one host sync.
 
-    A sum is NaN or infinite when any element is, and torch sums in parallel and vectorised: on CPU half the time
-    of the total norm this used to take, which cost ~10% of an expert's backward step (its squares also overflow
-    far sooner). A sum that overflows counts as non-finite too, which takes gradients summing past ~3e38.
+    A sum is NaN or infinite when any element is, and torch sums in parallel and vectorised: cheaper than the total
+    norm (whose squares also overflow far sooner). A sum that overflows counts as non-finite too, which takes gradients summing past ~3e38.
     """
     sums = [t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype) for t in tensors]
     return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in sums])).all())
@@ -57,11 +55,6 @@ class TensorSchema:
         return f"[{', '.join(['*', *map(str, self.shape)])}] {self.dtype}"
 
 
-def expert_seed(seed: int, uid: str) -> int:
-    """A reproducible per-expert seed, so experts differ from each other and a test can rebuild any one of them."""
-    return (seed * 1_000_003 + zlib.crc32(uid.encode())) % 2**31
-
-
 class ExpertBackend:
     """One expert: its module, optimizer, optional LR scheduler and gradient clipping, and its schema.
 
@@ -78,8 +71,8 @@ class ExpertBackend:
         optimizer: built over ``module``'s parameters; None for parameter-free experts (nothing to train).
         scheduler: stepped after every optimizer step.
         clip_grad_norm: clip the gradient norm to this before each step (None: no clipping).
-        expert_cls: the registry name, reported by ``info``.
-        hparams: constructor and optimizer arguments, reported by ``info`` (JSON-serialisable).
+        expert_cls: the registry name, reported by the ``info`` RPC.
+        hparams: constructor and optimizer arguments, reported by the ``info`` RPC (JSON-serialisable).
         activations: where forwards are kept for their backward (the server's, shared by its experts); None:
             always recompute.
     """
@@ -122,13 +115,14 @@ class ExpertBackend:
         its autograd graph. Anything else runs without autograd.
         """
         cache = self.activations if self.activations is not None and self.activations.enabled else None
-        if cache is None or segments is None or all(key is None for key, _ in segments):
+        if cache is None or segments is None or all(aid is None for aid, _ in segments):
             return self._forward_no_grad(inputs)
         if len(segments) > 1:
             start = 0
-            for key, rows in segments:
-                if key is not None:
-                    cache.put(self.name, key, KeptForward.inputs_only([x[start:start + rows] for x in inputs]))
+            for activation_id, rows in segments:
+                if activation_id is not None:
+                    cache.put(self.name, activation_id,
+                              KeptForward.inputs_only([x[start:start + rows] for x in inputs]))
                 start += rows
             return self._forward_no_grad(inputs)
         params = list(self.module.parameters())
@@ -159,7 +153,7 @@ class ExpertBackend:
         n_in = len(self.inputs_schema)
         inputs, grad_outputs = inputs_and_grads[:n_in], inputs_and_grads[n_in:]
         try:
-            if segments is None or self.activations is None or all(key is None for key, _ in segments):
+            if segments is None or self.activations is None or all(aid is None for aid, _ in segments):
                 input_grads = self._recompute_backward(inputs, grad_outputs)
             else:
                 input_grads = self._segmented_backward(inputs, grad_outputs, segments)
@@ -179,10 +173,11 @@ class ExpertBackend:
         pieces: list[tuple[torch.Tensor, ...] | None] = []
         recompute: list[slice] = []
         start = 0
-        for key, rows in segments:
+        for activation_id, rows in segments:
             part = slice(start, start + rows)
             start += rows
-            kept = self.activations.take(self.name, key, versions, [x[part] for x in inputs]) if key else None
+            kept = (self.activations.take(self.name, activation_id, versions, [x[part] for x in inputs])
+                    if activation_id else None)
             if kept is None:
                 pieces.append(None)
                 recompute.append(part)
@@ -230,18 +225,6 @@ class ExpertBackend:
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def info(self) -> dict[str, Any]:
-        """What ``ExpertService.info`` reports (minus server-wide fields such as the device)."""
-        return {
-            "uid": self.name,
-            "expert_cls": self.expert_cls,
-            "inputs": [(list(s.shape), s.dtype) for s in self.inputs_schema],
-            "outputs": [(list(s.shape), s.dtype) for s in self.outputs_schema],
-            "hparams": self.hparams,
-            "forward_calls": self.forward_calls,
-            "backward_calls": self.backward_calls,
-        }
-
     def hparams_json(self) -> str:
         return json.dumps(self.hparams, sort_keys=True, default=str)
 
@@ -269,8 +252,8 @@ def make_optimizer(name: str, params: Sequence[nn.Parameter], lr: float) -> torc
     """``'adam'``/``'sgd'`` over ``params``; None when there is nothing to train.
 
     The fused implementation where torch has one for the parameters' device and dtype: the same update in one pass
-    over each tensor instead of one per arithmetic operation (Adam over 16 ffn experts with h=1024 on 2 CPU cores:
-    0.50 s -> 0.19 s per step of all of them). An expert server spends much of its time in these steps.
+    over each tensor instead of one per arithmetic operation. An expert server spends much of its time in these
+    steps.
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")

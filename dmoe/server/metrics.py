@@ -37,7 +37,7 @@ from dmoe.wire import status_code
 
 if TYPE_CHECKING:
     from dmoe.server.activations import ActivationCache
-    from dmoe.server.servicer import ExpertServicer, HostedExpert
+    from dmoe.server.servicer import HostedExpert
     from dmoe.server.task_pool import Task, TaskPool
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class ServerMetrics:
             which batch belongs to which expert).
         activations: the server's activation cache, whose counters are read at scrape time.
 
-    Wire it up with :meth:`instrument` (the servicer's calls) and :meth:`observe_batch` (the runtime's
+    Wire it up with :meth:`interceptor` (the gRPC server's calls) and :meth:`observe_batch` (the runtime's
     batches); :meth:`serve` exposes the registry over HTTP and :meth:`close` stops that endpoint.
     """
 
@@ -154,17 +154,10 @@ class ServerMetrics:
         self.requests.labels(label, method, code.name).inc()
         self.request_seconds.labels(label, method).observe(time.monotonic() - started)
 
-    def instrument(self, servicer: "ExpertServicer") -> None:
-        """Wraps the servicer's forward/backward handlers (unary and streamed) on the instance to count them.
-
-        Call before the servicer is added to a gRPC server (handlers are looked up when it is added).
-        """
-        for method in ("forward", "backward"):
-            setattr(servicer, method, self._wrap_unary(getattr(servicer, method), method))
-            stream = f"{method}_stream"
-            setattr(servicer, stream, self._wrap_stream(getattr(servicer, stream), method))
-            batch = f"{method}_batch"
-            setattr(servicer, batch, self._wrap_batch(getattr(servicer, batch), method))
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
+        """A gRPC server interceptor that counts every forward/backward call (unary, batch and streamed): pass it
+        to ``grpc.aio.server(interceptors=[...])``. The servicer itself knows nothing of metrics."""
+        return _MetricsInterceptor(self)
 
     def _wrap_unary(self, handler: Callable, method: str) -> Callable:
         @functools.wraps(handler)
@@ -242,6 +235,38 @@ class ServerMetrics:
             if self._http_thread is not None:
                 self._http_thread.join(5)
             self._http = None
+
+
+class _MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps the handlers of ``ExpertService``'s forward/backward RPCs with the metrics' counting wrappers."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (its handler, the wrapped one): asked every call
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        cached = self._wrapped.get(handler_call_details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler_call_details.method, handler)
+        self._wrapped[handler_call_details.method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, full_method: str, handler):
+        rpc = full_method.rsplit("/", 1)[-1]  # "/dmoe.ExpertService/forward_batch" -> forward_batch
+        method, _, variant = rpc.partition("_")
+        if method not in ("forward", "backward"):
+            return handler
+        if variant == "stream" and handler.stream_stream is not None:
+            return handler._replace(stream_stream=self.metrics._wrap_stream(handler.stream_stream, method))
+        if variant == "batch" and handler.unary_unary is not None:
+            return handler._replace(unary_unary=self.metrics._wrap_batch(handler.unary_unary, method))
+        if not variant and handler.unary_unary is not None:
+            return handler._replace(unary_unary=self.metrics._wrap_unary(handler.unary_unary, method))
+        return handler
 
 
 def _status_code(context: Any) -> grpc.StatusCode | None:

@@ -6,6 +6,7 @@ import heapq
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
@@ -31,8 +32,7 @@ class Runtime:
     steps (module calls, autograd, optimizer bookkeeping) with the other cores idle, and each op waits for the
     slowest of its threads, so whenever the gRPC thread or a client on the same machine takes a core, the whole
     op stalls. Two workers with half the threads each interleave: one computes while the other runs Python or is
-    preempted. Measured on 2 cores, 16 h=1024 ffn experts at batch 16: a remote layer step 241-250 ms with one
-    worker of 2 threads, 220-228 ms with two of 1 (three or four workers of 1 thread: ~240 ms).
+    preempted (benchmarks/README.md, "Figures behind design choices").
 
     Args:
         device: where experts run (their modules must already be there); inputs are moved there with one copy.
@@ -68,10 +68,10 @@ class Runtime:
     def workers(self) -> int:
         return len(self._threads)
 
-    def create_pool(self, name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False,
+    def create_pool(self, name: str, process: ProcessFn, max_batch_size: int, segmented: bool = False,
                     group: Hashable = None) -> TaskPool:
         """A new pool; pools sharing a ``group`` (default: each pool its own) never run concurrently."""
-        pool = TaskPool(self, name, process, max_batch_size, keyed, group)
+        pool = TaskPool(name, process, max_batch_size, segmented, group)
         self.pools.append(pool)
         return pool
 
@@ -88,15 +88,22 @@ class Runtime:
             torch.set_num_threads(threads)
         return self
 
-    def enqueue(self, pool: TaskPool, task: Task) -> None:
+    def submit(self, pool: TaskPool, *inputs: torch.Tensor,
+               activation_id: bytes | None = None) -> "Future[list[torch.Tensor]]":
+        """Queues one request for ``pool`` (all tensors share the first, batch dimension), from any thread; the
+        future gets its outputs. ``activation_id``: the request's, if any."""
+        if not inputs:
+            raise ValueError("a task needs at least one tensor")
+        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0], activation_id=activation_id)
         with self._cond:
             if self._closed:
                 task.future.set_exception(RuntimeError("the server is shutting down"))
-                return
+                return task.future
             pool.tasks.append(task)
             if len(pool.tasks) == 1:
                 heapq.heappush(self._ready, (task.seq, pool))
                 self._cond.notify()
+        return task.future
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -209,8 +216,8 @@ class Runtime:
         autocast = (torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
                     if self.autocast else contextlib.nullcontext())
         with autocast:
-            if pool.keyed:
-                outputs = pool.process(*inputs, segments=[(task.key, task.rows) for task in batch])
+            if pool.segmented:
+                outputs = pool.process(*inputs, segments=[(task.activation_id, task.rows) for task in batch])
             else:
                 outputs = pool.process(*inputs)
         rows = sum(task.rows for task in batch)

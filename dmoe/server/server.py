@@ -5,32 +5,27 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import grpc
 import torch
 
+from dmoe.experts import create_expert, expert_class, expert_seed
 from dmoe.server.activations import ActivationCache
-from dmoe.server.backend import ExpertBackend, expert_seed, make_optimizer
+from dmoe.server.backend import ExpertBackend, make_optimizer
 from dmoe.server.checkpoints import Checkpoints
 from dmoe.server.decoding import RejectUndecodable
 from dmoe.server.faults import FaultConfig, Faults
-from dmoe.server.layers import create_expert, expert_class
 from dmoe.server.metrics import ServerMetrics
 from dmoe.server.runtime import Runtime
 from dmoe.server.servicer import ExpertServicer, HostedExpert
 from dmoe.uid import check_uid, expand_pattern
 from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_compression
 
+if TYPE_CHECKING:  # the server calls whatever it is given; it needs no DHT of its own
+    from dmoe.directory import Announcer
+
 logger = logging.getLogger(__name__)
-
-
-class Announcer(Protocol):
-    """Whatever tells the world where the experts are (the DHT refresher): started once the server listens."""
-
-    def start(self, uids: Sequence[str], endpoint: str) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -59,8 +54,9 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics (:mod:`dmoe.server.metrics`) on this port, 0 for a free one;
             None: collect them (``server.metrics``) but serve no endpoint.
         metrics_host: interface of the metrics endpoint; None: the same as ``host``.
-        activation_cache_mb: MiB of activations kept between a forward and its backward, so that backward skips
-            recomputing the forward (:mod:`dmoe.server.activations`); 0: always recompute.
+        activation_cache_mb: (:meth:`ExpertServer.create`) MiB of activations kept between a forward and its
+            backward, so that backward skips recomputing the forward (:mod:`dmoe.server.activations`); 0: always
+            recompute.
         activation_ttl: seconds a kept forward waits for its backward.
         workers: threads that compute (see :class:`~dmoe.server.runtime.Runtime`); torch's intra-op threads are
             shared out between them. None: two on a CPU with two or more threads (each half of them), one on a
@@ -114,7 +110,8 @@ class ExpertServer:
     serves), and a third thread checkpoints every ``checkpoint_interval`` s; ``close()`` writes a last one.
 
     Args:
-        backends: uid -> expert backend (modules are moved to the server's device).
+        backends: uid -> expert backend (modules are moved to the server's device). Backends built with an
+            activation cache (:meth:`create` gives them one of ``config.activation_cache_mb``) must share it.
         config: listening and runtime settings.
         announcer: optional; gets ``start(uids, endpoint)`` once serving and ``close()`` before shutdown.
     """
@@ -129,27 +126,29 @@ class ExpertServer:
         self.announcer = announcer
         workers, threads = compute_workers(self.config.workers, self.device)
         self.runtime = Runtime(self.device, self.config.autocast, workers=workers, threads_per_worker=threads)
-        self.activations = ActivationCache(int(self.config.activation_cache_mb * 2**20), self.config.activation_ttl)
+        caches = {id(b.activations): b.activations for b in self.backends.values() if b.activations is not None}
+        if len(caches) > 1:
+            raise ValueError("the experts of one server must share one activation cache (or have none)")
+        #: the kept forwards of every expert (given to each backend by :meth:`create`); None: always recompute
+        self.activations: ActivationCache | None = next(iter(caches.values()), None)
         experts = {}
         for uid, backend in self.backends.items():
             backend.module.to(self.device)
-            backend.activations = self.activations
             experts[uid] = HostedExpert(
                 backend,
-                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size, keyed=True,
-                                         group=uid),
-                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size, keyed=True,
-                                         group=uid),
+                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size,
+                                         segmented=True, group=uid),
+                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size,
+                                         segmented=True, group=uid),
             )
         self.servicer = ExpertServicer(
-            experts, max_batch_size=self.config.max_batch_size, device=str(self.device),
+            experts, self.runtime, max_batch_size=self.config.max_batch_size, device=str(self.device),
             default_compression=parse_compression(self.config.response_compression),
             max_stream_bytes=self.config.max_stream_bytes,
             faults=Faults(self.config.faults) if self.config.faults is not None else None,
             reject_nonfinite=self.config.reject_nonfinite, max_abs_value=self.config.max_abs_value or None,
         )
         self.metrics = ServerMetrics(experts, self.activations)
-        self.metrics.instrument(self.servicer)
         self.runtime.on_batch = self.metrics.observe_batch
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -190,12 +189,13 @@ class ExpertServer:
         registered = expert_class(expert_cls)
         hparams = {"hidden_dim": hidden_dim, **cls_kwargs, "optimizer": optimizer, "lr": lr,
                    "clip_grad_norm": clip_grad_norm, "seed": seed}
+        activations = ActivationCache(int(config.activation_cache_mb * 2**20), config.activation_ttl)
         backends = {}
         for uid in uids:
             module = create_expert(expert_cls, hidden_dim, seed=expert_seed(seed, uid), **cls_kwargs).to(device)
             backends[uid] = ExpertBackend(
                 uid, module, registered.sample(2, hidden_dim), make_optimizer(optimizer, module.parameters(), lr),
-                clip_grad_norm=clip_grad_norm, expert_cls=expert_cls, hparams=hparams,
+                clip_grad_norm=clip_grad_norm, expert_cls=expert_cls, hparams=hparams, activations=activations,
             )
         return cls(backends, config, announcer)
 
@@ -239,7 +239,7 @@ class ExpertServer:
 
     async def _serve(self) -> int:
         server = grpc.aio.server(options=grpc_options(self.config.max_message_bytes),
-                                 interceptors=[RejectUndecodable()])
+                                 interceptors=[RejectUndecodable(), self.metrics.interceptor()])
         dmoe_pb2_grpc.add_ExpertServiceServicer_to_server(self.servicer, server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
@@ -261,7 +261,8 @@ class ExpertServer:
         if self.checkpoints is not None:  # after in-flight calls finished, before the runtime stops
             self.checkpoints.close(save=self._loop is not None)
         self.runtime.close()
-        self.activations.clear()
+        if self.activations is not None:
+            self.activations.clear()
         self.metrics.close()
         if self._loop is not None and self._loop_thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)

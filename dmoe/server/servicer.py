@@ -1,4 +1,4 @@
-"""The gRPC face of a server: validates each request against the expert's schema, then queues it for the runtime.
+"""The gRPC face of a server: validates each request (:mod:`dmoe.server.validation`), then queues it for the runtime.
 
 Handlers run on the server's asyncio loop and only await futures, so one thread serves any number of concurrent
 calls while the runtime workers compute. Every rejection happens before tensors are allocated.
@@ -6,41 +6,22 @@ calls while the runtime workers compute. Every rejection happens before tensors 
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import grpc
-import numpy as np
 import torch
 
-from dmoe.server.activations import MAX_ACTIVATION_ID_BYTES
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
+from dmoe.server.runtime import Runtime
 from dmoe.server.task_pool import TaskPool
+from dmoe.server.validation import RequestRejected, check_options, first_bad_values, validate
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES
-from dmoe.wire.codec import (
-    NONE,
-    Compression,
-    InvalidTensor,
-    TensorTooLarge,
-    cut_into_parts,
-    deserialize,
-    join_parts,
-    message_bytes,
-    serialize,
-)
+from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, cut_into_parts, join_parts, message_bytes, serialize
 
 FORWARD, BACKWARD = "forward", "backward"
-
-
-class RequestRejected(Exception):
-    """A request refused before any compute, with the status code to answer it with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 @dataclass
@@ -71,85 +52,12 @@ class HostedExpert:
         return max_batch_size * row_bytes
 
 
-def _describe(message: dmoe_pb2.Tensor) -> str:
-    return f"[{', '.join(map(str, message.shape))}] {message.dtype or '<no dtype>'}"
-
-
-def validate(tensors: Sequence[dmoe_pb2.Tensor], schemas: Sequence[tuple[str, TensorSchema]],
-             max_batch_size: int) -> list[torch.Tensor]:
-    """Checks count, shapes, dtypes, batch sizes and buffer lengths (metadata only), then decodes the tensors."""
-    if len(tensors) != len(schemas):
-        names = ", ".join(label for label, _ in schemas)
-        raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"expected {len(schemas)} tensors ({names}), got {len(tensors)}")
-    batch_sizes = []
-    for (label, schema), message in zip(schemas, tensors):
-        shape = list(message.shape)
-        if message.dtype != schema.dtype or len(shape) != len(schema.shape) + 1 or tuple(shape[1:]) != schema.shape:
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"{label}: expected shape {schema.describe()}, got {_describe(message)}")
-        if shape[0] < 1:
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"{label}: batch size must be positive, got shape {shape}")
-        batch_sizes.append((label, shape[0]))
-    if len({rows for _, rows in batch_sizes}) > 1:
-        sizes = ", ".join(f"{label} has {rows}" for label, rows in batch_sizes)
-        raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"batch sizes disagree: {sizes} rows")
-    rows = batch_sizes[0][1] if batch_sizes else 0
-    if rows > max_batch_size:
-        raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"batch of {rows} rows exceeds this server's max_batch_size {max_batch_size}")
-    decoded = []
-    for (label, schema), message in zip(schemas, tensors):
-        try:
-            decoded.append(deserialize(message, max_numel=max_batch_size * schema.numel))
-        except InvalidTensor as error:
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"{label}: {error}") from None
-        except TensorTooLarge as error:
-            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{label}: {error}") from None
-    return decoded
-
-
-#: dtypes numpy checks without a copy
-_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
-
-
-def first_bad_values(tensors: Sequence[torch.Tensor], schemas: Sequence[tuple[str, TensorSchema]], *,
-                     reject_nonfinite: bool = True, max_abs_value: float | None = None) -> str | None:
-    """Why the first floating-point tensor with values this server refuses is refused, or None if there is none.
-
-    Refused: NaN or Inf (with ``reject_nonfinite``), and finite magnitudes above ``max_abs_value``. A
-    finite but huge gradient is as bad as an infinite one: one element of 2e19 (a flipped exponent bit) makes an
-    SGD step that leaves an expert's weights at ~1e16 and its outputs non-finite from then on, for every client.
-    Checked with numpy where it can be (the smallest and largest value: two passes, no copy): on this (gRPC)
-    thread a torch op over more than ~32k elements starts an OpenMP team of its own, whose threads then spin for
-    ~10 ms after every request and take cores from the compute workers. numpy runs on the calling thread alone.
-    """
-    for tensor, (label, _) in zip(tensors, schemas):
-        if not tensor.is_floating_point() or tensor.numel() == 0:
-            continue
-        if tensor.dtype in _NUMPY_FLOATS and tensor.device.type == "cpu":
-            values = tensor.numpy()
-            low, high = float(values.min()), float(values.max())
-        else:
-            low, high = (float(v) for v in torch.aminmax(tensor.float()))
-        largest = max(-low, high)
-        if not math.isfinite(low) or not math.isfinite(high):
-            if reject_nonfinite:
-                return f"{label} holds NaN or Inf values (this server rejects non-finite inputs and gradients)"
-            finite = tensor[torch.isfinite(tensor)]  # let them through; the limit is for the finite ones
-            largest = float(finite.abs().max()) if finite.numel() else 0.0
-        if max_abs_value is not None and largest > max_abs_value:
-            return (f"{label} holds a value of magnitude {largest:.3g}, above this server's limit {max_abs_value:g} "
-                    "(--max-abs-value)")
-    return None
-
-
 class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
     """Implements ``ExpertService`` of proto/dmoe.proto for a set of hosted experts.
 
     Args:
-        experts: uid -> hosted expert.
+        experts: uid -> hosted expert (its pools belong to ``runtime``).
+        runtime: runs the requests.
         max_batch_size: requests with more rows are refused (RESOURCE_EXHAUSTED).
         device: reported by ``info``.
         default_compression: applied to responses when a request asks for none.
@@ -160,12 +68,12 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         max_batch_items: batch calls with more items are refused (RESOURCE_EXHAUSTED).
     """
 
-    def __init__(self, experts: dict[str, HostedExpert], *, max_batch_size: int, device: str,
+    def __init__(self, experts: dict[str, HostedExpert], runtime: Runtime, *, max_batch_size: int, device: str,
                  default_compression: int = NONE, max_stream_bytes: int = 1 << 30,
                  stream_part_bytes: int = STREAM_PART_BYTES, faults: Faults | None = None,
                  reject_nonfinite: bool = True, max_abs_value: float | None = None,
                  max_batch_items: int = MAX_BATCH_ITEMS):
-        self.experts = experts
+        self.experts, self.runtime = experts, runtime
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
         self.max_stream_bytes, self.stream_part_bytes = max_stream_bytes, stream_part_bytes
@@ -210,11 +118,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         ``delay``: injected faults include the round trip's delay (a batch pays it once for all of its items).
         """
         expert = self._lookup(uid)
-        if compression not in Compression.values():
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown response_compression {compression}")
-        if len(activation_id) > MAX_ACTIVATION_ID_BYTES:
-            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"activation_id has {len(activation_id)} "
-                                  f"bytes, at most {MAX_ACTIVATION_ID_BYTES} are allowed")
+        check_options(compression, activation_id)
         schemas, held = expert.schemas(kind), None
         if kind == BACKWARD and activation_id and len(tensors) == len(expert.grad_schemas()):
             # the gradients alone: the inputs are those the server held since the forward with this id
@@ -241,10 +145,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
         if kind == FORWARD:
             expert.backend.forward_calls += 1
-            future = expert.forward_pool.submit(*inputs, key=activation_id or None)
+            future = self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
         else:
             expert.backend.backward_calls += 1
-            future = expert.backward_pool.submit(*inputs, key=activation_id or None)
+            future = self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
         try:
             outputs = await asyncio.wrap_future(future)
         except Exception as exc:

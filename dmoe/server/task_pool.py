@@ -6,12 +6,9 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from dmoe.server.runtime import Runtime
 
 ProcessFn = Callable[..., Sequence[torch.Tensor]]
 _sequence = itertools.count()
@@ -21,13 +18,13 @@ _sequence = itertools.count()
 class Task:
     """One request: tensors with a batch dimension, and the future its caller awaits.
 
-    ``key``: the request's activation id, if any (see :mod:`dmoe.server.activations`).
+    ``activation_id``: the request's, if any (see :mod:`dmoe.server.activations`).
     """
 
     inputs: tuple[torch.Tensor, ...]
     future: "Future[list[torch.Tensor]]"
     rows: int
-    key: bytes | None = None
+    activation_id: bytes | None = None
     seq: int = field(default_factory=lambda: next(_sequence))
     created: float = field(default_factory=time.monotonic)
 
@@ -35,33 +32,26 @@ class Task:
 class TaskPool:
     """Requests waiting for one function (an expert's forward or backward), oldest first.
 
-    Pools belong to a :class:`~dmoe.server.runtime.Runtime`, which owns the lock they share and decides which
-    pool runs next; ``submit`` may be called from any thread.
+    Pools are created by a :class:`~dmoe.server.runtime.Runtime`, the one owner of their queues: requests enter
+    through :meth:`Runtime.submit <dmoe.server.runtime.Runtime.submit>` (from any thread) and leave in the batches
+    it forms, under its lock.
 
     Args:
         name: for logs, e.g. ``'ffn0.3_forward'``.
         process: called with the concatenated batch; returns tensors whose first dimension is the batch.
         max_batch_size: the most rows the runtime will put in one call of ``process``.
-        keyed: ``process`` also takes ``segments=[(task key, task rows), ...]``, one per task of the batch.
+        segmented: ``process`` also takes ``segments=[(activation id, rows), ...]``, one per task of the batch.
         group: pools of one group (an expert's forward and backward) never run at once; None: this pool alone.
     """
 
-    def __init__(self, runtime: "Runtime", name: str, process: ProcessFn, max_batch_size: int, keyed: bool = False,
+    def __init__(self, name: str, process: ProcessFn, max_batch_size: int, segmented: bool = False,
                  group: Hashable = None):
-        self.runtime, self.name, self.process, self.max_batch_size = runtime, name, process, max_batch_size
-        self.keyed = keyed
+        self.name, self.process, self.max_batch_size = name, process, max_batch_size
+        self.segmented = segmented
         self.group = group if group is not None else id(self)
         self.tasks: deque[Task] = deque()
         self.batches = 0
         self.rows = 0
-
-    def submit(self, *inputs: torch.Tensor, key: bytes | None = None) -> "Future[list[torch.Tensor]]":
-        """Queues one request (all tensors share the first, batch dimension); the future gets its outputs."""
-        if not inputs:
-            raise ValueError("a task needs at least one tensor")
-        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0], key=key)
-        self.runtime.enqueue(self, task)
-        return task.future
 
     def __len__(self) -> int:
         return len(self.tasks)

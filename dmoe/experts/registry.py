@@ -6,6 +6,7 @@ their own classes with :func:`register_expert_class`; constructor arguments are 
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -72,3 +73,8 @@ def create_expert(name: str, hidden_dim: int, *, seed: int | None = None, **kwar
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return cls(hidden_dim, **kwargs)
+
+
+def expert_seed(seed: int, uid: str) -> int:
+    """A reproducible per-expert seed, so experts differ from each other and a test can rebuild any one of them."""
+    return (seed * 1_000_003 + zlib.crc32(uid.encode())) % 2**31

@@ -1,14 +1,15 @@
 """The expert zoo and the registry through which users add their own expert classes."""
-from dmoe.server.layers.registry import (
+from dmoe.experts.registry import (
     ExpertClass,
     create_expert,
     expert_class,
     expert_class_names,
+    expert_seed,
     register_expert_class,
 )
-from dmoe.server.layers.zoo import TRANSFORMER_SEQ_LEN, FeedforwardExpert, NopExpert, TransformerExpert
+from dmoe.experts.zoo import TRANSFORMER_SEQ_LEN, FeedforwardExpert, NopExpert, TransformerExpert
 
 __all__ = [
     "ExpertClass", "FeedforwardExpert", "NopExpert", "TRANSFORMER_SEQ_LEN", "TransformerExpert", "create_expert",
-    "expert_class", "expert_class_names", "register_expert_class",
+    "expert_class", "expert_class_names", "expert_seed", "register_expert_class",
 ]

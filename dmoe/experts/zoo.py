@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dmoe.server.layers.registry import register_expert_class
+from dmoe.experts.registry import register_expert_class
 
 #: Sequence length of the ``transformer`` expert's schema (its schema, like every expert's, is fixed).
 TRANSFORMER_SEQ_LEN = 32

@@ -1,0 +1,133 @@
+"""``dmoe-dht``: run a standalone DHT node (a bootstrap peer for servers and clients).
+
+    python -m dmoe.dht --port 31337
+
+Prints one line ``dmoe-dht listening on HOST:PORT`` once the node is up; pass that address to others as
+``--initial-peers``. ``--num-nodes N`` runs N nodes on one event loop in this process (swarm tests and benchmarks on
+few cores). What the first node stores is signed with the key in ``--identity PATH`` (created if absent) or an
+ephemeral one. Stops cleanly on SIGINT/SIGTERM. Programs built on this one (``python -m dmoe.directory``) add what
+their first node stores (:data:`Start`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+from typing import Awaitable, Callable, Sequence
+
+from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
+from dmoe.dht.config import DHTConfig
+from dmoe.dht.node import DHTNode, parse_endpoint
+from dmoe.dht.signing import Identity
+
+logger = logging.getLogger("dmoe.cli.dht")  # not __name__: that is __main__ when run as a program
+
+#: What a program built on this one does once its nodes are up, before it says it is ready: it gets the first node
+#: and may return a task that runs until shutdown (cancelled then).
+Start = Callable[[DHTNode], Awaitable["asyncio.Task | None"]]
+#: The config fields the program takes as flags: all but client_mode, as others join through this program's nodes.
+FLAG_FIELDS = [field for field in dataclasses.fields(DHTConfig) if field.name != "client_mode"]
+
+
+def _flag_bool(text: str) -> bool:
+    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("1", "true", "yes")
+
+
+def build_parser(prog: str = "dmoe-dht", description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
+    """The node flags: where to listen, whom to join, the identity, and one flag per :class:`DHTConfig` field."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (UDP)")
+    parser.add_argument("--port", type=int, default=0, help="UDP port (0: any free port)")
+    parser.add_argument("--initial-peers", nargs="*", default=[], metavar="HOST:PORT",
+                        help="addresses of nodes already in the swarm (space- or comma-separated)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="run this many nodes in this process")
+    parser.add_argument("--identity", default=None, metavar="PATH",
+                        help="Ed25519 key file signing what the first node stores (created if absent; default: "
+                             "ephemeral key)")
+    parser.add_argument("--log-level", default="INFO")
+    for field in FLAG_FIELDS:
+        kind = _flag_bool if isinstance(field.default, bool) else type(field.default)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default,
+                            help=f"DHTConfig.{field.name} (default {field.default})")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+               ) -> argparse.Namespace:
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    args.initial_peers = [peer for item in args.initial_peers for peer in item.split(",") if peer.strip()]
+    if args.num_nodes < 1:
+        parser.error("--num-nodes must be at least 1")
+    return args
+
+
+async def run(args: argparse.Namespace, start: Start | None = None, prog: str = "dmoe-dht") -> None:
+    """Runs the nodes until SIGINT/SIGTERM (or until the launching process dies); ``start``: see :data:`Start`."""
+    config = DHTConfig(**{field.name: getattr(args, field.name) for field in FLAG_FIELDS})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+
+    async def stop_when_orphaned() -> None:
+        while not orphaned():
+            await asyncio.sleep(ORPHAN_CHECK_PERIOD)
+        logger.info("the launching process died")
+        stop.set()
+
+    watchdog = asyncio.ensure_future(stop_when_orphaned())
+    identity = Identity.load_or_create(args.identity) if args.identity else None
+    nodes: list[DHTNode] = []
+    started: asyncio.Task | None = None
+    try:
+        peers = [parse_endpoint(peer) for peer in args.initial_peers]
+        addresses = []
+        for _ in range(args.num_nodes):
+            node = DHTNode(config, identity=identity if not nodes else None)
+            nodes.append(node)
+            host, port = await node.listen(args.port if not addresses else 0, args.host)
+            addresses.append(f"{host}:{port}")
+            if peers and not await node.bootstrap(peers):
+                raise ConnectionError(f"none of the initial peers {args.initial_peers} answered")
+            peers = peers or [(host, port)]
+        if start is not None:
+            started = await start(nodes[0])
+        more = f" (and {len(addresses) - 1} more nodes: {' '.join(addresses[1:])})" if len(addresses) > 1 else ""
+        print(f"{prog} listening on {addresses[0]}{more}", flush=True)
+        logger.info("pass --initial-peers %s to join this swarm", addresses[0])
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        watchdog.cancel()
+        if started is not None:
+            started.cancel()
+        for node in nodes:
+            node.stop()
+
+
+def serve(args: argparse.Namespace, start: Start | None = None, prog: str = "dmoe-dht") -> int:
+    """Sets up logging and runs :func:`run`; returns the exit status (1, with the reason logged, when joining fails
+    or a flag's value is refused)."""
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kademlia").setLevel(logging.WARNING)
+    try:
+        asyncio.run(run(args, start, prog))
+    except (ConnectionError, ValueError) as error:
+        logger.error("%s", error)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return serve(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""``dmoe-server``: host a grid of experts and train them with whatever gradients clients send.
+
+Example: ``dmoe-server --experts 'ffn0.[0:4].[0:4]' --expert-cls ffn --hidden-dim 1024 --port 5000``.
+Prints ``dmoe-server listening on HOST:PORT`` once it accepts calls; stops cleanly on Ctrl-C or SIGTERM.
+Any flag may instead be a key of a TOML file given as ``--config server.toml`` (flags override it, see
+:mod:`dmoe.cli.config`); ``--num-experts 4 --grid 4 4 --layer ffn0`` picks grid cells nobody serves yet;
+``--metrics-port 0`` serves Prometheus metrics and prints ``dmoe-server metrics on HOST:PORT``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from dmoe.cli.allocator import keep_freed_memory
+from dmoe.cli.config import add_config_argument, non_negative, parse_args, port_number, positive
+from dmoe.cli.signals import StopSignals
+from dmoe.dht import Identity, parse_endpoint
+from dmoe.directory import Announcer, free_experts
+from dmoe.experts import expert_class_names
+from dmoe.server import ExpertServer, ServerConfig
+from dmoe.server.backend import OPTIMIZERS
+from dmoe.server.checkpoints import CheckpointMismatch, CorruptCheckpoint
+from dmoe.server.faults import JITTERS, FaultConfig
+from dmoe.server.runtime import AUTOCAST_DTYPES
+from dmoe.server.server import resolve_device
+from dmoe.uid import UIDError, expand_pattern, is_valid_prefix
+from dmoe.wire import MAX_MESSAGE_BYTES
+from dmoe.wire.codec import COMPRESSIONS
+
+logger = logging.getLogger("dmoe.cli.server")  # not __name__: that is __main__ when run as a program
+positive_int, positive_float = positive(int), positive(float)
+
+
+
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"num_heads\": 8}'")
+    return value
+
+
+def import_custom_module(spec: str) -> None:
+    """Imports a module (dotted name or .py path) so that its ``@register_expert_class`` classes exist."""
+    if spec.endswith(".py"):
+        path = Path(spec)
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if module_spec is None or module_spec.loader is None or not path.exists():
+            raise ImportError(f"cannot import {spec}")
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        importlib.import_module(spec)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dmoe-server", description=__doc__.split("\n\n")[0])
+    add_config_argument(parser)
+    parser.add_argument("--experts", default=None,
+                        help="uids or a pattern, e.g. 'ffn0.[0:4].[0:4]' (or choose them with --num-experts)")
+    parser.add_argument("--num-experts", type=positive_int, default=None,
+                        help="instead of --experts: serve this many experts per --layer, in --grid cells nobody "
+                             "serves yet (read from the DHT), e.g. --num-experts 4 --grid 4 4 --layer ffn0")
+    parser.add_argument("--grid", type=positive_int, nargs="+", default=None, metavar="SIZE",
+                        help="grid of each layer, one size per dimension (with --num-experts)")
+    parser.add_argument("--layer", nargs="+", default=None, metavar="NAME",
+                        help="layer name(s) whose grids to join (with --num-experts)")
+    parser.add_argument("--expert-cls", default="ffn", help="registered expert class (built in: ffn, transformer, nop)")
+    parser.add_argument("--expert-kwargs", type=json_object, default={}, help="JSON constructor arguments")
+    parser.add_argument("--custom-module", action="append", default=[],
+                        help="module or .py file registering extra expert classes (repeatable)")
+    parser.add_argument("--hidden-dim", type=positive_int, default=1024, help="expert input/output width")
+    parser.add_argument("--device", default=None, help="cuda, cpu, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
+                        help="compute in this half precision under torch.autocast (default: full precision)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: all)")
+    parser.add_argument("--port", type=port_number, default=0, help="gRPC port (0: any free port)")
+    parser.add_argument("--max-batch-size", type=positive_int, default=4096,
+                        help="most rows in one request and in one batch the runtime forms")
+    parser.add_argument("--max-message-bytes", type=positive_int, default=MAX_MESSAGE_BYTES,
+                        help="largest single gRPC message; bigger payloads are streamed in parts")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="each expert's optimizer")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="the experts' learning rate")
+    parser.add_argument("--clip-grad-norm", type=positive_float, default=None,
+                        help="clip each expert's gradient norm to this before a step (default: no clipping)")
+    parser.add_argument("--compression", choices=sorted(COMPRESSIONS), default="none",
+                        help="response compression when a client asks for none")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the experts' initial weights")
+    parser.add_argument("--torch-threads", type=positive_int, default=None,
+                        help="torch intra-op threads in all (default: torch's, i.e. OMP_NUM_THREADS or the cores)")
+    parser.add_argument("--workers", type=positive_int, default=None,
+                        help="threads that compute, sharing out the torch threads (default: 2 on a CPU with 2+ "
+                             "threads, 1 on a GPU)")
+    dht = parser.add_argument_group("DHT", "how the server announces its experts")
+    dht.add_argument("--initial-peers", nargs="*", default=[],
+                     help="HOST:PORT of any DHT node (printed by dmoe-dht); none: this server starts a new DHT")
+    dht.add_argument("--dht-port", type=port_number, default=0, help="UDP port of the server's own DHT node")
+    dht.add_argument("--announce-host", default=None,
+                     help="host others should call (e.g. a public address behind NAT); default: --host")
+    dht.add_argument("--refresh-period", type=positive_float, default=10.0,
+                     help="seconds between re-declarations of the experts")
+    dht.add_argument("--expiration", type=positive_float, default=None,
+                     help="seconds a declaration outlives its last refresh (default: 3 refresh periods)")
+    dht.add_argument("--identity", default=None, metavar="PATH",
+                     help="Ed25519 key file that signs the declarations and owns the uids (created if absent; "
+                          "default: dht_identity.key in --checkpoint-dir, else an ephemeral key)")
+    faults = parser.add_argument_group("fault injection", "experiments only: every expert call pays a delay, "
+                                       "some fail (see dmoe/server/faults.py)")
+    faults.add_argument("--inject-latency-ms", type=float, default=0.0,
+                        help="mean round-trip latency added to every forward/backward call")
+    faults.add_argument("--latency-jitter", choices=JITTERS, default="none",
+                        help="none: every call waits the mean; exponential: a random wait with that mean")
+    faults.add_argument("--fail-rate", type=float, default=0.0,
+                        help="share of calls in [0, 1] answered with an 'injected failure' error")
+    faults.add_argument("--fault-seed", type=int, default=None, help="seed of the injected delays and failures")
+    state = parser.add_argument_group("checkpoints and input checks")
+    state.add_argument("--checkpoint-dir", default=None,
+                       help="save experts (weights + optimizer) here; restarting with the same directory resumes them")
+    state.add_argument("--checkpoint-interval", type=positive_float, default=60.0,
+                       help="seconds between checkpoints (one is also written on shutdown)")
+    state.add_argument("--reject-nonfinite", action=argparse.BooleanOptionalAction, default=True,
+                       help="refuse requests whose inputs or gradients hold NaN/Inf (INVALID_ARGUMENT)")
+    state.add_argument("--max-abs-value", type=non_negative(float), default=1e6,
+                       help="refuse requests whose inputs or gradients hold values of a larger magnitude, which "
+                            "could blow up an expert's weights (INVALID_ARGUMENT; 0: no limit)")
+    parser.add_argument("--activation-cache-mb", type=non_negative(float), default=512.0,
+                        help="MiB of activations kept from a forward for its backward, which then skips recomputing "
+                             "the forward (0: always recompute)")
+    parser.add_argument("--metrics-port", type=port_number, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
+    return parser
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def expert_uids(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str] | None:
+    """The uids of ``--experts``; None with ``--num-experts`` (they are chosen from the DHT once joined)."""
+    if (args.experts is None) == (args.num_experts is None):
+        parser.error("argument --experts: give either --experts PATTERN or --num-experts N --grid ... --layer ...")
+    if args.experts is not None:
+        for flag in ("grid", "layer"):
+            if getattr(args, flag) is not None:
+                parser.error(f"argument --{flag}: only used with --num-experts")
+        try:
+            return expand_pattern(args.experts)
+        except UIDError as error:
+            parser.error(f"argument --experts: {error}")
+    if not args.grid:
+        parser.error("argument --grid: required with --num-experts, e.g. --grid 4 4")
+    if not args.layer:
+        parser.error("argument --layer: required with --num-experts, e.g. --layer ffn0")
+    for layer in args.layer:
+        if not is_valid_prefix(layer) or "." in layer:
+            parser.error(f"argument --layer: invalid layer name {layer!r} (letters, digits, _ or -, no dots)")
+    cells = 1
+    for size in args.grid:
+        cells *= size
+    if args.num_experts > cells:
+        parser.error(f"argument --num-experts: {args.num_experts} is more than the {cells} cells of --grid")
+    return None
+
+
+def fault_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FaultConfig | None:
+    """The fault flags as a FaultConfig (None when nothing is injected); argparse errors name the flag."""
+    if not args.inject_latency_ms >= 0:
+        parser.error(f"argument --inject-latency-ms: must be >= 0, got {args.inject_latency_ms}")
+    if not 0 <= args.fail_rate <= 1:
+        parser.error(f"argument --fail-rate: must be in [0, 1], got {args.fail_rate}")
+    if args.latency_jitter != "none" and args.inject_latency_ms == 0:
+        parser.error("argument --latency-jitter: needs --inject-latency-ms > 0")
+    if args.inject_latency_ms == 0 and args.fail_rate == 0:
+        return None
+    return FaultConfig(latency_ms=args.inject_latency_ms, jitter=args.latency_jitter, fail_rate=args.fail_rate,
+                       seed=args.fault_seed)
+
+
+def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Announcer:
+    """The server's own DHT node, joined through ``--initial-peers``; exits naming the flag if none answers."""
+    path = args.identity or (Path(args.checkpoint_dir) / "dht_identity.key" if args.checkpoint_dir else None)
+    try:
+        identity = Identity.load_or_create(path) if path is not None else None
+    except (OSError, ValueError) as error:
+        parser.error(f"argument --identity: {error}")
+    try:
+        return Announcer.join(args.initial_peers, host=args.host, port=args.dht_port, identity=identity,
+                              refresh_period=args.refresh_period, expiration=args.expiration,
+                              announce_host=args.announce_host)
+    except (ConnectionError, OSError) as error:
+        parser.error(f"argument --initial-peers: {error}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()  # before any thread starts: every training step would page-fault otherwise
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for spec in args.custom_module:
+        try:
+            import_custom_module(spec)
+        except Exception as error:
+            parser.error(f"argument --custom-module: cannot import {spec!r}: {error}")
+    if args.expert_cls not in expert_class_names():
+        parser.error(f"argument --expert-cls: unknown class {args.expert_cls!r}; "
+                     f"registered: {', '.join(expert_class_names())}")
+    uids = expert_uids(args, parser)
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as error:
+        parser.error(f"argument --device: {error}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: cuda was asked for but torch sees no CUDA device")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    config = ServerConfig(host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size,
+                          autocast=args.autocast, response_compression=args.compression,
+                          max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
+                          workers=args.workers)
+    config.faults = fault_config(args, parser)
+    config.checkpoint_dir, config.checkpoint_interval = args.checkpoint_dir, args.checkpoint_interval
+    config.reject_nonfinite = args.reject_nonfinite
+    config.max_abs_value = args.max_abs_value
+    config.activation_cache_mb = args.activation_cache_mb
+    for peer in args.initial_peers:
+        try:
+            parse_endpoint(peer)
+        except ValueError as error:
+            parser.error(f"argument --initial-peers: {error}")
+    announcer = None
+    if uids is None:  # --num-experts: join the DHT first, to see which cells are free
+        announcer = join_dht(args, parser)
+        uids = free_experts(announcer.dht, args.layer, args.grid, args.num_experts)
+        logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
+    try:
+        server = ExpertServer.create(uids, args.expert_cls, args.hidden_dim, cls_kwargs=args.expert_kwargs,
+                                     optimizer=args.optimizer, lr=args.lr, clip_grad_norm=args.clip_grad_norm,
+                                     seed=args.seed, config=config)
+    except (CheckpointMismatch, CorruptCheckpoint, OSError) as error:  # restored in the constructor
+        parser.error(f"argument --checkpoint-dir: {error}")
+    except TypeError as error:  # constructor arguments the class does not take
+        parser.error(f"argument --expert-kwargs: {error}")
+    server.announcer = announcer or join_dht(args, parser)
+    print(f"dmoe-server DHT node at {server.announcer.dht.endpoint} (others may pass it as --initial-peers)",
+          flush=True)
+
+    with StopSignals() as stop, server:
+        if server.metrics.endpoint is not None:
+            print(f"dmoe-server metrics on {server.metrics.endpoint}", flush=True)
+        print(f"dmoe-server listening on {server.endpoint}", flush=True)
+        signum = stop.wait()
+        logger.info("%s received, shutting down", signal.Signals(signum).name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""``dmoe-train``: train a gated transformer language model whose feed-forward experts live in the swarm.
+
+    dmoe-train                                          # in-process experts, Shakespeare, a few minutes
+    dmoe-train --experts remote --initial-peers HOST:PORT
+    dmoe-train --data my.txt --steps 2000 --resume      # any text file; continue from the last checkpoint
+
+Every field of :class:`~dmoe.trainer.loop.TrainConfig` is a flag (``batch_size`` -> ``--batch-size``) and a key of
+a ``--config`` TOML file (flags override the file). The loop itself is :func:`dmoe.trainer.loop.train`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from dmoe.cli.allocator import keep_freed_memory
+from dmoe.cli.config import add_config_argument, parse_args
+from dmoe.trainer.data import DownloadError
+from dmoe.trainer.loop import TrainConfig, train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per TrainConfig field; booleans get --flag / --no-flag, tuples take several values."""
+    parser = argparse.ArgumentParser(prog="dmoe-train", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_argument(parser)
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag, kind, meta = "--" + f.name.replace("_", "-"), hints[f.name], f.metadata
+        options = {"default": f.default, "help": meta["help"]}
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+            continue
+        args = [a for a in typing.get_args(kind) if a is not type(None) and a is not Ellipsis]
+        if typing.get_origin(kind) is tuple:
+            options["nargs"] = "+"
+        base = args[0] if args else kind
+        parser.add_argument(flag, type=meta["parse"] or base, choices=meta["choices"], **options)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    parser = build_parser()
+    args = vars(parse_args(parser, argv))
+    config = TrainConfig(**{name: tuple(v) if isinstance(v, list) else v for name, v in args.items()})
+    try:
+        config.validate()
+    except ValueError as e:
+        parser.error(str(e))
+    return config
+
+
+def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
+    config = parse_config(argv)
+    try:
+        train(config)
+    except (DownloadError, FileNotFoundError, ConnectionError) as e:  # no corpus or no DHT peer: no traceback
+        raise SystemExit(f"dmoe-train: {e}")
+
+
+if __name__ == "__main__":
+    main()

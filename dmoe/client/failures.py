@@ -1,0 +1,125 @@
+"""The remote layer's failure policy: how long to wait for experts, which answers count, what gets banned.
+
+Where the gate drops a dead expert: :func:`wait_for_experts` decides which calls answered in time,
+:meth:`CallPolicy.outcome` turns every other call (failed, late, malformed) into a dropped expert and bans it,
+or its whole server (:mod:`dmoe.client.bans`), so the next beam search picks the next-best alive experts; the gate
+then renormalises over the experts that answered (:meth:`dmoe.client.gating.MixtureBase._combine`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from dmoe.client.bans import Bans
+from dmoe.client.gating import MoEStats
+from dmoe.wire import NONE, ChannelPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CallPolicy:
+    """Everything a layer's calls to its experts need besides the rows: what the autograd function receives
+    (rather than the whole layer).
+
+    k_min: forward waits until every row has this many answers (or no call left pending) ...
+    timeout_after_k_min: ... then at most this many seconds more for the remaining experts.
+    forward_timeout: no forward waits longer than this in total; slower experts are dropped.
+    backward_k_min: backward raises only if a row gets fewer expert gradients than this.
+    backward_timeout: experts that have not answered backward by then contribute no gradient.
+    compression: wire compression of the tensors sent; channels: the gRPC channel pool (None: the shared one).
+    bans: the ban book (shared between layers); stats: the layer's counters, updated by every call.
+    """
+
+    k_min: int = 1
+    timeout_after_k_min: float | None = 1.0
+    forward_timeout: float | None = 10.0
+    backward_k_min: int = 1
+    backward_timeout: float | None = 10.0
+    compression: int = NONE
+    channels: ChannelPool | None = None
+    bans: Bans = field(default_factory=Bans)
+    stats: MoEStats = field(default_factory=MoEStats)
+    layer_name: str = ""
+
+    def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
+                 shape: tuple[int, ...] | None = None) -> list[torch.Tensor] | None:
+        """The future's result, or None after banning whatever failed (the expert, or its whole server).
+
+        An answer whose first tensor is not floating-point of ``shape`` counts as the expert's failure: a faulty or
+        hostile server (or one hosting other experts under these uids) must not break the mixture.
+        """
+        error = None if not future.done() or future.cancelled() else future.exception()
+        if future.done() and not future.cancelled() and error is None:
+            result = future.result()
+            problem = malformed(result, shape)
+            if problem is None:
+                self.bans.succeed(uid, endpoint)
+                return result
+            error = RuntimeError(f"malformed answer: {problem}")
+        code = getattr(error, "code", None)
+        server_down = error is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        backoff = self.bans.fail(uid=None if server_down else uid, endpoint=endpoint if server_down else None)
+        what = f"server {endpoint}" if server_down else f"expert {uid}"
+        logger.info("%s %s dropped (%s); %s banned for %.1fs", "backward" if backward else "forward", uid,
+                    error if error is not None else "no answer in time", what, backoff)
+        if backward:
+            self.stats.backward_failures += 1
+        return None
+
+
+def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,
+                      timeout: float | None, timeout_after_k_min: float | None) -> None:
+    """Waits until every row has ``k_min`` answers (or nothing left to wait for), then at most
+    ``timeout_after_k_min`` more for stragglers; never past ``timeout`` in total. Futures left pending are
+    cancelled and count as dropped. ``rows[i]``: the rows future ``i`` answers (distinct)."""
+    start = time.monotonic()
+    deadline = start + timeout if timeout is not None else float("inf")
+    chosen = np.zeros(n_rows, dtype=np.int64)
+    for r in rows:
+        chosen[r] += 1
+    needed = np.minimum(chosen, k_min)
+    answered = np.zeros(n_rows, dtype=np.int64)
+    pending_per_row = chosen.copy()
+    pending = set(range(len(futures)))
+    index = {id(f): i for i, f in enumerate(futures)}
+    k_min_reached_at: float | None = None
+    while pending:
+        now = time.monotonic()
+        if k_min_reached_at is None and bool(((answered >= needed) | (pending_per_row == 0)).all()):
+            k_min_reached_at = now
+            if timeout_after_k_min is not None:
+                deadline = min(deadline, now + timeout_after_k_min)
+        remaining = deadline - now
+        if remaining <= 0:
+            break
+        done, _ = wait_futures([futures[i] for i in pending], timeout=min(remaining, 3600),
+                               return_when=FIRST_COMPLETED)
+        for future in done:
+            i = index[id(future)]
+            pending.discard(i)
+            pending_per_row[rows[i]] -= 1
+            if future.exception() is None:
+                answered[rows[i]] += 1
+    for i in pending:
+        futures[i].cancel()
+
+
+def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None) -> str | None:
+    """What is wrong with an expert's answer that should be floating-point of ``shape`` (None: nothing)."""
+    if not result:
+        return "no tensors"
+    first = result[0]
+    if shape is not None and tuple(first.shape) != shape:
+        return f"expected shape {list(shape)}, got {list(first.shape)}"
+    if not first.is_floating_point():
+        return f"expected floating-point values, got {first.dtype}"
+    return None

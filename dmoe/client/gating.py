@@ -1,0 +1,216 @@
+"""The structured gate and its maths, shared by the remote layer and the in-process one.
+
+Gating is *structured*: one linear projection scores every coordinate of every grid dimension, and an
+expert's score is the sum of its coordinates' scores, so ``ffn0.3.17`` scores ``s0[3] + s1[17]``. Inputs with
+extra dimensions (``[batch, seq, hidden]``) are routed **per token**: every position picks its own experts.
+:meth:`MixtureBase._combine` weighs the experts that answered (renormalising the softmax over them, row by row);
+:class:`LocalMixtureOfExperts` is the same layer with every expert in this process: the no-network baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from dmoe.experts import create_expert
+from dmoe.uid import join_uid, split_uid
+
+
+class NoAliveExpertsError(RuntimeError):
+    """Some rows got no answer from any expert (and ``allow_zero_outputs`` is off)."""
+
+
+@dataclass
+class MoEStats:
+    """Cumulative counters; the trainer shows ``experts_dropped / experts_chosen`` over an interval."""
+
+    forward_passes: int = 0
+    experts_chosen: int = 0        # expert calls made in forward (one per chosen expert per batch)
+    experts_dropped: int = 0       # of those, missing, failed or too slow
+    rows_without_expert: int = 0   # rows that got zeros (allow_zero_outputs) or made forward raise
+    backward_calls: int = 0
+    backward_failures: int = 0
+
+
+class MixtureBase(nn.Module):
+    """Gating maths shared by the remote layer and its in-process twin (same maths, other transport).
+
+    Two ways to weigh the chosen experts:
+
+    - default: a softmax over the chosen experts' scores, renormalised over those that answered;
+    - ``switch=True`` (Switch Transformer style, usually with ``k_best=1``): each chosen expert's probability under
+      the router's softmax over the *whole* grid, which for summed coordinate scores is the product of one softmax
+      per grid dimension. Not renormalised: with one expert per row a renormalised weight would always be 1 and the
+      gate would get no gradient. Each forward also sets :attr:`balance_loss`, the load-balancing term to add
+      (times a small coefficient) to the training loss.
+    """
+
+    def __init__(self, in_features: int, grid: Sequence[int], layer: str, k_best: int,
+                 allow_zero_outputs: bool = False, switch: bool = False):
+        super().__init__()
+        if k_best < 1:
+            raise ValueError(f"k_best must be >= 1, got {k_best}")
+        self.in_features = in_features
+        self.grid = tuple(int(g) for g in grid)
+        self.layer = layer
+        self.k_best = k_best
+        self.allow_zero_outputs = allow_zero_outputs
+        self.switch = switch
+        #: set by each forward when ``switch``: 1 when tokens and router probability spread evenly over every grid
+        #: dimension's coordinates, up to the dimension's size when all go to one coordinate. Differentiable
+        #: w.r.t. the gate.
+        self.balance_loss: torch.Tensor | None = None
+        self.proj = nn.Linear(in_features, sum(self.grid))
+        self.stats = MoEStats()
+        self._coords_cache: dict[str, tuple[int, ...]] = {}
+        self.reroute_attempts = 0  # in-process experts never fail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs [..., {self.in_features}], got {list(x.shape)}")
+        flat = x.reshape(-1, self.in_features)
+        grid_scores = list(self.proj(flat).split(self.grid, dim=-1))
+        detached = [s.detach() for s in grid_scores]
+        chosen = self._choose(detached)                                # per row: uids, best first
+        coords, valid = self._coords_tensor(chosen, flat.shape[0])     # [n, k, ndim], [n, k]
+        expert_out, alive = self._run_experts(flat, chosen)            # [n, k, out], [n, k]
+        for _ in range(self.reroute_attempts):
+            # Rows that none of their experts answered: the failed ones are banned now, so a second search
+            # finds the next-best alive experts for exactly those rows (a dead server costs no lost rows).
+            lost = torch.nonzero(valid.any(1) & ~(valid & alive).any(1)).squeeze(1)
+            if len(lost) == 0:
+                break
+            rechosen = self._choose([s[lost] for s in detached])
+            if not any(rechosen):
+                break
+            coords[lost], valid[lost] = self._coords_tensor(rechosen, len(lost))
+            retry_out, alive[lost] = self._run_experts(flat[lost], rechosen)
+            expert_out = expert_out.index_put((lost,), retry_out.to(expert_out.dtype))
+        self.stats.forward_passes += 1
+        if self.switch:
+            self.balance_loss = self._balance_loss(grid_scores, coords, valid)
+        out = self._combine(grid_scores, coords, valid & alive, expert_out)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _balance_loss(self, grid_scores: list[torch.Tensor], coords: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
+        """Switch Transformer's auxiliary loss ``n * sum_i f_i * P_i`` per grid dimension, averaged over dimensions.
+
+        ``f_i``: the share of routed (row, slot) pairs whose expert has coordinate ``i`` in that dimension;
+        ``P_i``: the router's mean probability of coordinate ``i``. Factorised by dimension because the router's
+        probability of an expert is the product of its coordinates' (and the grid may hold far more experts than
+        a batch has rows).
+        """
+        coords, valid = coords.to(grid_scores[0].device), valid.to(grid_scores[0].device)
+        routed = valid.sum().clamp_min(1)
+        terms = []
+        for dim, (size, scores) in enumerate(zip(self.grid, grid_scores)):
+            share = torch.zeros(size, dtype=scores.dtype, device=scores.device).index_add_(
+                0, coords[:, :, dim][valid], torch.ones(int(valid.sum()), dtype=scores.dtype, device=scores.device))
+            terms.append(size * (share / routed * torch.softmax(scores, dim=-1).mean(0)).sum())
+        return torch.stack(terms).mean()
+
+    def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
+        raise NotImplementedError
+
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _coords_tensor(self, chosen: list[list[str]], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grid coordinates [n, k, ndim] of the chosen experts, and which slots hold one (rows may get < k)."""
+        pad = (0,) * len(self.grid)
+        coords, valid = [], []
+        for uids in chosen:
+            uids = uids[: self.k_best]
+            row = [self._coords_of(uid) for uid in uids]
+            coords.append(row + [pad] * (self.k_best - len(row)))
+            valid.append([True] * len(row) + [False] * (self.k_best - len(row)))
+        shape = (n_rows, self.k_best, len(self.grid))
+        return torch.tensor(coords, dtype=torch.long).reshape(shape), torch.tensor(valid, dtype=torch.bool).reshape(shape[:2])
+
+    def _coords_of(self, uid: str) -> tuple[int, ...]:
+        coords = self._coords_cache.get(uid)
+        if coords is None:
+            coords = self._coords_cache[uid] = split_uid(uid)[1]
+        return coords
+
+    def _combine(self, grid_scores: list[torch.Tensor], coords: torch.Tensor, alive: torch.Tensor,
+                 expert_out: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weights (see the class docstring), then their weighted sum."""
+        coords, alive = coords.to(expert_out.device), alive.to(expert_out.device)
+        has_any = alive.any(dim=1)
+        if not bool(has_any.all()):
+            missing = int((~has_any).sum())
+            self.stats.rows_without_expert += missing
+            if not self.allow_zero_outputs:
+                raise NoAliveExpertsError(
+                    f"{missing} of {len(has_any)} rows got no answer from any expert of {self.layer!r}; "
+                    "pass allow_zero_outputs=True to use zeros for them instead"
+                )
+        if self.switch:
+            # the router's probability of each chosen expert over the whole grid: summed coordinate scores, so the
+            # log-probability is the sum of each dimension's log-softmax; experts that did not answer weigh 0
+            log_probs = [torch.log_softmax(scores, dim=-1) for scores in grid_scores]
+            log_p = sum(lp.gather(1, coords[:, :, dim]) for dim, lp in enumerate(log_probs))
+            weights = torch.exp(log_p) * alive
+            return torch.einsum("nk,nkd->nd", weights.to(expert_out.dtype), expert_out)
+        logits = sum(scores.gather(1, coords[:, :, dim]) for dim, scores in enumerate(grid_scores))
+        # -inf for experts that did not answer; rows with none at all get finite logits and zero weights, so
+        # neither the output nor the gradient ever sees NaN.
+        fill = torch.where(has_any, float("-inf"), 0.0).to(logits.dtype)[:, None]
+        weights = torch.softmax(torch.where(alive, logits, fill), dim=1) * alive
+        return torch.einsum("nk,nkd->nd", weights.to(expert_out.dtype), expert_out)
+
+
+class LocalMixtureOfExperts(MixtureBase):
+    """The same gating maths with every expert of the grid in this process: the no-network baseline.
+
+    ``expert_factory(uid)`` builds each expert (by default the ``expert_cls`` of the server's expert zoo with
+    ``in_features`` as its hidden size). The experts are ordinary submodules, trained by the caller's
+    optimizer, so comparisons with :class:`RemoteMixtureOfExperts` should give that optimizer the same settings
+    as the servers'.
+    """
+
+    def __init__(self, in_features: int, grid: Sequence[int], layer: str, *, k_best: int = 4,
+                 expert_cls: str = "ffn", expert_factory: Callable[[str], nn.Module] | None = None,
+                 allow_zero_outputs: bool = False, switch: bool = False, **expert_kwargs: Any):
+        super().__init__(in_features, grid, layer, k_best, allow_zero_outputs, switch)
+        if expert_factory is None:
+            def expert_factory(uid: str) -> nn.Module:
+                return create_expert(expert_cls, in_features, **expert_kwargs)
+
+        self.uids = [join_uid(layer, coords) for coords in torch.cartesian_prod(
+            *[torch.arange(g) for g in self.grid]).reshape(-1, len(self.grid)).tolist()]
+        # ModuleDict keys may not contain dots
+        self.experts = nn.ModuleDict({uid.replace(".", "_"): expert_factory(uid) for uid in self.uids})
+
+    def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
+        total = grid_scores[0]
+        for scores in grid_scores[1:]:
+            total = (total[:, :, None] + scores[:, None, :]).reshape(total.shape[0], -1)
+        top = total.topk(min(self.k_best, total.shape[1]), dim=1).indices.tolist()
+        return [[self.uids[i] for i in row] for row in top]
+
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        groups: dict[str, tuple[list[int], list[int]]] = {}
+        for row, uids in enumerate(chosen):
+            for slot, uid in enumerate(uids):
+                rows, slots = groups.setdefault(uid, ([], []))
+                rows.append(row)
+                slots.append(slot)
+        alive = torch.zeros(flat.shape[0], self.k_best, dtype=torch.bool)
+        all_rows, all_slots, outputs = [], [], []
+        for uid, (rows, slots) in groups.items():
+            rows_t = torch.tensor(rows)
+            outputs.append(self.experts[uid.replace(".", "_")](flat[rows_t]))
+            all_rows.append(rows_t)
+            all_slots.append(torch.tensor(slots))
+        rows_t, slots_t = torch.cat(all_rows), torch.cat(all_slots)
+        alive[rows_t, slots_t] = True
+        # one differentiable scatter of every expert's rows (not one full copy of the buffer per expert)
+        out = flat.new_zeros(flat.shape[0], self.k_best, outputs[0].shape[-1]).index_put((rows_t, slots_t),
+                                                                                       torch.cat(outputs))
+        self.stats.experts_chosen += len(groups)
+        return out, alive

@@ -1,0 +1,108 @@
+"""Announcing: keeping a server's experts declared in the DHT for as long as it serves them."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Sequence
+
+from dmoe.dht import DHT, DHTConfig, DHTNode, Identity
+from dmoe.directory.declarations import declare
+
+logger = logging.getLogger(__name__)
+
+
+async def announce_forever(node: DHTNode, uids: Sequence[str], endpoint: str, refresh_period: float,
+                           expiration: float, *, declared: bool = False) -> None:
+    """Declares ``uids`` every ``refresh_period`` seconds until cancelled; failures are retried sooner.
+
+    declared: the caller has just declared them, so the first declaration waits a refresh period.
+    """
+    if declared:
+        await asyncio.sleep(refresh_period)
+    while True:
+        started = time.monotonic()
+        try:
+            results = await declare(node, uids, endpoint, expiration)
+            failed = len(results) - sum(results)
+            if failed:
+                logger.warning("%d of %d experts could not be declared; retrying soon", failed, len(results))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("declaring experts failed; retrying soon")
+            failed = 1
+        period = refresh_period / 4 if failed else refresh_period
+        await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+
+
+class Announcer:
+    """Keeps a server's experts declared: :meth:`start` declares them once, then every ``refresh_period`` seconds;
+    each declaration expires ``expiration`` seconds (default 3 refresh periods) after it was made, so the experts of
+    a server that died or closed its announcer vanish on their own.
+
+    dht: the node to declare through; :meth:`join` makes one of its own, which :meth:`close` then closes.
+    announce_host: replaces the host of the endpoint others are told (a public address behind NAT).
+
+    The refreshing runs as a task on the DHT's loop (no thread of its own); :meth:`close` cancels it. This is what
+    an :class:`~dmoe.server.ExpertServer` calls ``start(uids, endpoint)`` on once it listens, and ``close()`` on
+    before it stops.
+    """
+
+    def __init__(self, dht: DHT, *, refresh_period: float = 10.0, expiration: float | None = None,
+                 announce_host: str | None = None, owns_dht: bool = False):
+        if refresh_period <= 0:
+            raise ValueError("refresh_period must be positive")
+        self.dht, self.owns_dht = dht, owns_dht
+        self.refresh_period, self.announce_host = refresh_period, announce_host
+        self.expiration = 3 * refresh_period if expiration is None else expiration
+        if self.expiration <= refresh_period:
+            logger.warning("expiration %.1fs <= refresh period %.1fs: experts will blink out between refreshes",
+                           self.expiration, refresh_period)
+        self.first_results: list[bool] = []
+        self._future: "asyncio.Future[None] | None" = None
+
+    @classmethod
+    def join(cls, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0, *,
+             config: DHTConfig | None = None, identity: Identity | None = None, **options) -> "Announcer":
+        """An announcer with a DHT node of its own, joined through ``initial_peers`` (see :class:`~dmoe.dht.DHT`).
+
+        ``identity`` signs the declarations; the first key to declare a uid owns it until its declaration expires,
+        so a restarted server must keep its key (:meth:`Identity.load_or_create`) to take its uids back at once.
+        Default: an ephemeral key (a restart then waits for its old declarations to expire, and a warning says so).
+        ``options``: those of the constructor.
+        """
+        if identity is None:
+            logger.warning("no DHT identity given: signing declarations with an ephemeral key, so after a restart "
+                           "this server's uids stay owned by the old key until its declarations expire")
+        dht = DHT(initial_peers=initial_peers, host=host, port=port, config=config, identity=identity)
+        return cls(dht, owns_dht=True, **options)
+
+    def start(self, uids: Sequence[str], endpoint: str) -> list[bool]:
+        """Declares ``uids`` at ``endpoint`` now and keeps them declared until :meth:`close`; returns, per uid,
+        whether the first declaration fully reached the DHT (failures are retried sooner than a refresh period)."""
+        if self._future is not None:
+            raise RuntimeError("this announcer has already started")
+        if self.announce_host:
+            endpoint = f"{self.announce_host}:{endpoint.rsplit(':', 1)[1]}"
+        uids = list(uids)
+        self.first_results = self.dht.run_coroutine(declare(self.dht.node, uids, endpoint, self.expiration))
+        logger.info("declared %d of %d experts at %s in the DHT (node %s)", sum(self.first_results), len(uids),
+                    endpoint, self.dht.endpoint)
+        self._future = asyncio.run_coroutine_threadsafe(
+            announce_forever(self.dht.node, uids, endpoint, self.refresh_period, self.expiration, declared=True),
+            self.dht.loop)
+        return self.first_results
+
+    def close(self) -> None:
+        """Stops refreshing (the declarations then expire on their own), and closes the DHT node if it owns it."""
+        if self._future is not None:
+            self._future.cancel()  # thread-safe: cancels the task on the DHT's loop
+        if self.owns_dht:
+            self.dht.close()
+
+    def __enter__(self) -> "Announcer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,91 @@
+"""Reading the expert directory: alive continuations of grid prefixes (what beam search walks), the endpoint of
+each uid, and every alive expert of a layer's grid.
+
+All of them read the prefix records :mod:`dmoe.directory.declarations` writes, through the generic
+:meth:`dmoe.dht.DHT.get_many` (one batched look-up for all the keys of a call). Only entries validly signed for
+their record reach here: the DHT drops the rest as replies arrive.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence, Union
+
+from dmoe.dht import DHT
+from dmoe.dht.storage import Record
+from dmoe.uid import is_valid_prefix, strict_prefixes
+
+Continuations = dict[int, str]
+
+
+class ContinuationSource(Protocol):
+    """What walking a grid needs: for each prefix (``'ffn0'``, ``'ffn0.3'``), its alive next coordinates ->
+    endpoint. A :class:`DirectoryReader` over a DHT, or a test's stand-in."""
+
+    def get_alive_continuations(self, prefixes: Sequence[str]) -> Mapping[str, Mapping[int, str]]: ...
+
+
+def continuations(record: Record) -> Continuations:
+    """Alive coordinates of a (verified) prefix record -> endpoint: a uid's owned entry, else a shared prefix claim
+    (whose endpoint is merely that of one server hosting something under it)."""
+    found = {subkey: entry.value for subkey, entry in record.items() if isinstance(subkey, int)}
+    for subkey, entry in record.items():
+        if isinstance(subkey, str) and subkey.isdigit() and len(subkey) < 10:
+            found.setdefault(int(subkey), entry.value)
+    return found
+
+
+def get_alive_continuations(dht: DHT, prefixes: Sequence[str]) -> dict[str, Continuations]:
+    """For each grid prefix, its alive continuations: coordinate -> endpoint (at the last grid dimension the
+    expert's own, so beam search needs no second look-up). Raises ValueError for an invalid prefix."""
+    for prefix in prefixes:
+        if not is_valid_prefix(prefix):
+            raise ValueError(f"invalid grid prefix {prefix!r}")
+    records = dht.get_many(prefixes)
+    return {prefix: continuations(record) for prefix, record in records.items()}
+
+
+def get_experts(dht: DHT, uids: Sequence[str]) -> list[str | None]:
+    """The endpoint of each uid (its owner's, signed), or None when it is not declared or has expired."""
+    parents = [strict_prefixes(uid)[-1] for uid in uids]  # (record of the last strict prefix, last coordinate)
+    records = dht.get_many([prefix for prefix, _ in parents])
+    found = [records[prefix].get(coordinate) for prefix, coordinate in parents]
+    return [entry.value if entry is not None else None for entry in found]
+
+
+class DirectoryReader:
+    """A DHT read as the expert directory (a :class:`ContinuationSource`)."""
+
+    def __init__(self, dht: DHT):
+        self.dht = dht
+
+    def get_alive_continuations(self, prefixes: Sequence[str]) -> dict[str, Continuations]:
+        return get_alive_continuations(self.dht, prefixes)
+
+
+def continuation_source(dht: Union[DHT, ContinuationSource]) -> ContinuationSource:
+    """``dht`` read as the directory when it is a :class:`~dmoe.dht.DHT`; anything else already is a source."""
+    return DirectoryReader(dht) if isinstance(dht, DHT) else dht
+
+
+def alive_experts(dht: Union[DHT, ContinuationSource], layer: str, grid: Sequence[int]) -> dict[str, str]:
+    """uid -> endpoint of every declared, unexpired expert of ``layer`` inside ``grid``.
+
+    Walks the grid-prefix records one dimension at a time (as beam search does), so a sparse grid costs one
+    look-up per alive prefix rather than one per cell. Coordinates outside ``grid`` are ignored.
+    """
+    source = continuation_source(dht)
+    prefixes = [layer]
+    found: dict[str, str] = {}
+    for axis, size in enumerate(grid):
+        alive = source.get_alive_continuations(prefixes) if prefixes else {}
+        last = axis == len(grid) - 1
+        next_prefixes = []
+        for prefix in prefixes:
+            for coord, endpoint in sorted((alive.get(prefix) or {}).items()):
+                if not 0 <= coord < size:
+                    continue
+                if last:
+                    found[f"{prefix}.{coord}"] = endpoint
+                else:
+                    next_prefixes.append(f"{prefix}.{coord}")
+        prefixes = next_prefixes
+    return found

@@ -1,0 +1,41 @@
+"""Where a new server places its experts: grid cells nobody serves yet first."""
+from __future__ import annotations
+
+import math
+import random
+from typing import Collection, Sequence, Union
+
+from dmoe.dht import DHT
+from dmoe.directory.lookups import ContinuationSource, alive_experts
+from dmoe.uid import grid_uids
+
+
+def choose_experts(layers: Sequence[str], grid: Sequence[int], count: int, taken: Collection[str] = (),
+                   rng: random.Random | None = None) -> list[str]:
+    """``count`` uids per layer of ``grid``, cells nobody serves (not in ``taken``) first, in random order.
+
+    When a layer has fewer free cells than ``count``, the rest are drawn from served cells (more replicas of
+    those experts is better than idling). Random order keeps servers that join at the same moment apart.
+    """
+    if count > math.prod(grid):
+        raise ValueError(f"{count} experts do not fit a grid of {' x '.join(map(str, grid))} = {math.prod(grid)} cells")
+    rng = rng or random.Random()
+    taken = set(taken)
+    chosen = []
+    for layer in layers:
+        cells = grid_uids(layer, grid)
+        free = [uid for uid in cells if uid not in taken]
+        served = [uid for uid in cells if uid in taken]
+        rng.shuffle(free)
+        rng.shuffle(served)
+        chosen.extend((free + served)[:count])
+    return chosen
+
+
+def free_experts(dht: Union[DHT, ContinuationSource], layers: Sequence[str], grid: Sequence[int], count: int,
+                 rng: random.Random | None = None) -> list[str]:
+    """:func:`choose_experts` with the taken cells read from the directory now."""
+    taken = set()
+    for layer in layers:
+        taken.update(alive_experts(dht, layer, grid))
+    return choose_experts(layers, grid, count, taken, rng)

@@ -1,0 +1,360 @@
+"""The training loop of ``dmoe-train``: a gated transformer LM whose feed-forward experts live in the swarm.
+
+:class:`TrainConfig` holds every setting (each field is a ``dmoe-train`` flag, see :mod:`dmoe.cli.train`);
+:func:`train` runs the loop with progress bar, validation, checkpoints and the loss curve.
+
+The client's AdamW (warm-up, cosine decay, clipping) trains only the client's own parameters (embeddings,
+attention, gates, head). Every expert is trained as a server trains it: by its own optimizer
+(``--expert-optimizer``, constant ``--expert-lr``, ``--expert-clip-grad-norm``), stepped once per backward that
+reaches it. ``--experts local`` builds such experts in process, so a local run differs from a remote one only by
+the network; for a remote swarm to match it, start its servers with :meth:`TrainConfig.expert_server_args`
+(``--optimizer adam --lr 0.003 --seed 0`` by default), as ``make demo`` does. Checkpoints hold the client's
+parameters and optimizer, and in-process experts with their optimizers; remote experts are checkpointed by their
+servers (``dmoe-server --checkpoint-dir``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dmoe.cli.config import non_negative, positive
+from dmoe.server.backend import OPTIMIZERS
+from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
+from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
+from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
+
+
+def _option(default, help: str, parse=None, choices=None):
+    return field(default=default, metadata={"help": help, "parse": parse, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data: str | None = _option(None, "train on this text file instead of the Shakespeare corpus")
+    data_dir: str = _option("data", "where the Shakespeare corpus is downloaded and cached")
+    val_fraction: float = _option(0.05, "the tail of the text held out for validation", positive(float))
+    # model
+    seq_len: int = _option(64, "context length in bytes", positive(int))
+    hidden: int = _option(128, "model width", positive(int))
+    layers: int = _option(2, "transformer blocks, each with its own expert grid ffn{i}", positive(int))
+    heads: int = _option(4, "attention heads", positive(int))
+    dropout: float = _option(0.0, "dropout on the client's layers", non_negative(float))
+    grid: tuple[int, ...] = _option((4, 4), "expert grid of each layer, e.g. --grid 4 4", positive(int))
+    k_best: int = _option(4, "experts mixed per token", positive(int))
+    switch: bool = _option(False, "Switch-style gating (use with --k-best 1): a token's expert weighs its router "
+                                  "probability over the whole grid, and a load-balancing loss is added")
+    balance_coef: float = _option(0.1, "weight of the load-balancing loss with --switch", non_negative(float))
+    # experts
+    experts: str = _option("local", "in-process experts or experts found through the DHT", choices=("local", "remote"))
+    initial_peers: tuple[str, ...] = _option((), "HOST:PORT of DHT peers (with --experts remote)")
+    expert_cls: str = _option("ffn", "expert type of in-process experts (with --experts local)")
+    expert_optimizer: str = _option("adam", "each expert's own optimizer, stepped once per backward that reaches it "
+                                            "(in-process experts; make demo passes it to its servers)",
+                                    choices=tuple(OPTIMIZERS))
+    expert_lr: float = _option(3e-3, "the experts' constant learning rate (servers: --lr)", positive(float))
+    expert_clip_grad_norm: float = _option(0.0, "clip each expert's gradient norm before its step (0: off; servers: "
+                                                "--clip-grad-norm)", non_negative(float))
+    k_min: int = _option(1, "answers each token waits for before the timeout_after_k_min grace", positive(int))
+    forward_timeout: float = _option(10.0, "seconds to wait for experts' forward answers", positive(float))
+    backward_timeout: float = _option(10.0, "seconds to wait for experts' backward answers", positive(float))
+    timeout_after_k_min: float = _option(1.0, "extra seconds for slower experts once k_min answered", non_negative(float))
+    allow_zero_outputs: bool = _option(True, "a token whose experts all failed skips the layer instead of raising")
+    backward_k_min: int = _option(0, "backward raises for a token with fewer expert gradients than this (0: never, "
+                                     "so a server that dies between forward and backward only costs its gradients)",
+                                  non_negative(int))
+    # optimisation
+    steps: int = _option(400, "optimizer steps in total (a resumed run continues up to this step)", positive(int))
+    batch_size: int = _option(16, "windows per batch", positive(int))
+    lr: float = _option(3e-3, "peak learning rate of the client's AdamW", positive(float))
+    warmup_steps: int = _option(50, "linear warm-up steps, then cosine decay to lr / 10", non_negative(int))
+    weight_decay: float = _option(0.0, "AdamW weight decay", non_negative(float))
+    grad_clip: float = _option(1.0, "clip the client's gradient norm (0: off)", non_negative(float))
+    # bookkeeping
+    eval_interval: int = _option(100, "steps between validation passes", positive(int))
+    eval_batches: int = _option(8, "batches per validation pass", positive(int))
+    checkpoint_interval: int = _option(100, "steps between checkpoints", positive(int))
+    out_dir: str = _option("runs/train", "where the checkpoint and loss curve are written")
+    checkpoint: str | None = _option(None, "checkpoint file (default: OUT_DIR/checkpoint.pt)")
+    resume: bool = _option(False, "continue from the checkpoint if there is one")
+    max_minutes: float = _option(0.0, "stop after this many minutes (0: no limit)", non_negative(float))
+    sample_bytes: int = _option(200, "bytes of text to sample at the end (0: none)", non_negative(int))
+    seed: int = _option(0, "seed for initialisation and batch order")
+    device: str = _option("cpu", "torch device of the client's layers")
+    threads: int = _option(0, "torch CPU threads (0: torch's default)", non_negative(int))
+
+    def validate(self) -> None:
+        """Raises ValueError naming the flag when options do not fit together."""
+        if self.hidden % self.heads:
+            raise ValueError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
+        if self.k_best > math.prod(self.grid):
+            raise ValueError(f"--k-best {self.k_best} is more than the {math.prod(self.grid)} experts of --grid")
+        if self.k_min > self.k_best:
+            raise ValueError(f"--k-min {self.k_min} is more than --k-best {self.k_best}")
+        if self.experts == "remote" and not self.initial_peers:
+            raise ValueError("--initial-peers HOST:PORT is required with --experts remote")
+        if self.val_fraction >= 1:
+            raise ValueError(f"--val-fraction must be below 1, got {self.val_fraction}")
+
+    def expert_optimizer_config(self) -> ExpertOptimizerConfig:
+        """How every expert is trained: in process (``--experts local``) and on the servers ``make demo`` starts."""
+        return ExpertOptimizerConfig(self.expert_optimizer, self.expert_lr, self.expert_clip_grad_norm or None)
+
+    def expert_server_args(self) -> list[str]:
+        """The ``dmoe-server`` flags under which remote experts train, and start, as ``--experts local`` ones do."""
+        return [*self.expert_optimizer_config().server_args(), "--seed", str(self.seed)]
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=VOCAB_SIZE, seq_len=self.seq_len, hidden=self.hidden, n_layers=self.layers,
+                           n_heads=self.heads, dropout=self.dropout, grid=tuple(self.grid), k_best=self.k_best)
+
+
+def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
+    """Runs the training loop; returns final_val_loss, final_val_perplexity, step, history, interrupted and the
+    paths of the checkpoint and the loss curve. ``moe_factory(layer_index)`` overrides the mixture layers."""
+    config.validate()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    data = TextData.from_file(config.data or shakespeare(config.data_dir), config.val_fraction, config.seq_len + 1)
+    out_dir = Path(config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = Path(config.checkpoint or out_dir / "checkpoint.pt")
+    with contextlib.ExitStack() as resources:  # closes the DHT node and remote layers, also on Ctrl-C
+        model = GatedTransformerLM(config.model_config(), moe_factory or make_moe_factory(config, resources))
+        model.to(config.device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        step, history = 0, {"train": [], "val": []}
+        if config.resume:
+            step, history = load_checkpoint(checkpoint_path, model, optimizer, config)
+        tqdm.write(f"{data.source}: {len(data.train):,} training / {len(data.val):,} validation bytes; "
+                   f"{sum(p.numel() for p in model.parameters()):,} client parameters; {config.experts} experts")
+
+        # ---- the loop ----
+        started, interrupted = time.monotonic(), False
+        bar = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
+        try:
+            if step == 0:
+                report_validation(model, data, config, step, history, started)
+            meter = IntervalMeter(model)
+            while step < config.steps and not over_time(started, config):
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(step, config)
+                batch = data.batch("train", config.batch_size, config.seq_len, batch_generator(config.seed, step))
+                inputs, targets = (t.to(config.device) for t in batch)
+                _, loss = model(inputs, targets)
+                balance = model.balance_loss() if config.switch else None
+                optimizer.zero_grad(set_to_none=True)
+                (loss + config.balance_coef * balance if balance is not None else loss).backward()
+                if config.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                optimizer.step()
+                step += 1
+                history["train"].append((step, loss.item()))
+                meter.add(loss.item(), inputs.numel(), balance.item() if balance is not None else None)
+                bar.update()
+                bar.set_postfix(meter.postfix(model), refresh=False)
+                if step % config.eval_interval == 0 and step < config.steps:
+                    report_validation(model, data, config, step, history, started)
+                    meter.restart(model)  # validation time is not training throughput
+                if step % config.checkpoint_interval == 0:
+                    save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
+        except KeyboardInterrupt:
+            interrupted = True
+            tqdm.write(f"interrupted at step {step}: saving the checkpoint and the loss curve")
+        bar.close()
+        # ---- the end: checkpoint, final validation, curve, sample ----
+        if interrupted:  # save before anything else, in case a second Ctrl-C follows
+            save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
+        val_loss = math.nan
+        with contextlib.suppress(KeyboardInterrupt):
+            if not history["val"] or history["val"][-1][0] != step:
+                report_validation(model, data, config, step, history, started)
+            val_loss = history["val"][-1][1]
+        save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
+        plot_path = plot_losses(history, out_dir / "loss.png")
+        print(f"final validation loss {val_loss:.3f} perplexity {math.exp(val_loss):.2f} "
+              f"(step {step}, {(time.monotonic() - started) / 60:.1f} min)")
+        print(f"loss curve: {plot_path}; checkpoint: {checkpoint_path}" + ("; resume with --resume" if interrupted else ""))
+        if config.sample_bytes and not interrupted:
+            with contextlib.suppress(KeyboardInterrupt):
+                print("sample:\n" + sample(model, config))
+    return {"final_val_loss": val_loss, "final_val_perplexity": math.exp(val_loss), "step": step, "history": history,
+            "interrupted": interrupted, "checkpoint": checkpoint_path, "plot": plot_path}
+
+
+def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> MoEFactory:
+    """One mixture layer per block, experts ``ffn{i}.*.*``; the DHT client node and any layer with ``close()``
+    are registered on ``resources``. Imported lazily: the model and data code do not need the network stack."""
+    common = dict(in_features=config.hidden, grid=tuple(config.grid), k_best=config.k_best, switch=config.switch)
+    if config.experts == "local":
+        from dmoe.client.gating import LocalMixtureOfExperts
+
+        # trained as a server trains them (their own optimizer, stepped in backward), so that local and remote
+        # runs differ only by the network
+        experts = in_process_experts(config.expert_cls, config.hidden, config.expert_optimizer_config(),
+                                     seed=config.seed, device=config.device)
+        return lambda i: LocalMixtureOfExperts(layer=f"ffn{i}", expert_factory=experts, **common)
+
+    from dmoe.client.moe import RemoteMixtureOfExperts
+    from dmoe.dht import DHT
+
+    from dmoe.client.bans import Bans
+
+    dht = DHT(initial_peers=list(config.initial_peers), client_mode=True)  # asks, never answers (behind NAT)
+    resources.callback(dht.close)
+    bans = Bans()  # shared: a server found dead by one layer is avoided by every layer at once
+
+    def remote_layer(i: int) -> torch.nn.Module:
+        layer = RemoteMixtureOfExperts(
+            layer=f"ffn{i}", dht=dht, k_min=config.k_min, forward_timeout=config.forward_timeout,
+            backward_k_min=config.backward_k_min, backward_timeout=config.backward_timeout,
+            timeout_after_k_min=config.timeout_after_k_min,
+            allow_zero_outputs=config.allow_zero_outputs, bans=bans, **common)
+        if callable(getattr(layer, "close", None)):
+            resources.callback(layer.close)
+        return layer
+
+    return remote_layer
+
+
+class IntervalMeter:
+    """Mean loss, tokens per second and the share of chosen experts that were dropped, since the last restart
+    (with --switch also the mean load-balancing loss: 1 is perfectly even)."""
+
+    def __init__(self, model: GatedTransformerLM):
+        self.restart(model)
+
+    def restart(self, model: GatedTransformerLM) -> None:
+        self.since, self.counters, self.losses, self.tokens = time.perf_counter(), model.moe_counters(), [], 0
+        self.balances: list[float] = []
+
+    def add(self, loss: float, tokens: int, balance: float | None = None) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+        if balance is not None:
+            self.balances.append(balance)
+
+    def postfix(self, model: GatedTransformerLM, window: int = 10) -> dict[str, str]:
+        chosen, dropped = (now - before for now, before in zip(model.moe_counters(), self.counters))
+        shown = {"loss": f"{sum(self.losses) / len(self.losses):.3f}",
+                 "tok/s": f"{self.tokens / max(time.perf_counter() - self.since, 1e-9):,.0f}",
+                 "dropped": f"{dropped / chosen:.1%}" if chosen else "n/a"}
+        if self.balances:
+            shown["balance"] = f"{sum(self.balances) / len(self.balances):.2f}"
+        if len(self.losses) >= window:
+            self.restart(model)
+        return shown
+
+
+def batch_generator(seed: int, step: int) -> torch.Generator:
+    """Step ``step``'s batch depends only on (seed, step), so a resumed run sees the batches it would have seen."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(config.steps - config.warmup_steps, 1)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def over_time(started: float, config: TrainConfig) -> bool:
+    return bool(config.max_minutes) and time.monotonic() - started > 60 * config.max_minutes
+
+
+@torch.no_grad()
+def evaluate(model: GatedTransformerLM, data: TextData, config: TrainConfig) -> float:
+    """Mean loss over ``eval_batches`` validation windows; the same windows every time (fixed seed)."""
+    model.eval()
+    windows = torch.Generator().manual_seed(config.seed + 1)
+    losses = []
+    for _ in range(config.eval_batches):
+        inputs, targets = data.batch("val", config.batch_size, config.seq_len, windows)
+        losses.append(model(inputs.to(config.device), targets.to(config.device))[1].item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def report_validation(model, data, config, step: int, history: dict, started: float) -> None:
+    """Appends (step, loss) to history["val"] and (step, seconds since ``started``) to history["val_seconds"]."""
+    loss = evaluate(model, data, config)
+    history["val"].append((step, loss))
+    history.setdefault("val_seconds", []).append((step, time.monotonic() - started))
+    tqdm.write(f"step {step}: validation loss {loss:.3f} perplexity {math.exp(loss):.2f}")
+
+
+def save_checkpoint(path: Path, model, optimizer, step: int, history: dict, config: TrainConfig) -> None:
+    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
+             "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(config)}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[int, dict]:
+    if not path.exists():
+        tqdm.write(f"no checkpoint at {path}: starting from step 0")
+        return 0, {"train": [], "val": []}
+    state = torch.load(path, map_location=config.device, weights_only=True)
+    saved = state["config"]
+    changed = [f"--{name.replace('_', '-')} was {saved[name]!r}, now {getattr(config, name)!r}"
+               for name in ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "experts")
+               if name in saved and _as_tuple(saved[name]) != _as_tuple(getattr(config, name))]
+    if changed:
+        raise ValueError(f"{path} was saved with a different model: " + "; ".join(changed))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["torch_rng"].cpu())
+    history = {"train": [tuple(p) for p in state["history"]["train"]], "val": [tuple(p) for p in state["history"]["val"]]}
+    tqdm.write(f"resumed from {path} at step {state['step']}")
+    return state["step"], history
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def plot_losses(history: dict, path: Path) -> Path:
+    """Per-step training loss (faint), its running mean, and the validation points; written as PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), tight_layout=True)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if history["train"]:
+        steps, losses = zip(*history["train"])
+        window = max(1, len(losses) // 50)
+        running = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
+                   for i in range(len(losses))]
+        ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8)
+        ax.plot(steps, running, color="tab:blue", label=f"train (mean of {window} steps)")
+    if history["val"]:
+        steps, losses = zip(*history["val"])
+        ax.plot(steps, losses, "o-", color="tab:orange", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+@torch.no_grad()
+def sample(model: GatedTransformerLM, config: TrainConfig) -> str:
+    model.eval()
+    start = torch.tensor([[ord("\n")]], device=config.device)
+    tokens = model.generate(start, config.sample_bytes, generator=torch.Generator(config.device).manual_seed(config.seed))
+    model.train()
+    return bytes(tokens[0, 1:].tolist()).decode("utf-8", errors="replace")

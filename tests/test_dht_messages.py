@@ -1,0 +1,88 @@
+"""Message encoding and parsing: replies fit a datagram, find_values replies split back, bad contacts are dropped,
+and both ends reuse what they encoded or parsed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import umsgpack
+from kademlia.node import Node
+
+from dmoe.dht.config import DHTConfig
+from dmoe.dht.messages import (VALUES_HEADER, EncodedReplies, ReplyParser, find_value_reply, parse_contacts,
+                               parse_nodes, split_values_reply)
+from dmoe.dht.routing import DHTRoutingTable
+from dmoe.dht.signing import Identity, Verifier
+from dmoe.dht.storage import Entry, RecordStorage
+from dmoe.dht.transport import MAX_DATAGRAM_BYTES
+
+KEY = b"k" * 20
+
+
+def test_a_full_record_with_the_longest_endpoints_fits_in_one_reply_datagram():
+    config = DHTConfig()
+    endpoint = "h" * config.max_value_bytes
+    record = {coord: Entry(endpoint, 1e10 + coord + 0.123, bytes(32), bytes(64)) for coord in range(2**31 - 256, 2**31)}
+    nodes = [Node(bytes(20), "255.255.255.255", 65535)] * config.ksize
+    reply = umsgpack.packb(find_value_reply(record, nodes))
+    assert len(reply) + 21 < MAX_DATAGRAM_BYTES
+
+
+def test_replies_reuse_the_encoded_record_until_it_changes_and_readers_parse_identical_bytes_once():
+    identity = Identity()
+    storage, encoded = RecordStorage(), EncodedReplies()
+    expiration = time.time() + 60
+    storage.store(KEY, 1, *identity.entry(KEY, 1, "a:1", expiration))
+    first = encoded.value_reply(storage, KEY, [])
+    assert encoded.value_reply(storage, KEY, [])["record"] is first["record"]  # not encoded again
+    storage.store(KEY, 2, *identity.entry(KEY, 2, "b:2", expiration))
+    second = encoded.value_reply(storage, KEY, [])
+    assert second["record"] != first["record"] and second == find_value_reply(storage.get(KEY), [])
+
+    calls = []
+    verifier = Verifier()
+    parser = ReplyParser(lambda *entry: calls.append(entry) or verifier(*entry), DHTConfig().max_value_bytes)
+
+    async def parse_twice():
+        one, _ = await parser.parse(dict(second), KEY)
+        two, _ = await parser.parse(dict(second), KEY)
+        three, _ = await parser.parse(dict(second), b"x" * 20)  # same bytes, other key: checked
+        parser.close()
+        return one, two, three
+
+    one, two, three = asyncio.run(parse_twice())
+    assert one is two and set(one) == {1, 2}
+    assert three == {}  # signed for KEY, not for the other key
+    assert len(calls) == 4  # two entries for KEY once, then both again for the other key
+
+
+def test_contact_lists_are_encoded_again_only_after_the_routing_table_changed():
+    me, asker = Node(b"m" * 20, "127.0.0.1", 1), Node(b"a" * 20, "127.0.0.1", 2)
+    table, encoded = DHTRoutingTable(None, 20, me), EncodedReplies()
+    table.add_contact(Node(b"c" * 20, "127.0.0.1", 3))
+    first = encoded.contacts(table, KEY, 5, asker)
+    assert encoded.contacts(table, KEY, 5, asker) is first
+    table.add_contact(Node(b"d" * 20, "127.0.0.1", 4))
+    assert [contact[2] for contact in json.loads(encoded.contacts(table, KEY, 5, asker))] == [3, 4]
+
+
+def test_a_find_values_reply_is_split_back_into_replies_and_a_truncated_one_is_refused():
+
+    parts = [(b'[[1,"a:1",5.0]]', b"x" * 96, b'[]'), (b"[]", b"", b'[["' + b"ab" * 20 + b'","127.0.0.1",9]]')]
+    blob = b"".join(VALUES_HEADER.pack(len(r), len(a), len(n)) + r + a + n for r, a, n in parts)
+    assert split_values_reply(blob) == [{"record": r.decode(), "auth": a, "nodes": n.decode()} for r, a, n in parts]
+    for broken in (blob[:-1], blob[:5], blob + b"\x00", "text", None):
+        assert split_values_reply(broken) is None
+    assert split_values_reply(blob.replace(b"a:1", b"\xff:1")) is None  # not ASCII
+
+
+def test_contacts_with_addresses_no_datagram_can_reach_are_dropped():
+    """A hostile reply listing a contact at port 70000 made ``sendto`` raise, and asyncio then closed the asker's
+    socket: one reply silenced the node. Host names would be resolved on the loop. Both are dropped."""
+    good = ["ab" * 20, "127.0.0.1", 9]
+    hostile = [["cd" * 20, "127.0.0.1", 70000], ["cd" * 20, "127.0.0.1", 0], ["cd" * 20, "peer.example", 9],
+               ["cd" * 20, "127.0.0.1", True], ["cd" * 20, "::1", 9]]
+    assert [(n.ip, n.port) for n in parse_contacts([good, *hostile])] == [("127.0.0.1", 9), ("::1", 9)]
+    assert parse_nodes([[b"x" * 20, "127.0.0.1", 70000], [b"y" * 20, "localhost", 9]]) == []
+    assert [(n.ip, n.port) for n in parse_nodes([[b"x" * 20, "127.0.0.1", 9]])] == [("127.0.0.1", 9)]

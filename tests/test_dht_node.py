@@ -1,0 +1,101 @@
+"""The node's look-ups and stores in a swarm of in-process nodes: stores readers can see, searches that do not wait
+for the dead, and initial peers given by name."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from kademlia.node import Node
+from kademlia.utils import digest
+
+from dmoe.dht import DHT
+from dmoe.dht.config import DHTConfig
+from tests.dht_nodes import in_process_swarm
+
+
+def test_a_declaration_that_missed_the_nodes_readers_ask_is_stored_there_when_read_back():
+    """A store lands where its own search pointed; if busy nodes made that the wrong place, readers saw nothing
+    until the next refresh. ``make_readable`` reads the record back as a reader would and fills the gap."""
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=2, read_width=3)
+        async with in_process_swarm(12, config) as nodes:
+            key = "ffn0.3"
+            target = Node(digest(key))
+            by_distance = sorted(nodes, key=lambda node: target.distance_to(node.node))
+            reader, writer = by_distance[0], by_distance[-1]  # the writer keeps no copy: it is the farthest
+            entry = writer.identity.entry(digest(key), 17, "127.0.0.1:1", time.time() + 60)
+            far = [contact for contact in writer.protocol.router.contacts() if contact.id != reader.node.id]
+            far.sort(key=target.distance_to)
+            assert await writer.store_record(key, {17: entry}, nodes=far[-2:]) == [True]  # the far end
+            holders = [node for node in nodes if node.storage.get(digest(key)) is not None]
+            assert {node.node.id for node in holders} == {contact.id for contact in far[-2:]}
+            assert await reader.get_record(key) == {}, "the misplaced store was visible: the scenario is wrong"
+            assert await writer.make_readable(key, {17: entry}) >= 1
+            assert (await reader.get_record(key))[17] == entry
+            assert await writer.make_readable(key, {17: entry}) == 0  # nothing left to repair
+
+    asyncio.run(scenario())
+
+
+def test_searches_do_not_wait_again_for_nodes_that_already_timed_out():
+    """Store searches used to wait one RPC timeout per dead node they met, round after round, so declarations
+    after churn took longer than they live; and every look-up of an absent key waited for the dead too."""
+
+    async def scenario() -> None:
+        config = DHTConfig(rpc_timeout=3.0)
+        async with in_process_swarm(16, config) as nodes:
+            searcher = nodes[1]
+            for node in nodes[8:]:
+                node.stop()  # silent from now on, still in everyone's routing table
+            keys = [digest(f"key{i}") for i in range(8)]
+            await asyncio.gather(*(searcher.find_replicas(key) for key in keys))  # meets the dead: waits for them
+            started = time.monotonic()
+            replicas = await asyncio.gather(*(searcher.find_replicas(key) for key in keys))
+            assert time.monotonic() - started < config.rpc_timeout / 2, "a store search waited for dead nodes"
+            alive = {node.node.id for node in nodes[:8]}
+            assert all(len(found) == 7 and {n.id for n in found} <= alive for found in replicas)  # all but itself
+            started = time.monotonic()
+            assert await searcher.get_records(["absent0", "absent1"]) == {"absent0": {}, "absent1": {}}
+            assert time.monotonic() - started < config.rpc_timeout / 2, "a look-up of an absent key waited"
+
+    asyncio.run(scenario())
+
+
+def test_a_lookup_whose_closest_contacts_all_died_asks_the_next_ones_in_time():
+    """Right after half of a swarm died, a few keys had lost every contact a reader would ask first. The
+    lookup had nobody else to ask: it waited an RPC timeout and answered "no record", so beam search dropped a
+    live prefix (the first search after a kill in the DHT benchmark). It now falls back to the next contacts."""
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=8, read_width=3, rpc_timeout=3.0)
+        async with in_process_swarm(16, config) as nodes:
+            key = "ffn0.5"
+            target = Node(digest(key))
+            by_distance = sorted(nodes, key=lambda node: target.distance_to(node.node))
+            reader, writer = by_distance[-1], by_distance[-2]
+            entry = writer.identity.entry(digest(key), 3, "127.0.0.1:1", time.time() + 60)
+            assert await writer.store_record(key, {3: entry}) == [True]
+            first_asked = reader.protocol.router.find_neighbors(target, k=config.read_width)
+            assert len(first_asked) == config.read_width
+            for node in nodes:
+                if node.node.id in {contact.id for contact in first_asked}:
+                    node.stop()  # silent from now on, still in the reader's routing table
+            holders = [node for node in nodes if node.protocol.transport is not None
+                       and not node.protocol.transport.is_closing() and node.storage.get(target.id)]
+            assert holders, "no live replica is left: the scenario is wrong"
+            started = time.monotonic()
+            assert (await reader.get_record(key)).get(3) == entry
+            assert time.monotonic() - started < config.rpc_timeout / 2, "the lookup waited for the dead"
+
+    asyncio.run(scenario())
+
+
+def test_initial_peers_may_be_host_names():
+
+    with DHT() as first:
+        with DHT([f"localhost:{first.endpoint.rsplit(':', 1)[1]}"]) as second:
+            assert second.node.protocol.router.contacts()[0].ip == "127.0.0.1"
+        with pytest.raises(ConnectionError, match="none of the initial DHT peers"):
+            DHT(["no-such-host.invalid:9"])

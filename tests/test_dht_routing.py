@@ -1,0 +1,60 @@
+"""The routing table: neighbour queries return the k closest contacts it knows, also while contacts change."""
+from __future__ import annotations
+
+import random
+
+from kademlia.node import Node
+from kademlia.routing import RoutingTable
+
+from dmoe.dht.routing import DHTRoutingTable
+
+
+def _random_node(rng: random.Random) -> Node:
+    return Node(rng.getrandbits(160).to_bytes(20, "big"), "127.0.0.1", rng.randrange(1, 65536))
+
+
+def test_find_neighbors_returns_the_k_closest_contacts_the_table_knows():
+    rng = random.Random(0)
+    me = _random_node(rng)
+    ours, stock = DHTRoutingTable(None, 20, me), RoutingTable(None, 20, me)
+    contacts = [_random_node(rng) for _ in range(128)]
+    for node in contacts:
+        ours.add_contact(node)
+        stock.add_contact(node)
+    known = ours.contacts()
+    stock_short = 0
+    for _ in range(200):
+        key = _random_node(rng)
+        expected = sorted(known, key=key.distance_to)[:20]
+        assert [n.id for n in ours.find_neighbors(key)] == [n.id for n in expected]
+        stock_short += len(stock.find_neighbors(key)) < 20 or \
+            {n.id for n in stock.find_neighbors(key)} != {n.id for n in expected}
+    assert stock_short > 0, "stock kademlia no longer shows the defect this table fixes"
+
+
+def test_neighbours_stay_exact_while_contacts_come_and_go_and_the_asker_is_left_out():
+    """find_neighbors remembers answers per key until the table changes: every answer must still equal a fresh
+    sort of what the table holds, without the excluded address (here held by two contacts)."""
+    rng = random.Random(1)
+    me = _random_node(rng)
+    table = DHTRoutingTable(None, 20, me)
+    asker = _random_node(rng)
+    twin = Node(_random_node(rng).id, asker.ip, asker.port)  # a stale id at the asker's address
+    keys = [_random_node(rng) for _ in range(30)]
+    for node in [_random_node(rng) for _ in range(40)] + [asker, twin]:
+        table.add_contact(node)
+    for step in range(60):
+        action = rng.random()
+        known = table.contacts()
+        if action < 0.3:
+            table.add_contact(_random_node(rng))
+        elif action < 0.5 and len(known) > 10:
+            table.remove_contact(rng.choice(known))
+        known = table.contacts()
+        for key in rng.sample(keys, 10):
+            k = rng.choice([5, 10, 20])
+            exclude = asker if rng.random() < 0.7 else None
+            expected = sorted((n for n in known if n.id != key.id and (exclude is None or not n.same_home_as(exclude))),
+                              key=key.distance_to)[:k]
+            for _ in range(2):  # the second answer comes from the remembered list
+                assert [n.id for n in table.find_neighbors(key, k=k, exclude=exclude)] == [n.id for n in expected]

@@ -1,0 +1,83 @@
+"""The UDP transport: requests under their limit, unreachable addresses never close the socket, and replies that
+arrived in time count even when the loop lagged."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import umsgpack
+
+from dmoe.dht.config import DHTConfig
+from dmoe.dht.messages import record_to_wire
+from dmoe.dht.node import DHTNode
+from dmoe.dht.storage import Entry
+from dmoe.dht.transport import HEADER_BYTES, MAX_REQUEST_BYTES, RESPONSE, chunk_entries
+from tests.dht_nodes import in_process_swarm
+
+
+def test_store_requests_are_chunked_under_the_request_limit():
+    record = {coord: Entry("h" * DHTConfig.max_value_bytes, 1e10, bytes(32), bytes(64)) for coord in range(256)}
+    chunks = chunk_entries(record_to_wire(record))
+    assert sum(map(len, chunks)) == 256 and len(chunks) > 1
+    assert all(len(umsgpack.packb(["store", [bytes(20), bytes(20), chunk]])) <= MAX_REQUEST_BYTES for chunk in chunks)
+
+
+def test_requests_to_addresses_no_datagram_can_reach_fail_and_never_close_the_socket():
+    """``sendto`` to port 70000 raised, and asyncio then closed the sender's socket: the node fell silent."""
+    async def scenario() -> None:
+        async with in_process_swarm(2, DHTConfig(rpc_timeout=0.5)) as nodes:
+            protocol = nodes[1].protocol
+            for address in [("127.0.0.1", 70000), ("no-such-host.invalid", 9)]:
+                assert await protocol.request(address, "ping", nodes[1].node.id) == (False, None)
+            assert not nodes[1].transport.is_closing()
+            ok, node_id = await protocol.request(("127.0.0.1", nodes[0].transport.get_extra_info("sockname")[1]),
+                                                 "ping", nodes[1].node.id)
+            assert ok and node_id == nodes[0].node.id
+
+    asyncio.run(scenario())
+
+
+def test_a_reply_that_arrived_in_time_counts_even_when_the_loop_lagged_past_its_timeout():
+    """asyncio reads one datagram per loop iteration but fires every due timer in that iteration: when a node's
+    loop lagged (other threads holding the GIL), replies sitting unread timed out, every replica looked dead and
+    reads came back empty (every cold search was wrong with two busy threads beside the client)."""
+
+    peers = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
+    stop = threading.Event()
+
+    def answer_late(sock: socket.socket) -> None:  # a peer that pongs 0.1 s after each ping
+        sock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                data, addr = sock.recvfrom(65536)
+            except socket.timeout:
+                continue
+            time.sleep(0.1)
+            sock.sendto(RESPONSE + data[1:HEADER_BYTES] + umsgpack.packb(b"p" * 20), addr)
+
+    async def scenario() -> None:
+        node = DHTNode(DHTConfig(rpc_timeout=0.3))
+        await node.listen(0)
+        try:
+            asks = [asyncio.ensure_future(node.protocol.request(peer.getsockname(), "ping", node.node.id))
+                    for peer in peers]
+            await asyncio.sleep(0.01)  # sent
+            time.sleep(0.6)  # the loop lags: the replies arrive (after 0.1 s) while their timeouts pass
+            assert [ok for ok, _ in await asyncio.gather(*asks)] == [True] * len(peers)
+        finally:
+            node.stop()
+
+    threads = []
+    for peer in peers:
+        peer.bind(("127.0.0.1", 0))
+        threads.append(threading.Thread(target=answer_late, args=(peer,), daemon=True))
+        threads[-1].start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop.set()
+        for thread, peer in zip(threads, peers):
+            thread.join()
+            peer.close()
