@@ -5,9 +5,9 @@
 ``--jobs`` is a list of runs, all started at once, each ``{"prefix": "one4", "indices": [0, 1, 2, 3], "rounds": 1,
 "grid": [], "weighted": true, "settings": {AveragerConfig fields}, "peers": {"3": {"behaviour": "stall",
 "settings": {...}}}, "dht_client_mode": false}`` (everything but prefix and indices optional;
-``target_group_size`` defaults to the grid's side, or to the number of peers of the job in this process). Peer ``i`` averages :func:`make_tensors` ``(i)``
-with weight :func:`weight_of` ``(i)`` in its first round (then the weight its group carried), placed at cell
-``i`` of the grid (row-major; grid jobs number their peers from 0), or at ``"cell"`` when the job names one for
+``target_group_size`` defaults to the grid's side, or to the number of peers of the job in this process). Peer
+``i`` averages :func:`make_tensors` ``(i)`` with weight :func:`weight_of` ``(i)`` in its first round (then the
+weight its group carried), placed at cell ``i`` of the grid (row-major; grid jobs number their peers from 0), or at ``"cell"`` when the job names one for
 all. After each round it saves its tensors to ``DIR/<prefix>/peer<i>.r<round>.pt``; at the end it prints
 ``result {json}`` (prefix, index, one GroupInfo or null per round, seconds per step, and the gRPC statuses a
 misbehaving peer got). Behaviours:
