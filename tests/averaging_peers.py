@@ -7,10 +7,10 @@
 "settings": {...}}}, "dht_client_mode": false}`` (everything but prefix and indices optional;
 ``target_group_size`` defaults to the grid's side, or to the number of peers of the job in this process). Peer
 ``i`` averages :func:`make_tensors` ``(i)`` with weight :func:`weight_of` ``(i)`` in its first round (then the
-weight its group carried), placed at cell ``i`` of the grid (row-major; grid jobs number their peers from 0), or at ``"cell"`` when the job names one for
-all. After each round it saves its tensors to ``DIR/<prefix>/peer<i>.r<round>.pt``; at the end it prints
-``result {json}`` (prefix, index, one GroupInfo or null per round, seconds per step, and the gRPC statuses a
-misbehaving peer got). Behaviours:
+weight its group carried), placed at cell ``i`` of the grid (row-major; grid jobs number their peers from 0), or
+at ``"cell"`` when the job names one for all. After each round it saves its tensors to
+``DIR/<prefix>/peer<i>.r<round>.pt``; at the end it prints ``result {json}`` (prefix, index, one GroupInfo or null
+per round, seconds per step, and the gRPC statuses a misbehaving peer got). Behaviours:
 
 * ``stall``: sends the first piece of each part, prints ``stalled mid all-reduce`` (once per part), then nothing.
 * ``hostile``: client mode; in round r it attacks owner k with ``ATTACKS[r][k % len(ATTACKS[r])]``.
