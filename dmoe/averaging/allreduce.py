@@ -31,7 +31,7 @@ from dmoe.averaging.matchmaking import Group, Member
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, serialize
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 #: the dtype parts travel and are averaged in (before any compression)
 DTYPE = torch.float32
@@ -181,7 +181,7 @@ class PartReducer:
             return
         if self.result is not None and sender in self.result.contributors:
             return
-        log.info("group %s: dropped peer %s: %s", self.group_id, sender, reason)
+        logger.info("group %s: dropped peer %s: %s", self.group_id, sender, reason)
         self.dropped[sender] = reason
         self.complete.discard(sender)
         self.values.pop(sender, None)
@@ -350,7 +350,7 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
         group_id = group.group_id if attempt == 0 else retry_group_id(group, attempt, members)
         left = deadline - time.monotonic()
         if left <= 0:
-            log.warning("group %s: out of time before attempt %d", group.group_id, attempt + 1)
+            logger.warning("group %s: out of time before attempt %d", group.group_id, attempt + 1)
             return None
         bounds = partition(flat.numel(), [m.bandwidth for m in members])
         ids = [m.peer_id for m in members]
@@ -386,7 +386,7 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
         for owner, error in failed.items():
             dropped[owner] = error
         survivors = [m for m in members if m.peer_id in accepted and m.peer_id not in failed]
-        log.info("group %s attempt %d: owners failed %s, %d different contributor lists; survivors %s",
+        logger.info("group %s attempt %d: owners failed %s, %d different contributor lists; survivors %s",
                  group.group_id, attempt + 1, failed or "none", len(views), [m.peer_id for m in survivors])
         if (me not in {m.peer_id for m in survivors} or len(survivors) < min_group_size
                 or not any(m.bandwidth > 0 for m in survivors) or len(survivors) == len(members)):
@@ -414,7 +414,7 @@ async def _own_part(reducer: PartReducer, me: int, weight: float, values: torch.
         reducer.add(me, values)
         reducer.finish(me)
     except Refused as refused:
-        log.warning("this peer's own values were refused: %s", refused.message)
+        logger.warning("this peer's own values were refused: %s", refused.message)
     result = await reducer.wait()
     if result.values is None:
         return Outcome(error="nobody contributed to this peer's own part")

@@ -28,7 +28,7 @@ from dmoe.dht import DHT
 from dmoe.wire import dmoe_pb2_grpc, grpc_options
 from dmoe.wire.codec import parse_compression
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class DecentralizedAverager:
             raise
         me = Member(self.peer_id, self.endpoint, 0.0 if cfg.client_mode else cfg.bandwidth)
         self.matchmaker = Matchmaker(dht, me, cfg, self._stop)
-        log.info("averager %s of run %r: %d values in %d tensors, %s", self.peer_id, prefix, self.numel,
+        logger.info("averager %s of run %r: %d values in %d tensors, %s", self.peer_id, prefix, self.numel,
                  len(self.tensors), f"serving at {self.endpoint}" if self.endpoint else "client mode")
 
     def _run(self, coro, timeout: float | None = None):
@@ -189,12 +189,12 @@ class DecentralizedAverager:
             result: AllReduceResult | None = running.result(max(0.0, deadline - time.monotonic()) + 1.0)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             running.cancel()
-            log.warning("group %s: the all-reduce did not finish in time; tensors unchanged", group.group_id)
+            logger.warning("group %s: the all-reduce did not finish in time; tensors unchanged", group.group_id)
             return None
         finally:
             self._inflight = None
         if result is None:
-            log.warning("group %s: the members could not agree on an average; tensors unchanged", group.group_id)
+            logger.warning("group %s: the members could not agree on an average; tensors unchanged", group.group_id)
             return None
         with self.lock, torch.no_grad():
             offset = 0
@@ -208,7 +208,7 @@ class DecentralizedAverager:
         info = GroupInfo(group.group_id, round_number, self.peer_id, group.peer_ids, result.contributors,
                          self.weight, result.total_weight, result.attempts, dict(result.dropped),
                          matched - started, done - matched)
-        log.info("round %d: averaged with %d of %d members in %.2fs (+%.2fs matchmaking)", round_number,
+        logger.info("round %d: averaged with %d of %d members in %.2fs (+%.2fs matchmaking)", round_number,
                  len(info.contributors), len(info.members), info.allreduce_s, info.matchmaking_s)
         return info
 
@@ -243,7 +243,7 @@ class DecentralizedAverager:
             try:
                 self._run(stop(), timeout=10)
             except Exception:  # noqa: BLE001 - shutting down regardless
-                log.warning("averager shutdown did not finish cleanly", exc_info=True)
+                logger.warning("averager shutdown did not finish cleanly", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():

@@ -29,7 +29,7 @@ from typing import Mapping
 from dmoe.averaging.config import AveragerConfig
 from dmoe.dht import DHT
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 WAITING, GONE, LEADING = "w", "x", "L"
 _LEADING = re.compile(r"L(\d{1,4})\.([0-9a-f]{8})")
@@ -106,7 +106,7 @@ def parse_declarations(record: Mapping) -> dict[int, Declaration]:
             head, _, state = entry.value.rpartition(";")
             member = parse_member(subkey, head)
         except ValueError:
-            log.debug("skipping a malformed declaration %r of peer %s", entry.value, subkey)
+            logger.debug("skipping a malformed declaration %r of peer %s", entry.value, subkey)
             continue
         if state in (WAITING, GONE) or _LEADING.fullmatch(state):
             found[subkey] = Declaration(member, state, entry.expiration, entry.owner)
@@ -129,7 +129,7 @@ class Matchmaker:
         try:
             return self.dht.store(key, self.me.peer_id, f"{self.me.describe()};{state}", self._expiration)
         except TimeoutError as error:
-            log.warning("could not declare in %s: %s", key, error)
+            logger.warning("could not declare in %s: %s", key, error)
             return False
 
     def find_group(self, round_number: int, key: str, deadline: float) -> Group | None:
@@ -144,7 +144,7 @@ class Matchmaker:
             try:
                 declarations = parse_declarations(self.dht.get(key))
             except TimeoutError as error:
-                log.debug("matchmaking read of %s failed: %s", key, error)
+                logger.debug("matchmaking read of %s failed: %s", key, error)
                 declarations = None
             if declarations is not None:
                 outcome = self._look(round_number, key, declarations, groups, unreadable, matchmaking_ends)
@@ -186,7 +186,7 @@ class Matchmaker:
             return _WAIT
         members = available[:cfg.target_group_size]
         if len(members) < cfg.min_group_size or not any(m.endpoint for m in members):
-            log.info("matchmaking in %s: found %d peer(s) that can average, giving up", key, len(members))
+            logger.info("matchmaking in %s: found %d peer(s) that can average, giving up", key, len(members))
             self._declare(key, GONE, now + cfg.declaration_ttl)
             return None
         return self._lead(round_number, key, members)
@@ -208,11 +208,11 @@ class Matchmaker:
         failed = [f"{subkey}: {result}" for record in results.values() for subkey, result in record.items()
                   if result is not True]
         if failed:
-            log.warning("could not publish group %s (%s); averaging with no one", group_id, ", ".join(failed))
+            logger.warning("could not publish group %s (%s); averaging with no one", group_id, ", ".join(failed))
             self._declare(key, GONE, time.time() + cfg.declaration_ttl)
             return None
         members = sorted(members, key=lambda m: m.peer_id)
-        log.info("leading group %s of %d", group_id, len(members))
+        logger.info("leading group %s of %d", group_id, len(members))
         return Group(group_id, round_number, self.me.peer_id, tuple(members))
 
     def _read_groups(self, round_number: int, key: str, leaders: dict[int, Declaration],
@@ -222,7 +222,7 @@ class Matchmaker:
         try:
             records = self.dht.get_many(list(ids.values()))
         except TimeoutError as error:
-            log.debug("reading groups failed: %s", error)
+            logger.debug("reading groups failed: %s", error)
             return
         for pid, group_id in ids.items():
             declaration = leaders[pid]

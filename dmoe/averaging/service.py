@@ -16,7 +16,7 @@ import grpc
 from dmoe.averaging.allreduce import PartReducer, Refused, SendPace
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 #: groups whose reducers are kept (for late streams to get a clear answer); older ones are forgotten
 KEPT_GROUPS = 8
