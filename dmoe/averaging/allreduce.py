@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
 import grpc
-import numpy as np
 import torch
 
 from dmoe.averaging.matchmaking import Group, Member
