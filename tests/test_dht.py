@@ -265,7 +265,8 @@ def test_every_live_expert_is_still_found_right_after_half_the_nodes_are_killed(
     started = time.monotonic()
     first = get_experts(client, list(expected))
     first_lookup = time.monotonic() - started
-    assert first_lookup < 2.5, f"first look-up after the kill took {first_lookup:.1f}s"
+    # waiting out an RPC timeout per dead node would take 8 s and more; the bound leaves room for a loaded machine
+    assert first_lookup < 4.0, f"first look-up after the kill took {first_lookup:.1f}s"
     missing = sum(endpoint is None for endpoint in first)
     took = wait_until(lambda: get_experts(client, list(expected)) == list(expected.values()), 2 * REFRESH + 2,
                       "live experts were not all found after half the nodes died")
