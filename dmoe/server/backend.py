@@ -25,7 +25,8 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True when no element of ``tensors`` is NaN or infinite, in one read pass per tensor and one host sync.
 
     A sum is NaN or infinite when any element is, and torch sums in parallel and vectorised: cheaper than the total
-    norm (whose squares also overflow far sooner). A sum that overflows counts as non-finite too, which takes gradients summing past ~3e38.
+    norm (whose squares also overflow far sooner). A sum that overflows counts as non-finite too, which takes
+    gradients summing past ~3e38.
     """
     sums = [t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype) for t in tensors]
     return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in sums])).all())
