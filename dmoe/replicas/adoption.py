@@ -45,7 +45,6 @@ from dmoe.replicas.records import (
     distance,
     holders,
     hosts_key,
-    owner_of,
     replicas_key,
     server_subkey,
 )
@@ -60,35 +59,44 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def claim(dht: DHT, uid: str, endpoint: str, expiration: float, confirm_after: float = 0.5) -> bool:
-    """Declares ``uid`` at ``endpoint`` and returns whether this node's identity owns it: the directory must name it
-    the owner twice, ``confirm_after`` seconds apart (a rival's store may still be on its way at the first read).
-    The loser of a race stores nothing more, so its stray entries expire within ``expiration``."""
-    if not declare_experts(dht, [uid], endpoint, expiration)[0]:
-        return False
+def claim(dht: DHT, uids: Sequence[str], endpoint: str, expiration: float, confirm_after: float = 0.5) -> list[str]:
+    """Declares ``uids`` at ``endpoint`` and returns those this node's identity owns: the directory must name it the
+    owner twice, ``confirm_after`` seconds apart (a rival's store may still be on its way at the first read). The
+    loser of a race stores nothing more, so its stray entries expire within ``expiration``."""
+    me = dht.identity.public_key
+    won = [uid for uid, stored in zip(uids, declare_experts(dht, list(uids), endpoint, expiration)) if stored]
     for attempt in range(2):
+        if not won:
+            break
         if attempt:
             time.sleep(confirm_after)
-        if owner_of(dht, uid) != dht.identity.public_key:
-            return False
-    return True
+        entries = directory_entries(dht, won)
+        won = [uid for uid in won if entries[uid] is not None and entries[uid].owner == me]
+    return won
+
+
+def read_holders(dht: DHT, uids: Sequence[str]) -> dict[str, list[Holder]]:
+    """Who announced a replica of each of ``uids`` (one batched look-up); nobody, where the DHT did not answer."""
+    try:
+        records = dht.get_many([replicas_key(uid) for uid in uids])
+    except Exception as error:  # noqa: BLE001 - the DHT may be unreachable for a moment: use what is held
+        logger.warning("could not read who holds replicas of %d experts: %s", len(uids), error)
+        return {uid: [] for uid in uids}
+    return {uid: holders(records[replicas_key(uid)]) for uid in uids}
 
 
 def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: ReplicaChannels, *, max_bytes: int,
-                   store: ReplicaStore | None = None, timeout: float = 60.0
+                   store: ReplicaStore | None = None, announced: list[Holder] | None = None, timeout: float = 60.0
                    ) -> tuple[SignedSnapshot, object, object] | None:
     """The replica of ``uid`` with the most updates that verifies, as (signed, snapshot, checked state), or None.
 
-    Candidates: what ``store`` holds and what the holders announced in the DHT, most updates first. Its signer must
-    be the key that signed the replica ``store`` holds, or else the key most holders name: one lying holder cannot
-    make this server adopt a snapshot of its own making.
+    Candidates: what ``store`` holds and what the holders announced in the DHT (``announced``: read now if None),
+    most updates first. Its signer must be the key that signed the replica ``store`` holds, or else the key most
+    holders name: one lying holder cannot make this server adopt a snapshot of its own making.
     """
     own = store.header(uid) if store is not None else None
-    try:
-        announced = holders(dht.get(replicas_key(uid)))
-    except Exception as error:  # noqa: BLE001 - the DHT may be unreachable for a moment: use what is held
-        logger.warning("could not read the holders of %s: %s", uid, error)
-        announced = []
+    if announced is None:
+        announced = read_holders(dht, [uid])[uid]
     me = dht.identity.public_key
     announced = [holder for holder in announced if holder.holder != me]
     if own is not None:
@@ -111,8 +119,8 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
                 signed = fetch_snapshot(channels.stub(holder.endpoint), holder.endpoint, uid, max_bytes=max_bytes,
                                         timeout=timeout)
             if not signed.header.signer.hex().startswith(signer):
-                raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner", f"signed by {signed.header.signer.hex()[:SIGNER_HEX]}, "
-                                                         f"not {signer}")
+                raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
+                                      f"signed by {signed.header.signer.hex()[:SIGNER_HEX]}, not {signer}")
             snapshot = open_body(signed)
             return signed, snapshot, check_state(snapshot, template)
         except (ReplicaError, SnapshotRefused, OSError, ValueError) as error:
@@ -127,16 +135,15 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
     """Before ``server`` serves: loads into each of ``uids`` the newest replica anyone holds, when it has more
     updates than the expert has now (restored from a checkpoint, or fresh); returns uid -> updates loaded.
     Experts left fresh with no replica anywhere are logged as lost training."""
-    loaded = {}
+    loaded, fresh = {}, []
+    announced = read_holders(dht, uids)
     for uid in uids:
         backend = server.backends[uid]
-        found = newest_replica(dht, uid, backend, channels, max_bytes=max_bytes, store=store)
+        found = newest_replica(dht, uid, backend, channels, max_bytes=max_bytes, store=store,
+                               announced=announced[uid])
         if found is None:
             if backend.updates == 0:
-                logger.warning("no replica of %s anywhere: it starts from fresh weights (whatever it trained "
-                               "before, if it ever served, is lost)", uid)
-                if metrics is not None:
-                    metrics.started_fresh.inc()
+                fresh.append(uid)
             continue
         signed, snapshot, state = found
         if snapshot.updates > backend.updates:
@@ -144,6 +151,11 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
             loaded[uid] = snapshot.updates
             logger.info("%s starts from its newest replica: %d updates (signed by %s)", uid, snapshot.updates,
                         signed.header.signer.hex()[:SIGNER_HEX])
+    if fresh:
+        logger.warning("no replica anywhere of %d experts (%s): they start from fresh weights, and whatever they "
+                       "trained before, if they ever served, is lost", len(fresh), ", ".join(fresh[:8]))
+        if metrics is not None:
+            metrics.started_fresh.inc(len(fresh))
     return loaded
 
 
@@ -229,8 +241,8 @@ class Adopter:
             return []
         entries = directory_entries(self.dht, held)
         now = time.monotonic()
-        adopted = []
         me = self.dht.identity.public_key
+        due = []
         for uid in held:
             if entries[uid] is not None and entries[uid].owner != me:  # (own: a claim whose adoption failed)
                 self._empty.pop(uid, None)
@@ -240,60 +252,76 @@ class Adopter:
                 logger.info("%s is not served by anyone: adopting it in %.1f s unless another holder of its "
                             "replica does", uid, self._empty[uid][1] * self.stagger)
             since, rank = self._empty[uid]
-            if now >= since + rank * self.stagger and not self._stop.is_set():
-                if self.adopt(uid):
-                    adopted.append(uid)
-                self._empty.pop(uid, None)  # adopted, lost, or failed: look again from scratch
-        return adopted
+            if now >= since + rank * self.stagger:
+                due.append(uid)
+                self._empty.pop(uid)  # adopted, lost, or failed: looked at again from scratch
+        return self.adopt(due) if due and not self._stop.is_set() else []
 
-    def adopt(self, uid: str) -> bool:
-        """Adopts ``uid`` now (see the module doc); True when this server serves it afterwards."""
+    def adopt(self, uids: Sequence[str]) -> list[str]:
+        """Adopts ``uids`` now, all claimed together (see the module doc); returns those this server serves now."""
         if self.server.backend_factory is None:
-            logger.error("cannot adopt %s: this server has no backend factory", uid)
-            return False
-        if owner_of(self.dht, uid) not in (None, self.dht.identity.public_key):
-            return False  # served again meanwhile
-        backend = self.server.backend_factory(uid)
-        found = newest_replica(self.dht, uid, backend, self.channels, max_bytes=self.max_bytes, store=self.store)
-        if found is None:
-            logger.warning("no usable replica of %s: not adopting it", uid)
-            return False
-        signed, snapshot, state = found
-        load_into(backend, snapshot, state)
-        try:  # served before it is claimed: the first callers the claim sends here find it
-            self.server.add_expert(uid, backend, announce=False)
-        except (ValueError, RuntimeError) as error:
-            logger.warning("could not serve adopted %s: %s", uid, error)
-            return False
+            logger.error("cannot adopt %s: this server has no backend factory", ", ".join(uids))
+            return []
+        me = self.dht.identity.public_key
+        entries = directory_entries(self.dht, list(uids))
+        uids = [uid for uid in uids if entries[uid] is None or entries[uid].owner == me]  # not served again meanwhile
+        announced = read_holders(self.dht, uids)
+        ready: dict[str, tuple[SignedSnapshot, object]] = {}
+        for uid in uids:
+            backend = self.server.backend_factory(uid)
+            found = newest_replica(self.dht, uid, backend, self.channels, max_bytes=self.max_bytes, store=self.store,
+                                   announced=announced[uid])
+            if found is None:
+                logger.warning("no usable replica of %s: not adopting it", uid)
+                continue
+            signed, snapshot, state = found
+            load_into(backend, snapshot, state)
+            try:  # served before it is claimed: the first callers the claim sends here find it
+                self.server.add_expert(uid, backend, announce=False)
+            except (ValueError, RuntimeError) as error:
+                logger.warning("could not serve adopted %s: %s", uid, error)
+                continue
+            ready[uid] = (signed, snapshot)
+        if not ready:
+            return []
         try:
-            claimed = claim(self.dht, uid, self.endpoint, self.expiration)
-        except Exception:
-            self.server.remove_expert(uid)
+            won = claim(self.dht, list(ready), self.endpoint, self.expiration)
+        except BaseException:
+            for uid in ready:
+                self.server.remove_expert(uid)
             raise
-        if not claimed:
-            self.server.remove_expert(uid)
-            logger.info("%s was claimed by another server first: not adopting it", uid)
-            return False
-        if self.server.announcer is not None:
-            self.server.announcer.add([uid])  # keeps it declared from now on
-        adoption = Adoption(uid, time.time(), snapshot.updates, snapshot.backward_calls)
-        self.adopted.append(adoption)
-        if self.metrics is not None:
-            self.metrics.adopted.inc()
-        logger.warning("adopted %s from a replica with %d updates (taken %.1f s ago, sha256 %s)", uid,
-                       snapshot.updates, time.time() - snapshot.taken_at, signed.header.sha256.hex()[:16])
-        self._note(adoption)
-        return True
+        for uid in ready:
+            if uid not in won:
+                self.server.remove_expert(uid)
+                logger.info("%s was claimed by another server first: not adopting it", uid)
+        if won and self.server.announcer is not None:
+            self.server.announcer.add(won)  # keeps them declared from now on
+        adoptions = []
+        for uid in won:
+            signed, snapshot = ready[uid]
+            adoptions.append(Adoption(uid, time.time(), snapshot.updates, snapshot.backward_calls))
+            logger.warning("adopted %s from a replica with %d updates (taken %.1f s ago, sha256 %s)", uid,
+                           snapshot.updates, time.time() - snapshot.taken_at, signed.header.sha256.hex()[:16])
+        self.adopted.extend(adoptions)
+        if self.metrics is not None and won:
+            self.metrics.adopted.inc(len(won))
+        self._note(adoptions)
+        return won
 
-    def _note(self, adoption: Adoption) -> None:
-        layer = split_uid(adoption.uid)[0]
-        subkey = cell_subkey(adoption.uid)
-        if subkey is None:
+    def _note(self, adoptions: Sequence[Adoption]) -> None:
+        """Writes the adoptions into their layers' ``adopted`` records (for the live swarm page)."""
+        records: dict[str, dict] = {}
+        for adoption in adoptions:
+            subkey = cell_subkey(adoption.uid)
+            if subkey is not None:
+                records.setdefault(adopted_key(split_uid(adoption.uid)[0]), {})[subkey] = (
+                    adoption.value(), adoption.at + ADOPTION_MEMORY)
+        if not records:
             return
         try:
-            self.dht.store(adopted_key(layer), subkey, adoption.value(), adoption.at + ADOPTION_MEMORY)
+            self.dht.store_many(records)
         except Exception as error:  # noqa: BLE001 - only the swarm page reads it
-            logger.info("could not note the adoption of %s in the DHT: %s", adoption.uid, error)
+            logger.info("could not note %d adoptions in the DHT: %s", len(adoptions), error)
 
     def start(self) -> "Adopter":
         if self._thread is None:

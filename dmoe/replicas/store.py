@@ -110,9 +110,7 @@ class ReplicaStore:
         with self._lock:
             if uid not in self._held:
                 return None
-            data = self._path(uid).read_bytes()
-        header = _parse_header(data)
-        return SignedSnapshot(header, data[len(MAGIC) + _LENGTH_BYTES + _header_length(data):])
+            return read_replica(self._path(uid))
 
     def put(self, signed: SignedSnapshot) -> list[str]:
         """Writes ``signed`` (already checked) over whatever was held of its expert; returns the uids whose
@@ -159,6 +157,13 @@ class ReplicaStore:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def read_replica(path: str | os.PathLike) -> SignedSnapshot:
+    """The replica in a file a store wrote (raises ValueError when it is not one)."""
+    data = Path(path).read_bytes()
+    header = _parse_header(data)
+    return SignedSnapshot(header, data[len(MAGIC) + _LENGTH_BYTES + _header_length(data):])
 
 
 def _header_length(data: bytes) -> int:
