@@ -131,10 +131,10 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
 
 def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channels: ReplicaChannels, *,
                    max_bytes: int, store: ReplicaStore | None = None,
-                   metrics: ReplicaMetrics | None = None) -> dict[str, int]:
+                   metrics: ReplicaMetrics | None = None) -> dict[str, Adoption]:
     """Before ``server`` serves: loads into each of ``uids`` the newest replica anyone holds, when it has more
-    updates than the expert has now (restored from a checkpoint, or fresh); returns uid -> updates loaded.
-    Experts left fresh with no replica anywhere are logged as lost training."""
+    updates than the expert has now (restored from a checkpoint, or fresh); returns uid -> the adoption, to be
+    noted once the server owns the uid. Experts left fresh with no replica anywhere are logged as lost training."""
     loaded, fresh = {}, []
     announced = read_holders(dht, uids)
     for uid in uids:
@@ -148,7 +148,7 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
         signed, snapshot, state = found
         if snapshot.updates > backend.updates:
             load_into(backend, snapshot, state)
-            loaded[uid] = snapshot.updates
+            loaded[uid] = Adoption(uid, time.time(), snapshot.updates, snapshot.backward_calls)
             logger.info("%s starts from its newest replica: %d updates (signed by %s)", uid, snapshot.updates,
                         signed.header.signer.hex()[:SIGNER_HEX])
     if fresh:
@@ -157,6 +157,23 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
         if metrics is not None:
             metrics.started_fresh.inc(len(fresh))
     return loaded
+
+
+def note_adoptions(dht: DHT, adoptions: Sequence[Adoption]) -> None:
+    """Writes adoptions into their layers' ``adopted`` records, where the live swarm page (and bench_churn) read
+    them for an hour."""
+    records: dict[str, dict] = {}
+    for adoption in adoptions:
+        subkey = cell_subkey(adoption.uid)
+        if subkey is not None:
+            records.setdefault(adopted_key(split_uid(adoption.uid)[0]), {})[subkey] = (
+                adoption.value(), adoption.at + ADOPTION_MEMORY)
+    if not records:
+        return
+    try:
+        dht.store_many(records)
+    except Exception as error:  # noqa: BLE001 - only the swarm page reads them
+        logger.info("could not note %d adoptions in the DHT: %s", len(adoptions), error)
 
 
 def drop_unowned(server: "ExpertServer", dht: DHT) -> list[str]:
@@ -305,23 +322,8 @@ class Adopter:
         self.adopted.extend(adoptions)
         if self.metrics is not None and won:
             self.metrics.adopted.inc(len(won))
-        self._note(adoptions)
+        note_adoptions(self.dht, adoptions)
         return won
-
-    def _note(self, adoptions: Sequence[Adoption]) -> None:
-        """Writes the adoptions into their layers' ``adopted`` records (for the live swarm page)."""
-        records: dict[str, dict] = {}
-        for adoption in adoptions:
-            subkey = cell_subkey(adoption.uid)
-            if subkey is not None:
-                records.setdefault(adopted_key(split_uid(adoption.uid)[0]), {})[subkey] = (
-                    adoption.value(), adoption.at + ADOPTION_MEMORY)
-        if not records:
-            return
-        try:
-            self.dht.store_many(records)
-        except Exception as error:  # noqa: BLE001 - only the swarm page reads it
-            logger.info("could not note %d adoptions in the DHT: %s", len(adoptions), error)
 
     def start(self) -> "Adopter":
         if self._thread is None:

@@ -200,7 +200,9 @@ class ReplicaPusher:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        started = time.monotonic()
+        while not self._stop.wait(max(0.0, self.interval - (time.monotonic() - started))):
+            started = time.monotonic()  # rounds start every interval, however long one takes: the lag it bounds
             try:
                 self.push_all()
             except Exception:  # noqa: BLE001 - the pusher outlives one bad round

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from dmoe.dht import DHT
-from dmoe.replicas.adoption import Adopter, drop_unowned, restore_newest
+from dmoe.replicas.adoption import Adopter, drop_unowned, note_adoptions, restore_newest
+from dmoe.replicas.records import Adoption
 from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.pusher import ReplicaChannels, ReplicaPusher
 from dmoe.replicas.records import owner_of
@@ -93,13 +94,15 @@ class Replication:
                                     compression=parse_compression(config.compression), metrics=self.metrics,
                                     channels=self.channels)
         self.adopter: Adopter | None = None
+        self.restored: dict[str, Adoption] = {}
         server.replication = self
 
     def restore(self) -> dict[str, int]:
         """Before the server starts: each of its experts takes the newest replica anyone holds of it, if that has
         trained more (see :func:`~dmoe.replicas.adoption.restore_newest`); returns uid -> updates loaded."""
-        return restore_newest(self.server, self.dht, list(self.server.backends), self.channels,
-                              max_bytes=self.max_bytes, store=self.store, metrics=self.metrics)
+        self.restored = restore_newest(self.server, self.dht, list(self.server.backends), self.channels,
+                                       max_bytes=self.max_bytes, store=self.store, metrics=self.metrics)
+        return {uid: adoption.updates for uid, adoption in self.restored.items()}
 
     def start(self, server: "ExpertServer") -> None:
         """Called by the server once it serves and has declared its experts: stops serving the ones another
@@ -109,6 +112,10 @@ class Replication:
         expiration = announcer.expiration if announcer is not None else 3 * refresh
         layers = sorted({split_uid(uid)[0] for uid in server.backends} | set(self.config.layers))
         drop_unowned(server, self.dht)
+        adopted = [adoption for uid, adoption in self.restored.items() if uid in server.backends]
+        if adopted:  # started from another server's replica, and owned now: an adoption like the adopter's
+            self.metrics.adopted.inc(len(adopted))
+            note_adoptions(self.dht, adopted)
         self.adopter = Adopter(server, self.dht, self.store, layers, check_period=self.config.check_period or refresh,
                                stagger=self.config.stagger, channels=self.channels, metrics=self.metrics,
                                max_bytes=self.max_bytes, expiration=expiration)
