@@ -1,8 +1,9 @@
 """A volunteer swarm in miniature: servers leave for good (SIGKILL) and new empty ones join while the demo model trains.
 
 Two runs of the demo model (dmoe/trainer's gated transformer LM with 2 layers of 4x4 ffn experts; by default at
-``--hidden 64 --seq-len 32 --batch-size 8``, a quarter of the demo's width, so that 6 servers and the trainer share two
-cores) against expert servers started with ``--replica-dir`` (replicas on ``--replicas`` other servers, pushed every ``--replica-interval`` seconds):
+``--hidden 64 --seq-len 32 --batch-size 8``, smaller than the demo's, so that 6 servers and the trainer share two
+cores) against expert servers started with ``--replica-dir`` (replicas on ``--replicas`` other servers, pushed
+every ``--replica-interval`` seconds):
 
 * churn: ``--servers`` servers (each a slice of every layer's grid) and ``--minutes`` of training. Every server
   lives an exponentially distributed lifetime (mean ``--mean-lifetime`` seconds), then is killed with SIGKILL,

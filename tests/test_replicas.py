@@ -335,6 +335,25 @@ def test_two_holders_racing_to_adopt_the_same_experts_end_with_exactly_one_servi
             assert answering == [endpoint], (uid, answering)
 
 
+def test_a_clean_stop_pushes_the_experts_last_state(tmp_path):
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        procs.append(holder := Proc(server_args(peer, "ffn0.0.0", tmp_path / "b")))
+        holder.endpoint()
+        # pushes every 10 minutes: the first round (soon after the start) and the one on the way out are all
+        procs.append(leaving := Proc(server_args(peer, "ffn0.1.0", tmp_path / "a", "--replica-interval", "600")))
+        endpoint = leaving.endpoint()
+        held = tmp_path / "b" / "ffn0.1.0.replica"
+        wait_until(held.exists, 60, "the first push of ffn0.1.0")
+        assert read_replica(held).updates == 0
+        for _ in range(5):
+            backward_future(endpoint, "ffn0.1.0", [torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)]).result(30)
+        assert leaving.stop() == 0
+        last = open_body(read_replica(held))
+        assert last.updates == 5 and last.backward_calls == 5
+
+
 def test_simultaneous_claims_of_a_uid_have_exactly_one_winner():
     with processes() as procs:
         procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))

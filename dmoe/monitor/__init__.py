@@ -3,8 +3,8 @@ how many replicas of each cell's expert other servers hold, and which cells were
 
 :class:`SwarmMonitor` reads the DHT every ``period`` seconds (as beam search does, one grid dimension per look-up),
 asks every alive expert for its call counters through the ``info`` RPC, reads the replication records
-(:mod:`dmoe.replicas.records`), and keeps the result as one JSON-able snapshot. :class:`MonitorServer` serves that snapshot at ``/api/swarm`` and a page at ``/`` that draws it as a
-heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.cli.monitor`) runs both.
+(:mod:`dmoe.replicas.records`), and keeps the result as one JSON-able snapshot. :class:`MonitorServer` serves that
+snapshot at ``/api/swarm`` and a page at ``/`` that draws it as a heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.cli.monitor`) runs both.
 """
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ from dmoe.replicas.records import (
     server_subkey,
 )
 from dmoe.replicas.snapshots import SignedSnapshot, SnapshotRefused, check_state, load_into, open_body
-from dmoe.replicas.store import ReplicaStore
+from dmoe.replicas.store import HeldReplica, ReplicaStore
 from dmoe.server.backend import ExpertBackend
 from dmoe.uid import split_uid
 
@@ -223,7 +223,7 @@ class Adopter:
         announcer = self.server.announcer
         return announcer.endpoint if announcer is not None and announcer.endpoint else self.server.endpoint
 
-    def held_elsewhere(self) -> dict[str, "object"]:
+    def held_elsewhere(self) -> dict[str, HeldReplica]:
         """The replicas held of experts this server does not serve itself."""
         return {uid: held for uid, held in self.store.held().items() if uid not in self.server.backends}
 
@@ -239,16 +239,13 @@ class Adopter:
         if failed:
             logger.info("%d of %d replica records were not stored: %s", len(failed), len(records), failed[:3])
 
-    def rank(self, uid: str) -> int:
-        """How many holders of ``uid``'s replica go before this server: more updates, or as many and closer."""
+    def rank(self, uid: str, announced: Sequence[Holder]) -> int:
+        """How many of the holders of ``uid``'s replica go before this server: more updates, or as many and closer
+        to the expert's key. Not knowing the others (the DHT did not answer), it goes first: the claim settles it."""
         held = self.store.header(uid)
         me = self.dht.identity.public_key
         mine = (-(held.updates if held is not None else 0), distance(uid, me))
-        try:
-            others = [h for h in holders(self.dht.get(replicas_key(uid))) if h.holder != me]
-        except Exception:  # noqa: BLE001 - not knowing the others: go first, the claim settles any race
-            return 0
-        return sum((-h.updates, distance(uid, h.holder)) < mine for h in others)
+        return sum((-h.updates, distance(uid, h.holder)) < mine for h in announced if h.holder != me)
 
     def watch(self) -> list[str]:
         """Looks at the cells of the replicas held; adopts those empty long enough. Returns the uids adopted."""
@@ -259,15 +256,17 @@ class Adopter:
         entries = directory_entries(self.dht, held)
         now = time.monotonic()
         me = self.dht.identity.public_key
+        empty = [uid for uid in held if entries[uid] is None or entries[uid].owner == me]  # (own: a failed claim)
+        for uid in set(self._empty) - set(empty):
+            del self._empty[uid]  # served again
+        new = [uid for uid in empty if uid not in self._empty]
+        announced = read_holders(self.dht, new) if new else {}
+        for uid in new:
+            self._empty[uid] = (now, self.rank(uid, announced[uid]))
+            logger.info("%s is not served by anyone: adopting it in %.1f s unless another holder of its replica "
+                        "does", uid, self._empty[uid][1] * self.stagger)
         due = []
-        for uid in held:
-            if entries[uid] is not None and entries[uid].owner != me:  # (own: a claim whose adoption failed)
-                self._empty.pop(uid, None)
-                continue
-            if uid not in self._empty:
-                self._empty[uid] = (now, self.rank(uid))
-                logger.info("%s is not served by anyone: adopting it in %.1f s unless another holder of its "
-                            "replica does", uid, self._empty[uid][1] * self.stagger)
+        for uid in empty:
             since, rank = self._empty[uid]
             if now >= since + rank * self.stagger:
                 due.append(uid)
@@ -317,7 +316,7 @@ class Adopter:
         for uid in won:
             signed, snapshot = ready[uid]
             adoptions.append(Adoption(uid, time.time(), snapshot.updates, snapshot.backward_calls))
-            logger.warning("adopted %s from a replica with %d updates (taken %.1f s ago, sha256 %s)", uid,
+            logger.info("adopted %s from a replica with %d updates (taken %.1f s ago, sha256 %s)", uid,
                            snapshot.updates, time.time() - snapshot.taken_at, signed.header.sha256.hex()[:16])
         self.adopted.extend(adoptions)
         if self.metrics is not None and won:

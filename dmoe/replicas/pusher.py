@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: seconds from the start of the pusher to its first round
+FIRST_ROUND_AFTER = 1.0
+
 
 class ReplicaError(RuntimeError):
     """A push or fetch that failed: the other server's status code and message."""
@@ -200,7 +203,9 @@ class ReplicaPusher:
         return self
 
     def _run(self) -> None:
-        started = time.monotonic()
+        # the first round comes soon: until then a server killed would lose its experts' state (restored from a
+        # checkpoint or a replica: maybe much training), not one interval of it
+        started = time.monotonic() - self.interval + min(self.interval, FIRST_ROUND_AFTER)
         while not self._stop.wait(max(0.0, self.interval - (time.monotonic() - started))):
             started = time.monotonic()  # rounds start every interval, however long one takes: the lag it bounds
             try:
