@@ -433,6 +433,12 @@ def test_bad_replicas_are_refused_with_a_clear_status_and_the_held_replica_stays
                 assert words in refused.value.details(), (name, refused.value.details())
                 kept = fetch_snapshot(stub, endpoint, uid, max_bytes=1 << 30)
                 assert kept.header.sha256 == held.header.sha256, f"{name} changed the held replica"
+            with grpc.insecure_channel(endpoint) as channel, pytest.raises(grpc.RpcError) as refused:
+                push_bytes = channel.stream_unary("/dmoe.ReplicaService/push", request_serializer=None,
+                                                  response_deserializer=None)
+                push_bytes(iter([b"\xff\xff not a protobuf"]), timeout=30)  # bytes that are no message at all
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid message" in refused.value.details()
             with pytest.raises(ReplicaError) as refused:  # an older one from the same owner: the newest is kept
                 push_snapshot(stub, endpoint, sign(take(expert_server(uid).backends[uid]), owner))
             assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and "newer replica" in str(refused.value)
