@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -117,12 +118,13 @@ class ReplicaPusher:
         interval: seconds between rounds.
         compression: wire compression of the snapshots' floating-point tensors (``dmoe.wire.NONE``: exact).
         repush_every: an unchanged snapshot goes again after this many intervals.
+        workers: experts pushed at once.
     """
 
     def __init__(self, server: "ExpertServer", dht: DHT, identity: Identity, *, replicas: int = 2,
                  interval: float = 60.0, compression: int = 0, metrics: ReplicaMetrics | None = None,
                  channels: ReplicaChannels | None = None, chunk_bytes: int = CHUNK_BYTES, repush_every: int = 5,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, workers: int = 4):
         if replicas < 0 or interval <= 0:
             raise ValueError(f"replicas must be >= 0 and interval positive, got {replicas} and {interval}")
         self.server, self.dht, self.identity = server, dht, identity
@@ -134,6 +136,9 @@ class ReplicaPusher:
         self._stop = threading.Event()
         self._round_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # experts are pushed side by side: a busy server's round (and so each snapshot's way to its hosts) stays
+        # short, and one slow host does not hold up the others' experts
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dmoe-replica-push")
 
     def hosts(self, layers: Sequence[str]) -> dict[str, list[tuple[bytes, str]]]:
         """layer -> (host key, endpoint) of every other server announcing it receives the layer's replicas."""
@@ -154,8 +159,9 @@ class ReplicaPusher:
             except Exception as error:  # noqa: BLE001 - a DHT hiccup: the next round tries again
                 logger.warning("could not read the replica hosts from the DHT: %s", error)
                 return {}
-            placed = {uid: self._push_one(uid, backend, hosts[split_uid(uid)[0]], force)
+            pushes = {uid: self._pool.submit(self._push_one, uid, backend, hosts[split_uid(uid)[0]], force)
                       for uid, backend in backends.items()}
+            placed = {uid: push.result() for uid, push in pushes.items()}
             self.rounds += 1
             return placed
 
@@ -226,4 +232,5 @@ class ReplicaPusher:
                             len({endpoint for endpoints in placed.values() for endpoint in endpoints}))
             except Exception:  # noqa: BLE001 - shutting down anyway
                 logger.exception("the last replica push failed")
+        self._pool.shutdown()
         self.channels.close()
