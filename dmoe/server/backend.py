@@ -99,6 +99,7 @@ class ExpertBackend:
         self.forward_calls = 0
         self.backward_calls = 0
         self.skipped_steps = 0  # optimizer steps refused because the gradients were not finite
+        self.updates = 0  # optimizer steps applied: how far the expert has trained (replicas compare it)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         sample = tuple(x.to(device) for x in sample_input)
         self.inputs_schema = tuple(TensorSchema.of(x) for x in sample)
@@ -220,6 +221,7 @@ class ExpertBackend:
         if self.clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
         self.optimizer.step()
+        self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.activations is not None:
             self.activations.drop_graphs(self.name)  # graphs kept before this step saved the old weights
