@@ -3,7 +3,8 @@
 Experts live on volunteers' expert servers (:class:`ExpertServer`), are announced in the expert directory
 (:class:`Announcer`, :mod:`dmoe.directory`) kept in a Kademlia DHT of signed records (:class:`DHT`), and are mixed
 by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best alive experts with :func:`beam_search`
-and calls them over gRPC. Trainers average their dense parameters with :class:`DecentralizedAverager` (Moshpit
+and calls them over gRPC. Servers keep replicas of each other's experts and adopt those of servers that left
+(:class:`Replication`). Trainers average their dense parameters with :class:`DecentralizedAverager` (Moshpit
 all-reduce in groups found through the DHT).
 """
 from dmoe.averaging import AveragerConfig, DecentralizedAverager, GroupInfo
