@@ -1,9 +1,9 @@
 """A volunteer swarm in miniature: servers leave for good (SIGKILL) and new empty ones join while the demo model trains.
 
-Two runs of the demo model (dmoe/trainer's gated transformer LM with 2 layers of 4x4 ffn experts; by default at
-``--hidden 64 --seq-len 32 --batch-size 8``, smaller than the demo's, so that 6 servers and the trainer share two
-cores) against expert servers started with ``--replica-dir`` (replicas on ``--replicas`` other servers, pushed
-every ``--replica-interval`` seconds):
+Two runs of the demo model on the demo's Shakespeare corpus (or ``--data FILE``; dmoe/trainer's gated transformer
+LM with 2 layers of 4x4 ffn experts; by default at ``--hidden 64 --seq-len 32 --batch-size 8``, smaller than the
+demo's, so that 6 servers and the trainer share two cores) against expert servers started with ``--replica-dir``
+(replicas on ``--replicas`` other servers, pushed every ``--replica-interval`` seconds):
 
 * churn: ``--servers`` servers (each a slice of every layer's grid) and ``--minutes`` of training. Every server
   lives an exponentially distributed lifetime (mean ``--mean-lifetime`` seconds), then is killed with SIGKILL,
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from dmoe.dht import DHT  # noqa: E402
 from dmoe.launch import Proc  # noqa: E402
 from dmoe.replicas.records import adopted_key, adoptions, directory_entries  # noqa: E402
-from dmoe.trainer.data import TextData  # noqa: E402
+from dmoe.trainer.data import TextData, shakespeare  # noqa: E402
 from dmoe.trainer.loop import TrainConfig, batch_generator, evaluate, learning_rate, make_moe_factory  # noqa: E402
 from dmoe.trainer.model import GatedTransformerLM  # noqa: E402
 from dmoe.uid import grid_uids  # noqa: E402
@@ -335,6 +335,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", type=Path, default=None,
+                        help="a text file to train on (default: the demo's Shakespeare corpus; --smoke: a tiny verse)")
     parser.add_argument("--smoke", action="store_true",
                         help="4 servers, under a minute of churn with an early kill; goals are reported, not enforced")
     args = parser.parse_args()
@@ -345,9 +347,15 @@ def main() -> None:
         parser.error("--min-alive must be below --servers")
 
     with tempfile.TemporaryDirectory() as tmp:
-        from tests.test_chaos import verse
+        if args.data is not None:
+            corpus = args.data
+        elif args.smoke:
+            from tests.test_chaos import verse
 
-        data = TextData.from_file(verse(Path(tmp) / "verse.txt"), 0.05, args.seq_len + 1)
+            corpus = verse(Path(tmp) / "verse.txt")
+        else:
+            corpus = shakespeare(ROOT / "data")
+        data = TextData.from_file(corpus, 0.05, args.seq_len + 1)
         churned, swarm = run(args, data, Path(tmp), churn=True, steps=None)
         print(f"churn: {churned['steps']} steps in {churned['seconds']:.0f}s, val loss {churned['val_loss']:.3f}, "
               f"dropped {churned['dropped_share']:.1%} of chosen experts", flush=True)
