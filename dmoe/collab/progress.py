@@ -288,7 +288,7 @@ class ProgressTracker:
             try:
                 progress = Progress.parse(entry.value)
             except ValueError as error:
-                self._refuse(subkey, "malformed", f"a malformed progress record {entry.value!r} ({error})")
+                self._refuse(subkey, "malformed", f"is malformed: {entry.value!r} ({error})")
                 continue
             problem = refusal(progress, self.config, now)
             if problem is not None:
