@@ -105,9 +105,10 @@ def test_partners_share_the_step_and_lineage_and_their_samples_count_toward_the_
     assert set(view.partners) == {2, 3}
     assert view.samples_accumulated == 95 and not view.ready
     assert state(progress(samples=35), peers).ready
-    # partners' samples are extrapolated at their speed since they published
+    # the estimate extrapolates partners' samples at their speed since they published; readiness takes reports
     moving = {2: progress(samples=40, speed=10.0, stamp=time.time() - 1.0)}
-    assert state(progress(samples=55), moving).ready
+    assert state(progress(samples=55), moving).samples_estimate == pytest.approx(105, abs=0.5)
+    assert not state(progress(samples=55), moving).ready
     assert state(progress(samples=30, speed=6.0), {2: progress(samples=10, speed=0.0)}).eta == pytest.approx(10.0)
     assert state(progress(samples=30, speed=0.0), {2: progress(samples=10, speed=0.0)}).eta == math.inf
     # a partner that started averaging saw the target reached: join it

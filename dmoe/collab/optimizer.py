@@ -152,9 +152,9 @@ class CollaborativeOptimizer:
         except BaseException:
             self.shutdown()
             raise
-        logger.info("trainer %s joined run %r at step %d (%d trainers seen, target %d samples per step)",
-                    self.peer_id, self.run_id, self.local_step, self.collaboration.num_trainers,
-                    config.target_batch_size)
+        logger.info("trainer %s joined run %r at step %d, lineage %s (%d trainers seen, target %d samples per "
+                    "step)", self.peer_id, self.run_id, self.local_step, self.lineage,
+                    self.collaboration.num_trainers, config.target_batch_size)
 
     @property
     def endpoint(self) -> str | None:
@@ -193,7 +193,10 @@ class CollaborativeOptimizer:
                     accumulator.add_(p.grad.to(torch.float32), alpha=batch_size)
         self.samples += batch_size
         self.tracker.update(samples=self.samples, samples_per_second=self._speed)
-        if not self.tracker.state().ready:
+        state = self.tracker.state()
+        if not state.ready:
+            if state.eta < self.config.refresh_period:
+                self.tracker.wake()
             return False
         # a fresh read before committing: who the partners are now (how many the group waits for), and whether
         # they moved on meanwhile (then this trainer's samples are stale: it downloads their state instead)
@@ -220,6 +223,8 @@ class CollaborativeOptimizer:
             for accumulator in self._accumulators:
                 accumulator.div_(max(samples, 1))  # the mean gradient; with no samples zeros, which weigh nothing
         if not partners:
+            logger.info("DEBUG step %d alone, lineage %s, peers %s", step, self.lineage,
+                        {pid: (p.step, p.lineage, p.phase, round(time.time() - p.time, 2)) for pid, p in state.peers.items()})
             self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
             return
         self.tracker.update(phase=AVERAGING)
@@ -300,6 +305,19 @@ class CollaborativeOptimizer:
         messages = encode_state(captured, self.run_id)
         self._served = (key, messages)
         return messages
+
+    def wait_for_trainers(self, count: int, timeout: float) -> int:
+        """Blocks until ``count`` trainers (this one included) are in the collaboration, so that trainers started
+        together also begin together (a run compared with another, a test); returns how many there are, which is
+        fewer when ``timeout`` seconds passed first. Downloads the state if one of them is ahead."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.tracker.refresh_now()
+            self._sync_if_needed()  # a peer that claims a step it cannot back is banned here, not counted
+            seen = len(self.tracker.state().peers) + 1
+            if seen >= count or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.05)
 
     # ---- the end ----
     def finish(self, timeout: float | None = None) -> bool:

@@ -182,9 +182,11 @@ class CollaborationState:
 
     @property
     def ready(self) -> bool:
-        """Time to average and step: the collaboration reached the target by the estimate, or a partner started
-        averaging (it saw the target reached in records this trainer may not have read yet)."""
-        return self.samples_estimate >= self.target_batch_size or any(
+        """Time to average and step: the samples reported reached the target, or a partner started averaging (it
+        saw the target reached in records this trainer may not have read yet). Reports, not the estimate: a step
+        never takes fewer samples than the target (it may take a few more, what the trainers computed while their
+        reports travelled)."""
+        return self.samples_accumulated >= self.target_batch_size or any(
             p.phase == AVERAGING for p in self.partners.values())
 
     @property
@@ -231,6 +233,7 @@ class ProgressTracker:
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._closed = False
         self.read_at = 0.0  # wall clock of the last successful read
         self._thread = threading.Thread(target=self._run, name="dmoe-collab-progress", daemon=True)
@@ -314,12 +317,18 @@ class ProgressTracker:
             self._warned.add((peer_id, kind))
             logger.warning("refused the progress record of trainer %s: it %s", peer_id, message)
 
+    def wake(self) -> None:
+        """Publishes and reads again now instead of at the end of the refresh period (the target is near: every
+        trainer doing so keeps the step's overshoot to about one batch per trainer)."""
+        self._wake.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.peer_id is not None:
                 self.publish_now()
             self.refresh_now()
-            self._stop.wait(self.config.refresh_period * random.uniform(0.8, 1.0))
+            self._wake.wait(self.config.refresh_period * random.uniform(0.8, 1.0))
+            self._wake.clear()
 
     def close(self) -> None:
         """Stops the thread; a trainer marks itself gone, so the others stop counting it at once."""
@@ -327,6 +336,7 @@ class ProgressTracker:
             return
         self._closed = True
         self._stop.set()
+        self._wake.set()
         self._thread.join(self.config.refresh_period + self.dht.config.call_timeout)
         if self.peer_id is not None:
             self.update(phase=GONE)
