@@ -26,6 +26,7 @@ from dmoe.dht import DHT, DHTConfig
 from dmoe.directory import Announcer, declare_experts, get_experts
 from dmoe.experts import create_expert, expert_class_names, expert_seed, register_expert_class
 from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.server import (
     ExpertBackend,
     ExpertOptimizerConfig,
@@ -44,8 +45,8 @@ __all__ = [
     "DHTConfig", "DecentralizedAverager",
     "ExpertBackend", "ExpertOptimizerConfig", "ExpertServer", "GroupInfo", "InProcessExpert",
     "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
-    "RemoteExpertError", "RemoteMixtureOfExperts", "Runtime", "ServerConfig", "SwarmConfig", "backward_future",
-    "backward_futures", "beam_search", "create_expert", "declare_experts", "expand_pattern", "expert_class_names",
-    "expert_info", "expert_seed", "forward_future", "forward_futures", "get_experts", "grid_uids",
-    "in_process_experts", "register_expert_class", "split_uid",
+    "RemoteExpertError", "RemoteMixtureOfExperts", "ReplicaConfig", "Replication", "Runtime", "ServerConfig",
+    "SwarmConfig", "backward_future", "backward_futures", "beam_search", "create_expert", "declare_experts",
+    "expand_pattern", "expert_class_names", "expert_info", "expert_seed", "forward_future", "forward_futures",
+    "get_experts", "grid_uids", "in_process_experts", "register_expert_class", "split_uid",
 ]

@@ -207,3 +207,14 @@ def test_averaging_benchmark_small_runs_and_a_full_grid_is_exact(tmp_path):
     rounds = read_csv(tmp_path / "bench_averaging_moshpit.csv")
     assert [int(r["averaged"]) for r in rounds] == [4, 4]
     assert float(rounds[1]["simulated_error"]) < 1e-5
+
+
+def test_churn_benchmark_smoke_kills_a_server_and_adopts_its_experts():
+    stdout = run_benchmark("bench_churn.py", "--smoke")
+    summary = next(line for line in stdout.splitlines() if " kills, " in line)
+    kills, adopted = int(summary.split()[0]), int(summary.split(", ")[2].split()[0])
+    assert kills >= 1 and adopted >= 1, summary  # the killed server's experts came back from replicas
+    last = dict(item.split("=") for item in stdout.strip().splitlines()[-1].split())
+    assert set(last) == {"max_updates_lost", "longest_empty_cell_s", "loss_ratio"}
+    assert int(last["max_updates_lost"]) >= 0 and float(last["longest_empty_cell_s"]) > 0
+    assert 0.5 < float(last["loss_ratio"]) < 2  # both runs trained to finite, comparable losses

@@ -1,4 +1,5 @@
-"""The trainer (dmoe/trainer, dmoe-train): short real training runs on a generated text, checkpoints, flags, the loss curve.
+"""The trainer (dmoe/trainer, dmoe-train): short real training runs on a generated text, checkpoints, flags, the
+loss curve.
 
 The mixture layers here are a test-local stand-in with the DMoE layer's interface (grid gating, top-k, in-process
 ``LayerNorm(x + ffn(x))`` experts, ``stats`` counters), so the trainer is tested without the network stack; the

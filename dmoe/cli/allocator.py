@@ -2,8 +2,9 @@
 
 Every step of an expert frees and re-allocates tensors of tens of MB (gradients, activations). With glibc's
 defaults such blocks are ``mmap``ed and returned on free, or trimmed from the top of the heap, and each new one
-costs a page fault per 4 KiB page, all of them zero-filled by the kernel, which slows an expert server
-markedly (benchmarks/README.md, "Figures behind design choices"). Threads other than the main one are worse, as their arenas' heaps are capped at 64 MB, and the server computes on a thread.
+costs a page fault per 4 KiB page, all of them zero-filled by the kernel, which slows an expert server markedly
+(benchmarks/README.md, "Figures behind design choices"). Threads other than the main one are worse, as their
+arenas' heaps are capped at 64 MB, and the server computes on a thread.
 
 :func:`keep_freed_memory` serves such blocks from the heap of one arena and never trims it: the process keeps its
 peak footprint (which it needs again at the next step) and stops faulting. Programs call it at start-up; it only

@@ -4,7 +4,9 @@ Example: ``dmoe-server --experts 'ffn0.[0:4].[0:4]' --expert-cls ffn --hidden-di
 Prints ``dmoe-server listening on HOST:PORT`` once it accepts calls; stops cleanly on Ctrl-C or SIGTERM.
 Any flag may instead be a key of a TOML file given as ``--config server.toml`` (flags override it, see
 :mod:`dmoe.cli.config`); ``--num-experts 4 --grid 4 4 --layer ffn0`` picks grid cells nobody serves yet;
-``--metrics-port 0`` serves Prometheus metrics and prints ``dmoe-server metrics on HOST:PORT``.
+``--metrics-port 0`` serves Prometheus metrics and prints ``dmoe-server metrics on HOST:PORT``;
+``--replica-dir DIR`` keeps replicas of this server's experts on ``--replicas`` other servers, holds theirs, and
+adopts the experts of servers that leave (see :mod:`dmoe.replicas`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from dmoe.cli.signals import StopSignals
 from dmoe.dht import Identity, parse_endpoint
 from dmoe.directory import Announcer, free_experts
 from dmoe.experts import expert_class_names
+from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.checkpoints import CheckpointMismatch, CorruptCheckpoint
@@ -135,6 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--max-abs-value", type=non_negative(float), default=1e6,
                        help="refuse requests whose inputs or gradients hold values of a larger magnitude, which "
                             "could blow up an expert's weights (INVALID_ARGUMENT; 0: no limit)")
+    replicas = parser.add_argument_group("replicas", "copies of the experts on other servers, so that none of "
+                                         "their training is lost when this server leaves (see dmoe/replicas)")
+    replicas.add_argument("--replica-dir", default=None,
+                          help="keep other servers' replicas here, push this server's, adopt the experts of servers "
+                               "that left (default: no replicas)")
+    replicas.add_argument("--replicas", type=non_negative(int), default=2,
+                          help="servers each expert's snapshot is pushed to (0: push none, still hold and adopt)")
+    replicas.add_argument("--replica-interval", type=positive_float, default=60.0,
+                          help="seconds between pushes (one also goes on shutdown); a SIGKILL loses at most about "
+                               "this much training")
+    replicas.add_argument("--replica-budget-mb", type=positive_float, default=1024.0,
+                          help="MiB of other servers' replicas kept in --replica-dir (the oldest go first)")
+    replicas.add_argument("--replica-compression", choices=sorted(COMPRESSIONS), default="none",
+                          help="wire compression of the snapshots' weights and optimizer state (none: exact)")
+    replicas.add_argument("--adoption-stagger", type=non_negative(float), default=2.0,
+                          help="seconds a holder of a replica waits per holder with a newer one before adopting "
+                               "its empty cell")
     parser.add_argument("--activation-cache-mb", type=non_negative(float), default=512.0,
                         help="MiB of activations kept from a forward for its backward, which then skips recomputing "
                              "the forward (0: always recompute)")
@@ -203,6 +223,21 @@ def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Annou
         parser.error(f"argument --initial-peers: {error}")
 
 
+def replica_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ReplicaConfig | None:
+    """The replica flags as a ReplicaConfig (None without ``--replica-dir``)."""
+    if args.replica_dir is None:
+        given = [flag for flag, default in (("--replicas", 2), ("--replica-interval", 60.0),
+                                            ("--replica-budget-mb", 1024.0), ("--replica-compression", "none"),
+                                            ("--adoption-stagger", 2.0))
+                 if getattr(args, flag[2:].replace("-", "_")) != default]
+        if given:
+            parser.error(f"argument {given[0]}: needs --replica-dir")
+        return None
+    return ReplicaConfig(directory=args.replica_dir, replicas=args.replicas, interval=args.replica_interval,
+                         budget_mb=args.replica_budget_mb, compression=args.replica_compression,
+                         stagger=args.adoption_stagger, layers=tuple(args.layer or ()))
+
+
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()  # before any thread starts: every training step would page-fault otherwise
     parser = build_parser()
@@ -240,9 +275,11 @@ def main(argv: list[str] | None = None) -> None:
             parse_endpoint(peer)
         except ValueError as error:
             parser.error(f"argument --initial-peers: {error}")
+    replicas = replica_config(args, parser)
     announcer = None
-    if uids is None:  # --num-experts: join the DHT first, to see which cells are free
+    if uids is None or replicas is not None:  # the DHT first: to see which cells are free, to find replicas
         announcer = join_dht(args, parser)
+    if uids is None:
         uids = free_experts(announcer.dht, args.layer, args.grid, args.num_experts)
         logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
     try:
@@ -256,6 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     server.announcer = announcer or join_dht(args, parser)
     print(f"dmoe-server DHT node at {server.announcer.dht.endpoint} (others may pass it as --initial-peers)",
           flush=True)
+    if replicas is not None:
+        try:
+            Replication(server, replicas).restore()  # before serving: the newest replica of each expert
+        except OSError as error:
+            parser.error(f"argument --replica-dir: {error}")
 
     with StopSignals() as stop, server:
         if server.metrics.endpoint is not None:

@@ -128,7 +128,8 @@ class MixtureBase(nn.Module):
             coords.append(row + [pad] * (self.k_best - len(row)))
             valid.append([True] * len(row) + [False] * (self.k_best - len(row)))
         shape = (n_rows, self.k_best, len(self.grid))
-        return torch.tensor(coords, dtype=torch.long).reshape(shape), torch.tensor(valid, dtype=torch.bool).reshape(shape[:2])
+        return (torch.tensor(coords, dtype=torch.long).reshape(shape),
+                torch.tensor(valid, dtype=torch.bool).reshape(shape[:2]))
 
     def _coords_of(self, uid: str) -> tuple[int, ...]:
         coords = self._coords_cache.get(uid)

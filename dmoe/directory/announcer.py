@@ -17,13 +17,14 @@ async def announce_forever(node: DHTNode, uids: Sequence[str], endpoint: str, re
     """Declares ``uids`` every ``refresh_period`` seconds until cancelled; failures are retried sooner.
 
     declared: the caller has just declared them, so the first declaration waits a refresh period.
+    ``uids`` is read again before every declaration: a list the caller changes (:meth:`Announcer.add`) is followed.
     """
     if declared:
         await asyncio.sleep(refresh_period)
     while True:
         started = time.monotonic()
         try:
-            results = await declare(node, uids, endpoint, expiration)
+            results = await declare(node, list(uids), endpoint, expiration) if uids else []
             failed = len(results) - sum(results)
             if failed:
                 logger.warning("%d of %d experts could not be declared; retrying soon", failed, len(results))
@@ -60,6 +61,8 @@ class Announcer:
             logger.warning("expiration %.1fs <= refresh period %.1fs: experts will blink out between refreshes",
                            self.expiration, refresh_period)
         self.first_results: list[bool] = []
+        self.uids: list[str] = []  # what is declared every refresh period (changed by add and remove)
+        self.endpoint: str | None = None
         self._future: "asyncio.Future[None] | None" = None
 
     @classmethod
@@ -85,14 +88,29 @@ class Announcer:
             raise RuntimeError("this announcer has already started")
         if self.announce_host:
             endpoint = f"{self.announce_host}:{endpoint.rsplit(':', 1)[1]}"
-        uids = list(uids)
-        self.first_results = self.dht.run_coroutine(declare(self.dht.node, uids, endpoint, self.expiration))
-        logger.info("declared %d of %d experts at %s in the DHT (node %s)", sum(self.first_results), len(uids),
+        self.endpoint = endpoint
+        self.uids.extend(uid for uid in uids if uid not in self.uids)
+        self.first_results = self.dht.run_coroutine(declare(self.dht.node, list(self.uids), endpoint,
+                                                            self.expiration))
+        logger.info("declared %d of %d experts at %s in the DHT (node %s)", sum(self.first_results), len(self.uids),
                     endpoint, self.dht.endpoint)
         self._future = asyncio.run_coroutine_threadsafe(
-            announce_forever(self.dht.node, uids, endpoint, self.refresh_period, self.expiration, declared=True),
+            announce_forever(self.dht.node, self.uids, endpoint, self.refresh_period, self.expiration,
+                             declared=True),
             self.dht.loop)
         return self.first_results
+
+    def add(self, uids: Sequence[str]) -> list[bool]:
+        """Declares ``uids`` too, from now on (at once if started: per uid, whether that reached the DHT)."""
+        new = [uid for uid in uids if uid not in self.uids]
+        self.uids.extend(new)
+        if self._future is None or not new:  # not started: start() declares them with the others
+            return []
+        return self.dht.run_coroutine(declare(self.dht.node, new, self.endpoint, self.expiration))
+
+    def remove(self, uids: Sequence[str]) -> None:
+        """Stops declaring ``uids``; their declarations expire on their own."""
+        self.uids[:] = [uid for uid in self.uids if uid not in set(uids)]
 
     def close(self) -> None:
         """Stops refreshing (the declarations then expire on their own), and closes the DHT node if it owns it."""

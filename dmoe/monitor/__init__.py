@@ -1,9 +1,10 @@
-"""A live view of the swarm: which experts of each layer's grid are alive, who hosts them, their load and latency.
+"""A live view of the swarm: which experts of each layer's grid are alive, who hosts them, their load and latency,
+how many replicas of each cell's expert other servers hold, and which cells were adopted in the last hour.
 
 :class:`SwarmMonitor` reads the DHT every ``period`` seconds (as beam search does, one grid dimension per look-up),
-asks every alive expert for its call counters through the ``info`` RPC, and keeps the result as one JSON-able
-snapshot. :class:`MonitorServer` serves that snapshot at ``/api/swarm`` and a page at ``/`` that draws it as a
-heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.cli.monitor`) runs both.
+asks every alive expert for its call counters through the ``info`` RPC, reads the replication records
+(:mod:`dmoe.replicas.records`), and keeps the result as one JSON-able snapshot. :class:`MonitorServer` serves that
+snapshot at ``/api/swarm`` and a page at ``/`` that draws it as a heatmap per layer and refreshes itself. ``dmoe-monitor`` (:mod:`dmoe.cli.monitor`) runs both.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from typing import Any, Sequence
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
 from dmoe.directory import alive_experts
+from dmoe.replicas.records import ADOPTION_MEMORY, adopted_key, adoptions, holders, replicas_key
+from dmoe.uid import grid_uids
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,8 @@ class SwarmMonitor:
     def _empty(self) -> dict[str, Any]:
         return {"updated": None, "period": self.period, "initial_peers": self.initial_peers, "grid": list(self.grid),
                 "layers": [{"name": layer, "grid": list(self.grid), "cells": math.prod(self.grid), "alive": 0,
-                            "experts": {}} for layer in self.layers], "servers": []}
+                            "experts": {}, "replicas": {}, "adopted": {}, "adopted_last_hour": 0}
+                           for layer in self.layers], "servers": []}
 
     def color(self, endpoint: str) -> str:
         """A color per server endpoint, fixed the first time the monitor sees it."""
@@ -99,6 +103,10 @@ class SwarmMonitor:
             layer["experts"] = {uid: {"endpoint": endpoint} for uid, endpoint in alive.items()}
             located.update(alive)
         futures = {uid: self._pool.submit(self._info, uid, endpoint) for uid, endpoint in located.items()}
+        try:
+            self._replication(snapshot)
+        except Exception as error:  # noqa: BLE001 - the grid is worth showing without the replica counts
+            logger.warning("reading the replication records from the DHT failed: %s", error)
         now = time.monotonic()
         servers: dict[str, dict[str, Any]] = {}
         latencies: dict[str, list[float]] = {}
@@ -136,6 +144,23 @@ class SwarmMonitor:
         with self._lock:
             self._snapshot = snapshot
         return snapshot
+
+    def _replication(self, snapshot: dict[str, Any]) -> None:
+        """Per layer: how many servers announce a replica of each cell's expert (``replicas``: uid -> count, cells
+        with none left out) and the cells adopted in the last hour (``adopted``: uid -> time.time() of it)."""
+        cells = {layer: grid_uids(layer, self.grid) for layer in self.layers}
+        keys = [replicas_key(uid) for uids in cells.values() for uid in uids]
+        keys += [adopted_key(layer) for layer in self.layers]
+        records = self.dht.get_many(keys)
+        recent_after = time.time() - ADOPTION_MEMORY
+        for layer in snapshot["layers"]:
+            name = layer["name"]
+            counts = {uid: len(holders(records[replicas_key(uid)])) for uid in cells[name]}
+            layer["replicas"] = {uid: count for uid, count in counts.items() if count}
+            in_grid = set(cells[name])
+            layer["adopted"] = {a.uid: a.at for a in adoptions(name, records[adopted_key(name)])
+                                if a.uid in in_grid and a.at >= recent_after}
+            layer["adopted_last_hour"] = len(layer["adopted"])
 
     def snapshot(self) -> dict[str, Any]:
         """The latest view (see :meth:`poll`), as plain JSON-able data."""

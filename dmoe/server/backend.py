@@ -25,7 +25,8 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True when no element of ``tensors`` is NaN or infinite, in one read pass per tensor and one host sync.
 
     A sum is NaN or infinite when any element is, and torch sums in parallel and vectorised: cheaper than the total
-    norm (whose squares also overflow far sooner). A sum that overflows counts as non-finite too, which takes gradients summing past ~3e38.
+    norm (whose squares also overflow far sooner). A sum that overflows counts as non-finite too, which takes
+    gradients summing past ~3e38.
     """
     sums = [t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype) for t in tensors]
     return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in sums])).all())
@@ -98,6 +99,7 @@ class ExpertBackend:
         self.forward_calls = 0
         self.backward_calls = 0
         self.skipped_steps = 0  # optimizer steps refused because the gradients were not finite
+        self.updates = 0  # optimizer steps applied: how far the expert has trained (replicas compare it)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         sample = tuple(x.to(device) for x in sample_input)
         self.inputs_schema = tuple(TensorSchema.of(x) for x in sample)
@@ -219,6 +221,7 @@ class ExpertBackend:
         if self.clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
         self.optimizer.step()
+        self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.activations is not None:
             self.activations.drop_graphs(self.name)  # graphs kept before this step saved the old weights

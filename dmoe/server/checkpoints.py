@@ -54,14 +54,21 @@ def describe(backend: ExpertBackend) -> dict[str, Any]:
     }
 
 
-def _to_host(value: Any) -> Any:
+def optimizer_steps(optimizer_state: dict[str, Any] | None) -> int:
+    """The steps an optimizer's state says it took (Adam counts them per parameter; the most of them), 0 when it
+    keeps no count (SGD): the update count of checkpoints written before backends counted their updates."""
+    steps = [value.get("step") for value in ((optimizer_state or {}).get("state") or {}).values()]
+    return max((int(step) for step in steps if step is not None), default=0)
+
+
+def to_host(value: Any) -> Any:
     """A deep copy with every tensor cloned to CPU memory: later optimizer steps cannot change it."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _to_host(v) for k, v in value.items()}
+        return {k: to_host(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_host(v) for v in value)
+        return type(value)(to_host(v) for v in value)
     return value
 
 
@@ -173,6 +180,7 @@ class Checkpoints:
             backend.load_state_dict(_to_device(saved["state"], device))
             backend.forward_calls = saved.get("forward_calls", 0)
             backend.backward_calls = saved.get("backward_calls", 0)
+            backend.updates = saved.get("updates", optimizer_steps(saved["state"].get("optimizer")))
         logger.info("restored %d experts from %s (saved %.1f s ago)", len(self.backends), self.path,
                     time.time() - state["saved_at"])
         return True
@@ -189,8 +197,9 @@ class Checkpoints:
         experts = {}
         with self.pause() if self.pause is not None else contextlib.nullcontext():
             for uid, backend in self.backends.items():
-                experts[uid] = {"state": _to_host(backend.state_dict()), "description": describe(backend),
-                                "forward_calls": backend.forward_calls, "backward_calls": backend.backward_calls}
+                experts[uid] = {"state": to_host(backend.state_dict()), "description": describe(backend),
+                                "forward_calls": backend.forward_calls, "backward_calls": backend.backward_calls,
+                                "updates": backend.updates}
         return {"format": FORMAT, "version": VERSION, "saved_at": time.time(), "pattern": _pattern(self.backends),
                 "experts": experts}
 

@@ -32,7 +32,8 @@ def _total(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 class RejectUndecodable(grpc.aio.ServerInterceptor):
-    """Server interceptor for unary-unary and stream-stream methods (the ones ExpertService has).
+    """Server interceptor for every kind of method (ExpertService's unary and streamed calls, ReplicaService's
+    client-streamed push and server-streamed fetch).
 
     The wrapped handler of each method is built once and reused: gRPC asks the interceptor on every call.
     """
@@ -64,19 +65,41 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=parse,
                                                        response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            behavior = handler.unary_stream
+
+            async def unary_stream(request, context):
+                if isinstance(request, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+                async for response in behavior(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=parse,
+                                                        response_serializer=handler.response_serializer)
+
+        def checked(requests: AsyncIterator, context) -> AsyncIterator:
+            async def parsed():
+                async for request in requests:
+                    if isinstance(request, Undecodable):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+                    yield request
+            return parsed()
+
         if handler.stream_stream is not None:
             behavior = handler.stream_stream
 
             async def stream_stream(requests: AsyncIterator, context):
-                async def checked():
-                    async for request in requests:
-                        if isinstance(request, Undecodable):
-                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
-                        yield request
-
-                async for response in behavior(checked(), context):
+                async for response in behavior(checked(requests, context), context):
                     yield response
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, request_deserializer=parse,
                                                          response_serializer=handler.response_serializer)
+        if handler.stream_unary is not None:
+            behavior = handler.stream_unary
+
+            async def stream_unary(requests: AsyncIterator, context):
+                return await behavior(checked(requests, context), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, request_deserializer=parse,
+                                                        response_serializer=handler.response_serializer)
         return handler

@@ -93,8 +93,7 @@ class ServerMetrics:
         self.experts = experts
         self._pool_labels: dict[int, tuple[str, str, bool]] = {}
         for uid, expert in experts.items():
-            self._pool_labels[id(expert.forward_pool)] = (uid, "forward", False)
-            self._pool_labels[id(expert.backward_pool)] = (uid, "backward", expert.backend.optimizer is not None)
+            self.add_expert(uid, expert)
         labels = ["expert", "method"]
         self.requests = Counter("dmoe_requests", "calls answered, by gRPC status code", labels + ["code"],
                                 registry=self.registry)
@@ -118,8 +117,18 @@ class ServerMetrics:
         self._http_thread: threading.Thread | None = None
         self.endpoint: str | None = None
 
+    def add_expert(self, uid: str, expert: "HostedExpert") -> None:
+        """Labels the batches of an expert added to the running server (the server adds it to ``experts``)."""
+        self._pool_labels[id(expert.forward_pool)] = (uid, "forward", False)
+        self._pool_labels[id(expert.backward_pool)] = (uid, "backward", expert.backend.optimizer is not None)
+
+    def remove_expert(self, uid: str) -> None:
+        """Forgets the pools of an expert the server stopped serving (its later calls count as ``unknown``)."""
+        for key in [key for key, labels in self._pool_labels.items() if labels[0] == uid]:
+            del self._pool_labels[key]
+
     def _pools(self) -> Iterable[tuple[str, str, "TaskPool"]]:
-        for uid, expert in self.experts.items():
+        for uid, expert in list(self.experts.items()):  # experts may be added meanwhile (adoption)
             yield uid, "forward", expert.forward_pool
             yield uid, "backward", expert.backward_pool
 

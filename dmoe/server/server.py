@@ -5,7 +5,7 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import grpc
 import torch
@@ -24,8 +24,12 @@ from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_comp
 
 if TYPE_CHECKING:  # the server calls whatever it is given; it needs no DHT of its own
     from dmoe.directory import Announcer
+    from dmoe.replicas import Replication
 
 logger = logging.getLogger(__name__)
+
+#: builds the backend of one more expert like the server's others (``ExpertServer.create`` makes one)
+BackendFactory = Callable[[str], ExpertBackend]
 
 
 @dataclass
@@ -113,17 +117,26 @@ class ExpertServer:
         backends: uid -> expert backend (modules are moved to the server's device). Backends built with an
             activation cache (:meth:`create` gives them one of ``config.activation_cache_mb``) must share it.
         config: listening and runtime settings.
-        announcer: optional; gets ``start(uids, endpoint)`` once serving and ``close()`` before shutdown.
+        announcer: optional; gets ``start(uids, endpoint)`` once serving and ``close()`` at shutdown, and
+            ``add``/``remove`` when experts are added to or removed from the running server.
+        backend_factory: builds one more expert like these (:meth:`create` passes one), for experts adopted at
+            runtime (:meth:`add_expert`, :mod:`dmoe.replicas`).
+
+    Set :attr:`replication` (a :class:`~dmoe.replicas.Replication`) before :meth:`start` to keep replicas of these
+    experts on other servers, hold theirs, and adopt the experts of servers that leave.
     """
 
     def __init__(self, backends: Mapping[str, ExpertBackend], config: ServerConfig | None = None,
-                 announcer: Announcer | None = None):
+                 announcer: Announcer | None = None, *, backend_factory: BackendFactory | None = None):
         if not backends:
             raise ValueError("a server needs at least one expert")
         self.config = config or ServerConfig()
         self.backends = {check_uid(uid): backend for uid, backend in backends.items()}
         self.device = resolve_device(self.config.device)
         self.announcer = announcer
+        self.backend_factory = backend_factory
+        self.replication: Replication | None = None
+        self._experts_lock = threading.Lock()  # experts added or removed at runtime (adoption) one at a time
         workers, threads = compute_workers(self.config.workers, self.device)
         self.runtime = Runtime(self.device, self.config.autocast, workers=workers, threads_per_worker=threads)
         caches = {id(b.activations): b.activations for b in self.backends.values() if b.activations is not None}
@@ -131,16 +144,7 @@ class ExpertServer:
             raise ValueError("the experts of one server must share one activation cache (or have none)")
         #: the kept forwards of every expert (given to each backend by :meth:`create`); None: always recompute
         self.activations: ActivationCache | None = next(iter(caches.values()), None)
-        experts = {}
-        for uid, backend in self.backends.items():
-            backend.module.to(self.device)
-            experts[uid] = HostedExpert(
-                backend,
-                self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size,
-                                         segmented=True, group=uid),
-                self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size,
-                                         segmented=True, group=uid),
-            )
+        experts = {uid: self._host(uid, backend) for uid, backend in self.backends.items()}
         self.servicer = ExpertServicer(
             experts, self.runtime, max_batch_size=self.config.max_batch_size, device=str(self.device),
             default_compression=parse_compression(self.config.response_compression),
@@ -161,6 +165,54 @@ class ExpertServer:
                                            pause=self.runtime.paused,
                                            interval=self.config.checkpoint_interval)
             self.checkpoints.restore()
+
+    def _host(self, uid: str, backend: ExpertBackend) -> HostedExpert:
+        """``backend`` on the server's device with its two task pools (one group: never run at once)."""
+        backend.module.to(self.device)
+        return HostedExpert(
+            backend,
+            self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size, segmented=True,
+                                     group=uid),
+            self.runtime.create_pool(f"{uid}.backward", backend.backward, self.config.max_batch_size, segmented=True,
+                                     group=uid),
+        )
+
+    def add_expert(self, uid: str, backend: ExpertBackend, *, announce: bool = True) -> None:
+        """Starts serving one more expert on this (running or not yet started) server: its task pools, the
+        servicer's table, its metrics, and (``announce``) the announcer's uids, which declares it at once.
+
+        Used to adopt the expert of a server that left (:mod:`dmoe.replicas`). An added expert is not in the
+        server's checkpoint (a restart with the same flags must find the checkpoint it wrote): its replicas on other
+        servers keep it. Raises ValueError if ``uid`` is served here already or ``backend`` keeps its activations
+        in another cache than the server's.
+        """
+        uid = check_uid(uid)
+        if self._closed:
+            raise RuntimeError("the server is closed")
+        if backend.activations is not None and backend.activations is not self.activations:
+            raise ValueError(f"{uid}: the experts of one server must share one activation cache")
+        with self._experts_lock:
+            if uid in self.servicer.experts:
+                raise ValueError(f"expert {uid} is served here already")
+            hosted = self._host(uid, backend)
+            self.backends[uid] = backend
+            self.metrics.add_expert(uid, hosted)
+            self.servicer.experts[uid] = hosted  # last: calls find the expert only once the rest is in place
+        logger.info("now serving %s too (%d experts)", uid, len(self.backends))
+        if announce and self.announcer is not None and self.port is not None:
+            self.announcer.add([uid])
+
+    def remove_expert(self, uid: str) -> ExpertBackend:
+        """Stops serving ``uid`` (calls get NOT_FOUND; its declaration is no longer refreshed and expires) and
+        returns its backend. Requests already queued for it still run. Raises KeyError if it is not served here."""
+        with self._experts_lock:
+            hosted = self.servicer.experts.pop(uid)
+            self.backends.pop(uid, None)
+            self.metrics.remove_expert(uid)
+        if self.announcer is not None and self.port is not None:
+            self.announcer.remove([uid])
+        logger.info("no longer serving %s (%d experts left)", uid, len(self.backends))
+        return hosted.backend
 
     @classmethod
     def create(
@@ -190,14 +242,15 @@ class ExpertServer:
         hparams = {"hidden_dim": hidden_dim, **cls_kwargs, "optimizer": optimizer, "lr": lr,
                    "clip_grad_norm": clip_grad_norm, "seed": seed}
         activations = ActivationCache(int(config.activation_cache_mb * 2**20), config.activation_ttl)
-        backends = {}
-        for uid in uids:
+
+        def backend_factory(uid: str) -> ExpertBackend:
             module = create_expert(expert_cls, hidden_dim, seed=expert_seed(seed, uid), **cls_kwargs).to(device)
-            backends[uid] = ExpertBackend(
+            return ExpertBackend(
                 uid, module, registered.sample(2, hidden_dim), make_optimizer(optimizer, module.parameters(), lr),
                 clip_grad_norm=clip_grad_norm, expert_cls=expert_cls, hparams=hparams, activations=activations,
             )
-        return cls(backends, config, announcer)
+
+        return cls({uid: backend_factory(uid) for uid in uids}, config, announcer, backend_factory=backend_factory)
 
     @property
     def endpoint(self) -> str:
@@ -226,6 +279,12 @@ class ExpertServer:
         logger.info("serving %d experts on %s (device %s)", len(self.backends), self.endpoint, self.device)
         if self.announcer is not None:
             self.announcer.start(list(self.backends), self.endpoint)
+        if self.replication is not None:
+            try:
+                self.replication.start(self)
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def _run_loop(self) -> None:
@@ -241,6 +300,8 @@ class ExpertServer:
         server = grpc.aio.server(options=grpc_options(self.config.max_message_bytes),
                                  interceptors=[RejectUndecodable(), self.metrics.interceptor()])
         dmoe_pb2_grpc.add_ExpertServiceServicer_to_server(self.servicer, server)
+        if self.replication is not None:
+            dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(self.replication.servicer, server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
@@ -249,15 +310,18 @@ class ExpertServer:
         return port
 
     def close(self) -> None:
-        """Stops announcing, lets in-flight calls finish (up to ``shutdown_grace`` s), stops both threads."""
+        """Lets in-flight calls finish (up to ``shutdown_grace`` s), pushes the experts' last replicas, stops
+        announcing, writes the last checkpoint, stops both threads."""
         if self._closed:
             return
         self._closed = True
-        if self.announcer is not None:
-            self.announcer.close()
         if self._loop is not None and self._grpc_server is not None:
             stop = self._grpc_server.stop(self.config.shutdown_grace)
             asyncio.run_coroutine_threadsafe(stop, self._loop).result()
+        if self.replication is not None:  # after in-flight calls, while the DHT node (the announcer's) still runs
+            self.replication.close(push=self._loop is not None)
+        if self.announcer is not None:
+            self.announcer.close()
         if self.checkpoints is not None:  # after in-flight calls finished, before the runtime stops
             self.checkpoints.close(save=self._loop is not None)
         self.runtime.close()

@@ -100,7 +100,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             inputs=[dmoe_pb2.TensorSchema(shape=s.shape, dtype=s.dtype) for s in backend.inputs_schema],
             outputs=[dmoe_pb2.TensorSchema(shape=s.shape, dtype=s.dtype) for s in backend.outputs_schema],
             max_batch_size=self.max_batch_size, device=self.device, hparams_json=backend.hparams_json(),
-            forward_calls=backend.forward_calls, backward_calls=backend.backward_calls,
+            forward_calls=backend.forward_calls, backward_calls=backend.backward_calls, updates=backend.updates,
         )
 
     async def _call(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,

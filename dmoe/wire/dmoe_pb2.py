@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64moe/wire/dmoe.proto\x12\x04\x64moe\"z\n\x06Tensor\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12&\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x11.dmoe.Compression\x12\x0b\n\x03\x61ux\x18\x05 \x01(\x0c\x12\r\n\x05parts\x18\x06 \x01(\r\",\n\x0cTensorSchema\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\"\x18\n\tExpertUID\x12\x0b\n\x03uid\x18\x01 \x01(\t\"\xe3\x01\n\nExpertInfo\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nexpert_cls\x18\x02 \x01(\t\x12\"\n\x06inputs\x18\x03 \x03(\x0b\x32\x12.dmoe.TensorSchema\x12#\n\x07outputs\x18\x04 \x03(\x0b\x32\x12.dmoe.TensorSchema\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0chparams_json\x18\x07 \x01(\t\x12\x15\n\rforward_calls\x18\x08 \x01(\x04\x12\x16\n\x0e\x62\x61\x63kward_calls\x18\t \x01(\x04\"\x83\x01\n\rExpertRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x1d\n\x07tensors\x18\x02 \x03(\x0b\x32\x0c.dmoe.Tensor\x12/\n\x14response_compression\x18\x03 \x01(\x0e\x32\x11.dmoe.Compression\x12\x15\n\ractivation_id\x18\x04 \x01(\x0c\"/\n\x0e\x45xpertResponse\x12\x1d\n\x07tensors\x18\x01 \x03(\x0b\x32\x0c.dmoe.Tensor\"2\n\x0c\x42\x61tchRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.dmoe.ExpertRequest\"L\n\x0c\x45xpertResult\x12\x1d\n\x07tensors\x18\x01 \x03(\x0b\x32\x0c.dmoe.Tensor\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"4\n\rBatchResponse\x12#\n\x07results\x18\x01 \x03(\x0b\x32\x12.dmoe.ExpertResult\"_\n\rAveragingPart\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x1c\n\x06values\x18\x04 \x01(\x0b\x32\x0c.dmoe.Tensor\"X\n\x0c\x41veragedPart\x12\x14\n\x0c\x63ontributors\x18\x01 \x03(\r\x12\x14\n\x0ctotal_weight\x18\x02 \x01(\x01\x12\x1c\n\x06values\x18\x03 \x01(\x0b\x32\x0c.dmoe.Tensor\"\x1e\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa3\x01\n\tStatePart\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07lineage\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x16\n\x0eoptimizer_json\x18\x05 \x01(\t\x12\x0f\n\x07tensors\x18\x06 \x01(\r\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x1c\n\x06tensor\x18\x08 \x01(\x0b\x32\x0c.dmoe.Tensor*/\n\x0b\x43ompression\x12\x08\n\x04NONE\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\t\n\x05UINT8\x10\x02\x32\x9f\x03\n\rExpertService\x12)\n\x04info\x12\x0f.dmoe.ExpertUID\x1a\x10.dmoe.ExpertInfo\x12\x34\n\x07\x66orward\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse\x12\x35\n\x08\x62\x61\x63kward\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse\x12?\n\x0e\x66orward_stream\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse(\x01\x30\x01\x12@\n\x0f\x62\x61\x63kward_stream\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse(\x01\x30\x01\x12\x38\n\rforward_batch\x12\x12.dmoe.BatchRequest\x1a\x13.dmoe.BatchResponse\x12\x39\n\x0e\x62\x61\x63kward_batch\x12\x12.dmoe.BatchRequest\x1a\x13.dmoe.BatchResponse2I\n\x10\x41veragingService\x12\x35\n\x06reduce\x12\x13.dmoe.AveragingPart\x1a\x12.dmoe.AveragedPart(\x01\x30\x01\x32O\n\x14\x43ollaborationService\x12\x37\n\x0e\x64ownload_state\x12\x12.dmoe.StateRequest\x1a\x0f.dmoe.StatePart0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64moe/wire/dmoe.proto\x12\x04\x64moe\"z\n\x06Tensor\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12&\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x11.dmoe.Compression\x12\x0b\n\x03\x61ux\x18\x05 \x01(\x0c\x12\r\n\x05parts\x18\x06 \x01(\r\",\n\x0cTensorSchema\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\"\x18\n\tExpertUID\x12\x0b\n\x03uid\x18\x01 \x01(\t\"\xf4\x01\n\nExpertInfo\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nexpert_cls\x18\x02 \x01(\t\x12\"\n\x06inputs\x18\x03 \x03(\x0b\x32\x12.dmoe.TensorSchema\x12#\n\x07outputs\x18\x04 \x03(\x0b\x32\x12.dmoe.TensorSchema\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0chparams_json\x18\x07 \x01(\t\x12\x15\n\rforward_calls\x18\x08 \x01(\x04\x12\x16\n\x0e\x62\x61\x63kward_calls\x18\t \x01(\x04\x12\x0f\n\x07updates\x18\n \x01(\x04\"\x83\x01\n\rExpertRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x1d\n\x07tensors\x18\x02 \x03(\x0b\x32\x0c.dmoe.Tensor\x12/\n\x14response_compression\x18\x03 \x01(\x0e\x32\x11.dmoe.Compression\x12\x15\n\ractivation_id\x18\x04 \x01(\x0c\"/\n\x0e\x45xpertResponse\x12\x1d\n\x07tensors\x18\x01 \x03(\x0b\x32\x0c.dmoe.Tensor\"2\n\x0c\x42\x61tchRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.dmoe.ExpertRequest\"L\n\x0c\x45xpertResult\x12\x1d\n\x07tensors\x18\x01 \x03(\x0b\x32\x0c.dmoe.Tensor\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"4\n\rBatchResponse\x12#\n\x07results\x18\x01 \x03(\x0b\x32\x12.dmoe.ExpertResult\"_\n\rAveragingPart\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x1c\n\x06values\x18\x04 \x01(\x0b\x32\x0c.dmoe.Tensor\"X\n\x0c\x41veragedPart\x12\x14\n\x0c\x63ontributors\x18\x01 \x03(\r\x12\x14\n\x0ctotal_weight\x18\x02 \x01(\x01\x12\x1c\n\x06values\x18\x03 \x01(\x0b\x32\x0c.dmoe.Tensor\"\x1e\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa3\x01\n\tStatePart\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07lineage\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x16\n\x0eoptimizer_json\x18\x05 \x01(\t\x12\x0f\n\x07tensors\x18\x06 \x01(\r\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x1c\n\x06tensor\x18\x08 \x01(\x0b\x32\x0c.dmoe.Tensor\"9\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x06tensor\x18\x02 \x01(\x0b\x32\x0c.dmoe.Tensor\"\xcc\x01\n\x08Snapshot\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nexpert_cls\x18\x02 \x01(\t\x12\x14\n\x0chparams_json\x18\x03 \x01(\t\x12\x0f\n\x07updates\x18\x04 \x01(\x04\x12\x15\n\rforward_calls\x18\x05 \x01(\x04\x12\x16\n\x0e\x62\x61\x63kward_calls\x18\x06 \x01(\x04\x12\x10\n\x08taken_at\x18\x07 \x01(\x01\x12\x13\n\x0blayout_json\x18\x08 \x01(\t\x12\"\n\x07tensors\x18\t \x03(\x0b\x32\x11.dmoe.NamedTensor\"\x80\x01\n\rReplicaHeader\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x0f\n\x07updates\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\x12\x10\n\x08taken_at\x18\x05 \x01(\x01\x12\x0e\n\x06signer\x18\x06 \x01(\x0c\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"A\n\x0cReplicaChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.dmoe.ReplicaHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1d\n\nReplicaAck\x12\x0f\n\x07updates\x18\x01 \x01(\x04\"\x1b\n\x0cReplicaQuery\x12\x0b\n\x03uid\x18\x01 \x01(\t*/\n\x0b\x43ompression\x12\x08\n\x04NONE\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\t\n\x05UINT8\x10\x02\x32\x9f\x03\n\rExpertService\x12)\n\x04info\x12\x0f.dmoe.ExpertUID\x1a\x10.dmoe.ExpertInfo\x12\x34\n\x07\x66orward\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse\x12\x35\n\x08\x62\x61\x63kward\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse\x12?\n\x0e\x66orward_stream\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse(\x01\x30\x01\x12@\n\x0f\x62\x61\x63kward_stream\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse(\x01\x30\x01\x12\x38\n\rforward_batch\x12\x12.dmoe.BatchRequest\x1a\x13.dmoe.BatchResponse\x12\x39\n\x0e\x62\x61\x63kward_batch\x12\x12.dmoe.BatchRequest\x1a\x13.dmoe.BatchResponse2I\n\x10\x41veragingService\x12\x35\n\x06reduce\x12\x13.dmoe.AveragingPart\x1a\x12.dmoe.AveragedPart(\x01\x30\x01\x32O\n\x14\x43ollaborationService\x12\x37\n\x0e\x64ownload_state\x12\x12.dmoe.StateRequest\x1a\x0f.dmoe.StatePart0\x01\x32s\n\x0eReplicaService\x12.\n\x04push\x12\x12.dmoe.ReplicaChunk\x1a\x10.dmoe.ReplicaAck(\x01\x12\x31\n\x05\x66\x65tch\x12\x12.dmoe.ReplicaQuery\x1a\x12.dmoe.ReplicaChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dmoe.wire.dmoe_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPRESSION']._serialized_start=1208
-  _globals['_COMPRESSION']._serialized_end=1255
+  _globals['_COMPRESSION']._serialized_start=1749
+  _globals['_COMPRESSION']._serialized_end=1796
   _globals['_TENSOR']._serialized_start=30
   _globals['_TENSOR']._serialized_end=152
   _globals['_TENSORSCHEMA']._serialized_start=154
@@ -40,29 +40,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPERTUID']._serialized_start=200
   _globals['_EXPERTUID']._serialized_end=224
   _globals['_EXPERTINFO']._serialized_start=227
-  _globals['_EXPERTINFO']._serialized_end=454
-  _globals['_EXPERTREQUEST']._serialized_start=457
-  _globals['_EXPERTREQUEST']._serialized_end=588
-  _globals['_EXPERTRESPONSE']._serialized_start=590
-  _globals['_EXPERTRESPONSE']._serialized_end=637
-  _globals['_BATCHREQUEST']._serialized_start=639
-  _globals['_BATCHREQUEST']._serialized_end=689
-  _globals['_EXPERTRESULT']._serialized_start=691
-  _globals['_EXPERTRESULT']._serialized_end=767
-  _globals['_BATCHRESPONSE']._serialized_start=769
-  _globals['_BATCHRESPONSE']._serialized_end=821
-  _globals['_AVERAGINGPART']._serialized_start=823
-  _globals['_AVERAGINGPART']._serialized_end=918
-  _globals['_AVERAGEDPART']._serialized_start=920
-  _globals['_AVERAGEDPART']._serialized_end=1008
-  _globals['_STATEREQUEST']._serialized_start=1010
-  _globals['_STATEREQUEST']._serialized_end=1040
-  _globals['_STATEPART']._serialized_start=1043
-  _globals['_STATEPART']._serialized_end=1206
-  _globals['_EXPERTSERVICE']._serialized_start=1258
-  _globals['_EXPERTSERVICE']._serialized_end=1673
-  _globals['_AVERAGINGSERVICE']._serialized_start=1675
-  _globals['_AVERAGINGSERVICE']._serialized_end=1748
-  _globals['_COLLABORATIONSERVICE']._serialized_start=1750
-  _globals['_COLLABORATIONSERVICE']._serialized_end=1829
+  _globals['_EXPERTINFO']._serialized_end=471
+  _globals['_EXPERTREQUEST']._serialized_start=474
+  _globals['_EXPERTREQUEST']._serialized_end=605
+  _globals['_EXPERTRESPONSE']._serialized_start=607
+  _globals['_EXPERTRESPONSE']._serialized_end=654
+  _globals['_BATCHREQUEST']._serialized_start=656
+  _globals['_BATCHREQUEST']._serialized_end=706
+  _globals['_EXPERTRESULT']._serialized_start=708
+  _globals['_EXPERTRESULT']._serialized_end=784
+  _globals['_BATCHRESPONSE']._serialized_start=786
+  _globals['_BATCHRESPONSE']._serialized_end=838
+  _globals['_AVERAGINGPART']._serialized_start=840
+  _globals['_AVERAGINGPART']._serialized_end=935
+  _globals['_AVERAGEDPART']._serialized_start=937
+  _globals['_AVERAGEDPART']._serialized_end=1025
+  _globals['_STATEREQUEST']._serialized_start=1027
+  _globals['_STATEREQUEST']._serialized_end=1057
+  _globals['_STATEPART']._serialized_start=1060
+  _globals['_STATEPART']._serialized_end=1223
+  _globals['_NAMEDTENSOR']._serialized_start=1225
+  _globals['_NAMEDTENSOR']._serialized_end=1282
+  _globals['_SNAPSHOT']._serialized_start=1285
+  _globals['_SNAPSHOT']._serialized_end=1489
+  _globals['_REPLICAHEADER']._serialized_start=1492
+  _globals['_REPLICAHEADER']._serialized_end=1620
+  _globals['_REPLICACHUNK']._serialized_start=1622
+  _globals['_REPLICACHUNK']._serialized_end=1687
+  _globals['_REPLICAACK']._serialized_start=1689
+  _globals['_REPLICAACK']._serialized_end=1718
+  _globals['_REPLICAQUERY']._serialized_start=1720
+  _globals['_REPLICAQUERY']._serialized_end=1747
+  _globals['_EXPERTSERVICE']._serialized_start=1799
+  _globals['_EXPERTSERVICE']._serialized_end=2214
+  _globals['_AVERAGINGSERVICE']._serialized_start=2216
+  _globals['_AVERAGINGSERVICE']._serialized_end=2289
+  _globals['_COLLABORATIONSERVICE']._serialized_start=2291
+  _globals['_COLLABORATIONSERVICE']._serialized_end=2370
+  _globals['_REPLICASERVICE']._serialized_start=2372
+  _globals['_REPLICASERVICE']._serialized_end=2487
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class ExpertUID(_message.Message):
     def __init__(self, uid: _Optional[str] = ...) -> None: ...
 
 class ExpertInfo(_message.Message):
-    __slots__ = ("uid", "expert_cls", "inputs", "outputs", "max_batch_size", "device", "hparams_json", "forward_calls", "backward_calls")
+    __slots__ = ("uid", "expert_cls", "inputs", "outputs", "max_batch_size", "device", "hparams_json", "forward_calls", "backward_calls", "updates")
     UID_FIELD_NUMBER: _ClassVar[int]
     EXPERT_CLS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class ExpertInfo(_message.Message):
     HPARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
     uid: str
     expert_cls: str
     inputs: _containers.RepeatedCompositeFieldContainer[TensorSchema]
@@ -66,7 +67,8 @@ class ExpertInfo(_message.Message):
     hparams_json: str
     forward_calls: int
     backward_calls: int
-    def __init__(self, uid: _Optional[str] = ..., expert_cls: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSchema, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSchema, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., device: _Optional[str] = ..., hparams_json: _Optional[str] = ..., forward_calls: _Optional[int] = ..., backward_calls: _Optional[int] = ...) -> None: ...
+    updates: int
+    def __init__(self, uid: _Optional[str] = ..., expert_cls: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSchema, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSchema, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., device: _Optional[str] = ..., hparams_json: _Optional[str] = ..., forward_calls: _Optional[int] = ..., backward_calls: _Optional[int] = ..., updates: _Optional[int] = ...) -> None: ...
 
 class ExpertRequest(_message.Message):
     __slots__ = ("uid", "tensors", "response_compression", "activation_id")
@@ -155,3 +157,71 @@ class StatePart(_message.Message):
     name: str
     tensor: Tensor
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., lineage: _Optional[str] = ..., group_size: _Optional[int] = ..., optimizer_json: _Optional[str] = ..., tensors: _Optional[int] = ..., name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Snapshot(_message.Message):
+    __slots__ = ("uid", "expert_cls", "hparams_json", "updates", "forward_calls", "backward_calls", "taken_at", "layout_json", "tensors")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CLS_FIELD_NUMBER: _ClassVar[int]
+    HPARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    expert_cls: str
+    hparams_json: str
+    updates: int
+    forward_calls: int
+    backward_calls: int
+    taken_at: float
+    layout_json: str
+    tensors: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, uid: _Optional[str] = ..., expert_cls: _Optional[str] = ..., hparams_json: _Optional[str] = ..., updates: _Optional[int] = ..., forward_calls: _Optional[int] = ..., backward_calls: _Optional[int] = ..., taken_at: _Optional[float] = ..., layout_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+
+class ReplicaHeader(_message.Message):
+    __slots__ = ("uid", "updates", "size", "sha256", "taken_at", "signer", "signature")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    updates: int
+    size: int
+    sha256: bytes
+    taken_at: float
+    signer: bytes
+    signature: bytes
+    def __init__(self, uid: _Optional[str] = ..., updates: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[bytes] = ..., taken_at: _Optional[float] = ..., signer: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ReplicaHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: int
+    def __init__(self, updates: _Optional[int] = ...) -> None: ...
+
+class ReplicaQuery(_message.Message):
+    __slots__ = ("uid",)
+    UID_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    def __init__(self, uid: _Optional[str] = ...) -> None: ...

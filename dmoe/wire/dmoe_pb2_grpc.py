@@ -501,3 +501,121 @@ class CollaborationService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ReplicaServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.push = channel.stream_unary(
+                '/dmoe.ReplicaService/push',
+                request_serializer=dmoe_dot_wire_dot_dmoe__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.fetch = channel.unary_stream(
+                '/dmoe.ReplicaService/fetch',
+                request_serializer=dmoe_dot_wire_dot_dmoe__pb2.ReplicaQuery.SerializeToString,
+                response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.ReplicaChunk.FromString,
+                _registered_method=True)
+
+
+class ReplicaServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def push(self, request_iterator, context):
+        """Stores a replica of an expert its owner pushes (refused with a status naming what is wrong; whatever the
+        receiver held of that expert before stays untouched).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def fetch(self, request, context):
+        """The replica this server holds of an expert (NOT_FOUND if none), for a server that adopts the expert.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicaServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'push': grpc.stream_unary_rpc_method_handler(
+                    servicer.push,
+                    request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.ReplicaChunk.FromString,
+                    response_serializer=dmoe_dot_wire_dot_dmoe__pb2.ReplicaAck.SerializeToString,
+            ),
+            'fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.fetch,
+                    request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.ReplicaQuery.FromString,
+                    response_serializer=dmoe_dot_wire_dot_dmoe__pb2.ReplicaChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dmoe.ReplicaService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dmoe.ReplicaService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ReplicaService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def push(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/dmoe.ReplicaService/push',
+            dmoe_dot_wire_dot_dmoe__pb2.ReplicaChunk.SerializeToString,
+            dmoe_dot_wire_dot_dmoe__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dmoe.ReplicaService/fetch',
+            dmoe_dot_wire_dot_dmoe__pb2.ReplicaQuery.SerializeToString,
+            dmoe_dot_wire_dot_dmoe__pb2.ReplicaChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

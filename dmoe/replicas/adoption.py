@@ -1,0 +1,350 @@
+"""Adoption: when an expert's declaration expires (its server left), a server holding its replica starts serving
+it under the same uid, from the newest replica anyone holds.
+
+Every ``check_period`` the :class:`Adopter` announces what its server holds (``{uid}/replicas``) and that it
+receives replicas (``{layer}/replica-hosts``), and looks up the cells of the experts it holds replicas of. A cell
+found empty is adopted after ``stagger`` seconds per holder ranked before this one (most updates first, then the
+closest to the expert's key), so the holder of the newest replica usually goes first and the others find the cell
+served when their turn comes. Adopting means:
+
+1. fetching the newest replica that verifies (this server's own, or another holder's: its signature, its bytes,
+   its signer the key that signed the replicas this server knows of, its state fitting this server's experts);
+2. loading it into a new backend (:attr:`ExpertServer.backend_factory`);
+3. claiming the uid (:func:`claim`): declaring it, then reading the directory back. A uid's entry is owned by the
+   first key that stores it until it expires, and readers side with the owner most replicas hold, so of two
+   servers that claim at once, both read the same winner and only it goes on;
+4. serving it (:meth:`ExpertServer.add_expert`, which announces it) and noting the adoption in
+   ``{layer}/adopted`` for the live swarm page.
+
+A new server that chooses a cell (``--num-experts``) does step 1-2 before it serves (:func:`restore_newest`); its
+first declaration is its claim, and :func:`drop_unowned` stops it serving any cell another server owns. An expert
+with no replica anywhere starts fresh, which is logged as lost training.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Sequence
+
+import grpc
+
+from dmoe.dht import DHT
+from dmoe.directory import declare_experts
+from dmoe.replicas.metrics import ReplicaMetrics
+from dmoe.replicas.pusher import ReplicaChannels, ReplicaError, fetch_snapshot
+from dmoe.replicas.records import (
+    ADOPTION_MEMORY,
+    SIGNER_HEX,
+    Adoption,
+    Holder,
+    adopted_key,
+    cell_subkey,
+    directory_entries,
+    distance,
+    holders,
+    hosts_key,
+    replicas_key,
+    server_subkey,
+)
+from dmoe.replicas.snapshots import SignedSnapshot, SnapshotRefused, check_state, load_into, open_body
+from dmoe.replicas.store import HeldReplica, ReplicaStore
+from dmoe.server.backend import ExpertBackend
+from dmoe.uid import split_uid
+
+if TYPE_CHECKING:
+    from dmoe.server import ExpertServer
+
+logger = logging.getLogger(__name__)
+
+
+def claim(dht: DHT, uids: Sequence[str], endpoint: str, expiration: float, confirm_after: float = 0.5) -> list[str]:
+    """Declares ``uids`` at ``endpoint`` and returns those this node's identity owns: the directory must name it the
+    owner twice, ``confirm_after`` seconds apart (a rival's store may still be on its way at the first read). The
+    loser of a race stores nothing more, so its stray entries expire within ``expiration``."""
+    me = dht.identity.public_key
+    won = [uid for uid, stored in zip(uids, declare_experts(dht, list(uids), endpoint, expiration)) if stored]
+    for attempt in range(2):
+        if not won:
+            break
+        if attempt:
+            time.sleep(confirm_after)
+        entries = directory_entries(dht, won)
+        won = [uid for uid in won if entries[uid] is not None and entries[uid].owner == me]
+    return won
+
+
+def read_holders(dht: DHT, uids: Sequence[str]) -> dict[str, list[Holder]]:
+    """Who announced a replica of each of ``uids`` (one batched look-up); nobody, where the DHT did not answer."""
+    try:
+        records = dht.get_many([replicas_key(uid) for uid in uids])
+    except Exception as error:  # noqa: BLE001 - the DHT may be unreachable for a moment: use what is held
+        logger.warning("could not read who holds replicas of %d experts: %s", len(uids), error)
+        return {uid: [] for uid in uids}
+    return {uid: holders(records[replicas_key(uid)]) for uid in uids}
+
+
+def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: ReplicaChannels, *, max_bytes: int,
+                   store: ReplicaStore | None = None, announced: list[Holder] | None = None, timeout: float = 60.0
+                   ) -> tuple[SignedSnapshot, object, object] | None:
+    """The replica of ``uid`` with the most updates that verifies, as (signed, snapshot, checked state), or None.
+
+    Candidates: what ``store`` holds and what the holders announced in the DHT (``announced``: read now if None),
+    most updates first. Its signer must be the key that signed the replica ``store`` holds, or else the key most
+    holders name: one lying holder cannot make this server adopt a snapshot of its own making.
+    """
+    own = store.header(uid) if store is not None else None
+    if announced is None:
+        announced = read_holders(dht, [uid])[uid]
+    me = dht.identity.public_key
+    announced = [holder for holder in announced if holder.holder != me]
+    if own is not None:
+        signer = own.signer.hex()[:SIGNER_HEX]
+    elif announced:
+        signer = Counter(holder.signer for holder in announced).most_common(1)[0][0]
+    else:
+        return None
+    candidates: list[Holder | None] = [h for h in announced if h.signer == signer]
+    if own is not None:
+        candidates.append(None)  # None: this server's own replica
+    candidates.sort(key=lambda h: -(own.updates if h is None else h.updates))
+    for holder in candidates:
+        try:
+            if holder is None:
+                signed = store.get(uid)
+                if signed is None:
+                    continue
+            else:
+                signed = fetch_snapshot(channels.stub(holder.endpoint), holder.endpoint, uid, max_bytes=max_bytes,
+                                        timeout=timeout)
+            if not signed.header.signer.hex().startswith(signer):
+                raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
+                                      f"signed by {signed.header.signer.hex()[:SIGNER_HEX]}, not {signer}")
+            snapshot = open_body(signed)
+            return signed, snapshot, check_state(snapshot, template)
+        except (ReplicaError, SnapshotRefused, OSError, ValueError) as error:
+            where = "this server's own" if holder is None else f"{holder.endpoint}'s"
+            logger.warning("%s replica of %s is of no use: %s", where, uid, error)
+    return None
+
+
+def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channels: ReplicaChannels, *,
+                   max_bytes: int, store: ReplicaStore | None = None,
+                   metrics: ReplicaMetrics | None = None) -> dict[str, Adoption]:
+    """Before ``server`` serves: loads into each of ``uids`` the newest replica anyone holds, when it has more
+    updates than the expert has now (restored from a checkpoint, or fresh); returns uid -> the adoption, to be
+    noted once the server owns the uid. Experts left fresh with no replica anywhere are logged as lost training."""
+    loaded, fresh = {}, []
+    announced = read_holders(dht, uids)
+    for uid in uids:
+        backend = server.backends[uid]
+        found = newest_replica(dht, uid, backend, channels, max_bytes=max_bytes, store=store,
+                               announced=announced[uid])
+        if found is None:
+            if backend.updates == 0:
+                fresh.append(uid)
+            continue
+        signed, snapshot, state = found
+        if snapshot.updates > backend.updates:
+            load_into(backend, snapshot, state)
+            loaded[uid] = Adoption(uid, time.time(), snapshot.updates, snapshot.backward_calls)
+            logger.info("%s starts from its newest replica: %d updates (signed by %s)", uid, snapshot.updates,
+                        signed.header.signer.hex()[:SIGNER_HEX])
+    if fresh:
+        logger.warning("no replica anywhere of %d experts (%s): they start from fresh weights, and whatever they "
+                       "trained before, if they ever served, is lost", len(fresh), ", ".join(fresh[:8]))
+        if metrics is not None:
+            metrics.started_fresh.inc(len(fresh))
+    return loaded
+
+
+def note_adoptions(dht: DHT, adoptions: Sequence[Adoption]) -> None:
+    """Writes adoptions into their layers' ``adopted`` records, where the live swarm page (and bench_churn) read
+    them for an hour."""
+    records: dict[str, dict] = {}
+    for adoption in adoptions:
+        subkey = cell_subkey(adoption.uid)
+        if subkey is not None:
+            records.setdefault(adopted_key(split_uid(adoption.uid)[0]), {})[subkey] = (
+                adoption.value(), adoption.at + ADOPTION_MEMORY)
+    if not records:
+        return
+    try:
+        dht.store_many(records)
+    except Exception as error:  # noqa: BLE001 - only the swarm page reads them
+        logger.info("could not note %d adoptions in the DHT: %s", len(adoptions), error)
+
+
+def drop_unowned(server: "ExpertServer", dht: DHT) -> list[str]:
+    """Stops serving the experts whose uid another key owns in the directory (another server serves them, or
+    adopted them first); returns those uids. Uids nobody owns yet are kept: their declaration is on its way."""
+    uids = list(server.backends)
+    if not uids:
+        return []
+    me = dht.identity.public_key
+    entries = directory_entries(dht, uids)
+    dropped = [uid for uid in uids if entries[uid] is not None and entries[uid].owner != me]
+    for uid in dropped:
+        server.remove_expert(uid)
+        logger.warning("%s is owned by another server (%s, at %s): not serving it", uid,
+                       entries[uid].owner.hex()[:SIGNER_HEX], entries[uid].value)
+    return dropped
+
+
+class Adopter:
+    """Announces what ``server`` holds and adopts the experts whose cells empty; one thread, stopped by
+    :meth:`close`.
+
+    Args:
+        server: serves what is adopted (its ``backend_factory`` builds the expert; its announcer's ``endpoint``
+            and ``expiration`` are used for every record).
+        dht: the server's DHT node (its identity owns the server's entries).
+        store: the replicas held.
+        layers: layers whose replicas this server receives (announced as a host of each).
+        check_period: seconds between looks at the cells (and announcements).
+        stagger: seconds a holder waits per holder ranked before it.
+    """
+
+    def __init__(self, server: "ExpertServer", dht: DHT, store: ReplicaStore, layers: Sequence[str], *,
+                 check_period: float, stagger: float, channels: ReplicaChannels, metrics: ReplicaMetrics | None = None,
+                 max_bytes: int, expiration: float):
+        self.server, self.dht, self.store, self.layers = server, dht, store, list(layers)
+        self.check_period, self.stagger, self.expiration = check_period, stagger, expiration
+        self.channels, self.metrics, self.max_bytes = channels, metrics, max_bytes
+        self.subkey = server_subkey(dht.identity.public_key)
+        self.adopted: list[Adoption] = []
+        self._empty: dict[str, tuple[float, int]] = {}  # uid -> (monotonic time first seen empty, rank)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        announcer = self.server.announcer
+        return announcer.endpoint if announcer is not None and announcer.endpoint else self.server.endpoint
+
+    def held_elsewhere(self) -> dict[str, HeldReplica]:
+        """The replicas held of experts this server does not serve itself."""
+        return {uid: held for uid, held in self.store.held().items() if uid not in self.server.backends}
+
+    def announce(self) -> None:
+        """Stores this server as a host of its layers and as a holder of each replica it holds (not served here)."""
+        expires = time.time() + self.expiration
+        records = {hosts_key(layer): {self.subkey: (self.endpoint, expires)} for layer in self.layers}
+        for uid, held in self.held_elsewhere().items():
+            value = Holder(self.endpoint, held.updates, held.signer.hex()[:SIGNER_HEX], b"").value()
+            records[replicas_key(uid)] = {self.subkey: (value, expires)}
+        results = self.dht.store_many(records)
+        failed = [key for key, result in results.items() if result[self.subkey] is not True]
+        if failed:
+            logger.info("%d of %d replica records were not stored: %s", len(failed), len(records), failed[:3])
+
+    def rank(self, uid: str, announced: Sequence[Holder]) -> int:
+        """How many of the holders of ``uid``'s replica go before this server: more updates, or as many and closer
+        to the expert's key. Not knowing the others (the DHT did not answer), it goes first: the claim settles it."""
+        held = self.store.header(uid)
+        me = self.dht.identity.public_key
+        mine = (-(held.updates if held is not None else 0), distance(uid, me))
+        return sum((-h.updates, distance(uid, h.holder)) < mine for h in announced if h.holder != me)
+
+    def watch(self) -> list[str]:
+        """Looks at the cells of the replicas held; adopts those empty long enough. Returns the uids adopted."""
+        held = sorted(self.held_elsewhere())
+        if not held:
+            self._empty.clear()
+            return []
+        entries = directory_entries(self.dht, held)
+        now = time.monotonic()
+        me = self.dht.identity.public_key
+        empty = [uid for uid in held if entries[uid] is None or entries[uid].owner == me]  # (own: a failed claim)
+        for uid in set(self._empty) - set(empty):
+            del self._empty[uid]  # served again
+        new = [uid for uid in empty if uid not in self._empty]
+        announced = read_holders(self.dht, new) if new else {}
+        for uid in new:
+            self._empty[uid] = (now, self.rank(uid, announced[uid]))
+            logger.info("%s is not served by anyone: adopting it in %.1f s unless another holder of its replica "
+                        "does", uid, self._empty[uid][1] * self.stagger)
+        due = []
+        for uid in empty:
+            since, rank = self._empty[uid]
+            if now >= since + rank * self.stagger:
+                due.append(uid)
+                self._empty.pop(uid)  # adopted, lost, or failed: looked at again from scratch
+        return self.adopt(due) if due and not self._stop.is_set() else []
+
+    def adopt(self, uids: Sequence[str]) -> list[str]:
+        """Adopts ``uids`` now, all claimed together (see the module doc); returns those this server serves now."""
+        if self.server.backend_factory is None:
+            logger.error("cannot adopt %s: this server has no backend factory", ", ".join(uids))
+            return []
+        me = self.dht.identity.public_key
+        entries = directory_entries(self.dht, list(uids))
+        uids = [uid for uid in uids if entries[uid] is None or entries[uid].owner == me]  # not served again meanwhile
+        announced = read_holders(self.dht, uids)
+        ready: dict[str, tuple[SignedSnapshot, object]] = {}
+        for uid in uids:
+            backend = self.server.backend_factory(uid)
+            found = newest_replica(self.dht, uid, backend, self.channels, max_bytes=self.max_bytes, store=self.store,
+                                   announced=announced[uid])
+            if found is None:
+                logger.warning("no usable replica of %s: not adopting it", uid)
+                continue
+            signed, snapshot, state = found
+            load_into(backend, snapshot, state)
+            try:  # served before it is claimed: the first callers the claim sends here find it
+                self.server.add_expert(uid, backend, announce=False)
+            except (ValueError, RuntimeError) as error:
+                logger.warning("could not serve adopted %s: %s", uid, error)
+                continue
+            ready[uid] = (signed, snapshot)
+        if not ready:
+            return []
+        try:
+            won = claim(self.dht, list(ready), self.endpoint, self.expiration)
+        except BaseException:
+            for uid in ready:
+                self.server.remove_expert(uid)
+            raise
+        for uid in ready:
+            if uid not in won:
+                self.server.remove_expert(uid)
+                logger.info("%s was claimed by another server first: not adopting it", uid)
+        if won and self.server.announcer is not None:
+            self.server.announcer.add(won)  # keeps them declared from now on
+        adoptions = []
+        for uid in won:
+            signed, snapshot = ready[uid]
+            adoptions.append(Adoption(uid, time.time(), snapshot.updates, snapshot.backward_calls))
+            logger.info("adopted %s from a replica with %d updates (taken %.1f s ago, sha256 %s)", uid,
+                           snapshot.updates, time.time() - snapshot.taken_at, signed.header.sha256.hex()[:16])
+        self.adopted.extend(adoptions)
+        if self.metrics is not None and won:
+            self.metrics.adopted.inc(len(won))
+        note_adoptions(self.dht, adoptions)
+        return won
+
+    def start(self) -> "Adopter":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dmoe-replica-adopter", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            for step in (self.announce, self.watch):
+                if self._stop.is_set():
+                    return
+                try:
+                    step()
+                except Exception:  # noqa: BLE001 - a DHT hiccup must not end the watch
+                    logger.exception("replica %s failed", step.__name__)
+            if self._stop.wait(max(0.0, self.check_period - (time.monotonic() - started))):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,236 @@
+"""The pushing end: snapshots of a server's experts go, every interval and on a clean stop, to the ``R`` servers
+that receive replicas of their layer and whose ids are closest to each expert's key.
+
+Hosts are read from the DHT (``{layer}/replica-hosts``, see :mod:`dmoe.replicas.records`): every server with a
+replica directory announces itself there. Each expert's hosts are ranked by :func:`~dmoe.replicas.records.distance`,
+so pushes of one expert land on the same few servers each time (their replica is replaced, not duplicated) and
+different experts spread over different servers. A host that refuses or cannot be reached is skipped for the next
+closest; a snapshot is pushed again only when the expert trained since, or after ``repush_every`` intervals
+(a host may have restarted with an empty directory).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import grpc
+
+from dmoe.dht import DHT, Identity
+from dmoe.replicas.metrics import ReplicaMetrics
+from dmoe.replicas.records import distance, hosts_key
+from dmoe.replicas.snapshots import CHUNK_BYTES, SignedSnapshot, SnapshotRefused, check_header, open_body, sign, take
+from dmoe.uid import split_uid
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
+
+if TYPE_CHECKING:
+    from dmoe.server import ExpertServer
+
+logger = logging.getLogger(__name__)
+
+#: seconds from the start of the pusher to its first round
+FIRST_ROUND_AFTER = 1.0
+
+
+class ReplicaError(RuntimeError):
+    """A push or fetch that failed: the other server's status code and message."""
+
+    def __init__(self, endpoint: str, code: grpc.StatusCode, message: str):
+        super().__init__(f"replica service at {endpoint}: {code.name}: {message}")
+        self.endpoint, self.code, self.message = endpoint, code, message
+
+
+class ReplicaChannels:
+    """One gRPC channel per endpoint to other servers' ``ReplicaService``; ``close()`` closes them all."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, tuple[grpc.Channel, dmoe_pb2_grpc.ReplicaServiceStub]] = {}
+        self._lock = threading.Lock()
+
+    def stub(self, endpoint: str) -> dmoe_pb2_grpc.ReplicaServiceStub:
+        with self._lock:
+            if endpoint not in self._channels:
+                channel = grpc.insecure_channel(endpoint, options=grpc_options())
+                self._channels[endpoint] = (channel, dmoe_pb2_grpc.ReplicaServiceStub(channel))
+            return self._channels[endpoint][1]
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = [channel for channel, _ in self._channels.values()], {}
+        for channel in channels:
+            channel.close()
+
+
+def push_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, signed: SignedSnapshot, *,
+                  chunk_bytes: int = CHUNK_BYTES, timeout: float | None = 60.0) -> int:
+    """Streams ``signed`` to the server at ``endpoint``; returns the update count it holds of that expert now.
+    Raises :class:`ReplicaError` with the receiver's status when it refuses or cannot be reached."""
+    try:
+        return stub.push(signed.chunks(chunk_bytes), timeout=timeout).updates
+    except grpc.RpcError as error:
+        raise ReplicaError(endpoint, error.code(), error.details() or "") from None
+
+
+def fetch_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: str, *, max_bytes: int,
+                   timeout: float | None = 60.0) -> SignedSnapshot:
+    """The replica of ``uid`` the server at ``endpoint`` holds, with its signature and bytes verified (its state is
+    the caller's to check). Raises :class:`ReplicaError` (NOT_FOUND: none held) or :class:`SnapshotRefused`."""
+    header, pieces, total = None, [], 0
+    try:
+        for chunk in stub.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout):
+            if header is None:
+                if not chunk.HasField("header") or chunk.header.uid != uid:
+                    raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                          f"{endpoint} answered a fetch of {uid} without its header")
+                header = chunk.header
+                check_header(header, max_bytes)
+            total += len(chunk.data)
+            if total > header.size:
+                raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                      f"{endpoint} sent more bytes of {uid} than its header says")
+            pieces.append(chunk.data)
+    except grpc.RpcError as error:
+        raise ReplicaError(endpoint, error.code(), error.details() or "") from None
+    if header is None:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"{endpoint} sent nothing for {uid}")
+    signed = SignedSnapshot(header, b"".join(pieces))
+    open_body(signed)  # size and digest
+    return signed
+
+
+@dataclass
+class _Pushed:
+    updates: int
+    at: float
+
+
+class ReplicaPusher:
+    """Pushes snapshots of ``server``'s experts to ``replicas`` hosts each, every ``interval`` seconds, from a
+    thread it owns; :meth:`close` stops it and (by default) pushes once more.
+
+    Args:
+        server: whose experts (its ``backends``, snapshotted under its runtime's pause).
+        dht: reads the hosts; ``identity`` (the owner of the experts' declarations) signs the snapshots.
+        replicas: hosts per expert (R).
+        interval: seconds between rounds.
+        compression: wire compression of the snapshots' floating-point tensors (``dmoe.wire.NONE``: exact).
+        repush_every: an unchanged snapshot goes again after this many intervals.
+        workers: experts pushed at once.
+    """
+
+    def __init__(self, server: "ExpertServer", dht: DHT, identity: Identity, *, replicas: int = 2,
+                 interval: float = 60.0, compression: int = 0, metrics: ReplicaMetrics | None = None,
+                 channels: ReplicaChannels | None = None, chunk_bytes: int = CHUNK_BYTES, repush_every: int = 5,
+                 timeout: float = 60.0, workers: int = 4):
+        if replicas < 0 or interval <= 0:
+            raise ValueError(f"replicas must be >= 0 and interval positive, got {replicas} and {interval}")
+        self.server, self.dht, self.identity = server, dht, identity
+        self.replicas, self.interval, self.compression = replicas, interval, compression
+        self.metrics, self.chunk_bytes, self.repush_every, self.timeout = metrics, chunk_bytes, repush_every, timeout
+        self.channels = channels or ReplicaChannels()
+        self.rounds = 0
+        self._pushed: dict[tuple[str, str], _Pushed] = {}  # (uid, host endpoint) -> what it got last
+        self._stop = threading.Event()
+        self._round_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        # experts are pushed side by side: a busy server's round (and so each snapshot's way to its hosts) stays
+        # short, and one slow host does not hold up the others' experts
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dmoe-replica-push")
+
+    def hosts(self, layers: Sequence[str]) -> dict[str, list[tuple[bytes, str]]]:
+        """layer -> (host key, endpoint) of every other server announcing it receives the layer's replicas."""
+        records = self.dht.get_many([hosts_key(layer) for layer in layers])
+        own = self.identity.public_key
+        return {layer: [(entry.owner, entry.value) for entry in records[hosts_key(layer)].values()
+                        if entry.owner != own] for layer in layers}
+
+    def push_all(self, *, force: bool = False) -> dict[str, list[str]]:
+        """One round: every expert that trained since its last push (all with ``force``) goes to its R closest
+        hosts that take it; returns uid -> the endpoints that hold it now."""
+        with self._round_lock:
+            backends = dict(self.server.backends)
+            if not backends or self.replicas == 0:
+                return {}
+            try:
+                hosts = self.hosts(sorted({split_uid(uid)[0] for uid in backends}))
+            except Exception as error:  # noqa: BLE001 - a DHT hiccup: the next round tries again
+                logger.warning("could not read the replica hosts from the DHT: %s", error)
+                return {}
+            pushes = {uid: self._pool.submit(self._push_one, uid, backend, hosts[split_uid(uid)[0]], force)
+                      for uid, backend in backends.items()}
+            placed = {uid: push.result() for uid, push in pushes.items()}
+            self.rounds += 1
+            return placed
+
+    def _push_one(self, uid: str, backend, hosts: list[tuple[bytes, str]], force: bool) -> list[str]:
+        ranked = [endpoint for key, endpoint in sorted(hosts, key=lambda host: distance(uid, host[0]))]
+        now = time.monotonic()
+        signed: SignedSnapshot | None = None
+        placed = []
+        for endpoint in ranked:
+            if len(placed) == self.replicas:
+                break
+            last = self._pushed.get((uid, endpoint))
+            if not force and last is not None and last.updates == backend.updates \
+                    and now - last.at < self.repush_every * self.interval:
+                placed.append(endpoint)  # it holds this state already
+                continue
+            if signed is None:
+                signed = sign(take(backend, self.server.runtime.paused, self.compression), self.identity)
+            try:
+                push_snapshot(self.channels.stub(endpoint), endpoint, signed, chunk_bytes=self.chunk_bytes,
+                              timeout=self.timeout)
+            except ReplicaError as error:
+                result = "failed" if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                    grpc.StatusCode.UNIMPLEMENTED) else "refused"
+                self._count(result)
+                log = logger.debug if error.code == grpc.StatusCode.FAILED_PRECONDITION else logger.info
+                log("pushing %s to %s: %s", uid, endpoint, error)
+                self._pushed.pop((uid, endpoint), None)
+                continue
+            self._count("ok")
+            self._pushed[(uid, endpoint)] = _Pushed(signed.updates, now)
+            placed.append(endpoint)
+        if len(placed) < self.replicas and ranked:
+            logger.debug("%s has %d of %d replicas (%d hosts known)", uid, len(placed), self.replicas, len(ranked))
+        return placed
+
+    def _count(self, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.pushed.labels(result).inc()
+
+    def start(self) -> "ReplicaPusher":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dmoe-replica-pusher", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        # the first round comes soon: until then a server killed would lose its experts' state (restored from a
+        # checkpoint or a replica: maybe much training), not one interval of it
+        started = time.monotonic() - self.interval + min(self.interval, FIRST_ROUND_AFTER)
+        while not self._stop.wait(max(0.0, self.interval - (time.monotonic() - started))):
+            started = time.monotonic()  # rounds start every interval, however long one takes: the lag it bounds
+            try:
+                self.push_all()
+            except Exception:  # noqa: BLE001 - the pusher outlives one bad round
+                logger.exception("a round of replica pushes failed")
+
+    def close(self, push: bool = True) -> None:
+        """Stops the thread, then (``push``) pushes every expert's last state: a clean stop loses no update."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if push:
+            try:
+                placed = self.push_all()
+                logger.info("last replicas pushed: %d experts to %d hosts", len(placed),
+                            len({endpoint for endpoints in placed.values() for endpoint in endpoints}))
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                logger.exception("the last replica push failed")
+        self._pool.shutdown()
+        self.channels.close()

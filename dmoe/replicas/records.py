@@ -1,0 +1,124 @@
+"""What replication keeps in the DHT: who receives replicas of a layer, who holds a replica of an expert, which
+cells were adopted lately, and who owns a uid now.
+
+Keys hold a ``/``, which no grid prefix can (:mod:`dmoe.uid`), so they never collide with the expert directory's
+records:
+
+* ``{layer}/replica-hosts``: one owned (int) entry per server that receives replicas of the layer's experts,
+  valued with its gRPC endpoint; the entry's owner (the server's public key) places it for :func:`distance`;
+* ``{uid}/replicas``: one owned entry per server holding a replica of ``uid``, valued ``ENDPOINT/UPDATES/SIGNER``
+  (the replica's update count and the first 16 hex digits of the key that signed it) — announced as a replica,
+  never as a served expert, so beam search never sees it;
+* ``{layer}/adopted``: a shared (str) entry per cell adopted in the last hour, subkey the cell's coordinates
+  (``"1.2"``), valued ``TIME/UPDATES/BACKWARD_CALLS`` of the replica it was adopted from.
+
+Each server's owned subkey is the same in every record (:func:`server_subkey`), so it can only ever refresh its
+own entries.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import NamedTuple
+
+from dmoe.dht import DHT
+from dmoe.dht.messages import MAX_STR_SUBKEY
+from dmoe.dht.storage import Entry, Record
+from dmoe.uid import split_uid, strict_prefixes
+
+logger = logging.getLogger(__name__)
+
+#: how long an adoption stays on the record (an hour, less the margin that keeps it under DHTConfig.max_expiration)
+ADOPTION_MEMORY = 3600.0 - 30.0
+SIGNER_HEX = 16
+
+
+def hosts_key(layer: str) -> str:
+    return f"{layer}/replica-hosts"
+
+
+def replicas_key(uid: str) -> str:
+    return f"{uid}/replicas"
+
+
+def adopted_key(layer: str) -> str:
+    return f"{layer}/adopted"
+
+
+def server_subkey(public_key: bytes) -> int:
+    """The owned subkey a server writes under in every replication record (31 bits, as int subkeys must be)."""
+    return int.from_bytes(hashlib.sha1(public_key).digest()[:4], "big") & 0x7FFFFFFF
+
+
+def distance(uid: str, public_key: bytes) -> int:
+    """Kademlia's XOR distance between an expert's key and a server's id: the closest hosts receive its replicas,
+    so every server agrees where an expert's replicas belong without asking anyone."""
+    uid_id = int.from_bytes(hashlib.sha1(uid.encode()).digest(), "big")
+    return uid_id ^ int.from_bytes(hashlib.sha1(public_key).digest(), "big")
+
+
+class Holder(NamedTuple):
+    """A server that announced a replica of an expert."""
+    endpoint: str
+    updates: int
+    signer: str      # hex prefix of the key that signed the replica (the expert's owner when it was taken)
+    holder: bytes    # the holding server's public key (the entry's owner)
+
+    def value(self) -> str:
+        return f"{self.endpoint}/{self.updates}/{self.signer}"
+
+
+def holders(record: Record) -> list[Holder]:
+    """The holders a ``{uid}/replicas`` record names, most updates first; entries that do not parse are skipped."""
+    found = []
+    for subkey, entry in record.items():
+        parts = entry.value.rsplit("/", 2)
+        if not isinstance(subkey, int) or len(parts) != 3 or not parts[1].isdigit():
+            continue
+        found.append(Holder(parts[0], int(parts[1]), parts[2], entry.owner))
+    return sorted(found, key=lambda h: -h.updates)
+
+
+class Adoption(NamedTuple):
+    """One cell adopted lately, as its ``{layer}/adopted`` entry says."""
+    uid: str
+    at: float          # time.time() of the adoption
+    updates: int       # of the replica adopted
+    backward_calls: int
+
+    def value(self) -> str:
+        return f"{self.at:.0f}/{self.updates}/{self.backward_calls}"
+
+
+def cell_subkey(uid: str) -> str | None:
+    """The str subkey of a cell in its layer's ``adopted`` record; None when its coordinates are too long for one."""
+    _, coords = split_uid(uid)
+    subkey = ".".join(map(str, coords))
+    return subkey if len(subkey) <= MAX_STR_SUBKEY else None
+
+
+def adoptions(layer: str, record: Record) -> list[Adoption]:
+    """The adoptions a ``{layer}/adopted`` record names."""
+    found = []
+    for subkey, entry in record.items():
+        parts = entry.value.split("/")
+        if not isinstance(subkey, str) or len(parts) != 3 or not all(part.isdigit() for part in parts):
+            continue
+        found.append(Adoption(f"{layer}.{subkey}", float(parts[0]), int(parts[1]), int(parts[2])))
+    return found
+
+
+def directory_entries(dht: DHT, uids: list[str]) -> dict[str, Entry | None]:
+    """Each uid's entry in the expert directory (its endpoint, signed by its owner), None when nobody declares it.
+
+    The entry is the uid's owned subkey in the record of its last strict prefix (:mod:`dmoe.directory.declarations`).
+    """
+    places = {uid: strict_prefixes(uid)[-1] for uid in uids}
+    records = dht.get_many(list({prefix for prefix, _ in places.values()}))
+    return {uid: records[prefix].get(coordinate) for uid, (prefix, coordinate) in places.items()}
+
+
+def owner_of(dht: DHT, uid: str) -> bytes | None:
+    """The public key that owns ``uid`` in the directory now, None when its declaration has expired."""
+    entry = directory_entries(dht, [uid])[uid]
+    return entry.owner if entry is not None else None

@@ -1,0 +1,337 @@
+"""Snapshots of an expert's training state (weights, optimizer state, update count), signed by the server that
+owns the expert, and every check a receiver makes before keeping one.
+
+A :class:`~dmoe.wire.dmoe_pb2.Snapshot` holds the expert's state as named tensors (the wire codec's, optionally
+compressed) plus a JSON layout of the nesting around them; its serialized bytes travel and are stored as they are.
+A :class:`~dmoe.wire.dmoe_pb2.ReplicaHeader` says how many bytes follow, their SHA-256, the update count, and
+carries the owner's Ed25519 signature over all of it. The signature is made by the owner's DHT
+:class:`~dmoe.dht.Identity` over the message of a DHT entry whose record key cannot name any record anyone stores
+(``{uid}/snapshot``) and whose expiration is the time the snapshot was taken: a signature replayed as a DHT entry
+would only be refused as expired.
+
+Checks, in the order a receiver makes them (each failure a :class:`SnapshotRefused` with its gRPC status):
+the signature (:func:`check_signature`), the bytes (:func:`open_body`: size, SHA-256, parse), then the state
+against the receiver's own expert class (:func:`check_state`: class, hyperparameters, every tensor's shape and
+dtype, the optimizer's per-parameter state) and the update count against the state (an optimizer that counts its
+steps must have taken exactly that many; no more updates than backward calls).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator, NamedTuple
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+from kademlia.utils import digest
+
+from dmoe.dht import Identity
+from dmoe.dht.signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, verify
+from dmoe.replicas.records import SIGNER_HEX
+from dmoe.server.backend import ExpertBackend
+from dmoe.server.checkpoints import describe, to_host
+from dmoe.uid import is_valid_uid
+from dmoe.wire import dmoe_pb2
+from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, dtype_name, expected_numel, serialize
+
+#: no expert trains this many steps; a count beyond it is a lie or a bug
+MAX_UPDATES = 10**12
+#: bytes of snapshot per streamed message
+CHUNK_BYTES = 1 << 20
+_MAX_DEPTH = 16
+_MAX_LAYOUT_BYTES = 4 << 20
+
+
+class SnapshotRefused(ValueError):
+    """A snapshot a server will not keep or load: ``code`` is the gRPC status to answer, ``reason`` a short label
+    (the ``reason`` of the refused-replicas metric)."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str):
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+@dataclass(frozen=True)
+class SignedSnapshot:
+    """A snapshot's serialized bytes with the header that vouches for them (as pushed, fetched and stored)."""
+
+    header: dmoe_pb2.ReplicaHeader
+    body: bytes
+
+    @property
+    def uid(self) -> str:
+        return self.header.uid
+
+    @property
+    def updates(self) -> int:
+        return self.header.updates
+
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES) -> Iterator[dmoe_pb2.ReplicaChunk]:
+        """The stream that carries it: the header with the first bytes, then the rest in ``chunk_bytes`` pieces."""
+        yield dmoe_pb2.ReplicaChunk(header=self.header, data=self.body[:chunk_bytes])
+        for start in range(chunk_bytes, len(self.body), chunk_bytes):
+            yield dmoe_pb2.ReplicaChunk(data=self.body[start:start + chunk_bytes])
+
+
+# ---- taking and signing ----
+
+def take(backend: ExpertBackend, pause: Callable[[], ContextManager[Any]] | None = None,
+         compression: int = NONE) -> dmoe_pb2.Snapshot:
+    """The expert's state now, copied while ``pause`` holds (the runtime's: no optimizer step half done), encoded
+    afterwards. ``compression`` packs floating-point tensors of one dimension or more (never the step counts)."""
+    with pause() if pause is not None else contextlib.nullcontext():
+        state = to_host(backend.state_dict())
+        counters = (backend.updates, backend.forward_calls, backend.backward_calls)
+        taken_at = time.time()
+    tensors: list[dmoe_pb2.NamedTensor] = []
+    layout = _pack(state, "", tensors, compression)
+    return dmoe_pb2.Snapshot(uid=backend.name, expert_cls=backend.expert_cls, hparams_json=backend.hparams_json(),
+                             updates=counters[0], forward_calls=counters[1], backward_calls=counters[2],
+                             taken_at=taken_at, layout_json=json.dumps(layout), tensors=tensors)
+
+
+def _pack(value: Any, path: str, tensors: list[dmoe_pb2.NamedTensor], compression: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        packed = serialize(value, compression if value.dim() >= 1 else NONE)
+        tensors.append(dmoe_pb2.NamedTensor(name=path, tensor=packed))
+        return {"t": len(tensors) - 1}
+    if isinstance(value, dict):
+        if not all(isinstance(key, (str, int)) and not isinstance(key, bool) for key in value):
+            raise TypeError(f"{path or 'state'}: only str and int keys can go into a replica")
+        return {"d": [[key, _pack(item, f"{path}.{key}".lstrip("."), tensors, compression)]
+                      for key, item in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return {"l" if isinstance(value, list) else "u": [_pack(item, f"{path}.{i}", tensors, compression)
+                                                          for i, item in enumerate(value)]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"v": value}
+    raise TypeError(f"{path}: a {type(value).__name__} cannot go into a replica")
+
+
+def signed_fields(header: dmoe_pb2.ReplicaHeader) -> tuple[bytes, int, str, float]:
+    """(record key, subkey, value, expiration) of the DHT-entry message the owner signs (see the module doc)."""
+    return (digest(f"{header.uid}/snapshot"), 0, f"{header.updates}/{header.size}/{header.sha256.hex()}",
+            header.taken_at)
+
+
+def sign(snapshot: dmoe_pb2.Snapshot, identity: Identity) -> SignedSnapshot:
+    """Serializes ``snapshot`` and signs its header with ``identity`` (the expert's owner's)."""
+    body = snapshot.SerializeToString()
+    header = dmoe_pb2.ReplicaHeader(uid=snapshot.uid, updates=snapshot.updates, size=len(body),
+                                    sha256=hashlib.sha256(body).digest(), taken_at=snapshot.taken_at,
+                                    signer=identity.public_key)
+    header.signature = identity.sign(*signed_fields(header))
+    return SignedSnapshot(header, body)
+
+
+# ---- checking ----
+
+def check_header(header: dmoe_pb2.ReplicaHeader, max_bytes: int) -> None:
+    """Everything that can be checked before the bytes arrive: a valid uid, a sane size and a valid signature."""
+    if not is_valid_uid(header.uid):
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                              f"replica header names no valid expert uid: {header.uid!r}")
+    if header.size > max_bytes:
+        raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large",
+                              f"replica of {header.uid} has {header.size} bytes, more than the {max_bytes} this "
+                              "server keeps")
+    if header.updates > MAX_UPDATES:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "updates",
+                              f"replica of {header.uid} claims an absurd update count {header.updates} "
+                              f"(more than {MAX_UPDATES})")
+    if len(header.sha256) != 32:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                              f"replica header of {header.uid} carries no SHA-256 of its bytes")
+    check_signature(header)
+
+
+def check_signature(header: dmoe_pb2.ReplicaHeader) -> None:
+    if len(header.signer) != PUBLIC_KEY_BYTES or len(header.signature) != SIGNATURE_BYTES \
+            or not verify(*signed_fields(header), header.signer, header.signature):
+        raise SnapshotRefused(grpc.StatusCode.UNAUTHENTICATED, "signature",
+                              f"the signature on the replica of {header.uid} does not verify against its signer's "
+                              f"key {header.signer.hex()[:SIGNER_HEX]}")
+
+
+def open_body(signed: SignedSnapshot) -> dmoe_pb2.Snapshot:
+    """The snapshot behind ``signed`` once its bytes match the header (size, SHA-256) and parse."""
+    header = signed.header
+    if len(signed.body) != header.size:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "truncated",
+                              f"the replica of {header.uid} is truncated: the stream ended after {len(signed.body)} "
+                              f"of {header.size} bytes")
+    if hashlib.sha256(signed.body).digest() != header.sha256:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "digest",
+                              f"the bytes of the replica of {header.uid} do not match the SHA-256 of its header")
+    snapshot = dmoe_pb2.Snapshot()
+    try:
+        snapshot.ParseFromString(signed.body)
+    except DecodeError as error:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                              f"the replica of {header.uid} is not a snapshot: {error}") from None
+    if snapshot.uid != header.uid or snapshot.updates != header.updates or snapshot.taken_at != header.taken_at:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                              f"the snapshot inside the replica of {header.uid} is of {snapshot.uid} with "
+                              f"{snapshot.updates} updates, not what its header says ({header.updates})")
+    return snapshot
+
+
+class TensorRef(NamedTuple):
+    """A tensor of a snapshot's layout before it is decoded: enough to check it."""
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def layout(snapshot: dmoe_pb2.Snapshot) -> Any:
+    """The snapshot's state with :class:`TensorRef` in place of tensors; every tensor message validated (dtype,
+    shape, buffer length) without decoding it. Raises SnapshotRefused for anything malformed."""
+    try:
+        tree = json.loads(snapshot.layout_json) if len(snapshot.layout_json) <= _MAX_LAYOUT_BYTES else None
+        refs = []
+        for index, named in enumerate(snapshot.tensors):
+            expected_numel(named.tensor, 2**40)
+            refs.append(TensorRef(index, named.name, tuple(named.tensor.shape), named.tensor.dtype))
+        return _unpack(tree, refs, 0)
+    except (ValueError, RecursionError, TypeError, KeyError, InvalidTensor, TensorTooLarge) as error:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                              f"the state in the replica of {snapshot.uid} is malformed: {error}") from None
+
+
+def _unpack(node: Any, leaves: list, depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise ValueError("nested too deep")
+    if not isinstance(node, dict) or len(node) != 1:
+        raise ValueError(f"unexpected layout node {str(node)[:80]}")
+    (kind, value), = node.items()
+    if kind == "t":
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(leaves):
+            raise ValueError(f"tensor index {value!r} out of range")
+        return leaves[value]
+    if kind == "d":
+        if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+            raise ValueError("a dict must be a list of [key, value] pairs")
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k, _ in value):
+            raise ValueError("dict keys must be str or int")
+        return {key: _unpack(item, leaves, depth + 1) for key, item in value}
+    if kind in ("l", "u"):
+        if not isinstance(value, list):
+            raise ValueError("a list must be a list")
+        items = [_unpack(item, leaves, depth + 1) for item in value]
+        return items if kind == "l" else tuple(items)
+    if kind == "v" and (value is None or isinstance(value, (bool, int, float, str))):
+        return value
+    raise ValueError(f"unexpected layout node kind {kind!r}")
+
+
+def check_state(snapshot: dmoe_pb2.Snapshot, template: ExpertBackend) -> Any:
+    """Refuses a snapshot that this server's experts (``template`` is one) could not load or that lies about its
+    update count; returns its layout (see :func:`layout`)."""
+    uid = snapshot.uid
+    mismatch = lambda message: SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "mismatch",  # noqa: E731
+                                               f"replica of {uid} does not fit this server's experts: {message}")
+    want = describe(template)
+    if snapshot.expert_cls != want["expert_cls"]:
+        raise mismatch(f"expert class {snapshot.expert_cls!r}, here {want['expert_cls']!r}")
+    try:
+        hparams = {k: v for k, v in json.loads(snapshot.hparams_json).items() if k != "seed"}
+    except (ValueError, AttributeError):
+        raise mismatch("its hyperparameters are not a JSON object") from None
+    here = json.loads(want["hparams_json"])  # the seed only chose initial weights: it may differ
+    if hparams != here:
+        changed = [f"{k} {hparams.get(k)!r} (here {here.get(k)!r})" for k in sorted(set(hparams) | set(here))
+                   if hparams.get(k) != here.get(k)]
+        raise mismatch(f"hyperparameters differ: {', '.join(changed)}")
+    state = layout(snapshot)
+    if not isinstance(state, dict) or set(state) != {"module", "optimizer", "scheduler"}:
+        raise mismatch("its state is not an expert's (module, optimizer, scheduler)")
+    module = state["module"]
+    expected = {name: (tuple(t.shape), dtype_name(t.dtype)) for name, t in template.module.state_dict().items()}
+    if not isinstance(module, dict) or set(module) != set(expected):
+        names = set(module) if isinstance(module, dict) else set()
+        raise mismatch(f"module tensors differ: missing {sorted(set(expected) - names)[:4]}, "
+                       f"unexpected {sorted(names - set(expected))[:4]}")
+    for name, (shape, dtype) in expected.items():
+        ref = module[name]
+        if not isinstance(ref, TensorRef) or (ref.shape, ref.dtype) != (shape, dtype):
+            got = f"{list(ref.shape)} {ref.dtype}" if isinstance(ref, TensorRef) else repr(ref)[:40]
+            raise mismatch(f"tensor {name} is {got}, this server's {want['expert_cls']} experts have "
+                           f"{list(shape)} {dtype}")
+    steps = _check_optimizer(state["optimizer"], template, mismatch)
+    _check_updates(snapshot, template, steps)
+    return state
+
+
+def _check_optimizer(optimizer: Any, template: ExpertBackend, mismatch: Callable[[str], Exception]) -> list[TensorRef]:
+    """Checks the optimizer state's per-parameter tensors against the parameters; returns its step counters."""
+    if template.optimizer is None:
+        if optimizer is not None:
+            raise mismatch("it carries an optimizer state, this server's experts have no optimizer")
+        return []
+    shapes = [tuple(p.shape) for group in template.optimizer.param_groups for p in group["params"]]
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict) \
+            or not isinstance(optimizer.get("param_groups"), list):
+        raise mismatch("its optimizer state is not a torch optimizer's state_dict")
+    indices = [i for group in optimizer["param_groups"] if isinstance(group, dict)
+               for i in (group.get("params") if isinstance(group.get("params"), list) else [None])]
+    if len(optimizer["param_groups"]) != len(template.optimizer.param_groups) or sorted(
+            i for i in indices if isinstance(i, int)) != list(range(len(shapes))):
+        raise mismatch(f"its optimizer covers other parameters than the {len(shapes)} of this server's experts")
+    steps = []
+    for index, per_parameter in optimizer["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(shapes) or not isinstance(per_parameter, dict):
+            raise mismatch(f"optimizer state of unknown parameter {index!r}")
+        for key, value in per_parameter.items():
+            if not isinstance(value, TensorRef):
+                continue
+            if key == "step" and value.shape == ():
+                steps.append(value)
+            elif value.shape != shapes[index]:
+                raise mismatch(f"optimizer state {key} of parameter {index} is {list(value.shape)}, the parameter "
+                               f"is {list(shapes[index])}")
+    return steps
+
+
+def _check_updates(snapshot: dmoe_pb2.Snapshot, template: ExpertBackend, steps: list[TensorRef]) -> None:
+    uid, updates = snapshot.uid, snapshot.updates
+
+    def absurd(message: str) -> SnapshotRefused:
+        return SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "updates",
+                               f"replica of {uid} claims an absurd update count: {message}")
+
+    if updates > snapshot.backward_calls:
+        raise absurd(f"{updates} updates from {snapshot.backward_calls} backward calls (each takes at least one)")
+    if template.optimizer is None and updates:
+        raise absurd(f"{updates} updates of an expert without an optimizer")
+    if steps:
+        taken = max(int(deserialize(snapshot.tensors[ref.index].tensor).item()) for ref in steps)
+        if taken != updates:
+            raise absurd(f"{updates} updates, but its optimizer state has taken {taken} steps")
+
+
+# ---- loading ----
+
+def materialize(state: Any, snapshot: dmoe_pb2.Snapshot) -> Any:
+    """The layout with every :class:`TensorRef` decoded (writable copies: the optimizer steps them in place)."""
+    if isinstance(state, TensorRef):
+        return deserialize(snapshot.tensors[state.index].tensor).clone()
+    if isinstance(state, dict):
+        return {key: materialize(value, snapshot) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(materialize(value, snapshot) for value in state)
+    return state
+
+
+def load_into(backend: ExpertBackend, snapshot: dmoe_pb2.Snapshot, state: Any) -> None:
+    """Makes ``backend`` the snapshot's expert: weights, optimizer state and counters (``state``: checked layout)."""
+    device = next((p.device for p in backend.module.parameters()), torch.device("cpu"))
+    decoded = materialize(state, snapshot)
+    decoded["module"] = {name: tensor.to(device) for name, tensor in decoded["module"].items()}
+    backend.load_state_dict(decoded)
+    backend.updates = snapshot.updates
+    backend.forward_calls, backend.backward_calls = snapshot.forward_calls, snapshot.backward_calls

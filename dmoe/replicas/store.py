@@ -1,0 +1,196 @@
+"""The replicas a server holds for others, on its disk: one file per expert, written atomically, within a budget.
+
+``DIR/<uid>.replica`` holds a magic string, the length of the header, the serialized
+:class:`~dmoe.wire.dmoe_pb2.ReplicaHeader` and the snapshot's bytes exactly as they arrived (so the signature and
+digest still vouch for them, and :meth:`ReplicaStore.get` can serve them to an adopter unchanged). Writes go through
+:func:`dmoe.server.checkpoints.write_atomically`: a crash leaves the old replica or the new one, never half of one.
+
+The newest replica of each expert is kept (the receiver refuses older ones before they get here), and when the
+budget is full the replicas received longest ago make room: their experts' owners have stopped pushing them
+(moved their replicas to closer servers, or left and were adopted elsewhere) while the newest arrivals are of
+experts that are alive.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from dmoe.replicas.snapshots import SignedSnapshot, SnapshotRefused
+from dmoe.server.checkpoints import TMP_SUFFIX, write_atomically
+from dmoe.uid import is_valid_uid
+from dmoe.wire import dmoe_pb2
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"dmoe-replica-v1\n"
+SUFFIX = ".replica"
+_LENGTH_BYTES = 4
+
+
+@dataclass(frozen=True)
+class HeldReplica:
+    """What the store knows of a replica without reading its bytes."""
+
+    header: dmoe_pb2.ReplicaHeader
+    nbytes: int           # on disk
+    received_at: float    # time.time() it was written (the file's mtime after a restart)
+
+    @property
+    def updates(self) -> int:
+        return self.header.updates
+
+    @property
+    def signer(self) -> bytes:
+        return self.header.signer
+
+
+class ReplicaStore:
+    """Replicas in ``directory`` (created if missing), at most ``budget_bytes`` of them in all. Thread-safe.
+
+    Files that cannot be read (not written by dmoe, damaged) are removed when the store opens, with a warning, and
+    so are temporary files of writes a crash interrupted.
+    """
+
+    def __init__(self, directory: str | os.PathLike, budget_bytes: int):
+        if budget_bytes <= 0:
+            raise ValueError(f"the replica budget must be positive, got {budget_bytes} bytes")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self._held: dict[str, HeldReplica] = {}
+        self._lock = threading.Lock()
+        self.evicted = 0
+        self._open()
+
+    def _open(self) -> None:
+        for stale in self.directory.glob(f"*{SUFFIX}.*{TMP_SUFFIX}"):
+            logger.info("removing %s, left by a write that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
+            try:
+                header = _read_header(path)
+                if header.uid + SUFFIX != path.name:
+                    raise ValueError(f"it holds a replica of {header.uid}")
+            except (OSError, ValueError, DecodeError) as error:
+                logger.warning("removing replica file %s, which cannot be read: %s", path, error)
+                path.unlink(missing_ok=True)
+                continue
+            stat = path.stat()
+            self._held[header.uid] = HeldReplica(header, stat.st_size, stat.st_mtime)
+        if self._held:
+            logger.info("holding %d replicas (%.1f MiB) in %s", len(self._held), self.nbytes / 2**20, self.directory)
+
+    def _path(self, uid: str) -> Path:
+        if not is_valid_uid(uid):
+            raise ValueError(f"invalid expert uid {uid!r}")
+        return self.directory / f"{uid}{SUFFIX}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(held.nbytes for held in list(self._held.values()))
+
+    def held(self) -> dict[str, HeldReplica]:
+        """uid -> what is held of it, now."""
+        with self._lock:
+            return dict(self._held)
+
+    def header(self, uid: str) -> dmoe_pb2.ReplicaHeader | None:
+        held = self._held.get(uid)
+        return held.header if held is not None else None
+
+    def get(self, uid: str) -> SignedSnapshot | None:
+        """The replica of ``uid`` as it was received, or None when none is held."""
+        with self._lock:
+            if uid not in self._held:
+                return None
+            return read_replica(self._path(uid))
+
+    def put(self, signed: SignedSnapshot) -> list[str]:
+        """Writes ``signed`` (already checked) over whatever was held of its expert; returns the uids whose
+        replicas were removed to make room. Raises SnapshotRefused when it alone exceeds the budget."""
+        header_bytes = signed.header.SerializeToString()
+        data = b"".join((MAGIC, len(header_bytes).to_bytes(_LENGTH_BYTES, "big"), header_bytes, signed.body))
+        if len(data) > self.budget_bytes:
+            raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large",
+                                  f"replica of {signed.uid} has {len(data)} bytes, more than this server's replica "
+                                  f"budget of {self.budget_bytes}")
+        with self._lock:
+            evicted = []
+            used = sum(held.nbytes for uid, held in self._held.items() if uid != signed.uid)
+            for uid, held in sorted(self._held.items(), key=lambda item: item[1].received_at):
+                if used + len(data) <= self.budget_bytes:
+                    break
+                if uid == signed.uid:
+                    continue
+                self._path(uid).unlink(missing_ok=True)
+                del self._held[uid]
+                used -= held.nbytes
+                evicted.append(uid)
+            write_atomically(self._path(signed.uid), data)
+            self._held[signed.uid] = HeldReplica(signed.header, len(data), time.time())
+        self.evicted += len(evicted)
+        if evicted:
+            logger.info("replica budget full: removed the replicas received longest ago (%s) for %s",
+                        ", ".join(evicted), signed.uid)
+        return evicted
+
+    def touch(self, uid: str) -> None:
+        """Counts the replica as just received (the same one was pushed again): it is the last to be evicted."""
+        with self._lock:
+            held = self._held.get(uid)
+            if held is not None:
+                now = time.time()
+                os.utime(self._path(uid), (now, now))
+                self._held[uid] = HeldReplica(held.header, held.nbytes, now)
+
+    def remove(self, uid: str) -> None:
+        with self._lock:
+            if self._held.pop(uid, None) is not None:
+                self._path(uid).unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+def read_replica(path: str | os.PathLike) -> SignedSnapshot:
+    """The replica in a file a store wrote (raises ValueError when it is not one)."""
+    data = Path(path).read_bytes()
+    header = _parse_header(data)
+    return SignedSnapshot(header, data[len(MAGIC) + _LENGTH_BYTES + _header_length(data):])
+
+
+def _header_length(data: bytes) -> int:
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LENGTH_BYTES:
+        raise ValueError("not a dmoe replica file")
+    return int.from_bytes(data[len(MAGIC):len(MAGIC) + _LENGTH_BYTES], "big")
+
+
+def _parse_header(data: bytes) -> dmoe_pb2.ReplicaHeader:
+    start = len(MAGIC) + _LENGTH_BYTES
+    length = _header_length(data)
+    if len(data) < start + length:
+        raise ValueError("replica file ends inside its header")
+    header = dmoe_pb2.ReplicaHeader()
+    header.ParseFromString(data[start:start + length])
+    if len(data) != start + length + header.size:
+        raise ValueError(f"replica file holds {len(data) - start - length} bytes of snapshot, its header says "
+                         f"{header.size}")
+    return header
+
+
+def _read_header(path: Path) -> dmoe_pb2.ReplicaHeader:
+    with open(path, "rb") as file:
+        head = file.read(len(MAGIC) + _LENGTH_BYTES)
+        length = _header_length(head)
+        header = dmoe_pb2.ReplicaHeader()
+        header.ParseFromString(file.read(length))
+    if path.stat().st_size != len(head) + length + header.size:
+        raise ValueError(f"the file's size does not match its header ({header.size} bytes of snapshot)")
+    return header
