@@ -61,8 +61,14 @@ def start_trainer(procs: list, out: Path, name: str, flags: Sequence[str], go: P
     extra = ["--go", str(go)] if go is not None else []
     proc = Proc(["-m", "tests.collab_trainer", "--save-dir", str(out / name), "--out-dir", str(out / name), *extra,
                  *flags], env={"TQDM_DISABLE": "1"})
+    proc.log_path = out / f"{name}.log"
     procs.append(proc)
     return proc
+
+
+def keep_log(proc: Proc) -> None:
+    """Writes what a trainer printed next to its files, for a failure's post-mortem."""
+    proc.log_path.write_text(output(proc))
 
 
 def start_together(procs: list, out: Path, flags_by_name: dict[str, list[str]]) -> dict[str, Proc]:
@@ -79,7 +85,11 @@ def start_together(procs: list, out: Path, flags_by_name: dict[str, list[str]]) 
 
 def result_of(proc: Proc, timeout: float = 180.0) -> dict:
     """The trainer's result line, once it exited cleanly."""
-    result = json.loads(proc.wait_for("^result ", timeout).string[len("result "):])
+    try:
+        found = proc.wait_for("^result ", timeout)
+    finally:
+        keep_log(proc)
+    result = json.loads(found.string[len("result "):])
     assert proc.popen.wait(60) == 0, output(proc)
     return result
 
@@ -127,28 +137,33 @@ def test_three_trainers_hold_equal_parameters_after_every_step_and_all_train_the
 
 def test_a_killed_trainer_stops_nobody_and_a_joiner_downloads_the_state_then_steps_with_the_others(
         swarm, text_file, tmp_path):
-    steps = 20
+    steps = 24
     with processes() as procs:
-        # the joiner's process starts now (imports take seconds) but joins only once the others are at step 5
+        # the joiner's process starts now (imports take seconds) but joins only once the others are at step 4
         join = tmp_path / "join"
         joiner = start_trainer(procs, tmp_path, "joiner", trainer_flags(swarm, text_file, "kill", 2, 3, steps), join)
         trainers = start_together(procs, tmp_path, {f"t{i}": trainer_flags(swarm, text_file, "kill", i, 3, steps)
                                                     for i in range(3)})
         trainers["t2"].wait_for("^saved step 2$", timeout=120)
         trainers["t2"].kill()  # SIGKILL while it accumulates toward step 3, its record still counted
-        trainers["t0"].wait_for("^saved step 5$", timeout=120)
+        trainers["t0"].wait_for("^saved step 4$", timeout=120)
         join.touch()
         joined = joiner.wait_for(r"downloaded the state at step (\d+) from trainer", timeout=120)
         results = {name: result_of(proc) for name, proc in [("t0", trainers["t0"]), ("t1", trainers["t1"]),
                                                             ("joiner", joiner)]}
     assert all(r["step"] == steps for r in results.values()), results
     states = {name: saved(tmp_path, name) for name in results}
-    for step in range(1, steps + 1):
+    # a survivor left out of a group (it read the joiner's record later than the leader did) loses its samples and
+    # downloads the next step's state: every step both survivors hold, they hold alike
+    common = sorted(set(states["t0"]) & set(states["t1"]))
+    assert steps in common and len(common) >= steps // 2, common
+    for step in common:
         assert_equal_parameters(states["t1"][step], states["t0"][step], f"step {step}, t1 against t0")
     first = int(joined.group(1))
-    assert 5 <= first < steps
+    assert 4 <= first < steps
     joined_steps = sorted(s for s in states["joiner"] if s > first)
-    assert joined_steps, "the joiner took no step with the others"
+    # it contributed: at least one step averaged by the two survivors and the joiner
+    assert re.search(r"step \d+: averaged \d+ samples of 3 trainers", output(joiner)), output(joiner)
     for step in joined_steps:
         assert_equal_parameters(states["joiner"][step], states["t0"][step], f"step {step}, the joiner against t0")
     losses = [r["final_val_loss"] for r in results.values()]
@@ -169,7 +184,6 @@ def test_bad_progress_records_and_a_state_of_another_model_are_refused_and_train
         assert hostile.alive  # it kept publishing to the end
     for name, proc in trainers.items():
         text = output(proc)
-        (tmp_path / f"{name}.log").write_text(text)  # kept for a failure's post-mortem
         assert results[name]["step"] == steps, text
         assert "refused the progress record of trainer 1001: it claims 1000000000 samples toward step 0" in text
         assert "refused the progress record of trainer 1002: it is stamped 3600 s in the future" in text

@@ -223,27 +223,40 @@ class CollaborativeOptimizer:
             for accumulator in self._accumulators:
                 accumulator.div_(max(samples, 1))  # the mean gradient; with no samples zeros, which weigh nothing
         if not partners:
-            logger.info("DEBUG step %d alone, lineage %s, peers %s", step, self.lineage,
-                        {pid: (p.step, p.lineage, p.phase, round(time.time() - p.time, 2)) for pid, p in state.peers.items()})
+            logger.debug("step %d: nobody else at this step and lineage; stepping alone", step)
             self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
             return
         self.tracker.update(phase=AVERAGING)
         self.tracker.publish_now()  # partners that have not seen the target reached yet join on seeing this
         self.averager.round = step  # trainers meet in the round of their global step
         info = self.averager.step(weight=float(samples), timeout=self.config.averaging_timeout or None,
-                                  group_size=len(partners) + 1)
+                                  group_size=len(partners) + 1, single_group=True)
         if info is not None:
             self._apply(_lineage(self.lineage, info.group_id, info.contributors), len(info.contributors))
             logger.info("step %d: averaged %d samples of %d trainers (%.2fs matchmaking, %.2fs all-reduce)",
                         step, int(info.total_weight), len(info.contributors), info.matchmaking_s, info.allreduce_s)
             return
-        self.tracker.refresh_now()
-        if self.tracker.state().top_step > step:
+        if self._wait_for_others(step):
             logger.warning("step %d: averaging failed and the others moved on; downloading their state", step)
             if self._sync_if_needed():
                 return
         logger.warning("step %d: averaging failed; applying this trainer's own %d samples", step, samples)
         self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
+
+    def _wait_for_others(self, step: int) -> bool:
+        """After a failed averaging: True once a trainer is past ``step``. While partners still average (this
+        trainer came too late for their group) it waits for them to publish their step, so that it downloads
+        their state rather than stepping alone; at most the averager's all-reduce timeout."""
+        deadline = time.monotonic() + self.averager.config.allreduce_timeout
+        while True:
+            self.tracker.refresh_now()
+            state = self.tracker.state()
+            if state.top_step > step:
+                return True
+            averaging = any(p.step == step and p.phase == AVERAGING for p in state.peers.values())
+            if not averaging or time.monotonic() > deadline:
+                return False
+            time.sleep(self.config.refresh_period / 4)
 
     def _apply(self, lineage: str, group_size: int) -> None:
         """Applies the accumulators (the mean gradient) as the global step, then resets them."""
