@@ -196,3 +196,26 @@ def test_bad_progress_records_and_a_state_of_another_model_are_refused_and_train
     for step in range(1, steps + 1):
         assert_equal_parameters(states["t1"][step], states["t0"][step], f"step {step}, t1 against t0")
 
+
+
+@pytest.mark.parametrize("value", ["0", "17", "three"])
+def test_the_demo_refuses_a_bad_number_of_trainers_naming_the_flag(value, capsys):
+    from dmoe.cli.demo import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--trainers", value])
+    assert exited.value.code == 2
+    assert "argument --trainers" in capsys.readouterr().err
+
+
+def test_the_demo_gives_each_trainer_its_slice_and_one_collaboration(text_file, tmp_path):
+    from dmoe.cli.demo import collaborative_args
+    from dmoe.cli.train import parse_config
+
+    rest = ["--data", str(text_file), "--batch-size", "8", "--out-dir", str(tmp_path)]
+    trainer_args = collaborative_args(rest, parse_config(rest), 3)
+    configs = [parse_config(trainer_args(i, "127.0.0.1:5000")) for i in range(3)]
+    assert [(c.data_shard, c.data_shards) for c in configs] == [(0, 3), (1, 3), (2, 3)]
+    assert {(c.collaborate, c.target_batch_size, c.wait_for_trainers, c.experts) for c in configs} == {
+        ("demo", 24, 3, "remote")}
+    assert len({c.out_dir for c in configs}) == 3
