@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes  # noqa: E402
 
 GOALS = {"ratio": 1.03, "killed_ratio": 1.05, "max_param_gap": 1e-5}
-AVERAGED = re.compile(r"step (\d+): averaged (\d+) samples of (\d+) trainers")
+#: what a trainer logs for each step it applies: the samples of the step
+STEPPED = re.compile(r"step (\d+): (?:averaged|stepped alone with) (\d+) samples")
 
 
 def child(save_dir: str | None, argv: list[str]) -> int:
@@ -197,11 +198,13 @@ def run_collab(args: argparse.Namespace, data: str, work: Path, kill: bool) -> R
         results = [result_of(p, max(1.0, deadline - time.monotonic())) for p in survivors]
         meter.done.update(range(n))
         meter.poll(final=True)
+        for d, p in zip(dirs, procs):
+            (d / "log.txt").write_text("".join(p.output))
         log = "".join(survivors[0].output)
     losses = [r["final_val_loss"] for r in results]
     if max(losses) - min(losses) > 1e-4:
         print(f"  the trainers' final validation losses differ: {losses}", flush=True)
-    samples = sum(int(m.group(2)) for m in AVERAGED.finditer(log))
+    samples = sum(int(m.group(2)) for m in STEPPED.finditer(log))
     return Run(name, sum(losses) / len(losses), min(r["step"] for r in results), samples,
                time.monotonic() - started, meter.gaps)
 
@@ -234,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="text file (default: the Shakespeare corpus)")
     parser.add_argument("--data-dir", default=str(ROOT / "data"))
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    parser.add_argument("--keep", action="store_true", help="keep the trainers' logs (in a temporary folder)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model, a few steps, a generated text: does it run (goals reported, not enforced)")
     args = parser.parse_args(argv)
@@ -262,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_collab(args, data, work, kill))
             print(f"  {runs[-1].name}: done in {runs[-1].seconds:.0f}s", flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"trainers' logs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     single = runs[0]
     print(f"{'run':8} {'steps':>6} {'samples':>8} {'samples_ratio':>13} {'val_loss':>9} {'ratio':>7} "
           f"{'max_param_gap':>13} {'seconds':>8}")

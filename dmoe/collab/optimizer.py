@@ -133,6 +133,7 @@ class CollaborativeOptimizer:
         self.peer_id = new_peer_id()
         self._accumulators = [torch.zeros_like(p, dtype=torch.float32) for p in self.parameters]
         self._speed, self._last_call = 0.0, None
+        self._reset_at = 0.0  # wall clock of the last step applied or state downloaded
         self._state_bytes = 4 * sum(p.numel() * p.element_size() for p in self.parameters) + (1 << 20)
         self._served: tuple[tuple[int, str], list] | None = None
         self._rng = random.Random()
@@ -179,6 +180,12 @@ class CollaborativeOptimizer:
         the batch); when the collaboration reached the target, averages and applies the global step. Returns True
         when the parameters changed (a step was applied or a newer state downloaded): :attr:`local_step` says which
         step they are at."""
+        try:
+            return self._step(batch_size)
+        finally:
+            self._last_call = time.monotonic()  # the speed counts the time between calls: computing batches
+
+    def _step(self, batch_size: int) -> bool:
         if self._closed:
             raise RuntimeError("this collaborative optimizer is shut down")
         if not (isinstance(batch_size, int) and batch_size > 0):
@@ -193,7 +200,13 @@ class CollaborativeOptimizer:
                     accumulator.add_(p.grad.to(torch.float32), alpha=batch_size)
         self.samples += batch_size
         self.tracker.update(samples=self.samples, samples_per_second=self._speed)
+        if self.tracker.read_at < self._reset_at:
+            # the first batch since this trainer's step: its view still shows the partners before theirs, which
+            # they published meanwhile; without them it would count nobody toward the target and overshoot it
+            self.tracker.refresh_now()
         state = self.tracker.state()
+        if not state.ready and self._target_near(state, batch_size):
+            state = self._wait_for_reports(batch_size)
         if not state.ready:
             if state.eta < self.config.refresh_period:
                 self.tracker.wake()
@@ -209,12 +222,38 @@ class CollaborativeOptimizer:
         self._global_step(state)
         return True
 
+    def _batch_time(self, batch_size: int) -> float:
+        return batch_size / self._speed if self._speed > 0 else self.config.refresh_period
+
+    def _target_near(self, state: CollaborationState, batch_size: int) -> bool:
+        """Whether the partners alone, at their speed, reach the target before half of this trainer's next batch
+        would be done: that batch would then mostly overshoot the target."""
+        missing = self.config.target_batch_size - state.samples_estimate
+        if missing <= 0:
+            return bool(state.partners)
+        speed = sum(p.samples_per_second for p in state.partners.values())
+        return speed > 0 and missing / speed < self._batch_time(batch_size) / 2
+
+    def _wait_for_reports(self, batch_size: int) -> CollaborationState:
+        """The partners' speeds say the target is (nearly) reached, but their reports have not said so yet: rather
+        than start a batch that would overshoot it, publish now and read the others again until they report it
+        (or start averaging), for at most two of this trainer's batch times (a partner that died keeps being
+        extrapolated until its record expires)."""
+        deadline = time.monotonic() + 2 * self._batch_time(batch_size)
+        self.tracker.publish_now()
+        while True:
+            self.tracker.refresh_now()
+            state = self.tracker.state()
+            if state.ready or time.monotonic() > deadline:
+                return state
+            time.sleep(min(0.05, self.config.refresh_period / 10))
+
     def _measure_speed(self, batch_size: int) -> None:
-        now = time.monotonic()
+        """This trainer's speed computing batches: from the end of the previous call to this one (waits and steps
+        inside :meth:`step` do not count; what the partners' speeds predict is how soon their batches come)."""
         if self._last_call is not None:
-            rate = batch_size / max(now - self._last_call, 1e-6)
+            rate = batch_size / max(time.monotonic() - self._last_call, 1e-6)
             self._speed = rate if self._speed == 0 else 0.8 * self._speed + 0.2 * rate
-        self._last_call = now
 
     def _global_step(self, state: CollaborationState) -> None:
         partners = state.partners
@@ -223,7 +262,7 @@ class CollaborativeOptimizer:
             for accumulator in self._accumulators:
                 accumulator.div_(max(samples, 1))  # the mean gradient; with no samples zeros, which weigh nothing
         if not partners:
-            logger.debug("step %d: nobody else at this step and lineage; stepping alone", step)
+            logger.info("step %d: stepped alone with %d samples (nobody else at this step)", step, samples)
             self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
             return
         self.tracker.update(phase=AVERAGING)
@@ -240,7 +279,7 @@ class CollaborativeOptimizer:
             logger.warning("step %d: averaging failed and the others moved on; downloading their state", step)
             if self._sync_if_needed():
                 return
-        logger.warning("step %d: averaging failed; applying this trainer's own %d samples", step, samples)
+        logger.warning("step %d: averaging failed; stepped alone with %d samples", step, samples)
         self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
 
     def _wait_for_others(self, step: int) -> bool:
@@ -279,6 +318,7 @@ class CollaborativeOptimizer:
         self.tracker.update(step=self.local_step, samples=0, phase=ACCUMULATING, lineage=self.lineage,
                             group_size=self.group_size)
         self.tracker.publish_now()
+        self._reset_at = time.time()
 
     # ---- joining and catching up ----
     def _sync_if_needed(self) -> bool:
