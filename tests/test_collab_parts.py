@@ -269,3 +269,22 @@ def test_a_config_refuses_settings_that_cannot_work():
     with pytest.raises(ValueError, match="run_id"):
         progress_key("my run")
     assert GONE != ACCUMULATING != AVERAGING
+
+
+def test_a_peer_too_late_for_a_single_group_gives_up_at_once_instead_of_waiting_out_matchmaking(bootstrap):
+    from dmoe import DecentralizedAverager
+
+    with DHT([bootstrap], client_mode=True) as dht:
+        averagers = [DecentralizedAverager([torch.full((3,), float(i))], dht, "late", matchmaking_time=8)
+                     for i in range(3)]
+        try:
+            early = [a.step(weight=1.0, group_size=2, single_group=True, wait=False) for a in averagers[:2]]
+            infos = [future.result(60) for future in early]
+            assert all(info is not None and len(info.contributors) == 2 for info in infos)
+            started = time.monotonic()
+            assert averagers[2].step(weight=1.0, group_size=3, single_group=True) is None
+            assert time.monotonic() - started < 4  # not the 8 s of matchmaking: the round's group formed without it
+            assert averagers[2].tensors[0].tolist() == [2.0, 2.0, 2.0]
+        finally:
+            for averager in averagers:
+                averager.shutdown()
