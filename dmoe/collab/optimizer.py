@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import random
 import threading
 import time
@@ -40,7 +39,7 @@ from typing import Any, Iterable
 
 import torch
 
-from dmoe.averaging import AveragerConfig, DecentralizedAverager, GroupInfo
+from dmoe.averaging import AveragerConfig, DecentralizedAverager
 from dmoe.averaging.matchmaking import new_peer_id
 from dmoe.collab.config import CollaborationConfig, check_run_id
 from dmoe.collab.progress import (
