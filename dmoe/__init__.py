@@ -5,7 +5,8 @@ Experts live on volunteers' expert servers (:class:`ExpertServer`), are announce
 by a client-side layer (:class:`RemoteMixtureOfExperts`) that finds the best alive experts with :func:`beam_search`
 and calls them over gRPC. Servers keep replicas of each other's experts and adopt those of servers that left
 (:class:`Replication`). Trainers average their dense parameters with :class:`DecentralizedAverager` (Moshpit
-all-reduce in groups found through the DHT).
+all-reduce in groups found through the DHT); volunteers' trainers train one model together through
+:class:`CollaborativeOptimizer` (DeDLOC: a global batch accumulated across trainers, one averaged step).
 """
 from dmoe.averaging import AveragerConfig, DecentralizedAverager, GroupInfo
 from dmoe.client.bans import BanConfig, Bans
@@ -21,6 +22,7 @@ from dmoe.client.remote_expert import (
     forward_future,
     forward_futures,
 )
+from dmoe.collab import CollaborationConfig, CollaborativeOptimizer
 from dmoe.dht import DHT, DHTConfig
 from dmoe.directory import Announcer, declare_experts, get_experts
 from dmoe.experts import create_expert, expert_class_names, expert_seed, register_expert_class
@@ -40,7 +42,8 @@ from dmoe.uid import expand_pattern, grid_uids, split_uid
 __version__ = "0.1.0"
 
 __all__ = [
-    "Announcer", "AveragerConfig", "BanConfig", "Bans", "DHT", "DHTConfig", "DecentralizedAverager",
+    "Announcer", "AveragerConfig", "BanConfig", "Bans", "CollaborationConfig", "CollaborativeOptimizer", "DHT",
+    "DHTConfig", "DecentralizedAverager",
     "ExpertBackend", "ExpertOptimizerConfig", "ExpertServer", "GroupInfo", "InProcessExpert",
     "LocalMixtureOfExperts", "LocalSwarm", "MoEStats", "NoAliveExpertsError", "PrefixCache", "RemoteExpert",
     "RemoteExpertError", "RemoteMixtureOfExperts", "ReplicaConfig", "Replication", "Runtime", "ServerConfig",

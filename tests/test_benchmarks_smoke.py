@@ -218,3 +218,13 @@ def test_churn_benchmark_smoke_kills_a_server_and_adopts_its_experts():
     assert set(last) == {"max_updates_lost", "longest_empty_cell_s", "loss_ratio"}
     assert int(last["max_updates_lost"]) >= 0 and float(last["longest_empty_cell_s"]) > 0
     assert 0.5 < float(last["loss_ratio"]) < 2  # both runs trained to finite, comparable losses
+
+
+def test_collab_benchmark_smoke_compares_one_trainer_with_a_collaboration_and_one_killed():
+    stdout = run_benchmark("bench_collab.py", "--smoke")
+    assert "killed trainer 1 at step 2" in stdout, stdout  # the smoke collaboration has 2 trainers
+    last = dict(item.split("=") for item in stdout.strip().splitlines()[-1].split())
+    assert set(last) == {"single_val_loss", "collab_val_loss", "ratio", "killed_ratio", "max_param_gap"}, last
+    assert all(math.isfinite(float(v)) for v in last.values()), last
+    assert 0.5 < float(last["ratio"]) < 2 and 0.5 < float(last["killed_ratio"]) < 2  # all trained comparably
+    assert float(last["max_param_gap"]) < 1e-5  # the trainers held the same parameters after every step

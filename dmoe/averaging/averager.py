@@ -146,7 +146,8 @@ class DecentralizedAverager:
             stub = self._stubs[endpoint] = dmoe_pb2_grpc.AveragingServiceStub(channel)
         return stub
 
-    def step(self, weight: float | None = None, timeout: float | None = None, wait: bool = True
+    def step(self, weight: float | None = None, timeout: float | None = None, wait: bool = True, *,
+             group_size: int | None = None, single_group: bool = False,
              ) -> "GroupInfo | None | concurrent.futures.Future[GroupInfo | None]":
         """One round: find a group and average with it. Returns its :class:`GroupInfo`, or None when the tensors
         were left unchanged (nobody to average with, or the group could not agree in time).
@@ -154,15 +155,22 @@ class DecentralizedAverager:
         weight: how much this peer's tensors count (samples since the last round); None: :attr:`weight`.
         timeout: seconds for the whole step (default ``config.step_timeout``).
         wait: False returns a ``concurrent.futures.Future`` at once; steps run one after another.
+        group_size: this round's target group size, when the caller knows how many peers will come (default
+            ``config.target_group_size``): a leader forms the group as soon as that many are waiting.
+        single_group: the round is meant to form one group of every peer (a collaboration's step): a peer that finds
+            a group formed without it, and nobody else waiting, returns None at once.
         """
         if self._closed:
             raise RuntimeError("this averager is shut down")
         if weight is not None and not (math.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
             raise ValueError(f"weight must be a finite number in [0, {MAX_WEIGHT:g}], got {weight}")
-        future = self._executor.submit(self._step, weight, timeout)
+        if group_size is not None and group_size < self.config.min_group_size:
+            raise ValueError(f"group_size {group_size} is below min_group_size {self.config.min_group_size}")
+        future = self._executor.submit(self._step, weight, timeout, group_size, single_group)
         return future.result() if wait else future
 
-    def _step(self, weight: float | None, timeout: float | None) -> GroupInfo | None:
+    def _step(self, weight: float | None, timeout: float | None, group_size: int | None = None,
+              single_group: bool = False) -> GroupInfo | None:
         cfg = self.config
         started = time.monotonic()
         deadline = started + (cfg.step_timeout if timeout is None else timeout)
@@ -171,7 +179,8 @@ class DecentralizedAverager:
         key = moshpit.group_key(self.prefix, round_number, cfg.grid, self.coordinates)
         if self.servicer is not None:
             self._loop.call_soon_threadsafe(self.servicer.begin_round, round_number)
-        group = self.matchmaker.find_group(round_number, key, time.time() + (deadline - time.monotonic()))
+        group = self.matchmaker.find_group(round_number, key, time.time() + (deadline - time.monotonic()),
+                                           group_size, single_group)
         if group is None:
             return None
         matched = time.monotonic()

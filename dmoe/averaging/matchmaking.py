@@ -132,10 +132,19 @@ class Matchmaker:
             logger.warning("could not declare in %s: %s", key, error)
             return False
 
-    def find_group(self, round_number: int, key: str, deadline: float) -> Group | None:
+    def find_group(self, round_number: int, key: str, deadline: float,
+                   target_group_size: int | None = None, single_group: bool = False) -> Group | None:
         """This peer's group for the round, or None when it found nobody before the matchmaking time (plus the
-        wait for smaller peers that were still alive) or the wall-clock ``deadline`` (``time.time()``) ran out."""
+        wait for smaller peers that were still alive) or the wall-clock ``deadline`` (``time.time()``) ran out.
+
+        ``target_group_size`` overrides the config's for this round (a caller that knows how many peers will come,
+        such as a collaboration that counts its trainers, lets the leader form the group as soon as they are there).
+        ``single_group``: the round is meant to have one group of everyone (a collaboration's step), so a peer that
+        finds a group formed without it and nobody else waiting is late and gives up at once, instead of waiting
+        out the matchmaking time for a group of its own that nobody will join.
+        """
         cfg = self.config
+        target = cfg.target_group_size if target_group_size is None else target_group_size
         matchmaking_ends = time.time() + cfg.matchmaking_time
         self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl)
         groups: dict[int, Group] = {}  # leader id -> group read completely
@@ -147,7 +156,8 @@ class Matchmaker:
                 logger.debug("matchmaking read of %s failed: %s", key, error)
                 declarations = None
             if declarations is not None:
-                outcome = self._look(round_number, key, declarations, groups, unreadable, matchmaking_ends)
+                outcome = self._look(round_number, key, declarations, groups, unreadable, matchmaking_ends, target,
+                                     single_group)
                 if outcome is not _WAIT:
                     return outcome
             self.stop.wait(cfg.poll_period * random.uniform(0.75, 1.25))
@@ -155,7 +165,8 @@ class Matchmaker:
         return None
 
     def _look(self, round_number: int, key: str, declarations: dict[int, Declaration], groups: dict[int, Group],
-              unreadable: dict[int, float], matchmaking_ends: float) -> "Group | None | object":
+              unreadable: dict[int, float], matchmaking_ends: float, target: int,
+              single_group: bool = False) -> "Group | None | object":
         """One look at the key's declarations: a group to join, one led now, None (gave up) or _WAIT."""
         cfg, me = self.config, self.me.peer_id
         leaders = {pid: d for pid, d in declarations.items() if d.state.startswith(LEADING)}
@@ -176,15 +187,19 @@ class Matchmaker:
         taken = {pid for group in groups.values() for pid in group.peer_ids}
         waiting = {pid: d for pid, d in declarations.items() if d.state == WAITING and pid not in taken}
         waiting.pop(me, None)
+        if single_group and groups and not waiting:
+            logger.info("matchmaking in %s: a group formed without this peer; it came too late", key)
+            self._declare(key, GONE, now + cfg.declaration_ttl)
+            return None
         if any(pid < me for pid in waiting):  # a smaller peer leads; stay visible until it does
             if self._expiration - now < self.margin + 2 * cfg.poll_period:
                 self._declare(key, WAITING, now + cfg.declaration_ttl + self.margin)
             return _WAIT
         # this peer leads: the smallest waiting peer that no group has taken
         available = [self.me] + [d.member for pid, d in sorted(waiting.items()) if d.expiration > now + self.margin]
-        if len(available) < cfg.target_group_size and now < matchmaking_ends:
+        if len(available) < target and now < matchmaking_ends:
             return _WAIT
-        members = available[:cfg.target_group_size]
+        members = available[:target]
         if len(members) < cfg.min_group_size or not any(m.endpoint for m in members):
             logger.info("matchmaking in %s: found %d peer(s) that can average, giving up", key, len(members))
             self._declare(key, GONE, now + cfg.declaration_ttl)

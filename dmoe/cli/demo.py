@@ -7,22 +7,42 @@ prints the validation perplexity and shuts everything down, also on Ctrl-C.
     python -m clients.swarm_demo                       # Shakespeare, 2 servers, 2 layers of 4x4 ffn experts
     python -m clients.swarm_demo --servers 3 --max-minutes 10 --hidden 256
 
+    python -m clients.swarm_demo --trainers 3          # a collaboration: three trainers, one model (DeDLOC)
+
 Every ``dmoe-train`` flag works here too (``--steps``, ``--grid``, ``--data``, ...); ``--experts`` and
 ``--initial-peers`` are set by the demo. Across machines, the same pieces are three commands:
-``dmoe-dht``, ``dmoe-server --initial-peers ...`` on each volunteer, ``dmoe-train --experts remote --initial-peers ...``.
+``dmoe-dht``, ``dmoe-server --initial-peers ...`` on each volunteer, ``dmoe-train --experts remote --initial-peers ...``;
+and with ``--collaborate RUN_ID --target-batch-size N`` on each volunteer trainer, four.
+
+With ``--trainers N`` (N > 1) the demo starts N ``dmoe-train --collaborate`` processes instead of training in
+process, each on its own slice of the text (``--data-shard i --data-shards N``), all in one collaboration with a
+target batch of N batches (``--target-batch-size`` overrides it). It shows one bar for the collaboration (read from
+the trainers' progress records in the DHT) and each trainer's validation lines, then every trainer's final
+validation perplexity: the same, since they hold the same model. A collaboration runs a fixed ``--steps`` (150
+unless given; ``--max-minutes`` would stop each trainer at its own step).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import math
+import queue
+import re
 import sys
 import time
+from pathlib import Path
+
+from tqdm import tqdm
 
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.train import build_parser, parse_config
-from dmoe.launch import LocalSwarm, SwarmConfig
-from dmoe.trainer.data import DownloadError
-from dmoe.trainer.loop import train
+from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
+from dmoe.trainer.data import DownloadError, shakespeare
+from dmoe.trainer.loop import TrainConfig, train
+
+MAX_TRAINERS = 16
+RUN_ID = "demo"
+FINAL = re.compile(r"final validation loss (\S+) perplexity (\S+) \(step (\d+)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +51,25 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--servers", type=int, default=2, help="expert servers to start (each hosts a slice)")
     demo.add_argument("--server-threads", type=int, default=1, help="torch threads per expert server")
     demo.add_argument("--verbose", action="store_true", help="show the servers' and DHT node's logs")
+    demo.add_argument("--trainers", type=int, default=1,
+                      help=f"trainer processes training one model together (--collaborate; 1 to {MAX_TRAINERS}); 1: "
+                           "train in this process")
     args, rest = demo.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         demo.print_help()
         build_parser().print_help()
         return 0
-    config = parse_config(["--max-minutes", "4", "--out-dir", "runs/demo", *rest])
+    if not 1 <= args.trainers <= MAX_TRAINERS:
+        demo.error(f"argument --trainers: must be between 1 and {MAX_TRAINERS}, got {args.trainers}")
+    collaborative = args.trainers > 1
+    defaults = ["--steps", "150"] if collaborative else ["--max-minutes", "4"]
+    config = parse_config([*defaults, "--out-dir", "runs/demo", *rest])
     config.experts = "remote"  # with the swarm's DHT node as the initial peer, once it is up
     if not 1 <= args.servers <= config.grid[0]:
         demo.error(f"argument --servers: must be between 1 and the first grid dimension ({config.grid[0]})")
+    if collaborative:
+        trainer_args = collaborative_args([*defaults, *rest], config, args.trainers)
+        parse_config(trainer_args(0, "127.0.0.1:1"))  # a flag that does not fit fails here, before the swarm starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     swarm_config = SwarmConfig(
@@ -57,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"swarm up in {time.monotonic() - started:.1f}s: DHT at {swarm.initial_peers}, "
                   f"servers at {', '.join(swarm.server_endpoints)}", flush=True)
             swarm.wait_declared()
+            if collaborative:
+                return run_trainers(swarm.initial_peers, trainer_args, args.trainers, config)
             config.initial_peers = (swarm.initial_peers,)
             result = train(config)
             print(f"demo done: validation perplexity {result['final_val_perplexity']:.2f} after {result['step']} "
@@ -67,6 +99,77 @@ def main(argv: list[str] | None = None) -> int:
     except (DownloadError, FileNotFoundError) as error:
         print(f"swarm_demo: {error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def collaborative_args(rest: list[str], config: TrainConfig, trainers: int):
+    """``trainer_args(i, initial_peers)``: the ``dmoe-train`` flags of trainer ``i`` (paths made absolute: the
+    trainers run from the repository's root)."""
+    if config.data is None:
+        data = ["--data", str(shakespeare(config.data_dir).resolve())]  # downloaded once, not by N trainers at once
+    else:
+        data = ["--data", str(Path(config.data).resolve())]
+    target = config.target_batch_size or trainers * config.batch_size
+    out_dir = Path(config.out_dir).resolve()
+
+    def trainer_args(i: int, initial_peers: str) -> list[str]:
+        return [*rest, *data, "--experts", "remote", "--initial-peers", initial_peers,
+                "--collaborate", config.collaborate or RUN_ID, "--target-batch-size", str(target),
+                "--data-shard", str(i), "--data-shards", str(trainers), "--wait-for-trainers", str(trainers),
+                "--out-dir", str(out_dir / f"trainer{i}"), *(["--sample-bytes", "0"] if i else [])]
+
+    return trainer_args
+
+
+def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainConfig) -> int:
+    """Runs the collaboration's trainers to the end: one bar for the collaboration, their validation lines, then
+    each one's final validation perplexity."""
+    from dmoe.collab import CollaborationConfig, ProgressTracker
+    from dmoe.dht import DHT
+
+    run_id = config.collaborate or RUN_ID
+    finals: dict[int, re.Match] = {}
+    with processes() as procs, DHT([initial_peers], client_mode=True) as dht:
+        for i in range(trainers):
+            procs.append(Proc(["-m", "dmoe.cli.train", *trainer_args(i, initial_peers)], env={"TQDM_DISABLE": "1"}))
+        target = int(trainer_args(0, initial_peers)[trainer_args(0, initial_peers).index("--target-batch-size") + 1])
+        observer = ProgressTracker(dht, run_id, CollaborationConfig(target, refresh_period=1.0))
+        bar = tqdm(total=config.steps, unit="step", desc=f"{trainers} trainers", dynamic_ncols=True)
+        try:
+            while any(proc.alive for proc in procs) or any(not proc.lines.empty() for proc in procs):
+                for i, proc in enumerate(procs):
+                    while True:
+                        try:
+                            line = proc.lines.get_nowait()
+                        except queue.Empty:
+                            break
+                        if line is None:
+                            continue
+                        found = FINAL.search(line)
+                        if found:
+                            finals[i] = found
+                        if line.strip() and "resumed from" not in line:
+                            bar.write(f"[trainer {i}] {line.rstrip()}")
+                view = observer.state()
+                if view.top_step > bar.n:
+                    bar.update(view.top_step - bar.n)
+                eta = view.eta
+                bar.set_postfix({"trainers": view.num_trainers,
+                                 "batch": f"{view.samples_accumulated}/{target}",
+                                 "next": f"{eta:.0f}s" if math.isfinite(eta) else "?"}, refresh=False)
+                time.sleep(0.2)
+        finally:
+            bar.close()
+            observer.close()
+    failed = [i for i, proc in enumerate(procs) if proc.popen.returncode != 0 or i not in finals]
+    for i in range(trainers):
+        if i in finals:
+            loss, perplexity, step = finals[i].groups()
+            print(f"trainer {i}: validation perplexity {float(perplexity):.2f} (loss {float(loss):.4f}) at step {step}")
+    if failed:
+        print(f"swarm_demo: trainers {failed} did not finish", file=sys.stderr)
+        return 1
+    print(f"demo done: {trainers} trainers, one model; shutting the swarm down", flush=True)
     return 0
 
 

@@ -3,6 +3,8 @@
     dmoe-train                                          # in-process experts, Shakespeare, a few minutes
     dmoe-train --experts remote --initial-peers HOST:PORT
     dmoe-train --data my.txt --steps 2000 --resume      # any text file; continue from the last checkpoint
+    dmoe-train --experts remote --initial-peers HOST:PORT --collaborate RUN_ID --target-batch-size 4096
+                                                        # one volunteer trainer of a collaboration (DeDLOC)
 
 Every field of :class:`~dmoe.trainer.loop.TrainConfig` is a flag (``batch_size`` -> ``--batch-size``) and a key of
 a ``--config`` TOML file (flags override the file). The loop itself is :func:`dmoe.trainer.loop.train`.
@@ -19,10 +21,19 @@ from dmoe.trainer.data import DownloadError
 from dmoe.trainer.loop import TrainConfig, train
 
 
+EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
+          "'dmoe-train --experts remote --initial-peers HOST:PORT --collaborate RUN_ID --target-batch-size N' with "
+          "the same model flags and --seed; it averages its gradients with the others every N samples over all "
+          "trainers and applies the same step. Add --data-shard I --data-shards K to train on slice I of the text, "
+          "--averaging-host PUBLIC_IP (and --averaging-port, --state-port) so the others can reach this trainer, or "
+          "--averaging-client-mode behind NAT. A trainer that joins later downloads the state from a live one.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field; booleans get --flag / --no-flag, tuples take several values."""
     parser = argparse.ArgumentParser(prog="dmoe-train", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     epilog=EPILOG)
     add_config_argument(parser)
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):

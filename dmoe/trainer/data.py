@@ -111,6 +111,18 @@ class TextData:
                              f"with a {val_fraction:.0%} validation split")
         return cls(train=train, val=val, source=str(path))
 
+    def shard(self, index: int, count: int, min_split_len: int = 2) -> "TextData":
+        """Slice ``index`` of ``count`` contiguous slices of the training text (each trainer of a collaboration
+        reads its own); the validation tail stays whole, so every trainer validates on the same text."""
+        if not 0 <= index < count:
+            raise ValueError(f"shard {index} does not exist among {count}")
+        bounds = [len(self.train) * i // count for i in range(count + 1)]
+        train = self.train[bounds[index]:bounds[index + 1]]
+        if len(train) < min_split_len:
+            raise ValueError(f"slice {index} of {count} of {self.source} holds {len(train)} bytes: too short for "
+                             f"windows of {min_split_len - 1} tokens")
+        return TextData(train=train, val=self.val, source=f"{self.source} (slice {index + 1} of {count})")
+
     def batch(self, split: str, batch_size: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch_size`` random windows of ``split``: inputs and next-byte targets, both int64 [batch, seq_len]."""
         tokens = self.train if split == "train" else self.val

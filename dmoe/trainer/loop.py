@@ -11,6 +11,12 @@ the network; for a remote swarm to match it, start its servers with :meth:`Train
 (``--optimizer adam --lr 0.003 --seed 0`` by default), as ``make demo`` does. Checkpoints hold the client's
 parameters and optimizer, and in-process experts with their optimizers; remote experts are checkpointed by their
 servers (``dmoe-server --checkpoint-dir``).
+
+``--collaborate RUN_ID`` trains one model together with every other trainer of that run (DeDLOC, see
+:mod:`dmoe.collab`): the client's optimizer is wrapped in a :class:`~dmoe.collab.CollaborativeOptimizer`, a step
+is one global step of the collaboration (``--target-batch-size`` samples over all trainers, whose averaged
+gradients every trainer applies alike), and each trainer reads its own slice of the text (``--data-shard I
+--data-shards N``). A trainer that joins late or resumes downloads the current state from a live one.
 """
 from __future__ import annotations
 
@@ -21,11 +27,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
 
-from dmoe.cli.config import non_negative, positive
+from dmoe.cli.config import non_negative, port_number, positive
+from dmoe.collab.config import check_run_id
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
@@ -87,7 +95,36 @@ class TrainConfig:
     resume: bool = _option(False, "continue from the checkpoint if there is one")
     max_minutes: float = _option(0.0, "stop after this many minutes (0: no limit)", non_negative(float))
     sample_bytes: int = _option(200, "bytes of text to sample at the end (0: none)", non_negative(int))
-    seed: int = _option(0, "seed for initialisation and batch order")
+    data_shard: int = _option(0, "train on this slice of the training text (0-based; with --data-shards)",
+                              non_negative(int))
+    data_shards: int = _option(1, "cut the training text into this many contiguous slices (one per trainer of a "
+                                  "collaboration); validation always uses the whole held-out tail", positive(int))
+    # collaboration (DeDLOC): one model, many trainers
+    collaborate: str | None = _option(None, "RUN_ID: train one model with every trainer of this run: gradients of "
+                                            "the client's parameters are averaged every --target-batch-size samples "
+                                            "(needs --experts remote; --steps counts global steps)")
+    target_batch_size: int = _option(0, "samples per global step, over all trainers (with --collaborate)",
+                                     non_negative(int))
+    averaging_host: str = _option("127.0.0.1", "address this trainer's averager and state server listen on, "
+                                               "reachable by the other trainers (with --collaborate)")
+    averaging_port: int = _option(0, "port of the averager (0: any free one)", port_number)
+    state_port: int = _option(0, "port that serves this trainer's state to joiners (0: any free one)", port_number)
+    averaging_client_mode: bool = _option(False, "accept no connections (behind NAT): average by sending only, "
+                                                 "download the state but serve none")
+    matchmaking_time: float = _option(5.0, "seconds the averaging group waits for trainers counted but late",
+                                      positive(float))
+    allreduce_timeout: float = _option(30.0, "seconds a member of the averaging group may take to deliver",
+                                       positive(float))
+    averaging_compression: str = _option("none", "compression of averaged gradients on the wire",
+                                         choices=("none", "float16", "uint8"))
+    bandwidth: float = _option(1.0, "this trainer's bandwidth relative to the others': its share of the "
+                                    "averaging work", positive(float))
+    wait_for_trainers: int = _option(0, "before the first step, wait (up to 10 minutes) until this many trainers "
+                                        "of the collaboration are there, this one included", non_negative(int))
+    refresh_period: float = _option(1.0, "seconds between publications of this trainer's progress",
+                                    positive(float))
+    progress_ttl: float = _option(10.0, "seconds a dead trainer's progress keeps being counted", positive(float))
+    seed: int = _option(0, "seed for initialisation and batch order (trainers of one collaboration: the same)")
     device: str = _option("cpu", "torch device of the client's layers")
     threads: int = _option(0, "torch CPU threads (0: torch's default)", non_negative(int))
 
@@ -103,6 +140,24 @@ class TrainConfig:
             raise ValueError("--initial-peers HOST:PORT is required with --experts remote")
         if self.val_fraction >= 1:
             raise ValueError(f"--val-fraction must be below 1, got {self.val_fraction}")
+        if self.data_shard >= self.data_shards:
+            raise ValueError(f"--data-shard {self.data_shard} must be below --data-shards {self.data_shards}")
+        if self.collaborate is not None:
+            if self.experts != "remote":
+                raise ValueError("--collaborate needs --experts remote: in-process experts would differ between "
+                                 "the trainers")
+            if not self.target_batch_size:
+                raise ValueError("--target-batch-size is required with --collaborate")
+            check_run_id(self.collaborate)
+
+    def collaboration_settings(self) -> dict:
+        """Keyword arguments of :class:`~dmoe.collab.CollaborativeOptimizer` for ``--collaborate``."""
+        return dict(
+            target_batch_size=self.target_batch_size, grad_clip=self.grad_clip, state_host=self.averaging_host,
+            state_port=self.state_port, refresh_period=self.refresh_period, progress_ttl=self.progress_ttl,
+            host=self.averaging_host, port=self.averaging_port, client_mode=self.averaging_client_mode,
+            matchmaking_time=self.matchmaking_time, allreduce_timeout=self.allreduce_timeout,
+            compression=self.averaging_compression, bandwidth=self.bandwidth)
 
     def expert_optimizer_config(self) -> ExpertOptimizerConfig:
         """How every expert is trained: in process (``--experts local``) and on the servers ``make demo`` starts."""
@@ -117,26 +172,55 @@ class TrainConfig:
                            n_heads=self.heads, dropout=self.dropout, grid=tuple(self.grid), k_best=self.k_best)
 
 
-def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
+def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
+          on_step: Callable[[int, GatedTransformerLM], None] | None = None) -> dict:
     """Runs the training loop; returns final_val_loss, final_val_perplexity, step, history, interrupted and the
-    paths of the checkpoint and the loss curve. ``moe_factory(layer_index)`` overrides the mixture layers."""
+    paths of the checkpoint and the loss curve. ``moe_factory(layer_index)`` overrides the mixture layers;
+    ``on_step(step, model)`` is called whenever the client's parameters changed (an optimizer step, or with
+    ``--collaborate`` a state downloaded from another trainer)."""
     config.validate()
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     data = TextData.from_file(config.data or shakespeare(config.data_dir), config.val_fraction, config.seq_len + 1)
+    if config.data_shards > 1:
+        data = data.shard(config.data_shard, config.data_shards, config.seq_len + 1)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = Path(config.checkpoint or out_dir / "checkpoint.pt")
-    with contextlib.ExitStack() as resources:  # closes the DHT node and remote layers, also on Ctrl-C
-        model = GatedTransformerLM(config.model_config(), moe_factory or make_moe_factory(config, resources))
+    with contextlib.ExitStack() as resources:  # closes the DHT node, remote layers and collaboration, also on Ctrl-C
+        dht = None
+        if config.collaborate is not None:  # one DHT node for the experts and the collaboration
+            from dmoe.dht import DHT
+
+            dht = DHT(initial_peers=list(config.initial_peers), client_mode=True)
+            resources.callback(dht.close)
+        if moe_factory is None:
+            moe_factory = make_moe_factory(config, resources) if dht is None else \
+                make_moe_factory(config, resources, dht=dht)
+        model = GatedTransformerLM(config.model_config(), moe_factory)
         model.to(config.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         step, history = 0, {"train": [], "val": []}
         if config.resume:
             step, history = load_checkpoint(checkpoint_path, model, optimizer, config)
+        collab = None
+        if config.collaborate is not None:  # a joiner downloads the collaboration's state here
+            from dmoe.collab import CollaborativeOptimizer
+
+            collab = CollaborativeOptimizer(optimizer, dht, config.collaborate, step=step,
+                                            **config.collaboration_settings())
+            resources.callback(collab.shutdown)
+            if config.wait_for_trainers > 1:
+                tqdm.write(f"waiting for {config.wait_for_trainers} trainers of {config.collaborate!r} ...")
+                collab.wait_for_trainers(config.wait_for_trainers, timeout=600)
+            if collab.local_step != step:
+                step = collab.local_step
+                if on_step is not None:
+                    on_step(step, model)
         tqdm.write(f"{data.source}: {len(data.train):,} training / {len(data.val):,} validation bytes; "
-                   f"{sum(p.numel() for p in model.parameters()):,} client parameters; {config.experts} experts")
+                   f"{sum(p.numel() for p in model.parameters()):,} client parameters; {config.experts} experts"
+                   + (f"; collaboration {config.collaborate!r} at step {step}" if collab is not None else ""))
 
         # ---- the loop ----
         started, interrupted = time.monotonic(), False
@@ -145,27 +229,45 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
             if step == 0:
                 report_validation(model, data, config, step, history, started)
             meter = IntervalMeter(model)
+            minibatch = 0
             while step < config.steps and not over_time(started, config):
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(step, config)
-                batch = data.batch("train", config.batch_size, config.seq_len, batch_generator(config.seed, step))
+                # alone, step s's batch depends only on (seed, s), so a resumed run sees the batches it would have
+                # seen; in a collaboration a step takes a varying number of this trainer's batches
+                generator = batch_generator(config.seed, step) if collab is None else \
+                    batch_generator(config.seed + 7919 * (1 + config.data_shard), minibatch)
+                batch = data.batch("train", config.batch_size, config.seq_len, generator)
+                minibatch += 1
                 inputs, targets = (t.to(config.device) for t in batch)
                 _, loss = model(inputs, targets)
                 balance = model.balance_loss() if config.switch else None
                 optimizer.zero_grad(set_to_none=True)
                 (loss + config.balance_coef * balance if balance is not None else loss).backward()
-                if config.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                optimizer.step()
-                step += 1
-                history["train"].append((step, loss.item()))
+                if collab is None:
+                    if config.grad_clip:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                    optimizer.step()
+                    new_step = step + 1
+                else:  # clipping and the step happen on the collaboration's averaged gradient
+                    collab.step(inputs.shape[0])
+                    new_step = collab.local_step
+                history["train"].append((new_step, loss.item()))
                 meter.add(loss.item(), inputs.numel(), balance.item() if balance is not None else None)
-                bar.update()
-                bar.set_postfix(meter.postfix(model), refresh=False)
-                if step % config.eval_interval == 0 and step < config.steps:
+                bar.update(new_step - step)
+                postfix = meter.postfix(model)
+                if collab is not None:
+                    postfix.update(collaboration_postfix(collab))
+                bar.set_postfix(postfix, refresh=False)
+                if new_step == step:
+                    continue
+                previous, step = step, new_step
+                if on_step is not None:
+                    on_step(step, model)
+                if crossed(previous, step, config.eval_interval) and step < config.steps:
                     report_validation(model, data, config, step, history, started)
                     meter.restart(model)  # validation time is not training throughput
-                if step % config.checkpoint_interval == 0:
+                if crossed(previous, step, config.checkpoint_interval):
                     save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
         except KeyboardInterrupt:
             interrupted = True
@@ -176,6 +278,11 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
             save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
         val_loss = math.nan
         with contextlib.suppress(KeyboardInterrupt):
+            if collab is not None and not interrupted:
+                # no trainer still training the experts: every trainer then validates the same model
+                collab.finish()
+                tqdm.write(f"collaboration {config.collaborate!r}: {collab.steps_applied} steps applied here, "
+                           f"{collab.steps_downloaded} states downloaded")
             if not history["val"] or history["val"][-1][0] != step:
                 report_validation(model, data, config, step, history, started)
             val_loss = history["val"][-1][1]
@@ -191,9 +298,24 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None) -> dict:
             "interrupted": interrupted, "checkpoint": checkpoint_path, "plot": plot_path}
 
 
-def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> MoEFactory:
-    """One mixture layer per block, experts ``ffn{i}.*.*``; the DHT client node and any layer with ``close()``
-    are registered on ``resources``. Imported lazily: the model and data code do not need the network stack."""
+def crossed(previous: int, step: int, interval: int) -> bool:
+    """Whether a multiple of ``interval`` lies in ``(previous, step]`` (a collaboration's step may jump ahead)."""
+    return step // interval > previous // interval
+
+
+def collaboration_postfix(collab) -> dict[str, str]:
+    """The progress bar's view of the collaboration: trainers, samples toward the next step, time to it."""
+    view = collab.collaboration
+    eta = view.eta
+    return {"trainers": str(view.num_trainers),
+            "batch": f"{int(view.samples_estimate)}/{view.target_batch_size}",
+            "next": f"{eta:.0f}s" if math.isfinite(eta) else "?"}
+
+
+def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack, dht=None) -> MoEFactory:
+    """One mixture layer per block, experts ``ffn{i}.*.*``; the DHT client node (unless ``dht`` is given) and any
+    layer with ``close()`` are registered on ``resources``. Imported lazily: the model and data code do not need
+    the network stack."""
     common = dict(in_features=config.hidden, grid=tuple(config.grid), k_best=config.k_best, switch=config.switch)
     if config.experts == "local":
         from dmoe.client.gating import LocalMixtureOfExperts
@@ -209,8 +331,9 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack) -> Mo
 
     from dmoe.client.bans import Bans
 
-    dht = DHT(initial_peers=list(config.initial_peers), client_mode=True)  # asks, never answers (behind NAT)
-    resources.callback(dht.close)
+    if dht is None:
+        dht = DHT(initial_peers=list(config.initial_peers), client_mode=True)  # asks, never answers (behind NAT)
+        resources.callback(dht.close)
     bans = Bans()  # shared: a server found dead by one layer is avoided by every layer at once
 
     def remote_layer(i: int) -> torch.nn.Module:

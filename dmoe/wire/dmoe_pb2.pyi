@@ -132,6 +132,32 @@ class AveragedPart(_message.Message):
     values: Tensor
     def __init__(self, contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class StateRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class StatePart(_message.Message):
+    __slots__ = ("run_id", "step", "lineage", "group_size", "optimizer_json", "tensors", "name", "tensor")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    lineage: str
+    group_size: int
+    optimizer_json: str
+    tensors: int
+    name: str
+    tensor: Tensor
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., lineage: _Optional[str] = ..., group_size: _Optional[int] = ..., optimizer_json: _Optional[str] = ..., tensors: _Optional[int] = ..., name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class NamedTensor(_message.Message):
     __slots__ = ("name", "tensor")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -430,6 +430,79 @@ class AveragingService:
             _registered_method=True)
 
 
+class CollaborationServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.download_state = channel.unary_stream(
+                '/dmoe.CollaborationService/download_state',
+                request_serializer=dmoe_dot_wire_dot_dmoe__pb2.StateRequest.SerializeToString,
+                response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.StatePart.FromString,
+                _registered_method=True)
+
+
+class CollaborationServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def download_state(self, request, context):
+        """The answering trainer's current state; NOT_FOUND for another run, UNAVAILABLE while it has none to give.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CollaborationServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'download_state': grpc.unary_stream_rpc_method_handler(
+                    servicer.download_state,
+                    request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.StateRequest.FromString,
+                    response_serializer=dmoe_dot_wire_dot_dmoe__pb2.StatePart.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dmoe.CollaborationService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dmoe.CollaborationService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class CollaborationService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def download_state(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dmoe.CollaborationService/download_state',
+            dmoe_dot_wire_dot_dmoe__pb2.StateRequest.SerializeToString,
+            dmoe_dot_wire_dot_dmoe__pb2.StatePart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ReplicaServiceStub:
     """Missing associated documentation comment in .proto file."""
 

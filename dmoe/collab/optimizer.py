@@ -1,0 +1,405 @@
+"""``CollaborativeOptimizer``: many trainers, one set of dense parameters, one optimizer step at a time (DeDLOC).
+
+Each trainer wraps its torch optimizer and calls :meth:`CollaborativeOptimizer.step` after every backward of its
+own batches. The gradients of the dense parameters accumulate locally (weighted by batch size) while the
+trainers publish their progress in the DHT (:mod:`~dmoe.collab.progress`). When the samples accumulated by the
+trainers at the current global step reach ``target_batch_size``, every one of them averages its accumulated
+gradients with the others (:class:`~dmoe.averaging.DecentralizedAverager`, one group, weights = samples), so all
+hold the same mean gradient over all those samples, and applies the same optimizer step: their parameters stay
+equal (up to float error; bit for bit on identical machines). Experts are not part of it: they keep training on
+their servers.
+
+Joining, dying, falling behind:
+
+* A trainer that starts, restarts or falls behind the top step (or finds its parameters off the canonical
+  lineage) downloads the dense parameters, the optimizer state and the step from a live trainer on it
+  (:mod:`~dmoe.collab.state_sync`) before it contributes; the batch it was computing is thrown away.
+* A trainer that dies only loses its accumulated samples: the averager drops it and the others finish the step
+  among themselves; it stops being counted once its progress record expires.
+* When averaging fails, a trainer that sees the others moved on re-syncs from them; one that sees nobody ahead
+  applies its own gradients (a collaboration of one still trains) under a lineage of its own, so if the others
+  did step together it re-syncs from them at its next step.
+
+Bad input: records with absurd numbers are refused (see :mod:`~dmoe.collab.progress`); a trainer that claims a step
+its state server cannot back, or serves a state that does not fit this model, is logged and ignored for
+``ban_time`` while training goes on.
+
+Threads: the progress tracker's (publish and read), the state server's pool, the averager's two; all stop in
+:meth:`CollaborativeOptimizer.shutdown`.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from dataclasses import fields, replace
+from typing import Any, Iterable
+
+import torch
+
+from dmoe.averaging import AveragerConfig, DecentralizedAverager
+from dmoe.averaging.matchmaking import new_peer_id
+from dmoe.collab.config import CollaborationConfig, check_run_id
+from dmoe.collab.progress import (
+    ACCUMULATING,
+    AVERAGING,
+    LINEAGE_CHARS,
+    CollaborationState,
+    Progress,
+    ProgressTracker,
+)
+from dmoe.collab.state_sync import (
+    StateDownloadError,
+    StateMismatch,
+    StateServer,
+    StateServicer,
+    TrainingState,
+    download_state,
+    encode_state,
+    load_state,
+)
+from dmoe.dht import DHT
+
+logger = logging.getLogger(__name__)
+
+
+def _lineage(*parts: Any) -> str:
+    return hashlib.blake2b(";".join(map(str, parts)).encode(), digest_size=LINEAGE_CHARS // 2).hexdigest()
+
+
+def parameters_lineage(parameters: Iterable[torch.Tensor]) -> str:
+    """The lineage of freshly initialised (or checkpointed) parameters: a hash of their values, so trainers that
+    started from the same seed agree without talking, and one that did not is found off the canonical lineage."""
+    digest = hashlib.blake2b(digest_size=LINEAGE_CHARS // 2)
+    for p in parameters:
+        digest.update(str(tuple(p.shape)).encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class CollaborativeOptimizer:
+    """Wraps ``opt`` so that every trainer of run ``run_id`` applies the same steps to the same dense parameters.
+
+    Args:
+        opt: the trainer's torch optimizer over the dense parameters (experts train on their servers).
+        dht: a running :class:`dmoe.DHT` (trainers use ``client_mode=True``) of the swarm.
+        run_id: the collaboration's name (letters, digits, ``-``, ``_``); trainers of one run must build the same
+            model (shapes) and optimizer.
+        target_batch_size: samples per global step, summed over all trainers.
+        config: :class:`CollaborationConfig`; averager: :class:`~dmoe.averaging.AveragerConfig`. Keyword
+            arguments override fields of either (``refresh_period=0.5``, ``matchmaking_time=3``).
+        step: the global step the parameters are at (a trainer resumed from its checkpoint); 0 for new ones.
+
+    Use it like the optimizer: ``loss.backward(); collab.step(batch_size); collab.zero_grad()``; set the
+    learning rate for :attr:`local_step` before each call (every trainer then steps with the same one).
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, dht: DHT, run_id: str, target_batch_size: int | None = None, *,
+                 config: CollaborationConfig | None = None, averager: AveragerConfig | None = None, step: int = 0,
+                 **overrides: Any):
+        collab_fields = {f.name for f in fields(CollaborationConfig)}
+        averager_fields = {f.name for f in fields(AveragerConfig)}
+        unknown = set(overrides) - collab_fields - averager_fields
+        if unknown:
+            raise TypeError(f"unknown settings {sorted(unknown)}; see CollaborationConfig and AveragerConfig")
+        collab_overrides = {k: v for k, v in overrides.items() if k in collab_fields}
+        if target_batch_size is not None:
+            collab_overrides["target_batch_size"] = target_batch_size
+        if config is None:
+            if "target_batch_size" not in collab_overrides:
+                raise TypeError("give target_batch_size (or a CollaborationConfig)")
+            config = CollaborationConfig(**collab_overrides)
+        else:
+            config = replace(config, **collab_overrides)
+        averager_config = replace(averager or AveragerConfig(),
+                                  **{k: v for k, v in overrides.items() if k in averager_fields})
+        if averager_config.grid:
+            raise ValueError("collaborative steps average in one group of every trainer: leave the averager's grid "
+                             "empty")
+        self.opt, self.dht, self.run_id, self.config = opt, dht, check_run_id(run_id), config
+        self.parameters = [p for group in opt.param_groups for p in group["params"]]
+        if not self.parameters:
+            raise ValueError("the optimizer has no parameters")
+        #: guards the parameters and the optimizer state: steps, downloads and snapshots for joiners
+        self.lock = threading.RLock()
+        self.local_step = int(step)
+        self.lineage = parameters_lineage(self.parameters)
+        self.group_size = 0
+        self.samples = 0
+        self.steps_applied = self.steps_downloaded = 0
+        self.peer_id = new_peer_id()
+        self._accumulators = [torch.zeros_like(p, dtype=torch.float32) for p in self.parameters]
+        self._speed, self._last_call = 0.0, None
+        self._reset_at = 0.0  # wall clock of the last step applied or state downloaded
+        self._state_bytes = 4 * sum(p.numel() * p.element_size() for p in self.parameters) + (1 << 20)
+        self._served: tuple[tuple[int, str], list] | None = None
+        self._rng = random.Random()
+        self._closed = False
+        self.averager: DecentralizedAverager | None = None
+        self.state_server: StateServer | None = None
+        self.tracker: ProgressTracker | None = None
+        try:
+            self.averager = DecentralizedAverager(self._accumulators, dht, f"{self.run_id}.grad", averager_config)
+            if not averager_config.client_mode:
+                self.state_server = StateServer(StateServicer(self.run_id, self._encoded_state), config.state_host,
+                                                config.state_port)
+            self.tracker = ProgressTracker(dht, self.run_id, config, self.peer_id, Progress(
+                self.local_step, 0, 0.0, time.time(), self.endpoint, ACCUMULATING, self.lineage, 0))
+            self.tracker.refresh_now()
+            self._sync_if_needed()  # a joiner downloads the state before it contributes anything
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("trainer %s joined run %r at step %d, lineage %s (%d trainers seen, target %d samples per "
+                    "step)", self.peer_id, self.run_id, self.local_step, self.lineage,
+                    self.collaboration.num_trainers, config.target_batch_size)
+
+    @property
+    def endpoint(self) -> str | None:
+        """Where this trainer serves its state (None in client mode)."""
+        return self.state_server.endpoint if self.state_server is not None else None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.opt.param_groups
+
+    @property
+    def collaboration(self) -> CollaborationState:
+        """The collaboration as of the last read of the others' progress."""
+        return self.tracker.state()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    # ---- the step ----
+    def step(self, batch_size: int) -> bool:
+        """Adds the gradients of a batch of ``batch_size`` samples (in the parameters' ``.grad``, as the mean over
+        the batch); when the collaboration reached the target, averages and applies the global step. Returns True
+        when the parameters changed (a step was applied or a newer state downloaded): :attr:`local_step` says which
+        step they are at."""
+        try:
+            return self._step(batch_size)
+        finally:
+            self._last_call = time.monotonic()  # the speed counts the time between calls: computing batches
+
+    def _step(self, batch_size: int) -> bool:
+        if self._closed:
+            raise RuntimeError("this collaborative optimizer is shut down")
+        if not (isinstance(batch_size, int) and batch_size > 0):
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if self._sync_if_needed():
+            self.zero_grad()  # computed with the old parameters
+            return True
+        self._measure_speed(batch_size)
+        with torch.no_grad():
+            for p, accumulator in zip(self.parameters, self._accumulators):
+                if p.grad is not None:
+                    accumulator.add_(p.grad.to(torch.float32), alpha=batch_size)
+        self.samples += batch_size
+        self.tracker.update(samples=self.samples, samples_per_second=self._speed)
+        if self.tracker.read_at < self._reset_at:
+            # the first batch since this trainer's step: its view still shows the partners before theirs, which
+            # they published meanwhile; without them it would count nobody toward the target and overshoot it
+            self.tracker.refresh_now()
+        state = self.tracker.state()
+        if not state.ready and self._target_near(state, batch_size):
+            state = self._wait_for_reports(batch_size)
+        if not state.ready:
+            if state.eta < self.config.refresh_period:
+                self.tracker.wake()
+            return False
+        # a fresh read before committing: who the partners are now (how many the group waits for), and whether
+        # they moved on meanwhile (then this trainer's samples are stale: it downloads their state instead)
+        self.tracker.refresh_now()
+        if self._sync_if_needed():
+            return True
+        state = self.tracker.state()
+        if not state.ready:
+            return False
+        self._global_step(state)
+        return True
+
+    def _batch_time(self, batch_size: int) -> float:
+        return batch_size / self._speed if self._speed > 0 else self.config.refresh_period
+
+    def _target_near(self, state: CollaborationState, batch_size: int) -> bool:
+        """Whether the partners alone, at their speed, reach the target before half of this trainer's next batch
+        would be done: that batch would then mostly overshoot the target."""
+        missing = self.config.target_batch_size - state.samples_estimate
+        if missing <= 0:
+            return bool(state.partners)
+        speed = sum(p.samples_per_second for p in state.partners.values())
+        return speed > 0 and missing / speed < self._batch_time(batch_size) / 2
+
+    def _wait_for_reports(self, batch_size: int) -> CollaborationState:
+        """The partners' speeds say the target is (nearly) reached, but their reports have not said so yet: rather
+        than start a batch that would overshoot it, publish now and read the others again until they report it
+        (or start averaging), for at most two of this trainer's batch times (a partner that died keeps being
+        extrapolated until its record expires)."""
+        deadline = time.monotonic() + 2 * self._batch_time(batch_size)
+        self.tracker.publish_now()
+        while True:
+            self.tracker.refresh_now()
+            state = self.tracker.state()
+            if state.ready or time.monotonic() > deadline:
+                return state
+            time.sleep(min(0.05, self.config.refresh_period / 10))
+
+    def _measure_speed(self, batch_size: int) -> None:
+        """This trainer's speed computing batches: from the end of the previous call to this one (waits and steps
+        inside :meth:`step` do not count; what the partners' speeds predict is how soon their batches come)."""
+        if self._last_call is not None:
+            rate = batch_size / max(time.monotonic() - self._last_call, 1e-6)
+            self._speed = rate if self._speed == 0 else 0.8 * self._speed + 0.2 * rate
+
+    def _global_step(self, state: CollaborationState) -> None:
+        partners = state.partners
+        step, samples = self.local_step, self.samples
+        with torch.no_grad():
+            for accumulator in self._accumulators:
+                accumulator.div_(max(samples, 1))  # the mean gradient; with no samples zeros, which weigh nothing
+        if not partners:
+            logger.info("step %d: stepped alone with %d samples (nobody else at this step)", step, samples)
+            self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
+            return
+        self.tracker.update(phase=AVERAGING)
+        self.tracker.publish_now()  # partners that have not seen the target reached yet join on seeing this
+        self.averager.round = step  # trainers meet in the round of their global step
+        info = self.averager.step(weight=float(samples), timeout=self.config.averaging_timeout or None,
+                                  group_size=len(partners) + 1, single_group=True)
+        if info is not None:
+            self._apply(_lineage(self.lineage, info.group_id, info.contributors), len(info.contributors))
+            logger.info("step %d: averaged %d samples of %d trainers (%.2fs matchmaking, %.2fs all-reduce)",
+                        step, int(info.total_weight), len(info.contributors), info.matchmaking_s, info.allreduce_s)
+            return
+        if self._wait_for_others(step):
+            logger.warning("step %d: averaging failed and the others moved on; downloading their state", step)
+            if self._sync_if_needed():
+                return
+        logger.warning("step %d: averaging failed; stepped alone with %d samples", step, samples)
+        self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
+
+    def _wait_for_others(self, step: int) -> bool:
+        """After a failed averaging: True once a trainer is past ``step``. While partners still average (this
+        trainer came too late for their group) it waits for them to publish their step, so that it downloads
+        their state rather than stepping alone; at most the averager's all-reduce timeout."""
+        deadline = time.monotonic() + self.averager.config.allreduce_timeout
+        while True:
+            self.tracker.refresh_now()
+            state = self.tracker.state()
+            if state.top_step > step:
+                return True
+            averaging = any(p.step == step and p.phase == AVERAGING for p in state.peers.values())
+            if not averaging or time.monotonic() > deadline:
+                return False
+            time.sleep(self.config.refresh_period / 4)
+
+    def _apply(self, lineage: str, group_size: int) -> None:
+        """Applies the accumulators (the mean gradient) as the global step, then resets them."""
+        with self.lock, torch.no_grad():
+            for p, accumulator in zip(self.parameters, self._accumulators):
+                p.grad = accumulator.to(p.dtype, copy=True)
+            if self.config.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.parameters, self.config.grad_clip)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.local_step += 1
+            self.lineage, self.group_size = lineage, group_size
+        self.steps_applied += 1
+        self._reset()
+
+    def _reset(self) -> None:
+        for accumulator in self._accumulators:
+            accumulator.zero_()
+        self.samples = 0
+        self.tracker.update(step=self.local_step, samples=0, phase=ACCUMULATING, lineage=self.lineage,
+                            group_size=self.group_size)
+        self.tracker.publish_now()
+        self._reset_at = time.time()
+
+    # ---- joining and catching up ----
+    def _sync_if_needed(self) -> bool:
+        """Downloads the state when this trainer is behind or off the canonical lineage; True when it did."""
+        state = self.tracker.state()
+        chosen = state.source(self._rng)
+        if chosen is None:
+            return False
+        peer_id, claimed = chosen
+        try:
+            downloaded = download_state(claimed.endpoint, self.run_id, self.config.state_timeout, self._state_bytes)
+            if downloaded.step < claimed.step:
+                raise StateMismatch(f"it claims step {claimed.step} but serves step {downloaded.step}")
+            if downloaded.step == claimed.step and downloaded.lineage != claimed.lineage:
+                raise StateMismatch(f"it claims lineage {claimed.lineage} at step {claimed.step} but serves "
+                                    f"{downloaded.lineage}")
+            with self.lock:
+                load_state(downloaded, self.parameters, self.opt)
+                self.local_step, self.lineage = downloaded.step, downloaded.lineage
+                self.group_size = downloaded.group_size
+        except (StateDownloadError, StateMismatch) as error:
+            self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")
+            return False
+        self.steps_downloaded += 1
+        logger.info("downloaded the state at step %d from trainer %s (%s)", self.local_step, peer_id, claimed.endpoint)
+        self._reset()
+        return True
+
+    def _encoded_state(self) -> list | None:
+        """The messages of this trainer's current state, encoded once per step for every joiner."""
+        with self.lock:
+            key = (self.local_step, self.lineage)
+            if self._served is not None and self._served[0] == key:
+                return self._served[1]
+            captured = TrainingState.capture(self.local_step, self.lineage, self.group_size, self.parameters,
+                                             self.opt)
+        messages = encode_state(captured, self.run_id)
+        self._served = (key, messages)
+        return messages
+
+    def wait_for_trainers(self, count: int, timeout: float) -> int:
+        """Blocks until ``count`` trainers (this one included) are in the collaboration, so that trainers started
+        together also begin together (a run compared with another, a test); returns how many there are, which is
+        fewer when ``timeout`` seconds passed first. Downloads the state if one of them is ahead."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.tracker.refresh_now()
+            self._sync_if_needed()  # a peer that claims a step it cannot back is banned here, not counted
+            seen = len(self.tracker.state().peers) + 1
+            if seen >= count or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.05)
+
+    # ---- the end ----
+    def finish(self, timeout: float | None = None) -> bool:
+        """Waits until every live trainer reached this trainer's step (so none still trains experts when this one
+        evaluates); True when they did, False at the timeout (``config.finish_timeout`` by default)."""
+        deadline = time.monotonic() + (self.config.finish_timeout if timeout is None else timeout)
+        self.tracker.publish_now()
+        while True:
+            behind = [pid for pid, p in self.tracker.refresh_now().items() if p.step < self.local_step]
+            if not behind:
+                return True
+            if time.monotonic() > deadline:
+                logger.warning("finished at step %d; trainers %s are still behind", self.local_step, behind)
+                return False
+            time.sleep(self.config.refresh_period / 2)
+
+    def shutdown(self) -> None:
+        """Marks this trainer gone in its progress record and stops the tracker, the state server and the
+        averager; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for owner in (self.tracker, self.state_server):
+            if owner is not None:
+                owner.close()
+        if self.averager is not None:
+            self.averager.shutdown()
+
+    def __enter__(self) -> "CollaborativeOptimizer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

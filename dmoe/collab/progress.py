@@ -1,0 +1,349 @@
+"""Progress tracking in the DHT: how far each trainer of a collaboration is toward the next global step.
+
+Every trainer publishes one signed entry in record ``<run_id>.progress``, under its own peer id (an owned int
+subkey: nobody else can rewrite it), and refreshes it every ``refresh_period`` with an expiration ``progress_ttl``
+ahead, so a trainer that dies stops being counted soon after. The entry says (:class:`Progress`): the global step
+its samples accumulate toward, the samples accumulated so far and its speed, when it published, where it serves
+its state to joiners, whether it is accumulating or averaging, and the **lineage** of its parameters.
+
+The lineage names the history of a trainer's dense parameters: a hash of the initial parameters, then after every
+step a hash of the previous lineage and the group whose average made the step (or of the trainer alone). Trainers
+at one step with one lineage hold equal parameters, without comparing them. Where lineages differ at one step
+(trainers that averaged in two separate groups, or one that stepped alone after its group failed), the
+**canonical** one wins: made by the largest group, then held by the most trainers, then the smallest name. A
+trainer behind the top step, or off the canonical lineage, downloads the state of a trainer on it
+(:mod:`~dmoe.collab.state_sync`).
+
+Every trainer sees the collaboration from the records it read (:class:`CollaborationState`): the samples its
+partners (same step, same lineage) accumulated, their speed and the estimated time until the target batch size.
+Records that are malformed, claim absurd numbers or were stamped in the future are refused with a logged message.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from dmoe.collab.config import CollaborationConfig, check_run_id
+from dmoe.dht import DHT
+
+logger = logging.getLogger(__name__)
+
+ACCUMULATING, AVERAGING, GONE = "a", "v", "x"
+LINEAGE_CHARS = 8
+#: a group larger than this cannot have made a step: a matchmaking record holds at most this many peers
+MAX_GROUP_SIZE = 256
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT record every trainer of ``run_id`` publishes its progress in."""
+    return f"{check_run_id(run_id)}.progress"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One trainer's progress as it publishes it.
+
+    step: the global step its samples accumulate toward (the optimizer steps its parameters have seen).
+    samples: samples accumulated toward that step. samples_per_second: its recent speed.
+    time: wall-clock time of publication. endpoint: where it serves its state (None: client mode).
+    phase: ``a`` accumulating, ``v`` averaging this step's gradients, ``x`` gone (stopped on purpose).
+    lineage: the history of its parameters (see the module docstring). group_size: the trainers whose average made
+        the step that produced the lineage (0: initial parameters, 1: a step alone).
+    """
+
+    step: int
+    samples: int
+    samples_per_second: float
+    time: float
+    endpoint: str | None
+    phase: str
+    lineage: str
+    group_size: int
+
+    def encode(self) -> str:
+        return (f"{self.step};{self.samples};{self.samples_per_second:.4g};{self.time:.2f};{self.endpoint or '-'};"
+                f"{self.phase};{self.lineage};{self.group_size}")
+
+    @classmethod
+    def parse(cls, value: str) -> "Progress":
+        """Raises ValueError for anything but what :meth:`encode` writes."""
+        fields = value.split(";")
+        if len(fields) != 8:
+            raise ValueError(f"{len(fields)} fields instead of 8")
+        step, samples, speed, stamp, endpoint, phase, lineage, group_size = fields
+        if not (step.isdigit() and samples.isdigit() and group_size.isdigit()):
+            raise ValueError("step, samples and group size must be non-negative integers")
+        if phase not in (ACCUMULATING, AVERAGING, GONE):
+            raise ValueError(f"unknown phase {phase!r}")
+        if len(lineage) != LINEAGE_CHARS or any(c not in "0123456789abcdef" for c in lineage):
+            raise ValueError(f"malformed lineage {lineage!r}")
+        if endpoint != "-":
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"malformed endpoint {endpoint!r}")
+        return cls(int(step), int(samples), float(speed), float(stamp), None if endpoint == "-" else endpoint,
+                   phase, lineage, int(group_size))
+
+
+def refusal(progress: Progress, config: CollaborationConfig, now: float) -> tuple[str, str] | None:
+    """Why a well-formed record must be refused, as (kind, message), or None. Absurd numbers would make every
+    trainer step too early (samples), never (a negative speed) or misjudge who is alive (a time stamped in the
+    future)."""
+    if progress.samples > config.max_samples:
+        return "samples", (f"claims {progress.samples} samples toward step {progress.step}, more than "
+                           f"{config.max_samples:g} ({config.max_samples_ratio:g} target batches)")
+    if not (math.isfinite(progress.samples_per_second) and progress.samples_per_second >= 0):
+        return "speed", f"claims a speed of {progress.samples_per_second} samples/s"
+    if not math.isfinite(progress.time) or progress.time > now + config.max_clock_skew:
+        return "future", (f"is stamped {progress.time - now:.0f} s in the future (more than max_clock_skew "
+                          f"{config.max_clock_skew:g} s ahead of this clock)")
+    if progress.group_size > MAX_GROUP_SIZE:
+        return "group", f"claims a step averaged by {progress.group_size} trainers, more than {MAX_GROUP_SIZE}"
+    return None
+
+
+def canonical_lineage(at_step: Mapping[int, Progress]) -> str | None:
+    """The lineage that wins among trainers at one step: made by the largest group, then held by the most
+    trainers, then the smallest name (every trainer that sees the same records picks the same)."""
+    if not at_step:
+        return None
+    counts = Counter(p.lineage for p in at_step.values())
+    sizes: dict[str, int] = {}
+    for p in at_step.values():
+        sizes[p.lineage] = max(sizes.get(p.lineage, 0), p.group_size)
+    return min(counts, key=lambda lineage: (-sizes[lineage], -counts[lineage], lineage))
+
+
+@dataclass(frozen=True)
+class CollaborationState:
+    """The collaboration as one trainer sees it (``me``; None for an observer such as the demo's progress bar):
+    its own progress, fresh, and the accepted records of the other live trainers."""
+
+    me: Progress | None
+    my_id: int | None
+    peers: Mapping[int, Progress]
+    target_batch_size: int
+    now: float
+
+    def _everyone(self) -> dict[int, Progress]:
+        everyone = dict(self.peers)
+        if self.me is not None and self.my_id is not None:
+            everyone[self.my_id] = self.me
+        return everyone
+
+    @property
+    def num_trainers(self) -> int:
+        return len(self.peers) + (self.me is not None)
+
+    @property
+    def top_step(self) -> int:
+        """The furthest step any live trainer reached (-1 for an observer that sees nobody)."""
+        steps = [p.step for p in self._everyone().values()]
+        return max(steps) if steps else -1
+
+    @property
+    def step(self) -> int:
+        """This trainer's step; for an observer, the top step."""
+        return self.me.step if self.me is not None else self.top_step
+
+    def canonical(self, step: int) -> str | None:
+        return canonical_lineage({pid: p for pid, p in self._everyone().items() if p.step == step})
+
+    @property
+    def partners(self) -> dict[int, Progress]:
+        """Other trainers whose samples count toward this trainer's next step: same step, same (canonical for an
+        observer) lineage."""
+        lineage = self.me.lineage if self.me is not None else self.canonical(self.step)
+        return {pid: p for pid, p in self.peers.items() if p.step == self.step and p.lineage == lineage}
+
+    @property
+    def samples_accumulated(self) -> int:
+        """Samples reported toward the next step, by this trainer and its partners."""
+        return (self.me.samples if self.me is not None else 0) + sum(p.samples for p in self.partners.values())
+
+    @property
+    def samples_per_second(self) -> float:
+        return (self.me.samples_per_second if self.me is not None else 0.0) + sum(
+            p.samples_per_second for p in self.partners.values())
+
+    @property
+    def samples_estimate(self) -> float:
+        """Samples accumulated toward the next step by now: partners' reports extrapolated at their speed since
+        they published (their records are up to a refresh period old)."""
+        return (self.me.samples if self.me is not None else 0) + sum(
+            p.samples + (p.samples_per_second * max(0.0, self.now - p.time) if p.phase == ACCUMULATING else 0.0)
+            for p in self.partners.values())
+
+    @property
+    def ready(self) -> bool:
+        """Time to average and step: the samples reported reached the target, or a partner started averaging (it
+        saw the target reached in records this trainer may not have read yet). Reports, not the estimate: a step
+        never takes fewer samples than the target (it may take a few more, what the trainers computed while their
+        reports travelled)."""
+        return self.samples_accumulated >= self.target_batch_size or any(
+            p.phase == AVERAGING for p in self.partners.values())
+
+    @property
+    def eta(self) -> float:
+        """Estimated seconds until the target is reached (inf when nobody is training)."""
+        missing = self.target_batch_size - self.samples_estimate
+        if missing <= 0:
+            return 0.0
+        speed = self.samples_per_second
+        return missing / speed if speed > 0 else math.inf
+
+    def source(self, rng: random.Random | None = None) -> tuple[int, Progress] | None:
+        """Whom this trainer should download the state from, or None when it is on the top step's canonical
+        lineage (or nobody who could serve it is there): a random trainer on that lineage that serves its state."""
+        if self.me is None:
+            return None
+        top = self.top_step
+        canonical = self.canonical(top)
+        if top == self.me.step and canonical == self.me.lineage:
+            return None
+        candidates = sorted((pid, p) for pid, p in self.peers.items()
+                            if p.step == top and p.lineage == canonical and p.endpoint is not None)
+        return (rng or random).choice(candidates) if candidates else None
+
+
+class ProgressTracker:
+    """Publishes this trainer's :class:`Progress` and reads the others', every ``refresh_period``, in a background
+    thread it owns (stopped by :meth:`close`). ``peer_id`` None makes an observer that publishes nothing.
+
+    Refused records are logged once per peer and reason; :meth:`ban` ignores a peer for ``config.ban_time``.
+    """
+
+    def __init__(self, dht: DHT, run_id: str, config: CollaborationConfig, peer_id: int | None = None,
+                 progress: Progress | None = None):
+        if (peer_id is None) != (progress is None):
+            raise ValueError("a trainer gives both its peer_id and its progress; an observer neither")
+        self.dht, self.config, self.peer_id = dht, config, peer_id
+        self.key = progress_key(run_id)
+        self._progress = progress
+        self._peers: dict[int, Progress] = {}
+        self._banned: dict[int, float] = {}
+        self._warned: set[tuple[int, str]] = set()
+        self._expiration = 0.0
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._closed = False
+        self.read_at = 0.0  # wall clock of the last successful read
+        self._thread = threading.Thread(target=self._run, name="dmoe-collab-progress", daemon=True)
+        self._thread.start()
+
+    # ---- this trainer's side ----
+    @property
+    def progress(self) -> Progress | None:
+        with self._lock:
+            return self._progress
+
+    def update(self, **changes) -> Progress:
+        """Changes this trainer's progress (published at the next refresh, or by :meth:`publish_now`)."""
+        with self._lock:
+            self._progress = replace(self._progress, **changes)
+            return self._progress
+
+    def publish_now(self) -> bool:
+        """Stores this trainer's progress now (stamped now); True when a replica took it."""
+        if self.peer_id is None:
+            return False
+        with self._publish_lock:
+            now = time.time()
+            progress = self.update(time=now)
+            # the latest expiration of an owned entry wins: each store must outlive the previous one
+            self._expiration = max(now + self.config.progress_ttl, self._expiration + 0.01)
+            try:
+                return self.dht.store(self.key, self.peer_id, progress.encode(), self._expiration)
+            except (TimeoutError, RuntimeError) as error:
+                logger.warning("could not publish progress: %s", error)
+                return False
+
+    # ---- the others ----
+    def state(self, me: Progress | None = None) -> CollaborationState:
+        """The collaboration as of the last read, with this trainer's progress as it is now."""
+        with self._lock:
+            peers, own = dict(self._peers), self._progress
+        return CollaborationState(me or own, self.peer_id, peers, self.config.target_batch_size, time.time())
+
+    def refresh_now(self) -> dict[int, Progress]:
+        """Reads the others' records now; returns the accepted ones (also kept for :meth:`state`)."""
+        try:
+            record = self.dht.get(self.key)
+        except (TimeoutError, RuntimeError) as error:
+            logger.debug("could not read %s: %s", self.key, error)
+            with self._lock:
+                return dict(self._peers)
+        now = time.time()
+        accepted = {}
+        for subkey, entry in record.items():
+            if not isinstance(subkey, int) or isinstance(subkey, bool) or subkey == self.peer_id:
+                continue
+            if self._banned.get(subkey, 0.0) > now:
+                continue
+            try:
+                progress = Progress.parse(entry.value)
+            except ValueError as error:
+                self._refuse(subkey, "malformed", f"is malformed: {entry.value!r} ({error})")
+                continue
+            problem = refusal(progress, self.config, now)
+            if problem is not None:
+                self._refuse(subkey, *problem)
+                continue
+            if progress.phase == GONE or now - progress.time > self.config.progress_ttl:
+                continue  # stopped, or a zombie whose writer stored a long expiration and went silent
+            accepted[subkey] = progress
+        with self._lock:
+            self._peers = accepted
+        self.read_at = now
+        return accepted
+
+    def ban(self, peer_id: int, reason: str) -> None:
+        """Ignores ``peer_id``'s records for ``config.ban_time`` seconds."""
+        logger.warning("ignoring trainer %s for %g s: %s", peer_id, self.config.ban_time, reason)
+        self._banned[peer_id] = time.time() + self.config.ban_time
+        with self._lock:
+            self._peers.pop(peer_id, None)
+
+    def _refuse(self, peer_id: int, kind: str, message: str) -> None:
+        if (peer_id, kind) not in self._warned:
+            self._warned.add((peer_id, kind))
+            logger.warning("refused the progress record of trainer %s: it %s", peer_id, message)
+
+    def wake(self) -> None:
+        """Publishes and reads again now instead of at the end of the refresh period (the target is near: every
+        trainer doing so keeps the step's overshoot to about one batch per trainer)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.peer_id is not None:
+                self.publish_now()
+            self.refresh_now()
+            self._wake.wait(self.config.refresh_period * random.uniform(0.8, 1.0))
+            self._wake.clear()
+
+    def close(self) -> None:
+        """Stops the thread; a trainer marks itself gone, so the others stop counting it at once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(self.config.refresh_period + self.dht.config.call_timeout)
+        if self.peer_id is not None:
+            self.update(phase=GONE)
+            self.publish_now()
+
+    def __enter__(self) -> "ProgressTracker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,290 @@
+"""The pieces of collaborative training one at a time: progress records and what is refused, the canonical lineage
+and whom to download from, the state's encoding, checks and gRPC service, and the progress tracker on a real DHT
+(a bootstrap node in its own process). The trainers together are in tests/test_collab.py.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+
+from dmoe import DHT, CollaborationConfig
+from dmoe.collab.progress import (
+    ACCUMULATING,
+    AVERAGING,
+    GONE,
+    CollaborationState,
+    Progress,
+    ProgressTracker,
+    canonical_lineage,
+    progress_key,
+    refusal,
+)
+from dmoe.collab.state_sync import (
+    StateDownloadError,
+    StateMismatch,
+    StateServer,
+    StateServicer,
+    TrainingState,
+    check_state,
+    decode_state,
+    download_state,
+    encode_state,
+    load_state,
+)
+from tests.procs import running
+
+torch.set_num_threads(1)
+CONFIG = CollaborationConfig(target_batch_size=100, refresh_period=0.2, progress_ttl=2.0)
+
+
+def progress(step=3, samples=10, speed=5.0, stamp=None, endpoint="127.0.0.1:5000", phase=ACCUMULATING,
+             lineage="0123abcd", group_size=3) -> Progress:
+    return Progress(step, samples, speed, time.time() if stamp is None else stamp, endpoint, phase, lineage,
+                    group_size)
+
+
+# ---- records ----
+def test_a_progress_record_survives_encoding_and_fits_a_dht_value():
+    record = progress(step=123456, samples=4096, speed=1234.5678, endpoint="[::1]:65535")
+    value = record.encode()
+    assert len(value) <= 96 and " " not in value
+    parsed = Progress.parse(value)
+    assert parsed == Progress(123456, 4096, float(f"{1234.5678:.4g}"), round(record.time, 2), "[::1]:65535",
+                              ACCUMULATING, "0123abcd", 3)
+    assert Progress.parse(progress(endpoint=None).encode()).endpoint is None
+
+
+@pytest.mark.parametrize("value", [
+    "1;2;3", "x;2;3.0;1.0;-;a;0123abcd;1", "1;-2;3.0;1.0;-;a;0123abcd;1", "1;2;3.0;1.0;-;q;0123abcd;1",
+    "1;2;3.0;1.0;-;a;XYZ;1", "1;2;3.0;1.0;host:0;a;0123abcd;1", "1;2;fast;1.0;-;a;0123abcd;1",
+])
+def test_malformed_progress_values_are_refused(value):
+    with pytest.raises(ValueError):
+        Progress.parse(value)
+
+
+def test_absurd_samples_a_future_stamp_or_a_bad_speed_are_refused_with_a_reason():
+    now = time.time()
+    assert refusal(progress(samples=1000), CONFIG, now) is None  # 10 target batches: the limit itself
+    kind, message = refusal(progress(samples=1001), CONFIG, now)
+    assert kind == "samples" and "1001 samples toward step 3" in message
+    kind, message = refusal(progress(stamp=now + 3600), CONFIG, now)
+    assert kind == "future" and "3600 s in the future" in message
+    assert refusal(progress(stamp=now + 10), CONFIG, now) is None  # within the clock skew allowed
+    assert refusal(progress(speed=-1.0), CONFIG, now)[0] == "speed"
+    assert refusal(progress(speed=math.inf), CONFIG, now)[0] == "speed"
+    assert refusal(progress(group_size=10_000), CONFIG, now)[0] == "group"
+
+
+# ---- the canonical lineage, partners, readiness and whom to download from ----
+def test_the_canonical_lineage_is_the_largest_groups_then_the_most_held_then_the_smallest():
+    a, b, c = "aaaaaaaa", "bbbbbbbb", "cccccccc"
+    assert canonical_lineage({1: progress(lineage=b, group_size=3), 2: progress(lineage=a, group_size=2),
+                              3: progress(lineage=a, group_size=2)}) == b
+    assert canonical_lineage({1: progress(lineage=b, group_size=1), 2: progress(lineage=c, group_size=1),
+                              3: progress(lineage=c, group_size=1)}) == c
+    assert canonical_lineage({1: progress(lineage=c, group_size=1), 2: progress(lineage=b, group_size=1)}) == b
+    assert canonical_lineage({}) is None
+
+
+def state(me: Progress, peers: dict[int, Progress], target: int = 100) -> CollaborationState:
+    return CollaborationState(me, 1, peers, target, time.time())
+
+
+def test_partners_share_the_step_and_lineage_and_their_samples_count_toward_the_target():
+    me = progress(samples=30)
+    peers = {2: progress(samples=40, speed=0.0), 3: progress(samples=25, speed=0.0),
+             4: progress(step=2, samples=90), 5: progress(lineage="ffffffff", samples=90)}
+    view = state(me, peers)
+    assert set(view.partners) == {2, 3}
+    assert view.samples_accumulated == 95 and not view.ready
+    assert state(progress(samples=35), peers).ready
+    # the estimate extrapolates partners' samples at their speed since they published; readiness takes reports
+    moving = {2: progress(samples=40, speed=10.0, stamp=time.time() - 1.0)}
+    assert state(progress(samples=55), moving).samples_estimate == pytest.approx(105, abs=0.5)
+    assert not state(progress(samples=55), moving).ready
+    assert state(progress(samples=30, speed=6.0), {2: progress(samples=10, speed=0.0)}).eta == pytest.approx(10.0)
+    assert state(progress(samples=30, speed=0.0), {2: progress(samples=10, speed=0.0)}).eta == math.inf
+    # a partner that started averaging saw the target reached: join it
+    assert state(progress(samples=1), {2: progress(samples=1, phase=AVERAGING)}).ready
+
+
+def test_a_trainer_behind_or_off_the_canonical_lineage_downloads_from_one_on_it():
+    on = progress(step=5, lineage="aaaaaaaa", group_size=3)
+    assert state(on, {2: on, 3: on}).source() is None
+    behind = state(progress(step=3, lineage="aaaaaaaa"), {2: on, 3: progress(step=5, lineage="bbbbbbbb",
+                                                                            group_size=1)})
+    assert behind.source()[0] == 2
+    # at the top step, but from a smaller group than the others': theirs wins
+    off = state(progress(step=5, lineage="cccccccc", group_size=1), {2: on, 3: on})
+    assert off.source()[0] in (2, 3)
+    # only trainers that serve their state can be downloaded from
+    assert state(progress(step=3), {2: progress(step=5, endpoint=None)}).source() is None
+    # nobody else: a collaboration of one is always on its own lineage
+    assert state(progress(step=0), {}).source() is None
+
+
+# ---- the state: encoding, checks, loading ----
+def trained(seed: int = 0, hidden: int = 6) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Linear(hidden, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_state_survives_encoding_in_parts_and_loads_into_a_fresh_optimizer():
+    model, opt = trained(seed=0)
+    captured = TrainingState.capture(7, "0123abcd", 3, list(model.parameters()), opt)
+    messages = encode_state(captured, "run", part_bytes=32)  # every tensor cut into several parts
+    assert len(messages) > len(captured.parameters) * 3
+    decoded = decode_state(messages, max_bytes=1 << 20)
+    assert (decoded.step, decoded.lineage, decoded.group_size) == (7, "0123abcd", 3)
+    fresh, fresh_opt = trained(seed=1)
+    load_state(decoded, list(fresh.parameters()), fresh_opt)
+    for mine, theirs in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(mine, theirs)
+    for index, entry in opt.state_dict()["state"].items():
+        loaded = fresh_opt.state_dict()["state"][index]
+        assert all(torch.equal(loaded[key], value) for key, value in entry.items())
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+
+
+def test_a_state_of_another_model_is_refused_naming_the_difference_and_nothing_is_written():
+    small, small_opt = trained(hidden=6)
+    big, big_opt = trained(hidden=8)
+    theirs = decode_state(encode_state(TrainingState.capture(1, "0123abcd", 2, list(big.parameters()), big_opt),
+                                       "run"), 1 << 20)
+    before = [p.detach().clone() for p in small.parameters()]
+    with pytest.raises(StateMismatch, match=r"parameter 0 has shape \[8, 4\] in the state, \[6, 4\] here"):
+        load_state(theirs, list(small.parameters()), small_opt)
+    assert all(torch.equal(p, q) for p, q in zip(small.parameters(), before))
+    with pytest.raises(StateMismatch, match="the state holds 4 parameter tensors, this model 2"):
+        check_state(theirs, list(small.parameters())[:2], small_opt)
+    poisoned = TrainingState.capture(1, "0123abcd", 2, list(small.parameters()), small_opt)
+    poisoned.parameters[1][0] = float("nan")
+    with pytest.raises(StateMismatch, match="parameter 1 holds NaN or Inf"):
+        check_state(poisoned, list(small.parameters()), small_opt)
+
+
+def test_a_malformed_state_stream_is_refused():
+    model, opt = trained()
+    messages = encode_state(TrainingState.capture(1, "0123abcd", 2, list(model.parameters()), opt), "run")
+    with pytest.raises(StateDownloadError, match="tensors"):
+        decode_state(messages[:-1], 1 << 20)  # a tensor missing
+    with pytest.raises(StateDownloadError, match="exceed"):
+        decode_state(messages, 64)
+    messages[1].name = "weights.9"
+    with pytest.raises(StateDownloadError, match="unexpected tensor 'weights.9'"):
+        decode_state(messages, 1 << 20)
+    with pytest.raises(StateDownloadError, match="empty"):
+        decode_state([], 1 << 20)
+
+
+def test_the_state_service_serves_its_run_and_refuses_others_with_a_clear_status():
+    model, opt = trained()
+    encoded = encode_state(TrainingState.capture(4, "0123abcd", 2, list(model.parameters()), opt), "run")
+    served = {"messages": None}
+    with StateServer(StateServicer("run", lambda: served["messages"])) as server:
+        with pytest.raises(StateDownloadError, match="UNAVAILABLE: this trainer has no state to give yet"):
+            download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20)
+        served["messages"] = encoded
+        assert download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20).step == 4
+        with pytest.raises(StateDownloadError, match="NOT_FOUND: this trainer is in run 'run', not 'other'"):
+            download_state(server.endpoint, "other", timeout=10, max_bytes=1 << 20)
+        with pytest.raises(StateDownloadError, match="more than 100 bytes"):
+            download_state(server.endpoint, "run", timeout=10, max_bytes=100)
+    with pytest.raises(StateDownloadError, match="UNAVAILABLE"):
+        download_state(server.endpoint, "run", timeout=5, max_bytes=1 << 20)  # the server is gone
+
+
+# ---- the tracker on a real DHT ----
+@pytest.fixture(scope="module")
+def bootstrap() -> Iterator[str]:
+    with running("-m", "dmoe.dht", "--log-level", "WARNING") as proc:
+        yield proc.endpoint()
+
+
+def wait_until(condition, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+    return result
+
+
+def test_trackers_see_each_others_progress_and_refuse_absurd_records(bootstrap, caplog):
+    caplog.set_level(logging.WARNING, logger="dmoe.collab.progress")
+    with DHT([bootstrap], client_mode=True) as dht_a, DHT([bootstrap], client_mode=True) as dht_b, \
+            DHT([bootstrap], client_mode=True) as hostile:
+        a = ProgressTracker(dht_a, "track", CONFIG, 11, progress(step=0, samples=0))
+        b = ProgressTracker(dht_b, "track", CONFIG, 22, progress(step=0, samples=7))
+        observer = ProgressTracker(dht_a, "track", CONFIG)
+        try:
+            expiration = time.time() + 30
+            hostile.store(progress_key("track"), 33, progress(step=0, samples=10**9).encode(), expiration)
+            hostile.store(progress_key("track"), 44, progress(step=0, stamp=time.time() + 3600).encode(), expiration)
+            hostile.store(progress_key("track"), 55, "not;a;record", expiration)
+            wait_until(lambda: 22 in a.state().peers and 11 in b.state().peers)
+            wait_until(lambda: len(caplog.records) >= 9)  # three bad records, seen by each of the three trackers
+            assert set(a.state().peers) == {22} and set(observer.state().peers) == {11, 22}
+            assert a.state().samples_accumulated == 7
+            b.update(samples=40)
+            wait_until(lambda: a.state().peers[22].samples == 40)
+            messages = "\n".join(r.getMessage() for r in caplog.records)
+            assert "trainer 33: it claims 1000000000 samples toward step 0" in messages
+            assert "trainer 44: it is stamped 3600 s in the future" in messages
+            assert "trainer 55: it is malformed: 'not;a;record' (3 fields instead of 8)" in messages
+            time.sleep(0.5)
+            assert len(caplog.records) == 9  # each refusal is logged once per tracker, not once per read
+            a.ban(22, "a test")
+            assert 22 not in a.refresh_now()
+        finally:
+            b.close()  # marks itself gone: the others stop counting it at once
+            wait_until(lambda: 22 not in observer.refresh_now())
+            a.close()
+            observer.close()
+
+
+def test_the_averagers_group_size_must_allow_a_group(bootstrap):
+    from dmoe import DecentralizedAverager
+
+    with DHT([bootstrap], client_mode=True) as dht, DecentralizedAverager([torch.zeros(3)], dht, "gs") as averager:
+        with pytest.raises(ValueError, match="group_size 1 is below min_group_size 2"):
+            averager.step(group_size=1)
+
+
+def test_a_config_refuses_settings_that_cannot_work():
+    with pytest.raises(ValueError, match="target_batch_size"):
+        CollaborationConfig(target_batch_size=0)
+    with pytest.raises(ValueError, match="two refresh periods"):
+        CollaborationConfig(target_batch_size=8, refresh_period=5.0, progress_ttl=6.0)
+    with pytest.raises(ValueError, match="run_id"):
+        progress_key("my run")
+    assert GONE != ACCUMULATING != AVERAGING
+
+
+def test_a_peer_too_late_for_a_single_group_gives_up_at_once_instead_of_waiting_out_matchmaking(bootstrap):
+    from dmoe import DecentralizedAverager
+
+    with DHT([bootstrap], client_mode=True) as dht:
+        averagers = [DecentralizedAverager([torch.full((3,), float(i))], dht, "late", matchmaking_time=8)
+                     for i in range(3)]
+        try:
+            early = [a.step(weight=1.0, group_size=2, single_group=True, wait=False) for a in averagers[:2]]
+            infos = [future.result(60) for future in early]
+            assert all(info is not None and len(info.contributors) == 2 for info in infos)
+            started = time.monotonic()
+            assert averagers[2].step(weight=1.0, group_size=3, single_group=True) is None
+            assert time.monotonic() - started < 4  # not the 8 s of matchmaking: the round's group formed without it
+            assert averagers[2].tensors[0].tolist() == [2.0, 2.0, 2.0]
+        finally:
+            for averager in averagers:
+                averager.shutdown()
