@@ -7,10 +7,11 @@ then renormalises over the experts that answered (:meth:`dmoe.client.gating.Mixt
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -80,7 +81,13 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
                       timeout: float | None, timeout_after_k_min: float | None) -> None:
     """Waits until every row has ``k_min`` answers (or nothing left to wait for), then at most
     ``timeout_after_k_min`` more for stragglers; never past ``timeout`` in total. Futures left pending are
-    cancelled and count as dropped. ``rows[i]``: the rows future ``i`` answers (distinct)."""
+    cancelled and count as dropped. ``rows[i]``: the rows future ``i`` answers (distinct).
+
+    Answers arrive through one queue fed by done-callbacks: ``concurrent.futures.wait(FIRST_COMPLETED)`` would
+    install and remove a waiter on every pending future after each answer, and wake once per answer even when a
+    server's batch call settles all its experts at once (with many trainer threads, the lock traffic of that cost
+    more client CPU than the layer's own arithmetic).
+    """
     start = time.monotonic()
     deadline = start + timeout if timeout is not None else float("inf")
     chosen = np.zeros(n_rows, dtype=np.int64)
@@ -89,28 +96,39 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
     needed = np.minimum(chosen, k_min)
     answered = np.zeros(n_rows, dtype=np.int64)
     pending_per_row = chosen.copy()
-    pending = set(range(len(futures)))
-    index = {id(f): i for i, f in enumerate(futures)}
-    k_min_reached_at: float | None = None
-    while pending:
+    finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i, future in enumerate(futures):
+        future.add_done_callback(lambda _, i=i: finished.put(i))
+    pending = [True] * len(futures)
+    n_pending = len(futures)
+    k_min_reached = False
+    while n_pending:
         now = time.monotonic()
-        if k_min_reached_at is None and bool(((answered >= needed) | (pending_per_row == 0)).all()):
-            k_min_reached_at = now
+        if not k_min_reached and bool(((answered >= needed) | (pending_per_row == 0)).all()):
+            k_min_reached = True
             if timeout_after_k_min is not None:
                 deadline = min(deadline, now + timeout_after_k_min)
         remaining = deadline - now
         if remaining <= 0:
             break
-        done, _ = wait_futures([futures[i] for i in pending], timeout=min(remaining, 3600),
-                               return_when=FIRST_COMPLETED)
-        for future in done:
-            i = index[id(future)]
-            pending.discard(i)
+        try:
+            done = [finished.get(timeout=min(remaining, 3600))]
+        except queue.Empty:
+            continue  # the deadline check above ends the wait
+        with contextlib.suppress(queue.Empty):
+            while True:  # everything that settled meanwhile, without waking again
+                done.append(finished.get_nowait())
+        for i in done:
+            if not pending[i]:
+                continue
+            pending[i] = False
+            n_pending -= 1
             pending_per_row[rows[i]] -= 1
-            if future.exception() is None:
+            if not futures[i].cancelled() and futures[i].exception() is None:
                 answered[rows[i]] += 1
-    for i in pending:
-        futures[i].cancel()
+    for i, still in enumerate(pending):
+        if still:
+            futures[i].cancel()
 
 
 def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None) -> str | None:
