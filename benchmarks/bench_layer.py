@@ -20,6 +20,13 @@ computing different experts at once) where the baselines use them inside each op
     python benchmarks/bench_layer.py                 # h=1024, 4x4 grid, top-4, batches 16 64 256, 3 rounds
     python benchmarks/bench_layer.py --quick         # small and fast (what the test suite runs)
     python benchmarks/bench_layer.py --device cuda   # server, in-process experts, gate and inputs on the GPU
+    python benchmarks/bench_layer.py --device cuda --autocast bf16        # server and baselines under autocast
+    python benchmarks/bench_layer.py --device cuda --no-overlap-copies    # the server's plain copies, to compare
+
+With ``--autocast``, the server computes under ``torch.autocast`` and each baseline runs its whole step (forward
+and backward) inside it; on a GPU autograd runs backward on its own thread, where autocast is off, so
+``in-proc+recompute`` recomputes its forward in full precision there (``in-proc``, the goal's baseline, keeps the
+forward's half-precision graph, as the server's activation cache does).
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import make_optimizer
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
+from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
 
 
@@ -62,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the server's --workers (default: the server's own choice, two of 1 thread each for 2)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--device", default="cpu", help="where the server, the baselines and the gate compute")
+    parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
+                        help="the server's --autocast, and the baselines' steps under torch.autocast")
+    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
+                        help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="h=64, batches 8 32, 3 steps")
     args = parser.parse_args(argv)
@@ -74,9 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def time_steps(steps: dict, batch: int, hidden: int, n_steps: int, warmup: int,
-               device: torch.device) -> dict[str, float]:
+               device: torch.device, autocast: str | None = None) -> dict[str, float]:
     """Median seconds of one forward+backward of each variant; the variants take turns step by step, so that
-    the machine's slow and fast moments hit all of them alike."""
+    the machine's slow and fast moments hit all of them alike. ``autocast``: the in-process variants' steps run
+    under ``torch.autocast`` with that dtype (the remote one's server computes under its own)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + n_steps):
@@ -84,7 +97,11 @@ def time_steps(steps: dict, batch: int, hidden: int, n_steps: int, warmup: int,
             x = torch.randn(batch, hidden, device=device, requires_grad=True)
             sync()
             start = time.perf_counter()
-            step(x)
+            if autocast is not None and name != "remote":
+                with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[autocast]):
+                    step(x)
+            else:
+                step(x)
             sync()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
@@ -126,6 +143,8 @@ def main(argv=None) -> list[dict]:
                                threads_per_server=args.threads,
                                server_args=("--optimizer", "adam", "--lr", str(args.lr), "--device", args.device,
                                             "--max-batch-size", str(max(args.batches) * args.k),
+                                            *(("--autocast", args.autocast) if args.autocast else ()),
+                                            *(() if args.overlap_copies else ("--no-overlap-copies",)),
                                             *(("--workers", str(args.server_workers)) if args.server_workers else ())))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         swarm.wait_declared()
@@ -148,7 +167,7 @@ def main(argv=None) -> list[dict]:
             for batch in args.batches:
                 rounds[batch].append(time_steps({"remote": remote_step, "local": local_step,
                                                  "recompute": recompute_step}, batch, args.hidden, args.steps,
-                                                args.warmup, device))
+                                                args.warmup, device, args.autocast))
         for batch, timed in rounds.items():
             ratios = sorted(t["local"] / t["remote"] for t in timed)
             median = {name: statistics.median(t[name] for t in timed) for name in timed[0]}
@@ -158,7 +177,9 @@ def main(argv=None) -> list[dict]:
                              ratio_vs_recompute=statistics.median(t["recompute"] / t["remote"] for t in timed),
                              rounds=len(timed), dropped=remote.stats.experts_dropped))
     args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / ("bench_layer.csv" if device.type == "cpu" else f"bench_layer_{device.type}.csv")
+    suffix = ("" if device.type == "cpu" else f"_{device.type}") + (f"_{args.autocast}" if args.autocast else "")
+    suffix += "" if args.overlap_copies or device.type == "cpu" else "_plain_copies"
+    out = args.results / f"bench_layer{suffix}.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -166,7 +187,9 @@ def main(argv=None) -> list[dict]:
     workers, _ = compute_workers(args.server_workers, device)  # what the server (with as many threads) runs
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
           f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {workers} "
-          f"workers sharing them), device {args.device}, median of {args.steps} steps, {args.rounds} round(s)")
+          f"workers sharing them), device {args.device}, autocast {args.autocast or 'off'}"
+          f"{'' if args.overlap_copies else ', server copies plain'}, median of {args.steps} steps, "
+          f"{args.rounds} round(s)")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
           f"{'(rounds: low-high)':>19} {'vs recompute':>13}")
     for r in rows:

@@ -23,11 +23,14 @@ its clients run elsewhere.
     python benchmarks/bench_throughput.py --preset compute      # ffn h=1024, batches 64..2048, all modes
     python benchmarks/bench_throughput.py --preset overhead     # nop, batch 1, many clients: requests/s
     python benchmarks/bench_throughput.py --preset compute --device cuda   # server and limit on the GPU
+    python benchmarks/bench_throughput.py --preset compute --device cuda --autocast bf16   # both under autocast
+    python benchmarks/bench_throughput.py --preset compute --device cuda --no-overlap-copies   # server: plain copies
     python benchmarks/bench_throughput.py --preset smoke        # seconds; what the test suite runs
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -176,7 +179,17 @@ class LimitWorker:
         sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
         rows = x.shape[0]
 
+        # as the server's runtime runs each batch's forward or backward (both context managers can be re-entered)
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        autocast = (torch.autocast(x.device.type, dtype=dtypes[cmd["autocast"]]) if cmd.get("autocast")
+                    else contextlib.nullcontext())
+
         def request(backend) -> None:
+            with autocast:
+                compute(backend)
+            sync()
+
+        def compute(backend) -> None:
             if cmd["mode"] == CACHED:  # what the server runs for a forward with an id and its backward
                 segments = [(os.urandom(16), rows)]
                 backend.forward(x, segments=segments)
@@ -185,7 +198,6 @@ class LimitWorker:
                 backend.forward(x)
                 if cmd["mode"] == "fwd+bwd":
                     backend.backward(x, grad)  # recomputes the forward, as the server does without an id
-            sync()
 
         if cmd["phase"] == "warmup":
             for j in range(cmd["warmup_requests"] * cmd["inflight"] * cmd["clients"]):
@@ -270,7 +282,8 @@ def start_server(case: Case, args: argparse.Namespace):
                  "--hidden-dim", str(case.hidden_dim), "--max-batch-size", str(case.batch), "--device", args.device,
                  "--torch-threads", str(args.torch_threads), "--optimizer", args.optimizer, "--lr", str(args.lr),
                  "--activation-cache-mb", str(args.activation_cache_mb), "--metrics-port", "0",
-                 "--log-level", "WARNING"],
+                 "--log-level", "WARNING", *(("--autocast", args.autocast) if args.autocast else ()),
+                 *(() if args.overlap_copies else ("--no-overlap-copies",))],
                 env={"OMP_NUM_THREADS": str(args.torch_threads)})
 
 
@@ -320,6 +333,10 @@ def main() -> None:
     parser.add_argument("--activation-cache-mb", type=float, default=512.0,
                         help="the server's activation cache, and the limit's")
     parser.add_argument("--device", default="cpu", help="where the server and the limit compute (cpu, cuda)")
+    parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                        help="the server's --autocast; the limit runs the same forwards and backwards under it")
+    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
+                        help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
     parser.add_argument("--worker", choices=["client", "limit"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -330,7 +347,8 @@ def main() -> None:
     duration = args.duration or {"quick": 2.0, "smoke": 0.5}.get(args.preset, 4.0)
     n_clients = max(case.clients for case in cases)
     print(f"preset {args.preset}: {len(cases)} cases, {duration:g} s each, server/limit torch threads "
-          f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}", flush=True)
+          f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}, "
+          f"autocast {args.autocast or 'off'}{'' if args.overlap_copies else ', server copies plain'}", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []
@@ -351,7 +369,7 @@ def main() -> None:
                 metrics = next(LISTENING_METRICS.search(line).group(1) for line in server.output
                                if LISTENING_METRICS.search(line))
             cmd = {**asdict(case), "optimizer": args.optimizer, "lr": args.lr, "duration": duration,
-                   "device": args.device, "activation_cache_mb": args.activation_cache_mb,
+                   "device": args.device, "activation_cache_mb": args.activation_cache_mb, "autocast": args.autocast,
                    "warmup_requests": args.warmup_requests, "endpoint": endpoint,
                    "uids": [f"bench.{i}" for i in range(case.experts)]}
             limit.send({**cmd, "phase": "warmup"})
@@ -384,7 +402,8 @@ def main() -> None:
             formed = formed_batches(counters_before, server_counters(metrics))
             remote_rate = sum(remote_rates) / len(remote_rates)
             limit_rate = sum(limit_rates) / len(limit_rates)
-            row = {**asdict(case), "device": args.device, "duration_s": duration, "rounds": args.rounds,
+            row = {**asdict(case), "device": args.device, "autocast": args.autocast or "",
+                   "overlap_copies": args.overlap_copies, "duration_s": duration, "rounds": args.rounds,
                    "torch_threads": args.torch_threads, "optimizer": args.optimizer,
                    "remote_samples_per_s": round(remote_rate, 1),
                    "remote_requests_per_s": round(sum(remote_requests) / len(remote_requests), 1),

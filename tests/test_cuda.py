@@ -15,6 +15,8 @@ from dmoe.dht import DHT
 from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_seed
 from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.server.runtime import Runtime
+from dmoe.server.transfer import CudaTransfers, make_transfers
 from dmoe.uid import grid_uids
 from tests.procs import running
 
@@ -32,8 +34,10 @@ def local_copy(uid: str, device: str = "cpu") -> torch.nn.Module:
     return create_expert("ffn", HIDDEN, seed=expert_seed(3, uid)).to(device)
 
 
-def test_a_cuda_server_computes_what_the_cpu_module_computes_and_trains():
-    with running(*server_args("--device", "cuda")) as proc:
+@pytest.mark.parametrize("copies", [(), ("--workers", "2"), ("--no-overlap-copies",)],
+                         ids=["pinned-copy-stream", "two-workers", "plain-copies"])
+def test_a_cuda_server_computes_what_the_cpu_module_computes_and_trains(copies):
+    with running(*server_args("--device", "cuda", *copies)) as proc:
         endpoint = proc.endpoint()
         assert expert_info(endpoint, "ffn.0")["device"].startswith("cuda")
         local = local_copy("ffn.0")
@@ -92,3 +96,32 @@ def test_a_layer_on_the_gpu_mixes_cuda_served_experts_like_in_process_gpu_expert
         assert x.grad.device.type == "cuda" and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
         assert remote.proj.weight.grad.device.type == "cuda"
         assert remote.stats.experts_dropped == 0 and remote.stats.backward_failures == 0
+
+
+def test_cuda_transfers_join_host_requests_in_pinned_memory_and_hand_back_pinned_outputs():
+    device = torch.device("cuda")
+    transfers = make_transfers(device)
+    assert isinstance(transfers, CudaTransfers)
+    host = [(torch.randn(3, 8), torch.randn(3, 2)), (torch.randn(5, 8), torch.randn(5, 2))]
+    joined = transfers.inputs(host)
+    assert all(x.device.type == "cuda" for x in joined)
+    torch.testing.assert_close(joined[0].cpu(), torch.cat([r[0] for r in host]))
+    torch.testing.assert_close(joined[1].cpu(), torch.cat([r[1] for r in host]))
+    kept = torch.randn(2, 8, device=device)  # an input the server kept on the device, batched with a fresh one
+    mixed = transfers.inputs([(kept,), (host[0][0],)])
+    torch.testing.assert_close(mixed[0].cpu(), torch.cat([kept.cpu(), host[0][0]]))
+    outputs = transfers.outputs([joined[0] * 2, joined[1].sum(dim=1, keepdim=True)])
+    assert all(y.device.type == "cpu" and y.is_pinned() for y in outputs)
+    torch.testing.assert_close(outputs[0], torch.cat([r[0] for r in host]) * 2)
+
+
+def test_two_cuda_workers_with_their_own_copy_streams_answer_many_concurrent_requests_correctly():
+    weight = torch.randn(64, 64)
+    on_device = weight.cuda()
+    with Runtime("cuda", workers=2) as runtime:
+        pools = [runtime.create_pool(f"p{i}", lambda x: (torch.tanh(x @ on_device),), max_batch_size=256)
+                 for i in range(4)]
+        xs = [torch.randn(1 + i % 7, 64) for i in range(200)]
+        futures = [runtime.submit(pools[i % 4], x) for i, x in enumerate(xs)]
+        for x, future in zip(xs, futures):
+            torch.testing.assert_close(future.result(60)[0], torch.tanh(x @ weight), atol=1e-4, rtol=1e-4)

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=positive_int, default=None,
                         help="threads that compute, sharing out the torch threads (default: 2 on a CPU with 2+ "
                              "threads, 1 on a GPU)")
+    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a GPU, copy through pinned memory on a copy stream per worker and wait once per "
+                             "batch; --no-overlap-copies: plain blocking copies (to measure against)")
     dht = parser.add_argument_group("DHT", "how the server announces its experts")
     dht.add_argument("--initial-peers", nargs="*", default=[],
                      help="HOST:PORT of any DHT node (printed by dmoe-dht); none: this server starts a new DHT")
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ServerConfig(host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size,
                           autocast=args.autocast, response_compression=args.compression,
                           max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-                          workers=args.workers)
+                          workers=args.workers, overlap_copies=args.overlap_copies)
     config.faults = fault_config(args, parser)
     config.checkpoint_dir, config.checkpoint_interval = args.checkpoint_dir, args.checkpoint_interval
     config.reject_nonfinite = args.reject_nonfinite

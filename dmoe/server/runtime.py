@@ -12,6 +12,7 @@ from typing import Callable, Hashable, Iterator, Sequence
 import torch
 
 from dmoe.server.task_pool import ProcessFn, Task, TaskPool
+from dmoe.server.transfer import Transfers, make_transfers
 
 BatchObserver = Callable[[TaskPool, Sequence[Task], float, float, "BaseException | None"], None]
 
@@ -39,10 +40,12 @@ class Runtime:
         autocast: ``'bf16'`` or ``'fp16'`` to run under ``torch.autocast``; None for full precision.
         workers: compute threads.
         threads_per_worker: torch intra-op threads each worker sets when it starts; None leaves torch's setting.
+        overlap_copies: on a GPU, each worker copies through pinned memory on a copy stream of its own and waits
+            once per batch (:mod:`dmoe.server.transfer`); False: plain copies. No effect on a CPU.
     """
 
     def __init__(self, device: str | torch.device = "cpu", autocast: str | None = None, *, workers: int = 1,
-                 threads_per_worker: int | None = None):
+                 threads_per_worker: int | None = None, overlap_copies: bool = True):
         if autocast is not None and autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"autocast must be one of {', '.join(AUTOCAST_DTYPES)} or None, got {autocast!r}")
         if workers < 1 or (threads_per_worker is not None and threads_per_worker < 1):
@@ -50,6 +53,7 @@ class Runtime:
         self.device = torch.device(device)
         self.autocast = autocast
         self.threads_per_worker = threads_per_worker
+        self.overlap_copies = overlap_copies
         self.pools: list[TaskPool] = []
         self._cond = threading.Condition()
         # (sequence number of the pool's oldest task, pool) for every non-empty pool
@@ -61,7 +65,8 @@ class Runtime:
         self._started = threading.Semaphore(0)  # released by each worker once its torch threads are set
         #: called after every batch as ``on_batch(pool, tasks, started, seconds, error)`` (metrics); None: nothing
         self.on_batch: BatchObserver | None = None
-        self._threads = [threading.Thread(target=self._serve, name=f"dmoe-runtime-{i}", daemon=True)
+        self._threads = [threading.Thread(target=self._serve, name=f"dmoe-runtime-{i}", daemon=True,
+                                          args=(make_transfers(self.device, overlap_copies),))  # its copy stream
                          for i in range(workers)]
 
     @property
@@ -159,7 +164,7 @@ class Runtime:
             for entry in skipped:
                 heapq.heappush(self._ready, entry)
 
-    def _serve(self) -> None:
+    def _serve(self, transfers: Transfers) -> None:
         try:
             if self.threads_per_worker is not None:
                 torch.get_num_threads()  # torch's lazy per-thread set-up first, or it would undo the next line later
@@ -169,17 +174,17 @@ class Runtime:
         while (work := self._next_batch()) is not None:
             pool = work[0]
             try:
-                self._run(*work)
+                self._run(*work, transfers)
             finally:
                 with self._cond:
                     self._busy.discard(pool.group)
                     self._running -= 1
                     self._cond.notify_all()  # workers waiting for this group, and paused()
 
-    def _run(self, pool: TaskPool, batch: list[Task]) -> None:
+    def _run(self, pool: TaskPool, batch: list[Task], transfers: Transfers) -> None:
         started = time.monotonic()
         try:
-            outputs = self._compute(pool, batch)
+            outputs = self._compute(pool, batch, transfers)
         except Exception as error:
             self._observe(pool, batch, started, error)
             if len(batch) > 1:
@@ -188,7 +193,7 @@ class Runtime:
                 logger.warning("%s failed on a batch of %d tasks (%r): running each alone", pool.name, len(batch),
                                error)
                 for task in batch:
-                    self._run(pool, [task])
+                    self._run(pool, [task], transfers)
                 return
             logger.warning("%s failed on a task: %r", pool.name, error)
             batch[0].future.set_exception(error)
@@ -206,13 +211,8 @@ class Runtime:
             except Exception:  # noqa: BLE001 - a broken observer must not fail the callers' requests
                 logger.exception("batch observer failed")
 
-    def _compute(self, pool: TaskPool, batch: Sequence[Task]) -> list[torch.Tensor]:
-        first = batch[0].inputs
-        if len(batch) == 1:
-            inputs = [x.to(self.device, non_blocking=True) for x in first]
-        else:  # tasks may hold tensors on the device already (inputs the server kept): move each, then join
-            inputs = [torch.cat([task.inputs[i].to(self.device, non_blocking=True) for task in batch])
-                      for i in range(len(first))]
+    def _compute(self, pool: TaskPool, batch: Sequence[Task], transfers: Transfers) -> list[torch.Tensor]:
+        inputs = transfers.inputs([task.inputs for task in batch])
         autocast = (torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
                     if self.autocast else contextlib.nullcontext())
         with autocast:
@@ -221,7 +221,7 @@ class Runtime:
             else:
                 outputs = pool.process(*inputs)
         rows = sum(task.rows for task in batch)
-        outputs = [y.detach().cpu() for y in outputs]
+        outputs = transfers.outputs(outputs)
         for i, y in enumerate(outputs):
             if y.dim() == 0 or y.shape[0] != rows:
                 raise RuntimeError(f"output {i} has shape {list(y.shape)}, expected a batch of {rows} rows first")

@@ -65,6 +65,8 @@ class ServerConfig:
         workers: threads that compute (see :class:`~dmoe.server.runtime.Runtime`); torch's intra-op threads are
             shared out between them. None: two on a CPU with two or more threads (each half of them), one on a
             GPU.
+        overlap_copies: on a GPU, copy through pinned memory on each worker's own copy stream and wait once per
+            batch (:mod:`dmoe.server.transfer`); False: plain blocking copies. No effect on a CPU.
     """
 
     host: str = "127.0.0.1"
@@ -86,6 +88,7 @@ class ServerConfig:
     activation_cache_mb: float = 512.0
     activation_ttl: float = 60.0
     workers: int | None = None
+    overlap_copies: bool = True
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -138,7 +141,8 @@ class ExpertServer:
         self.replication: Replication | None = None
         self._experts_lock = threading.Lock()  # experts added or removed at runtime (adoption) one at a time
         workers, threads = compute_workers(self.config.workers, self.device)
-        self.runtime = Runtime(self.device, self.config.autocast, workers=workers, threads_per_worker=threads)
+        self.runtime = Runtime(self.device, self.config.autocast, workers=workers, threads_per_worker=threads,
+                               overlap_copies=self.config.overlap_copies)
         caches = {id(b.activations): b.activations for b in self.backends.values() if b.activations is not None}
         if len(caches) > 1:
             raise ValueError("the experts of one server must share one activation cache (or have none)")

@@ -1,0 +1,105 @@
+"""How a batch's tensors reach the compute device and come back: one object per compute worker.
+
+On a CPU there is nothing to move: requests are joined into one batch and outputs handed back as they are. On a
+GPU (issue #24) the copies are what a volunteer's card should not wait on:
+
+* a batch of host tensors is joined once into a pinned (page-locked) host buffer and copied to the device with
+  ``non_blocking=True`` on the worker's own copy stream, so one worker's copies run beside another worker's kernels
+  on the compute stream (a pageable copy would stage through a driver buffer and block the worker);
+* outputs come back into pinned host tensors with non-blocking copies, and the worker waits once per batch (one
+  event) instead of once per output tensor (``.cpu()`` synchronises every time).
+
+Compute itself stays on the device's current stream, as before: the experts' weights, optimizer state and kept
+activations are shared by all workers, and one compute stream keeps their ordering what it was. Only tensors made
+on a copy stream cross to the compute stream, and each is marked with ``record_stream`` so that the caching
+allocator does not hand its memory out again while compute still reads it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class Transfers:
+    """Moves a batch's inputs to ``device`` and its outputs to host memory (any device; plain copies)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def inputs(self, requests: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The i-th tensors of all ``requests`` joined along their first (batch) dimension, on the device."""
+        if len(requests) == 1:
+            return [x.to(self.device, non_blocking=True) for x in requests[0]]
+        # requests may hold tensors on the device already (inputs the server kept): move each, then join
+        return [torch.cat([request[i].to(self.device, non_blocking=True) for request in requests])
+                for i in range(len(requests[0]))]
+
+    def outputs(self, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``outputs`` detached and in host memory, complete when this returns."""
+        return [y.detach().cpu() for y in outputs]
+
+
+class CudaTransfers(Transfers):
+    """Pinned staging, a copy stream of this worker's own and one wait per batch (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.copy_stream = torch.cuda.Stream(device)
+        self.done = torch.cuda.Event()
+
+    def inputs(self, requests: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        compute = torch.cuda.current_stream(self.device)
+        joined: list[torch.Tensor | None] = [None] * len(requests[0])
+        copied = False
+        with torch.cuda.stream(self.copy_stream):
+            for i in range(len(joined)):
+                parts = [request[i] for request in requests]
+                if all(part.device.type == "cpu" for part in parts):
+                    host = pinned_join(parts)
+                    x = host.to(self.device, non_blocking=True)
+                    x.record_stream(compute)  # made on the copy stream, read and freed on the compute stream
+                    joined[i] = x
+                    copied = True
+        if copied:
+            compute.wait_stream(self.copy_stream)  # kernels of this batch start once its copies are done
+        for i, x in enumerate(joined):
+            if x is None:  # some parts kept on the device (rare: kept inputs batched with fresh ones)
+                joined[i] = torch.cat([request[i].to(self.device) for request in requests])
+        return joined  # type: ignore[return-value]
+
+    def outputs(self, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        host = []
+        for y in outputs:
+            y = y.detach()
+            if y.device.type == "cpu":
+                host.append(y)
+                continue
+            pinned = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
+            pinned.copy_(y, non_blocking=True)
+            host.append(pinned)
+        self.done.record(torch.cuda.current_stream(self.device))
+        self.done.synchronize()  # one wait for the whole batch; the caller reads the host tensors next
+        return host
+
+
+def pinned_join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (host tensors, equal trailing shapes) concatenated into one new pinned host tensor: the one copy
+    out of the decoded request buffers. The host allocator caches pinned blocks and does not reuse one before the
+    device copies that read it have finished."""
+    first = parts[0]
+    rows = sum(part.shape[0] for part in parts)
+    out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    if len(parts) == 1:
+        out.copy_(first)
+    else:
+        torch.cat(list(parts), out=out)
+    return out
+
+
+def make_transfers(device: torch.device, overlap: bool = True) -> Transfers:
+    """The transfers for one compute worker on ``device``; ``overlap=False`` keeps plain copies on a GPU (to measure
+    against, or to rule them out)."""
+    if device.type == "cuda" and overlap:
+        return CudaTransfers(device)
+    return Transfers(device)
