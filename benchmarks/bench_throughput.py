@@ -161,6 +161,7 @@ class LimitWorker:
         from dmoe.experts import create_expert, expert_class
         from dmoe.server import ExpertBackend, make_optimizer
         from dmoe.server.activations import ActivationCache
+        from dmoe.server.runtime import AUTOCAST_DTYPES
         key = (cmd["expert_cls"], cmd["hidden_dim"])
         if key not in self.backends:
             backends = []
@@ -180,8 +181,7 @@ class LimitWorker:
         rows = x.shape[0]
 
         # as the server's runtime runs each batch's forward or backward (both context managers can be re-entered)
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        autocast = (torch.autocast(x.device.type, dtype=dtypes[cmd["autocast"]]) if cmd.get("autocast")
+        autocast = (torch.autocast(x.device.type, dtype=AUTOCAST_DTYPES[cmd["autocast"]]) if cmd.get("autocast")
                     else contextlib.nullcontext())
 
         def request(backend) -> None:

@@ -53,7 +53,6 @@ class Runtime:
         self.device = torch.device(device)
         self.autocast = autocast
         self.threads_per_worker = threads_per_worker
-        self.overlap_copies = overlap_copies
         self.pools: list[TaskPool] = []
         self._cond = threading.Condition()
         # (sequence number of the pool's oldest task, pool) for every non-empty pool
