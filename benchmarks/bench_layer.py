@@ -22,6 +22,13 @@ computing different experts at once) where the baselines use them inside each op
     python benchmarks/bench_layer.py --device cuda   # server, in-process experts, gate and inputs on the GPU
     python benchmarks/bench_layer.py --device cuda --autocast bf16        # server and baselines under autocast
     python benchmarks/bench_layer.py --device cuda --no-overlap-copies    # the server's plain copies, to compare
+    python benchmarks/bench_layer.py --profile       # and where the server's time goes (dmoe-server --profile)
+
+``--profile`` starts the server with ``--profile`` and prints, per batch size, the milliseconds per step that
+each stage of the server's path took (dmoe/server/profile.py), summed over the step's calls, requests and
+batches, and the part of the remote step spent outside the server's handlers (the client's gate, beam search and
+encoding, and gRPC's transport). On a GPU the profiled server synchronises between stages, so its remote times
+are not the unprofiled ones: take speed from a run without ``--profile``.
 
 With ``--autocast``, the server computes under ``torch.autocast`` and each baseline runs its whole step (forward
 and backward) inside it; on a GPU autograd runs backward on its own thread, where autocast is off, so
@@ -32,10 +39,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -46,6 +56,7 @@ from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import make_optimizer
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
+from dmoe.server.profile import format_stages, scrape_stages, stage_difference
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
 
@@ -74,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the server's --autocast, and the baselines' steps under torch.autocast")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the server with --profile and print where its time goes per step")
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="h=64, batches 8 32, 3 steps")
     args = parser.parse_args(argv)
@@ -86,13 +99,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def time_steps(steps: dict, batch: int, hidden: int, n_steps: int, warmup: int,
-               device: torch.device, autocast: str | None = None) -> dict[str, float]:
+               device: torch.device, autocast: str | None = None,
+               after_warmup: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Median seconds of one forward+backward of each variant; the variants take turns step by step, so that
     the machine's slow and fast moments hit all of them alike. ``autocast``: the in-process variants' steps run
-    under ``torch.autocast`` with that dtype (the remote one's server computes under its own)."""
+    under ``torch.autocast`` with that dtype (the remote one's server computes under its own). ``after_warmup``:
+    called once the warm-up steps are done."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + n_steps):
+        if i == warmup:
+            after_warmup()
         for name, step in steps.items():
             x = torch.randn(batch, hidden, device=device, requires_grad=True)
             sync()
@@ -145,7 +162,8 @@ def main(argv=None) -> list[dict]:
                                             "--max-batch-size", str(max(args.batches) * args.k),
                                             *(("--autocast", args.autocast) if args.autocast else ()),
                                             *(() if args.overlap_copies else ("--no-overlap-copies",)),
-                                            *(("--workers", str(args.server_workers)) if args.server_workers else ())))
+                                            *(("--workers", str(args.server_workers)) if args.server_workers else ()),
+                                            *(("--profile", "--metrics-port", "0") if args.profile else ())))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         swarm.wait_declared()
         remote = RemoteMixtureOfExperts(args.hidden, args.grid, "ffn0", dht, k_best=args.k, forward_timeout=60,
@@ -162,12 +180,16 @@ def main(argv=None) -> list[dict]:
         recompute = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k,
                                           expert_factory=server_code).to(device)
         local_step, recompute_step = local_step_fn(local, args.lr), server_code_step_fn(recompute)
+        stages = ServerStages(swarm) if args.profile else None
         rounds: dict[int, list[dict[str, float]]] = {batch: [] for batch in args.batches}
         for _ in range(args.rounds):
             for batch in args.batches:
                 rounds[batch].append(time_steps({"remote": remote_step, "local": local_step,
                                                  "recompute": recompute_step}, batch, args.hidden, args.steps,
-                                                args.warmup, device, args.autocast))
+                                                args.warmup, device, args.autocast,
+                                                after_warmup=stages.start if stages else lambda: None))
+                if stages is not None:
+                    stages.stop(batch, args.steps)
         for batch, timed in rounds.items():
             ratios = sorted(t["local"] / t["remote"] for t in timed)
             median = {name: statistics.median(t[name] for t in timed) for name in timed[0]}
@@ -195,8 +217,47 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(f"{r['batch']:>6} {r['remote_s']:>10.4f} {r['inprocess_s']:>10.4f} {r['inprocess_recompute_s']:>20.4f} "
               f"{r['ratio']:>17.2f} {r['ratio_min']:>14.2f}-{r['ratio_max']:.2f} {r['ratio_vs_recompute']:>13.2f}")
+    if stages is not None:
+        stages.report({r["batch"]: r["remote_s"] for r in rows})
     print(f"wrote {out}")
     return rows
+
+
+class ServerStages:
+    """The profiled server's stage times, scraped from its metrics before and after each batch size's timed steps
+    (warm-up left out) and summed over rounds."""
+
+    def __init__(self, swarm: LocalSwarm):
+        found = [m for line in swarm.servers[0].output if (m := re.search(r"dmoe-server metrics on (\S+:\d+)", line))]
+        if not found:
+            raise RuntimeError("the server printed no metrics endpoint")
+        self.url = f"http://{found[0].group(1)}/metrics"
+        self.totals: dict[int, tuple[dict, int]] = {}
+        self._start: dict | None = None
+
+    def _scrape(self) -> dict:
+        with urllib.request.urlopen(self.url, timeout=30) as response:
+            return scrape_stages(response.read().decode())
+
+    def start(self) -> None:
+        self._start = self._scrape()
+
+    def stop(self, batch: int, steps: int) -> None:
+        assert self._start is not None, "start() comes first"
+        added = stage_difference(self._scrape(), self._start)
+        total, counted = self.totals.get(batch, ({}, 0))
+        self.totals[batch] = ({s: (total.get(s, (0.0, 0))[0] + sec, total.get(s, (0.0, 0))[1] + n)
+                               for s, (sec, n) in added.items()}, counted + steps)
+
+    def report(self, remote_seconds: dict[int, float]) -> None:
+        """Per batch size: each stage in ms per remote step, and what the step spent outside the handlers."""
+        for batch, (snapshot, steps) in self.totals.items():
+            call_ms = 1e3 * snapshot["call"][0] / steps
+            step_ms = 1e3 * remote_seconds[batch]
+            print(f"server stages at batch {batch} ({steps} remote steps; remote step {step_ms:.2f} ms median, "
+                  f"{call_ms:.2f} ms in the server's handlers, {step_ms - call_ms:.2f} ms outside them: client "
+                  f"and gRPC transport):")
+            print(format_stages(snapshot, per=steps))
 
 
 if __name__ == "__main__":

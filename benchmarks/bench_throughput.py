@@ -26,6 +26,11 @@ its clients run elsewhere.
     python benchmarks/bench_throughput.py --preset compute --device cuda --autocast bf16   # both under autocast
     python benchmarks/bench_throughput.py --preset compute --device cuda --no-overlap-copies   # server: plain copies
     python benchmarks/bench_throughput.py --preset smoke        # seconds; what the test suite runs
+    python benchmarks/bench_throughput.py --preset compute --profile   # and the server's stages per case
+
+``--profile`` starts the server with ``--profile`` (dmoe/server/profile.py) and prints, after each case, the time
+of each stage of the server's path over the measured rounds, per event and per client request. On a GPU the
+profiled server synchronises between stages: its rates are not the unprofiled ones.
 """
 from __future__ import annotations
 
@@ -283,7 +288,8 @@ def start_server(case: Case, args: argparse.Namespace):
                  "--torch-threads", str(args.torch_threads), "--optimizer", args.optimizer, "--lr", str(args.lr),
                  "--activation-cache-mb", str(args.activation_cache_mb), "--metrics-port", "0",
                  "--log-level", "WARNING", *(("--autocast", args.autocast) if args.autocast else ()),
-                 *(() if args.overlap_copies else ("--no-overlap-copies",))],
+                 *(() if args.overlap_copies else ("--no-overlap-copies",)),
+                 *(("--profile",) if args.profile else ())],
                 env={"OMP_NUM_THREADS": str(args.torch_threads)})
 
 
@@ -301,6 +307,13 @@ def server_counters(metrics_endpoint: str) -> dict[str, float]:
             elif family.name == "dmoe_activation_cache" and sample.labels.get("result") in ("hit", "miss"):
                 counters[sample.labels["result"]] = sample.value
     return counters
+
+
+def server_stages(metrics_endpoint: str) -> dict[str, tuple[float, int]]:
+    """The profiled server's stage clock, from its metrics."""
+    from dmoe.server.profile import scrape_stages
+    with urllib.request.urlopen(f"http://{metrics_endpoint}/metrics", timeout=10) as response:
+        return scrape_stages(response.read().decode())
 
 
 def formed_batches(before: dict[str, float], after: dict[str, float]) -> str:
@@ -337,6 +350,8 @@ def main() -> None:
                         help="the server's --autocast; the limit runs the same forwards and backwards under it")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the server with --profile and print its stage times after each case")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
     parser.add_argument("--worker", choices=["client", "limit"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -378,10 +393,11 @@ def main() -> None:
                 worker.send({**cmd, "phase": "warmup"})
             for worker in clients[:case.clients]:
                 worker.receive()
-            limit_rates, remote_rates, remote_requests = [], [], []
+            limit_rates, remote_rates, remote_requests, measured_requests = [], [], [], 0
             limit_work, remote_work = [0.0, 0.0], [0.0, 0.0]  # (samples, cpu seconds)
             server_work = 0.0  # cpu seconds of the server process alone
             counters_before = server_counters(metrics)
+            stages_before = server_stages(metrics) if args.profile else None
             for _ in range(args.rounds):  # interleaved, so drifts of a shared machine hit both sides alike
                 limit.send({**cmd, "phase": "measure"})
                 measured = limit.receive()
@@ -399,6 +415,7 @@ def main() -> None:
                 remote_work[1] += server_cpu + sum(r["cpu"] for r in remote)
                 remote_rates.append(sum(r["samples"] for r in remote) / span)
                 remote_requests.append(sum(r["requests"] for r in remote) / span)
+                measured_requests += sum(r["requests"] for r in remote)
             formed = formed_batches(counters_before, server_counters(metrics))
             remote_rate = sum(remote_rates) / len(remote_rates)
             limit_rate = sum(limit_rates) / len(limit_rates)
@@ -422,6 +439,10 @@ def main() -> None:
             print(f"{name:>10} {case.mode:>14} {case.batch:>6} {case.clients:>7} {remote_rate:>10.1f} "
                   f"{limit_rate:>10.1f} {spread:>12} {remote_rate / limit_rate:>6.2f} {row['cpu_ratio']:>9.2f} "
                   f"{row['server_cpu_ratio']:>10.2f}  {formed}", flush=True)
+            if stages_before is not None:
+                from dmoe.server.profile import format_stages, stage_difference
+                print(format_stages(stage_difference(server_stages(metrics), stages_before), per=measured_requests,
+                                    unit="request"), flush=True)
     finally:
         for worker in [*clients, limit]:
             worker.close()

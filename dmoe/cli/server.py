@@ -32,6 +32,7 @@ from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.checkpoints import CheckpointMismatch, CorruptCheckpoint
 from dmoe.server.faults import JITTERS, FaultConfig
+from dmoe.server.profile import format_stages
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import resolve_device
 from dmoe.uid import UIDError, expand_pattern, is_valid_prefix
@@ -109,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
                         help="on a GPU, copy through pinned memory on a copy stream per worker and wait once per "
                              "batch; --no-overlap-copies: plain blocking copies (to measure against)")
+    parser.add_argument("--profile", action="store_true",
+                        help="time each stage of the server's path (decode, queue, batch, copies, compute, encode): "
+                             "in the metrics as dmoe_stage_seconds_total, and printed at shutdown; on a GPU it "
+                             "synchronises between stages, so not for speed runs")
     dht = parser.add_argument_group("DHT", "how the server announces its experts")
     dht.add_argument("--initial-peers", nargs="*", default=[],
                      help="HOST:PORT of any DHT node (printed by dmoe-dht); none: this server starts a new DHT")
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ServerConfig(host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size,
                           autocast=args.autocast, response_compression=args.compression,
                           max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-                          workers=args.workers, overlap_copies=args.overlap_copies)
+                          workers=args.workers, overlap_copies=args.overlap_copies, profile=args.profile)
     config.faults = fault_config(args, parser)
     config.checkpoint_dir, config.checkpoint_interval = args.checkpoint_dir, args.checkpoint_interval
     config.reject_nonfinite = args.reject_nonfinite
@@ -308,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"dmoe-server listening on {server.endpoint}", flush=True)
         signum = stop.wait()
         logger.info("%s received, shutting down", signal.Signals(signum).name)
+    if server.stages is not None:
+        print(format_stages(server.stages.snapshot()), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
                                                     hit (kept graph used) or miss (forward recomputed); and kept
                                                     forwards dropped unused: evicted (room, age), invalidated (step)
     dmoe_activation_cache_bytes                     bytes of activations kept now
+    dmoe_stage_seconds_total{stage}                 with ``--profile`` only: seconds spent in each stage of the
+    dmoe_stage_events_total{stage}                  server's path, and how many calls, requests or batches they
+                                                    sum over (:mod:`dmoe.server.profile`)
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from dmoe.wire import status_code
 
 if TYPE_CHECKING:
     from dmoe.server.activations import ActivationCache
+    from dmoe.server.profile import StageClock
     from dmoe.server.servicer import HostedExpert
     from dmoe.server.task_pool import Task, TaskPool
 
@@ -76,6 +80,24 @@ class _ActivationCacheStats(Collector):
         yield GaugeMetricFamily("dmoe_activation_cache_bytes", "bytes of activations kept now", value=self._cache.nbytes)
 
 
+class _StageTimes(Collector):
+    """Reads the server's stage clock when scraped."""
+
+    def __init__(self, stages: "StageClock"):
+        self._stages = stages
+
+    def collect(self):
+        seconds = CounterMetricFamily("dmoe_stage_seconds", "seconds spent in a stage of the server's path",
+                                      labels=["stage"])
+        events = CounterMetricFamily("dmoe_stage_events", "calls, requests or batches a stage's seconds sum over",
+                                     labels=["stage"])
+        for stage, (total, count) in self._stages.snapshot().items():
+            seconds.add_metric([stage], total)
+            events.add_metric([stage], count)
+        yield seconds
+        yield events
+
+
 class ServerMetrics:
     """The metrics of one server, in a registry of its own.
 
@@ -83,12 +105,14 @@ class ServerMetrics:
         experts: uid -> hosted expert, as the servicer holds them (their pools give queue lengths and tell
             which batch belongs to which expert).
         activations: the server's activation cache, whose counters are read at scrape time.
+        stages: the server's stage clock (``--profile``): exposed, and given each call's time as ``call``.
 
     Wire it up with :meth:`interceptor` (the gRPC server's calls) and :meth:`observe_batch` (the runtime's
     batches); :meth:`serve` exposes the registry over HTTP and :meth:`close` stops that endpoint.
     """
 
-    def __init__(self, experts: dict[str, "HostedExpert"], activations: "ActivationCache | None" = None):
+    def __init__(self, experts: dict[str, "HostedExpert"], activations: "ActivationCache | None" = None,
+                 stages: "StageClock | None" = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.experts = experts
         self._pool_labels: dict[int, tuple[str, str, bool]] = {}
@@ -113,6 +137,9 @@ class ServerMetrics:
         self.registry.register(_QueueLengths(self._pools))
         if activations is not None:
             self.registry.register(_ActivationCacheStats(activations))
+        self.stages = stages
+        if stages is not None:
+            self.registry.register(_StageTimes(stages))
         self._http = None
         self._http_thread: threading.Thread | None = None
         self.endpoint: str | None = None
@@ -160,8 +187,11 @@ class ServerMetrics:
         else:
             code = _status_code(context) or grpc.StatusCode.UNKNOWN
         label = self._expert_label(uid)
+        elapsed = time.monotonic() - started
         self.requests.labels(label, method, code.name).inc()
-        self.request_seconds.labels(label, method).observe(time.monotonic() - started)
+        self.request_seconds.labels(label, method).observe(elapsed)
+        if self.stages is not None:
+            self.stages.add("call", elapsed)
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         """A gRPC server interceptor that counts every forward/backward call (unary, batch and streamed): pass it
@@ -196,6 +226,8 @@ class ServerMetrics:
                 self.requests.labels(UNKNOWN_EXPERT, method, code.name).inc()
                 raise
             elapsed = time.monotonic() - started
+            if self.stages is not None:
+                self.stages.add("call", elapsed)
             for item, result in zip(request.items, response.results):
                 label = self._expert_label(item.uid)
                 self.requests.labels(label, method, (status_code(result.code) or grpc.StatusCode.UNKNOWN).name).inc()

@@ -11,6 +11,7 @@ from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 
+from dmoe.server.profile import StageClock
 from dmoe.server.task_pool import ProcessFn, Task, TaskPool
 from dmoe.server.transfer import Transfers, make_transfers
 
@@ -42,10 +43,13 @@ class Runtime:
         threads_per_worker: torch intra-op threads each worker sets when it starts; None leaves torch's setting.
         overlap_copies: on a GPU, each worker copies through pinned memory on a copy stream of its own and waits
             once per batch (:mod:`dmoe.server.transfer`); False: plain copies. No effect on a CPU.
+        stages: where to add the time of each batch's stages (queue, batch, to_device, compute, to_host; see
+            :mod:`dmoe.server.profile`); None: no timing.
     """
 
     def __init__(self, device: str | torch.device = "cpu", autocast: str | None = None, *, workers: int = 1,
-                 threads_per_worker: int | None = None, overlap_copies: bool = True):
+                 threads_per_worker: int | None = None, overlap_copies: bool = True,
+                 stages: StageClock | None = None):
         if autocast is not None and autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"autocast must be one of {', '.join(AUTOCAST_DTYPES)} or None, got {autocast!r}")
         if workers < 1 or (threads_per_worker is not None and threads_per_worker < 1):
@@ -53,6 +57,7 @@ class Runtime:
         self.device = torch.device(device)
         self.autocast = autocast
         self.threads_per_worker = threads_per_worker
+        self.stages = stages
         self.pools: list[TaskPool] = []
         self._cond = threading.Condition()
         # (sequence number of the pool's oldest task, pool) for every non-empty pool
@@ -172,6 +177,9 @@ class Runtime:
             self._started.release()
         while (work := self._next_batch()) is not None:
             pool = work[0]
+            if self.stages is not None:
+                now = time.monotonic()
+                self.stages.add("queue", sum(now - task.created for task in work[1]), count=len(work[1]))
             try:
                 self._run(*work, transfers)
             finally:
@@ -211,7 +219,8 @@ class Runtime:
                 logger.exception("batch observer failed")
 
     def _compute(self, pool: TaskPool, batch: Sequence[Task], transfers: Transfers) -> list[torch.Tensor]:
-        inputs = transfers.inputs([task.inputs for task in batch])
+        timer = self.stages.batch_timer(self.device) if self.stages is not None else None
+        inputs = transfers.inputs([task.inputs for task in batch], timer)
         autocast = (torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
                     if self.autocast else contextlib.nullcontext())
         with autocast:
@@ -219,8 +228,12 @@ class Runtime:
                 outputs = pool.process(*inputs, segments=[(task.activation_id, task.rows) for task in batch])
             else:
                 outputs = pool.process(*inputs)
+        if timer is not None:
+            timer.lap("compute")
         rows = sum(task.rows for task in batch)
         outputs = transfers.outputs(outputs)
+        if timer is not None:
+            timer.lap("to_host")
         for i, y in enumerate(outputs):
             if y.dim() == 0 or y.shape[0] != rows:
                 raise RuntimeError(f"output {i} has shape {list(y.shape)}, expected a batch of {rows} rows first")

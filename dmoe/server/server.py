@@ -17,6 +17,7 @@ from dmoe.server.checkpoints import Checkpoints
 from dmoe.server.decoding import RejectUndecodable
 from dmoe.server.faults import FaultConfig, Faults
 from dmoe.server.metrics import ServerMetrics
+from dmoe.server.profile import StageClock
 from dmoe.server.runtime import Runtime
 from dmoe.server.servicer import ExpertServicer, HostedExpert
 from dmoe.uid import check_uid, expand_pattern
@@ -67,6 +68,9 @@ class ServerConfig:
             GPU.
         overlap_copies: on a GPU, copy through pinned memory on each worker's own copy stream and wait once per
             batch (:mod:`dmoe.server.transfer`); False: plain blocking copies. No effect on a CPU.
+        profile: time every stage of the server's path (decode, queue, batch, copies, compute, encode; see
+            :mod:`dmoe.server.profile`) into ``server.stages`` and the metrics. On a GPU it synchronises the
+            device between stages, so leave it off where speed counts.
     """
 
     host: str = "127.0.0.1"
@@ -89,6 +93,7 @@ class ServerConfig:
     activation_ttl: float = 60.0
     workers: int | None = None
     overlap_copies: bool = True
+    profile: bool = False
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -141,8 +146,10 @@ class ExpertServer:
         self.replication: Replication | None = None
         self._experts_lock = threading.Lock()  # experts added or removed at runtime (adoption) one at a time
         workers, threads = compute_workers(self.config.workers, self.device)
+        #: seconds per stage of the server's path (``config.profile``); None: not timed
+        self.stages: StageClock | None = StageClock() if self.config.profile else None
         self.runtime = Runtime(self.device, self.config.autocast, workers=workers, threads_per_worker=threads,
-                               overlap_copies=self.config.overlap_copies)
+                               overlap_copies=self.config.overlap_copies, stages=self.stages)
         caches = {id(b.activations): b.activations for b in self.backends.values() if b.activations is not None}
         if len(caches) > 1:
             raise ValueError("the experts of one server must share one activation cache (or have none)")
@@ -155,8 +162,9 @@ class ExpertServer:
             max_stream_bytes=self.config.max_stream_bytes,
             faults=Faults(self.config.faults) if self.config.faults is not None else None,
             reject_nonfinite=self.config.reject_nonfinite, max_abs_value=self.config.max_abs_value or None,
+            stages=self.stages,
         )
-        self.metrics = ServerMetrics(experts, self.activations)
+        self.metrics = ServerMetrics(experts, self.activations, self.stages)
         self.runtime.on_batch = self.metrics.observe_batch
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

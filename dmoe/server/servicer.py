@@ -6,6 +6,7 @@ calls while the runtime workers compute. Every rejection happens before tensors 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -14,6 +15,7 @@ import torch
 
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
+from dmoe.server.profile import StageClock
 from dmoe.server.runtime import Runtime
 from dmoe.server.task_pool import TaskPool
 from dmoe.server.validation import RequestRejected, check_options, first_bad_values, validate
@@ -66,13 +68,14 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         reject_nonfinite: answer INVALID_ARGUMENT to requests whose floating-point tensors hold NaN or Inf.
         max_abs_value: answer INVALID_ARGUMENT to requests holding finite values of a larger magnitude (None: no limit).
         max_batch_items: batch calls with more items are refused (RESOURCE_EXHAUSTED).
+        stages: where to add each request's ``decode`` and ``encode`` time (:mod:`dmoe.server.profile`); None: none.
     """
 
     def __init__(self, experts: dict[str, HostedExpert], runtime: Runtime, *, max_batch_size: int, device: str,
                  default_compression: int = NONE, max_stream_bytes: int = 1 << 30,
                  stream_part_bytes: int = STREAM_PART_BYTES, faults: Faults | None = None,
                  reject_nonfinite: bool = True, max_abs_value: float | None = None,
-                 max_batch_items: int = MAX_BATCH_ITEMS):
+                 max_batch_items: int = MAX_BATCH_ITEMS, stages: StageClock | None = None):
         self.experts, self.runtime = experts, runtime
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
@@ -80,6 +83,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         self.faults = faults
         self.reject_nonfinite, self.max_abs_value = reject_nonfinite, max_abs_value
         self.max_batch_items = max_batch_items
+        self.stages = stages
 
     def _lookup(self, uid: str) -> HostedExpert:
         expert = self.experts.get(uid)
@@ -118,6 +122,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         ``delay``: injected faults include the round trip's delay (a batch pays it once for all of its items).
         """
         expert = self._lookup(uid)
+        started = time.perf_counter() if self.stages is not None else 0.0
         check_options(compression, activation_id)
         schemas, held = expert.schemas(kind), None
         if kind == BACKWARD and activation_id and len(tensors) == len(expert.grad_schemas()):
@@ -138,6 +143,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                       f"grad_output 0 has {inputs[0].shape[0]} rows, but the forward with this "
                                       f"activation_id had {held[0].shape[0]}")
             inputs = [*held, *inputs]
+        if self.stages is not None:
+            self.stages.add("decode", time.perf_counter() - started)
         if self.faults is not None:
             try:
                 await self.faults.apply(delay=delay)  # the round trip's delay, then maybe a failure instead
@@ -155,7 +162,12 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             raise RequestRejected(grpc.StatusCode.INTERNAL,
                                   f"{kind} of {uid} failed on the server: {type(exc).__name__}: {exc}") from None
         compression = compression or self.default_compression
-        return [serialize(y, compression) for y in outputs]
+        if self.stages is None:
+            return [serialize(y, compression) for y in outputs]
+        started = time.perf_counter()
+        encoded = [serialize(y, compression) for y in outputs]
+        self.stages.add("encode", time.perf_counter() - started)
+        return encoded
 
     async def _batch(self, kind: str, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
         """Runs every item as its own call would run (concurrently, each on its own expert's task pool) and

@@ -20,6 +20,8 @@ from typing import Sequence
 
 import torch
 
+from dmoe.server.profile import BatchTimer
+
 
 class Transfers:
     """Moves a batch's inputs to ``device`` and its outputs to host memory (any device; plain copies)."""
@@ -27,13 +29,16 @@ class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def inputs(self, requests: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-        """The i-th tensors of all ``requests`` joined along their first (batch) dimension, on the device."""
-        if len(requests) == 1:
-            return [x.to(self.device, non_blocking=True) for x in requests[0]]
-        # requests may hold tensors on the device already (inputs the server kept): move each, then join
-        return [torch.cat([request[i].to(self.device, non_blocking=True) for request in requests])
-                for i in range(len(requests[0]))]
+    def inputs(self, requests: Sequence[Sequence[torch.Tensor]], timer: BatchTimer | None = None) -> list[torch.Tensor]:
+        """The i-th tensors of all ``requests`` joined along their first (batch) dimension, on the device.
+        ``timer``: charges the join to ``batch`` and the copies to ``to_device`` (``dmoe-server --profile``)."""
+        joined = [join([request[i] for request in requests], self.device) for i in range(len(requests[0]))]
+        if timer is not None:
+            timer.lap("batch")
+        moved = [x.to(self.device, non_blocking=True) for x in joined]
+        if timer is not None:
+            timer.lap("to_device")
+        return moved
 
     def outputs(self, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``outputs`` detached and in host memory, complete when this returns."""
@@ -48,24 +53,28 @@ class CudaTransfers(Transfers):
         self.copy_stream = torch.cuda.Stream(device)
         self.done = torch.cuda.Event()
 
-    def inputs(self, requests: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    def inputs(self, requests: Sequence[Sequence[torch.Tensor]], timer: BatchTimer | None = None) -> list[torch.Tensor]:
         compute = torch.cuda.current_stream(self.device)
-        joined: list[torch.Tensor | None] = [None] * len(requests[0])
-        copied = False
+        parts = [[request[i] for request in requests] for i in range(len(requests[0]))]
+        on_host = [all(part.device.type == "cpu" for part in group) for group in parts]
+        # the one copy out of the decoded request buffers, into pinned memory the device can read asynchronously
+        staged = [pinned_join(group) if host else None for group, host in zip(parts, on_host)]
+        if timer is not None:
+            timer.lap("batch")
+        joined: list[torch.Tensor | None] = [None] * len(parts)
         with torch.cuda.stream(self.copy_stream):
-            for i in range(len(joined)):
-                parts = [request[i] for request in requests]
-                if all(part.device.type == "cpu" for part in parts):
-                    host = pinned_join(parts)
+            for i, host in enumerate(staged):
+                if host is not None:
                     x = host.to(self.device, non_blocking=True)
                     x.record_stream(compute)  # made on the copy stream, read and freed on the compute stream
                     joined[i] = x
-                    copied = True
-        if copied:
+        if any(on_host):
             compute.wait_stream(self.copy_stream)  # kernels of this batch start once its copies are done
         for i, x in enumerate(joined):
             if x is None:  # some parts kept on the device (rare: kept inputs batched with fresh ones)
-                joined[i] = torch.cat([request[i].to(self.device) for request in requests])
+                joined[i] = join(parts[i], self.device)  # on the compute stream, as everything it reads was made
+        if timer is not None:
+            timer.lap("to_device")
         return joined  # type: ignore[return-value]
 
     def outputs(self, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -81,6 +90,16 @@ class CudaTransfers(Transfers):
         self.done.record(torch.cuda.current_stream(self.device))
         self.done.synchronize()  # one wait for the whole batch; the caller reads the host tensors next
         return host
+
+
+def join(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``parts`` concatenated along their first dimension: where they all are when they share a device (a CPU
+    batch; a host batch copied once after), else each moved to ``device`` first (kept inputs beside fresh ones)."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(part.device == parts[0].device for part in parts):
+        return torch.cat(list(parts))
+    return torch.cat([part.to(device, non_blocking=True) for part in parts])
 
 
 def pinned_join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
