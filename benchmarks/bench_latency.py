@@ -76,11 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--tag", default=None, help="file name stem (default: latency or latency_quick)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--quick", action="store_true", help="0 and 20 ms, tiny model, ~1 s windows")
+    parser.add_argument("--quick", action="store_true", help="0 and 20 ms, tiny model, half-second windows")
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.grid, args.k, args.batch, args.servers = 32, [2, 2], 2, 8, 1
-        args.latencies, args.trainers, args.window, args.warmup, args.min_steps = [0, 20], 8, 1.0, 0.3, 1.0
+        args.latencies, args.trainers, args.window, args.warmup, args.min_steps = [0, 20], 8, 0.5, 0.2, 1.0
     if args.servers > args.grid[0]:
         parser.error(f"argument --servers: at most the first grid axis ({args.grid[0]})")
     args.modes = [m for m in MODES if m in args.modes]  # in table order

@@ -9,7 +9,6 @@ import math
 import time
 from typing import Iterator
 
-import grpc
 import pytest
 import torch
 
