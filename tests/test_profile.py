@@ -34,6 +34,7 @@ def test_a_profiled_server_process_counts_every_stage_once_per_call_request_and_
             forward_future(endpoint, "ffn0.0", [x]).result(30)
         for _ in range(2):
             backward_future(endpoint, "ffn0.1", [x], [grad]).result(30)
+        forward_future(endpoint, "ffn0.1", [x], unary_limit=0).result(30)  # streamed: the same stages, once
         unary = scrape_stages(metrics_text(metrics))
         # one batch call of two items (two experts): one call, two requests, two batches
         for future in forward_futures([(uid, endpoint, [x], None) for uid in ("ffn0.0", "ffn0.1")], timeout=30):
@@ -43,7 +44,7 @@ def test_a_profiled_server_process_counts_every_stage_once_per_call_request_and_
         table = [proc.wait_for(rf"^\s*{stage}\s+\d").group(0) for stage in STAGES]
 
     assert {stage: count for stage, (_, count) in unary.items()} == {
-        "call": 5, "decode": 5, "queue": 5, "batch": 5, "to_device": 5, "compute": 5, "to_host": 5, "encode": 5}
+        "call": 6, "decode": 6, "queue": 6, "batch": 6, "to_device": 6, "compute": 6, "to_host": 6, "encode": 6}
     assert {stage: count for stage, (_, count) in after.items()} == {
         "call": 1, "decode": 2, "queue": 2, "batch": 2, "to_device": 2, "compute": 2, "to_host": 2, "encode": 2}
     assert all(seconds >= 0 for seconds, _ in unary.values())

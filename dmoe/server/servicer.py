@@ -226,9 +226,12 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             groups.append(message.tensors)
         if uid is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+        started = time.perf_counter()
         try:
             tensors = join_parts(groups, limit)
             rejection = None
+            if self.stages is not None:  # part of this request's decode (counted once, with its validation)
+                self.stages.add("decode", time.perf_counter() - started, count=0)
         except (InvalidTensor, TensorTooLarge) as error:
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, TensorTooLarge)
                     else grpc.StatusCode.INVALID_ARGUMENT)
