@@ -43,7 +43,6 @@ import re
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -56,7 +55,7 @@ from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import make_optimizer
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
-from dmoe.server.profile import format_stages, scrape_stages, stage_difference
+from dmoe.server.profile import STAGES, format_stages, read_stages, stage_difference
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
 
@@ -180,7 +179,7 @@ def main(argv=None) -> list[dict]:
         recompute = LocalMixtureOfExperts(args.hidden, args.grid, "ffn0", k_best=args.k,
                                           expert_factory=server_code).to(device)
         local_step, recompute_step = local_step_fn(local, args.lr), server_code_step_fn(recompute)
-        stages = ServerStages(swarm) if args.profile else None
+        stages = ServerStages(swarm, args.steps) if args.profile else None
         rounds: dict[int, list[dict[str, float]]] = {batch: [] for batch in args.batches}
         for _ in range(args.rounds):
             for batch in args.batches:
@@ -189,7 +188,7 @@ def main(argv=None) -> list[dict]:
                                                 args.warmup, device, args.autocast,
                                                 after_warmup=stages.start if stages else lambda: None))
                 if stages is not None:
-                    stages.stop(batch, args.steps)
+                    stages.stop(batch)
         for batch, timed in rounds.items():
             ratios = sorted(t["local"] / t["remote"] for t in timed)
             median = {name: statistics.median(t[name] for t in timed) for name in timed[0]}
@@ -225,40 +224,34 @@ def main(argv=None) -> list[dict]:
 
 class ServerStages:
     """The profiled server's stage times, scraped from its metrics before and after each batch size's timed steps
-    (warm-up left out) and summed over rounds."""
+    (warm-up left out), one difference per round."""
 
-    def __init__(self, swarm: LocalSwarm):
+    def __init__(self, swarm: LocalSwarm, steps: int):
         found = [m for line in swarm.servers[0].output if (m := re.search(r"dmoe-server metrics on (\S+:\d+)", line))]
         if not found:
             raise RuntimeError("the server printed no metrics endpoint")
-        self.url = f"http://{found[0].group(1)}/metrics"
-        self.totals: dict[int, tuple[dict, int]] = {}
+        self.endpoint, self.steps = found[0].group(1), steps
+        self.rounds: dict[int, list[dict]] = {}
         self._start: dict | None = None
 
-    def _scrape(self) -> dict:
-        with urllib.request.urlopen(self.url, timeout=30) as response:
-            return scrape_stages(response.read().decode())
-
     def start(self) -> None:
-        self._start = self._scrape()
+        self._start = read_stages(self.endpoint)
 
-    def stop(self, batch: int, steps: int) -> None:
+    def stop(self, batch: int) -> None:
         assert self._start is not None, "start() comes first"
-        added = stage_difference(self._scrape(), self._start)
-        total, counted = self.totals.get(batch, ({}, 0))
-        self.totals[batch] = ({s: (total.get(s, (0.0, 0))[0] + sec, total.get(s, (0.0, 0))[1] + n)
-                               for s, (sec, n) in added.items()}, counted + steps)
+        self.rounds.setdefault(batch, []).append(stage_difference(read_stages(self.endpoint), self._start))
 
     def report(self, remote_seconds: dict[int, float]) -> None:
         """Per batch size: each stage in ms per remote step, and what the step spent outside the handlers."""
-        for batch, (snapshot, steps) in self.totals.items():
+        for batch, rounds in self.rounds.items():
+            snapshot = {stage: (sum(r[stage][0] for r in rounds), sum(r[stage][1] for r in rounds)) for stage in STAGES}
+            steps = self.steps * len(rounds)
             call_ms = 1e3 * snapshot["call"][0] / steps
             step_ms = 1e3 * remote_seconds[batch]
             print(f"server stages at batch {batch} ({steps} remote steps; remote step {step_ms:.2f} ms median, "
                   f"{call_ms:.2f} ms in the server's handlers, {step_ms - call_ms:.2f} ms outside them: client "
                   f"and gRPC transport):")
             print(format_stages(snapshot, per=steps))
-
 
 if __name__ == "__main__":
     sys.exit(main() and 0)

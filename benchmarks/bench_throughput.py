@@ -309,13 +309,6 @@ def server_counters(metrics_endpoint: str) -> dict[str, float]:
     return counters
 
 
-def server_stages(metrics_endpoint: str) -> dict[str, tuple[float, int]]:
-    """The profiled server's stage clock, from its metrics."""
-    from dmoe.server.profile import scrape_stages
-    with urllib.request.urlopen(f"http://{metrics_endpoint}/metrics", timeout=10) as response:
-        return scrape_stages(response.read().decode())
-
-
 def formed_batches(before: dict[str, float], after: dict[str, float]) -> str:
     """``forward 256x12 backward 256x12``: rows per batch the server formed (and how many) between two reads."""
     parts = []
@@ -397,7 +390,10 @@ def main() -> None:
             limit_work, remote_work = [0.0, 0.0], [0.0, 0.0]  # (samples, cpu seconds)
             server_work = 0.0  # cpu seconds of the server process alone
             counters_before = server_counters(metrics)
-            stages_before = server_stages(metrics) if args.profile else None
+            stages_before = None
+            if args.profile:
+                from dmoe.server.profile import format_stages, read_stages, stage_difference
+                stages_before = read_stages(metrics)
             for _ in range(args.rounds):  # interleaved, so drifts of a shared machine hit both sides alike
                 limit.send({**cmd, "phase": "measure"})
                 measured = limit.receive()
@@ -440,8 +436,7 @@ def main() -> None:
                   f"{limit_rate:>10.1f} {spread:>12} {remote_rate / limit_rate:>6.2f} {row['cpu_ratio']:>9.2f} "
                   f"{row['server_cpu_ratio']:>10.2f}  {formed}", flush=True)
             if stages_before is not None:
-                from dmoe.server.profile import format_stages, stage_difference
-                print(format_stages(stage_difference(server_stages(metrics), stages_before), per=measured_requests,
+                print(format_stages(stage_difference(read_stages(metrics), stages_before), per=measured_requests,
                                     unit="request"), flush=True)
     finally:
         for worker in [*clients, limit]:

@@ -9,7 +9,7 @@ import torch
 
 from dmoe.client import backward_future, forward_future, forward_futures
 from dmoe.server import ExpertServer, ServerConfig
-from dmoe.server.profile import STAGES, StageClock, format_stages, scrape_stages, stage_difference
+from dmoe.server.profile import STAGES, StageClock, format_stages, read_stages, scrape_stages, stage_difference
 from dmoe.server.runtime import Runtime
 from tests.procs import running
 
@@ -28,18 +28,18 @@ def test_a_profiled_server_process_counts_every_stage_once_per_call_request_and_
         metrics = proc.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
         endpoint = proc.endpoint()
         x, grad = torch.randn(16, 32), torch.randn(16, 32)
-        before = scrape_stages(metrics_text(metrics))
+        before = read_stages(metrics)
         assert all(count == 0 for _, count in before.values()), before
         for _ in range(3):
             forward_future(endpoint, "ffn0.0", [x]).result(30)
         for _ in range(2):
             backward_future(endpoint, "ffn0.1", [x], [grad]).result(30)
         forward_future(endpoint, "ffn0.1", [x], unary_limit=0).result(30)  # streamed: the same stages, once
-        unary = scrape_stages(metrics_text(metrics))
+        unary = read_stages(metrics)
         # one batch call of two items (two experts): one call, two requests, two batches
         for future in forward_futures([(uid, endpoint, [x], None) for uid in ("ffn0.0", "ffn0.1")], timeout=30):
             future.result()
-        after = stage_difference(scrape_stages(metrics_text(metrics)), unary)
+        after = stage_difference(read_stages(metrics), unary)
         proc.interrupt()
         table = [proc.wait_for(rf"^\s*{stage}\s+\d").group(0) for stage in STAGES]
 
@@ -64,7 +64,7 @@ def test_an_unprofiled_server_times_nothing_and_exposes_no_stages():
         scrape_stages(text)
 
 
-def test_requests_queued_together_are_one_batch_of_stages_and_each_request_is_queued_once():
+def test_requests_queued_together_are_one_batch_of_stages():
     clock = StageClock()
     runtime = Runtime(workers=1, stages=clock)
     pool = runtime.create_pool("double", lambda x: (2 * x,), max_batch_size=64)
@@ -74,9 +74,9 @@ def test_requests_queued_together_are_one_batch_of_stages_and_each_request_is_qu
     for n, result in zip((1, 2, 3), results):
         assert torch.equal(result, torch.full((n, 3), 2.0 * n))
     snapshot = clock.snapshot()
-    assert snapshot["queue"][1] == 3
     assert all(snapshot[stage][1] == 1 for stage in ("batch", "to_device", "compute", "to_host")), snapshot
-    assert snapshot["call"][1] == snapshot["decode"][1] == 0  # the runtime alone: no gRPC stages
+    # the runtime alone: no gRPC stages, and the queue is timed by the server's metrics (see the process test)
+    assert snapshot["call"][1] == snapshot["decode"][1] == snapshot["queue"][1] == 0
 
 
 def test_the_stage_table_and_its_difference_and_bad_stage_names():

@@ -105,7 +105,8 @@ class ServerMetrics:
         experts: uid -> hosted expert, as the servicer holds them (their pools give queue lengths and tell
             which batch belongs to which expert).
         activations: the server's activation cache, whose counters are read at scrape time.
-        stages: the server's stage clock (``--profile``): exposed, and given each call's time as ``call``.
+        stages: the server's stage clock (``--profile``): exposed, and given each call's time as ``call`` and each
+            request's wait in its task pool as ``queue``.
 
     Wire it up with :meth:`interceptor` (the gRPC server's calls) and :meth:`observe_batch` (the runtime's
     batches); :meth:`serve` exposes the registry over HTTP and :meth:`close` stops that endpoint.
@@ -168,7 +169,10 @@ class ServerMetrics:
             return
         uid, method, steps = labels
         for task in batch:
-            self.queue_wait_seconds.labels(uid, method).observe(max(0.0, started - task.created))
+            waited = max(0.0, started - task.created)
+            self.queue_wait_seconds.labels(uid, method).observe(waited)
+            if self.stages is not None:
+                self.stages.add("queue", waited)
         if error is not None:
             self.batch_errors.labels(uid, method).inc()
             return

@@ -116,3 +116,11 @@ def scrape_stages(metrics_text: str) -> Snapshot:
     if not seconds:
         raise ValueError("no dmoe_stage_seconds in these metrics: was the server started with --profile?")
     return {stage: (seconds.get(stage, 0.0), counts.get(stage, 0)) for stage in STAGES}
+
+
+def read_stages(metrics_endpoint: str, timeout: float = 30.0) -> Snapshot:
+    """The stage clock of the server whose metrics are served at ``HOST:PORT``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{metrics_endpoint}/metrics", timeout=timeout) as response:
+        return scrape_stages(response.read().decode())

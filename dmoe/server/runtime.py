@@ -43,7 +43,7 @@ class Runtime:
         threads_per_worker: torch intra-op threads each worker sets when it starts; None leaves torch's setting.
         overlap_copies: on a GPU, each worker copies through pinned memory on a copy stream of its own and waits
             once per batch (:mod:`dmoe.server.transfer`); False: plain copies. No effect on a CPU.
-        stages: where to add the time of each batch's stages (queue, batch, to_device, compute, to_host; see
+        stages: where to add the time of each batch's stages (batch, to_device, compute, to_host; see
             :mod:`dmoe.server.profile`); None: no timing.
     """
 
@@ -177,9 +177,6 @@ class Runtime:
             self._started.release()
         while (work := self._next_batch()) is not None:
             pool = work[0]
-            if self.stages is not None:
-                now = time.monotonic()
-                self.stages.add("queue", sum(now - task.created for task in work[1]), count=len(work[1]))
             try:
                 self._run(*work, transfers)
             finally:
