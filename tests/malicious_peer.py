@@ -3,10 +3,11 @@
     python -m tests.malicious_peer --initial-peers HOST:PORT --victims sig0.3.0 sig0.3.1 --owner HEX
 
 Its node id is the closest to the record key of the victims' last prefix, so it is one of that record's replicas
-and every client reads from it; its own storage is poisoned (a hijacking entry signed by its own key for the first
-victim, one forged in the owner's name for the second), and it serves that until killed. It sends hijacks,
-forgeries, re-dated, moved, replayed, unsigned and far-future entries, and attacks on the shared prefix claims,
-straight to every other replica with raw protocol calls, then floods one replica with stores and junk. It prints
+and every client reads from it. Once the owner's entries have reached every other replica (ownership is first come,
+first served at each replica), it sends hijacks, forgeries, re-dated, moved, replayed, unsigned and far-future
+entries, and attacks on the shared prefix claims, straight to every other replica with raw protocol calls; then it
+poisons its own storage (a hijacking entry signed by its own key for the first victim, one forged in the owner's
+name for the second), which it serves until killed, and floods one replica with stores and junk. It prints
 ``attack results {json}``: per attack, what the replicas answered (True means a replica accepted it).
 """
 from __future__ import annotations
@@ -63,13 +64,19 @@ async def attack(args: argparse.Namespace) -> dict[str, list[Any]]:
         raise ConnectionError("no initial peer answered")
     replicas = [n for n in await node.find_replicas(key) if n.id != node.node.id]
     layer_replicas = [n for n in await node.find_replicas(layer_key) if n.id != node.node.id]
-    captured = {}
-    for replica in replicas:  # an honest entry of the first victim, as it stands now
-        entry = (await read_raw(node, replica, key)).get(first)
-        if entry is not None and entry.owner == owner:
-            captured = {first: entry}
+    # Ownership is first come, first served at each replica, so a replica that joined after the owner's last
+    # store (the test's own client, started just before this process) is not yet an honest replica; wait for the
+    # owner's refresh to reach every replica, then attack. Capture an honest entry of the first victim on the way.
+    deadline = time.monotonic() + 30
+    while True:
+        held = [await read_raw(node, replica, key) for replica in replicas]
+        owned = [all(subkey in record and record[subkey].owner == owner for subkey in subkeys) for record in held]
+        if all(owned) or time.monotonic() > deadline:
             break
-    honest = captured[first]
+        await asyncio.sleep(0.2)
+    honest = next((record[first] for record, ok in zip(held, owned) if ok), None)
+    if honest is None:
+        raise RuntimeError("no replica holds the owner's entries: nothing honest to attack")
     later = time.time() + 60
     results: dict[str, list[Any]] = {}
     results["hijack"] = await store(node, replicas, key, {
