@@ -25,7 +25,7 @@ run against S for the single trainer. The last line reads
 
     python benchmarks/bench_collab.py                      # S=240 steps at B=32, 4 trainers
     python benchmarks/bench_collab.py --steps 400 --batch 64
-    python benchmarks/bench_collab.py --smoke              # tiny, 2 trainers: does it run (what the tests run)
+    python benchmarks/bench_collab.py --smoke              # tiny, 2 trainers, the 3 runs at once: does it run
 
 A trainer of this benchmark is ``dmoe-train`` itself (:func:`dmoe.trainer.loop.train`), run by this script in
 ``--child`` mode, which also saves the client's parameters after every step for the comparison.
@@ -40,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("--keep", action="store_true", help="keep the trainers' logs (in a temporary folder)")
     parser.add_argument("--smoke", action="store_true",
-                        help="a tiny model, a few steps, a generated text: does it run (goals reported, not enforced)")
+                        help="a tiny model, a few steps, a generated text, the three runs at once: does it run (goals "
+                             "reported, not enforced)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.batch, args.hidden, args.heads, args.seq_len, args.layers = 6, 8, 16, 2, 16, 1
@@ -266,11 +268,17 @@ def main(argv: list[str] | None = None) -> int:
           f"with target_batch_size={args.batch}; model h={args.hidden} seq={args.seq_len} layers={args.layers} "
           f"grid={'x'.join(map(str, args.grid))}; data {data}", flush=True)
     try:
-        runs = [run_single(args, data)]
-        print(f"  single: done in {runs[-1].seconds:.0f}s", flush=True)
-        for kill in (False, True):
-            runs.append(run_collab(args, data, work, kill))
-            print(f"  {runs[-1].name}: done in {runs[-1].seconds:.0f}s", flush=True)
+        if args.smoke:  # its figures mean nothing: the three runs go at once, to keep the test suite short
+            with ThreadPoolExecutor(3) as pool:
+                started = [pool.submit(run_single, args, data)]
+                started += [pool.submit(run_collab, args, data, work, kill) for kill in (False, True)]
+                runs = [future.result() for future in started]
+        else:
+            runs = [run_single(args, data)]
+            print(f"  single: done in {runs[-1].seconds:.0f}s", flush=True)
+            for kill in (False, True):
+                runs.append(run_collab(args, data, work, kill))
+                print(f"  {runs[-1].name}: done in {runs[-1].seconds:.0f}s", flush=True)
     finally:
         if args.keep:
             print(f"trainers' logs kept in {work}")
