@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue #24's GPU figures and the CUDA tests, in one call of a lent GPU machine (benchmarks/README.md, "On a GPU").
+#
+#   benchmarks/gpu_check.sh fetch   # here, where pip reaches its index: the wheels the GPU image lacks, into .whl/
+#   benchmarks/gpu_check.sh run     # on the GPU machine, from the repository root, with .whl/ carried along
+#
+# The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
+# packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
+# committed stubs need: `fetch` downloads those (the versions pinned here are the ones .venv uses), `run` installs
+# them under /tmp/site. `run` then goes through the checks, most wanted first, each under its own time limit, and
+# writes each one's output to $OUT/NAME.txt (default results/gpu; 8 files, what the device tool brings back) as it
+# goes, so a run cut short keeps what it measured, and prints each one's last lines. It
+# starts no new check once GPU_BUDGET_S seconds (default 480) have passed: a lent machine's time is short.
+set -u
+cd "$(dirname "$0")/.."
+
+WHEELS=(kademlia==2.2.3 rpcudp==5.0.1 u-msgpack-python==2.8.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
+        grpcio==1.85.3 protobuf==7.36.2)
+
+fetch() {
+    mkdir -p .whl
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+    ls -l .whl
+}
+
+run() {
+    local out=${OUT:-results/gpu} budget=${GPU_BUDGET_S:-480} started=$SECONDS
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "installing the carried wheels failed: run 'benchmarks/gpu_check.sh fetch' here first"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+    step() {  # step NAME SECONDS COMMAND...: one check, its output kept as $out/NAME.txt
+        local name=$1 limit=$2
+        shift 2
+        if (( SECONDS - started + 20 > budget )); then
+            echo "== $name: skipped, the ${budget}s budget is spent"
+            return
+        fi
+        local t0=$SECONDS
+        timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+        local rc=$?
+        echo "== $name: rc $rc in $((SECONDS - t0))s: $*"
+        tail -n 12 "$out/$name.txt"
+    }
+    nvidia-smi -L
+    python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+    echo "$(nproc) CPU cores"
+    step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+    step layer 150 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10
+    step layer_bf16 150 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10 \
+        --autocast bf16
+    step throughput 150 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1.5
+    step throughput_bf16 150 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1.5 \
+        --autocast bf16
+    step layer_profile 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 --steps 10 --profile
+    step layer_profile_plain_copies 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
+        --steps 10 --profile --no-overlap-copies
+    step layer_plain_copies 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10 \
+        --no-overlap-copies
+    echo "done in $((SECONDS - started))s; outputs in $out"
+}
+
+case "${1:-}" in
+    fetch) fetch ;;
+    run) run ;;
+    *) echo "usage: $0 fetch|run" >&2; exit 2 ;;
+esac
