@@ -27,8 +27,9 @@ computing different experts at once) where the baselines use them inside each op
 ``--profile`` starts the server with ``--profile`` and prints, per batch size, the milliseconds per step that
 each stage of the server's path took (dmoe/server/profile.py), summed over the step's calls, requests and
 batches, and the part of the remote step spent outside the server's handlers (the client's gate, beam search and
-encoding, and gRPC's transport). On a GPU the profiled server synchronises between stages, so its remote times
-are not the unprofiled ones: take speed from a run without ``--profile``.
+encoding, and gRPC's transport), then the server's activation cache over the run (hits, misses, evictions, and
+the most memory it held: on a GPU, device memory). On a GPU the profiled server synchronises between stages, so its
+remote times are not the unprofiled ones: take speed from a run without ``--profile``.
 
 With ``--autocast``, the server computes under ``torch.autocast`` and each baseline runs its whole step (forward
 and backward) inside it; on a GPU autograd runs backward on its own thread, where autocast is off, so
@@ -43,6 +44,7 @@ import re
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -233,6 +235,7 @@ class ServerStages:
         self.endpoint, self.steps = found[0].group(1), steps
         self.rounds: dict[int, list[dict]] = {}
         self._start: dict | None = None
+        self.cache: dict = {}
 
     def start(self) -> None:
         self._start = read_stages(self.endpoint)
@@ -240,6 +243,7 @@ class ServerStages:
     def stop(self, batch: int) -> None:
         assert self._start is not None, "start() comes first"
         self.rounds.setdefault(batch, []).append(stage_difference(read_stages(self.endpoint), self._start))
+        self.cache = self.activation_cache()  # its counts so far (report() comes after the server stopped)
 
     def report(self, remote_seconds: dict[int, float]) -> None:
         """Per batch size: each stage in ms per remote step, and what the step spent outside the handlers."""
@@ -252,6 +256,25 @@ class ServerStages:
                   f"{call_ms:.2f} ms in the server's handlers, {step_ms - call_ms:.2f} ms outside them: client "
                   f"and gRPC transport):")
             print(format_stages(snapshot, per=steps))
+        cache = self.cache
+        peaks = ", ".join(f"{value / 2**20:.1f} MiB on {device}" for device, value in cache["peak"].items())
+        print(f"the server's activation cache over the run: {cache['hit']:.0f} hits, {cache['miss']:.0f} misses, "
+              f"{cache['evicted']:.0f} evicted; at most {peaks or 'nothing'} kept at once")
+
+    def activation_cache(self) -> dict:
+        """Hits, misses and evictions of the server's activation cache, and its peak bytes per device."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://{self.endpoint}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        found: dict = {"hit": 0, "miss": 0, "evicted": 0, "peak": {}}
+        for sample in (s for family in text_string_to_metric_families(text) for s in family.samples):
+            if sample.name == "dmoe_activation_cache_total" and sample.labels["result"] in found:
+                found[sample.labels["result"]] = sample.value
+            elif sample.name == "dmoe_activation_cache_peak_bytes":
+                found["peak"][sample.labels["device"]] = sample.value
+        return found
+
 
 if __name__ == "__main__":
     sys.exit(main() and 0)

@@ -53,6 +53,23 @@ def test_the_byte_budget_evicts_the_oldest_and_refuses_what_can_never_fit():
     assert cache.take("e.0", b"3", (0,), [torch.zeros(1)]) is not None
     assert not cache.put("e.0", b"big", kept(101))
     assert cache.nbytes == 40
+    assert cache.usage() == {"cpu": (40, 80)}  # held now, and the most held at once (room was made before)
+
+
+def test_bytes_are_counted_per_device_with_each_devices_peak():
+    """A GPU server's kept forwards are in GPU memory: counted apart from any in host memory ("meta" stands in for
+    the GPU here), each with the most it held, and all of them against the one budget."""
+    cache = ActivationCache(max_bytes=100)
+    on_device = KeptForward((torch.zeros(1, device="meta"),), None, (), 30)
+    assert cache.put("e.0", b"a", on_device) and cache.put("e.0", b"b", kept(20))
+    assert cache.put("e.1", b"c", KeptForward((torch.zeros(1, device="meta"),), None, (), 50))
+    assert cache.usage() == {"meta": (80, 80), "cpu": (20, 20)} and cache.nbytes == 100
+    assert cache.put("e.0", b"d", kept(10))  # evicts the oldest, on the other device
+    assert cache.usage() == {"meta": (50, 80), "cpu": (30, 30)} and cache.evicted == 1
+    cache.drop_graphs("e.0")  # its graphs go, their 4-byte inputs stay
+    assert cache.usage() == {"meta": (50, 80), "cpu": (8, 30)}
+    cache.clear()
+    assert cache.usage() == {"meta": (0, 80), "cpu": (0, 30)} and cache.nbytes == 0
 
 
 def test_forwards_older_than_the_ttl_are_dropped():
@@ -69,6 +86,7 @@ def test_an_optimizer_step_drops_only_that_experts_graphs_and_keeps_their_inputs
     cache.put("e.1", b"b", kept(10))
     cache.drop_graphs("e.0")
     assert (len(cache), cache.nbytes, cache.invalidated) == (2, 10 + 4, 1)  # e.0 now holds its 4-byte input
+    assert cache.usage() == {"cpu": (14, 20)}
     assert cache.inputs("e.0", b"a") is not None and cache.inputs("e.0", b"zzz") is None
     assert cache.take("e.0", b"a", (0,), [torch.zeros(1)]) is None  # no graph left: recompute
 
@@ -195,7 +213,9 @@ def test_server_process_uses_kept_activations_gives_the_same_training_and_refuse
         samples = scrape(metrics)
     assert value(samples, "dmoe_activation_cache_total", result="hit") == 4
     assert value(samples, "dmoe_activation_cache_total", result="miss") == 1
-    assert value(samples, "dmoe_activation_cache_bytes") == 0
+    # everything kept was taken by its backward: nothing held now, but some was (in host memory, on a CPU server)
+    assert value(samples, "dmoe_activation_cache_bytes", device="cpu") == 0
+    assert value(samples, "dmoe_activation_cache_peak_bytes", device="cpu") >= 2 * 5 * HIDDEN * 4
 
 
 def test_the_dmoe_layer_backward_uses_the_activations_its_forward_kept():

@@ -30,8 +30,8 @@ def test_a_profiled_server_process_counts_every_stage_once_per_call_request_and_
         x, grad = torch.randn(16, 32), torch.randn(16, 32)
         before = read_stages(metrics)
         assert all(count == 0 for _, count in before.values()), before
-        for _ in range(3):
-            forward_future(endpoint, "ffn0.0", [x]).result(30)
+        for index in range(3):  # the last one keeps its activations for a backward that never comes
+            forward_future(endpoint, "ffn0.0", [x], activation_id=b"kept" if index == 2 else None).result(30)
         for _ in range(2):
             backward_future(endpoint, "ffn0.1", [x], [grad]).result(30)
         forward_future(endpoint, "ffn0.1", [x], unary_limit=0).result(30)  # streamed: the same stages, once
@@ -42,6 +42,7 @@ def test_a_profiled_server_process_counts_every_stage_once_per_call_request_and_
         after = stage_difference(read_stages(metrics), unary)
         proc.interrupt()
         table = [proc.wait_for(rf"^\s*{stage}\s+\d").group(0) for stage in STAGES]
+        proc.wait_for(r"^kept activations on cpu: at most [\d.]+ MiB at once \(--activation-cache-mb 512\)")
 
     assert {stage: count for stage, (_, count) in unary.items()} == {
         "call": 6, "decode": 6, "queue": 6, "batch": 6, "to_device": 6, "compute": 6, "to_host": 6, "encode": 6}

@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "its empty cell")
     parser.add_argument("--activation-cache-mb", type=non_negative(float), default=512.0,
                         help="MiB of activations kept from a forward for its backward, which then skips recomputing "
-                             "the forward (0: always recompute)")
+                             "the forward, in the memory of the device the experts compute on (0: always recompute)")
     parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
@@ -315,6 +315,10 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("%s received, shutting down", signal.Signals(signum).name)
     if server.stages is not None:
         print(format_stages(server.stages.snapshot()), flush=True)
+        usage = server.activations.usage() if server.activations is not None else {}
+        for device, (_, peak) in sorted(usage.items()):
+            print(f"kept activations on {device}: at most {peak / 2**20:.1f} MiB at once (--activation-cache-mb "
+                  f"{server.config.activation_cache_mb:g})", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,11 @@ class KeptForward:
     def inputs_only(cls, inputs: Sequence[torch.Tensor]) -> "KeptForward":
         return cls(tuple(x.detach() for x in inputs), None, (), sum(x.nbytes for x in inputs))
 
+    @property
+    def device(self) -> str:
+        """Where its memory is: the inputs' device (its saved activations live beside them)."""
+        return str(self.inputs[0].device) if self.inputs else "cpu"
+
 
 def parameter_versions(params: Iterable[torch.Tensor]) -> tuple[int, ...]:
     """In-place version counters: any optimizer step (or ``load_state_dict``) changes them."""
@@ -83,6 +88,10 @@ class SavedBytes:
 class ActivationCache:
     """Kept forwards of every expert of one server, bounded in bytes and in age; least recently kept go first.
 
+    The bytes are also counted per device (``held``) with the most held at once (``peak``): on a GPU server the
+    kept forwards are in the GPU's memory, which the budget must leave to the experts' own computations, so a
+    volunteer sizing ``--activation-cache-mb`` reads how much of it was used (``dmoe_activation_cache_bytes``).
+
     Args:
         max_bytes: the most bytes of saved activations held at once (0 keeps nothing).
         ttl: seconds a kept forward waits for its backward before it is dropped.
@@ -95,6 +104,8 @@ class ActivationCache:
         self._entries: OrderedDict[tuple[str, bytes], KeptForward] = OrderedDict()
         self._lock = threading.Lock()
         self.nbytes = 0
+        self.held: dict[str, int] = {}  # device -> bytes kept there now
+        self.peak: dict[str, int] = {}  # device -> the most bytes kept there at once
         #: backward requests that named an id: those that used a kept graph, those that had to recompute
         self.hits = self.misses = 0
         self.evicted = 0      # kept forwards dropped for room or age before their backward came
@@ -118,10 +129,22 @@ class ActivationCache:
                 self.evicted += 1
             old = self._entries.pop((uid, activation_id), None)
             if old is not None:
-                self.nbytes -= old.nbytes
+                self._count(old, -1)
             self._entries[(uid, activation_id)] = kept
-            self.nbytes += kept.nbytes
+            self._count(kept, 1)
         return True
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """device -> (bytes kept there now, the most kept there at once), read consistently."""
+        with self._lock:
+            return {device: (held, self.peak.get(device, 0)) for device, held in self.held.items()}
+
+    def _count(self, kept: KeptForward, sign: int) -> None:
+        device = kept.device
+        self.nbytes += sign * kept.nbytes
+        self.held[device] = held = self.held.get(device, 0) + sign * kept.nbytes
+        if held > self.peak.get(device, 0):
+            self.peak[device] = held
 
     def inputs(self, uid: str, activation_id: bytes) -> tuple[torch.Tensor, ...] | None:
         """The inputs of the forward kept under (uid, activation_id), left in place; None when not held."""
@@ -137,7 +160,7 @@ class ActivationCache:
             self._drop_expired(time.monotonic())
             kept = self._entries.pop((uid, activation_id), None)
             if kept is not None:
-                self.nbytes -= kept.nbytes
+                self._count(kept, -1)
             if kept is not None and kept.outputs is not None and kept.versions != versions:
                 self.invalidated += 1
                 kept = None
@@ -157,7 +180,8 @@ class ActivationCache:
                 if entry_key[0] == uid and kept.outputs is not None:
                     stale = self._entries[entry_key] = KeptForward.inputs_only(kept.inputs)
                     stale.created = kept.created
-                    self.nbytes += stale.nbytes - kept.nbytes
+                    self._count(kept, -1)
+                    self._count(stale, 1)
                     self.invalidated += 1
 
     def _drop_expired(self, now: float) -> None:
@@ -169,12 +193,13 @@ class ActivationCache:
             self.evicted += 1
 
     def _remove(self, entry_key: tuple[str, bytes]) -> None:
-        self.nbytes -= self._entries.pop(entry_key).nbytes
+        self._count(self._entries.pop(entry_key), -1)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
             self.nbytes = 0
+            self.held = {device: 0 for device in self.held}
 
 
 def _same_values(kept: torch.Tensor, given: torch.Tensor) -> bool:

@@ -18,7 +18,8 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
     dmoe_activation_cache_total{result}             backward requests naming an activation id, by what happened:
                                                     hit (kept graph used) or miss (forward recomputed); and kept
                                                     forwards dropped unused: evicted (room, age), invalidated (step)
-    dmoe_activation_cache_bytes                     bytes of activations kept now
+    dmoe_activation_cache_bytes{device}             bytes of activations kept now, where they are (cpu, cuda:0)
+    dmoe_activation_cache_peak_bytes{device}        the most bytes kept there at once (to size the budget by)
     dmoe_stage_seconds_total{stage}                 with ``--profile`` only: seconds spent in each stage of the
     dmoe_stage_events_total{stage}                  server's path, and how many calls, requests or batches they
                                                     sum over (:mod:`dmoe.server.profile`)
@@ -77,7 +78,15 @@ class _ActivationCacheStats(Collector):
                               ("invalidated", cache.invalidated)):
             counts.add_metric([result], count)
         yield counts
-        yield GaugeMetricFamily("dmoe_activation_cache_bytes", "bytes of activations kept now", value=self._cache.nbytes)
+        held = GaugeMetricFamily("dmoe_activation_cache_bytes", "bytes of activations kept now, by device",
+                                 labels=["device"])
+        peak = GaugeMetricFamily("dmoe_activation_cache_peak_bytes", "the most bytes of activations kept at once, "
+                                 "by device", labels=["device"])
+        for device, (now, most) in sorted(cache.usage().items()):
+            held.add_metric([device], now)
+            peak.add_metric([device], most)
+        yield held
+        yield peak
 
 
 class _StageTimes(Collector):
