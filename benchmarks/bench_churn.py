@@ -191,14 +191,19 @@ class Swarm:
                     {"OMP_NUM_THREADS": "1"})
         server = Server(proc, time.monotonic() + self.lifetime(), joined=True)
         self.servers.append(server)
-        self.joins += 1
 
         def wait() -> None:
             try:
                 server.endpoint = proc.endpoint(180)
+                with self._lock:
+                    self.joins += 1  # counted once it serves
                 print(f"churn: joined {server.endpoint}", file=sys.stderr, flush=True)
             except (TimeoutError, RuntimeError) as error:
-                print(f"churn: a joining server failed to start: {str(error)[-300:]}", file=sys.stderr, flush=True)
+                if self.stop.is_set():  # the run ended while it was starting: stopped, not failed
+                    print("churn: a joining server was stopped before it was listening", file=sys.stderr, flush=True)
+                else:
+                    print(f"churn: a joining server failed to start: {str(error)[-300:]}", file=sys.stderr,
+                          flush=True)
         threading.Thread(target=wait, daemon=True).start()
 
     # ---- measuring ----
@@ -343,7 +348,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:  # one kill early on, one server joining after it, a short calm run
         args.servers, args.min_alive, args.minutes, args.first_kill, args.mean_lifetime = 3, 2, 0.2, 3.0, 1e6
-        args.join_delay, args.replica_interval, args.hidden, args.seq_len = (2.0, 4.0), 2.0, 16, 16
+        args.join_delay, args.replica_interval, args.hidden, args.seq_len = (0.5, 1.0), 2.0, 16, 16
     if args.min_alive >= args.servers:
         parser.error("--min-alive must be below --servers")
 
