@@ -103,7 +103,6 @@ class ActivationCache:
         self.max_bytes, self.ttl = max_bytes, ttl
         self._entries: OrderedDict[tuple[str, bytes], KeptForward] = OrderedDict()
         self._lock = threading.Lock()
-        self.nbytes = 0
         self.held: dict[str, int] = {}  # device -> bytes kept there now
         self.peak: dict[str, int] = {}  # device -> the most bytes kept there at once
         #: backward requests that named an id: those that used a kept graph, those that had to recompute
@@ -117,6 +116,11 @@ class ActivationCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept now, on every device: what the budget bounds."""
+        return sum(self.held.values())
 
     def put(self, uid: str, activation_id: bytes, kept: KeptForward) -> bool:
         """Holds ``kept`` unless it alone exceeds the budget; evicts expired, then oldest entries to make room."""
@@ -141,7 +145,6 @@ class ActivationCache:
 
     def _count(self, kept: KeptForward, sign: int) -> None:
         device = kept.device
-        self.nbytes += sign * kept.nbytes
         self.held[device] = held = self.held.get(device, 0) + sign * kept.nbytes
         if held > self.peak.get(device, 0):
             self.peak[device] = held
@@ -198,7 +201,6 @@ class ActivationCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self.nbytes = 0
             self.held = {device: 0 for device in self.held}
 
 
