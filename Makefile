@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Test files run on this many pytest-xdist workers, each file on one worker (its module fixtures start once): most
+# tests wait on processes starting and on timers, so two workers fill a 2-core machine's idle time. 0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test bench clean
 
@@ -20,7 +23,7 @@ demo: venv
 	$(BIN)/python -m clients.swarm_demo
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
