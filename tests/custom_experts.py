@@ -29,3 +29,20 @@ class WideningExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
+
+
+@register_expert_class("small_device", lambda batch, hidden: torch.randn(batch, hidden))
+class SmallDeviceExpert(nn.Module):
+    """A linear layer on a stand-in for a small GPU: a call of more than ``ROWS`` rows raises torch.OutOfMemoryError,
+    as a CUDA allocation that does not fit would (a CPU's failed allocation raises a plain RuntimeError)."""
+
+    ROWS = 64
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.ROWS:
+            raise torch.OutOfMemoryError(f"stand-in device: {x.shape[0]} rows do not fit, at most {self.ROWS}")
+        return self.linear(x)

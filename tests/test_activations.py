@@ -218,6 +218,35 @@ def test_server_process_uses_kept_activations_gives_the_same_training_and_refuse
     assert value(samples, "dmoe_activation_cache_peak_bytes", device="cpu") >= 2 * 5 * HIDDEN * 4
 
 
+def test_out_of_device_memory_drops_the_kept_activations_answers_resource_exhausted_and_the_server_serves_on():
+    """The server's experts on a stand-in for a small GPU (tests/custom_experts.py: more than 64 rows raise
+    torch.OutOfMemoryError, as CUDA does): what it kept is given up first, the call that cannot fit even then gets a
+    clear status, and everything else goes on."""
+    with running("-m", "dmoe.cli.server", "--experts", "s.0", "--expert-cls", "small_device", "--custom-module",
+                 "tests/custom_experts.py", "--hidden-dim", str(HIDDEN), "--metrics-port", "0") as proc:
+        metrics = proc.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
+        endpoint = proc.endpoint()
+        x, grad = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
+        kept = forward_future(endpoint, "s.0", [x], activation_id=b"kept").result(30)[0]
+        assert value(scrape(metrics), "dmoe_activation_cache_bytes", device="cpu") >= x.nbytes
+        with pytest.raises(RemoteExpertError, match="RESOURCE_EXHAUSTED: forward of s.0: the server's device ran "
+                                                    "out of memory .*100 rows do not fit"):
+            forward_future(endpoint, "s.0", [torch.randn(100, HIDDEN)]).result(30)
+        proc.wait_for(r"s.0.forward ran out of memory on cpu with 100 rows: freed 0.000244 MiB of kept activations, "
+                      r"running it again")
+        samples = scrape(metrics)
+        torch.testing.assert_close(forward_future(endpoint, "s.0", [x]).result(30)[0], kept, rtol=0, atol=0)
+        # the inputs kept for the backward went too: its gradients alone are refused, and sent with them it works
+        with pytest.raises(RemoteExpertError, match="FAILED_PRECONDITION.*holds no inputs for this activation_id"):
+            _call("backward", endpoint, "s.0", [grad], timeout=30, compression=0, channels=None, unary_limit=2**20,
+                  activation_id=b"kept").result(30)
+        backward_future(endpoint, "s.0", [x], [grad], activation_id=b"kept").result(30)
+    assert value(samples, "dmoe_activation_cache_total", result="released") == 1
+    assert value(samples, "dmoe_activation_cache_bytes", device="cpu") == 0
+    assert value(samples, "dmoe_requests_total", expert="s.0", method="forward", code="RESOURCE_EXHAUSTED") == 1
+    assert value(samples, "dmoe_batch_errors_total", expert="s.0", method="forward") == 2  # run, and run again
+
+
 def test_the_dmoe_layer_backward_uses_the_activations_its_forward_kept():
     grid = (2, 2)
     config = SwarmConfig(layers=("ffn0",), grid=grid, n_servers=1, hidden_dim=HIDDEN,

@@ -174,6 +174,52 @@ def test_a_bad_task_batched_with_good_ones_fails_alone():
     assert batches == [6, 2, 3, 1]
 
 
+def test_a_batch_out_of_device_memory_runs_again_after_its_owner_freed_memory_then_task_by_task():
+    """A stand-in device that fits ``fits`` rows (CUDA raises torch.OutOfMemoryError where a CPU's allocator raises a
+    plain RuntimeError); freeing the owner's memory (the server's kept activations) makes room for more."""
+    device = {"fits": 4, "freed": 0}
+    batches: list[int] = []
+
+    def bounded(x):
+        batches.append(x.shape[0])
+        if x.shape[0] > device["fits"]:
+            raise torch.OutOfMemoryError(f"{x.shape[0]} rows do not fit")
+        return (x + 1,)
+
+    def free() -> int:
+        device["freed"] += 1
+        device["fits"] = 6
+        return 2**20
+
+    with Runtime() as runtime:
+        runtime.on_out_of_memory = free
+        gate = Gate()
+        blocker = runtime.create_pool("gate", gate, 100)
+        pool = runtime.create_pool("bounded", bounded, 100)
+        runtime.submit(blocker, torch.zeros(1))
+        assert gate.entered.wait(30)
+        futures = [runtime.submit(pool, torch.ones(n)) for n in (2, 3)]  # one batch of 5: fits once freed
+        gate.opened.set()
+        for n, future in zip((2, 3), futures):
+            torch.testing.assert_close(future.result(30)[0], torch.full((n,), 2.0))
+        assert batches == [5, 5] and device["freed"] == 1 and runtime.out_of_memory == 1
+        batches.clear()
+        gate.opened.clear()
+        gate.entered.clear()
+        runtime.submit(blocker, torch.zeros(1))
+        assert gate.entered.wait(30)
+        futures = [runtime.submit(pool, torch.ones(n)) for n in (4, 5)]  # 9 rows: even freed, only task by task
+        too_big = runtime.submit(pool, torch.ones(7))
+        gate.opened.set()
+        for n, future in zip((4, 5), futures):
+            torch.testing.assert_close(future.result(30)[0], torch.full((n,), 2.0))
+        with pytest.raises(torch.OutOfMemoryError, match="7 rows do not fit"):
+            too_big.result(30)
+        torch.testing.assert_close(runtime.submit(pool, torch.ones(1)).result(30)[0], torch.full((1,), 2.0))
+    # 16 rows fail, and again once freed; then each task alone, and the 7 rows fail without freeing again
+    assert batches == [16, 16, 4, 5, 7, 1] and device["freed"] == 2 and runtime.out_of_memory == 2
+
+
 def test_a_backward_that_fails_half_way_leaves_no_gradients_for_the_next_step():
     class Fragile(torch.nn.Module):
         """Two layers; backward raises between them, after the second layer's gradients were accumulated."""

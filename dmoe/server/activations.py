@@ -109,6 +109,7 @@ class ActivationCache:
         self.hits = self.misses = 0
         self.evicted = 0      # kept forwards dropped for room or age before their backward came
         self.invalidated = 0  # kept forwards dropped because an optimizer step changed the parameters
+        self.released = 0     # kept forwards dropped to give their memory to a computation that ran out of it
 
     @property
     def enabled(self) -> bool:
@@ -202,6 +203,15 @@ class ActivationCache:
         with self._lock:
             self._entries.clear()
             self.held = {device: 0 for device in self.held}
+
+    def release(self) -> int:
+        """Drops every kept forward because a computation ran out of device memory (the experts' own work comes
+        first); returns the bytes freed. Their backwards recompute, and ask the client for their inputs again."""
+        with self._lock:
+            freed, self.released = self.nbytes, self.released + len(self._entries)
+            self._entries.clear()
+            self.held = {device: 0 for device in self.held}
+        return freed
 
 
 def _same_values(kept: torch.Tensor, given: torch.Tensor) -> bool:

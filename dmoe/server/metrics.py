@@ -17,7 +17,8 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
     dmoe_queue_length{expert, method}               requests waiting now (read at scrape time)
     dmoe_activation_cache_total{result}             backward requests naming an activation id, by what happened:
                                                     hit (kept graph used) or miss (forward recomputed); and kept
-                                                    forwards dropped unused: evicted (room, age), invalidated (step)
+                                                    forwards dropped unused: evicted (room, age), invalidated (step),
+                                                    released (memory given to a batch that ran out of it)
     dmoe_activation_cache_bytes{device}             bytes of activations kept now, where they are (cpu, cuda:0)
     dmoe_activation_cache_peak_bytes{device}        the most bytes kept there at once (to size the budget by)
     dmoe_stage_seconds_total{stage}                 with ``--profile`` only: seconds spent in each stage of the
@@ -75,7 +76,7 @@ class _ActivationCacheStats(Collector):
         cache = self._cache
         counts = CounterMetricFamily("dmoe_activation_cache", "activation cache outcomes", labels=["result"])
         for result, count in (("hit", cache.hits), ("miss", cache.misses), ("evicted", cache.evicted),
-                              ("invalidated", cache.invalidated)):
+                              ("invalidated", cache.invalidated), ("released", cache.released)):
             counts.add_metric([result], count)
         yield counts
         held = GaugeMetricFamily("dmoe_activation_cache_bytes", "bytes of activations kept now, by device",

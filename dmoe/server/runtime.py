@@ -28,7 +28,9 @@ class Runtime:
     ``workers`` threads run all compute. Pools of one ``group`` (an expert's forward and backward pools) never
     run at once, so an expert's forward and backward never race on its weights; torch releases the GIL while it
     computes, so the gRPC loop keeps receiving meanwhile. A batch that raises is run again one task at a time, so
-    only the task that raises fails; the runtime carries on with the next batch.
+    only the task that raises fails; the runtime carries on with the next batch. A batch that runs out of device
+    memory (``torch.OutOfMemoryError``) first runs again whole, after ``on_out_of_memory`` freed what its owner can
+    spare (the server's kept activations) and torch's cached blocks went back to the device.
 
     Why more than one worker on a CPU: one worker with every core as torch's intra-op threads spends its Python
     steps (module calls, autograd, optimizer bookkeeping) with the other cores idle, and each op waits for the
@@ -69,6 +71,10 @@ class Runtime:
         self._started = threading.Semaphore(0)  # released by each worker once its torch threads are set
         #: called after every batch as ``on_batch(pool, tasks, started, seconds, error)`` (metrics); None: nothing
         self.on_batch: BatchObserver | None = None
+        #: called when a batch ran out of device memory, before it runs again; frees what the owner can spare and
+        #: returns the bytes freed (the server drops its kept activations); None: nothing to free
+        self.on_out_of_memory: Callable[[], int] | None = None
+        self.out_of_memory = 0  # batches that ran out of device memory
         self._threads = [threading.Thread(target=self._serve, name=f"dmoe-runtime-{i}", daemon=True,
                                           args=(make_transfers(self.device, overlap_copies),))  # its copy stream
                          for i in range(workers)]
@@ -185,28 +191,50 @@ class Runtime:
                     self._running -= 1
                     self._cond.notify_all()  # workers waiting for this group, and paused()
 
-    def _run(self, pool: TaskPool, batch: list[Task], transfers: Transfers) -> None:
+    def _run(self, pool: TaskPool, batch: list[Task], transfers: Transfers, freed: bool = False) -> None:
+        """Runs ``batch`` and answers its tasks; ``freed``: memory was already freed for it once."""
         started = time.monotonic()
         try:
             outputs = self._compute(pool, batch, transfers)
-        except Exception as error:
-            self._observe(pool, batch, started, error)
-            if len(batch) > 1:
-                # one caller's bad request must not fail the others it was batched with: each runs alone again,
-                # and only the culprit fails
-                logger.warning("%s failed on a batch of %d tasks (%r): running each alone", pool.name, len(batch),
-                               error)
-                for task in batch:
-                    self._run(pool, [task], transfers)
-                return
+        except Exception as exc:
+            # without its traceback, whose frames hold the failed computation's tensors: they are freed as this
+            # clause ends, before anything runs again
+            error = exc.with_traceback(None)
+        else:
+            self._observe(pool, batch, started, None)
+            sizes = [task.rows for task in batch]
+            pieces = [torch.split(y, sizes) if len(batch) > 1 else (y,) for y in outputs]
+            for i, task in enumerate(batch):
+                task.future.set_result([parts[i] for parts in pieces])
+            return
+        self._observe(pool, batch, started, error)
+        if isinstance(error, torch.OutOfMemoryError) and not freed:
+            self.out_of_memory += 1
+            released = self._free_memory()
+            logger.warning("%s ran out of memory on %s with %d rows: freed %.3g MiB of kept activations, running "
+                           "it again", pool.name, self.device, sum(task.rows for task in batch), released / 2**20)
+            self._run(pool, batch, transfers, freed=True)
+        elif len(batch) > 1:
+            # one caller's bad request must not fail the others it was batched with: each runs alone again,
+            # and only the culprit fails
+            logger.warning("%s failed on a batch of %d tasks (%r): running each alone", pool.name, len(batch), error)
+            for task in batch:
+                self._run(pool, [task], transfers, freed)
+        else:
             logger.warning("%s failed on a task: %r", pool.name, error)
             batch[0].future.set_exception(error)
-            return
-        self._observe(pool, batch, started, None)
-        sizes = [task.rows for task in batch]
-        pieces = [torch.split(y, sizes) if len(batch) > 1 else (y,) for y in outputs]
-        for i, task in enumerate(batch):
-            task.future.set_result([parts[i] for parts in pieces])
+
+    def _free_memory(self) -> int:
+        """The owner's spare memory (kept activations), then torch's cached blocks, back to the device."""
+        released = 0
+        if self.on_out_of_memory is not None:
+            try:
+                released = self.on_out_of_memory()
+            except Exception:  # noqa: BLE001 - the batch still runs again
+                logger.exception("freeing memory after an out-of-memory error failed")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return released
 
     def _observe(self, pool: TaskPool, batch: Sequence[Task], started: float, error: BaseException | None) -> None:
         if self.on_batch is not None:

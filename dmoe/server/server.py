@@ -166,6 +166,8 @@ class ExpertServer:
         )
         self.metrics = ServerMetrics(experts, self.activations, self.stages)
         self.runtime.on_batch = self.metrics.observe_batch
+        if self.activations is not None:  # kept forwards live on the experts' device: first to go when it is full
+            self.runtime.on_out_of_memory = self.activations.release
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None

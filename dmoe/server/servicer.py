@@ -158,6 +158,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             future = self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
         try:
             outputs = await asyncio.wrap_future(future)
+        except torch.OutOfMemoryError as exc:  # even alone, and after the server freed what it could
+            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"{kind} of {uid}: the server's device ran out of memory ({exc}); send fewer "
+                                  "rows or try another server") from None
         except Exception as exc:
             raise RequestRejected(grpc.StatusCode.INTERNAL,
                                   f"{kind} of {uid} failed on the server: {type(exc).__name__}: {exc}") from None
