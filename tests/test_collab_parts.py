@@ -282,7 +282,8 @@ def test_a_peer_too_late_for_a_single_group_gives_up_at_once_instead_of_waiting_
             assert all(info is not None and len(info.contributors) == 2 for info in infos)
             started = time.monotonic()
             assert averagers[2].step(weight=1.0, group_size=3, single_group=True) is None
-            assert time.monotonic() - started < 4  # not the 8 s of matchmaking: the round's group formed without it
+            # not the 8 s of matchmaking (with room for a loaded machine): the round's group formed without it
+            assert time.monotonic() - started < 7
             assert averagers[2].tensors[0].tolist() == [2.0, 2.0, 2.0]
         finally:
             for averager in averagers:
