@@ -259,15 +259,16 @@ class ServerStages:
         cache = self.cache
         peaks = ", ".join(f"{value / 2**20:.1f} MiB on {device}" for device, value in cache["peak"].items())
         print(f"the server's activation cache over the run: {cache['hit']:.0f} hits, {cache['miss']:.0f} misses, "
-              f"{cache['evicted']:.0f} evicted; at most {peaks or 'nothing'} kept at once")
+              f"{cache['evicted']:.0f} evicted, {cache['released']:.0f} released for a batch out of memory; at most "
+              f"{peaks or 'nothing'} kept at once")
 
     def activation_cache(self) -> dict:
-        """Hits, misses and evictions of the server's activation cache, and its peak bytes per device."""
+        """Hits, misses, evictions and releases of the server's activation cache, and its peak bytes per device."""
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(f"http://{self.endpoint}/metrics", timeout=30) as response:
             text = response.read().decode()
-        found: dict = {"hit": 0, "miss": 0, "evicted": 0, "peak": {}}
+        found: dict = {"hit": 0, "miss": 0, "evicted": 0, "released": 0, "peak": {}}
         for sample in (s for family in text_string_to_metric_families(text) for s in family.samples):
             if sample.name == "dmoe_activation_cache_total" and sample.labels["result"] in found:
                 found[sample.labels["result"]] = sample.value
