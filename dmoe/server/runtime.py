@@ -209,7 +209,8 @@ class Runtime:
             return
         self._observe(pool, batch, started, error)
         if isinstance(error, torch.OutOfMemoryError) and not freed:
-            self.out_of_memory += 1
+            with self._cond:  # workers may run out at once
+                self.out_of_memory += 1
             released = self._free_memory()
             logger.warning("%s ran out of memory on %s with %d rows: freed %.3g MiB of kept activations, running "
                            "it again", pool.name, self.device, sum(task.rows for task in batch), released / 2**20)
