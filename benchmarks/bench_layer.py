@@ -24,12 +24,13 @@ computing different experts at once) where the baselines use them inside each op
     python benchmarks/bench_layer.py --device cuda --no-overlap-copies    # the server's plain copies, to compare
     python benchmarks/bench_layer.py --profile       # and where the server's time goes (dmoe-server --profile)
 
-``--profile`` starts the server with ``--profile`` and prints, per batch size, the milliseconds per step that
-each stage of the server's path took (dmoe/server/profile.py), summed over the step's calls, requests and
-batches, and the part of the remote step spent outside the server's handlers (the client's gate, beam search and
-encoding, and gRPC's transport), then the server's activation cache over the run (hits, misses, evictions, and
-the most memory it held: on a GPU, device memory). On a GPU the profiled server synchronises between stages, so its
-remote times are not the unprofiled ones: take speed from a run without ``--profile``.
+``--profile`` starts the server with ``--profile`` and prints, per batch size, the milliseconds per step that each
+stage of the server's path took (dmoe/server/profile.py), summed over the step's calls, requests and batches, and
+the part of the remote step spent outside the server's handlers (the client's gate, beam search and encoding, and
+gRPC's transport), then the server's activation cache over the run (hits, misses, evictions, forwards released for a
+batch out of memory, and the most memory it held: on a GPU, device memory). On a GPU the profiled server
+synchronises between stages, so its remote times are not the unprofiled ones: take speed from a run without
+``--profile``.
 
 With ``--autocast``, the server computes under ``torch.autocast`` and each baseline runs its whole step (forward
 and backward) inside it; on a GPU autograd runs backward on its own thread, where autocast is off, so
@@ -44,7 +45,6 @@ import re
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -57,6 +57,7 @@ from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server.backend import make_optimizer
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
+from dmoe.server.metrics import read_metrics
 from dmoe.server.profile import STAGES, format_stages, read_stages, stage_difference
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
@@ -264,12 +265,8 @@ class ServerStages:
 
     def activation_cache(self) -> dict:
         """Hits, misses, evictions and releases of the server's activation cache, and its peak bytes per device."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(f"http://{self.endpoint}/metrics", timeout=30) as response:
-            text = response.read().decode()
         found: dict = {"hit": 0, "miss": 0, "evicted": 0, "released": 0, "peak": {}}
-        for sample in (s for family in text_string_to_metric_families(text) for s in family.samples):
+        for sample in read_metrics(self.endpoint):
             if sample.name == "dmoe_activation_cache_total" and sample.labels["result"] in found:
                 found[sample.labels["result"]] = sample.value
             elif sample.name == "dmoe_activation_cache_peak_bytes":

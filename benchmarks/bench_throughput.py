@@ -44,7 +44,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -295,17 +294,15 @@ def start_server(case: Case, args: argparse.Namespace):
 
 def server_counters(metrics_endpoint: str) -> dict[str, float]:
     """Rows and batches the server's runtime ran per method, and activation-cache hits, from its metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(f"http://{metrics_endpoint}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    from dmoe.server.metrics import read_metrics
+
     counters: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in ("dmoe_batch_rows_sum", "dmoe_batch_rows_count"):
-                name = f"{sample.labels.get('method', '?')}_{sample.name.rsplit('_', 1)[1]}"
-                counters[name] = counters.get(name, 0.0) + sample.value
-            elif family.name == "dmoe_activation_cache" and sample.labels.get("result") in ("hit", "miss"):
-                counters[sample.labels["result"]] = sample.value
+    for sample in read_metrics(metrics_endpoint, timeout=10):
+        if sample.name in ("dmoe_batch_rows_sum", "dmoe_batch_rows_count"):
+            name = f"{sample.labels.get('method', '?')}_{sample.name.rsplit('_', 1)[1]}"
+            counters[name] = counters.get(name, 0.0) + sample.value
+        elif sample.name == "dmoe_activation_cache_total" and sample.labels.get("result") in ("hit", "miss"):
+            counters[sample.labels["result"]] = sample.value
     return counters
 
 

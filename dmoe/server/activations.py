@@ -199,18 +199,22 @@ class ActivationCache:
     def _remove(self, entry_key: tuple[str, bytes]) -> None:
         self._count(self._entries.pop(entry_key), -1)
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Drops every kept forward; returns the bytes freed."""
         with self._lock:
-            self._entries.clear()
-            self.held = {device: 0 for device in self.held}
+            return self._drop_all()
 
     def release(self) -> int:
-        """Drops every kept forward because a computation ran out of device memory (the experts' own work comes
-        first); returns the bytes freed. Their backwards recompute, and ask the client for their inputs again."""
+        """:meth:`clear`, because a computation ran out of device memory (the experts' own work comes first), and
+        counted as such. Their backwards recompute, and ask the client for their inputs again."""
         with self._lock:
-            freed, self.released = self.nbytes, self.released + len(self._entries)
-            self._entries.clear()
-            self.held = {device: 0 for device in self.held}
+            self.released += len(self._entries)
+            return self._drop_all()
+
+    def _drop_all(self) -> int:
+        freed = self.nbytes
+        self._entries.clear()
+        self.held = {device: 0 for device in self.held}
         return freed
 
 

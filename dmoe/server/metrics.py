@@ -31,11 +31,14 @@ import functools
 import logging
 import threading
 import time
+import urllib.request
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
 from dmoe.wire import status_code
@@ -322,6 +325,13 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
         if not variant and handler.unary_unary is not None:
             return handler._replace(unary_unary=self.metrics._wrap_unary(handler.unary_unary, method))
         return handler
+
+
+def read_metrics(metrics_endpoint: str, timeout: float = 30.0) -> list[Sample]:
+    """Every sample of the metrics page a server serves at ``HOST:PORT`` (how benchmarks read remote servers)."""
+    with urllib.request.urlopen(f"http://{metrics_endpoint}/metrics", timeout=timeout) as response:
+        text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
 def _status_code(context: Any) -> grpc.StatusCode | None:
