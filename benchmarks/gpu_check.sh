@@ -8,8 +8,8 @@
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
 # committed stubs need: `fetch` downloads those (the versions pinned here are the ones .venv uses), `run` installs
 # them under /tmp/site. `run` then goes through the checks, most wanted first, each under its own time limit, and
-# writes each one's output to $OUT/NAME.txt (default results/gpu; 8 files, what the device tool brings back) as it
-# goes, so a run cut short keeps what it measured, and prints each one's last lines. It
+# writes each one's output to $OUT/NAME.txt (default results/gpu; at most 8 files, what the device tool brings back:
+# related checks share one) as it goes, so a run cut short keeps what it measured, and prints each one's last lines. It
 # starts no new check once GPU_BUDGET_S seconds (default 480) have passed: a lent machine's time is short.
 set -u
 cd "$(dirname "$0")/.."
@@ -31,34 +31,39 @@ run() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "installing the carried wheels failed: run 'benchmarks/gpu_check.sh fetch' here first"; exit 1; }
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-    step() {  # step NAME SECONDS COMMAND...: one check, its output kept as $out/NAME.txt
-        local name=$1 limit=$2
+    step() {  # step NAME SECONDS COMMAND...: one check, its output appended to $out/NAME.txt (NAME up to a '.')
+        local name=$1 limit=$2 file="$out/${1%%.*}.txt"
         shift 2
         if (( SECONDS - started + 20 > budget )); then
-            echo "== $name: skipped, the ${budget}s budget is spent"
+            echo "== $name: skipped, the ${budget}s budget is spent" | tee -a "$file"
             return
         fi
         local t0=$SECONDS
-        timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+        echo "== $name: $*" >> "$file"
+        timeout "$limit" "$@" >> "$file" 2>&1
         local rc=$?
-        echo "== $name: rc $rc in $((SECONDS - t0))s: $*"
-        tail -n 12 "$out/$name.txt"
+        echo "== $name: rc $rc in $((SECONDS - t0))s" | tee -a "$file"
+        tail -n 12 "$file"
     }
     nvidia-smi -L
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
     echo "$(nproc) CPU cores"
-    step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
     step layer 150 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10
+    step throughput 150 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1.5
+    step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
     step layer_bf16 150 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10 \
         --autocast bf16
-    step throughput 150 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1.5
     step throughput_bf16 150 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1.5 \
         --autocast bf16
-    step layer_profile 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 --steps 10 --profile
-    step layer_profile_plain_copies 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
+    step profile.layer 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 --steps 10 --profile
+    step profile.layer_plain_copies 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
         --steps 10 --profile --no-overlap-copies
-    step layer_plain_copies 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10 \
+    step profile.throughput 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1 \
+        --rounds 1 --profile
+    step plain_copies.layer 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10 \
         --no-overlap-copies
+    step plain_copies.throughput 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda \
+        --duration 1.5 --no-overlap-copies
     echo "done in $((SECONDS - started))s; outputs in $out"
 }
 
