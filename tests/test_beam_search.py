@@ -180,3 +180,53 @@ def test_siblings_tied_in_bound_are_looked_up_in_name_order_as_the_heap_breaks_t
     fake = FakeDHT(alive)
     assert beam_search(fake, "ffn", scores, 1, lookahead=2, speculate=False) == expected
     assert fake.calls == [["ffn"], ["ffn.10", "ffn.9"]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(), st.booleans())
+def test_a_cached_search_of_a_small_grid_scores_every_alive_expert_and_equals_brute_force(problem, warm):
+    """With a cache, grids of at most DENSE_MAX_PREFIXES prefix records are searched densely: same answer."""
+    grid, alive, excluded, scores, k = problem
+    expected = brute_force_top_k(alive, "ffn", scores, k, exclude=excluded)
+    cache = PrefixCache()
+    if warm:
+        assert beam_search(FakeDHT(alive), "ffn", scores, k, cache=cache) == brute_force_top_k(alive, "ffn", scores, k)
+    fake = FakeDHT(alive)
+    assert beam_search(fake, "ffn", scores, k, exclude=excluded, cache=cache) == expected
+    assert len(fake.calls) == (0 if warm else 1), "a cached tree was looked up again, or a cold one in rounds"
+    looked_up = [prefix for call in fake.calls for prefix in call]
+    assert len(looked_up) == len(set(looked_up))
+
+
+def test_the_dense_search_reads_a_cold_tree_in_one_round_and_only_below_records_it_does_not_know():
+    alive = {join_uid("ffn0", (i, j)): f"host:{i}" for i in range(4) for j in range(4) if (i, j) != (2, 1)}
+    del alive["ffn0.3.0"], alive["ffn0.3.1"], alive["ffn0.3.2"], alive["ffn0.3.3"]  # ffn0.3 is dead
+    scores = [torch.randn(256, 4, generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+    cache, fake = PrefixCache(), FakeDHT(alive)
+    assert beam_search(fake, "ffn0", scores, 4, cache=cache) == brute_force_top_k(alive, "ffn0", scores, 4)
+    assert fake.calls == [["ffn0", "ffn0.0", "ffn0.1", "ffn0.2", "ffn0.3"]]
+    assert cache.get("ffn0.3") == {}
+    # the layer's record expired alone: it is looked up again, and so are the children it lists that are not cached
+    cache._entries.pop("ffn0")
+    cache._entries.pop("ffn0.1")
+    fake.calls.clear()
+    assert beam_search(fake, "ffn0", scores, 4, cache=cache) == brute_force_top_k(alive, "ffn0", scores, 4)
+    assert fake.calls == [["ffn0", "ffn0.1"]]
+
+
+@pytest.mark.parametrize("case", ["nan scores", "grid too large"])
+def test_searches_the_dense_way_cannot_take_fall_back_to_the_per_row_search(case):
+    if case == "nan scores":
+        alive = {join_uid("ffn", (i, j)): "host:0" for i in range(3) for j in range(3)}
+        scores = [torch.tensor([[0.0, 1.0, float("nan")], [2.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0]] * 2)]
+        expected = beam_search(FakeDHT(alive), "ffn", scores, 2)  # no cache: the per-row search
+    else:  # 1 + 64 prefix records
+        rng = random.Random(4)
+        alive = {join_uid("ffn", (i, j)): "host:0" for i in range(64) for j in range(64) if rng.random() < 0.2}
+        scores = [torch.randn(8, 64, generator=torch.Generator().manual_seed(s)) for s in (7, 8)]
+        expected = brute_force_top_k(alive, "ffn", scores, 4)
+    fake = FakeDHT(alive)  # (speculate=False: the per-row search then looks up the layer's record alone first)
+    assert beam_search(fake, "ffn", scores, 2 if case == "nan scores" else 4, cache=PrefixCache(),
+                       speculate=False) == expected
+    if case == "grid too large":
+        assert fake.calls[0] == ["ffn"], "a grid over DENSE_MAX_PREFIXES records was read whole"

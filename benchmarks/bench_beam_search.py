@@ -1,0 +1,81 @@
+"""Beam search's CPU time per forward: the dense search of a small grid against the per-row search.
+
+A trainer runs one beam search per DMoE layer per forward, on its own CPU, before any expert is called; on a GPU
+trainer that time is not hidden behind compute. Both searches here read a warm :class:`dmoe.PrefixCache` (the
+layer's steady state: no look-ups) over a full grid, with the gate's scores of ``--batches`` rows, and must give
+the same answer (checked on every search).
+
+    python benchmarks/bench_beam_search.py                      # grids 4x4, 8x8, 16x16; batches 16 64 256 1024
+    python benchmarks/bench_beam_search.py --grids 4x4 --batches 256 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+
+from dmoe.client.beam_search import PrefixCache, beam_search, prefix_records
+from dmoe.uid import join_uid, strict_prefixes
+
+
+class Records:
+    """Prefix records of a full grid in memory (a DHT's, without the network): what a warm cache holds."""
+
+    def __init__(self, layer: str, grid: list[int]):
+        self.records: dict[str, dict[int, str]] = {}
+        for coords in itertools.product(*(range(size) for size in grid)):
+            for prefix, coord in strict_prefixes(join_uid(layer, coords)):
+                self.records.setdefault(prefix, {})[coord] = f"127.0.0.1:{8000 + coords[0]}"
+
+    def get_alive_continuations(self, prefixes):
+        return {prefix: dict(self.records.get(prefix, {})) for prefix in prefixes}
+
+
+def timed(search, repeats: int) -> tuple[float, list]:
+    """The median seconds of ``repeats`` searches, and the last answer."""
+    times, answer = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        answer = search()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), answer
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grids", nargs="+", default=["4x4", "8x8", "16x16"], help="grids as AxB[xC]")
+    parser.add_argument("--batches", nargs="+", type=int, default=[16, 64, 256, 1024])
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=9, help="searches timed per case (the median is printed)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    print(f"beam search top-{args.k} over a full grid, warm prefix cache, median of {args.repeats} searches, "
+          "1 torch thread")
+    print(f"{'grid':>8} {'records':>8} {'batch':>6} {'per-row ms':>11} {'dense ms':>9} {'speed-up':>9}")
+    for grid_name in args.grids:
+        grid = [int(size) for size in grid_name.split("x")]
+        source = Records("ffn0", grid)
+        for batch in args.batches:
+            generator = torch.Generator().manual_seed(batch)
+            scores = [torch.randn(batch, size, generator=generator) for size in grid]
+            cache = PrefixCache(ttl=3600)
+            beam_search(source, "ffn0", scores, args.k, cache=cache)  # warms the cache
+            per_row, expected = timed(lambda: beam_search(source, "ffn0", scores, args.k, cache=cache, dense=False),
+                                      args.repeats)
+            dense, answer = timed(lambda: beam_search(source, "ffn0", scores, args.k, cache=cache), args.repeats)
+            if answer != expected:
+                raise SystemExit(f"the searches disagree on grid {grid_name} at batch {batch}")
+            rows.append(dict(grid=grid_name, records=prefix_records(grid), batch=batch, per_row_ms=1e3 * per_row,
+                             dense_ms=1e3 * dense, speedup=per_row / dense))
+            r = rows[-1]
+            print(f"{grid_name:>8} {r['records']:>8} {batch:>6} {r['per_row_ms']:>11.2f} {r['dense_ms']:>9.2f} "
+                  f"{r['speedup']:>8.1f}x")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
