@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2, status_code
-from dmoe.wire.codec import NONE, cut_into_parts, deserialize, join_parts, message_bytes, parse_compression, serialize
+from dmoe.wire.codec import (NONE, cut_into_parts, deserialize, encoded_bytes, join_parts, parse_compression,
+                             serialize)
 
 #: Requests above this many tensor bytes are streamed (headroom for the message's own fields).
 UNARY_LIMIT_BYTES = MAX_MESSAGE_BYTES - 1024 * 1024
@@ -58,16 +59,16 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
           activation_id: bytes | None) -> "Future[list[torch.Tensor]]":
     channels = channels or ChannelPool.default()
     compression = parse_compression(compression)
-    messages = [serialize(t, compression) for t in tensors]
     stub = channels.stub(endpoint)
     future: Future[list[torch.Tensor]] = Future()
 
     def failure(error: grpc.RpcError) -> RemoteExpertError:
         return RemoteExpertError(uid, endpoint, error.code(), error.details() or "")
 
-    if message_bytes(messages) <= unary_limit:
-        request = dmoe_pb2.ExpertRequest(uid=uid, tensors=messages, response_compression=compression,
-                                         activation_id=activation_id or b"")
+    if sum(encoded_bytes(t, compression) for t in tensors) <= unary_limit:
+        request = dmoe_pb2.ExpertRequest(uid=uid, response_compression=compression, activation_id=activation_id or b"")
+        for t in tensors:
+            serialize(t, compression, out=request.tensors.add())  # in place: no second copy of the bytes
         call = getattr(stub, method).future(request, timeout=timeout)
 
         def unpack() -> list[torch.Tensor]:
@@ -80,6 +81,8 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
         call.add_done_callback(lambda _: _settle(future, unpack))
         future.add_done_callback(lambda f: call.cancel() if f.cancelled() else None)
         return future
+
+    messages = [serialize(t, compression) for t in tensors]
 
     def requests():
         for i, group in enumerate(cut_into_parts(messages, STREAM_PART_BYTES)):
@@ -171,13 +174,17 @@ def _resend_with_inputs(first: "Future[list[torch.Tensor]]",
 Item = tuple[str, str, Sequence[torch.Tensor], "bytes | None"]
 
 
-def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, list[dmoe_pb2.Tensor], bytes | None]], *,
+def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[torch.Tensor], bytes | None]], *,
                 timeout: float | None, compression: int, channels: ChannelPool) -> "list[Future[list[torch.Tensor]]]":
-    """One ``{method}_batch`` call carrying every item (uid, serialized tensors, activation_id); a future each."""
-    request = dmoe_pb2.BatchRequest(items=[
-        dmoe_pb2.ExpertRequest(uid=uid, tensors=messages, response_compression=compression,
-                               activation_id=activation_id or b"")
-        for uid, messages, activation_id in items])
+    """One ``{method}_batch`` call carrying every item (uid, tensors, activation_id); a future each.
+
+    The request is filled in place: building each item's messages first and passing them to the request's
+    constructor copies every byte once more (protobuf copies sub-messages it is given), per level of nesting."""
+    request = dmoe_pb2.BatchRequest()
+    for uid, tensors, activation_id in items:
+        item = request.items.add(uid=uid, response_compression=compression, activation_id=activation_id or b"")
+        for t in tensors:
+            serialize(t, compression, out=item.tensors.add())
     call = getattr(channels.stub(endpoint), f"{method}_batch").future(request, timeout=timeout)
     futures: list[Future[list[torch.Tensor]]] = [Future() for _ in items]
 
@@ -226,12 +233,11 @@ def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compr
     for i, (_, endpoint, _, _) in enumerate(items):
         by_endpoint.setdefault(endpoint, []).append(i)
     for endpoint, indices in by_endpoint.items():
-        packs: list[list[tuple[int, str, list[dmoe_pb2.Tensor], bytes | None]]] = [[]]
+        packs: list[list[tuple[int, str, Sequence[torch.Tensor], bytes | None]]] = [[]]
         size = 0
         for i in indices:
             uid, _, tensors, activation_id = items[i]
-            messages = [serialize(t, compression) for t in tensors]
-            nbytes = message_bytes(messages)
+            nbytes = sum(encoded_bytes(t, compression) for t in tensors)
             if nbytes > unary_limit:
                 futures[i] = _call(method, endpoint, uid, tensors, timeout=timeout, compression=compression,
                                    channels=channels, unary_limit=unary_limit, activation_id=activation_id)
@@ -239,11 +245,11 @@ def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compr
             if packs[-1] and (size + nbytes > unary_limit or len(packs[-1]) >= MAX_BATCH_ITEMS):
                 packs.append([])
                 size = 0
-            packs[-1].append((i, uid, messages, activation_id))
+            packs[-1].append((i, uid, tensors, activation_id))
             size += nbytes
         for pack in filter(None, packs):
-            sent = _batch_call(method, endpoint, [(uid, messages, activation_id)
-                                                  for _, uid, messages, activation_id in pack],
+            sent = _batch_call(method, endpoint, [(uid, tensors, activation_id)
+                                                  for _, uid, tensors, activation_id in pack],
                                timeout=timeout, compression=compression, channels=channels)
             for (i, _, _, _), future in zip(pack, sent):
                 futures[i] = future

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import grpc
 import torch
@@ -108,18 +108,21 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         )
 
     async def _call(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,
-                    context: grpc.aio.ServicerContext, activation_id: bytes = b"") -> list[dmoe_pb2.Tensor]:
+                    context: grpc.aio.ServicerContext, activation_id: bytes = b"",
+                    into: Any = None) -> list[dmoe_pb2.Tensor]:
         try:
-            return await self._compute(kind, uid, tensors, compression, activation_id)
+            return await self._compute(kind, uid, tensors, compression, activation_id, into=into)
         except RequestRejected as rejected:
             await context.abort(rejected.code, rejected.message)
 
     async def _compute(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,
-                       activation_id: bytes = b"", delay: bool = True) -> list[dmoe_pb2.Tensor]:
+                       activation_id: bytes = b"", delay: bool = True, into: Any = None) -> list[dmoe_pb2.Tensor]:
         """Validates one expert's request, runs it on the runtime and encodes the answer.
 
         Raises :class:`RequestRejected` with the status to answer (a call of its own, or one item of a batch).
         ``delay``: injected faults include the round trip's delay (a batch pays it once for all of its items).
+        ``into``: the repeated Tensor field of the answer to encode the outputs into, in place (a finished Tensor
+        given to a message's constructor is copied once more, bytes and all); None: new messages.
         """
         expert = self._lookup(uid)
         started = time.perf_counter() if self.stages is not None else 0.0
@@ -166,11 +169,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             raise RequestRejected(grpc.StatusCode.INTERNAL,
                                   f"{kind} of {uid} failed on the server: {type(exc).__name__}: {exc}") from None
         compression = compression or self.default_compression
-        if self.stages is None:
-            return [serialize(y, compression) for y in outputs]
-        started = time.perf_counter()
-        encoded = [serialize(y, compression) for y in outputs]
-        self.stages.add("encode", time.perf_counter() - started)
+        started = time.perf_counter() if self.stages is not None else 0.0
+        encoded = [serialize(y, compression, out=None if into is None else into.add()) for y in outputs]
+        if self.stages is not None:
+            self.stages.add("encode", time.perf_counter() - started)
         return encoded
 
     async def _batch(self, kind: str, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
@@ -184,26 +186,30 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                 f"{self.max_batch_items} per call are allowed")
         if self.faults is not None:
             await self.faults.wait()  # one round trip for the whole call
-        results = await asyncio.gather(*(self._item(kind, item) for item in items))
-        return dmoe_pb2.BatchResponse(results=results)
+        response = dmoe_pb2.BatchResponse()
+        results = [response.results.add() for _ in items]  # filled in place, in the items' order
+        await asyncio.gather(*(self._item(kind, item, result) for item, result in zip(items, results)))
+        return response
 
-    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest) -> dmoe_pb2.ExpertResult:
+    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest, result: dmoe_pb2.ExpertResult) -> None:
         try:
-            tensors = await self._compute(kind, item.uid, item.tensors, item.response_compression,
-                                          item.activation_id, delay=False)
+            await self._compute(kind, item.uid, item.tensors, item.response_compression, item.activation_id,
+                                delay=False, into=result.tensors)
         except RequestRejected as rejected:
-            return dmoe_pb2.ExpertResult(code=rejected.code.value[0], message=rejected.message)
-        return dmoe_pb2.ExpertResult(tensors=tensors)
+            result.Clear()  # (nothing was added: a rejection comes before any output is encoded)
+            result.code, result.message = rejected.code.value[0], rejected.message
 
     async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
-        tensors = await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
-                                   request.activation_id)
-        return dmoe_pb2.ExpertResponse(tensors=tensors)
+        response = dmoe_pb2.ExpertResponse()
+        await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
+                         request.activation_id, into=response.tensors)
+        return response
 
     async def backward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
-        tensors = await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
-                                   request.activation_id)
-        return dmoe_pb2.ExpertResponse(tensors=tensors)
+        response = dmoe_pb2.ExpertResponse()
+        await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
+                         request.activation_id, into=response.tensors)
+        return response
 
     async def forward_batch(self, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
         return await self._batch(FORWARD, request, context)

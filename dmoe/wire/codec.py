@@ -106,6 +106,12 @@ def _quantize_uint8(tensor: torch.Tensor) -> tuple[bytes, bytes]:
 
 def expected_numel(message: dmoe_pb2.Tensor, max_numel: int) -> int:
     """Validates dtype, shape and buffer length; returns the element count. Allocates nothing."""
+    return _validated(message, len(message.buffer), len(message.aux), max_numel)
+
+
+def _validated(message: dmoe_pb2.Tensor, buffer_bytes: int, aux_bytes: int, max_numel: int) -> int:
+    """:func:`expected_numel` for buffers already read: each read of a bytes field copies it (upb's Python
+    messages return a new ``bytes`` every time), so a decoder reads the buffer once and checks its length."""
     if message.dtype not in DTYPES:
         raise InvalidTensor(f"unknown dtype {message.dtype!r}; supported: {', '.join(DTYPES)}")
     shape = list(message.shape)
@@ -128,31 +134,42 @@ def expected_numel(message: dmoe_pb2.Tensor, max_numel: int) -> int:
         want, want_aux = numel, math.ceil(numel / UINT8_BLOCK) * 8
     else:
         raise InvalidTensor(f"unknown compression {compression}")
-    if len(message.buffer) != want or len(message.aux) != want_aux:
+    if buffer_bytes != want or aux_bytes != want_aux:
         raise InvalidTensor(
-            f"buffer of {len(message.buffer)} bytes (+{len(message.aux)} aux) does not match shape {shape} "
+            f"buffer of {buffer_bytes} bytes (+{aux_bytes} aux) does not match shape {shape} "
             f"of {message.dtype} with compression {Compression.Name(compression)}: expected {want} (+{want_aux})"
         )
     return numel
 
 
+def encoded_bytes(tensor: torch.Tensor, compression: int = NONE) -> int:
+    """The buffer bytes (and aux) that :func:`serialize` would make of ``tensor``, without making them."""
+    numel = tensor.numel()
+    if not tensor.is_floating_point() or numel == 0 or compression not in (FLOAT16, UINT8):
+        return numel * tensor.element_size()
+    if compression == FLOAT16:
+        return numel * 2
+    return numel + math.ceil(numel / UINT8_BLOCK) * 8
+
+
 def deserialize(message: dmoe_pb2.Tensor, max_numel: int = 2**31) -> torch.Tensor:
     """Unpacks a message into a CPU tensor of its declared dtype and shape (validated first)."""
-    numel = expected_numel(message, max_numel)
+    buffer, aux = message.buffer, message.aux  # read once: every read copies the bytes (aux is small)
+    numel = _validated(message, len(buffer), len(aux), max_numel)
     dtype = DTYPES[message.dtype]
     shape = tuple(message.shape)
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     if message.compression == FLOAT16:
-        return _frombuffer(message.buffer, torch.float16).to(dtype).view(shape)
+        return _frombuffer(buffer, torch.float16).to(dtype).view(shape)
     if message.compression == UINT8:
-        codes = _frombuffer(message.buffer, torch.uint8)
+        codes = _frombuffer(buffer, torch.uint8)
         blocks = math.ceil(numel / UINT8_BLOCK)
-        scale_low = _frombuffer(message.aux, torch.float32).view(blocks, 2)
+        scale_low = _frombuffer(aux, torch.float32).view(blocks, 2)
         padded = torch.nn.functional.pad(codes.float(), (0, blocks * UINT8_BLOCK - numel)).view(blocks, UINT8_BLOCK)
         values = padded * scale_low[:, :1] + scale_low[:, 1:]
         return values.reshape(-1)[:numel].to(dtype).view(shape)
-    return _frombuffer(message.buffer, dtype).view(shape)
+    return _frombuffer(buffer, dtype).view(shape)
 
 
 # Decoded tensors share memory with the immutable message bytes (zero copy); callers that write into them
