@@ -21,8 +21,10 @@ from dmoe import DHT, DecentralizedAverager
 from tests.averaging_peers import ATTACKS, STALLED, make_tensors, weight_of
 from tests.procs import Proc, processes, running
 
-#: matchmaking waits 30 s for a group to fill: the processes start at their own pace on a loaded machine
-QUICK = {"poll_period": 0.1, "piece_bytes": 262144, "matchmaking_time": 30.0}
+#: matchmaking waits up to 60 s for a group to fill (a full group forms at once; the wait only runs out when a peer
+#: is late): the processes start at their own pace, and ~40 peers poll one DHT node, on a loaded machine. With 30 s
+#: a suite on two workers once saw a peer of the uint8 job miss its group (the other three averaged without it).
+QUICK = {"poll_period": 0.1, "piece_bytes": 262144, "matchmaking_time": 60.0}
 CLIENT = {"settings": {"client_mode": True}}
 
 JOBS = [
@@ -161,6 +163,8 @@ def test_peers_crowded_in_one_cell_spread_over_the_grid_and_reach_the_exact_mean
 def test_compressed_rounds_stay_within_the_codec_error(runs, compression):
     folder, results = job_results(runs, compression)
     everyone = sorted(results)
+    alone = [i for i in everyone if results[i]["infos"] != [] and results[i]["infos"][0] is None]
+    assert not alone, f"peers {alone} found no group: the codec's error is measured over a full group"
     exact, inputs = weighted_mean(everyone), [make_tensors(i) for i in everyone]
     held = [saved(folder, i) for i in everyone]
     for k, want in enumerate(exact):
