@@ -21,7 +21,7 @@ computing different experts at once) where the baselines use them inside each op
     python benchmarks/bench_layer.py --quick         # small and fast (what the test suite runs)
     python benchmarks/bench_layer.py --device cuda   # server, in-process experts, gate and inputs on the GPU
     python benchmarks/bench_layer.py --device cuda --autocast bf16        # server and baselines under autocast
-    python benchmarks/bench_layer.py --device cuda --no-overlap-copies    # the server's plain copies, to compare
+    python benchmarks/bench_layer.py --device cuda --overlap-copies    # the server's pinned copies, to compare
     python benchmarks/bench_layer.py --profile       # and where the server's time goes (dmoe-server --profile)
 
 ``--profile`` starts the server with ``--profile`` and prints, per batch size, the milliseconds per step that each
@@ -85,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="where the server, the baselines and the gate compute")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
                         help="the server's --autocast, and the baselines' steps under torch.autocast")
-    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print where its time goes per step")
@@ -163,7 +163,7 @@ def main(argv=None) -> list[dict]:
                                server_args=("--optimizer", "adam", "--lr", str(args.lr), "--device", args.device,
                                             "--max-batch-size", str(max(args.batches) * args.k),
                                             *(("--autocast", args.autocast) if args.autocast else ()),
-                                            *(() if args.overlap_copies else ("--no-overlap-copies",)),
+                                            ("--overlap-copies" if args.overlap_copies else "--no-overlap-copies"),
                                             *(("--workers", str(args.server_workers)) if args.server_workers else ()),
                                             *(("--profile", "--metrics-port", "0") if args.profile else ())))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
@@ -202,7 +202,7 @@ def main(argv=None) -> list[dict]:
                              rounds=len(timed), dropped=remote.stats.experts_dropped))
     args.results.mkdir(parents=True, exist_ok=True)
     suffix = ("" if device.type == "cpu" else f"_{device.type}") + (f"_{args.autocast}" if args.autocast else "")
-    suffix += "" if args.overlap_copies or device.type == "cpu" else "_plain_copies"
+    suffix += "_overlap_copies" if args.overlap_copies and device.type != "cpu" else ""
     out = args.results / f"bench_layer{suffix}.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -212,7 +212,7 @@ def main(argv=None) -> list[dict]:
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
           f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {workers} "
           f"workers sharing them), device {args.device}, autocast {args.autocast or 'off'}"
-          f"{'' if args.overlap_copies else ', server copies plain'}, median of {args.steps} steps, "
+          f"{', server copies pinned on copy streams' if args.overlap_copies else ''}, median of {args.steps} steps, "
           f"{args.rounds} round(s)")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
           f"{'(rounds: low-high)':>19} {'vs recompute':>13}")

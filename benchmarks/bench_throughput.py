@@ -22,11 +22,16 @@ its clients run elsewhere.
     python benchmarks/bench_throughput.py --preset quick        # a few minutes on a shared 2-core machine
     python benchmarks/bench_throughput.py --preset compute      # ffn h=1024, batches 64..2048, all modes
     python benchmarks/bench_throughput.py --preset overhead     # nop, batch 1, many clients: requests/s
+    python benchmarks/bench_throughput.py --preset transport    # compute's traffic (h=1024, batches 256..2048), nop
     python benchmarks/bench_throughput.py --preset compute --device cuda   # server and limit on the GPU
     python benchmarks/bench_throughput.py --preset compute --device cuda --autocast bf16   # both under autocast
-    python benchmarks/bench_throughput.py --preset compute --device cuda --no-overlap-copies   # server: plain copies
+    python benchmarks/bench_throughput.py --preset compute --device cuda --overlap-copies   # server: pinned copies
     python benchmarks/bench_throughput.py --preset smoke        # seconds; what the test suite runs
     python benchmarks/bench_throughput.py --preset compute --profile   # and the server's stages per case
+
+``transport`` sends what ``compute`` sends to experts that return their inputs (``nop``): its remote rows/s are
+the most the server's path (gRPC, decoding, copies, encoding) carries with no compute at all, the ceiling of
+``compute``'s remote rate; its limit (a no-op in process) means nothing.
 
 ``--profile`` starts the server with ``--profile`` (dmoe/server/profile.py) and prints, after each case, the time
 of each stage of the server's path over the measured rounds, per event and per client request. On a GPU the
@@ -73,6 +78,9 @@ def preset_cases(name: str) -> list[Case]:
         for batch in compute_batches[name]:
             for mode in MODES:
                 cases.append(Case("ffn", 1024, batch, mode, clients=2, inflight=2, experts=4))
+    if name == "transport":  # the compute preset's traffic with no compute: the server path's own ceiling
+        return [Case("nop", 1024, batch, mode, clients=2, inflight=2, experts=4)
+                for batch in (256, 1024, 2048) for mode in MODES]
     if name == "smoke":  # what the test suite runs: every mode once, in seconds
         return [Case("ffn", 32, 16, mode, clients=1, inflight=2, experts=2) for mode in MODES]
     if name in ("quick", "overhead", "full"):
@@ -287,7 +295,7 @@ def start_server(case: Case, args: argparse.Namespace):
                  "--torch-threads", str(args.torch_threads), "--optimizer", args.optimizer, "--lr", str(args.lr),
                  "--activation-cache-mb", str(args.activation_cache_mb), "--metrics-port", "0",
                  "--log-level", "WARNING", *(("--autocast", args.autocast) if args.autocast else ()),
-                 *(() if args.overlap_copies else ("--no-overlap-copies",)),
+                 "--overlap-copies" if args.overlap_copies else "--no-overlap-copies",
                  *(("--profile",) if args.profile else ())],
                 env={"OMP_NUM_THREADS": str(args.torch_threads)})
 
@@ -322,7 +330,8 @@ def formed_batches(before: dict[str, float], after: dict[str, float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="quick", choices=["quick", "compute", "overhead", "full", "smoke"])
+    parser.add_argument("--preset", default="quick",
+                        choices=["quick", "compute", "transport", "overhead", "full", "smoke"])
     parser.add_argument("--duration", type=float, default=None, help="seconds per measurement (default by preset)")
     parser.add_argument("--warmup-requests", type=int, default=2,
                         help="untimed requests per client thread (and as many for the limit) before each case")
@@ -338,7 +347,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the server and the limit compute (cpu, cuda)")
     parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
                         help="the server's --autocast; the limit runs the same forwards and backwards under it")
-    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print its stage times after each case")
@@ -353,7 +362,7 @@ def main() -> None:
     n_clients = max(case.clients for case in cases)
     print(f"preset {args.preset}: {len(cases)} cases, {duration:g} s each, server/limit torch threads "
           f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}, "
-          f"autocast {args.autocast or 'off'}{'' if args.overlap_copies else ', server copies plain'}", flush=True)
+          f"autocast {args.autocast or 'off'}{', server copies pinned on copy streams' if args.overlap_copies else ''}", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []

@@ -3,6 +3,8 @@
 #
 #   benchmarks/gpu_check.sh fetch   # here, where pip reaches its index: the wheels the GPU image lacks, into .whl/
 #   benchmarks/gpu_check.sh run     # on the GPU machine, from the repository root, with .whl/ carried along
+#   benchmarks/gpu_check.sh variants   # there too: the layer with 1, 2 and 4 server workers and pinned copies, the
+#                                      # server path's ceiling (bench_throughput --preset transport), the CUDA tests
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
@@ -25,8 +27,8 @@ fetch() {
     ls -l .whl
 }
 
-run() {
-    local out=${OUT:-results/gpu} budget=${GPU_BUDGET_S:-480} started=$SECONDS
+run() {  # run [PLAN]: the checks of plan_PLAN (default: plan_issue)
+    local out=${OUT:-results/gpu} budget=${GPU_BUDGET_S:-480} started=$SECONDS plan=plan_${1:-issue}
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "installing the carried wheels failed: run 'benchmarks/gpu_check.sh fetch' here first"; exit 1; }
@@ -48,6 +50,11 @@ run() {
     nvidia-smi -L
     python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
     echo "$(nproc) CPU cores"
+    "$plan"
+    echo "done in $((SECONDS - started))s; outputs in $out"
+}
+
+plan_issue() {  # issue #24's tables, most wanted first, and the breakdown
     step layer 150 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10
     step throughput 150 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1.5
     step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
@@ -56,19 +63,32 @@ run() {
     step throughput_bf16 150 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1.5 \
         --autocast bf16
     step profile.layer 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 --steps 10 --profile
-    step profile.layer_plain_copies 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
-        --steps 10 --profile --no-overlap-copies
+    step profile.layer_pinned_copies 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
+        --steps 10 --profile --overlap-copies
     step profile.throughput 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1 \
         --rounds 1 --profile
-    step plain_copies.layer 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10 \
-        --no-overlap-copies
-    step plain_copies.throughput 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda \
-        --duration 1.5 --no-overlap-copies
-    echo "done in $((SECONDS - started))s; outputs in $out"
+    step pinned_copies.layer 120 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10 \
+        --overlap-copies
+    step pinned_copies.throughput 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda \
+        --duration 1.5 --overlap-copies
+}
+
+plan_variants() {  # what the server's defaults on a GPU should be, and how far the server's path can go
+    local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
+    step layer.1_worker 100 $layer
+    step layer.2_workers 100 $layer --server-workers 2
+    step layer.4_workers 100 $layer --server-workers 4
+    step layer.pinned_copies 100 $layer --overlap-copies
+    step transport 100 python3 benchmarks/bench_throughput.py --preset transport --device cuda --duration 1 \
+        --rounds 1
+    step cuda_tests 100 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
+    step layer.4_workers_bf16 100 $layer --server-workers 4 --autocast bf16
+    step layer.4_workers_pinned_copies 100 $layer --server-workers 4 --overlap-copies
 }
 
 case "${1:-}" in
     fetch) fetch ;;
-    run) run ;;
-    *) echo "usage: $0 fetch|run" >&2; exit 2 ;;
+    run) run issue ;;
+    variants) run variants ;;
+    *) echo "usage: $0 fetch|run|variants" >&2; exit 2 ;;
 esac

@@ -34,8 +34,9 @@ def local_copy(uid: str, device: str = "cpu") -> torch.nn.Module:
     return create_expert("ffn", HIDDEN, seed=expert_seed(3, uid)).to(device)
 
 
-@pytest.mark.parametrize("copies", [(), ("--workers", "2"), ("--no-overlap-copies",)],
-                         ids=["pinned-copy-stream", "two-workers", "plain-copies"])
+@pytest.mark.parametrize("copies", [(), ("--workers", "2"), ("--overlap-copies",),
+                                    ("--overlap-copies", "--workers", "2")],
+                         ids=["plain-copies", "two-workers", "pinned-copy-stream", "pinned-two-workers"])
 def test_a_cuda_server_computes_what_the_cpu_module_computes_and_trains(copies):
     with running(*server_args("--device", "cuda", *copies)) as proc:
         endpoint = proc.endpoint()
@@ -100,7 +101,7 @@ def test_a_layer_on_the_gpu_mixes_cuda_served_experts_like_in_process_gpu_expert
 
 def test_cuda_transfers_join_host_requests_in_pinned_memory_and_hand_back_pinned_outputs():
     device = torch.device("cuda")
-    transfers = make_transfers(device)
+    transfers = make_transfers(device, overlap=True)
     assert isinstance(transfers, CudaTransfers)
     host = [(torch.randn(3, 8), torch.randn(3, 2)), (torch.randn(5, 8), torch.randn(5, 2))]
     joined = transfers.inputs(host)
@@ -118,7 +119,7 @@ def test_cuda_transfers_join_host_requests_in_pinned_memory_and_hand_back_pinned
 def test_two_cuda_workers_with_their_own_copy_streams_answer_many_concurrent_requests_correctly():
     weight = torch.randn(64, 64)
     on_device = weight.cuda()
-    with Runtime("cuda", workers=2) as runtime:
+    with Runtime("cuda", workers=2, overlap_copies=True) as runtime:
         pools = [runtime.create_pool(f"p{i}", lambda x: (torch.tanh(x @ on_device),), max_batch_size=256)
                  for i in range(4)]
         xs = [torch.randn(1 + i % 7, 64) for i in range(200)]

@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=positive_int, default=None,
                         help="threads that compute, sharing out the torch threads (default: 2 on a CPU with 2+ "
                              "threads, 1 on a GPU)")
-    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="on a GPU, copy through pinned memory on a copy stream per worker and wait once per "
-                             "batch; --no-overlap-copies: plain blocking copies (to measure against)")
+                             "batch (default: plain copies, faster on the GPUs measured; benchmarks/README.md)")
     parser.add_argument("--profile", action="store_true",
                         help="time each stage of the server's path (decode, queue, batch, copies, compute, encode): "
                              "in the metrics as dmoe_stage_seconds_total, and printed at shutdown; on a GPU it "

@@ -67,7 +67,8 @@ class ServerConfig:
             shared out between them. None: two on a CPU with two or more threads (each half of them), one on a
             GPU.
         overlap_copies: on a GPU, copy through pinned memory on each worker's own copy stream and wait once per
-            batch (:mod:`dmoe.server.transfer`); False: plain blocking copies. No effect on a CPU.
+            batch (:mod:`dmoe.server.transfer`); False (the default: faster on the GPUs measured, see
+            benchmarks/README.md): plain blocking copies. No effect on a CPU.
         profile: time every stage of the server's path (decode, queue, batch, copies, compute, encode; see
             :mod:`dmoe.server.profile`) into ``server.stages`` and the metrics. On a GPU it synchronises the
             device between stages, so leave it off where speed counts.
@@ -92,7 +93,7 @@ class ServerConfig:
     activation_cache_mb: float = 512.0
     activation_ttl: float = 60.0
     workers: int | None = None
-    overlap_copies: bool = True
+    overlap_copies: bool = False
     profile: bool = False
 
 

@@ -1,13 +1,17 @@
 """How a batch's tensors reach the compute device and come back: one object per compute worker.
 
 On a CPU there is nothing to move: requests are joined into one batch and outputs handed back as they are. On a
-GPU (issue #24) the copies are what a volunteer's card should not wait on:
+GPU, plain copies by default; with ``--overlap-copies`` (:class:`CudaTransfers`), meant to keep a volunteer's card
+from waiting on copies:
 
 * a batch of host tensors is joined once into a pinned (page-locked) host buffer and copied to the device with
   ``non_blocking=True`` on the worker's own copy stream, so one worker's copies run beside another worker's kernels
   on the compute stream (a pageable copy would stage through a driver buffer and block the worker);
 * outputs come back into pinned host tensors with non-blocking copies, and the worker waits once per batch (one
   event) instead of once per output tensor (``.cpu()`` synchronises every time).
+
+On the H200 measured (benchmarks/README.md, "On a GPU") the plain copies were faster: staging every batch in
+pinned memory cost more than the overlap saved, with one worker or several.
 
 Compute itself stays on the device's current stream, as before: the experts' weights, optimizer state and kept
 activations are shared by all workers, and one compute stream keeps their ordering what it was. Only tensors made
@@ -116,9 +120,9 @@ def pinned_join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def make_transfers(device: torch.device, overlap: bool = True) -> Transfers:
-    """The transfers for one compute worker on ``device``; ``overlap=False`` keeps plain copies on a GPU (to measure
-    against, or to rule them out)."""
+def make_transfers(device: torch.device, overlap: bool = False) -> Transfers:
+    """The transfers for one compute worker on ``device``: plain copies, or with ``overlap`` on a GPU pinned staging
+    on a copy stream (slower than plain copies on the H200 measured: benchmarks/README.md, "On a GPU")."""
     if device.type == "cuda" and overlap:
         return CudaTransfers(device)
     return Transfers(device)
