@@ -196,6 +196,22 @@ def test_a_cached_search_of_a_small_grid_scores_every_alive_expert_and_equals_br
     assert len(fake.calls) == (0 if warm else 1), "a cached tree was looked up again, or a cold one in rounds"
     looked_up = [prefix for call in fake.calls for prefix in call]
     assert len(looked_up) == len(set(looked_up))
+    # the per-row search reads the same warm cache: the same answer, and nothing looked up
+    fake.calls.clear()
+    assert beam_search(fake, "ffn", scores, k, exclude=excluded, cache=cache, dense=False) == expected
+    assert fake.calls == []
+
+
+def test_a_warm_cache_spares_the_per_row_search_of_a_large_grid_every_look_up():
+    rng = random.Random(5)
+    alive = {join_uid("ffn0", (i, j)): "host:0" for i in range(64) for j in range(64) if rng.random() < 0.5}
+    scores = [torch.randn(64, 64, generator=torch.Generator().manual_seed(s)) for s in (9, 10)]
+    cache, fake = PrefixCache(), FakeDHT(alive)
+    expected = brute_force_top_k(alive, "ffn0", scores, 4)
+    assert beam_search(fake, "ffn0", scores, 4, cache=cache) == expected
+    fake.calls.clear()
+    assert beam_search(fake, "ffn0", scores, 4, cache=cache) == expected
+    assert fake.calls == [], "prefixes in the cache were looked up again"
 
 
 def test_the_dense_search_reads_a_cold_tree_in_one_round_and_only_below_records_it_does_not_know():

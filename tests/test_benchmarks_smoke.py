@@ -179,12 +179,15 @@ def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path
             assert float(r["success_rate"]) == 1.0, r  # equal to brute force over the declared experts
 
 
-def test_beam_search_benchmark_compares_the_dense_and_per_row_searches_on_the_same_answers():
-    stdout = run_benchmark("bench_beam_search.py", "--grids", "4x4", "3x3x3", "--batches", "8", "64", "--repeats", "1")
-    rows = [line.split() for line in stdout.splitlines() if re.match(r"\s+\d+x\d+", line)]
-    assert [(r[0], r[1], r[2]) for r in rows] == [("4x4", "5", "8"), ("4x4", "5", "64"), ("3x3x3", "13", "8"),
-                                                  ("3x3x3", "13", "64")]
-    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
+def test_beam_search_benchmark_compares_the_dense_and_per_row_searches_on_the_same_answers(tmp_path):
+    run_benchmark("bench_beam_search.py", "--grids", "4x4", "3x3x3", "9x8", "64x64", "--batches", "8", "64",
+                  "--repeats", "1", "--results", str(tmp_path))
+    rows = read_csv(tmp_path / "bench_beam_search.csv")
+    assert [(r["grid"], r["records"], r["batch"]) for r in rows] == [
+        ("4x4", "5", "8"), ("4x4", "5", "64"), ("3x3x3", "13", "8"), ("3x3x3", "13", "64"), ("9x8", "10", "8"),
+        ("9x8", "10", "64"), ("64x64", "65", "8"), ("64x64", "65", "64")]
+    assert all(float(r["per_row_ms"]) > 0 for r in rows)
+    assert all(float(r["dense_ms"]) > 0 for r in rows[:6]) and rows[6]["dense_ms"] == rows[7]["dense_ms"] == ""
 
 
 def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):
