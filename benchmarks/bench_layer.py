@@ -22,6 +22,7 @@ computing different experts at once) where the baselines use them inside each op
     python benchmarks/bench_layer.py --device cuda   # server, in-process experts, gate and inputs on the GPU
     python benchmarks/bench_layer.py --device cuda --autocast bf16        # server and baselines under autocast
     python benchmarks/bench_layer.py --device cuda --overlap-copies    # the server's pinned copies, to compare
+    python benchmarks/bench_layer.py --device cuda --compression float16   # half the bytes on the wire
     python benchmarks/bench_layer.py --profile       # and where the server's time goes (dmoe-server --profile)
 
 ``--profile`` starts the server with ``--profile`` and prints, per batch size, the milliseconds per step that each
@@ -61,6 +62,7 @@ from dmoe.server.metrics import read_metrics
 from dmoe.server.profile import STAGES, format_stages, read_stages, stage_difference
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
+from dmoe.wire.codec import parse_compression
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -87,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the server's --autocast, and the baselines' steps under torch.autocast")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
+    parser.add_argument("--compression", choices=["none", "float16", "uint8"], default="none",
+                        help="the remote layer's wire compression (requests, and asked of the answers)")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print where its time goes per step")
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -169,7 +173,8 @@ def main(argv=None) -> list[dict]:
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
         swarm.wait_declared()
         remote = RemoteMixtureOfExperts(args.hidden, args.grid, "ffn0", dht, k_best=args.k, forward_timeout=60,
-                                        backward_timeout=60, timeout_after_k_min=60, k_min=args.k).to(device)
+                                        backward_timeout=60, timeout_after_k_min=60, k_min=args.k,
+                                        compression=parse_compression(args.compression)).to(device)
 
         def remote_step(x):
             torch.set_num_threads(args.client_threads or args.threads)
@@ -203,6 +208,7 @@ def main(argv=None) -> list[dict]:
     args.results.mkdir(parents=True, exist_ok=True)
     suffix = ("" if device.type == "cpu" else f"_{device.type}") + (f"_{args.autocast}" if args.autocast else "")
     suffix += "_overlap_copies" if args.overlap_copies and device.type != "cpu" else ""
+    suffix += "" if args.compression == "none" else f"_{args.compression}"
     out = args.results / f"bench_layer{suffix}.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -212,7 +218,8 @@ def main(argv=None) -> list[dict]:
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
           f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {workers} "
           f"workers sharing them), device {args.device}, autocast {args.autocast or 'off'}"
-          f"{', server copies pinned on copy streams' if args.overlap_copies else ''}, median of {args.steps} steps, "
+          f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
+          f"{'' if args.compression == 'none' else f', wire compression {args.compression}'}, median of {args.steps} steps, "
           f"{args.rounds} round(s)")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
           f"{'(rounds: low-high)':>19} {'vs recompute':>13}")

@@ -26,6 +26,7 @@ its clients run elsewhere.
     python benchmarks/bench_throughput.py --preset compute --device cuda   # server and limit on the GPU
     python benchmarks/bench_throughput.py --preset compute --device cuda --autocast bf16   # both under autocast
     python benchmarks/bench_throughput.py --preset compute --device cuda --overlap-copies   # server: pinned copies
+    python benchmarks/bench_throughput.py --preset compute --device cuda --compression float16   # half the bytes
     python benchmarks/bench_throughput.py --preset smoke        # seconds; what the test suite runs
     python benchmarks/bench_throughput.py --preset compute --profile   # and the server's stages per case
 
@@ -119,9 +120,10 @@ def run_client(cmd: dict) -> dict:
 
     def request(uid: str) -> None:
         activation_id = new_activation_id() if mode == CACHED else None
-        forward_future(endpoint, uid, [x], activation_id=activation_id).result()
+        compression = cmd.get("compression", "none")
+        forward_future(endpoint, uid, [x], activation_id=activation_id, compression=compression).result()
         if mode != "fwd":  # with an id only the gradients travel back, and the server reuses the kept graph
-            backward_future(endpoint, uid, [x], [grad], activation_id=activation_id).result()
+            backward_future(endpoint, uid, [x], [grad], activation_id=activation_id, compression=compression).result()
 
     inflight = cmd["inflight"]
     if cmd["phase"] == "warmup":
@@ -349,6 +351,9 @@ def main() -> None:
                         help="the server's --autocast; the limit runs the same forwards and backwards under it")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
+    parser.add_argument("--compression", choices=["none", "float16", "uint8"], default="none",
+                        help="the clients' wire compression of requests, also asked of the answers (the limit has "
+                             "no wire: fewer bytes per row is what this measures)")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print its stage times after each case")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
@@ -362,7 +367,8 @@ def main() -> None:
     n_clients = max(case.clients for case in cases)
     print(f"preset {args.preset}: {len(cases)} cases, {duration:g} s each, server/limit torch threads "
           f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}, "
-          f"autocast {args.autocast or 'off'}{', server copies pinned on copy streams' if args.overlap_copies else ''}", flush=True)
+          f"autocast {args.autocast or 'off'}, wire compression {args.compression}"
+          f"{', server copies pinned on copy streams' if args.overlap_copies else ''}", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []
@@ -384,6 +390,7 @@ def main() -> None:
                                if LISTENING_METRICS.search(line))
             cmd = {**asdict(case), "optimizer": args.optimizer, "lr": args.lr, "duration": duration,
                    "device": args.device, "activation_cache_mb": args.activation_cache_mb, "autocast": args.autocast,
+                   "compression": args.compression,
                    "warmup_requests": args.warmup_requests, "endpoint": endpoint,
                    "uids": [f"bench.{i}" for i in range(case.experts)]}
             limit.send({**cmd, "phase": "warmup"})
@@ -422,6 +429,7 @@ def main() -> None:
             remote_rate = sum(remote_rates) / len(remote_rates)
             limit_rate = sum(limit_rates) / len(limit_rates)
             row = {**asdict(case), "device": args.device, "autocast": args.autocast or "",
+                   "compression": args.compression,
                    "overlap_copies": args.overlap_copies, "duration_s": duration, "rounds": args.rounds,
                    "torch_threads": args.torch_threads, "optimizer": args.optimizer,
                    "remote_samples_per_s": round(remote_rate, 1),

@@ -5,6 +5,7 @@
 #   benchmarks/gpu_check.sh run     # on the GPU machine, from the repository root, with .whl/ carried along
 #   benchmarks/gpu_check.sh variants   # there too: the layer with 1, 2 and 4 server workers and pinned copies, the
 #                                      # server path's ceiling (bench_throughput --preset transport), the CUDA tests
+#   benchmarks/gpu_check.sh bytes      # there too: the layer, the ceiling and throughput with float16 on the wire
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
@@ -86,9 +87,23 @@ plan_variants() {  # what the server's defaults on a GPU should be, and how far 
     step layer.4_workers_pinned_copies 100 $layer --server-workers 4 --overlap-copies
 }
 
+plan_bytes() {  # fewer bytes per row: float16 on the wire (the server still computes in float32, or under autocast)
+    local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
+    step layer.none 100 $layer
+    step layer.float16 100 $layer --compression float16
+    step layer.float16_bf16 100 $layer --compression float16 --autocast bf16
+    step transport.none 100 python3 benchmarks/bench_throughput.py --preset transport --device cuda --duration 1 \
+        --rounds 1
+    step transport.float16 100 python3 benchmarks/bench_throughput.py --preset transport --device cuda --duration 1 \
+        --rounds 1 --compression float16
+    step throughput.float16 150 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1 \
+        --rounds 1 --compression float16
+}
+
 case "${1:-}" in
     fetch) fetch ;;
     run) run issue ;;
     variants) run variants ;;
-    *) echo "usage: $0 fetch|run|variants" >&2; exit 2 ;;
+    bytes) run bytes ;;
+    *) echo "usage: $0 fetch|run|variants|bytes" >&2; exit 2 ;;
 esac
