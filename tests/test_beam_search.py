@@ -187,6 +187,7 @@ def test_siblings_tied_in_bound_are_looked_up_in_name_order_as_the_heap_breaks_t
 def test_a_cached_search_of_a_small_grid_scores_every_alive_expert_and_equals_brute_force(problem, warm):
     """With a cache, grids of at most DENSE_MAX_PREFIXES prefix records are searched densely: same answer."""
     grid, alive, excluded, scores, k = problem
+    scores = [s.repeat(32, 1) for s in scores]  # >= 32 rows: at most 125 experts is <= DENSE_EXPERTS_PER_ROW a row
     expected = brute_force_top_k(alive, "ffn", scores, k, exclude=excluded)
     cache = PrefixCache()
     if warm:

@@ -179,7 +179,7 @@ def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path
             assert float(r["success_rate"]) == 1.0, r  # equal to brute force over the declared experts
 
 
-def test_beam_search_benchmark_compares_the_dense_and_per_row_searches_on_the_same_answers(tmp_path):
+def test_beam_search_benchmark_compares_the_default_and_per_row_searches_on_the_same_answers(tmp_path):
     run_benchmark("bench_beam_search.py", "--grids", "4x4", "3x3x3", "9x8", "64x64", "--batches", "8", "64",
                   "--repeats", "1", "--results", str(tmp_path))
     rows = read_csv(tmp_path / "bench_beam_search.csv")
@@ -187,7 +187,7 @@ def test_beam_search_benchmark_compares_the_dense_and_per_row_searches_on_the_sa
         ("4x4", "5", "8"), ("4x4", "5", "64"), ("3x3x3", "13", "8"), ("3x3x3", "13", "64"), ("9x8", "10", "8"),
         ("9x8", "10", "64"), ("64x64", "65", "8"), ("64x64", "65", "64")]
     assert all(float(r["per_row_ms"]) > 0 for r in rows)
-    assert all(float(r["dense_ms"]) > 0 for r in rows[:6]) and rows[6]["dense_ms"] == rows[7]["dense_ms"] == ""
+    assert all(float(r["default_ms"]) > 0 for r in rows[:6]) and rows[6]["default_ms"] == rows[7]["default_ms"] == ""
 
 
 def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):

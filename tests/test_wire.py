@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dmoe.wire import FLOAT16, NONE, UINT8, InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
 from dmoe.wire import dmoe_pb2
-from dmoe.wire.codec import DTYPES
+from dmoe.wire.codec import DTYPES, encoded_bytes
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()))
@@ -75,3 +75,11 @@ def test_generated_stubs_are_current():
             committed = ROOT / "dmoe" / "wire" / path.name
             assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: run python -m dmoe.wire.generate"
     assert len(GENERATED) == 3
+
+
+@pytest.mark.parametrize("compression", [NONE, FLOAT16, UINT8])
+def test_encoded_bytes_counts_what_serialize_makes_without_making_it(compression):
+    for tensor in (torch.randn(5, 7), torch.randn(3).half(), torch.randn(600).bfloat16(), torch.arange(6),
+                   torch.zeros(0, 3), torch.ones(2, dtype=torch.bool)):
+        message = serialize(tensor, compression)
+        assert encoded_bytes(tensor, compression) == len(message.buffer) + len(message.aux), (tensor.dtype, compression)

@@ -7,15 +7,16 @@ uid is emitted only when nothing left can beat it: the result equals brute force
 prefixes every row needs next are looked up together in one batched DHT call per round, and a short-lived
 :class:`PrefixCache` (owned by the caller) spares repeated look-ups, including of dead prefixes.
 
-A small grid (at most :data:`DENSE_MAX_PREFIXES` prefix records, e.g. 4x4 or 32x32) searched with a cache takes a
-shorter way: its whole tree of alive experts is read (from the cache, the missing records in one round of look-ups)
-and every row's top k is one sort of a ``[rows, alive experts]`` score matrix. That is brute force, so the answer is
-the same; for 256 rows of a 4x4 grid it took 0.4 ms where the per-row search in Python took ~9 ms (2-core VM;
-benchmarks/README.md, "Beam search's CPU time").
+A small grid (at most :data:`DENSE_MAX_PREFIXES` prefix records, e.g. 4x4 or 32x32) searched with a cache has its
+whole tree of alive experts read (from the cache, the missing records in one round of look-ups); with at most
+:data:`DENSE_EXPERTS_PER_ROW` experts per row, every row's top k is then one sort of a ``[rows, alive experts]``
+score matrix. That is brute force, so the answer is the same; for 256 rows of a 4x4 grid it takes ~0.5 ms where the
+per-row search in Python takes ~5 ms (2-core VM; benchmarks/README.md, "Beam search's CPU time").
 """
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from typing import Callable, Container, Iterator, Mapping, Sequence, Union
 
@@ -32,6 +33,9 @@ Exclude = Union[Callable[[str, str], bool], Container[str], None]
 DENSE_MAX_PREFIXES = 64
 #: the most scores (rows x alive experts) the dense search sorts at once (32 MiB of float64)
 DENSE_MAX_SCORES = 1 << 22
+#: the dense search scores every expert of the grid for every row: it pays when the grid has at most this many
+#: experts per row searched (a 16x16 grid at 16 rows took 1.0 ms that way against 0.35 ms per row)
+DENSE_EXPERTS_PER_ROW = 4
 
 
 class PrefixCache:
@@ -197,9 +201,10 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
         cold search of a 2-d grid takes one round trip instead of two. A dead guess costs one empty look-up.
     spare: speculation plans for each row's best ``k + spare`` experts (default ``(k + 1) // 2``), so that this many
         of them may turn out dead or excluded without costing another round.
-    dense: with a ``cache``, search a grid of at most :data:`DENSE_MAX_PREFIXES` prefix records densely (see the
-        module docstring): every record of its tree missing from the cache is looked up in one round
-        (``lookahead``, ``speculate`` and ``spare`` do not apply). False: always the per-row search.
+    dense: with a ``cache``, a grid of at most :data:`DENSE_MAX_PREFIXES` prefix records has every record of its
+        tree missing from the cache looked up in one round (``lookahead``, ``speculate`` and ``spare`` do not
+        apply), and is searched densely (see the module docstring) when it has at most
+        :data:`DENSE_EXPERTS_PER_ROW` experts per row. False: always the per-row search, as for larger grids.
     Ties in score are broken by uid (string order), exactly as :func:`brute_force_top_k` does.
     """
     if not is_valid_prefix(layer) or DELIMITER in layer:
@@ -213,10 +218,11 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
     known: dict[str, Continuations] = {}
     source = continuation_source(dht)
     if dense and batch and cache is not None and prefix_records(grid) <= DENSE_MAX_PREFIXES:
-        _read_tree(source, layer, grid, known, cache)
-        found = _dense_top_k(layer, grid, tensors, k, known, is_excluded)
-        if found is not None:
-            return found
+        _read_tree(source, layer, grid, known, cache)  # the per-row search below reads it too
+        if math.prod(grid) <= DENSE_EXPERTS_PER_ROW * batch:
+            found = _dense_top_k(layer, grid, tensors, k, known, is_excluded)
+            if found is not None:
+                return found
     scores = [t.tolist() for t in tensors]
     lookahead = k if lookahead is None else max(1, lookahead)
 
@@ -294,14 +300,9 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
     active = set(range(batch))
 
     def lookup(name: str) -> Continuations | None:
-        """What this search knows of ``name``, taking it from the cache when it is there: a cached prefix is never
-        wanted, so no row plans look-ups for it (with a warm cache, planning cost a quarter of the search)."""
-        continuations = known.get(name)
-        if continuations is None and cache is not None:
-            continuations = cache.get(name)
-            if continuations is not None:
-                known[name] = continuations
-        return continuations
+        # a cached prefix is never wanted, so no row plans look-ups for it (with a warm cache, planning cost a
+        # quarter of the search)
+        return _known_or_cached(name, known, cache)
 
     while active:
         wanted: dict[str, None] = {}
@@ -362,6 +363,16 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
     return results
 
 
+def _known_or_cached(name: str, known: dict[str, Continuations], cache: PrefixCache | None) -> Continuations | None:
+    """What a search knows of prefix ``name``, taken from the cache (and remembered) when it knows nothing yet."""
+    continuations = known.get(name)
+    if continuations is None and cache is not None:
+        continuations = cache.get(name)
+        if continuations is not None:
+            known[name] = continuations
+    return continuations
+
+
 def prefix_records(grid: Sequence[int]) -> int:
     """How many prefix records a full grid has: the layer's own and one per prefix short of a full uid."""
     total, level = 0, 1
@@ -382,11 +393,7 @@ def _read_tree(source: ContinuationSource, layer: str, grid: Sequence[int], know
     for depth, size in enumerate(grid):
         below = []
         for name in level:
-            continuations = known.get(name)
-            if continuations is None:
-                continuations = cache.get(name)
-                if continuations is not None:
-                    known[name] = continuations
+            continuations = _known_or_cached(name, known, cache)
             if continuations is None:
                 wanted.append(name)
                 children = range(size)

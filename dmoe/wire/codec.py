@@ -105,7 +105,8 @@ def _quantize_uint8(tensor: torch.Tensor) -> tuple[bytes, bytes]:
 
 
 def expected_numel(message: dmoe_pb2.Tensor, max_numel: int) -> int:
-    """Validates dtype, shape and buffer length; returns the element count. Allocates nothing."""
+    """Validates dtype, shape and buffer length; returns the element count. Allocates nothing of the declared size
+    (reading the buffer to measure it copies the bytes received)."""
     return _validated(message, len(message.buffer), len(message.aux), max_numel)
 
 
@@ -122,18 +123,12 @@ def _validated(message: dmoe_pb2.Tensor, buffer_bytes: int, aux_bytes: int, max_
     numel = math.prod(shape)
     if numel > max_numel:
         raise TensorTooLarge(f"tensor of shape {shape} has {numel} elements, the limit is {max_numel}")
-    itemsize = DTYPES[message.dtype].itemsize
     compression = message.compression
-    if compression == NONE or not DTYPES[message.dtype].is_floating_point:
-        if compression != NONE:
-            raise InvalidTensor(f"compression {Compression.Name(compression)} is only for floating-point tensors")
-        want, want_aux = numel * itemsize, 0
-    elif compression == FLOAT16:
-        want, want_aux = numel * 2, 0
-    elif compression == UINT8:
-        want, want_aux = numel, math.ceil(numel / UINT8_BLOCK) * 8
-    else:
+    if compression not in (NONE, FLOAT16, UINT8):
         raise InvalidTensor(f"unknown compression {compression}")
+    if compression != NONE and not DTYPES[message.dtype].is_floating_point:
+        raise InvalidTensor(f"compression {Compression.Name(compression)} is only for floating-point tensors")
+    want, want_aux = _payload_bytes(numel, DTYPES[message.dtype], compression)
     if buffer_bytes != want or aux_bytes != want_aux:
         raise InvalidTensor(
             f"buffer of {buffer_bytes} bytes (+{aux_bytes} aux) does not match shape {shape} "
@@ -142,14 +137,20 @@ def _validated(message: dmoe_pb2.Tensor, buffer_bytes: int, aux_bytes: int, max_
     return numel
 
 
+def _payload_bytes(numel: int, dtype: torch.dtype, compression: int) -> tuple[int, int]:
+    """The buffer and aux bytes of ``numel`` elements of ``dtype`` sent with ``compression``."""
+    if compression == FLOAT16:
+        return numel * 2, 0
+    if compression == UINT8:
+        return numel, math.ceil(numel / UINT8_BLOCK) * 8
+    return numel * dtype.itemsize, 0
+
+
 def encoded_bytes(tensor: torch.Tensor, compression: int = NONE) -> int:
     """The buffer bytes (and aux) that :func:`serialize` would make of ``tensor``, without making them."""
-    numel = tensor.numel()
-    if not tensor.is_floating_point() or numel == 0 or compression not in (FLOAT16, UINT8):
-        return numel * tensor.element_size()
-    if compression == FLOAT16:
-        return numel * 2
-    return numel + math.ceil(numel / UINT8_BLOCK) * 8
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        compression = NONE  # as serialize sends them
+    return sum(_payload_bytes(tensor.numel(), tensor.dtype, compression))
 
 
 def deserialize(message: dmoe_pb2.Tensor, max_numel: int = 2**31) -> torch.Tensor:
