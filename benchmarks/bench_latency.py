@@ -89,26 +89,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def measure(step: Callable[[], int], workers: int, warmup: float, window: float) -> tuple[float, float]:
+def measure(step: Callable[[], int], workers: int, warmup: float, window: float,
+            first_step_timeout: float = 120.0) -> tuple[float, float]:
     """Samples per second completed during ``window`` seconds by ``workers`` threads looping on ``step``, and
-    this process's CPU seconds per sample meanwhile."""
+    this process's CPU seconds per sample meanwhile. The window opens after ``warmup`` seconds and once every
+    thread finished its first step (a trainer's first step builds its layers and searches a cold directory: on a
+    loaded machine eight of them outlasted --quick's 0.2 s warm-up and 0.5 s window, and the window counted none)."""
     stop, lock = threading.Event(), threading.Lock()
     done = [0]
     errors: list[BaseException] = []
+    started = threading.Barrier(workers + 1)  # every thread's first step done, and the caller
 
     def loop():
+        first = True
         try:
             while not stop.is_set():
                 samples = step()
                 with lock:
                     done[0] += samples
+                if first:
+                    first = False
+                    started.wait()
+        except threading.BrokenBarrierError:
+            pass  # the caller gave up waiting for first steps, and reports it
         except BaseException as error:  # noqa: BLE001 — reported in the main thread
             errors.append(error)
+            started.abort()
             stop.set()
 
     threads = [threading.Thread(target=loop, daemon=True) for _ in range(workers)]
     for thread in threads:
         thread.start()
+    try:
+        started.wait(first_step_timeout)
+    except threading.BrokenBarrierError:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0] from None
+        raise RuntimeError(f"the {workers} workers' first steps took over {first_step_timeout:g} s") from None
     stop.wait(warmup)
     with lock:
         start_count, start, cpu = done[0], time.perf_counter(), time.process_time()
@@ -258,6 +278,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _ratio(value: float | str) -> str:
+    """A ratio to the 0 ms point, or "-" where that point completed nothing (its ratio is "")."""
+    return "-" if value == "" else f"{value:.3f}"
+
+
 def summary(rows: list[dict], headline_ms: float = 200) -> str:
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     lines = [f"{'latency ms':>10} {'mode':>14} {'in flight':>9} {'hops':>5} {'samples/s':>10} {'ratio':>6} "
@@ -266,11 +291,12 @@ def summary(rows: list[dict], headline_ms: float = 200) -> str:
         for mode in modes:
             r = next(r for r in rows if r["latency_ms"] == latency and r["mode"] == mode)
             lines.append(f"{latency:10.0f} {mode:>14} {r['in_flight']:9d} {r['hops']:5d} {r['samples_per_s']:10.1f} "
-                         f"{r['ratio_to_0ms']:6.3f} {r['expert_rows_per_s']:13.1f} {r['client_ms_per_sample']:16.2f}")
+                         f"{_ratio(r['ratio_to_0ms']):>6} {r['expert_rows_per_s']:13.1f} "
+                         f"{r['client_ms_per_sample']:16.2f}")
     at = headline_ms if any(r["latency_ms"] == headline_ms for r in rows) else max(r["latency_ms"] for r in rows)
     fractions = {r["mode"]: r["ratio_to_0ms"] for r in rows if r["latency_ms"] == at}
     lines.append(f"headline: throughput at {at:.0f} ms as a fraction of 0 ms: "
-                 + ", ".join(f"{m} {fractions[m]:.3f}" for m in modes) + " (DMoE goal >= 0.9)")
+                 + ", ".join(f"{m} {_ratio(fractions[m])}" for m in modes) + " (DMoE goal >= 0.9)")
     return "\n".join(lines)
 
 
