@@ -90,54 +90,58 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def measure(step: Callable[[], int], workers: int, warmup: float, window: float,
-            first_step_timeout: float = 120.0) -> tuple[float, float]:
-    """Samples per second completed during ``window`` seconds by ``workers`` threads looping on ``step``, and
-    this process's CPU seconds per sample meanwhile. The window opens after ``warmup`` seconds and once every
-    thread finished its first step (a trainer's first step builds its layers and searches a cold directory: on a
-    loaded machine eight of them outlasted --quick's 0.2 s warm-up and 0.5 s window, and the window counted none)."""
-    stop, lock = threading.Event(), threading.Lock()
-    done = [0]
+            patience: float = 120.0) -> tuple[float, float]:
+    """Samples per second completed during the window by ``workers`` threads looping on ``step``, and this
+    process's CPU seconds per sample meanwhile.
+
+    The window opens ``warmup`` seconds after every thread finished its first step (a trainer's first step builds
+    its layers and searches a cold directory), and closes ``window`` seconds later or, if no step completed by then,
+    at the first that does. In a loaded test run --quick's 0.5 s window once opened before eight trainers' first
+    steps ended, and later another point's window held no completed step (a one-in-flight pipeline's step at
+    20 ms a hop takes ~0.3 s unloaded): rates of 0 that measured nothing. ``patience``: seconds to wait for either
+    before giving up.
+    """
+    stop, changed = threading.Event(), threading.Condition()
+    done, ready = [0], [0]  # samples completed; threads that completed a step
     errors: list[BaseException] = []
-    started = threading.Barrier(workers + 1)  # every thread's first step done, and the caller
 
     def loop():
         first = True
         try:
             while not stop.is_set():
                 samples = step()
-                with lock:
+                with changed:
                     done[0] += samples
-                if first:
+                    ready[0] += first
                     first = False
-                    started.wait()
-        except threading.BrokenBarrierError:
-            pass  # the caller gave up waiting for first steps, and reports it
+                    changed.notify_all()
         except BaseException as error:  # noqa: BLE001 — reported in the main thread
-            errors.append(error)
-            started.abort()
-            stop.set()
+            with changed:
+                errors.append(error)
+                changed.notify_all()
+
+    def wait_for(predicate: Callable[[], bool], what: str) -> None:
+        with changed:
+            if not changed.wait_for(lambda: errors or predicate(), patience):
+                errors.append(RuntimeError(f"{what} took over {patience:g} s"))
 
     threads = [threading.Thread(target=loop, daemon=True) for _ in range(workers)]
     for thread in threads:
         thread.start()
     try:
-        started.wait(first_step_timeout)
-    except threading.BrokenBarrierError:
+        wait_for(lambda: ready[0] == workers, f"the {workers} workers' first steps")
+        if not errors:
+            stop.wait(warmup)
+            with changed:
+                start_count, start, cpu = done[0], time.perf_counter(), time.process_time()
+            stop.wait(window)
+            wait_for(lambda: done[0] > start_count, "a step in the window")
+            with changed:
+                end_count, end, cpu = done[0], time.perf_counter(), time.process_time() - cpu
+    finally:
         stop.set()
         for thread in threads:
             thread.join()
-        if errors:
-            raise errors[0] from None
-        raise RuntimeError(f"the {workers} workers' first steps took over {first_step_timeout:g} s") from None
-    stop.wait(warmup)
-    with lock:
-        start_count, start, cpu = done[0], time.perf_counter(), time.process_time()
-    stop.wait(window)
-    with lock:
-        end_count, end, cpu = done[0], time.perf_counter(), time.process_time() - cpu
-    stop.set()
-    for thread in threads:
-        thread.join()
     if errors:
         raise errors[0]
     samples = end_count - start_count

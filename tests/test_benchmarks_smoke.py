@@ -129,7 +129,7 @@ def test_latency_benchmark_quick_writes_sane_csv_and_png(tmp_path):
     modes = {"dmoe", "pipeline", "pipeline-mb", "pipeline-async", "shallow", "shallow-async"}
     assert {r["mode"] for r in rows} == modes
     assert len(rows) == len(latencies) * len(modes) and latencies[0] == 0 and len(latencies) >= 2
-    assert all(float(r["samples_per_s"]) > 0 and float(r["expert_rows_per_s"]) > 0 for r in rows)
+    assert all(float(r["samples_per_s"]) > 0 and float(r["expert_rows_per_s"]) > 0 for r in rows), stdout
     assert all(float(r["ratio_to_0ms"]) == 1 for r in rows if float(r["latency_ms"]) == 0)
     in_flight = {r["mode"]: int(r["in_flight"]) for r in rows}
     assert in_flight["pipeline"] == in_flight["shallow"] == 1
