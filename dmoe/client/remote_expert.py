@@ -21,6 +21,7 @@ from torch import nn
 from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2, status_code
 from dmoe.wire.codec import (NONE, cut_into_parts, deserialize, encoded_bytes, join_parts, parse_compression,
                              serialize)
+from dmoe.wire.zerocopy import batch_request_bytes, pack, request_bytes
 
 #: Requests above this many tensor bytes are streamed (headroom for the message's own fields).
 UNARY_LIMIT_BYTES = MAX_MESSAGE_BYTES - 1024 * 1024
@@ -59,17 +60,14 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
           activation_id: bytes | None) -> "Future[list[torch.Tensor]]":
     channels = channels or ChannelPool.default()
     compression = parse_compression(compression)
-    stub = channels.stub(endpoint)
     future: Future[list[torch.Tensor]] = Future()
 
     def failure(error: grpc.RpcError) -> RemoteExpertError:
         return RemoteExpertError(uid, endpoint, error.code(), error.details() or "")
 
     if sum(encoded_bytes(t, compression) for t in tensors) <= unary_limit:
-        request = dmoe_pb2.ExpertRequest(uid=uid, response_compression=compression, activation_id=activation_id or b"")
-        for t in tensors:
-            serialize(t, compression, out=request.tensors.add())  # in place: no second copy of the bytes
-        call = getattr(stub, method).future(request, timeout=timeout)
+        request = request_bytes(uid, [pack(t, compression) for t in tensors], compression, activation_id)
+        call = getattr(channels.calls(endpoint), method).future(request, timeout=timeout)
 
         def unpack() -> list[torch.Tensor]:
             try:
@@ -90,7 +88,7 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
             yield dmoe_pb2.ExpertRequest(uid=uid if first else "", tensors=group, response_compression=compression,
                                          activation_id=(activation_id or b"") if first else b"")
 
-    stream = getattr(stub, f"{method}_stream")(requests(), timeout=timeout)
+    stream = getattr(channels.stub(endpoint), f"{method}_stream")(requests(), timeout=timeout)
     future.add_done_callback(lambda f: stream.cancel() if f.cancelled() else None)
 
     def receive() -> list[torch.Tensor]:
@@ -178,14 +176,10 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
                 timeout: float | None, compression: int, channels: ChannelPool) -> "list[Future[list[torch.Tensor]]]":
     """One ``{method}_batch`` call carrying every item (uid, tensors, activation_id); a future each.
 
-    The request is filled in place: building each item's messages first and passing them to the request's
-    constructor copies every byte once more (protobuf copies sub-messages it is given), per level of nesting."""
-    request = dmoe_pb2.BatchRequest()
-    for uid, tensors, activation_id in items:
-        item = request.items.add(uid=uid, response_compression=compression, activation_id=activation_id or b"")
-        for t in tensors:
-            serialize(t, compression, out=item.tensors.add())
-    call = getattr(channels.stub(endpoint), f"{method}_batch").future(request, timeout=timeout)
+    The request is written by :mod:`dmoe.wire.zerocopy`: the tensors' memory is copied once, into the message."""
+    request = batch_request_bytes([(uid, [pack(t, compression) for t in tensors], activation_id)
+                                   for uid, tensors, activation_id in items], compression)
+    call = getattr(channels.calls(endpoint), f"{method}_batch").future(request, timeout=timeout)
     futures: list[Future[list[torch.Tensor]]] = [Future() for _ in items]
 
     def fail(uid: str, code: grpc.StatusCode, message: str) -> Callable[[], Any]:
@@ -247,11 +241,11 @@ def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compr
                 size = 0
             packs[-1].append((i, uid, tensors, activation_id))
             size += nbytes
-        for pack in filter(None, packs):
+        for group in filter(None, packs):
             sent = _batch_call(method, endpoint, [(uid, tensors, activation_id)
-                                                  for _, uid, tensors, activation_id in pack],
+                                                  for _, uid, tensors, activation_id in group],
                                timeout=timeout, compression=compression, channels=channels)
-            for (i, _, _, _), future in zip(pack, sent):
+            for (i, _, _, _), future in zip(group, sent):
                 futures[i] = future
     return futures  # type: ignore[return-value]
 

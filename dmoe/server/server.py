@@ -19,7 +19,7 @@ from dmoe.server.faults import FaultConfig, Faults
 from dmoe.server.metrics import ServerMetrics
 from dmoe.server.profile import StageClock
 from dmoe.server.runtime import Runtime
-from dmoe.server.servicer import ExpertServicer, HostedExpert
+from dmoe.server.servicer import ExpertServicer, HostedExpert, add_to_server
 from dmoe.uid import check_uid, expand_pattern
 from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_compression
 
@@ -314,7 +314,7 @@ class ExpertServer:
     async def _serve(self) -> int:
         server = grpc.aio.server(options=grpc_options(self.config.max_message_bytes),
                                  interceptors=[RejectUndecodable(), self.metrics.interceptor()])
-        dmoe_pb2_grpc.add_ExpertServiceServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)
         if self.replication is not None:
             dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(self.replication.servicer, server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")

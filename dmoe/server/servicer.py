@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 import torch
@@ -21,7 +21,9 @@ from dmoe.server.task_pool import TaskPool
 from dmoe.server.validation import RequestRejected, check_options, first_bad_values, validate
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES
-from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, cut_into_parts, join_parts, message_bytes, serialize
+from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, cut_into_parts, join_parts, message_bytes
+from dmoe.wire.zerocopy import (Answer, BatchAnswer, ItemAnswer, OutgoingTensor, as_message, batch_response_bytes,
+                                pack, parse_batch_request, parse_request, response_bytes)
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -107,22 +109,22 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             forward_calls=backend.forward_calls, backward_calls=backend.backward_calls, updates=backend.updates,
         )
 
-    async def _call(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,
-                    context: grpc.aio.ServicerContext, activation_id: bytes = b"",
-                    into: Any = None) -> list[dmoe_pb2.Tensor]:
+    async def _call(self, kind: str, uid: str, tensors: Sequence[Any], compression: int,
+                    context: grpc.aio.ServicerContext, activation_id: bytes = b"") -> list[OutgoingTensor]:
         try:
-            return await self._compute(kind, uid, tensors, compression, activation_id, into=into)
+            return await self._compute(kind, uid, tensors, compression, activation_id)
         except RequestRejected as rejected:
             await context.abort(rejected.code, rejected.message)
 
-    async def _compute(self, kind: str, uid: str, tensors: Sequence[dmoe_pb2.Tensor], compression: int,
-                       activation_id: bytes = b"", delay: bool = True, into: Any = None) -> list[dmoe_pb2.Tensor]:
-        """Validates one expert's request, runs it on the runtime and encodes the answer.
+    async def _compute(self, kind: str, uid: str, tensors: Sequence[Any], compression: int,
+                       activation_id: bytes = b"", delay: bool = True, shared: bool = False) -> list[OutgoingTensor]:
+        """Validates one expert's request (``dmoe.Tensor`` messages or :mod:`dmoe.wire.zerocopy` views), runs it on
+        the runtime and packs the answer (the tensors' memory, written into the response by gRPC's serializer).
 
         Raises :class:`RequestRejected` with the status to answer (a call of its own, or one item of a batch).
         ``delay``: injected faults include the round trip's delay (a batch pays it once for all of its items).
-        ``into``: the repeated Tensor field of the answer to encode the outputs into, in place (a finished Tensor
-        given to a message's constructor is copied once more, bytes and all); None: new messages.
+        ``shared``: the request's bytes hold other items too. Inputs kept for a backward are then copied on a CPU
+        server: a view would hold the whole message in memory while the activation cache counts only its rows.
         """
         expert = self._lookup(uid)
         started = time.perf_counter() if self.stages is not None else 0.0
@@ -146,6 +148,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                       f"grad_output 0 has {inputs[0].shape[0]} rows, but the forward with this "
                                       f"activation_id had {held[0].shape[0]}")
             inputs = [*held, *inputs]
+        elif shared and kind == FORWARD and activation_id and self.device == "cpu":
+            inputs = [x.clone() for x in inputs]
         if self.stages is not None:
             self.stages.add("decode", time.perf_counter() - started)
         if self.faults is not None:
@@ -170,12 +174,12 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                   f"{kind} of {uid} failed on the server: {type(exc).__name__}: {exc}") from None
         compression = compression or self.default_compression
         started = time.perf_counter() if self.stages is not None else 0.0
-        encoded = [serialize(y, compression, out=None if into is None else into.add()) for y in outputs]
+        encoded = [pack(y, compression) for y in outputs]
         if self.stages is not None:
             self.stages.add("encode", time.perf_counter() - started)
         return encoded
 
-    async def _batch(self, kind: str, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
+    async def _batch(self, kind: str, request: dmoe_pb2.BatchRequest, context) -> BatchAnswer:
         """Runs every item as its own call would run (concurrently, each on its own expert's task pool) and
         answers each item's outcome: one bad or failing item never fails the others."""
         items = request.items
@@ -186,35 +190,29 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                 f"{self.max_batch_items} per call are allowed")
         if self.faults is not None:
             await self.faults.wait()  # one round trip for the whole call
-        response = dmoe_pb2.BatchResponse()
-        results = [response.results.add() for _ in items]  # filled in place, in the items' order
-        await asyncio.gather(*(self._item(kind, item, result) for item, result in zip(items, results)))
-        return response
+        shared = len(items) > 1
+        results = await asyncio.gather(*(self._item(kind, item, shared) for item in items))
+        return BatchAnswer(list(results))  # in the items' order
 
-    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest, result: dmoe_pb2.ExpertResult) -> None:
+    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest, shared: bool) -> ItemAnswer:
         try:
-            await self._compute(kind, item.uid, item.tensors, item.response_compression, item.activation_id,
-                                delay=False, into=result.tensors)
+            return ItemAnswer(await self._compute(kind, item.uid, item.tensors, item.response_compression,
+                                                  item.activation_id, delay=False, shared=shared))
         except RequestRejected as rejected:
-            result.Clear()  # (nothing was added: a rejection comes before any output is encoded)
-            result.code, result.message = rejected.code.value[0], rejected.message
+            return ItemAnswer(code=rejected.code.value[0], message=rejected.message)
 
-    async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
-        response = dmoe_pb2.ExpertResponse()
-        await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
-                         request.activation_id, into=response.tensors)
-        return response
+    async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> Answer:
+        return Answer(await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
+                                       request.activation_id))
 
-    async def backward(self, request: dmoe_pb2.ExpertRequest, context) -> dmoe_pb2.ExpertResponse:
-        response = dmoe_pb2.ExpertResponse()
-        await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
-                         request.activation_id, into=response.tensors)
-        return response
+    async def backward(self, request: dmoe_pb2.ExpertRequest, context) -> Answer:
+        return Answer(await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
+                                       request.activation_id))
 
-    async def forward_batch(self, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
+    async def forward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchAnswer:
         return await self._batch(FORWARD, request, context)
 
-    async def backward_batch(self, request: dmoe_pb2.BatchRequest, context) -> dmoe_pb2.BatchResponse:
+    async def backward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchAnswer:
         return await self._batch(BACKWARD, request, context)
 
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
@@ -249,7 +247,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         if rejection is not None:
             await context.abort(*rejection)
         outputs = await self._call(kind, uid, tensors, compression, context, activation_id)
-        for group in cut_into_parts(outputs, self.stream_part_bytes):
+        for group in cut_into_parts([as_message(y) for y in outputs], self.stream_part_bytes):
             yield dmoe_pb2.ExpertResponse(tensors=group)
 
     async def forward_stream(self, request_iterator, context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
@@ -259,3 +257,44 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
     async def backward_stream(self, request_iterator, context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
         async for response in self._stream(BACKWARD, request_iterator, context):
             yield response
+
+
+def add_to_server(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
+    """Serves ``servicer`` as ``dmoe.ExpertService`` on ``server``: the generated registration, except that
+    forward/backward and their batched forms read and write their messages with :mod:`dmoe.wire.zerocopy`."""
+    stages = servicer.stages
+
+    def timed(write: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+        if stages is None:
+            return write
+
+        def write_timed(answer: Any) -> bytes:
+            started = time.perf_counter()
+            data = write(answer)
+            stages.add("encode", time.perf_counter() - started, count=0)  # part of the items' encode
+            return data
+        return write_timed
+
+    def unary(behavior, read, write):
+        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=read,
+                                                   response_serializer=timed(write))
+
+    def streamed(behavior):
+        return grpc.stream_stream_rpc_method_handler(behavior, request_deserializer=dmoe_pb2.ExpertRequest.FromString,
+                                                     response_serializer=dmoe_pb2.ExpertResponse.SerializeToString)
+
+    handlers = {
+        "info": grpc.unary_unary_rpc_method_handler(servicer.info, request_deserializer=dmoe_pb2.ExpertUID.FromString,
+                                                    response_serializer=dmoe_pb2.ExpertInfo.SerializeToString),
+        "forward": unary(servicer.forward, parse_request, response_bytes),
+        "backward": unary(servicer.backward, parse_request, response_bytes),
+        "forward_stream": streamed(servicer.forward_stream),
+        "backward_stream": streamed(servicer.backward_stream),
+        "forward_batch": unary(servicer.forward_batch, parse_batch_request, batch_response_bytes),
+        "backward_batch": unary(servicer.backward_batch, parse_batch_request, batch_response_bytes),
+    }
+    missing = set(dmoe_pb2.DESCRIPTOR.services_by_name["ExpertService"].methods_by_name) - set(handlers)
+    if missing:  # a method added to proto/dmoe.proto must be served here too
+        raise RuntimeError(f"ExpertService methods without a handler: {sorted(missing)}")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dmoe.ExpertService", handlers),))
+    server.add_registered_method_handlers("dmoe.ExpertService", handlers)

@@ -1,4 +1,5 @@
-"""The wire: tensor codec, compression, generated gRPC stubs, channel options."""
+"""The wire: tensor codec, compression, generated gRPC stubs, channel options, and the expert calls' messages
+without copies (:mod:`dmoe.wire.zerocopy`)."""
 from dmoe.wire.channels import (
     MAX_BATCH_ITEMS,
     MAX_MESSAGE_BYTES,

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import grpc
 
 from dmoe.wire import dmoe_pb2_grpc
+from dmoe.wire.zerocopy import parse_batch_response, parse_response
 
 #: Unary messages up to this size; larger payloads go through the streaming calls in parts.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -39,6 +41,30 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
     ]
 
 
+class TensorCalls(NamedTuple):
+    """ExpertService's tensor-carrying unary calls on one channel: each takes a request's bytes (from
+    :mod:`dmoe.wire.zerocopy`'s writers) and returns the answer read in place (views of the received bytes)."""
+
+    forward: grpc.UnaryUnaryMultiCallable
+    backward: grpc.UnaryUnaryMultiCallable
+    forward_batch: grpc.UnaryUnaryMultiCallable
+    backward_batch: grpc.UnaryUnaryMultiCallable
+
+    @classmethod
+    def on(cls, channel: grpc.Channel) -> "TensorCalls":
+        def call(method: str, read) -> grpc.UnaryUnaryMultiCallable:
+            return channel.unary_unary(f"/dmoe.ExpertService/{method}", request_serializer=None,
+                                       response_deserializer=read, _registered_method=True)
+        return cls(call("forward", parse_response), call("backward", parse_response),
+                   call("forward_batch", parse_batch_response), call("backward_batch", parse_batch_response))
+
+
+class _Entry(NamedTuple):
+    channel: grpc.Channel
+    stub: dmoe_pb2_grpc.ExpertServiceStub
+    calls: TensorCalls
+
+
 class ChannelPool:
     """One gRPC channel (and stub) per endpoint, created on first use and shared by every caller.
 
@@ -51,7 +77,7 @@ class ChannelPool:
 
     def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.max_message_bytes = max_message_bytes
-        self._stubs: dict[str, tuple[grpc.Channel, dmoe_pb2_grpc.ExpertServiceStub]] = {}
+        self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -62,18 +88,27 @@ class ChannelPool:
                 cls._default = cls()
             return cls._default
 
-    def stub(self, endpoint: str) -> dmoe_pb2_grpc.ExpertServiceStub:
+    def _entry(self, endpoint: str) -> _Entry:
         with self._lock:
-            entry = self._stubs.get(endpoint)
+            entry = self._entries.get(endpoint)
             if entry is None:
                 channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes))
-                entry = self._stubs[endpoint] = (channel, dmoe_pb2_grpc.ExpertServiceStub(channel))
-            return entry[1]
+                entry = self._entries[endpoint] = _Entry(channel, dmoe_pb2_grpc.ExpertServiceStub(channel),
+                                                         TensorCalls.on(channel))
+            return entry
+
+    def stub(self, endpoint: str) -> dmoe_pb2_grpc.ExpertServiceStub:
+        """The generated stub: every call, with protobuf messages."""
+        return self._entry(endpoint).stub
+
+    def calls(self, endpoint: str) -> TensorCalls:
+        """The tensor-carrying calls without copies (:class:`TensorCalls`), on the same channel as :meth:`stub`."""
+        return self._entry(endpoint).calls
 
     def close(self) -> None:
         with self._lock:
-            channels = [channel for channel, _ in self._stubs.values()]
-            self._stubs.clear()
+            channels = [entry.channel for entry in self._entries.values()]
+            self._entries.clear()
         for channel in channels:
             channel.close()
 

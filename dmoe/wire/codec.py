@@ -179,8 +179,13 @@ def deserialize(message: dmoe_pb2.Tensor, max_numel: int = 2**31) -> torch.Tenso
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
-def _frombuffer(buffer: bytes, dtype: torch.dtype) -> torch.Tensor:
-    return torch.frombuffer(buffer, dtype=dtype)
+def _frombuffer(buffer: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.frombuffer(buffer, dtype=dtype)
+    if tensor.data_ptr() % tensor.element_size():
+        # a view into a message that did not align it (dmoe.wire.zerocopy's writers do): numpy and some kernels
+        # run slower, or refuse, on misaligned values
+        tensor = tensor.clone()
+    return tensor
 
 
 def message_bytes(tensors: Iterable[dmoe_pb2.Tensor]) -> int:

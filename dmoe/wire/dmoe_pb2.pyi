@@ -17,20 +17,22 @@ FLOAT16: Compression
 UINT8: Compression
 
 class Tensor(_message.Message):
-    __slots__ = ("buffer", "shape", "dtype", "compression", "aux", "parts")
+    __slots__ = ("buffer", "shape", "dtype", "compression", "aux", "parts", "pad")
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     buffer: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     compression: Compression
     aux: bytes
     parts: int
-    def __init__(self, buffer: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., aux: _Optional[bytes] = ..., parts: _Optional[int] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, buffer: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., compression: _Optional[_Union[Compression, str]] = ..., aux: _Optional[bytes] = ..., parts: _Optional[int] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class TensorSchema(_message.Message):
     __slots__ = ("shape", "dtype")

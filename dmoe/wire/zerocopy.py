@@ -1,0 +1,483 @@
+"""The tensor-carrying messages of ExpertService, read and written without copying their tensors' bytes.
+
+protobuf's Python messages copy a ``bytes`` field at every step: parsing copies it into the message, each read
+copies it out again, and building a message copies what is assigned, then serialising copies it once more. For
+a batch of 2048 rows of h=1024 that is ~8 MiB per copy, four times on each side of each call, and it is most of
+what a server's path costs next to a GPU's compute. Here:
+
+- **Reading** (:func:`parse_request`, :func:`parse_batch_request`, :func:`parse_response`,
+  :func:`parse_batch_response`): a message of at least :data:`ZERO_COPY_MIN_BYTES` is walked in Python and its
+  tensors' buffers are ``memoryview`` slices of the received bytes; :func:`dmoe.wire.codec.deserialize` turns
+  them into tensors without a copy. The views have the attribute names of the generated messages, so code reads
+  either. Anything unusual (unknown fields, other wire types, bad UTF-8, truncation) is left to protobuf's own
+  parser, which then decides exactly as before: valid messages parse, junk raises ``DecodeError``. Smaller
+  messages go to protobuf directly: their copies cost less than a walk in Python.
+- **Writing** (:func:`request_bytes`, :func:`batch_request_bytes`, :func:`response_bytes`,
+  :func:`batch_response_bytes`): a message is one ``b"".join`` of its small headers and its tensors' memory,
+  one copy in all. What protobuf would write, except that large buffers sit between two ``Tensor.pad`` fields
+  that align them in the message (tests compare the messages both ways).
+
+Field numbers come from the generated descriptors, checked at import against the layout written here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from dmoe.wire import dmoe_pb2
+from dmoe.wire.codec import FLOAT16, NONE, UINT8, _quantize_uint8, dtype_name
+
+#: Messages shorter than this are parsed by protobuf (its copies are cheaper than walking the fields in Python).
+ZERO_COPY_MIN_BYTES = 64 * 1024
+
+_VARINT, _LEN = 0, 2
+_MASK64 = (1 << 64) - 1
+
+
+def _check_layout() -> None:
+    """Fails at import if proto/dmoe.proto renumbered or retyped a field this module writes by hand."""
+    want = {
+        "Tensor": {"buffer": 1, "shape": 2, "dtype": 3, "compression": 4, "aux": 5, "parts": 6, "pad": 7},
+        "ExpertRequest": {"uid": 1, "tensors": 2, "response_compression": 3, "activation_id": 4},
+        "ExpertResponse": {"tensors": 1},
+        "BatchRequest": {"items": 1},
+        "ExpertResult": {"tensors": 1, "code": 2, "message": 3},
+        "BatchResponse": {"results": 1},
+    }
+    for message, fields in want.items():
+        numbers = {f.name: f.number for f in dmoe_pb2.DESCRIPTOR.message_types_by_name[message].fields}
+        if numbers != fields:
+            raise ImportError(f"dmoe.{message}'s fields are {numbers}; dmoe/wire/zerocopy.py is written for {fields}")
+
+
+_check_layout()
+
+
+class _Unusual(Exception):
+    """Something this reader leaves to protobuf's parser (which accepts it or raises DecodeError)."""
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+@dataclass(eq=False)
+class TensorView:
+    """A ``dmoe.Tensor`` read in place: ``buffer`` is a view of the received bytes."""
+
+    buffer: memoryview | bytes = b""
+    shape: list[int] = field(default_factory=list)
+    dtype: str = ""
+    compression: int = 0
+    aux: bytes = b""
+    parts: int = 0
+
+
+@dataclass(eq=False)
+class RequestView:
+    """A ``dmoe.ExpertRequest`` read in place."""
+
+    uid: str = ""
+    tensors: list[TensorView] = field(default_factory=list)
+    response_compression: int = 0
+    activation_id: bytes = b""
+
+
+@dataclass(eq=False)
+class BatchRequestView:
+    items: list[RequestView] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class ResultView:
+    tensors: list[TensorView] = field(default_factory=list)
+    code: int = 0
+    message: str = ""
+
+
+@dataclass(eq=False)
+class ResponseView:
+    tensors: list[TensorView] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class BatchResponseView:
+    results: list[ResultView] = field(default_factory=list)
+
+
+def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while pos < end and shift < 70:  # at most 10 bytes
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result & _MASK64, pos
+        shift += 7
+    raise _Unusual("truncated or overlong varint")
+
+
+def _fields(data: bytes, pos: int, end: int):
+    """(field number, wire type, value, value's end) of each field in ``data[pos:end]``: a varint's value, or a
+    length-delimited field's start (its bytes are ``data[value:value's end]``)."""
+    while pos < end:
+        key, pos = _varint(data, pos, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT:
+            value, pos = _varint(data, pos, end)
+            yield number, wire_type, value, pos
+        elif wire_type == _LEN:
+            length, pos = _varint(data, pos, end)
+            if length > end - pos:
+                raise _Unusual("length past the end")
+            yield number, wire_type, pos, pos + length
+            pos += length
+        else:
+            raise _Unusual(f"wire type {wire_type}")
+
+
+def _int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _text(data: bytes, start: int, end: int) -> str:
+    try:
+        return data[start:end].decode("utf-8")
+    except UnicodeDecodeError:
+        raise _Unusual("invalid UTF-8") from None
+
+
+def _tensor(data: bytes, view: memoryview, pos: int, end: int) -> TensorView:
+    tensor = TensorView()
+    for number, wire_type, value, stop in _fields(data, pos, end):
+        if number == 1 and wire_type == _LEN:
+            tensor.buffer = view[value:stop]
+        elif number == 2 and wire_type == _LEN:  # packed, as protobuf writes repeated int64
+            while value < stop:
+                dim, value = _varint(data, value, stop)
+                tensor.shape.append(_int64(dim))
+        elif number == 2 and wire_type == _VARINT:
+            tensor.shape.append(_int64(value))
+        elif number == 3 and wire_type == _LEN:
+            tensor.dtype = _text(data, value, stop)
+        elif number == 4 and wire_type == _VARINT:
+            tensor.compression = _int32(value)
+        elif number == 5 and wire_type == _LEN:
+            tensor.aux = data[value:stop]
+        elif number == 6 and wire_type == _VARINT:
+            tensor.parts = value & 0xFFFFFFFF
+        elif number == 7 and wire_type == _LEN:
+            pass  # padding
+        else:
+            raise _Unusual(f"field {number} of wire type {wire_type} in a Tensor")
+    return tensor
+
+
+def _request(data: bytes, view: memoryview, pos: int, end: int) -> RequestView:
+    request = RequestView()
+    for number, wire_type, value, stop in _fields(data, pos, end):
+        if number == 1 and wire_type == _LEN:
+            request.uid = _text(data, value, stop)
+        elif number == 2 and wire_type == _LEN:
+            request.tensors.append(_tensor(data, view, value, stop))
+        elif number == 3 and wire_type == _VARINT:
+            request.response_compression = _int32(value)
+        elif number == 4 and wire_type == _LEN:
+            request.activation_id = data[value:stop]
+        else:
+            raise _Unusual(f"field {number} of wire type {wire_type} in an ExpertRequest")
+    return request
+
+
+def _batch_request(data: bytes, view: memoryview, pos: int, end: int) -> BatchRequestView:
+    batch = BatchRequestView()
+    for number, wire_type, value, stop in _fields(data, pos, end):
+        if number != 1 or wire_type != _LEN:
+            raise _Unusual(f"field {number} of wire type {wire_type} in a BatchRequest")
+        batch.items.append(_request(data, view, value, stop))
+    return batch
+
+
+def _response(data: bytes, view: memoryview, pos: int, end: int) -> ResponseView:
+    response = ResponseView()
+    for number, wire_type, value, stop in _fields(data, pos, end):
+        if number != 1 or wire_type != _LEN:
+            raise _Unusual(f"field {number} of wire type {wire_type} in an ExpertResponse")
+        response.tensors.append(_tensor(data, view, value, stop))
+    return response
+
+
+def _result(data: bytes, view: memoryview, pos: int, end: int) -> ResultView:
+    result = ResultView()
+    for number, wire_type, value, stop in _fields(data, pos, end):
+        if number == 1 and wire_type == _LEN:
+            result.tensors.append(_tensor(data, view, value, stop))
+        elif number == 2 and wire_type == _VARINT:
+            result.code = value & 0xFFFFFFFF
+        elif number == 3 and wire_type == _LEN:
+            result.message = _text(data, value, stop)
+        else:
+            raise _Unusual(f"field {number} of wire type {wire_type} in an ExpertResult")
+    return result
+
+
+def _batch_response(data: bytes, view: memoryview, pos: int, end: int) -> BatchResponseView:
+    batch = BatchResponseView()
+    for number, wire_type, value, stop in _fields(data, pos, end):
+        if number != 1 or wire_type != _LEN:
+            raise _Unusual(f"field {number} of wire type {wire_type} in a BatchResponse")
+        batch.results.append(_result(data, view, value, stop))
+    return batch
+
+
+def _parser(read, message_cls, min_bytes: int | None = None):
+    def parse(data: bytes) -> Any:
+        if len(data) >= (ZERO_COPY_MIN_BYTES if min_bytes is None else min_bytes):
+            data = bytes(data)  # (a no-op for the bytes gRPC hands over)
+            try:
+                return read(data, memoryview(data), 0, len(data))
+            except _Unusual:
+                pass
+        return message_cls.FromString(data)
+    parse.__name__ = parse.__qualname__ = f"parse_{message_cls.__name__}"
+    parse.__doc__ = (f"A ``dmoe.{message_cls.__name__}`` from its bytes: a view of them, or a protobuf message "
+                     "(small or unusual ones); either way the same attributes. Junk raises protobuf's DecodeError.")
+    return parse
+
+
+parse_request = _parser(_request, dmoe_pb2.ExpertRequest)
+parse_batch_request = _parser(_batch_request, dmoe_pb2.BatchRequest)
+parse_response = _parser(_response, dmoe_pb2.ExpertResponse)
+parse_batch_response = _parser(_batch_response, dmoe_pb2.BatchResponse)
+
+
+def read_in_place(message_cls, data: bytes) -> Any:
+    """The zero-copy reader of ``message_cls`` at any size (tests compare it with protobuf's on small messages);
+    raises ``DecodeError`` where protobuf does."""
+    read = {dmoe_pb2.ExpertRequest: _request, dmoe_pb2.BatchRequest: _batch_request,
+            dmoe_pb2.ExpertResponse: _response, dmoe_pb2.BatchResponse: _batch_response}[message_cls]
+    return _parser(read, message_cls, min_bytes=0)(data)
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+
+@dataclass(eq=False)
+class OutgoingTensor:
+    """A tensor packed as ``dmoe.Tensor`` will carry it, its buffer still the tensor's memory (or that of its
+    compressed copy). Keep the tensor unchanged until the message is written."""
+
+    buffer: memoryview | bytes
+    shape: tuple[int, ...]
+    dtype: str
+    compression: int = NONE
+    aux: bytes = b""
+
+
+def _memory(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().reshape(-1).contiguous()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def pack(tensor: torch.Tensor, compression: int = NONE) -> OutgoingTensor:
+    """What :func:`dmoe.wire.codec.serialize` sends of ``tensor``, without copying it into bytes (compression
+    applies to floating-point tensors only, as there)."""
+    name = dtype_name(tensor.dtype)
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        compression = NONE
+    if compression == FLOAT16 and tensor.dtype != torch.float16:
+        return OutgoingTensor(_memory(tensor.to(torch.float16)), tuple(tensor.shape), name, FLOAT16)
+    if compression == UINT8:
+        buffer, aux = _quantize_uint8(tensor)
+        return OutgoingTensor(buffer, tuple(tensor.shape), name, UINT8, aux)
+    return OutgoingTensor(_memory(tensor), tuple(tensor.shape), name)
+
+
+def as_message(tensor: OutgoingTensor) -> dmoe_pb2.Tensor:
+    """The same tensor as a protobuf message (for the streamed calls, which cut messages into parts)."""
+    return dmoe_pb2.Tensor(buffer=bytes(tensor.buffer), shape=tensor.shape, dtype=tensor.dtype,
+                           compression=tensor.compression, aux=tensor.aux)
+
+
+def _encode_varint(value: int) -> bytes:
+    value &= _MASK64
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_SMALL_VARINTS = [_encode_varint(i) for i in range(128)]
+
+
+def _uvarint(value: int) -> bytes:
+    return _SMALL_VARINTS[value] if 0 <= value < 128 else _encode_varint(value)
+
+
+def _key(number: int, wire_type: int) -> bytes:
+    return _uvarint(number << 3 | wire_type)
+
+
+#: Buffers of at least this many bytes are written at a multiple of ALIGN bytes from the message's start (with
+#: Tensor.pad): received bytes objects start aligned, so a tensor read in place is aligned for its dtype.
+ALIGN, ALIGN_MIN_BYTES = 8, 4096
+
+
+class _PadSlot:
+    """Room for ``Tensor.pad`` before and after a buffer: 2 + p and 2 + (ALIGN - 1 - p) bytes, so a tensor's size
+    does not depend on p, and p is chosen once the buffer's offset in the whole message is known."""
+
+    __slots__ = ("header",)
+    SIZE = 4 + ALIGN - 1  # both pads together
+
+    def __init__(self, header: int):
+        self.header = header  # bytes between the first pad and the buffer (the buffer's key and length)
+
+    def fill(self, offset: int) -> tuple[bytes, bytes]:
+        before = (-(offset + 2 + self.header)) % ALIGN
+        after = ALIGN - 1 - before
+        pad = _key(7, _LEN)
+        return pad + _SMALL_VARINTS[before] + bytes(before), pad + _SMALL_VARINTS[after] + bytes(after)
+
+
+class _Writer:
+    """Chunks of a message in order, and their total length: a nested message's header needs its length."""
+
+    __slots__ = ("chunks", "size")
+
+    def __init__(self) -> None:
+        self.chunks: list[Any] = []
+        self.size = 0
+
+    def raw(self, chunk) -> None:
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+
+    def varint(self, number: int, value: int) -> None:
+        if value:  # proto3 leaves zeros out
+            self.raw(_key(number, _VARINT) + _uvarint(value & _MASK64))
+
+    def data(self, number: int, chunk) -> None:
+        size = len(chunk)
+        if size:
+            self.raw(_key(number, _LEN) + _uvarint(size))
+            self.raw(chunk)
+
+    def text(self, number: int, value: str) -> None:
+        self.data(number, value.encode("utf-8"))
+
+    def nested(self, number: int, inner: "_Writer") -> None:
+        self.raw(_key(number, _LEN) + _uvarint(inner.size))  # written even when empty: it is an element
+        self.chunks.extend(inner.chunks)
+        self.size += inner.size
+
+    def aligned_data(self, number: int, chunk) -> None:
+        """``data`` between two pads, for a buffer that a reader will use in place."""
+        size = len(chunk)
+        if size < ALIGN_MIN_BYTES:
+            return self.data(number, chunk)
+        header = _key(number, _LEN) + _uvarint(size)
+        slot = _PadSlot(len(header))
+        self.chunks += [slot, header, chunk, slot]
+        self.size += _PadSlot.SIZE + len(header) + size
+
+    def join(self) -> bytes:
+        chunks, offset, after = self.chunks, 0, None
+        if any(type(chunk) is _PadSlot for chunk in chunks):
+            chunks = list(chunks)
+            for i, chunk in enumerate(chunks):
+                if type(chunk) is _PadSlot:
+                    if after is None:
+                        chunks[i], after = chunk.fill(offset)
+                    else:
+                        chunks[i], after = after, None
+                offset += len(chunks[i])
+        return b"".join(chunks)
+
+
+def _tensor_writer(tensor: OutgoingTensor) -> _Writer:
+    w = _Writer()
+    w.aligned_data(1, tensor.buffer)
+    if tensor.shape:
+        w.data(2, b"".join(_uvarint(dim & _MASK64) for dim in tensor.shape))
+    w.text(3, tensor.dtype)
+    w.varint(4, tensor.compression)
+    w.data(5, tensor.aux)
+    return w
+
+
+def _request_writer(uid: str, tensors: Sequence[OutgoingTensor], compression: int, activation_id: bytes) -> _Writer:
+    w = _Writer()
+    w.text(1, uid)
+    for tensor in tensors:
+        w.nested(2, _tensor_writer(tensor))
+    w.varint(3, compression)
+    w.data(4, activation_id or b"")
+    return w
+
+
+def request_bytes(uid: str, tensors: Sequence[OutgoingTensor], compression: int = NONE,
+                  activation_id: bytes | None = None) -> bytes:
+    """A ``dmoe.ExpertRequest``'s bytes; ``compression`` is what the answer is asked to use."""
+    return _request_writer(uid, tensors, compression, activation_id or b"").join()
+
+
+def batch_request_bytes(items: Sequence[tuple[str, Sequence[OutgoingTensor], bytes | None]],
+                        compression: int = NONE) -> bytes:
+    """A ``dmoe.BatchRequest``'s bytes: items of (uid, tensors, activation id), every answer asked ``compression``."""
+    w = _Writer()
+    for uid, tensors, activation_id in items:
+        w.nested(1, _request_writer(uid, tensors, compression, activation_id or b""))
+    return w.join()
+
+
+@dataclass(eq=False)
+class Answer:
+    """What a server answers one forward/backward with: written by :func:`response_bytes`."""
+
+    tensors: list[OutgoingTensor] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class ItemAnswer:
+    """One item's outcome in a batch answer: its tensors (code 0), or a gRPC status code and message."""
+
+    tensors: list[OutgoingTensor] = field(default_factory=list)
+    code: int = 0
+    message: str = ""
+
+
+@dataclass(eq=False)
+class BatchAnswer:
+    results: list[ItemAnswer] = field(default_factory=list)
+
+
+def response_bytes(answer: Answer) -> bytes:
+    """A ``dmoe.ExpertResponse``'s bytes."""
+    w = _Writer()
+    for tensor in answer.tensors:
+        w.nested(1, _tensor_writer(tensor))
+    return w.join()
+
+
+def batch_response_bytes(answer: BatchAnswer) -> bytes:
+    """A ``dmoe.BatchResponse``'s bytes."""
+    w = _Writer()
+    for result in answer.results:
+        inner = _Writer()
+        for tensor in result.tensors:
+            inner.nested(1, _tensor_writer(tensor))
+        inner.varint(2, result.code)
+        inner.text(3, result.message)
+        w.nested(1, inner)
+    return w.join()

@@ -1,0 +1,242 @@
+"""dmoe.wire.zerocopy: its writers and protobuf read the same messages, its readers and protobuf agree on any bytes,
+large tensors are read in place (aligned), and a server keeps no view of a shared message."""
+from __future__ import annotations
+
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmoe.client import forward_future, forward_futures, new_activation_id
+from dmoe.server import ExpertServer, ServerConfig
+from dmoe.wire import FLOAT16, NONE, UINT8, deserialize, dmoe_pb2, serialize
+from dmoe.wire import zerocopy as zc
+
+MESSAGES = [dmoe_pb2.ExpertRequest, dmoe_pb2.BatchRequest, dmoe_pb2.ExpertResponse, dmoe_pb2.BatchResponse]
+
+
+def fields(message) -> tuple:
+    """A message's content, from a protobuf message or a view alike (padding and memoryviews left aside)."""
+    def tensor(t):
+        return bytes(t.buffer), tuple(t.shape), t.dtype, t.compression, bytes(t.aux), t.parts
+
+    def request(r):
+        return r.uid, tuple(map(tensor, r.tensors)), r.response_compression, bytes(r.activation_id)
+
+    if hasattr(message, "items"):
+        return tuple(map(request, message.items))
+    if hasattr(message, "results"):
+        return tuple((tuple(map(tensor, r.tensors)), r.code, r.message) for r in message.results)
+    if hasattr(message, "uid"):
+        return request(message)
+    return tuple(map(tensor, message.tensors))
+
+
+def tensors_of(shape, dtype):
+    return (torch.randn(shape) * 10).to(dtype)
+
+
+shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3)
+dtypes = st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8,
+                          torch.bool])
+compressions = st.sampled_from([NONE, FLOAT16, UINT8])
+texts = st.text(max_size=12)
+
+
+@st.composite
+def items(draw):
+    tensors = [tensors_of(draw(shapes), draw(dtypes)) for _ in range(draw(st.integers(0, 3)))]
+    activation_id = draw(st.binary(max_size=20))
+    return draw(texts), tensors, activation_id
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.lists(items(), min_size=0, max_size=4), compression=compressions, code=st.integers(0, 2**32 - 1),
+       message=texts)
+def test_the_writers_bytes_are_protobufs_for_small_tensors_and_both_readers_agree(batch, compression, code, message):
+    # small tensors are not padded: the bytes are exactly protobuf's, so any reader reads them as before
+    expected = dmoe_pb2.BatchRequest()
+    for uid, tensors, activation_id in batch:
+        item = expected.items.add(uid=uid, response_compression=compression, activation_id=activation_id)
+        for t in tensors:
+            serialize(t, compression, out=item.tensors.add())
+    packed = [(uid, [zc.pack(t, compression) for t in tensors], activation_id) for uid, tensors, activation_id in batch]
+    written = zc.batch_request_bytes(packed, compression)
+    assert written == expected.SerializeToString()
+    assert fields(zc.read_in_place(dmoe_pb2.BatchRequest, written)) == fields(expected)
+
+    answer = zc.BatchAnswer([zc.ItemAnswer(tensors) for _, tensors, _ in packed] + [zc.ItemAnswer([], code, message)])
+    response = dmoe_pb2.BatchResponse()
+    for _, tensors, _ in batch:
+        result = response.results.add()
+        for t in tensors:
+            serialize(t, compression, out=result.tensors.add())
+    response.results.add(code=code, message=message)
+    assert zc.batch_response_bytes(answer) == response.SerializeToString()
+    for uid, tensors, activation_id in packed:
+        single = zc.request_bytes(uid, tensors, compression, activation_id)
+        assert fields(zc.read_in_place(dmoe_pb2.ExpertRequest, single)) == fields(
+            dmoe_pb2.ExpertRequest.FromString(single))
+        reply = zc.response_bytes(zc.Answer(tensors))
+        assert fields(zc.read_in_place(dmoe_pb2.ExpertResponse, reply)) == fields(
+            dmoe_pb2.ExpertResponse.FromString(reply))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int64])
+def test_large_buffers_are_padded_to_an_aligned_offset_and_read_in_place(rows, dtype):
+    tensors = [(torch.randn(rows, 1024) * 10).to(dtype), torch.randn(rows, 3), (torch.randn(rows, 513) * 10).to(dtype)]
+    for uid in ("e", "ffn.10.31", "x" * 300):
+        data = zc.batch_request_bytes([(uid, [zc.pack(t) for t in tensors], new_activation_id()),
+                                       ("other", [zc.pack(tensors[0])], None)])
+        ours, theirs = zc.read_in_place(dmoe_pb2.BatchRequest, data), dmoe_pb2.BatchRequest.FromString(data)
+        assert fields(ours) == fields(theirs)  # protobuf reads the padded message the same (Tensor.pad ignored)
+        for item in ours.items:
+            for message in item.tensors:
+                if len(message.buffer) >= zc.ALIGN_MIN_BYTES:
+                    assert isinstance(message.buffer, memoryview) and message.buffer.obj is data  # no copy
+                    address = torch.frombuffer(message.buffer, dtype=torch.uint8).data_ptr()
+                    assert address % zc.ALIGN == 0
+        decoded = [deserialize(m) for m in ours.items[0].tensors]
+        assert all(torch.equal(a, b) for a, b in zip(decoded, tensors))
+        # parse_batch_request (what the server uses) leaves small messages to protobuf
+        in_place = isinstance(zc.parse_batch_request(data), zc.BatchRequestView)
+        assert in_place == (len(data) >= zc.ZERO_COPY_MIN_BYTES)
+
+
+def test_a_misaligned_view_is_copied_by_deserialize():
+    data = bytes(1) + torch.arange(100, dtype=torch.float32).numpy().tobytes()
+    message = zc.TensorView(memoryview(data)[1:], [100], "float32")
+    tensor = deserialize(message)
+    assert tensor.data_ptr() % 4 == 0 and torch.equal(tensor, torch.arange(100, dtype=torch.float32))
+
+
+def valid_samples() -> list[bytes]:
+    x, ids = torch.arange(10.0).view(2, 5) / 3, [torch.arange(6)]
+    request = zc.request_bytes("ffn.0", [zc.pack(x), zc.pack(ids[0])], FLOAT16, b"id")
+    batch = zc.batch_request_bytes([("a", [zc.pack(x, UINT8)], b"i"), ("b", [zc.pack(x)], None)])
+    response = zc.response_bytes(zc.Answer([zc.pack(x)]))
+    results = zc.batch_response_bytes(zc.BatchAnswer([zc.ItemAnswer([zc.pack(x)]), zc.ItemAnswer([], 5, "no")]))
+    big = zc.batch_request_bytes([("a", [zc.pack(torch.arange(2048.0).view(1, 2048))], b"i")])  # padded
+    return [request, batch, response, results, big]
+
+
+@settings(max_examples=300, deadline=None)
+@given(sample=st.sampled_from(valid_samples()), message_cls=st.sampled_from(MESSAGES), data=st.data())
+def test_on_any_bytes_the_reader_agrees_with_protobuf(sample, message_cls, data):
+    """Truncated, flipped, spliced and random bytes: the same content, or DecodeError from both."""
+    kind = data.draw(st.sampled_from(["cut", "flip", "splice", "random"]))
+    raw = bytearray(sample)
+    if kind == "cut":
+        raw = raw[:data.draw(st.integers(0, len(raw)))]
+    elif kind == "flip" and raw:
+        for _ in range(data.draw(st.integers(1, 4))):
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    elif kind == "splice":
+        at = data.draw(st.integers(0, len(raw)))
+        raw[at:at] = data.draw(st.binary(max_size=12))
+    else:
+        raw = bytearray(data.draw(st.binary(max_size=64)))
+    raw = bytes(raw)
+    try:
+        expected = fields(message_cls.FromString(raw))
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            zc.read_in_place(message_cls, raw)
+        return
+    assert fields(zc.read_in_place(message_cls, raw)) == expected
+
+
+def _key(number: int, wire_type: int) -> bytes:
+    return zc._encode_varint(number << 3 | wire_type)
+
+
+#: where readers go wrong: the sign bits of 32 and 64 bits, values wider than the field
+varints = st.one_of(st.sampled_from([0, 1, 2, 127, 128, 2**31 - 1, 2**31, 2**32 - 1, 2**32 + 2, 2**63 - 1, 2**63 + 4,
+                                     2**64 - 1]), st.integers(0, 2**64 - 1))
+
+
+@st.composite
+def wire_message(draw, schema: dict) -> bytes:
+    """Fields of the message's own numbers and kinds (``schema``: number -> "varint", "bytes", "packed", a tuple
+    of those, or the strategy of a nested message), in some examples with others of any number and kind; values
+    anywhere in range (64-bit varints, bad UTF-8): the encodings protobuf accepts, and many it does not."""
+    noisy = draw(st.shared(st.booleans(), key="noisy"))  # one choice per example, for every level
+    out = b""
+    for _ in range(draw(st.integers(0, 5))):
+        if schema and not (noisy and draw(st.integers(0, 7)) == 0):
+            number = draw(st.sampled_from(sorted(schema)))
+            kind = schema[number]
+            if isinstance(kind, tuple):
+                kind = draw(st.sampled_from(kind))
+        else:
+            number, kind = draw(st.integers(1, 8)), draw(st.sampled_from(["varint", "bytes", "packed", "fixed"]))
+        if kind == "varint":
+            out += _key(number, 0) + zc._encode_varint(draw(varints))
+        elif kind == "fixed":
+            out += _key(number, draw(st.sampled_from([1, 5]))) + bytes(draw(st.sampled_from([4, 8])))
+        else:
+            if kind == "packed":
+                value = b"".join(zc._encode_varint(v) for v in draw(st.lists(varints, max_size=4)))
+            elif kind == "bytes":
+                value = draw(st.one_of(st.text(max_size=4).map(str.encode), st.text(max_size=4).map(str.encode),
+                                       st.binary(max_size=8)))
+            else:
+                value = draw(kind)
+            out += _key(number, 2) + zc._encode_varint(len(value)) + value
+    return out
+
+
+tensor_bytes = wire_message({1: "bytes", 2: ("packed", "varint"), 3: "bytes", 4: "varint", 5: "bytes", 6: "varint",
+                             7: "bytes"})
+request_bytes = wire_message({1: "bytes", 2: tensor_bytes, 3: "varint", 4: "bytes"})
+result_bytes = wire_message({1: tensor_bytes, 2: "varint", 3: "bytes"})
+STRUCTURED = {
+    dmoe_pb2.ExpertRequest: request_bytes, dmoe_pb2.ExpertResponse: wire_message({1: tensor_bytes}),
+    dmoe_pb2.BatchRequest: wire_message({1: request_bytes}), dmoe_pb2.BatchResponse: wire_message({1: result_bytes}),
+}
+
+
+@settings(max_examples=400, deadline=None)
+@given(message_cls=st.sampled_from(MESSAGES), data=st.data())
+def test_on_any_field_layout_the_reader_agrees_with_protobuf(message_cls, data):
+    raw = data.draw(STRUCTURED[message_cls])
+    try:
+        expected = fields(message_cls.FromString(raw))
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            zc.read_in_place(message_cls, raw)
+        return
+    assert fields(zc.read_in_place(message_cls, raw)) == expected
+
+
+def test_unusual_encodings_of_a_large_message_are_left_to_protobuf():
+    x = torch.randn(64, 1024)
+    request = dmoe_pb2.ExpertRequest(uid="ffn.0")
+    serialize(x, out=request.tensors.add())
+    data = request.SerializeToString()
+    assert isinstance(zc.parse_request(data), zc.RequestView)
+    unknown = data + b"\xa0\x06\x01"  # field 100, a varint: protobuf keeps it as unknown, the views do not know it
+    parsed = zc.parse_request(unknown)
+    assert isinstance(parsed, dmoe_pb2.ExpertRequest) and fields(parsed) == fields(request)
+    with pytest.raises(DecodeError):
+        zc.parse_request(data[:-3])
+
+
+def test_a_cpu_server_keeps_no_view_of_a_message_shared_by_several_items():
+    """Inputs kept for a backward must not pin a whole batch request: the activation cache counts only their rows."""
+    with ExpertServer.create("ffn.[0:2]", "ffn", 1024, seed=1, config=ServerConfig(device="cpu")) as server:
+        x = torch.randn(32, 1024)  # 128 KiB per item: read in place
+        shared = [new_activation_id(), new_activation_id()]
+        for future in forward_futures([(f"ffn.{i}", server.endpoint, [x], shared[i]) for i in range(2)]):
+            future.result(30)
+        alone = new_activation_id()
+        forward_future(server.endpoint, "ffn.0", [x], activation_id=alone).result(30)
+        for i in range(2):
+            (kept,) = server.activations.inputs(f"ffn.{i}", shared[i])
+            assert kept.untyped_storage().resizable()  # the server's own memory
+            assert torch.equal(kept, x)
+        (kept,) = server.activations.inputs("ffn.0", alone)
+        assert not kept.untyped_storage().resizable()  # a request of its own is used in place: zero copies
+        assert torch.equal(kept, x)
