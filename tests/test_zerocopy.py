@@ -66,7 +66,7 @@ def test_the_writers_bytes_are_protobufs_for_small_tensors_and_both_readers_agre
     assert written == expected.SerializeToString()
     assert fields(zc.read_in_place(dmoe_pb2.BatchRequest, written)) == fields(expected)
 
-    answer = zc.BatchAnswer([zc.ItemAnswer(tensors) for _, tensors, _ in packed] + [zc.ItemAnswer([], code, message)])
+    answer = zc.BatchResponse([zc.Result(tensors) for _, tensors, _ in packed] + [zc.Result([], code, message)])
     response = dmoe_pb2.BatchResponse()
     for _, tensors, _ in batch:
         result = response.results.add()
@@ -78,7 +78,7 @@ def test_the_writers_bytes_are_protobufs_for_small_tensors_and_both_readers_agre
         single = zc.request_bytes(uid, tensors, compression, activation_id)
         assert fields(zc.read_in_place(dmoe_pb2.ExpertRequest, single)) == fields(
             dmoe_pb2.ExpertRequest.FromString(single))
-        reply = zc.response_bytes(zc.Answer(tensors))
+        reply = zc.response_bytes(zc.Response(tensors))
         assert fields(zc.read_in_place(dmoe_pb2.ExpertResponse, reply)) == fields(
             dmoe_pb2.ExpertResponse.FromString(reply))
 
@@ -112,12 +112,23 @@ def test_a_misaligned_view_is_copied_by_deserialize():
     assert tensor.data_ptr() % 4 == 0 and torch.equal(tensor, torch.arange(100, dtype=torch.float32))
 
 
+def assert_reads_like_protobuf(message_cls, raw: bytes) -> None:
+    """The same content as protobuf's parse, or DecodeError from both."""
+    try:
+        expected = fields(message_cls.FromString(raw))
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            zc.read_in_place(message_cls, raw)
+        return
+    assert fields(zc.read_in_place(message_cls, raw)) == expected
+
+
 def valid_samples() -> list[bytes]:
     x, ids = torch.arange(10.0).view(2, 5) / 3, [torch.arange(6)]
     request = zc.request_bytes("ffn.0", [zc.pack(x), zc.pack(ids[0])], FLOAT16, b"id")
     batch = zc.batch_request_bytes([("a", [zc.pack(x, UINT8)], b"i"), ("b", [zc.pack(x)], None)])
-    response = zc.response_bytes(zc.Answer([zc.pack(x)]))
-    results = zc.batch_response_bytes(zc.BatchAnswer([zc.ItemAnswer([zc.pack(x)]), zc.ItemAnswer([], 5, "no")]))
+    response = zc.response_bytes(zc.Response([zc.pack(x)]))
+    results = zc.batch_response_bytes(zc.BatchResponse([zc.Result([zc.pack(x)]), zc.Result([], 5, "no")]))
     big = zc.batch_request_bytes([("a", [zc.pack(torch.arange(2048.0).view(1, 2048))], b"i")])  # padded
     return [request, batch, response, results, big]
 
@@ -139,13 +150,7 @@ def test_on_any_bytes_the_reader_agrees_with_protobuf(sample, message_cls, data)
     else:
         raw = bytearray(data.draw(st.binary(max_size=64)))
     raw = bytes(raw)
-    try:
-        expected = fields(message_cls.FromString(raw))
-    except DecodeError:
-        with pytest.raises(DecodeError):
-            zc.read_in_place(message_cls, raw)
-        return
-    assert fields(zc.read_in_place(message_cls, raw)) == expected
+    assert_reads_like_protobuf(message_cls, raw)
 
 
 def _key(number: int, wire_type: int) -> bytes:
@@ -202,13 +207,7 @@ STRUCTURED = {
 @given(message_cls=st.sampled_from(MESSAGES), data=st.data())
 def test_on_any_field_layout_the_reader_agrees_with_protobuf(message_cls, data):
     raw = data.draw(STRUCTURED[message_cls])
-    try:
-        expected = fields(message_cls.FromString(raw))
-    except DecodeError:
-        with pytest.raises(DecodeError):
-            zc.read_in_place(message_cls, raw)
-        return
-    assert fields(zc.read_in_place(message_cls, raw)) == expected
+    assert_reads_like_protobuf(message_cls, raw)
 
 
 def test_unusual_encodings_of_a_large_message_are_left_to_protobuf():

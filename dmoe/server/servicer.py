@@ -22,7 +22,7 @@ from dmoe.server.validation import RequestRejected, check_options, first_bad_val
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES
 from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, cut_into_parts, join_parts, message_bytes
-from dmoe.wire.zerocopy import (Answer, BatchAnswer, ItemAnswer, OutgoingTensor, as_message, batch_response_bytes,
+from dmoe.wire.zerocopy import (BatchResponse, OutgoingTensor, Response, Result, as_message, batch_response_bytes,
                                 pack, parse_batch_request, parse_request, response_bytes)
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -179,7 +179,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             self.stages.add("encode", time.perf_counter() - started)
         return encoded
 
-    async def _batch(self, kind: str, request: dmoe_pb2.BatchRequest, context) -> BatchAnswer:
+    async def _batch(self, kind: str, request: dmoe_pb2.BatchRequest, context) -> BatchResponse:
         """Runs every item as its own call would run (concurrently, each on its own expert's task pool) and
         answers each item's outcome: one bad or failing item never fails the others."""
         items = request.items
@@ -192,27 +192,27 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             await self.faults.wait()  # one round trip for the whole call
         shared = len(items) > 1
         results = await asyncio.gather(*(self._item(kind, item, shared) for item in items))
-        return BatchAnswer(list(results))  # in the items' order
+        return BatchResponse(list(results))  # in the items' order
 
-    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest, shared: bool) -> ItemAnswer:
+    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest, shared: bool) -> Result:
         try:
-            return ItemAnswer(await self._compute(kind, item.uid, item.tensors, item.response_compression,
+            return Result(await self._compute(kind, item.uid, item.tensors, item.response_compression,
                                                   item.activation_id, delay=False, shared=shared))
         except RequestRejected as rejected:
-            return ItemAnswer(code=rejected.code.value[0], message=rejected.message)
+            return Result(code=rejected.code.value[0], message=rejected.message)
 
-    async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> Answer:
-        return Answer(await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
+    async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> Response:
+        return Response(await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
                                        request.activation_id))
 
-    async def backward(self, request: dmoe_pb2.ExpertRequest, context) -> Answer:
-        return Answer(await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
+    async def backward(self, request: dmoe_pb2.ExpertRequest, context) -> Response:
+        return Response(await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
                                        request.activation_id))
 
-    async def forward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchAnswer:
+    async def forward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchResponse:
         return await self._batch(FORWARD, request, context)
 
-    async def backward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchAnswer:
+    async def backward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchResponse:
         return await self._batch(BACKWARD, request, context)
 
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],

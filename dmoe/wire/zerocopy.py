@@ -89,21 +89,31 @@ class BatchRequestView:
     items: list[RequestView] = field(default_factory=list)
 
 
+# The answers: read in place (their tensors are TensorViews), or built by a server to be written (OutgoingTensors).
+
+
 @dataclass(eq=False)
-class ResultView:
-    tensors: list[TensorView] = field(default_factory=list)
+class Response:
+    """A ``dmoe.ExpertResponse``: one forward's or backward's outputs."""
+
+    tensors: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Result:
+    """A ``dmoe.ExpertResult``: one item's outcome in a batch answer, its tensors (code 0) or a gRPC status code
+    and message."""
+
+    tensors: list = field(default_factory=list)
     code: int = 0
     message: str = ""
 
 
 @dataclass(eq=False)
-class ResponseView:
-    tensors: list[TensorView] = field(default_factory=list)
+class BatchResponse:
+    """A ``dmoe.BatchResponse``: a result per item, in the items' order."""
 
-
-@dataclass(eq=False)
-class BatchResponseView:
-    results: list[ResultView] = field(default_factory=list)
+    results: list[Result] = field(default_factory=list)
 
 
 def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -195,26 +205,26 @@ def _request(data: bytes, view: memoryview, pos: int, end: int) -> RequestView:
     return request
 
 
+def _elements(data: bytes, view: memoryview, pos: int, end: int, read, name: str) -> list:
+    """The elements of a message whose one field (number 1) is a repeated message, each read by ``read``."""
+    elements = []
+    for number, wire_type, value, stop in _fields(data, pos, end):
+        if number != 1 or wire_type != _LEN:
+            raise _Unusual(f"field {number} of wire type {wire_type} in {name}")
+        elements.append(read(data, view, value, stop))
+    return elements
+
+
 def _batch_request(data: bytes, view: memoryview, pos: int, end: int) -> BatchRequestView:
-    batch = BatchRequestView()
-    for number, wire_type, value, stop in _fields(data, pos, end):
-        if number != 1 or wire_type != _LEN:
-            raise _Unusual(f"field {number} of wire type {wire_type} in a BatchRequest")
-        batch.items.append(_request(data, view, value, stop))
-    return batch
+    return BatchRequestView(_elements(data, view, pos, end, _request, "a BatchRequest"))
 
 
-def _response(data: bytes, view: memoryview, pos: int, end: int) -> ResponseView:
-    response = ResponseView()
-    for number, wire_type, value, stop in _fields(data, pos, end):
-        if number != 1 or wire_type != _LEN:
-            raise _Unusual(f"field {number} of wire type {wire_type} in an ExpertResponse")
-        response.tensors.append(_tensor(data, view, value, stop))
-    return response
+def _response(data: bytes, view: memoryview, pos: int, end: int) -> Response:
+    return Response(_elements(data, view, pos, end, _tensor, "an ExpertResponse"))
 
 
-def _result(data: bytes, view: memoryview, pos: int, end: int) -> ResultView:
-    result = ResultView()
+def _result(data: bytes, view: memoryview, pos: int, end: int) -> Result:
+    result = Result()
     for number, wire_type, value, stop in _fields(data, pos, end):
         if number == 1 and wire_type == _LEN:
             result.tensors.append(_tensor(data, view, value, stop))
@@ -227,13 +237,8 @@ def _result(data: bytes, view: memoryview, pos: int, end: int) -> ResultView:
     return result
 
 
-def _batch_response(data: bytes, view: memoryview, pos: int, end: int) -> BatchResponseView:
-    batch = BatchResponseView()
-    for number, wire_type, value, stop in _fields(data, pos, end):
-        if number != 1 or wire_type != _LEN:
-            raise _Unusual(f"field {number} of wire type {wire_type} in a BatchResponse")
-        batch.results.append(_result(data, view, value, stop))
-    return batch
+def _batch_response(data: bytes, view: memoryview, pos: int, end: int) -> BatchResponse:
+    return BatchResponse(_elements(data, view, pos, end, _result, "a BatchResponse"))
 
 
 def _parser(read, message_cls, min_bytes: int | None = None):
@@ -441,28 +446,7 @@ def batch_request_bytes(items: Sequence[tuple[str, Sequence[OutgoingTensor], byt
     return w.join()
 
 
-@dataclass(eq=False)
-class Answer:
-    """What a server answers one forward/backward with: written by :func:`response_bytes`."""
-
-    tensors: list[OutgoingTensor] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class ItemAnswer:
-    """One item's outcome in a batch answer: its tensors (code 0), or a gRPC status code and message."""
-
-    tensors: list[OutgoingTensor] = field(default_factory=list)
-    code: int = 0
-    message: str = ""
-
-
-@dataclass(eq=False)
-class BatchAnswer:
-    results: list[ItemAnswer] = field(default_factory=list)
-
-
-def response_bytes(answer: Answer) -> bytes:
+def response_bytes(answer: Response) -> bytes:
     """A ``dmoe.ExpertResponse``'s bytes."""
     w = _Writer()
     for tensor in answer.tensors:
@@ -470,7 +454,7 @@ def response_bytes(answer: Answer) -> bytes:
     return w.join()
 
 
-def batch_response_bytes(answer: BatchAnswer) -> bytes:
+def batch_response_bytes(answer: BatchResponse) -> bytes:
     """A ``dmoe.BatchResponse``'s bytes."""
     w = _Writer()
     for result in answer.results:
