@@ -123,11 +123,26 @@ def assert_holds(folder: Path, indices: Sequence[int], expected: Sequence[torch.
 def test_one_group_holds_the_exact_weighted_mean_after_one_round(runs, prefix):
     folder, results = job_results(runs, prefix)
     everyone = sorted(results)
-    assert_holds(folder, everyone, weighted_mean(everyone))
-    for result in results.values():
+    # first who averaged with whom: a peer left out (matchmaking, a group it could not read, a part that never
+    # came) shows here by name, where the tensors alone would only show a wrong mean
+    for index, result in sorted(results.items()):
         (info,) = result["infos"]
-        assert info["members"] == info["contributors"] and len(info["members"]) == len(everyone)
+        assert info is not None and info["members"] == info["contributors"] and len(info["members"]) == len(
+            everyone), f"peer {index} of {prefix}: {describe_groups(results)}"
         assert info["weight"] == pytest.approx(sum(weight_of(i) for i in everyone) / len(everyone))
+    assert_holds(folder, everyone, weighted_mean(everyone))
+
+
+def describe_groups(results: dict[int, dict]) -> str:
+    """Each peer's rounds: its group's size, how many contributed, what it dropped, and the seconds taken."""
+    def round_of(info: dict | None) -> str:
+        if info is None:
+            return "no group"
+        return (f"group {info.get('group_id', '?')} of {len(info['members'])}, {len(info['contributors'])} "
+                f"contributed, dropped {info.get('dropped') or '-'}")
+    return "; ".join(f"peer {index}: [{', '.join(map(round_of, result['infos']))}] in "
+                     f"{', '.join(f'{s:.1f}' for s in result['seconds'])} s"
+                     for index, result in sorted(results.items()))
 
 
 @pytest.mark.parametrize("prefix, grid", [("grid8", (2, 2, 2)), ("grid9", (3, 3))])

@@ -2,8 +2,8 @@
 
 protobuf's Python messages copy a ``bytes`` field at every step: parsing copies it into the message, each read
 copies it out again, and building a message copies what is assigned, then serialising copies it once more. For
-a batch of 2048 rows of h=1024 that is ~8 MiB per copy, four times on each side of each call, and it is most of
-what a server's path costs next to a GPU's compute. Here:
+a batch of 2048 rows of h=1024 that is ~8 MiB per copy, four times on each side of each call: host-side copies
+were most of the server path's time next to a GPU's compute (benchmarks/README.md, "On a GPU"). Here:
 
 - **Reading** (:func:`parse_request`, :func:`parse_batch_request`, :func:`parse_response`,
   :func:`parse_batch_response`): a message of at least :data:`ZERO_COPY_MIN_BYTES` is walked in Python and its
