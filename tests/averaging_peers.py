@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("dmoe.averaging.matchmaking").setLevel(logging.INFO)  # who led which group, who gave up
     jobs = json.loads(args.jobs)
     out = Path(args.out)
     places = [(job, index) for job in jobs for index in job["indices"]]

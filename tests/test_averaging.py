@@ -85,8 +85,12 @@ def runs(bootstrap: str, tmp_path_factory) -> tuple[Path, dict[str, dict[int, di
     with processes() as procs:
         procs += [start_peers(bootstrap, out, jobs) for jobs in halves]
         found = {key: result for proc in procs for key, result in results_of(proc).items()}
+        warnings = [line.strip() for proc in procs for line in proc.output
+                    if " WARNING " in line or " INFO dmoe.averaging.matchmaking" in line]
     by_prefix: dict[str, dict[int, dict]] = {}
     for (prefix, index), result in found.items():
+        # the peers' warnings and matchmaking news about this job's groups (keys begin with the prefix), for failures
+        result["warnings"] = [line for line in warnings if f" {prefix}." in line]
         by_prefix.setdefault(prefix, {})[index] = result
     return out, by_prefix
 
@@ -140,9 +144,11 @@ def describe_groups(results: dict[int, dict]) -> str:
             return "no group"
         return (f"group {info.get('group_id', '?')} of {len(info['members'])}, {len(info['contributors'])} "
                 f"contributed, dropped {info.get('dropped') or '-'}")
-    return "; ".join(f"peer {index}: [{', '.join(map(round_of, result['infos']))}] in "
-                     f"{', '.join(f'{s:.1f}' for s in result['seconds'])} s"
-                     for index, result in sorted(results.items()))
+    peers = "; ".join(f"peer {index}: [{', '.join(map(round_of, result['infos']))}] in "
+                      f"{', '.join(f'{s:.1f}' for s in result['seconds'])} s"
+                      for index, result in sorted(results.items()))
+    warnings = next(iter(results.values())).get("warnings") or ["none"]
+    return f"{peers}; the peers' log: " + " | ".join(warnings)
 
 
 @pytest.mark.parametrize("prefix, grid", [("grid8", (2, 2, 2)), ("grid9", (3, 3))])
