@@ -78,11 +78,11 @@ def test_bytes_that_are_no_request_message_get_invalid_argument(channel, rpc):
     assert f"/dmoe.ExpertService/{rpc}: the request bytes are not a valid message" in details
 
 
-# Requests of 64 KiB and more are read in place (dmoe/wire/zerocopy.py), not by protobuf: rows of 64 KiB reach
+# Requests of 256 KiB and more are read in place (dmoe/wire/zerocopy.py), not by protobuf: rows of 256 KiB reach
 # that reader with every kind of case, mutated valid requests above all. nop experts: the wire is what is tested.
-LARGE = fuzzing.Target(uids=("fz.0", "fz.1"), hidden=16384, max_batch=8)
+LARGE = fuzzing.Target(uids=("fz.0", "fz.1"), hidden=65536, max_batch=8)
 LARGE_SERVER = ["-m", "dmoe.cli.server", "--experts", "fz.[0:2]", "--expert-cls", "nop", "--hidden-dim",
-                str(LARGE.hidden), "--max-batch-size", str(LARGE.max_batch), "--max-message-bytes", str(1 << 20),
+                str(LARGE.hidden), "--max-batch-size", str(LARGE.max_batch), "--max-message-bytes", str(4 << 20),
                 "--torch-threads", "1"]
 
 

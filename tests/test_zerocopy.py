@@ -211,7 +211,7 @@ def test_on_any_field_layout_the_reader_agrees_with_protobuf(message_cls, data):
 
 
 def test_unusual_encodings_of_a_large_message_are_left_to_protobuf():
-    x = torch.randn(64, 1024)
+    x = torch.randn(128, 1024)
     request = dmoe_pb2.ExpertRequest(uid="ffn.0")
     serialize(x, out=request.tensors.add())
     data = request.SerializeToString()
@@ -226,7 +226,7 @@ def test_unusual_encodings_of_a_large_message_are_left_to_protobuf():
 def test_a_cpu_server_keeps_no_view_of_a_message_shared_by_several_items():
     """Inputs kept for a backward must not pin a whole batch request: the activation cache counts only their rows."""
     with ExpertServer.create("ffn.[0:2]", "ffn", 1024, seed=1, config=ServerConfig(device="cpu")) as server:
-        x = torch.randn(32, 1024)  # 128 KiB per item: read in place
+        x = torch.randn(128, 1024)  # 512 KiB per item: read in place
         shared = [new_activation_id(), new_activation_id()]
         for future in forward_futures([(f"ffn.{i}", server.endpoint, [x], shared[i]) for i in range(2)]):
             future.result(30)

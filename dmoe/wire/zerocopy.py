@@ -29,8 +29,9 @@ import torch
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.codec import FLOAT16, NONE, UINT8, _quantize_uint8, dtype_name
 
-#: Messages shorter than this are parsed by protobuf (its copies are cheaper than walking the fields in Python).
-ZERO_COPY_MIN_BYTES = 64 * 1024
+#: Messages shorter than this are parsed by protobuf: below it, protobuf's copies cost less than walking the fields
+#: in Python. Measured on a 16-item batch request: 1.4x slower in place at 64 KiB, even at 256 KiB, 26x faster at 4 MiB.
+ZERO_COPY_MIN_BYTES = 256 * 1024
 
 _VARINT, _LEN = 0, 2
 _MASK64 = (1 << 64) - 1
