@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2, status_code
-from dmoe.wire.codec import (NONE, cut_into_parts, deserialize, encoded_bytes, join_parts, parse_compression,
+from dmoe.wire.codec import (NONE, cut_into_parts, deserialize, encoded_bytes, join_parts, pack, parse_compression,
                              serialize)
-from dmoe.wire.zerocopy import batch_request_bytes, pack, request_bytes
+from dmoe.wire.zerocopy import batch_request_bytes, request_bytes
 
 #: Requests above this many tensor bytes are streamed (headroom for the message's own fields).
 UNARY_LIMIT_BYTES = MAX_MESSAGE_BYTES - 1024 * 1024

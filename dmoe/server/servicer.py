@@ -21,9 +21,10 @@ from dmoe.server.task_pool import TaskPool
 from dmoe.server.validation import RequestRejected, check_options, first_bad_values, validate
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES
-from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, cut_into_parts, join_parts, message_bytes
-from dmoe.wire.zerocopy import (BatchResponse, OutgoingTensor, Response, Result, as_message, batch_response_bytes,
-                                pack, parse_batch_request, parse_request, response_bytes)
+from dmoe.wire.codec import (NONE, InvalidTensor, OutgoingTensor, TensorTooLarge, cut_into_parts, join_parts,
+                             message_bytes, pack, to_message)
+from dmoe.wire.zerocopy import (BatchResponse, Response, Result, batch_response_bytes, parse_batch_request,
+                                parse_request, response_bytes)
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -247,7 +248,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         if rejection is not None:
             await context.abort(*rejection)
         outputs = await self._call(kind, uid, tensors, compression, context, activation_id)
-        for group in cut_into_parts([as_message(y) for y in outputs], self.stream_part_bytes):
+        for group in cut_into_parts([to_message(y) for y in outputs], self.stream_part_bytes):
             yield dmoe_pb2.ExpertResponse(tensors=group)
 
     async def forward_stream(self, request_iterator, context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -62,34 +63,56 @@ def parse_compression(name: str | int) -> int:
         raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(COMPRESSIONS)}") from None
 
 
-def _raw_bytes(tensor: torch.Tensor) -> bytes:
+@dataclass(eq=False)
+class OutgoingTensor:
+    """A tensor packed as a ``dmoe.Tensor`` carries it, its buffer still the tensor's memory (or that of its
+    compressed copy): :func:`serialize` copies it into a message, :mod:`dmoe.wire.zerocopy`'s writers straight into
+    the bytes they send. Keep the tensor unchanged until then."""
+
+    buffer: memoryview | bytes
+    shape: tuple[int, ...]
+    dtype: str
+    compression: int = NONE
+    aux: bytes = b""
+
+
+def _memory(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1).contiguous()
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return flat.view(torch.uint8).numpy().tobytes()
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
-def serialize(tensor: torch.Tensor, compression: int = NONE, out: dmoe_pb2.Tensor | None = None) -> dmoe_pb2.Tensor:
-    """Packs ``tensor`` (any device) into a message; compression applies to floating-point tensors only.
-
-    ``out``: a Tensor field of a larger message to fill in place (returned). Passing a finished Tensor to the
-    larger message's constructor instead copies every byte of it once more.
-    """
+def pack(tensor: torch.Tensor, compression: int = NONE) -> OutgoingTensor:
+    """What is sent of ``tensor`` (any device), not yet copied into bytes; compression applies to floating-point
+    tensors only."""
     name = dtype_name(tensor.dtype)
     if not tensor.is_floating_point() or tensor.numel() == 0:
         compression = NONE
     if compression == FLOAT16 and tensor.dtype != torch.float16:
-        buffer, aux = _raw_bytes(tensor.to(torch.float16)), b""
-    elif compression == UINT8:
+        return OutgoingTensor(_memory(tensor.to(torch.float16)), tuple(tensor.shape), name, FLOAT16)
+    if compression == UINT8:
         buffer, aux = _quantize_uint8(tensor)
-    else:
-        compression, buffer, aux = NONE, _raw_bytes(tensor), b""
+        return OutgoingTensor(buffer, tuple(tensor.shape), name, UINT8, aux)
+    return OutgoingTensor(_memory(tensor), tuple(tensor.shape), name)
+
+
+def to_message(packed: OutgoingTensor, out: dmoe_pb2.Tensor | None = None) -> dmoe_pb2.Tensor:
+    """``packed`` as a message (its bytes copied once); ``out``: a Tensor field of a larger message to fill in place
+    (returned). Passing a finished Tensor to the larger message's constructor instead copies every byte once more."""
     if out is None:
-        return dmoe_pb2.Tensor(buffer=buffer, shape=tensor.shape, dtype=name, compression=compression, aux=aux)
+        return dmoe_pb2.Tensor(buffer=bytes(packed.buffer), shape=packed.shape, dtype=packed.dtype,
+                               compression=packed.compression, aux=packed.aux)
     out.Clear()
-    out.buffer, out.dtype, out.compression, out.aux = buffer, name, compression, aux
-    out.shape.extend(tensor.shape)
+    out.buffer, out.dtype = bytes(packed.buffer), packed.dtype
+    out.compression, out.aux = packed.compression, packed.aux
+    out.shape.extend(packed.shape)
     return out
+
+
+def serialize(tensor: torch.Tensor, compression: int = NONE, out: dmoe_pb2.Tensor | None = None) -> dmoe_pb2.Tensor:
+    """Packs ``tensor`` (any device) into a message (:func:`pack`, then :func:`to_message`)."""
+    return to_message(pack(tensor, compression), out)
 
 
 def _quantize_uint8(tensor: torch.Tensor) -> tuple[bytes, bytes]:

@@ -13,9 +13,9 @@ were most of the server path's time next to a GPU's compute (benchmarks/README.m
   parser, which then decides exactly as before: valid messages parse, junk raises ``DecodeError``. Smaller
   messages go to protobuf directly: their copies cost less than a walk in Python.
 - **Writing** (:func:`request_bytes`, :func:`batch_request_bytes`, :func:`response_bytes`,
-  :func:`batch_response_bytes`): a message is one ``b"".join`` of its small headers and its tensors' memory,
-  one copy in all. What protobuf would write, except that large buffers sit between two ``Tensor.pad`` fields
-  that align them in the message (tests compare the messages both ways).
+  :func:`batch_response_bytes`, of tensors from :func:`dmoe.wire.codec.pack`): a message is one ``b"".join`` of
+  its small headers and its tensors' memory, one copy in all. What protobuf would write, except that large
+  buffers sit between two ``Tensor.pad`` fields that align them in the message (tests compare both ways).
 
 Field numbers come from the generated descriptors, checked at import against the layout written here.
 """
@@ -24,10 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
-
 from dmoe.wire import dmoe_pb2
-from dmoe.wire.codec import FLOAT16, NONE, UINT8, _quantize_uint8, dtype_name
+from dmoe.wire.codec import NONE, OutgoingTensor
 
 #: Messages shorter than this are parsed by protobuf: below it, protobuf's copies cost less than walking the fields
 #: in Python. Measured on a 16-item batch request: 1.4x slower in place at 64 KiB, even at 256 KiB, 26x faster at 4 MiB.
@@ -272,45 +270,6 @@ def read_in_place(message_cls, data: bytes) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- writing
-
-
-@dataclass(eq=False)
-class OutgoingTensor:
-    """A tensor packed as ``dmoe.Tensor`` will carry it, its buffer still the tensor's memory (or that of its
-    compressed copy). Keep the tensor unchanged until the message is written."""
-
-    buffer: memoryview | bytes
-    shape: tuple[int, ...]
-    dtype: str
-    compression: int = NONE
-    aux: bytes = b""
-
-
-def _memory(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().reshape(-1).contiguous()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-def pack(tensor: torch.Tensor, compression: int = NONE) -> OutgoingTensor:
-    """What :func:`dmoe.wire.codec.serialize` sends of ``tensor``, without copying it into bytes (compression
-    applies to floating-point tensors only, as there)."""
-    name = dtype_name(tensor.dtype)
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        compression = NONE
-    if compression == FLOAT16 and tensor.dtype != torch.float16:
-        return OutgoingTensor(_memory(tensor.to(torch.float16)), tuple(tensor.shape), name, FLOAT16)
-    if compression == UINT8:
-        buffer, aux = _quantize_uint8(tensor)
-        return OutgoingTensor(buffer, tuple(tensor.shape), name, UINT8, aux)
-    return OutgoingTensor(_memory(tensor), tuple(tensor.shape), name)
-
-
-def as_message(tensor: OutgoingTensor) -> dmoe_pb2.Tensor:
-    """The same tensor as a protobuf message (for the streamed calls, which cut messages into parts)."""
-    return dmoe_pb2.Tensor(buffer=bytes(tensor.buffer), shape=tensor.shape, dtype=tensor.dtype,
-                           compression=tensor.compression, aux=tensor.aux)
 
 
 def _encode_varint(value: int) -> bytes:
