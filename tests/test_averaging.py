@@ -210,7 +210,9 @@ def test_a_member_stalling_past_allreduce_timeout_is_dropped_and_keeps_its_own_v
     for index in range(3):
         (info,) = results[index]["infos"]
         assert len(info["contributors"]) == 3 and info["attempts"] == 2
-        assert 4 <= results[index]["seconds"][0] < 4 * 4  # waited allreduce_timeout for it, and not much longer
+        # the all-reduce waited allreduce_timeout for it, and not much longer (matchmaking is left out: all the
+        # module's ~40 peers start at once, and on a loaded CI machine forming the group alone once took ~10 s)
+        assert 4 <= info["allreduce_s"] < 4 * 4, info
 
 
 def test_a_hostile_member_is_refused_with_clear_statuses_and_the_others_average_correctly(runs):
