@@ -24,6 +24,8 @@ computing different experts at once) where the baselines use them inside each op
     python benchmarks/bench_layer.py --device cuda --overlap-copies    # the server's pinned copies, to compare
     python benchmarks/bench_layer.py --device cuda --compression float16   # half the bytes on the wire
     python benchmarks/bench_layer.py --profile       # and where the server's time goes (dmoe-server --profile)
+    python benchmarks/bench_layer.py --no-shared-memory   # every byte through gRPC (on one host the payload
+                                                          # otherwise goes through shared memory)
 
 ``--profile`` starts the server with ``--profile`` and prints, per batch size, the milliseconds per step that each
 stage of the server's path took (dmoe/server/profile.py), summed over the step's calls, requests and batches, and
@@ -62,6 +64,7 @@ from dmoe.server.metrics import read_metrics
 from dmoe.server.profile import STAGES, format_stages, read_stages, stage_difference
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
+from dmoe.wire import ChannelPool
 from dmoe.wire.codec import parse_compression
 
 
@@ -91,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
     parser.add_argument("--compression", choices=["none", "float16", "uint8"], default="none",
                         help="the remote layer's wire compression (requests, and asked of the answers)")
+    parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="the layer's calls pass their payload through memory shared with the server (the "
+                             "default on one host); --no-shared-memory: every byte through gRPC's transport")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print where its time goes per step")
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -168,13 +174,16 @@ def main(argv=None) -> list[dict]:
                                             "--max-batch-size", str(max(args.batches) * args.k),
                                             *(("--autocast", args.autocast) if args.autocast else ()),
                                             ("--overlap-copies" if args.overlap_copies else "--no-overlap-copies"),
+                                            ("--shared-memory" if args.shared_memory else "--no-shared-memory"),
                                             *(("--workers", str(args.server_workers)) if args.server_workers else ()),
                                             *(("--profile", "--metrics-port", "0") if args.profile else ())))
-    with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht:
+    with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht, \
+            ChannelPool(shared_memory=args.shared_memory) as channels:
         swarm.wait_declared()
         remote = RemoteMixtureOfExperts(args.hidden, args.grid, "ffn0", dht, k_best=args.k, forward_timeout=60,
                                         backward_timeout=60, timeout_after_k_min=60, k_min=args.k,
-                                        compression=parse_compression(args.compression)).to(device)
+                                        compression=parse_compression(args.compression),
+                                        channels=channels).to(device)
 
         def remote_step(x):
             torch.set_num_threads(args.client_threads or args.threads)
@@ -209,6 +218,7 @@ def main(argv=None) -> list[dict]:
     suffix = ("" if device.type == "cpu" else f"_{device.type}") + (f"_{args.autocast}" if args.autocast else "")
     suffix += "_overlap_copies" if args.overlap_copies and device.type != "cpu" else ""
     suffix += "" if args.compression == "none" else f"_{args.compression}"
+    suffix += "" if args.shared_memory else "_grpc_only"
     out = args.results / f"bench_layer{suffix}.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -219,7 +229,8 @@ def main(argv=None) -> list[dict]:
           f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {workers} "
           f"workers sharing them), device {args.device}, autocast {args.autocast or 'off'}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
-          f"{'' if args.compression == 'none' else f', wire compression {args.compression}'}, median of {args.steps} steps, "
+          f"{'' if args.compression == 'none' else f', wire compression {args.compression}'}"
+          f", payload through {'shared memory' if args.shared_memory else 'gRPC'}, median of {args.steps} steps, "
           f"{args.rounds} round(s)")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
           f"{'(rounds: low-high)':>19} {'vs recompute':>13}")

@@ -29,6 +29,7 @@ its clients run elsewhere.
     python benchmarks/bench_throughput.py --preset compute --device cuda --compression float16   # half the bytes
     python benchmarks/bench_throughput.py --preset smoke        # seconds; what the test suite runs
     python benchmarks/bench_throughput.py --preset compute --profile   # and the server's stages per case
+    python benchmarks/bench_throughput.py --preset transport --no-shared-memory   # every byte through gRPC
 
 ``transport`` sends what ``compute`` sends to experts that return their inputs (``nop``): its remote rows/s are
 the most the server's path (gRPC, decoding, copies, encoding) carries with no compute at all, the ceiling of
@@ -105,6 +106,10 @@ def make_inputs(case: dict):
     return x, torch.randn_like(x)
 
 
+#: a client worker's channel pools, by whether they use shared memory
+_POOLS: dict = {}
+
+
 def run_client(cmd: dict) -> dict:
     """Sends requests from ``inflight`` threads.
 
@@ -115,15 +120,22 @@ def run_client(cmd: dict) -> dict:
     """
     from dmoe.client import backward_future, forward_future
     from dmoe.client.remote_expert import new_activation_id
+    from dmoe.wire import ChannelPool
     x, grad = make_inputs(cmd)
     uids, endpoint, mode = cmd["uids"], cmd["endpoint"], cmd["mode"]
+    shared_memory = cmd.get("shared_memory", True)
+    if shared_memory not in _POOLS:  # one per worker process, kept across commands (channels stay open)
+        _POOLS[shared_memory] = ChannelPool(shared_memory=shared_memory)
+    channels = _POOLS[shared_memory]
 
     def request(uid: str) -> None:
         activation_id = new_activation_id() if mode == CACHED else None
         compression = cmd.get("compression", "none")
-        forward_future(endpoint, uid, [x], activation_id=activation_id, compression=compression).result()
+        forward_future(endpoint, uid, [x], activation_id=activation_id, compression=compression,
+                       channels=channels).result()
         if mode != "fwd":  # with an id only the gradients travel back, and the server reuses the kept graph
-            backward_future(endpoint, uid, [x], [grad], activation_id=activation_id, compression=compression).result()
+            backward_future(endpoint, uid, [x], [grad], activation_id=activation_id, compression=compression,
+                            channels=channels).result()
 
     inflight = cmd["inflight"]
     if cmd["phase"] == "warmup":
@@ -298,6 +310,7 @@ def start_server(case: Case, args: argparse.Namespace):
                  "--activation-cache-mb", str(args.activation_cache_mb), "--metrics-port", "0",
                  "--log-level", "WARNING", *(("--autocast", args.autocast) if args.autocast else ()),
                  "--overlap-copies" if args.overlap_copies else "--no-overlap-copies",
+                 "--shared-memory" if args.shared_memory else "--no-shared-memory",
                  *(("--profile",) if args.profile else ())],
                 env={"OMP_NUM_THREADS": str(args.torch_threads)})
 
@@ -354,6 +367,9 @@ def main() -> None:
     parser.add_argument("--compression", choices=["none", "float16", "uint8"], default="none",
                         help="the clients' wire compression of requests, also asked of the answers (the limit has "
                              "no wire: fewer bytes per row is what this measures)")
+    parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="the clients' and server's shared-memory path (client and server on one host, the "
+                             "default); --no-shared-memory: every byte through gRPC's transport")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print its stage times after each case")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
@@ -368,7 +384,8 @@ def main() -> None:
     print(f"preset {args.preset}: {len(cases)} cases, {duration:g} s each, server/limit torch threads "
           f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}, "
           f"autocast {args.autocast or 'off'}, wire compression {args.compression}"
-          f"{', server copies pinned on copy streams' if args.overlap_copies else ''}", flush=True)
+          f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
+          f", payload through {'shared memory' if args.shared_memory else 'gRPC'}", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []
@@ -390,7 +407,7 @@ def main() -> None:
                                if LISTENING_METRICS.search(line))
             cmd = {**asdict(case), "optimizer": args.optimizer, "lr": args.lr, "duration": duration,
                    "device": args.device, "activation_cache_mb": args.activation_cache_mb, "autocast": args.autocast,
-                   "compression": args.compression,
+                   "compression": args.compression, "shared_memory": args.shared_memory,
                    "warmup_requests": args.warmup_requests, "endpoint": endpoint,
                    "uids": [f"bench.{i}" for i in range(case.experts)]}
             limit.send({**cmd, "phase": "warmup"})
@@ -429,7 +446,7 @@ def main() -> None:
             remote_rate = sum(remote_rates) / len(remote_rates)
             limit_rate = sum(limit_rates) / len(limit_rates)
             row = {**asdict(case), "device": args.device, "autocast": args.autocast or "",
-                   "compression": args.compression,
+                   "compression": args.compression, "shared_memory": args.shared_memory,
                    "overlap_copies": args.overlap_copies, "duration_s": duration, "rounds": args.rounds,
                    "torch_threads": args.torch_threads, "optimizer": args.optimizer,
                    "remote_samples_per_s": round(remote_rate, 1),

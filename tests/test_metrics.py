@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dmoe.client import RemoteExpertError, backward_future, forward_future, forward_futures
 from dmoe.server import ExpertServer, ServerConfig
+from dmoe.wire import ChannelPool
 from tests.procs import running
 
 
@@ -25,28 +26,33 @@ def value(samples, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def test_server_process_started_from_a_config_file_counts_requests_batches_errors_and_steps(tmp_path):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "grpc"])
+def test_server_process_started_from_a_config_file_counts_requests_batches_errors_and_steps(tmp_path,
+                                                                                           shared_memory):
     config = tmp_path / "server.toml"
     config.write_text('experts = "ffn0.[0:2]"\nhidden-dim = 8\nmetrics-port = 0\noptimizer = "sgd"\n')
-    with running("-m", "dmoe.cli.server", "--config", str(config), "--max-batch-size", "64") as proc:
+    with running("-m", "dmoe.cli.server", "--config", str(config), "--max-batch-size", "64") as proc, \
+            ChannelPool(shared_memory=shared_memory) as channels:
         metrics = proc.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
         endpoint = proc.endpoint()
         x, grad = torch.randn(5, 8), torch.randn(5, 8)
         for _ in range(2):
-            forward_future(endpoint, "ffn0.0", [x]).result(30)
-        forward_future(endpoint, "ffn0.0", [x], unary_limit=0).result(30)  # streamed: counted the same
-        backward_future(endpoint, "ffn0.0", [x], [grad]).result(30)
-        backward_future(endpoint, "ffn0.0", [x], [grad]).result(30)
+            forward_future(endpoint, "ffn0.0", [x], channels=channels).result(30)
+        forward_future(endpoint, "ffn0.0", [x], unary_limit=0, channels=channels).result(30)  # streamed: the same
+        backward_future(endpoint, "ffn0.0", [x], [grad], channels=channels).result(30)
+        backward_future(endpoint, "ffn0.0", [x], [grad], channels=channels).result(30)
         with pytest.raises(RemoteExpertError):  # wrong width: refused before compute
-            forward_future(endpoint, "ffn0.1", [torch.randn(2, 3)]).result(30)
+            forward_future(endpoint, "ffn0.1", [torch.randn(2, 3)], channels=channels).result(30)
         with pytest.raises(RemoteExpertError):
-            forward_future(endpoint, "ffn0.9", [x]).result(30)
+            forward_future(endpoint, "ffn0.9", [x], channels=channels).result(30)
         with pytest.raises(RemoteExpertError):  # more rows than --max-batch-size
-            forward_future(endpoint, "ffn0.1", [torch.randn(65, 8)]).result(30)
+            forward_future(endpoint, "ffn0.1", [torch.randn(65, 8)], channels=channels).result(30)
         # one batch call of three items: each counts as a request of its expert, with its own status
-        items = forward_futures([(uid, endpoint, [x], None) for uid in ("ffn0.1", "ffn0.1", "ffn0.7")], timeout=30)
+        items = forward_futures([(uid, endpoint, [x], None) for uid in ("ffn0.1", "ffn0.1", "ffn0.7")], timeout=30,
+                                channels=channels)
         assert [future.exception() is None for future in items] == [True, True, False]
         samples = scrape(metrics)
+    how = "_shared" if shared_memory else ""  # the calls' names: the same requests, counted the same either way
 
     assert value(samples, "dmoe_requests_total", expert="ffn0.0", method="forward", code="OK") == 3
     assert value(samples, "dmoe_requests_total", expert="ffn0.0", method="backward", code="OK") == 2
@@ -54,9 +60,11 @@ def test_server_process_started_from_a_config_file_counts_requests_batches_error
     assert value(samples, "dmoe_requests_total", expert="ffn0.1", method="forward", code="RESOURCE_EXHAUSTED") == 1
     assert value(samples, "dmoe_requests_total", expert="unknown", method="forward", code="NOT_FOUND") == 2
     assert value(samples, "dmoe_requests_total", expert="ffn0.1", method="forward", code="OK") == 2
-    assert value(samples, "dmoe_grpc_calls_total", rpc="forward_batch") == 1
-    assert value(samples, "dmoe_grpc_calls_total", rpc="forward") == 5  # streamed forward: one forward_stream
+    assert value(samples, "dmoe_grpc_calls_total", rpc=f"forward_batch{how}") == 1
+    assert value(samples, "dmoe_grpc_calls_total", rpc=f"forward{how}") == 5  # streamed forward: one forward_stream
+    assert value(samples, "dmoe_grpc_calls_total", rpc=f"backward{how}") == 2
     assert value(samples, "dmoe_grpc_calls_total", rpc="forward_stream") == 1
+    assert value(samples, "dmoe_grpc_calls_total", rpc="forward_batch" if shared_memory else "forward_shared") == 0
     assert value(samples, "dmoe_request_seconds_count", expert="ffn0.0", method="forward") == 3
     assert value(samples, "dmoe_batch_rows_sum", expert="ffn0.0", method="forward") == 15
     assert value(samples, "dmoe_batch_rows_count", expert="ffn0.0", method="backward") == 2

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="on a GPU, copy through pinned memory on a copy stream per worker and wait once per "
                              "batch (default: plain copies, faster on the GPUs measured; benchmarks/README.md)")
+    parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="let clients on this host pass requests and answers through shared memory instead of "
+                             "gRPC's transport (Linux; loopback clients only)")
     parser.add_argument("--profile", action="store_true",
                         help="time each stage of the server's path (decode, queue, batch, copies, compute, encode): "
                              "in the metrics as dmoe_stage_seconds_total, and printed at shutdown; on a GPU it "
@@ -272,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     config = ServerConfig(host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size,
                           autocast=args.autocast, response_compression=args.compression,
                           max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
-                          workers=args.workers, overlap_copies=args.overlap_copies, profile=args.profile)
+                          workers=args.workers, overlap_copies=args.overlap_copies, profile=args.profile,
+                          shared_memory=args.shared_memory)
     config.faults = fault_config(args, parser)
     config.checkpoint_dir, config.checkpoint_interval = args.checkpoint_dir, args.checkpoint_interval
     config.reject_nonfinite = args.reject_nonfinite

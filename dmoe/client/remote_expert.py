@@ -21,7 +21,7 @@ from torch import nn
 from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2, status_code
 from dmoe.wire.codec import (NONE, cut_into_parts, deserialize, encoded_bytes, join_parts, pack, parse_compression,
                              serialize)
-from dmoe.wire.zerocopy import batch_request_bytes, request_bytes
+from dmoe.wire.zerocopy import batch_request_message, request_message
 
 #: Requests above this many tensor bytes are streamed (headroom for the message's own fields).
 UNARY_LIMIT_BYTES = MAX_MESSAGE_BYTES - 1024 * 1024
@@ -66,7 +66,7 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
         return RemoteExpertError(uid, endpoint, error.code(), error.details() or "")
 
     if sum(encoded_bytes(t, compression) for t in tensors) <= unary_limit:
-        request = request_bytes(uid, [pack(t, compression) for t in tensors], compression, activation_id)
+        request = request_message(uid, [pack(t, compression) for t in tensors], compression, activation_id)
         call = getattr(channels.calls(endpoint), method).future(request, timeout=timeout)
 
         def unpack() -> list[torch.Tensor]:
@@ -176,8 +176,9 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
                 timeout: float | None, compression: int, channels: ChannelPool) -> "list[Future[list[torch.Tensor]]]":
     """One ``{method}_batch`` call carrying every item (uid, tensors, activation_id); a future each.
 
-    The request is written by :mod:`dmoe.wire.zerocopy`: the tensors' memory is copied once, into the message."""
-    request = batch_request_bytes([(uid, [pack(t, compression) for t in tensors], activation_id)
+    The request is written by :mod:`dmoe.wire.zerocopy`: the tensors' memory is copied once, into the message (or
+    into memory shared with a server on this host, :mod:`dmoe.wire.shared_memory`)."""
+    request = batch_request_message([(uid, [pack(t, compression) for t in tensors], activation_id)
                                    for uid, tensors, activation_id in items], compression)
     call = getattr(channels.calls(endpoint), f"{method}_batch").future(request, timeout=timeout)
     futures: list[Future[list[torch.Tensor]]] = [Future() for _ in items]

@@ -8,7 +8,9 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
     dmoe_requests_total{expert, method, code}      expert requests answered, by gRPC status code (OK,
                                                     INVALID_ARGUMENT, ...); each item of a batch call is one
     dmoe_request_seconds{expert, method}            histogram of the time from receiving a call to answering it
-    dmoe_grpc_calls_total{rpc}                      gRPC calls received, by RPC (forward, forward_batch, ...)
+    dmoe_grpc_calls_total{rpc}                      gRPC calls received, by RPC (forward, forward_batch, ...;
+                                                    forward_shared, forward_batch_shared, ...: through shared
+                                                    memory, see :mod:`dmoe.wire.shared_memory`)
     dmoe_batch_rows{expert, method}                 histogram of rows per batch the runtime ran
     dmoe_batch_seconds{expert, method}              histogram of compute time per batch
     dmoe_queue_wait_seconds{expert, method}         histogram of time requests waited in their task pool
@@ -42,6 +44,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
 from dmoe.wire import status_code
+from dmoe.wire.shared_memory import METHODS as SHARED_METHODS
 
 if TYPE_CHECKING:
     from dmoe.server.activations import ActivationCache
@@ -242,14 +245,45 @@ class ServerMetrics:
                 code = _status_code(context) or grpc.StatusCode.UNKNOWN
                 self.requests.labels(UNKNOWN_EXPERT, method, code.name).inc()
                 raise
-            elapsed = time.monotonic() - started
-            if self.stages is not None:
-                self.stages.add("call", elapsed)
-            for item, result in zip(request.items, response.results):
-                label = self._expert_label(item.uid)
-                self.requests.labels(label, method, (status_code(result.code) or grpc.StatusCode.UNKNOWN).name).inc()
-                self.request_seconds.labels(label, method).observe(elapsed)
+            self._count_items(request, response, method, started)
             return response
+        return counted
+
+    def _count_items(self, request: Any, response: Any, method: str, started: float) -> None:
+        elapsed = time.monotonic() - started
+        if self.stages is not None:
+            self.stages.add("call", elapsed)
+        for item, result in zip(request.items, response.results):
+            label = self._expert_label(item.uid)
+            self.requests.labels(label, method, (status_code(result.code) or grpc.StatusCode.UNKNOWN).name).inc()
+            self.request_seconds.labels(label, method).observe(elapsed)
+
+    def _wrap_shared(self, handler: Callable) -> Callable:
+        """``call_shared``: counted as the call it carries (its requests by expert and status), once the server
+        read it; a call the server refused (the client sends it the plain way) counts as a gRPC call only."""
+        @functools.wraps(handler)
+        async def counted(request, context):
+            rpc = request.call.method if request.call.method in SHARED_METHODS else "unknown"  # labels stay few
+            method, _, variant = rpc.partition("_")
+            self.grpc_calls.labels(f"{rpc}_shared").inc()
+            started, error, answer = time.monotonic(), None, None
+            try:
+                answer = await handler(request, context)
+                return answer
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                parsed = request.parsed
+                if method not in ("forward", "backward") or (answer is not None and answer.refused):
+                    pass
+                elif variant != "batch":
+                    self._record(parsed.uid if parsed is not None else "", method, context, started, error)
+                elif error is not None or parsed is None:
+                    code = _status_code(context) or grpc.StatusCode.UNKNOWN
+                    self.requests.labels(UNKNOWN_EXPERT, method, code.name).inc()
+                else:
+                    self._count_items(parsed, answer.answer, method, started)
         return counted
 
     def _wrap_stream(self, handler: Callable, method: str) -> Callable:
@@ -315,6 +349,8 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, full_method: str, handler):
         rpc = full_method.rsplit("/", 1)[-1]  # "/dmoe.ExpertService/forward_batch" -> forward_batch
+        if rpc == "call_shared" and full_method.startswith("/dmoe.ExpertService/") and handler.unary_unary:
+            return handler._replace(unary_unary=self.metrics._wrap_shared(handler.unary_unary))
         method, _, variant = rpc.partition("_")
         if method not in ("forward", "backward"):
             return handler

@@ -22,6 +22,7 @@ from dmoe.server.runtime import Runtime
 from dmoe.server.servicer import ExpertServicer, HostedExpert, add_to_server
 from dmoe.uid import check_uid, expand_pattern
 from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_compression
+from dmoe.wire.shared_memory import SegmentMaps
 
 if TYPE_CHECKING:  # the server calls whatever it is given; it needs no DHT of its own
     from dmoe.directory import Announcer
@@ -72,6 +73,9 @@ class ServerConfig:
         profile: time every stage of the server's path (decode, queue, batch, copies, compute, encode; see
             :mod:`dmoe.server.profile`) into ``server.stages`` and the metrics. On a GPU it synchronises the
             device between stages, so leave it off where speed counts.
+        shared_memory: clients on this host (connected over loopback) may pass requests and answers through
+            memory they share with the server instead of gRPC's transport (:mod:`dmoe.wire.shared_memory`);
+            False: the server refuses, and they call the plain way.
     """
 
     host: str = "127.0.0.1"
@@ -95,6 +99,7 @@ class ServerConfig:
     workers: int | None = None
     overlap_copies: bool = False
     profile: bool = False
+    shared_memory: bool = True
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -164,6 +169,7 @@ class ExpertServer:
             faults=Faults(self.config.faults) if self.config.faults is not None else None,
             reject_nonfinite=self.config.reject_nonfinite, max_abs_value=self.config.max_abs_value or None,
             stages=self.stages,
+            shared_memory=SegmentMaps(self.config.max_message_bytes) if self.config.shared_memory else None,
         )
         self.metrics = ServerMetrics(experts, self.activations, self.stages)
         self.runtime.on_batch = self.metrics.observe_batch

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
@@ -23,10 +24,46 @@ from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES
 from dmoe.wire.codec import (NONE, InvalidTensor, OutgoingTensor, TensorTooLarge, cut_into_parts, join_parts,
                              message_bytes, pack, to_message)
-from dmoe.wire.zerocopy import (BatchResponse, Response, Result, batch_response_bytes, parse_batch_request,
-                                parse_request, response_bytes)
+from dmoe.wire.shared_memory import BadCall, MappedSegment, Refused, SegmentMaps
+from dmoe.wire.zerocopy import (BatchResponse, Message, Response, Result, batch_response_bytes,
+                                batch_response_message, parse_batch_request, parse_request, response_bytes,
+                                response_message)
 
 FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(eq=False)
+class SharedCall:
+    """A ``call_shared`` request, and the request it carried once read from the segment (``parsed``: what the
+    metrics count by expert)."""
+
+    call: dmoe_pb2.SharedMemoryCall
+    parsed: Any = None
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "SharedCall":
+        return cls(dmoe_pb2.SharedMemoryCall.FromString(data))
+
+
+@dataclass(eq=False)
+class SharedAnswer:
+    """What ``call_shared`` answers: ``answer`` (a Response or BatchResponse) written into ``segment`` when it
+    fits in ``capacity`` bytes at ``offset``, else inline; or ``refused`` (the client sends the call the plain way)."""
+
+    answer: Any = None
+    message: Message | None = None
+    segment: MappedSegment | None = None
+    offset: int = 0
+    capacity: int = 0
+    refused: str = ""
+
+    def to_bytes(self) -> bytes:
+        if self.refused or self.message is None:
+            return dmoe_pb2.SharedMemoryAnswer(refused=self.refused).SerializeToString()
+        if self.segment is not None and self.message.size <= self.capacity:
+            written = self.segment.write(self.offset, self.message)
+            return dmoe_pb2.SharedMemoryAnswer(answer_length=written).SerializeToString()
+        return dmoe_pb2.SharedMemoryAnswer(inline_answer=self.message.join()).SerializeToString()
 
 
 @dataclass
@@ -72,13 +109,16 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         max_abs_value: answer INVALID_ARGUMENT to requests holding finite values of a larger magnitude (None: no limit).
         max_batch_items: batch calls with more items are refused (RESOURCE_EXHAUSTED).
         stages: where to add each request's ``decode`` and ``encode`` time (:mod:`dmoe.server.profile`); None: none.
+        shared_memory: the clients' segments this server maps for ``call_shared`` (:mod:`dmoe.wire.shared_memory`);
+            None: it refuses them, and clients on this host call the plain way.
     """
 
     def __init__(self, experts: dict[str, HostedExpert], runtime: Runtime, *, max_batch_size: int, device: str,
                  default_compression: int = NONE, max_stream_bytes: int = 1 << 30,
                  stream_part_bytes: int = STREAM_PART_BYTES, faults: Faults | None = None,
                  reject_nonfinite: bool = True, max_abs_value: float | None = None,
-                 max_batch_items: int = MAX_BATCH_ITEMS, stages: StageClock | None = None):
+                 max_batch_items: int = MAX_BATCH_ITEMS, stages: StageClock | None = None,
+                 shared_memory: SegmentMaps | None = None):
         self.experts, self.runtime = experts, runtime
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
@@ -87,6 +127,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         self.reject_nonfinite, self.max_abs_value = reject_nonfinite, max_abs_value
         self.max_batch_items = max_batch_items
         self.stages = stages
+        self.shared_memory = shared_memory
 
     def _lookup(self, uid: str) -> HostedExpert:
         expert = self.experts.get(uid)
@@ -216,6 +257,38 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
     async def backward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchResponse:
         return await self._batch(BACKWARD, request, context)
 
+    async def call_shared(self, request: SharedCall, context) -> SharedAnswer:
+        """forward, backward or a batch of either, its request and answer in the client's segment."""
+        call = request.call
+        if self.shared_memory is None:
+            return SharedAnswer(refused="this server does not map clients' memory (--no-shared-memory)")
+        kind, _, batch = call.method.partition("_")
+        if kind not in (FORWARD, BACKWARD) or batch not in ("", "batch"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"call_shared: unknown method {call.method!r} (forward, backward, forward_batch or "
+                                "backward_batch)")
+        try:
+            segment = self.shared_memory.open(call, context.peer())
+        except Refused as refused:
+            return SharedAnswer(refused=str(refused))
+        except BadCall as bad:
+            await context.abort(bad.code, f"call_shared: {bad.message}")
+        data = segment.read(call.request_offset, call.request_length)
+        try:
+            parsed = (parse_batch_request if batch else parse_request)(data)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "call_shared: the request in the segment is not a "
+                                f"valid {'BatchRequest' if batch else 'ExpertRequest'}")
+        request.parsed = parsed
+        if batch:
+            answer = await self._batch(kind, parsed, context)
+            message = batch_response_message(answer)
+        else:
+            answer = Response(await self._call(kind, parsed.uid, parsed.tensors, parsed.response_compression,
+                                               context, parsed.activation_id))
+            message = response_message(answer)
+        return SharedAnswer(answer, message, segment, call.answer_offset, call.answer_capacity)
+
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
                       context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
         uid, compression, groups, total, limit = None, NONE, [], 0, self.max_stream_bytes
@@ -293,6 +366,7 @@ def add_to_server(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
         "backward_stream": streamed(servicer.backward_stream),
         "forward_batch": unary(servicer.forward_batch, parse_batch_request, batch_response_bytes),
         "backward_batch": unary(servicer.backward_batch, parse_batch_request, batch_response_bytes),
+        "call_shared": unary(servicer.call_shared, SharedCall.from_bytes, SharedAnswer.to_bytes),
     }
     missing = set(dmoe_pb2.DESCRIPTOR.services_by_name["ExpertService"].methods_by_name) - set(handlers)
     if missing:  # a method added to proto/dmoe.proto must be served here too

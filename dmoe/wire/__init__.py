@@ -1,5 +1,6 @@
-"""The wire: tensor codec, compression, generated gRPC stubs, channel options, and the expert calls' messages
-without copies (:mod:`dmoe.wire.zerocopy`)."""
+"""The wire: tensor codec, compression, generated gRPC stubs, channel options, the expert calls' messages
+without copies (:mod:`dmoe.wire.zerocopy`), and their payload through shared memory between a client and a server
+on one host (:mod:`dmoe.wire.shared_memory`)."""
 from dmoe.wire.channels import (
     MAX_BATCH_ITEMS,
     MAX_MESSAGE_BYTES,

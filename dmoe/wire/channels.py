@@ -7,6 +7,7 @@ from typing import NamedTuple
 import grpc
 
 from dmoe.wire import dmoe_pb2_grpc
+from dmoe.wire.shared_memory import AVAILABLE, SegmentPool, SharedMemoryCalls, is_local_endpoint
 from dmoe.wire.zerocopy import parse_batch_response, parse_response
 
 #: Unary messages up to this size; larger payloads go through the streaming calls in parts.
@@ -41,9 +42,19 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
     ]
 
 
+def _message_bytes(message) -> bytes:
+    return message if isinstance(message, bytes) else message.join()
+
+
+#: how each tensor-carrying call's answer is read
+_PARSERS = {"forward": parse_response, "backward": parse_response, "forward_batch": parse_batch_response,
+            "backward_batch": parse_batch_response}
+
+
 class TensorCalls(NamedTuple):
-    """ExpertService's tensor-carrying unary calls on one channel: each takes a request's bytes (from
-    :mod:`dmoe.wire.zerocopy`'s writers) and returns the answer read in place (views of the received bytes)."""
+    """ExpertService's tensor-carrying unary calls on one channel: each takes a request (a
+    :class:`dmoe.wire.zerocopy.Message`, or its bytes) and returns the answer read in place (views of the received
+    bytes). :class:`~dmoe.wire.shared_memory.SharedMemoryCalls` has the same four, through shared memory."""
 
     forward: grpc.UnaryUnaryMultiCallable
     backward: grpc.UnaryUnaryMultiCallable
@@ -52,17 +63,17 @@ class TensorCalls(NamedTuple):
 
     @classmethod
     def on(cls, channel: grpc.Channel) -> "TensorCalls":
-        def call(method: str, read) -> grpc.UnaryUnaryMultiCallable:
-            return channel.unary_unary(f"/dmoe.ExpertService/{method}", request_serializer=None,
-                                       response_deserializer=read, _registered_method=True)
-        return cls(call("forward", parse_response), call("backward", parse_response),
-                   call("forward_batch", parse_batch_response), call("backward_batch", parse_batch_response))
+        def call(method: str) -> grpc.UnaryUnaryMultiCallable:
+            return channel.unary_unary(f"/dmoe.ExpertService/{method}", request_serializer=_message_bytes,
+                                       response_deserializer=_PARSERS[method], _registered_method=True)
+        return cls(call("forward"), call("backward"), call("forward_batch"), call("backward_batch"))
 
 
 class _Entry(NamedTuple):
     channel: grpc.Channel
     stub: dmoe_pb2_grpc.ExpertServiceStub
     calls: TensorCalls
+    shared: SharedMemoryCalls | None
 
 
 class ChannelPool:
@@ -70,13 +81,19 @@ class ChannelPool:
 
     A gRPC channel multiplexes any number of concurrent calls over one HTTP/2 connection, so reusing it saves a
     TCP + HTTP/2 handshake per call. Thread-safe. ``close()`` closes every channel.
+
+    ``shared_memory``: the tensor-carrying calls to a server at a loopback address pass their payload through
+    memory shared with it (:mod:`dmoe.wire.shared_memory`), where the platform allows and the server agrees;
+    False: always through gRPC.
     """
 
     _default: "ChannelPool | None" = None
     _default_lock = threading.Lock()
 
-    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES, shared_memory: bool = True):
         self.max_message_bytes = max_message_bytes
+        self.shared_memory = shared_memory and AVAILABLE
+        self.segments = SegmentPool()
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
 
@@ -93,17 +110,22 @@ class ChannelPool:
             entry = self._entries.get(endpoint)
             if entry is None:
                 channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes))
-                entry = self._entries[endpoint] = _Entry(channel, dmoe_pb2_grpc.ExpertServiceStub(channel),
-                                                         TensorCalls.on(channel))
+                calls = TensorCalls.on(channel)
+                shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, _PARSERS)
+                          if self.shared_memory and is_local_endpoint(endpoint) else None)
+                entry = self._entries[endpoint] = _Entry(channel, dmoe_pb2_grpc.ExpertServiceStub(channel), calls,
+                                                         shared)
             return entry
 
     def stub(self, endpoint: str) -> dmoe_pb2_grpc.ExpertServiceStub:
         """The generated stub: every call, with protobuf messages."""
         return self._entry(endpoint).stub
 
-    def calls(self, endpoint: str) -> TensorCalls:
-        """The tensor-carrying calls without copies (:class:`TensorCalls`), on the same channel as :meth:`stub`."""
-        return self._entry(endpoint).calls
+    def calls(self, endpoint: str) -> TensorCalls | SharedMemoryCalls:
+        """The tensor-carrying calls without copies (:class:`TensorCalls`), on the same channel as :meth:`stub`;
+        through shared memory for a server on this host (see ``shared_memory``)."""
+        entry = self._entry(endpoint)
+        return entry.shared if entry.shared is not None and entry.shared.enabled else entry.calls
 
     def close(self) -> None:
         with self._lock:
@@ -111,6 +133,7 @@ class ChannelPool:
             self._entries.clear()
         for channel in channels:
             channel.close()
+        self.segments.close()
 
     def __enter__(self) -> "ChannelPool":
         return self

@@ -112,6 +112,36 @@ class BatchResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[ExpertResult]
     def __init__(self, results: _Optional[_Iterable[_Union[ExpertResult, _Mapping]]] = ...) -> None: ...
 
+class SharedMemoryCall(_message.Message):
+    __slots__ = ("method", "pid", "fd", "key", "request_offset", "request_length", "answer_offset", "answer_capacity")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    pid: int
+    fd: int
+    key: bytes
+    request_offset: int
+    request_length: int
+    answer_offset: int
+    answer_capacity: int
+    def __init__(self, method: _Optional[str] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., key: _Optional[bytes] = ..., request_offset: _Optional[int] = ..., request_length: _Optional[int] = ..., answer_offset: _Optional[int] = ..., answer_capacity: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryAnswer(_message.Message):
+    __slots__ = ("answer_length", "inline_answer", "refused")
+    ANSWER_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    INLINE_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    answer_length: int
+    inline_answer: bytes
+    refused: str
+    def __init__(self, answer_length: _Optional[int] = ..., inline_answer: _Optional[bytes] = ..., refused: _Optional[str] = ...) -> None: ...
+
 class AveragingPart(_message.Message):
     __slots__ = ("group_id", "sender", "weight", "values")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]

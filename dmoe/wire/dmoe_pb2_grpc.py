@@ -69,6 +69,11 @@ class ExpertServiceStub:
                 request_serializer=dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.SerializeToString,
                 response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.FromString,
                 _registered_method=True)
+        self.call_shared = channel.unary_unary(
+                '/dmoe.ExpertService/call_shared',
+                request_serializer=dmoe_dot_wire_dot_dmoe__pb2.SharedMemoryCall.SerializeToString,
+                response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.SharedMemoryAnswer.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer:
@@ -118,6 +123,13 @@ class ExpertServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def call_shared(self, request, context):
+        """forward, backward and their batch forms with the payload in shared memory (client and server on one host).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +167,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.backward_batch,
                     request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.FromString,
                     response_serializer=dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.SerializeToString,
+            ),
+            'call_shared': grpc.unary_unary_rpc_method_handler(
+                    servicer.call_shared,
+                    request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.SharedMemoryCall.FromString,
+                    response_serializer=dmoe_dot_wire_dot_dmoe__pb2.SharedMemoryAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +363,33 @@ class ExpertService:
             '/dmoe.ExpertService/backward_batch',
             dmoe_dot_wire_dot_dmoe__pb2.BatchRequest.SerializeToString,
             dmoe_dot_wire_dot_dmoe__pb2.BatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def call_shared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dmoe.ExpertService/call_shared',
+            dmoe_dot_wire_dot_dmoe__pb2.SharedMemoryCall.SerializeToString,
+            dmoe_dot_wire_dot_dmoe__pb2.SharedMemoryAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -356,7 +356,8 @@ class _Writer:
         self.chunks += [slot, header, chunk, slot]
         self.size += _PadSlot.SIZE + len(header) + size
 
-    def join(self) -> bytes:
+    def _resolved(self) -> list:
+        """The chunks with every pad slot filled for its buffer's offset from the message's start."""
         chunks, offset, after = self.chunks, 0, None
         if any(type(chunk) is _PadSlot for chunk in chunks):
             chunks = list(chunks)
@@ -367,7 +368,26 @@ class _Writer:
                     else:
                         chunks[i], after = after, None
                 offset += len(chunks[i])
-        return b"".join(chunks)
+        return chunks
+
+    def join(self) -> bytes:
+        """The message's bytes (one copy of the tensors' memory)."""
+        return b"".join(self._resolved())
+
+    def write_into(self, target: memoryview) -> int:
+        """Writes the message at the start of ``target`` (a writable byte view at least :attr:`size` long, starting
+        at a multiple of :data:`ALIGN` of its memory for aligned buffers); returns the bytes written."""
+        position = 0
+        for chunk in self._resolved():
+            end = position + len(chunk)
+            target[position:end] = chunk
+            position = end
+        return position
+
+
+#: A message ready to send: ``size`` bytes, written by ``join()`` (as bytes) or ``write_into(view)`` (into memory
+#: such as a shared segment, :mod:`dmoe.wire.shared_memory`).
+Message = _Writer
 
 
 def _tensor_writer(tensor: OutgoingTensor) -> _Writer:
@@ -391,31 +411,31 @@ def _request_writer(uid: str, tensors: Sequence[OutgoingTensor], compression: in
     return w
 
 
-def request_bytes(uid: str, tensors: Sequence[OutgoingTensor], compression: int = NONE,
-                  activation_id: bytes | None = None) -> bytes:
-    """A ``dmoe.ExpertRequest``'s bytes; ``compression`` is what the answer is asked to use."""
-    return _request_writer(uid, tensors, compression, activation_id or b"").join()
+def request_message(uid: str, tensors: Sequence[OutgoingTensor], compression: int = NONE,
+                    activation_id: bytes | None = None) -> Message:
+    """A ``dmoe.ExpertRequest``; ``compression`` is what the answer is asked to use."""
+    return _request_writer(uid, tensors, compression, activation_id or b"")
 
 
-def batch_request_bytes(items: Sequence[tuple[str, Sequence[OutgoingTensor], bytes | None]],
-                        compression: int = NONE) -> bytes:
-    """A ``dmoe.BatchRequest``'s bytes: items of (uid, tensors, activation id), every answer asked ``compression``."""
+def batch_request_message(items: Sequence[tuple[str, Sequence[OutgoingTensor], bytes | None]],
+                          compression: int = NONE) -> Message:
+    """A ``dmoe.BatchRequest``: items of (uid, tensors, activation id), every answer asked ``compression``."""
     w = _Writer()
     for uid, tensors, activation_id in items:
         w.nested(1, _request_writer(uid, tensors, compression, activation_id or b""))
-    return w.join()
+    return w
 
 
-def response_bytes(answer: Response) -> bytes:
-    """A ``dmoe.ExpertResponse``'s bytes."""
+def response_message(answer: Response) -> Message:
+    """A ``dmoe.ExpertResponse``."""
     w = _Writer()
     for tensor in answer.tensors:
         w.nested(1, _tensor_writer(tensor))
-    return w.join()
+    return w
 
 
-def batch_response_bytes(answer: BatchResponse) -> bytes:
-    """A ``dmoe.BatchResponse``'s bytes."""
+def batch_response_message(answer: BatchResponse) -> Message:
+    """A ``dmoe.BatchResponse``."""
     w = _Writer()
     for result in answer.results:
         inner = _Writer()
@@ -424,4 +444,26 @@ def batch_response_bytes(answer: BatchResponse) -> bytes:
         inner.varint(2, result.code)
         inner.text(3, result.message)
         w.nested(1, inner)
-    return w.join()
+    return w
+
+
+def request_bytes(uid: str, tensors: Sequence[OutgoingTensor], compression: int = NONE,
+                  activation_id: bytes | None = None) -> bytes:
+    """A ``dmoe.ExpertRequest``'s bytes; ``compression`` is what the answer is asked to use."""
+    return request_message(uid, tensors, compression, activation_id).join()
+
+
+def batch_request_bytes(items: Sequence[tuple[str, Sequence[OutgoingTensor], bytes | None]],
+                        compression: int = NONE) -> bytes:
+    """A ``dmoe.BatchRequest``'s bytes: items of (uid, tensors, activation id), every answer asked ``compression``."""
+    return batch_request_message(items, compression).join()
+
+
+def response_bytes(answer: Response) -> bytes:
+    """A ``dmoe.ExpertResponse``'s bytes."""
+    return response_message(answer).join()
+
+
+def batch_response_bytes(answer: BatchResponse) -> bytes:
+    """A ``dmoe.BatchResponse``'s bytes."""
+    return batch_response_message(answer).join()

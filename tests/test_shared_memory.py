@@ -1,0 +1,231 @@
+"""Expert calls whose payload travels through memory shared by a client and a server on one host
+(dmoe/wire/shared_memory.py), against real server processes on 127.0.0.1: the same answers and statuses as the
+plain gRPC calls, the fallback when a server refuses, and hostile ``call_shared`` requests.
+"""
+from __future__ import annotations
+
+import os
+import re
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dmoe.client import RemoteExpertError, backward_future, forward_future, forward_futures, new_activation_id
+from dmoe.experts import create_expert, expert_seed
+from dmoe.wire import ChannelPool, deserialize, dmoe_pb2, grpc_options
+from dmoe.wire import shared_memory as shm
+from dmoe.wire.channels import TensorCalls
+from dmoe.wire.codec import pack
+from dmoe.wire.zerocopy import parse_response, request_message
+from tests.procs import running
+
+pytestmark = pytest.mark.skipif(not shm.AVAILABLE, reason="no memfd with seals or no /proc on this platform")
+
+HIDDEN = 64
+MAX_MESSAGE = 256 * 1024
+
+
+def server_args(*extra: str) -> tuple[str, ...]:
+    return ("-m", "dmoe.cli.server", "--experts", "sh.[0:2]", "--hidden-dim", str(HIDDEN), "--optimizer", "sgd",
+            "--max-batch-size", "256", "--max-message-bytes", str(MAX_MESSAGE), "--metrics-port", "0", *extra)
+
+
+def grpc_calls(proc) -> dict[str, float]:
+    metrics = re.search(r"dmoe-server metrics on (\S+:\d+)", "".join(proc.output)).group(1)
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'dmoe_grpc_calls_total\{rpc="(\w+)"\} (\S+)', text)}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running(*server_args()) as proc:
+        yield proc, proc.endpoint()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server[1], options=grpc_options()) as channel:
+        yield channel.unary_unary("/dmoe.ExpertService/call_shared",
+                                  request_serializer=dmoe_pb2.SharedMemoryCall.SerializeToString,
+                                  response_deserializer=dmoe_pb2.SharedMemoryAnswer.FromString)
+
+
+def test_calls_through_shared_memory_answer_as_the_grpc_calls_do(server):
+    proc, endpoint = server
+    with ChannelPool() as shared, ChannelPool(shared_memory=False) as plain:
+        assert type(shared.calls(endpoint)) is shm.SharedMemoryCalls and type(plain.calls(endpoint)) is TensorCalls
+        before = grpc_calls(proc)
+        x, grad = torch.randn(200, HIDDEN), torch.randn(200, HIDDEN)  # 50 KiB: read by protobuf on the server
+        big = torch.randn(256, HIDDEN)
+        outputs = [forward_future(endpoint, "sh.1", [t], channels=pool).result(30)[0]
+                   for pool in (shared, plain) for t in (x, big)]
+        assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])
+        # a batch call of three items, one of them for an expert the server does not host: it fails alone
+        answers = [forward_futures([(uid, endpoint, [x], None) for uid in ("sh.1", "sh.7", "sh.1")], timeout=30,
+                                   channels=pool) for pool in (shared, plain)]
+        for futures in answers:
+            assert torch.equal(futures[0].result()[0], outputs[0]) and torch.equal(futures[2].result()[0], outputs[0])
+            with pytest.raises(RemoteExpertError, match="NOT_FOUND.*'sh.7' is not hosted"):
+                futures[1].result()
+        # statuses of refused requests are the plain calls' own
+        for pool in (shared, plain):
+            with pytest.raises(RemoteExpertError, match=r"INVALID_ARGUMENT: input 0: expected shape \[\*, 64\]"):
+                forward_future(endpoint, "sh.0", [torch.randn(2, 3)], channels=pool).result(30)
+            with pytest.raises(RemoteExpertError, match="RESOURCE_EXHAUSTED"):
+                forward_future(endpoint, "sh.0", [torch.randn(257, HIDDEN)], channels=pool).result(30)
+        # a backward through it (sh.0's first step, with the forward's kept activations): autograd's gradients
+        activation_id = new_activation_id()
+        forward_future(endpoint, "sh.0", [x], activation_id=activation_id, channels=shared).result(30)
+        got = backward_future(endpoint, "sh.0", [x], [grad], activation_id=activation_id, channels=shared).result(30)
+        local, x_local = create_expert("ffn", HIDDEN, seed=expert_seed(0, "sh.0")), x.clone().requires_grad_()
+        local(x_local).backward(grad)
+        torch.testing.assert_close(got[0], x_local.grad)
+        backward_future(endpoint, "sh.0", [x], [grad], channels=plain).result(30)
+        after = grpc_calls(proc)
+        assert shared.segments.idle() >= 1  # one call at a time: its segment came back and was reused
+    calls = {rpc: after.get(rpc, 0) - before.get(rpc, 0) for rpc in after}
+    assert calls["forward_shared"] == 5 and calls["forward"] == 4, calls
+    assert calls["forward_batch_shared"] == 1 and calls["forward_batch"] == 1, calls
+    assert calls["backward_shared"] == 1 and calls["backward"] == 1, calls
+
+
+def test_a_server_without_shared_memory_refuses_once_and_the_client_calls_the_plain_way(server):
+    _, reference = server
+    x = torch.randn(8, HIDDEN)
+    with running(*server_args("--no-shared-memory")) as proc, ChannelPool() as pool:
+        endpoint = proc.endpoint()
+        first = forward_future(endpoint, "sh.1", [x], channels=pool).result(30)[0]  # refused, then sent plainly
+        assert type(pool.calls(endpoint)) is TensorCalls  # from now on, the plain calls
+        second = forward_future(endpoint, "sh.1", [x], channels=pool).result(30)[0]
+        calls = grpc_calls(proc)
+    assert torch.equal(first, second)
+    assert torch.equal(first, forward_future(reference, "sh.1", [x]).result(30)[0])  # same seed, same weights (never trained)
+    assert calls.get("forward_shared") == 1 and calls.get("forward") == 2, calls
+
+
+def test_a_call_that_times_out_never_gets_its_segment_reused():
+    """The server may still write its answer into the segment of a call the client gave up on."""
+    with running(*server_args("--inject-latency-ms", "800")) as proc, ChannelPool() as pool:
+        endpoint = proc.endpoint()
+        x = torch.randn(4, HIDDEN)
+        with pytest.raises(RemoteExpertError, match="DEADLINE_EXCEEDED"):
+            forward_future(endpoint, "sh.0", [x], channels=pool, timeout=0.2).result(30)
+        assert pool.segments.idle() == 0  # dropped, not pooled
+        assert forward_future(endpoint, "sh.0", [x], channels=pool, timeout=30).result(30)[0].shape == x.shape
+        assert pool.segments.idle() == 1
+
+
+def call_for(segment: shm.Segment, method: str = "forward", **fields) -> dmoe_pb2.SharedMemoryCall:
+    request = dict(method=method, pid=os.getpid(), fd=segment.fd, key=segment.key, request_offset=shm.HEADER_BYTES,
+                   request_length=0, answer_offset=shm.HEADER_BYTES + 128 * 1024, answer_capacity=128 * 1024)
+    return dmoe_pb2.SharedMemoryCall(**{**request, **fields})
+
+
+def write_request(segment: shm.Segment, uid: str, x: torch.Tensor) -> int:
+    message = request_message(uid, [pack(x)])
+    return message.write_into(segment.view[shm.HEADER_BYTES:])
+
+
+def status_of(stub, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as failure:
+        stub(request, timeout=30)
+    return failure.value.code(), failure.value.details()
+
+
+def test_hostile_shared_memory_calls_get_clear_answers_and_the_server_stays_correct(server, stub, tmp_path):
+    _, endpoint = server
+    segment = shm.Segment(1 << 20)
+    unsealed = os.memfd_create("dmoe-test", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, 1 << 20)
+    plain_file = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(plain_file, 1 << 20)
+    try:
+        x = torch.randn(16, HIDDEN)
+        length = write_request(segment, "sh.1", x)
+        expected = forward_future(endpoint, "sh.1", [x]).result(30)[0]
+        # the answer: into the segment when it fits, inline when not
+        answer = stub(call_for(segment, request_length=length), timeout=30)
+        assert answer.answer_length > 0 and not answer.inline_answer and not answer.refused
+        at = shm.HEADER_BYTES + 128 * 1024
+        written = bytes(segment.view[at:at + answer.answer_length])
+        assert torch.equal(deserialize(parse_response(written).tensors[0]), expected)
+        inline = stub(call_for(segment, request_length=length, answer_capacity=16), timeout=30)
+        assert inline.answer_length == 0 and parse_response(inline.inline_answer).tensors[0].shape == [16, HIDDEN]
+
+        refusals = {
+            "the segment's header does not hold the key sent": call_for(segment, key=b"k" * 16,
+                                                                         request_length=length),
+            "is not a memfd": call_for(segment, fd=plain_file, request_length=length),
+            "not sealed against shrinking": call_for(segment, fd=unsealed, request_length=length),
+            "cannot open fd 99999": call_for(segment, fd=99999, request_length=length),
+        }
+        for why, request in refusals.items():
+            answer = stub(request, timeout=30)
+            assert why in answer.refused and not answer.answer_length and not answer.inline_answer, answer
+        bad = [
+            (call_for(segment, method="train"), grpc.StatusCode.INVALID_ARGUMENT, "unknown method 'train'"),
+            (call_for(segment, method="forward_stream"), grpc.StatusCode.INVALID_ARGUMENT, "unknown method"),
+            (call_for(segment, pid=0), grpc.StatusCode.INVALID_ARGUMENT, "do not name a segment"),
+            (call_for(segment, key=b"short"), grpc.StatusCode.INVALID_ARGUMENT, "a key has 16"),
+            (call_for(segment, request_offset=0, request_length=length), grpc.StatusCode.INVALID_ARGUMENT,
+             "the request at [0, "),
+            (call_for(segment, request_offset=(1 << 20) - 8, request_length=64), grpc.StatusCode.INVALID_ARGUMENT,
+             "outside the segment's payload"),
+            (call_for(segment, request_length=2**64 - 1), grpc.StatusCode.RESOURCE_EXHAUSTED,
+             f"more than this server's limit of {MAX_MESSAGE}"),
+            (call_for(segment, request_length=length, answer_offset=1 << 20, answer_capacity=1),
+             grpc.StatusCode.INVALID_ARGUMENT, "the answer at"),
+            (call_for(segment, method="backward", request_length=length), grpc.StatusCode.INVALID_ARGUMENT,
+             "expected 2 tensors"),
+        ]
+        for request, code, message in bad:
+            got = status_of(stub, request)
+            assert got[0] == code and message in got[1], (request, got)
+        segment.view[shm.HEADER_BYTES:shm.HEADER_BYTES + 64] = b"\xff" * 64
+        assert status_of(stub, call_for(segment, request_length=64)) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "call_shared: the request in the segment is not a valid ExpertRequest")
+        # after all that, the server still answers correctly
+        assert torch.equal(forward_future(endpoint, "sh.1", [x]).result(30)[0], expected)
+    finally:
+        segment.close()
+        os.close(unsealed)
+        os.close(plain_file)
+
+
+@settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(offset=st.integers(0, 2**64 - 1), length=st.integers(0, 2**64 - 1), answer=st.integers(0, 2**64 - 1),
+       capacity=st.integers(0, 2**64 - 1), fd=st.integers(-2**31, 2**31 - 1), junk=st.binary(max_size=64))
+def test_any_shared_memory_call_gets_an_answer_or_a_clear_status(server, stub, offset, length, answer, capacity, fd,
+                                                                 junk):
+    segment = shm.Segment(1 << 20)
+    try:
+        segment.view[shm.HEADER_BYTES:shm.HEADER_BYTES + len(junk)] = junk
+        for request in (call_for(segment, request_offset=offset, request_length=length, answer_offset=answer,
+                                 answer_capacity=capacity),
+                        call_for(segment, fd=fd, request_length=len(junk))):
+            try:
+                reply = stub(request, timeout=30)
+            except grpc.RpcError as error:
+                assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        grpc.StatusCode.NOT_FOUND), (error.code(), error.details())
+                assert error.details()
+            else:
+                assert reply.refused or reply.answer_length or reply.inline_answer
+    finally:
+        segment.close()
+    assert forward_future(server[1], "sh.0", [torch.ones(1, HIDDEN)]).result(30)[0].shape == (1, HIDDEN)
+
+
+def test_only_loopback_peers_and_endpoints_count_as_this_host():
+    assert shm.is_loopback_peer("ipv4:127.0.0.1:5000") and shm.is_loopback_peer("ipv6:[::1]:5000")
+    assert shm.is_loopback_peer("ipv6:[::ffff:127.0.0.1]:5000") and shm.is_loopback_peer("unix:/tmp/sock")
+    assert not shm.is_loopback_peer("ipv4:10.0.0.2:5000") and not shm.is_loopback_peer("ipv6:[2001:db8::1]:5000")
+    assert not shm.is_loopback_peer("ipv4:1.127.0.0:5000") and not shm.is_loopback_peer("")
+    assert shm.is_local_endpoint("127.0.0.1:5000") and shm.is_local_endpoint("localhost:1")
+    assert shm.is_local_endpoint("[::1]:5000")
+    assert not shm.is_local_endpoint("10.1.2.3:5000") and not shm.is_local_endpoint("example.org:5000")
