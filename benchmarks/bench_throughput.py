@@ -30,6 +30,7 @@ its clients run elsewhere.
     python benchmarks/bench_throughput.py --preset smoke        # seconds; what the test suite runs
     python benchmarks/bench_throughput.py --preset compute --profile   # and the server's stages per case
     python benchmarks/bench_throughput.py --preset transport --no-shared-memory   # every byte through gRPC
+    python benchmarks/bench_throughput.py --preset sizes --shared-memory-min-bytes 0  # 4 KiB-1 MiB, one at a time
 
 ``transport`` sends what ``compute`` sends to experts that return their inputs (``nop``): its remote rows/s are
 the most the server's path (gRPC, decoding, copies, encoding) carries with no compute at all, the ceiling of
@@ -83,6 +84,8 @@ def preset_cases(name: str) -> list[Case]:
     if name == "transport":  # the compute preset's traffic with no compute: the server path's own ceiling
         return [Case("nop", 1024, batch, mode, clients=2, inflight=2, experts=4)
                 for batch in (256, 1024, 2048) for mode in MODES]
+    if name == "sizes":  # one forward at a time of 4 KiB to 1 MiB: where the shared-memory path starts to pay
+        return [Case("nop", 1024, batch, "fwd", clients=1, inflight=1, experts=1) for batch in (1, 4, 16, 64, 256)]
     if name == "smoke":  # what the test suite runs: every mode once, in seconds
         return [Case("ffn", 32, 16, mode, clients=1, inflight=2, experts=2) for mode in MODES]
     if name in ("quick", "overhead", "full"):
@@ -123,10 +126,12 @@ def run_client(cmd: dict) -> dict:
     from dmoe.wire import ChannelPool
     x, grad = make_inputs(cmd)
     uids, endpoint, mode = cmd["uids"], cmd["endpoint"], cmd["mode"]
-    shared_memory = cmd.get("shared_memory", True)
-    if shared_memory not in _POOLS:  # one per worker process, kept across commands (channels stay open)
-        _POOLS[shared_memory] = ChannelPool(shared_memory=shared_memory)
-    channels = _POOLS[shared_memory]
+    pool_key = (cmd.get("shared_memory", True), cmd.get("shared_memory_min_bytes"))
+    if pool_key not in _POOLS:  # one per worker process, kept across commands (channels stay open)
+        shared_memory, min_bytes = pool_key
+        _POOLS[pool_key] = ChannelPool(shared_memory=shared_memory, **(
+            {} if min_bytes is None else {"shared_memory_min_bytes": min_bytes}))
+    channels = _POOLS[pool_key]
 
     def request(uid: str) -> None:
         activation_id = new_activation_id() if mode == CACHED else None
@@ -346,7 +351,7 @@ def formed_batches(before: dict[str, float], after: dict[str, float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="quick",
-                        choices=["quick", "compute", "transport", "overhead", "full", "smoke"])
+                        choices=["quick", "compute", "transport", "overhead", "full", "smoke", "sizes"])
     parser.add_argument("--duration", type=float, default=None, help="seconds per measurement (default by preset)")
     parser.add_argument("--warmup-requests", type=int, default=2,
                         help="untimed requests per client thread (and as many for the limit) before each case")
@@ -370,6 +375,9 @@ def main() -> None:
     parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="the clients' and server's shared-memory path (client and server on one host, the "
                              "default); --no-shared-memory: every byte through gRPC's transport")
+    parser.add_argument("--shared-memory-min-bytes", type=int, default=None,
+                        help="the clients' smallest request through shared memory (default: the library's, "
+                             "dmoe.wire.shared_memory.MIN_BYTES)")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print its stage times after each case")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
@@ -408,6 +416,7 @@ def main() -> None:
             cmd = {**asdict(case), "optimizer": args.optimizer, "lr": args.lr, "duration": duration,
                    "device": args.device, "activation_cache_mb": args.activation_cache_mb, "autocast": args.autocast,
                    "compression": args.compression, "shared_memory": args.shared_memory,
+                   "shared_memory_min_bytes": args.shared_memory_min_bytes,
                    "warmup_requests": args.warmup_requests, "endpoint": endpoint,
                    "uids": [f"bench.{i}" for i in range(case.experts)]}
             limit.send({**cmd, "phase": "warmup"})

@@ -6,6 +6,8 @@
 #   benchmarks/gpu_check.sh variants   # there too: the layer with 1, 2 and 4 server workers and pinned copies, the
 #                                      # server path's ceiling (bench_throughput --preset transport), the CUDA tests
 #   benchmarks/gpu_check.sh bytes      # there too: the layer, the ceiling and throughput with float16 on the wire
+#   benchmarks/gpu_check.sh shared     # there too: the layer and the ceiling with the payload through shared memory
+#                                      # (the default) and through gRPC, then throughput, the CUDA tests, bf16
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
@@ -100,10 +102,24 @@ plan_bytes() {  # fewer bytes per row: float16 on the wire (the server still com
         --rounds 1 --compression float16
 }
 
+plan_shared() {  # the payload through shared memory (the default on one host) against gRPC's transport, then the tables
+    local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
+    local transport="python3 benchmarks/bench_throughput.py --preset transport --device cuda --duration 1 --rounds 1"
+    step layer.shared 100 $layer
+    step layer.grpc 100 $layer --no-shared-memory
+    step transport.shared 100 $transport
+    step transport.grpc 100 $transport --no-shared-memory
+    step throughput 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1 --rounds 1
+    step cuda_tests 100 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
+    step layer_bf16.shared 100 $layer --autocast bf16
+    step layer_bf16.float16_wire 100 $layer --autocast bf16 --compression float16
+}
+
 case "${1:-}" in
     fetch) fetch ;;
     run) run issue ;;
     variants) run variants ;;
     bytes) run bytes ;;
-    *) echo "usage: $0 fetch|run|variants|bytes" >&2; exit 2 ;;
+    shared) run shared ;;
+    *) echo "usage: $0 fetch|run|variants|bytes|shared" >&2; exit 2 ;;
 esac

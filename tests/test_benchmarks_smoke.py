@@ -190,6 +190,12 @@ def test_beam_search_benchmark_compares_the_default_and_per_row_searches_on_the_
     assert all(float(r["default_ms"]) > 0 for r in rows[:6]) and rows[6]["default_ms"] == rows[7]["default_ms"] == ""
 
 
+def test_grpc_echo_benchmark_times_a_round_trip_and_a_copy(tmp_path):
+    run_benchmark("bench_grpc_echo.py", "--mib", "0.25", "--calls", "3", "--results", str(tmp_path))
+    (row,) = read_csv(tmp_path / "bench_grpc_echo.csv")
+    assert row["bytes"] == str(2**18) and float(row["round_trip_ms"]) > 0 and float(row["memcpy_ms"]) > 0
+
+
 def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):
     run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "1", "--results", str(tmp_path))
     (path,) = tmp_path.glob("throughput_smoke_cpu_*.csv")

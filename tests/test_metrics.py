@@ -32,7 +32,7 @@ def test_server_process_started_from_a_config_file_counts_requests_batches_error
     config = tmp_path / "server.toml"
     config.write_text('experts = "ffn0.[0:2]"\nhidden-dim = 8\nmetrics-port = 0\noptimizer = "sgd"\n')
     with running("-m", "dmoe.cli.server", "--config", str(config), "--max-batch-size", "64") as proc, \
-            ChannelPool(shared_memory=shared_memory) as channels:
+            ChannelPool(shared_memory=shared_memory, shared_memory_min_bytes=0) as channels:
         metrics = proc.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
         endpoint = proc.endpoint()
         x, grad = torch.randn(5, 8), torch.randn(5, 8)

@@ -113,10 +113,9 @@ def test_a_forward_and_a_backward_cost_one_call_per_server(swarm):
     layer(torch.randn(64, HIDDEN)).sum().backward()
     after = grpc_calls(local_swarm)
     calls = {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
-    # 64 rows x 4 experts over 16 experts on 2 servers: each server got one forward_batch and one backward_batch,
-    # their payload in shared memory (the servers are on this host)
-    assert calls == {(0, "forward_batch_shared"): 1, (1, "forward_batch_shared"): 1, (0, "backward_batch_shared"): 1,
-                     (1, "backward_batch_shared"): 1}, calls
+    # 64 rows x 4 experts over 16 experts on 2 servers: each server got one forward_batch and one backward_batch
+    assert calls == {(0, "forward_batch"): 1, (1, "forward_batch"): 1, (0, "backward_batch"): 1,
+                     (1, "backward_batch"): 1}, calls
 
 def test_killed_server_loses_no_rows_and_is_avoided_afterwards():
     config = SwarmConfig(layers=("ffn0",), grid=GRID, n_servers=2, hidden_dim=HIDDEN,

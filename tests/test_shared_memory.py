@@ -57,7 +57,8 @@ def stub(server):
 
 def test_calls_through_shared_memory_answer_as_the_grpc_calls_do(server):
     proc, endpoint = server
-    with ChannelPool() as shared, ChannelPool(shared_memory=False) as plain:
+    with ChannelPool(shared_memory_min_bytes=0) as shared, ChannelPool(shared_memory=False) as plain, \
+            ChannelPool() as default:
         assert type(shared.calls(endpoint)) is shm.SharedMemoryCalls and type(plain.calls(endpoint)) is TensorCalls
         before = grpc_calls(proc)
         x, grad = torch.randn(200, HIDDEN), torch.randn(200, HIDDEN)  # 50 KiB: read by protobuf on the server
@@ -86,10 +87,16 @@ def test_calls_through_shared_memory_answer_as_the_grpc_calls_do(server):
         local(x_local).backward(grad)
         torch.testing.assert_close(got[0], x_local.grad)
         backward_future(endpoint, "sh.0", [x], [grad], channels=plain).result(30)
+        # by default, requests under shm.MIN_BYTES go through gRPC (the path's fixed cost outweighs its gain there)
+        small, large = torch.randn(4, HIDDEN), torch.randn(256, HIDDEN)  # 1 KiB, 64 KiB
+        assert large.nbytes >= shm.MIN_BYTES > small.nbytes
+        for t in (small, large):
+            assert torch.equal(forward_future(endpoint, "sh.1", [t], channels=default).result(30)[0],
+                               forward_future(endpoint, "sh.1", [t], channels=plain).result(30)[0])
         after = grpc_calls(proc)
         assert shared.segments.idle() >= 1  # one call at a time: its segment came back and was reused
     calls = {rpc: after.get(rpc, 0) - before.get(rpc, 0) for rpc in after}
-    assert calls["forward_shared"] == 5 and calls["forward"] == 4, calls
+    assert calls["forward_shared"] == 6 and calls["forward"] == 7, calls
     assert calls["forward_batch_shared"] == 1 and calls["forward_batch"] == 1, calls
     assert calls["backward_shared"] == 1 and calls["backward"] == 1, calls
 
@@ -97,7 +104,7 @@ def test_calls_through_shared_memory_answer_as_the_grpc_calls_do(server):
 def test_a_server_without_shared_memory_refuses_once_and_the_client_calls_the_plain_way(server):
     _, reference = server
     x = torch.randn(8, HIDDEN)
-    with running(*server_args("--no-shared-memory")) as proc, ChannelPool() as pool:
+    with running(*server_args("--no-shared-memory")) as proc, ChannelPool(shared_memory_min_bytes=0) as pool:
         endpoint = proc.endpoint()
         first = forward_future(endpoint, "sh.1", [x], channels=pool).result(30)[0]  # refused, then sent plainly
         assert type(pool.calls(endpoint)) is TensorCalls  # from now on, the plain calls
@@ -110,7 +117,7 @@ def test_a_server_without_shared_memory_refuses_once_and_the_client_calls_the_pl
 
 def test_a_call_that_times_out_never_gets_its_segment_reused():
     """The server may still write its answer into the segment of a call the client gave up on."""
-    with running(*server_args("--inject-latency-ms", "800")) as proc, ChannelPool() as pool:
+    with running(*server_args("--inject-latency-ms", "800")) as proc, ChannelPool(shared_memory_min_bytes=0) as pool:
         endpoint = proc.endpoint()
         x = torch.randn(4, HIDDEN)
         with pytest.raises(RemoteExpertError, match="DEADLINE_EXCEEDED"):

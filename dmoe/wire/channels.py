@@ -7,6 +7,7 @@ from typing import NamedTuple
 import grpc
 
 from dmoe.wire import dmoe_pb2_grpc
+from dmoe.wire.shared_memory import MIN_BYTES as SHARED_MEMORY_MIN_BYTES
 from dmoe.wire.shared_memory import AVAILABLE, SegmentPool, SharedMemoryCalls, is_local_endpoint
 from dmoe.wire.zerocopy import parse_batch_response, parse_response
 
@@ -83,16 +84,17 @@ class ChannelPool:
     TCP + HTTP/2 handshake per call. Thread-safe. ``close()`` closes every channel.
 
     ``shared_memory``: the tensor-carrying calls to a server at a loopback address pass their payload through
-    memory shared with it (:mod:`dmoe.wire.shared_memory`), where the platform allows and the server agrees;
-    False: always through gRPC.
+    memory shared with it (:mod:`dmoe.wire.shared_memory`), where the platform allows and the server agrees, for
+    requests of ``shared_memory_min_bytes`` or more; False: always through gRPC.
     """
 
     _default: "ChannelPool | None" = None
     _default_lock = threading.Lock()
 
-    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES, shared_memory: bool = True):
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES, shared_memory: bool = True,
+                 shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES):
         self.max_message_bytes = max_message_bytes
-        self.shared_memory = shared_memory and AVAILABLE
+        self.shared_memory, self.shared_memory_min_bytes = shared_memory and AVAILABLE, shared_memory_min_bytes
         self.segments = SegmentPool()
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
@@ -111,7 +113,8 @@ class ChannelPool:
             if entry is None:
                 channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes))
                 calls = TensorCalls.on(channel)
-                shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, _PARSERS)
+                shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, _PARSERS,
+                                            self.shared_memory_min_bytes)
                           if self.shared_memory and is_local_endpoint(endpoint) else None)
                 entry = self._entries[endpoint] = _Entry(channel, dmoe_pb2_grpc.ExpertServiceStub(channel), calls,
                                                          shared)

@@ -55,8 +55,12 @@ ALIGN = 64
 MIN_SEGMENT_BYTES = 1 << 20
 #: Room for an answer beyond the request's size (an answer of an ffn expert is as large as its request or smaller).
 ANSWER_SLACK_BYTES = 64 * 1024
-#: The calls that may travel this way, and the message each one's request is.
+#: The calls that may travel this way.
 METHODS = ("forward", "backward", "forward_batch", "backward_batch")
+#: Smaller requests go through gRPC even to a server on this host: the path's fixed cost (a segment, the call's
+#: own message, the server's checks) outweighs the copies it saves below ~64 KiB; the two are even up to 256 KiB,
+#: and at 1 MiB it carries 1.5-2x the calls (benchmarks/README.md, "Expert server throughput": --preset sizes).
+MIN_BYTES = 64 * 1024
 
 #: Whether this platform has what the path needs (memfd with seals, /proc).
 AVAILABLE = (hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and hasattr(os, "MFD_ALLOW_SEALING")
@@ -222,7 +226,7 @@ class SharedMethod:
 
     def future(self, message: Any, timeout: float | None = None) -> Any:
         calls = self.calls
-        if not calls.enabled:
+        if not calls.enabled or message.size < calls.min_bytes:
             return self.plain.future(message, timeout=timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         request_room = _round_up(message.size, ALIGN)
@@ -313,12 +317,13 @@ def _raise(error: BaseException) -> Callable[[], Any]:
 
 
 class SharedMemoryCalls:
-    """``TensorCalls``' four calls to one server on this host through segments of ``segments``; after the server
-    refuses once (or does not know the call), every call goes the plain way (``plain``, a ``TensorCalls``)."""
+    """``TensorCalls``' four calls to one server on this host through segments of ``segments``, for requests of
+    ``min_bytes`` or more (smaller ones, and every call after the server refused once or did not know the call, go
+    the plain way: ``plain``, a ``TensorCalls``)."""
 
     def __init__(self, channel: grpc.Channel, endpoint: str, plain: Any, segments: SegmentPool,
-                 parsers: dict[str, Callable[[bytes], Any]]):
-        self.endpoint, self.segments, self.enabled = endpoint, segments, True
+                 parsers: dict[str, Callable[[bytes], Any]], min_bytes: int = MIN_BYTES):
+        self.endpoint, self.segments, self.enabled, self.min_bytes = endpoint, segments, True, min_bytes
         self.call_shared = channel.unary_unary(
             "/dmoe.ExpertService/call_shared", request_serializer=dmoe_pb2.SharedMemoryCall.SerializeToString,
             response_deserializer=dmoe_pb2.SharedMemoryAnswer.FromString, _registered_method=True)
