@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import urllib.request
 
 import grpc
@@ -21,7 +23,7 @@ from dmoe.wire import shared_memory as shm
 from dmoe.wire.channels import TensorCalls
 from dmoe.wire.codec import pack
 from dmoe.wire.zerocopy import parse_response, request_message
-from tests.procs import running
+from tests.procs import ROOT, running
 
 pytestmark = pytest.mark.skipif(not shm.AVAILABLE, reason="no memfd with seals or no /proc on this platform")
 
@@ -226,6 +228,37 @@ def test_any_shared_memory_call_gets_an_answer_or_a_clear_status(server, stub, o
     finally:
         segment.close()
     assert forward_future(server[1], "sh.0", [torch.ones(1, HIDDEN)]).result(30)[0].shape == (1, HIDDEN)
+
+
+CHILD = """
+import sys
+from dmoe.wire import shared_memory as shm
+segment = shm.Segment(1 << 20)
+print(segment.fd, segment.key.hex(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_server_unmaps_the_segments_of_clients_that_ended():
+    maps, peer = shm.SegmentMaps(max_request_bytes=1 << 20), "ipv4:127.0.0.1:5000"
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             cwd=ROOT)
+    ours = shm.Segment(1 << 20)
+    try:
+        fd, key = child.stdout.readline().split()
+        theirs = dmoe_pb2.SharedMemoryCall(method="forward", pid=child.pid, fd=int(fd), key=bytes.fromhex(key),
+                                           request_offset=shm.HEADER_BYTES, answer_offset=shm.HEADER_BYTES)
+        maps.open(theirs, peer)
+        assert len(maps) == 1
+        maps.open(theirs, peer)  # mapped once, then found again
+        assert len(maps) == 1 and maps.opened == 1
+        child.communicate("\n", timeout=30)  # the client ends
+        maps.open(call_for(ours), peer)  # the next segment mapped drops the ended client's
+        assert len(maps) == 1 and maps.opened == 2
+    finally:
+        child.kill()
+        child.wait()
+        ours.close()
 
 
 def test_only_loopback_peers_and_endpoints_count_as_this_host():

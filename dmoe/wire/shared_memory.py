@@ -408,6 +408,7 @@ class SegmentMaps:
         segment = self._maps.get(name)
         if segment is None:
             segment = self._map(call)
+            self._drop_gone()
             self._maps[name] = segment
             self.opened += 1
             while len(self._maps) > self.max_segments or sum(s.size for s in self._maps.values()) > self.max_bytes:
@@ -416,6 +417,11 @@ class SegmentMaps:
             self._maps.move_to_end(name)
         self.check(call, segment.size)
         return segment
+
+    def _drop_gone(self) -> None:
+        """Unmaps the segments of processes that ended: their memory lives while the server maps it."""
+        for name in [name for name in self._maps if not os.path.exists(f"/proc/{name[0]}")]:
+            del self._maps[name]
 
     @staticmethod
     def _map(call: dmoe_pb2.SharedMemoryCall) -> MappedSegment:
