@@ -1,8 +1,8 @@
 """Fuzz one real ``dmoe-server`` with tens of thousands of hostile cases and count what it answered.
 
 The cases are tests/fuzzing.py's hypothesis strategies (junk in every field of a request, mutated valid requests,
-random bytes as the serialized message, streams of junk), plus raw junk written to the gRPC TCP port. Claims
-checked: zero server crashes, every case answered with a clear status before its deadline, the server's memory
+random bytes as the serialized message, streams of junk; a third of the unary ones through shared memory), plus raw
+junk written to the gRPC TCP port. Claims checked: zero server crashes, every case answered with a clear status before its deadline, the server's memory
 (RSS) bounded, and valid requests still answered correctly afterwards (compared with a local copy of the expert,
 which the fuzzer never trains).
 

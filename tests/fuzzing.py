@@ -3,12 +3,14 @@
 Cases are hypothesis strategies: structured requests with junk in every field (lying shapes, wrong and unknown
 dtypes, NaN/Inf, truncated and oversized buffers, unknown uids, out-of-range enums), valid requests mutated at the
 byte level, and random bytes sent as the serialized message through a generic channel with identity serializers.
-:func:`send` answers each case with the status code it got; :func:`check_outcome` says whether that answer is one
-a healthy server may give.
+Some forward and backward cases travel through shared memory (``call_shared``, dmoe/wire/shared_memory.py): the
+same bytes, written into a segment of this process. :func:`send` answers each case with the status code it got;
+:func:`check_outcome` says whether that answer is one a healthy server may give.
 """
 from __future__ import annotations
 
 import math
+import os
 import socket
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ import torch
 from hypothesis import strategies as st
 
 from dmoe.wire import dmoe_pb2, serialize, status_code
+from dmoe.wire import shared_memory as shm
 from dmoe.wire.codec import DTYPES, deserialize, join_parts
 
 SERVICE = "/dmoe.ExpertService/"
@@ -47,6 +50,7 @@ class Case:
     rpc: str
     payload: bytes | list[bytes]
     kind: str
+    shared: bool = False  # sent through shared memory (call_shared) instead of as the call's own message
 
 
 def _floats(rows: int, hidden: int, special: str) -> torch.Tensor:
@@ -149,6 +153,14 @@ def cases(draw, target: Target) -> Case:
         if kind == "structured":
             return Case(rpc, dmoe_pb2.ExpertUID(uid=draw(uids(target))).SerializeToString(), kind)
         return Case(rpc, draw(st.binary(max_size=64)), "random bytes")
+    case = draw(_unary_case(target, rpc, kind))
+    if shm.AVAILABLE and draw(st.integers(0, 2)) == 0:  # a third of the unary calls through shared memory
+        case.shared, case.kind = True, f"{case.kind} (shared memory)"
+    return case
+
+
+@st.composite
+def _unary_case(draw, target: Target, rpc: str, kind: str) -> Case:
     if kind == "structured":
         if rpc.endswith("_batch"):
             # junk items beside valid ones: each must get its own clear status
@@ -170,9 +182,33 @@ def spare(case: Case, uid: str) -> Case:
     return case
 
 
+def _send_shared(channel: grpc.Channel, case: Case) -> bytes:
+    """``case``'s bytes through a fresh segment; the answer's bytes (from the segment or inline). A refusal (this
+    server would not map the segment) raises, as an unclear outcome: the fuzzed servers run on this host."""
+    payload = case.payload
+    segment = shm.Segment(shm.HEADER_BYTES + 2 * len(payload) + 2 * shm.ALIGN + (1 << 16))
+    try:
+        segment.view[shm.HEADER_BYTES:shm.HEADER_BYTES + len(payload)] = payload
+        answer_offset = shm.HEADER_BYTES + -(-len(payload) // shm.ALIGN) * shm.ALIGN
+        request = dmoe_pb2.SharedMemoryCall(
+            method=case.rpc, pid=os.getpid(), fd=segment.fd, key=segment.key, request_offset=shm.HEADER_BYTES,
+            request_length=len(payload), answer_offset=answer_offset, answer_capacity=segment.size - answer_offset)
+        call = channel.unary_unary(SERVICE + "call_shared", request_serializer=None, response_deserializer=None)
+        answer = dmoe_pb2.SharedMemoryAnswer.FromString(call(request.SerializeToString(), timeout=DEADLINE))
+        if answer.refused:
+            raise AssertionError(f"the server refused a segment of a client on its host: {answer.refused}")
+        if answer.answer_length:
+            return bytes(segment.view[answer_offset:answer_offset + answer.answer_length])
+        return answer.inline_answer
+    finally:
+        segment.close()
+
+
 def send(channel: grpc.Channel, case: Case) -> tuple[grpc.StatusCode, str, bytes | list[bytes] | None]:
     """Sends ``case`` as raw bytes; returns (status code, details, raw response or responses)."""
     try:
+        if case.shared:
+            return grpc.StatusCode.OK, "", _send_shared(channel, case)
         if isinstance(case.payload, list):
             call = channel.stream_stream(SERVICE + case.rpc, request_serializer=None, response_deserializer=None)
             return grpc.StatusCode.OK, "", list(call(iter(case.payload), timeout=DEADLINE))
