@@ -2,9 +2,9 @@
 
 The cases are tests/fuzzing.py's hypothesis strategies (junk in every field of a request, mutated valid requests,
 random bytes as the serialized message, streams of junk; a third of the unary ones through shared memory), plus raw
-junk written to the gRPC TCP port. Claims checked: zero server crashes, every case answered with a clear status before its deadline, the server's memory
-(RSS) bounded, and valid requests still answered correctly afterwards (compared with a local copy of the expert,
-which the fuzzer never trains).
+junk written to the gRPC TCP port. Claims checked: zero server crashes, every case answered with a clear status before
+its deadline, the server's memory (RSS) bounded, and valid requests still answered correctly afterwards (compared with
+a local copy of the expert, which the fuzzer never trains).
 
     python benchmarks/bench_fuzz.py                  # 10,000 cases + 1,000 raw TCP junk streams
     python benchmarks/bench_fuzz.py --cases 50000
