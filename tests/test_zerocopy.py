@@ -63,7 +63,7 @@ def test_the_writers_bytes_are_protobufs_for_small_tensors_and_both_readers_agre
         for t in tensors:
             serialize(t, compression, out=item.tensors.add())
     packed = [(uid, [pack(t, compression) for t in tensors], activation_id) for uid, tensors, activation_id in batch]
-    written = zc.batch_request_bytes(packed, compression)
+    written = zc.batch_request_message(packed, compression).join()
     assert written == expected.SerializeToString()
     assert fields(zc.read_in_place(dmoe_pb2.BatchRequest, written)) == fields(expected)
 
@@ -76,7 +76,7 @@ def test_the_writers_bytes_are_protobufs_for_small_tensors_and_both_readers_agre
     response.results.add(code=code, message=message)
     assert zc.batch_response_bytes(answer) == response.SerializeToString()
     for uid, tensors, activation_id in packed:
-        single = zc.request_bytes(uid, tensors, compression, activation_id)
+        single = zc.request_message(uid, tensors, compression, activation_id).join()
         assert fields(zc.read_in_place(dmoe_pb2.ExpertRequest, single)) == fields(
             dmoe_pb2.ExpertRequest.FromString(single))
         reply = zc.response_bytes(zc.Response(tensors))
@@ -89,8 +89,8 @@ def test_the_writers_bytes_are_protobufs_for_small_tensors_and_both_readers_agre
 def test_large_buffers_are_padded_to_an_aligned_offset_and_read_in_place(rows, dtype):
     tensors = [(torch.randn(rows, 1024) * 10).to(dtype), torch.randn(rows, 3), (torch.randn(rows, 513) * 10).to(dtype)]
     for uid in ("e", "ffn.10.31", "x" * 300):
-        data = zc.batch_request_bytes([(uid, [pack(t) for t in tensors], new_activation_id()),
-                                       ("other", [pack(tensors[0])], None)])
+        data = zc.batch_request_message([(uid, [pack(t) for t in tensors], new_activation_id()),
+                                         ("other", [pack(tensors[0])], None)]).join()
         ours, theirs = zc.read_in_place(dmoe_pb2.BatchRequest, data), dmoe_pb2.BatchRequest.FromString(data)
         assert fields(ours) == fields(theirs)  # protobuf reads the padded message the same (Tensor.pad ignored)
         for item in ours.items:
@@ -126,11 +126,11 @@ def assert_reads_like_protobuf(message_cls, raw: bytes) -> None:
 
 def valid_samples() -> list[bytes]:
     x, ids = torch.arange(10.0).view(2, 5) / 3, [torch.arange(6)]
-    request = zc.request_bytes("ffn.0", [pack(x), pack(ids[0])], FLOAT16, b"id")
-    batch = zc.batch_request_bytes([("a", [pack(x, UINT8)], b"i"), ("b", [pack(x)], None)])
+    request = zc.request_message("ffn.0", [pack(x), pack(ids[0])], FLOAT16, b"id").join()
+    batch = zc.batch_request_message([("a", [pack(x, UINT8)], b"i"), ("b", [pack(x)], None)]).join()
     response = zc.response_bytes(zc.Response([pack(x)]))
     results = zc.batch_response_bytes(zc.BatchResponse([zc.Result([pack(x)]), zc.Result([], 5, "no")]))
-    big = zc.batch_request_bytes([("a", [pack(torch.arange(2048.0).view(1, 2048))], b"i")])  # padded
+    big = zc.batch_request_message([("a", [pack(torch.arange(2048.0).view(1, 2048))], b"i")]).join()  # padded
     return [request, batch, response, results, big]
 
 

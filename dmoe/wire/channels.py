@@ -9,7 +9,7 @@ import grpc
 from dmoe.wire import dmoe_pb2_grpc
 from dmoe.wire.shared_memory import MIN_BYTES as SHARED_MEMORY_MIN_BYTES
 from dmoe.wire.shared_memory import AVAILABLE, SegmentPool, SharedMemoryCalls, is_local_endpoint
-from dmoe.wire.zerocopy import parse_batch_response, parse_response
+from dmoe.wire.zerocopy import ANSWER_PARSERS, Message
 
 #: Unary messages up to this size; larger payloads go through the streaming calls in parts.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -43,19 +43,10 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
     ]
 
 
-def _message_bytes(message) -> bytes:
-    return message if isinstance(message, bytes) else message.join()
-
-
-#: how each tensor-carrying call's answer is read
-_PARSERS = {"forward": parse_response, "backward": parse_response, "forward_batch": parse_batch_response,
-            "backward_batch": parse_batch_response}
-
-
 class TensorCalls(NamedTuple):
     """ExpertService's tensor-carrying unary calls on one channel: each takes a request (a
-    :class:`dmoe.wire.zerocopy.Message`, or its bytes) and returns the answer read in place (views of the received
-    bytes). :class:`~dmoe.wire.shared_memory.SharedMemoryCalls` has the same four, through shared memory."""
+    :data:`dmoe.wire.zerocopy.Message`) and returns the answer read in place (views of the received bytes).
+    :class:`~dmoe.wire.shared_memory.SharedMemoryCalls` has the same four, through shared memory."""
 
     forward: grpc.UnaryUnaryMultiCallable
     backward: grpc.UnaryUnaryMultiCallable
@@ -65,8 +56,8 @@ class TensorCalls(NamedTuple):
     @classmethod
     def on(cls, channel: grpc.Channel) -> "TensorCalls":
         def call(method: str) -> grpc.UnaryUnaryMultiCallable:
-            return channel.unary_unary(f"/dmoe.ExpertService/{method}", request_serializer=_message_bytes,
-                                       response_deserializer=_PARSERS[method], _registered_method=True)
+            return channel.unary_unary(f"/dmoe.ExpertService/{method}", request_serializer=Message.join,
+                                       response_deserializer=ANSWER_PARSERS[method], _registered_method=True)
         return cls(call("forward"), call("backward"), call("forward_batch"), call("backward_batch"))
 
 
@@ -113,8 +104,7 @@ class ChannelPool:
             if entry is None:
                 channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes))
                 calls = TensorCalls.on(channel)
-                shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, _PARSERS,
-                                            self.shared_memory_min_bytes)
+                shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, self.shared_memory_min_bytes)
                           if self.shared_memory and is_local_endpoint(endpoint) else None)
                 entry = self._entries[endpoint] = _Entry(channel, dmoe_pb2_grpc.ExpertServiceStub(channel), calls,
                                                          shared)
@@ -126,9 +116,9 @@ class ChannelPool:
 
     def calls(self, endpoint: str) -> TensorCalls | SharedMemoryCalls:
         """The tensor-carrying calls without copies (:class:`TensorCalls`), on the same channel as :meth:`stub`;
-        through shared memory for a server on this host (see ``shared_memory``)."""
+        for a server on this host, :class:`~dmoe.wire.shared_memory.SharedMemoryCalls` (see ``shared_memory``)."""
         entry = self._entry(endpoint)
-        return entry.shared if entry.shared is not None and entry.shared.enabled else entry.calls
+        return entry.shared if entry.shared is not None else entry.calls
 
     def close(self) -> None:
         with self._lock:

@@ -42,6 +42,7 @@ from typing import Any, Callable
 import grpc
 
 from dmoe.wire import dmoe_pb2
+from dmoe.wire.zerocopy import ANSWER_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -322,15 +323,13 @@ class SharedMemoryCalls:
     the plain way: ``plain``, a ``TensorCalls``)."""
 
     def __init__(self, channel: grpc.Channel, endpoint: str, plain: Any, segments: SegmentPool,
-                 parsers: dict[str, Callable[[bytes], Any]], min_bytes: int = MIN_BYTES):
+                 min_bytes: int = MIN_BYTES):
         self.endpoint, self.segments, self.enabled, self.min_bytes = endpoint, segments, True, min_bytes
         self.call_shared = channel.unary_unary(
             "/dmoe.ExpertService/call_shared", request_serializer=dmoe_pb2.SharedMemoryCall.SerializeToString,
             response_deserializer=dmoe_pb2.SharedMemoryAnswer.FromString, _registered_method=True)
-        self.forward = SharedMethod(self, "forward", parsers["forward"], plain.forward)
-        self.backward = SharedMethod(self, "backward", parsers["backward"], plain.backward)
-        self.forward_batch = SharedMethod(self, "forward_batch", parsers["forward_batch"], plain.forward_batch)
-        self.backward_batch = SharedMethod(self, "backward_batch", parsers["backward_batch"], plain.backward_batch)
+        self.forward, self.backward, self.forward_batch, self.backward_batch = (
+            SharedMethod(self, method, ANSWER_PARSERS[method], getattr(plain, method)) for method in METHODS)
 
     def refuse(self, why: str) -> None:
         if self.enabled:

@@ -12,9 +12,10 @@ were most of the server path's time next to a GPU's compute (benchmarks/README.m
   either. Anything unusual (unknown fields, other wire types, bad UTF-8, truncation) is left to protobuf's own
   parser, which then decides exactly as before: valid messages parse, junk raises ``DecodeError``. Smaller
   messages go to protobuf directly: their copies cost less than a walk in Python.
-- **Writing** (:func:`request_bytes`, :func:`batch_request_bytes`, :func:`response_bytes`,
-  :func:`batch_response_bytes`, of tensors from :func:`dmoe.wire.codec.pack`): a message is one ``b"".join`` of
-  its small headers and its tensors' memory, one copy in all. What protobuf would write, except that large
+- **Writing** (:func:`request_message`, :func:`batch_request_message`, :func:`response_message`,
+  :func:`batch_response_message`, of tensors from :func:`dmoe.wire.codec.pack`): a :data:`Message`'s bytes are one
+  ``b"".join`` of its small headers and its tensors' memory (or the same chunks written into shared memory), one
+  copy in all. What protobuf would write, except that large
   buffers sit between two ``Tensor.pad`` fields that align them in the message (tests compare both ways).
 
 Field numbers come from the generated descriptors, checked at import against the layout written here.
@@ -261,6 +262,11 @@ parse_response = _parser(_response, dmoe_pb2.ExpertResponse)
 parse_batch_response = _parser(_batch_response, dmoe_pb2.BatchResponse)
 
 
+#: how the answer of each tensor-carrying call is read, by method
+ANSWER_PARSERS = {"forward": parse_response, "backward": parse_response, "forward_batch": parse_batch_response,
+                  "backward_batch": parse_batch_response}
+
+
 def read_in_place(message_cls, data: bytes) -> Any:
     """The zero-copy reader of ``message_cls`` at any size (tests compare it with protobuf's on small messages);
     raises ``DecodeError`` where protobuf does."""
@@ -445,18 +451,6 @@ def batch_response_message(answer: BatchResponse) -> Message:
         inner.text(3, result.message)
         w.nested(1, inner)
     return w
-
-
-def request_bytes(uid: str, tensors: Sequence[OutgoingTensor], compression: int = NONE,
-                  activation_id: bytes | None = None) -> bytes:
-    """A ``dmoe.ExpertRequest``'s bytes; ``compression`` is what the answer is asked to use."""
-    return request_message(uid, tensors, compression, activation_id).join()
-
-
-def batch_request_bytes(items: Sequence[tuple[str, Sequence[OutgoingTensor], bytes | None]],
-                        compression: int = NONE) -> bytes:
-    """A ``dmoe.BatchRequest``'s bytes: items of (uid, tensors, activation id), every answer asked ``compression``."""
-    return batch_request_message(items, compression).join()
 
 
 def response_bytes(answer: Response) -> bytes:
