@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import re
 import statistics
 import sys
 import time
@@ -57,7 +56,7 @@ from dmoe.cli.allocator import keep_freed_memory
 from dmoe.client.gating import LocalMixtureOfExperts
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.dht import DHT
-from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.launch import LocalSwarm, SwarmConfig, announced
 from dmoe.server.backend import make_optimizer
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.server.metrics import read_metrics
@@ -86,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "only the gate (default: --threads)")
     parser.add_argument("--server-workers", type=int, default=None,
                         help="the server's --workers (default: the server's own choice, two of 1 thread each for 2)")
+    parser.add_argument("--server-processes", type=int, default=1,
+                        help="the server's --processes: its experts dealt out among this many server processes, "
+                             "each called at once by the layer")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--device", default="cpu", help="where the server, the baselines and the gate compute")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST_DTYPES), default=None,
@@ -176,6 +178,7 @@ def main(argv=None) -> list[dict]:
                                             ("--overlap-copies" if args.overlap_copies else "--no-overlap-copies"),
                                             ("--shared-memory" if args.shared_memory else "--no-shared-memory"),
                                             *(("--workers", str(args.server_workers)) if args.server_workers else ()),
+                                            "--processes", str(args.server_processes),
                                             *(("--profile", "--metrics-port", "0") if args.profile else ())))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht, \
             ChannelPool(shared_memory=args.shared_memory) as channels:
@@ -219,6 +222,7 @@ def main(argv=None) -> list[dict]:
     suffix += "_overlap_copies" if args.overlap_copies and device.type != "cpu" else ""
     suffix += "" if args.compression == "none" else f"_{args.compression}"
     suffix += "" if args.shared_memory else "_grpc_only"
+    suffix += "" if args.server_processes == 1 else f"_{args.server_processes}_processes"
     out = args.results / f"bench_layer{suffix}.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -227,7 +231,8 @@ def main(argv=None) -> list[dict]:
     workers, _ = compute_workers(args.server_workers, device)  # what the server (with as many threads) runs
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
           f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {workers} "
-          f"workers sharing them), device {args.device}, autocast {args.autocast or 'off'}"
+          f"workers sharing them{f', in each of {args.server_processes} processes' if args.server_processes > 1 else ''}"
+          f"), device {args.device}, autocast {args.autocast or 'off'}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
           f"{'' if args.compression == 'none' else f', wire compression {args.compression}'}"
           f", payload through {'shared memory' if args.shared_memory else 'gRPC'}, median of {args.steps} steps, "
@@ -248,21 +253,24 @@ class ServerStages:
     (warm-up left out), one difference per round."""
 
     def __init__(self, swarm: LocalSwarm, steps: int):
-        found = [m for line in swarm.servers[0].output if (m := re.search(r"dmoe-server metrics on (\S+:\d+)", line))]
-        if not found:
-            raise RuntimeError("the server printed no metrics endpoint")
-        self.endpoint, self.steps = found[0].group(1), steps
+        self.endpoints, self.steps = announced(swarm.servers[0].output, "metrics on"), steps
+        self.summed = len(self.endpoints) > 1
         self.rounds: dict[int, list[dict]] = {}
         self._start: dict | None = None
         self.cache: dict = {}
 
     def start(self) -> None:
-        self._start = read_stages(self.endpoint)
+        self._start = self.read()
 
     def stop(self, batch: int) -> None:
         assert self._start is not None, "start() comes first"
-        self.rounds.setdefault(batch, []).append(stage_difference(read_stages(self.endpoint), self._start))
+        self.rounds.setdefault(batch, []).append(stage_difference(self.read(), self._start))
         self.cache = self.activation_cache()  # its counts so far (report() comes after the server stopped)
+
+    def read(self) -> dict:
+        """The stage times so far, summed over the server's processes (which run side by side)."""
+        stages = [read_stages(endpoint) for endpoint in self.endpoints]
+        return {stage: tuple(map(sum, zip(*(s[stage] for s in stages)))) for stage in stages[0]}
 
     def report(self, remote_seconds: dict[int, float]) -> None:
         """Per batch size: each stage in ms per remote step, and what the step spent outside the handlers."""
@@ -271,9 +279,13 @@ class ServerStages:
             steps = self.steps * len(rounds)
             call_ms = 1e3 * snapshot["call"][0] / steps
             step_ms = 1e3 * remote_seconds[batch]
+            if self.summed:  # the processes' handlers run side by side: their sum may exceed the step
+                where = f"{call_ms:.2f} ms in the handlers of the server's {len(self.endpoints)} processes, summed"
+            else:
+                where = (f"{call_ms:.2f} ms in the server's handlers, {step_ms - call_ms:.2f} ms outside them: client "
+                         f"and gRPC transport")
             print(f"server stages at batch {batch} ({steps} remote steps; remote step {step_ms:.2f} ms median, "
-                  f"{call_ms:.2f} ms in the server's handlers, {step_ms - call_ms:.2f} ms outside them: client "
-                  f"and gRPC transport):")
+                  f"{where}):")
             print(format_stages(snapshot, per=steps))
         cache = self.cache
         peaks = ", ".join(f"{value / 2**20:.1f} MiB on {device}" for device, value in cache["peak"].items())
@@ -284,11 +296,12 @@ class ServerStages:
     def activation_cache(self) -> dict:
         """Hits, misses, evictions and releases of the server's activation cache, and its peak bytes per device."""
         found: dict = {"hit": 0, "miss": 0, "evicted": 0, "released": 0, "peak": {}}
-        for sample in read_metrics(self.endpoint):
+        for sample in (sample for endpoint in self.endpoints for sample in read_metrics(endpoint)):
             if sample.name == "dmoe_activation_cache_total" and sample.labels["result"] in found:
-                found[sample.labels["result"]] = sample.value
-            elif sample.name == "dmoe_activation_cache_peak_bytes":
-                found["peak"][sample.labels["device"]] = sample.value
+                found[sample.labels["result"]] += sample.value
+            elif sample.name == "dmoe_activation_cache_peak_bytes":  # summed: each process keeps its own
+                device = sample.labels["device"]
+                found["peak"][device] = found["peak"].get(device, 0) + sample.value
         return found
 
 

@@ -16,8 +16,8 @@ measurements alternate (``--rounds``) because a shared machine's speed drifts.
 Three ratios are printed. ``ratio``: samples per wall-clock second, remote over limit (at most 1 up to
 measurement noise: the remote side does the limit's work plus the network's). ``cpu ratio``: samples per
 CPU-second, where the remote side pays for the server process *and* the client processes, and the limit for
-its own process. ``server cpu``: the same with the server process alone, i.e. what a dedicated server pays when
-its clients run elsewhere.
+its own process. ``server cpu``: the same with the server process alone (all of them with ``--server-processes``),
+i.e. what a dedicated server pays when its clients run elsewhere.
 
     python benchmarks/bench_throughput.py --preset quick        # a few minutes on a shared 2-core machine
     python benchmarks/bench_throughput.py --preset compute      # ffn h=1024, batches 64..2048, all modes
@@ -31,6 +31,7 @@ its clients run elsewhere.
     python benchmarks/bench_throughput.py --preset compute --profile   # and the server's stages per case
     python benchmarks/bench_throughput.py --preset transport --no-shared-memory   # every byte through gRPC
     python benchmarks/bench_throughput.py --preset sizes --shared-memory-min-bytes 0  # 4 KiB-1 MiB, one at a time
+    python benchmarks/bench_throughput.py --preset transport --server-processes 4   # the experts in 4 processes
 
 ``transport`` sends what ``compute`` sends to experts that return their inputs (``nop``): its remote rows/s are
 the most the server's path (gRPC, decoding, copies, encoding) carries with no compute at all, the ceiling of
@@ -47,7 +48,6 @@ import contextlib
 import csv
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -60,7 +60,6 @@ sys.path.insert(0, str(ROOT))
 
 CACHED = "fwd+bwd cached"  # forward with an activation id, backward with the id: the server reuses the kept graph
 MODES = ("fwd+bwd", CACHED, "fwd")
-LISTENING_METRICS = re.compile(r"metrics on (\S+:\d+)")
 
 
 @dataclass
@@ -125,7 +124,7 @@ def run_client(cmd: dict) -> dict:
     from dmoe.client.remote_expert import new_activation_id
     from dmoe.wire import ChannelPool
     x, grad = make_inputs(cmd)
-    uids, endpoint, mode = cmd["uids"], cmd["endpoint"], cmd["mode"]
+    uids, endpoints, mode = cmd["uids"], cmd["endpoints"], cmd["mode"]
     pool_key = (cmd.get("shared_memory", True), cmd.get("shared_memory_min_bytes"))
     if pool_key not in _POOLS:  # one per worker process, kept across commands (channels stay open)
         shared_memory, min_bytes = pool_key
@@ -136,10 +135,10 @@ def run_client(cmd: dict) -> dict:
     def request(uid: str) -> None:
         activation_id = new_activation_id() if mode == CACHED else None
         compression = cmd.get("compression", "none")
-        forward_future(endpoint, uid, [x], activation_id=activation_id, compression=compression,
+        forward_future(endpoints[uid], uid, [x], activation_id=activation_id, compression=compression,
                        channels=channels).result()
         if mode != "fwd":  # with an id only the gradients travel back, and the server reuses the kept graph
-            backward_future(endpoint, uid, [x], [grad], activation_id=activation_id, compression=compression,
+            backward_future(endpoints[uid], uid, [x], [grad], activation_id=activation_id, compression=compression,
                             channels=channels).result()
 
     inflight = cmd["inflight"]
@@ -302,9 +301,18 @@ class Worker:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of a whole process (all its threads) and of its running children (a server's processes,
+    ``--processes``), from /proc."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(entry.name) == pid or int(fields[1]) == pid:
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def start_server(case: Case, args: argparse.Namespace):
@@ -313,25 +321,35 @@ def start_server(case: Case, args: argparse.Namespace):
                  "--hidden-dim", str(case.hidden_dim), "--max-batch-size", str(case.batch), "--device", args.device,
                  "--torch-threads", str(args.torch_threads), "--optimizer", args.optimizer, "--lr", str(args.lr),
                  "--activation-cache-mb", str(args.activation_cache_mb), "--metrics-port", "0",
-                 "--log-level", "WARNING", *(("--autocast", args.autocast) if args.autocast else ()),
+                 "--log-level", "WARNING", "--processes", str(args.server_processes),
+                 *(("--autocast", args.autocast) if args.autocast else ()),
                  "--overlap-copies" if args.overlap_copies else "--no-overlap-copies",
                  "--shared-memory" if args.shared_memory else "--no-shared-memory",
                  *(("--profile",) if args.profile else ())],
                 env={"OMP_NUM_THREADS": str(args.torch_threads)})
 
 
-def server_counters(metrics_endpoint: str) -> dict[str, float]:
-    """Rows and batches the server's runtime ran per method, and activation-cache hits, from its metrics."""
+def server_counters(metrics_endpoints: list[str]) -> dict[str, float]:
+    """Rows and batches the server's runtime ran per method, and activation-cache hits, from its metrics (those of
+    all its processes)."""
     from dmoe.server.metrics import read_metrics
 
     counters: dict[str, float] = {}
-    for sample in read_metrics(metrics_endpoint, timeout=10):
+    for sample in (sample for endpoint in metrics_endpoints for sample in read_metrics(endpoint, timeout=10)):
         if sample.name in ("dmoe_batch_rows_sum", "dmoe_batch_rows_count"):
             name = f"{sample.labels.get('method', '?')}_{sample.name.rsplit('_', 1)[1]}"
             counters[name] = counters.get(name, 0.0) + sample.value
         elif sample.name == "dmoe_activation_cache_total" and sample.labels.get("result") in ("hit", "miss"):
-            counters[sample.labels["result"]] = sample.value
+            counters[sample.labels["result"]] = counters.get(sample.labels["result"], 0.0) + sample.value
     return counters
+
+
+def read_all_stages(metrics_endpoints: list[str]) -> dict:
+    """The server's stage times so far, summed over its processes."""
+    from dmoe.server.profile import read_stages
+
+    stages = [read_stages(endpoint) for endpoint in metrics_endpoints]
+    return {stage: tuple(map(sum, zip(*(s[stage] for s in stages)))) for stage in stages[0]}
 
 
 def formed_batches(before: dict[str, float], after: dict[str, float]) -> str:
@@ -378,6 +396,8 @@ def main() -> None:
     parser.add_argument("--shared-memory-min-bytes", type=int, default=None,
                         help="the clients' smallest request through shared memory (default: the library's, "
                              "dmoe.wire.shared_memory.MIN_BYTES)")
+    parser.add_argument("--server-processes", type=int, default=1,
+                        help="the server's --processes: its experts dealt out among this many server processes")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print its stage times after each case")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
@@ -386,6 +406,7 @@ def main() -> None:
     if args.worker:
         return worker_main(args.worker)
 
+    from dmoe.launch import announced
     cases = preset_cases(args.preset)
     duration = args.duration or {"quick": 2.0, "smoke": 0.5}.get(args.preset, 4.0)
     n_clients = max(case.clients for case in cases)
@@ -393,7 +414,8 @@ def main() -> None:
           f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}, "
           f"autocast {args.autocast or 'off'}, wire compression {args.compression}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
-          f", payload through {'shared memory' if args.shared_memory else 'gRPC'}", flush=True)
+          f", payload through {'shared memory' if args.shared_memory else 'gRPC'}"
+          f"{f', {args.server_processes} server processes' if args.server_processes > 1 else ''}", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []
@@ -410,15 +432,15 @@ def main() -> None:
                 if server is not None:
                     server.stop()
                 server, server_key = start_server(case, args), key
-                endpoint = server.endpoint(timeout=120)
-                metrics = next(LISTENING_METRICS.search(line).group(1) for line in server.output
-                               if LISTENING_METRICS.search(line))
+                server.endpoint(timeout=120)
+                listening, metrics = announced(server.output), announced(server.output, "metrics on")
+                uids = [f"bench.{i}" for i in range(case.experts)]  # dealt out: the i-th to process i % N
+                endpoints = {uid: listening[i % len(listening)] for i, uid in enumerate(uids)}
             cmd = {**asdict(case), "optimizer": args.optimizer, "lr": args.lr, "duration": duration,
                    "device": args.device, "activation_cache_mb": args.activation_cache_mb, "autocast": args.autocast,
                    "compression": args.compression, "shared_memory": args.shared_memory,
                    "shared_memory_min_bytes": args.shared_memory_min_bytes,
-                   "warmup_requests": args.warmup_requests, "endpoint": endpoint,
-                   "uids": [f"bench.{i}" for i in range(case.experts)]}
+                   "warmup_requests": args.warmup_requests, "endpoints": endpoints, "uids": uids}
             limit.send({**cmd, "phase": "warmup"})
             limit.receive()
             for worker in clients[:case.clients]:
@@ -431,8 +453,8 @@ def main() -> None:
             counters_before = server_counters(metrics)
             stages_before = None
             if args.profile:
-                from dmoe.server.profile import format_stages, read_stages, stage_difference
-                stages_before = read_stages(metrics)
+                from dmoe.server.profile import format_stages, stage_difference
+                stages_before = read_all_stages(metrics)
             for _ in range(args.rounds):  # interleaved, so drifts of a shared machine hit both sides alike
                 limit.send({**cmd, "phase": "measure"})
                 measured = limit.receive()
@@ -456,7 +478,8 @@ def main() -> None:
             limit_rate = sum(limit_rates) / len(limit_rates)
             row = {**asdict(case), "device": args.device, "autocast": args.autocast or "",
                    "compression": args.compression, "shared_memory": args.shared_memory,
-                   "overlap_copies": args.overlap_copies, "duration_s": duration, "rounds": args.rounds,
+                   "overlap_copies": args.overlap_copies, "server_processes": args.server_processes,
+                   "duration_s": duration, "rounds": args.rounds,
                    "torch_threads": args.torch_threads, "optimizer": args.optimizer,
                    "remote_samples_per_s": round(remote_rate, 1),
                    "remote_requests_per_s": round(sum(remote_requests) / len(remote_requests), 1),
@@ -476,7 +499,7 @@ def main() -> None:
                   f"{limit_rate:>10.1f} {spread:>12} {remote_rate / limit_rate:>6.2f} {row['cpu_ratio']:>9.2f} "
                   f"{row['server_cpu_ratio']:>10.2f}  {formed}", flush=True)
             if stages_before is not None:
-                print(format_stages(stage_difference(read_stages(metrics), stages_before), per=measured_requests,
+                print(format_stages(stage_difference(read_all_stages(metrics), stages_before), per=measured_requests,
                                     unit="request"), flush=True)
     finally:
         for worker in [*clients, limit]:

@@ -31,6 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
+def announced(output: Sequence[str], kind: str = "listening on") -> list[str]:
+    """Every endpoint in a dmoe program's ``kind`` line (``'listening on'``, ``'metrics on'``; not a log line saying
+    the same): its first, then those a server of several processes (``dmoe-server --processes``) adds as
+    ``(and N more processes: A B)``."""
+    for line in output:
+        match = re.match(rf"dmoe-[\w-]+ {kind} (\S+:\d+)(?: \(and \d+ more process(?:es)?: ([^)]*)\))?", line)
+        if match:
+            return [match.group(1), *(match.group(2) or "").split()]
+    raise ValueError(f"no line says {kind!r}")
+
+
 class Proc:
     """A child Python process whose stdout is read by a thread, so readiness lines can be awaited.
 

@@ -18,6 +18,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -107,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=positive_int, default=None,
                         help="threads that compute, sharing out the torch threads (default: 2 on a CPU with 2+ "
                              "threads, 1 on a GPU)")
+    parser.add_argument("--processes", type=positive_int, default=1,
+                        help="server processes that deal out the experts among them, each with its own gRPC port, DHT "
+                             "node and Python interpreter, so that one interpreter does not hold a big GPU back "
+                             "(--port, --dht-port and --metrics-port, if not 0, count up from the given one; "
+                             "--torch-threads is per process, by default the cores shared out)")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="on a GPU, copy through pinned memory on a copy stream per worker and wait once per "
                              "batch (default: plain copies, faster on the GPUs measured; benchmarks/README.md)")
@@ -249,17 +255,18 @@ def replica_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                          stagger=args.adoption_stagger, layers=tuple(args.layer or ()))
 
 
-def main(argv: list[str] | None = None) -> None:
-    keep_freed_memory()  # before any thread starts: every training step would page-fault otherwise
-    parser = build_parser()
-    args = parse_args(parser, argv)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def import_custom_modules(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for spec in args.custom_module:
         try:
             import_custom_module(spec)
         except Exception as error:
             parser.error(f"argument --custom-module: cannot import {spec!r}: {error}")
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str] | None:
+    """Every check of the flags that needs no DHT and builds nothing: exits naming the flag on the first bad one.
+    Imports ``--custom-module``s. Returns the uids of ``--experts`` (None with ``--num-experts``)."""
+    import_custom_modules(args, parser)
     if args.expert_cls not in expert_class_names():
         parser.error(f"argument --expert-cls: unknown class {args.expert_cls!r}; "
                      f"registered: {', '.join(expert_class_names())}")
@@ -270,8 +277,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"argument --device: {error}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: cuda was asked for but torch sees no CUDA device")
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    fault_config(args, parser)
+    for peer in args.initial_peers:
+        try:
+            parse_endpoint(peer)
+        except ValueError as error:
+            parser.error(f"argument --initial-peers: {error}")
+    replica_config(args, parser)
+    count = len(uids) if uids is not None else args.num_experts * len(args.layer)
+    if args.processes > count:
+        parser.error(f"argument --processes: {args.processes} processes need at least as many experts, got {count}")
+    return uids
+
+
+def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
     config = ServerConfig(host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size,
                           autocast=args.autocast, response_compression=args.compression,
                           max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
@@ -282,11 +301,20 @@ def main(argv: list[str] | None = None) -> None:
     config.reject_nonfinite = args.reject_nonfinite
     config.max_abs_value = args.max_abs_value
     config.activation_cache_mb = args.activation_cache_mb
-    for peer in args.initial_peers:
-        try:
-            parse_endpoint(peer)
-        except ValueError as error:
-            parser.error(f"argument --initial-peers: {error}")
+    return config
+
+
+def print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None,
+          report: Callable[[str], None] = print_line) -> None:
+    """Builds the server of checked ``args``, serves until SIGINT/SIGTERM (or the launcher's death), then stops
+    cleanly. ``report`` gets the program's announcement lines (DHT node, metrics, listening) in that order."""
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    config = server_config(args, parser)
     replicas = replica_config(args, parser)
     announcer = None
     if uids is None or replicas is not None:  # the DHT first: to see which cells are free, to find replicas
@@ -303,8 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     except TypeError as error:  # constructor arguments the class does not take
         parser.error(f"argument --expert-kwargs: {error}")
     server.announcer = announcer or join_dht(args, parser)
-    print(f"dmoe-server DHT node at {server.announcer.dht.endpoint} (others may pass it as --initial-peers)",
-          flush=True)
+    report(f"dmoe-server DHT node at {server.announcer.dht.endpoint} (others may pass it as --initial-peers)")
     if replicas is not None:
         try:
             Replication(server, replicas).restore()  # before serving: the newest replica of each expert
@@ -313,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
 
     with StopSignals() as stop, server:
         if server.metrics.endpoint is not None:
-            print(f"dmoe-server metrics on {server.metrics.endpoint}", flush=True)
-        print(f"dmoe-server listening on {server.endpoint}", flush=True)
+            report(f"dmoe-server metrics on {server.metrics.endpoint}")
+        report(f"dmoe-server listening on {server.endpoint}")
         signum = stop.wait()
         logger.info("%s received, shutting down", signal.Signals(signum).name)
     if server.stages is not None:
@@ -323,6 +350,20 @@ def main(argv: list[str] | None = None) -> None:
         for device, (_, peak) in sorted(usage.items()):
             print(f"kept activations on {device}: at most {peak / 2**20:.1f} MiB at once (--activation-cache-mb "
                   f"{server.config.activation_cache_mb:g})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()  # before any thread starts: every training step would page-fault otherwise
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uids = check_args(args, parser)
+    from dmoe.cli.server_processes import check_checkpoint_layout, serve_in_processes  # it imports this module
+    check_checkpoint_layout(args, parser)
+    if args.processes > 1:
+        sys.exit(serve_in_processes(args, parser, uids))
+    serve(args, parser, uids)
 
 
 if __name__ == "__main__":

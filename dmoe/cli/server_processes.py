@@ -1,0 +1,200 @@
+"""``dmoe-server --processes N``: one server's experts dealt out among N server processes on this machine.
+
+Why: a server process runs its gRPC handlers, decoding, validation and encoding in one Python interpreter, and on
+a GPU that interpreter, not the GPU, bounds what the server carries (benchmarks/README.md, "On a GPU"). N processes
+bring N interpreters to one GPU (or to many CPU cores); clients already send one call per server at once, so a
+step's calls to the N processes run side by side.
+
+The launching process (the parent) runs one DHT node, joined through ``--initial-peers`` (or starting a new DHT),
+and picks the free cells of ``--num-experts`` through it; every child is a whole server (:func:`dmoe.cli.server.serve`)
+joined through the parent's node, with every ``N``-th expert. Each child gets its own gRPC port, DHT node, metrics
+endpoint, and, under ``--checkpoint-dir``/``--replica-dir``, its own ``process-I`` subdirectory (with its own DHT
+key, as a one-process server keeps one in its checkpoint directory). The parent prints the program's usual lines
+once every child serves: ``dmoe-server listening on A (and N-1 more processes: B C ...)``.
+
+The parent owns the children: SIGINT/SIGTERM (or the death of its own launcher) stops them cleanly (each writes its
+last checkpoint and pushes its replicas), and a child that dies stops the others and the parent with status 1, so
+a supervisor restarting the program restarts a whole server. A child outlives no parent: it stops when the parent
+dies without stopping it (:func:`dmoe.cli.signals.orphaned`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from dmoe.cli.allocator import keep_freed_memory
+from dmoe.cli.server import build_parser, import_custom_modules, serve
+from dmoe.cli.signals import PARENT_ENV, StopSignals
+from dmoe.dht import DHT, Identity
+from dmoe.directory import free_experts
+from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
+
+logger = logging.getLogger("dmoe.cli.server")
+
+#: a child's subdirectory of --checkpoint-dir and --replica-dir
+SUBDIRECTORY = "process-{}"
+#: seconds a child gets to stop cleanly (last checkpoint, replica pushes) before it is killed
+STOP_TIMEOUT = 120.0
+#: seconds between the parent's checks that every child still runs
+CHECK_PERIOD = 0.5
+_SUBDIRECTORY = re.compile(r"process-(\d+)")
+
+
+def check_checkpoint_layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuses a ``--checkpoint-dir`` written by a server of another process count: its experts were dealt out
+    otherwise, and starting anyway would start some of them from scratch instead of from their checkpoint."""
+    if args.checkpoint_dir is None:
+        return
+    directory = Path(args.checkpoint_dir)
+    parts = sorted(int(match.group(1)) for child in (directory.iterdir() if directory.is_dir() else ())
+                   if (match := _SUBDIRECTORY.fullmatch(child.name)) and (child / CHECKPOINT_FILENAME).exists())
+    if args.processes == 1 and parts:
+        parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoints of a server of "
+                     f"{parts[-1] + 1} processes ({directory / 'process-*'}): start it with --processes "
+                     f"{parts[-1] + 1}")
+    if args.processes > 1 and (directory / CHECKPOINT_FILENAME).exists():
+        parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoint of a server of one process: "
+                     f"start it without --processes")
+    if args.processes > 1 and parts and parts[-1] >= args.processes:
+        parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoints of a server of "
+                     f"{parts[-1] + 1} processes: start it with --processes {parts[-1] + 1}")
+
+
+def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argparse.Namespace:
+    """The flags of child ``index``: ports counted up, the parent's DHT node as its peer, its own subdirectories."""
+    child = argparse.Namespace(**vars(args))
+    child.processes, child.experts, child.num_experts = 1, None, None
+    for flag in ("port", "dht_port", "metrics_port"):
+        if getattr(args, flag):
+            setattr(child, flag, getattr(args, flag) + index + (flag == "dht_port"))  # the parent's node has dht_port
+    child.initial_peers = [dht_endpoint]
+    for flag in ("checkpoint_dir", "replica_dir"):
+        if getattr(args, flag) is not None:
+            setattr(child, flag, str(Path(getattr(args, flag)) / SUBDIRECTORY.format(index)))
+    if not args.torch_threads:  # the cores shared out, rather than each child taking them all
+        child.torch_threads = max(1, torch.get_num_threads() // args.processes)
+    return child
+
+
+def run_child(args: argparse.Namespace, uids: list[str], parent_pid: int, lines: Connection) -> None:
+    """A child's whole life (the target of its process): a server of ``uids`` whose announcement lines go to the
+    parent, which prints them once every child serves."""
+    keep_freed_memory()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the children
+    os.environ[PARENT_ENV] = str(parent_pid)  # stop if the parent dies without stopping this process
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    import_custom_modules(args, parser)  # again: this is a new interpreter
+    serve(args, parser, uids, report=lines.send)
+
+
+def announcement(lines: list[list[str]], kind: str) -> str | None:
+    """The parent's one line of ``kind`` (``'listening on'``, ``'metrics on'``) for the children's lines."""
+    endpoints = [line.split(f"{kind} ", 1)[1].split()[0] for child in lines for line in child if f" {kind} " in line]
+    if not endpoints:
+        return None
+    more = ""
+    if len(endpoints) > 1:
+        more = f" (and {len(endpoints) - 1} more process{'es' * (len(endpoints) > 2)}: {' '.join(endpoints[1:])})"
+    return f"dmoe-server {kind} {endpoints[0]}{more}"
+
+
+def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None) -> int:
+    """Runs ``args.processes`` children until a stop signal or a child's death; returns the exit status."""
+    count = args.processes
+    if args.identity is not None:  # created once here: children creating it at once would each write their own
+        try:
+            Identity.load_or_create(args.identity)
+        except (OSError, ValueError) as error:
+            parser.error(f"argument --identity: {error}")
+    try:
+        dht = DHT(initial_peers=args.initial_peers, host=args.host, port=args.dht_port)
+    except (ConnectionError, OSError) as error:
+        parser.error(f"argument --initial-peers: {error}")
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+    status = 0
+    try:
+        if uids is None:
+            uids = free_experts(dht, args.layer, args.grid, args.num_experts)
+            logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
+        print(f"dmoe-server DHT node at {dht.endpoint} (others may pass it as --initial-peers)", flush=True)
+        with StopSignals() as stop:
+            for index in range(count):
+                receiver, sender = context.Pipe(duplex=False)
+                child = context.Process(target=run_child, name=f"dmoe-server-{index}",
+                                        args=(child_args(args, index, dht.endpoint), uids[index::count],
+                                              os.getpid(), sender))
+                child.start()
+                sender.close()
+                children.append((child, receiver))
+            status = wait_ready(children, stop)
+            if status is None:
+                status = watch(children, stop)
+    finally:
+        stop_children([child for child, _ in children])
+        dht.close()
+    return status
+
+
+def wait_ready(children: list[tuple[multiprocessing.process.BaseProcess, Connection]],
+               stop: StopSignals) -> int | None:
+    """Collects each child's lines until all listen, then prints the program's lines and returns None. A child
+    that exits first (it printed why) ends the wait with its status, a stop signal with 0."""
+    lines: list[list[str]] = [[] for _ in children]
+    while not all(any(" listening on " in line for line in got) for got in lines):
+        for (child, receiver), got in zip(children, lines):
+            while receiver.poll():
+                try:
+                    got.append(receiver.recv())
+                except EOFError:
+                    break
+            if not child.is_alive() and not any(" listening on " in line for line in got):
+                logger.error("server process %s exited (status %s) before it served", child.name, child.exitcode)
+                return child.exitcode or 1
+        if stop.wait(timeout=0.1) is not None:
+            return 0
+    for kind in ("metrics on", "listening on"):
+        line = announcement(lines, kind)
+        if line is not None:
+            print(line, flush=True)
+    return None
+
+
+def watch(children: list[tuple[multiprocessing.process.BaseProcess, Connection]], stop: StopSignals) -> int:
+    """Waits for a stop signal (status 0) or a child's death (status 1)."""
+    while True:
+        signum = stop.wait(timeout=CHECK_PERIOD)
+        if signum is not None:
+            logger.info("%s received, stopping %d server processes", signal.Signals(signum).name, len(children))
+            return 0
+        for child, _ in children:
+            if not child.is_alive():
+                logger.error("server process %s exited (status %s): stopping the others", child.name,
+                             child.exitcode)
+                return 1
+
+
+def stop_children(children: list[multiprocessing.process.BaseProcess]) -> None:
+    """SIGTERM to every child still running (a clean stop), then SIGKILL to any not gone in ``STOP_TIMEOUT`` s."""
+    for child in children:
+        if child.is_alive() and child.pid is not None:
+            os.kill(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
+            logger.error("server process %s did not stop in %.0f s: killing it", child.name, STOP_TIMEOUT)
+            child.kill()
+            child.join()

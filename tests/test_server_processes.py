@@ -1,0 +1,145 @@
+"""``dmoe-server --processes N``: a server's experts dealt out among N real server processes, owned by one parent."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmoe import launch
+from dmoe.cli import server as server_program
+from dmoe.client.remote_expert import backward_future, forward_future
+from dmoe.dht import DHT
+from dmoe.directory import get_experts
+from dmoe.experts import create_expert, expert_seed
+from dmoe.server.checkpoints import Checkpoints
+from dmoe.uid import expand_pattern
+from tests.procs import Proc, processes
+
+HIDDEN = 8
+
+
+def server_args(*flags: str) -> list[str]:
+    return ["-m", "dmoe.cli.server", "--hidden-dim", str(HIDDEN), "--log-level", "WARNING", *flags]
+
+
+def announced(proc: Proc, kind: str) -> list[str]:
+    """The endpoints of the program's one ``kind`` line, checked against the exact line's format."""
+    (line,) = [line for line in proc.output if f" {kind} " in line]
+    endpoints = launch.announced([line], kind)
+    more = f" (and {len(endpoints) - 1} more process{'es' if len(endpoints) > 2 else ''}: {' '.join(endpoints[1:])})"
+    assert line == f"dmoe-server {kind} {endpoints[0]}{more if len(endpoints) > 1 else ''}\n"
+    return endpoints
+
+
+def server_children(pid: int) -> list[int]:
+    """The server processes a parent started (not multiprocessing's resource tracker), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"resource_tracker" not in command:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def wait_gone(pids: list[int], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() and "Z" != state(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"server processes {pids} still run"
+        time.sleep(0.1)
+
+
+def state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_server():
+    uids = expand_pattern("ffn.[0:3].[0:2]")
+    with processes() as procs:
+        procs.append(proc := Proc(server_args("--experts", "ffn.[0:3].[0:2]", "--processes", "3",
+                                              "--metrics-port", "0")))
+        endpoint = proc.endpoint(timeout=120)
+        endpoints = announced(proc, "listening on")
+        assert endpoints[0] == endpoint and len(set(endpoints)) == 3
+        assert len(announced(proc, "metrics on")) == 3
+        dht_node = re.search(r"DHT node at (\S+)", "".join(proc.output)).group(1)  # printed before the rest
+        with DHT(initial_peers=[dht_node], client_mode=True) as dht:
+            deadline = time.monotonic() + 30
+            while not all(found := get_experts(dht, uids)):
+                assert time.monotonic() < deadline, f"not all declared: {dict(zip(uids, found))}"
+                time.sleep(0.1)
+        assert sorted(found.count(e) for e in endpoints) == [2, 2, 2]  # every third expert in each process
+        x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+        for uid, at in zip(uids, found):  # each answers where the DHT says, as the expert the seed makes
+            expected = create_expert("ffn", HIDDEN, seed=expert_seed(0, uid))(x).detach()
+            torch.testing.assert_close(forward_future(at, uid, [x]).result(30)[0], expected)
+            assert backward_future(at, uid, [x], [grad]).result(30)[0].shape == x.shape
+        children = server_children(proc.popen.pid)
+        assert len(children) == 3
+        os.kill(children[1], signal.SIGKILL)  # a crash of one: the whole server stops, for a supervisor to restart
+        assert proc.popen.wait(60) == 1
+        wait_gone(children)
+        assert any("exited" in line and "stopping the others" in line for line in proc.output)
+
+
+def test_a_restart_resumes_each_process_from_its_checkpoint_and_another_count_is_refused(tmp_path):
+    flags = ("--experts", "ck.[0:4]", "--checkpoint-dir", str(tmp_path), "--optimizer", "sgd", "--lr", "0.1")
+    x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    with processes() as procs:
+        procs.append(proc := Proc(server_args(*flags, "--processes", "2")))
+        proc.endpoint(timeout=120)
+        first, second = announced(proc, "listening on")
+        for uid, at in (("ck.0", first), ("ck.1", second)):  # a trained step on an expert of each process
+            backward_future(at, uid, [x], [grad]).result(30)
+        children = server_children(proc.popen.pid)
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(60) == 0  # each child wrote its last checkpoint
+        wait_gone(children)
+    saved = {index: Checkpoints(tmp_path / f"process-{index}", {}).read() for index in (0, 1)}
+    assert sorted(saved[0]["experts"]) == ["ck.0", "ck.2"] and sorted(saved[1]["experts"]) == ["ck.1", "ck.3"]
+
+    with processes() as procs:  # another process count would deal the experts out otherwise: refused
+        procs.append(proc := Proc(server_args(*flags)))
+        assert proc.popen.wait(60) == 2
+        assert any("--checkpoint-dir" in line and "--processes 2" in line for line in proc.output)
+
+    with processes() as procs:
+        procs.append(proc := Proc(server_args(*flags, "--processes", "2")))
+        proc.endpoint(timeout=120)
+        first, second = announced(proc, "listening on")
+        for uid, at in (("ck.0", first), ("ck.1", second), ("ck.2", first)):  # trained ones resumed, not reset
+            module = create_expert("ffn", HIDDEN, seed=expert_seed(0, uid))
+            state = saved[0 if at == first else 1]["experts"][uid]["state"]["module"]
+            module.load_state_dict(state)
+            fresh = create_expert("ffn", HIDDEN, seed=expert_seed(0, uid))(x).detach()
+            answer = forward_future(at, uid, [x]).result(30)[0]
+            torch.testing.assert_close(answer, module(x).detach())
+            assert (uid == "ck.2") == torch.equal(answer, fresh)
+        children = server_children(proc.popen.pid)
+        proc.popen.kill()  # the parent dies without stopping them: its children stop on their own
+        wait_gone(children)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--experts", "ffn.[0:2]", "--processes", "3"],
+    ["--experts", "ffn.0", "--processes", "0"],
+    ["--num-experts", "2", "--grid", "4", "--layer", "ffn", "--processes", "3"],
+])
+def test_more_processes_than_experts_are_refused_naming_the_flag(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        server_program.main(flags)
+    assert exit_info.value.code == 2
+    assert "--processes" in capsys.readouterr().err
