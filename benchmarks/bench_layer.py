@@ -229,9 +229,13 @@ def main(argv=None) -> list[dict]:
         writer.writeheader()
         writer.writerows(rows)
     workers, _ = compute_workers(args.server_workers, device)  # what the server (with as many threads) runs
+    server = f"{workers} workers sharing them"
+    if args.server_processes > 1:  # each process gets its share of the threads (dmoe-server --processes)
+        per_process = max(1, args.threads // args.server_processes)
+        workers, _ = compute_workers(args.server_workers, device, per_process)
+        server = f"{args.server_processes} processes of {per_process} thread(s), {workers} worker(s) each"
     print(f"DMoE layer: h={args.hidden}, grid {'x'.join(map(str, args.grid))}, top-{args.k}, "
-          f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {workers} "
-          f"workers sharing them{f', in each of {args.server_processes} processes' if args.server_processes > 1 else ''}"
+          f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {server}"
           f"), device {args.device}, autocast {args.autocast or 'off'}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
           f"{'' if args.compression == 'none' else f', wire compression {args.compression}'}"

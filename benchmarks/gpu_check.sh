@@ -8,6 +8,9 @@
 #   benchmarks/gpu_check.sh bytes      # there too: the layer, the ceiling and throughput with float16 on the wire
 #   benchmarks/gpu_check.sh shared     # there too: the layer and the ceiling with the payload through shared memory
 #                                      # (the default) and through gRPC, then throughput, the CUDA tests, bf16
+#   benchmarks/gpu_check.sh next       # there too, the one to run first: the layer through shared memory and gRPC, and
+#                                      # with 1, 2, 4 server processes (dmoe-server --processes), the ceiling with 1
+#                                      # and 4, the CUDA tests, throughput with 4
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
@@ -115,11 +118,26 @@ plan_shared() {  # the payload through shared memory (the default on one host) a
     step layer_bf16.float16_wire 100 $layer --autocast bf16 --compression float16
 }
 
+plan_next() {  # what the GPU has not measured yet, most wanted first: shared memory, then several server processes
+    local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
+    local transport="python3 benchmarks/bench_throughput.py --preset transport --device cuda --duration 1 --rounds 1"
+    step layer.shared 60 $layer
+    step layer.grpc 60 $layer --no-shared-memory
+    step layer.2_processes 60 $layer --server-processes 2
+    step layer.4_processes 60 $layer --server-processes 4
+    step transport.1_process 80 $transport
+    step transport.4_processes 80 $transport --server-processes 4
+    step cuda_tests 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
+    step throughput.4_processes 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda \
+        --duration 1 --rounds 1 --server-processes 4
+}
+
 case "${1:-}" in
     fetch) fetch ;;
     run) run issue ;;
     variants) run variants ;;
     bytes) run bytes ;;
     shared) run shared ;;
-    *) echo "usage: $0 fetch|run|variants|bytes|shared" >&2; exit 2 ;;
+    next) run next ;;
+    *) echo "usage: $0 fetch|run|variants|bytes|shared|next" >&2; exit 2 ;;
 esac

@@ -14,7 +14,7 @@ from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.dht import DHT
 from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_seed
-from dmoe.launch import LocalSwarm, SwarmConfig
+from dmoe.launch import LocalSwarm, SwarmConfig, announced
 from dmoe.server.runtime import Runtime
 from dmoe.server.transfer import CudaTransfers, make_transfers
 from dmoe.uid import grid_uids
@@ -56,6 +56,18 @@ def test_a_cuda_server_computes_what_the_cpu_module_computes_and_trains(copies):
         torch.optim.SGD(local.parameters(), lr=0.1).step()
         with torch.no_grad():
             torch.testing.assert_close(expert(x), local(x), atol=1e-4, rtol=1e-4)
+
+
+def test_a_cuda_server_of_two_processes_computes_in_each_what_the_cpu_module_computes():
+    with running(*server_args("--device", "cuda", "--processes", "2")) as proc:
+        proc.endpoint(timeout=120)
+        endpoints = announced(proc.output)
+        assert len(endpoints) == 2
+        x = torch.randn(8, HIDDEN)
+        for uid, endpoint in zip(("ffn.0", "ffn.1"), endpoints):  # every second expert in each process
+            assert expert_info(endpoint, uid)["device"].startswith("cuda")
+            torch.testing.assert_close(forward_future(endpoint, uid, [x]).result(60)[0], local_copy(uid)(x).detach(),
+                                       atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("autocast", ["bf16", "fp16"])

@@ -108,10 +108,12 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def compute_workers(workers: int | None, device: torch.device) -> tuple[int, int | None]:
+def compute_workers(workers: int | None, device: torch.device,
+                    threads: int | None = None) -> tuple[int, int | None]:
     """(compute threads, torch intra-op threads for each) for a server on ``device``: ``workers`` share out torch's
-    threads; None picks two on a CPU with two or more threads, one on a GPU (its kernels queue on one stream)."""
-    threads = torch.get_num_threads()
+    ``threads`` (default: this process's); None picks two on a CPU with two or more threads, one on a GPU (its
+    kernels queue on one stream)."""
+    threads = threads or torch.get_num_threads()
     if workers is None:
         workers = 2 if device.type == "cpu" and threads >= 2 else 1
     if workers < 1:
