@@ -9,8 +9,10 @@ The launching process (the parent) runs one DHT node, joined through ``--initial
 and picks the free cells of ``--num-experts`` through it; every child is a whole server (:func:`dmoe.cli.server.serve`)
 joined through the parent's node, with every ``N``-th expert. Each child gets its own gRPC port, DHT node, metrics
 endpoint, and, under ``--checkpoint-dir``/``--replica-dir``, its own ``process-I`` subdirectory (with its own DHT
-key, as a one-process server keeps one in its checkpoint directory). The parent prints the program's usual lines
-once every child serves: ``dmoe-server listening on A (and N-1 more processes: B C ...)``.
+key, as a one-process server keeps one in its checkpoint directory). On a machine with several GPUs, ``--device
+cuda`` (or none) puts child I on GPU I modulo their count; ``--device cuda:0`` keeps them all on one. The parent
+prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1 more processes: B C
+...)``.
 
 The parent owns the children: SIGINT/SIGTERM (or the death of its own launcher) stops them cleanly (each writes its
 last checkpoint and pushes its replicas), and a child that dies stops the others and the parent with status 1, so
@@ -83,6 +85,8 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
             setattr(child, flag, str(Path(getattr(args, flag)) / SUBDIRECTORY.format(index)))
     if not args.torch_threads:  # the cores shared out, rather than each child taking them all
         child.torch_threads = max(1, torch.get_num_threads() // args.processes)
+    if args.device in (None, "auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        child.device = f"cuda:{index % torch.cuda.device_count()}"  # the GPUs shared out too; cuda:0 keeps one
     return child
 
 
