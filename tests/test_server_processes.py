@@ -95,7 +95,7 @@ def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_serv
         assert any("exited" in line and "stopping the others" in line for line in proc.output)
 
 
-def test_a_restart_resumes_each_process_from_its_checkpoint_and_another_count_is_refused(tmp_path):
+def test_a_restart_resumes_each_process_from_its_checkpoint_and_another_count_is_refused(tmp_path, capsys):
     flags = ("--experts", "ck.[0:4]", "--checkpoint-dir", str(tmp_path), "--optimizer", "sgd", "--lr", "0.1")
     x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
     with processes() as procs:
@@ -111,10 +111,13 @@ def test_a_restart_resumes_each_process_from_its_checkpoint_and_another_count_is
     saved = {index: Checkpoints(tmp_path / f"process-{index}", {}).read() for index in (0, 1)}
     assert sorted(saved[0]["experts"]) == ["ck.0", "ck.2"] and sorted(saved[1]["experts"]) == ["ck.1", "ck.3"]
 
-    with processes() as procs:  # another process count would deal the experts out otherwise: refused
-        procs.append(proc := Proc(server_args(*flags)))
-        assert proc.popen.wait(60) == 2
-        assert any("--checkpoint-dir" in line and "--processes 2" in line for line in proc.output)
+    for count in ("1", "3"):  # another process count would deal the experts out otherwise: refused, in this process
+        with pytest.raises(SystemExit) as exit_info:
+            server_program.main(["--hidden-dim", str(HIDDEN), *flags, "--processes", count])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert "--checkpoint-dir" in error and "start it with --processes 2" in error, error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["process-0", "process-1", "processes.json"]
 
     with processes() as procs:
         procs.append(proc := Proc(server_args(*flags, "--processes", "2")))
@@ -143,3 +146,12 @@ def test_more_processes_than_experts_are_refused_naming_the_flag(flags, capsys):
         server_program.main(flags)
     assert exit_info.value.code == 2
     assert "--processes" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_one_process_is_not_dealt_out_among_several(tmp_path, capsys):
+    (tmp_path / "experts.pt").write_bytes(b"")  # only its presence counts: the check comes before any read
+    with pytest.raises(SystemExit) as exit_info:
+        server_program.main(["--experts", "ffn.[0:4]", "--checkpoint-dir", str(tmp_path), "--processes", "2"])
+    assert exit_info.value.code == 2
+    assert "server of 1 process: start it with no --processes" in capsys.readouterr().err
+    assert not (tmp_path / "processes.json").exists()

@@ -22,10 +22,10 @@ dies without stopping it (:func:`dmoe.cli.signals.orphaned`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import multiprocessing
 import os
-import re
 import signal
 import sys
 import time
@@ -49,27 +49,36 @@ SUBDIRECTORY = "process-{}"
 STOP_TIMEOUT = 120.0
 #: seconds between the parent's checks that every child still runs
 CHECK_PERIOD = 0.5
-_SUBDIRECTORY = re.compile(r"process-(\d+)")
+#: where a server of several processes records their count in --checkpoint-dir
+LAYOUT_FILE = "processes.json"
 
 
 def check_checkpoint_layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Refuses a ``--checkpoint-dir`` written by a server of another process count: its experts were dealt out
-    otherwise, and starting anyway would start some of them from scratch instead of from their checkpoint."""
+    otherwise, and starting anyway would start some of them from scratch (and write checkpoints that mix the two
+    layouts). A server of several processes records its count in ``DIR/processes.json`` before any child starts."""
     if args.checkpoint_dir is None:
         return
     directory = Path(args.checkpoint_dir)
-    parts = sorted(int(match.group(1)) for child in (directory.iterdir() if directory.is_dir() else ())
-                   if (match := _SUBDIRECTORY.fullmatch(child.name)) and (child / CHECKPOINT_FILENAME).exists())
-    if args.processes == 1 and parts:
-        parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoints of a server of "
-                     f"{parts[-1] + 1} processes ({directory / 'process-*'}): start it with --processes "
-                     f"{parts[-1] + 1}")
-    if args.processes > 1 and (directory / CHECKPOINT_FILENAME).exists():
-        parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoint of a server of one process: "
-                     f"start it without --processes")
-    if args.processes > 1 and parts and parts[-1] >= args.processes:
-        parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoints of a server of "
-                     f"{parts[-1] + 1} processes: start it with --processes {parts[-1] + 1}")
+    layout = directory / LAYOUT_FILE
+    saved = 1 if (directory / CHECKPOINT_FILENAME).exists() else None  # None: nothing written here yet
+    if layout.exists():
+        try:
+            saved = json.loads(layout.read_text())["processes"]
+            if not isinstance(saved, int) or saved < 2:
+                raise ValueError(f"not a count of processes: {saved!r}")
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"argument --checkpoint-dir: {layout} cannot be read ({error}); it says how many processes "
+                         f"wrote the checkpoints here")
+    if saved is not None and saved != args.processes:
+        hint = f"--processes {saved}" if saved > 1 else "no --processes"
+        parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoints of a server of {saved} "
+                     f"process{'es' * (saved > 1)}: start it with {hint} (the experts are dealt out by the count)")
+    if args.processes > 1 and not layout.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = layout.with_name(layout.name + ".tmp")
+        partial.write_text(json.dumps({"processes": args.processes}) + "\n")
+        os.replace(partial, layout)
 
 
 def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argparse.Namespace:
