@@ -66,11 +66,13 @@ def state(pid: int) -> str:
         return "Z"
 
 
-def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_server():
+def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_server(tmp_path):
     uids = expand_pattern("ffn.[0:3].[0:2]")
+    replica_flags = ("--replica-interval", "0.5", "--refresh-period", "0.5")
     with processes() as procs:
         procs.append(proc := Proc(server_args("--experts", "ffn.[0:3].[0:2]", "--processes", "3",
-                                              "--metrics-port", "0")))
+                                              "--metrics-port", "0", "--replica-dir", str(tmp_path / "here"),
+                                              *replica_flags)))
         endpoint = proc.endpoint(timeout=120)
         endpoints = announced(proc, "listening on")
         assert endpoints[0] == endpoint and len(set(endpoints)) == 3
@@ -87,6 +89,18 @@ def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_serv
             expected = create_expert("ffn", HIDDEN, seed=expert_seed(0, uid))(x).detach()
             torch.testing.assert_close(forward_future(at, uid, [x]).result(30)[0], expected)
             assert backward_future(at, uid, [x], [grad]).result(30)[0].shape == x.shape
+
+        # replicas leave the machine: with one server elsewhere, every expert's replica goes there (R=2 would pick
+        # two siblings if they counted as hosts), and no sibling holds another's
+        procs.append(elsewhere := Proc(server_args("--experts", "ffn.9.9", "--initial-peers", dht_node,
+                                                   "--replica-dir", str(tmp_path / "elsewhere"), *replica_flags)))
+        elsewhere.endpoint(timeout=120)
+        deadline = time.monotonic() + 60
+        while sorted(path.stem for path in (tmp_path / "elsewhere").glob("*.replica")) != uids:
+            assert time.monotonic() < deadline, list((tmp_path / "elsewhere").iterdir())
+            time.sleep(0.2)
+        held_here = {path.stem for path in (tmp_path / "here").glob("process-*/*.replica")}
+        assert held_here <= {"ffn.9.9"}, held_here
         children = server_children(proc.popen.pid)
         assert len(children) == 3
         os.kill(children[1], signal.SIGKILL)  # a crash of one: the whole server stops, for a supervisor to restart

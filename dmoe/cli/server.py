@@ -11,6 +11,7 @@ adopts the experts of servers that leave (see :mod:`dmoe.replicas`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -18,7 +19,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a declaration outlives its last refresh (default: 3 refresh periods)")
     dht.add_argument("--identity", default=None, metavar="PATH",
                      help="Ed25519 key file that signs the declarations and owns the uids (created if absent; "
-                          "default: dht_identity.key in --checkpoint-dir, else an ephemeral key)")
+                          "default: dht_identity.key in --checkpoint-dir, else an ephemeral key; with --processes "
+                          "each process has its own: PATH.process-I, or process-I/ in --checkpoint-dir)")
     faults = parser.add_argument_group("fault injection", "experiments only: every expert call pays a delay, "
                                        "some fail (see dmoe/server/faults.py)")
     faults.add_argument("--inject-latency-ms", type=float, default=0.0,
@@ -182,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: the DHT key file a server keeps in its --checkpoint-dir when no --identity is given
+IDENTITY_FILE = "dht_identity.key"
 
 
 def expert_uids(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str] | None:
@@ -225,11 +229,14 @@ def fault_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
                        seed=args.fault_seed)
 
 
-def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Announcer:
-    """The server's own DHT node, joined through ``--initial-peers``; exits naming the flag if none answers."""
-    path = args.identity or (Path(args.checkpoint_dir) / "dht_identity.key" if args.checkpoint_dir else None)
+def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser,
+             identity: Identity | None = None) -> Announcer:
+    """The server's own DHT node, joined through ``--initial-peers``; exits naming the flag if none answers.
+    Its identity: ``identity`` if given, else ``--identity``'s, else the checkpoint directory's, else ephemeral."""
+    path = args.identity or (Path(args.checkpoint_dir) / IDENTITY_FILE if args.checkpoint_dir else None)
     try:
-        identity = Identity.load_or_create(path) if path is not None else None
+        if identity is None and path is not None:
+            identity = Identity.load_or_create(path)
     except (OSError, ValueError) as error:
         parser.error(f"argument --identity: {error}")
     try:
@@ -309,16 +316,21 @@ def print_line(line: str) -> None:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None,
-          report: Callable[[str], None] = print_line) -> None:
+          report: Callable[[str], None] = print_line, *, identity: Identity | None = None,
+          siblings: Sequence[bytes] = ()) -> None:
     """Builds the server of checked ``args``, serves until SIGINT/SIGTERM (or the launcher's death), then stops
-    cleanly. ``report`` gets the program's announcement lines (DHT node, metrics, listening) in that order."""
+    cleanly. ``report`` gets the program's announcement lines (DHT node, metrics, listening) in that order.
+    ``identity``: the DHT identity to use instead of the flags'; ``siblings``: public keys of servers never to push
+    replicas to (the other processes of a ``--processes`` server)."""
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     config = server_config(args, parser)
     replicas = replica_config(args, parser)
+    if replicas is not None and siblings:
+        replicas = dataclasses.replace(replicas, exclude_hosts=tuple(siblings))
     announcer = None
     if uids is None or replicas is not None:  # the DHT first: to see which cells are free, to find replicas
-        announcer = join_dht(args, parser)
+        announcer = join_dht(args, parser, identity)
     if uids is None:
         uids = free_experts(announcer.dht, args.layer, args.grid, args.num_experts)
         logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
@@ -330,7 +342,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
         parser.error(f"argument --checkpoint-dir: {error}")
     except TypeError as error:  # constructor arguments the class does not take
         parser.error(f"argument --expert-kwargs: {error}")
-    server.announcer = announcer or join_dht(args, parser)
+    server.announcer = announcer or join_dht(args, parser, identity)
     report(f"dmoe-server DHT node at {server.announcer.dht.endpoint} (others may pass it as --initial-peers)")
     if replicas is not None:
         try:

@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 import grpc
 
@@ -119,18 +119,20 @@ class ReplicaPusher:
         compression: wire compression of the snapshots' floating-point tensors (``dmoe.wire.NONE``: exact).
         repush_every: an unchanged snapshot goes again after this many intervals.
         workers: experts pushed at once.
+        exclude: public keys of hosts never pushed to (the server's sibling processes on this machine).
     """
 
     def __init__(self, server: "ExpertServer", dht: DHT, identity: Identity, *, replicas: int = 2,
                  interval: float = 60.0, compression: int = 0, metrics: ReplicaMetrics | None = None,
                  channels: ReplicaChannels | None = None, chunk_bytes: int = CHUNK_BYTES, repush_every: int = 5,
-                 timeout: float = 60.0, workers: int = 4):
+                 timeout: float = 60.0, workers: int = 4, exclude: Collection[bytes] = ()):
         if replicas < 0 or interval <= 0:
             raise ValueError(f"replicas must be >= 0 and interval positive, got {replicas} and {interval}")
         self.server, self.dht, self.identity = server, dht, identity
         self.replicas, self.interval, self.compression = replicas, interval, compression
         self.metrics, self.chunk_bytes, self.repush_every, self.timeout = metrics, chunk_bytes, repush_every, timeout
         self.channels = channels or ReplicaChannels()
+        self.exclude = {identity.public_key, *exclude}
         self.rounds = 0
         self._pushed: dict[tuple[str, str], _Pushed] = {}  # (uid, host endpoint) -> what it got last
         self._stop = threading.Event()
@@ -141,11 +143,11 @@ class ReplicaPusher:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dmoe-replica-push")
 
     def hosts(self, layers: Sequence[str]) -> dict[str, list[tuple[bytes, str]]]:
-        """layer -> (host key, endpoint) of every other server announcing it receives the layer's replicas."""
+        """layer -> (host key, endpoint) of every other server announcing it receives the layer's replicas (but
+        those of ``exclude``)."""
         records = self.dht.get_many([hosts_key(layer) for layer in layers])
-        own = self.identity.public_key
         return {layer: [(entry.owner, entry.value) for entry in records[hosts_key(layer)].values()
-                        if entry.owner != own] for layer in layers}
+                        if entry.owner not in self.exclude] for layer in layers}
 
     def push_all(self, *, force: bool = False) -> dict[str, list[str]]:
         """One round: every expert that trained since its last push (all with ``force``) goes to its R closest

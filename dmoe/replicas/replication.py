@@ -44,6 +44,8 @@ class ReplicaConfig:
         stagger: seconds a holder of a replica waits, per holder ranked before it, before adopting an empty cell.
         layers: layers whose replicas this server receives besides those of the experts it serves (a server that
             ends up serving none of its ``--num-experts`` cells still holds and adopts the layers' experts).
+        exclude_hosts: public keys of servers never pushed to besides this one: the other processes of one
+            ``dmoe-server --processes``, whose replicas would leave with this machine.
     """
 
     directory: str
@@ -54,6 +56,7 @@ class ReplicaConfig:
     check_period: float | None = None
     stagger: float = 2.0
     layers: Sequence[str] = field(default_factory=tuple)
+    exclude_hosts: Sequence[bytes] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.replicas < 0 or self.interval <= 0 or self.budget_mb <= 0 or self.stagger < 0:
@@ -92,7 +95,7 @@ class Replication:
         self.servicer = ReplicaServicer(self.store, self.template, lambda uid: owner_of(dht, uid), self.metrics)
         self.pusher = ReplicaPusher(server, dht, dht.identity, replicas=config.replicas, interval=config.interval,
                                     compression=parse_compression(config.compression), metrics=self.metrics,
-                                    channels=self.channels)
+                                    channels=self.channels, exclude=config.exclude_hosts)
         self.adopter: Adopter | None = None
         self.restored: dict[str, Adoption] = {}
         server.replication = self
