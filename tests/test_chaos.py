@@ -97,6 +97,8 @@ def test_training_survives_a_killed_server_and_dht_node(tmp_path, capsys):
     assert result["step"] == config.steps and not result["interrupted"]
     first_val, last_val = result["history"]["val"][0][1], result["final_val_loss"]
     assert last_val < first_val - 0.5, (first_val, last_val)
+    after_kill = dict(result["history"]["val"])[40]  # the kill came at step 20, the restart at step 45
+    assert last_val < after_kill - 0.1, result["history"]["val"]  # still learning after the kill (~0.4 lower)
     err = capsys.readouterr().err
     shares = [float(share) for share in re.findall(r"dropped=([\d.]+)%", err)]
     assert shares and max(shares) > 0, "the progress bar never showed dropped experts"

@@ -157,28 +157,3 @@ def test_answers_of_the_wrong_shape_are_dropped_and_their_experts_avoided():
             assert dropped > 0
             layer(x)
             assert layer.stats.experts_dropped == dropped  # the widening experts are banned: not chosen again
-
-
-def test_trainer_keeps_training_when_a_server_is_killed(tmp_path):
-    text = tmp_path / "verse.txt"
-    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog, and so forth.\n"
-                            for i in range(3000)))
-    config = SwarmConfig(layers=("ffn0", "ffn1"), grid=GRID, n_servers=2, hidden_dim=32,
-                         server_args=("--optimizer", "adam", "--lr", "0.003", "--refresh-period", "30"))
-    with LocalSwarm(config) as swarm, processes() as procs:
-        trainer = Proc(["-m", "dmoe.cli.train", "--experts", "remote", "--initial-peers", swarm.initial_peers,
-                        "--data", str(text), "--hidden", "32", "--layers", "2", "--seq-len", "32", "--steps", "60",
-                        "--batch-size", "8", "--eval-interval", "10", "--eval-batches", "2", "--sample-bytes", "0",
-                        "--warmup-steps", "5", "--out-dir", str(tmp_path / "run"), "--threads", "1"])
-        procs.append(trainer)
-        trainer.wait_for(r"step 20: validation loss", timeout=180)
-        swarm.servers[0].kill()
-        final = trainer.wait_for(r"final validation loss (\d+\.\d+)", timeout=240)
-        assert trainer.popen.wait(60) == 0, "".join(trainer.output)
-    output = "".join(trainer.output)
-    val = [float(v) for v in re.findall(r"step \d+: validation loss (\d+\.\d+)", output)]
-    assert float(final.group(1)) < val[0] - 0.5, output
-    assert float(final.group(1)) <= val[2] + 0.05  # still learning after the kill (step 20 -> end)
-    dropped = [float(v) for v in re.findall(r"dropped=(\d+\.\d+)%", output)]
-    assert max(dropped) > 0, "the dropped share never showed in the progress bar"
-    assert (tmp_path / "run" / "loss.png").exists()
