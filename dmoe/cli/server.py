@@ -6,7 +6,9 @@ Any flag may instead be a key of a TOML file given as ``--config server.toml`` (
 :mod:`dmoe.cli.config`); ``--num-experts 4 --grid 4 4 --layer ffn0`` picks grid cells nobody serves yet;
 ``--metrics-port 0`` serves Prometheus metrics and prints ``dmoe-server metrics on HOST:PORT``;
 ``--replica-dir DIR`` keeps replicas of this server's experts on ``--replicas`` other servers, holds theirs, and
-adopts the experts of servers that leave (see :mod:`dmoe.replicas`).
+adopts the experts of servers that leave (see :mod:`dmoe.replicas`); ``--processes N`` deals the experts out
+among N server processes, so that one Python interpreter does not hold a big GPU back (see
+:mod:`dmoe.cli.server_processes`).
 """
 from __future__ import annotations
 
