@@ -12,6 +12,7 @@ import torch
 
 from dmoe import launch
 from dmoe.cli import server as server_program
+from dmoe.cli.server_processes import announcement
 from dmoe.client.remote_expert import backward_future, forward_future
 from dmoe.dht import DHT
 from dmoe.directory import get_experts
@@ -67,23 +68,23 @@ def state(pid: int) -> str:
 
 
 def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_server(tmp_path):
-    uids = expand_pattern("ffn.[0:3].[0:2]")
+    uids = expand_pattern("ffn.[0:2].[0:2]")
     replica_flags = ("--replica-interval", "0.5", "--refresh-period", "0.5")
     with processes() as procs:
-        procs.append(proc := Proc(server_args("--experts", "ffn.[0:3].[0:2]", "--processes", "3",
+        procs.append(proc := Proc(server_args("--experts", "ffn.[0:2].[0:2]", "--processes", "2",
                                               "--metrics-port", "0", "--replica-dir", str(tmp_path / "here"),
                                               *replica_flags)))
         endpoint = proc.endpoint(timeout=120)
         endpoints = announced(proc, "listening on")
-        assert endpoints[0] == endpoint and len(set(endpoints)) == 3
-        assert len(announced(proc, "metrics on")) == 3
+        assert endpoints[0] == endpoint and len(set(endpoints)) == 2
+        assert len(announced(proc, "metrics on")) == 2
         dht_node = re.search(r"DHT node at (\S+)", "".join(proc.output)).group(1)  # printed before the rest
         with DHT(initial_peers=[dht_node], client_mode=True) as dht:
             deadline = time.monotonic() + 30
             while not all(found := get_experts(dht, uids)):
                 assert time.monotonic() < deadline, f"not all declared: {dict(zip(uids, found))}"
                 time.sleep(0.1)
-        assert sorted(found.count(e) for e in endpoints) == [2, 2, 2]  # every third expert in each process
+        assert [found.count(e) for e in endpoints] == [2, 2] and found[0::2] == [endpoints[0]] * 2  # every second
         x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
         for uid, at in zip(uids, found):  # each answers where the DHT says, as the expert the seed makes
             expected = create_expert("ffn", HIDDEN, seed=expert_seed(0, uid))(x).detach()
@@ -102,7 +103,7 @@ def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_serv
         held_here = {path.stem for path in (tmp_path / "here").glob("process-*/*.replica")}
         assert held_here <= {"ffn.9.9"}, held_here
         children = server_children(proc.popen.pid)
-        assert len(children) == 3
+        assert len(children) == 2
         os.kill(children[1], signal.SIGKILL)  # a crash of one: the whole server stops, for a supervisor to restart
         assert proc.popen.wait(60) == 1
         wait_gone(children)
@@ -169,3 +170,15 @@ def test_a_checkpoint_of_one_process_is_not_dealt_out_among_several(tmp_path, ca
     assert exit_info.value.code == 2
     assert "server of 1 process: start it with no --processes" in capsys.readouterr().err
     assert not (tmp_path / "processes.json").exists()
+
+
+def test_the_program_line_names_every_process_once():
+    lines = [["dmoe-server DHT node at 127.0.0.1:1 (others ...)", f"dmoe-server listening on 127.0.0.1:{port}"]
+             for port in (5000, 5001, 5002)]
+    assert announcement(lines, "listening on") == \
+        "dmoe-server listening on 127.0.0.1:5000 (and 2 more processes: 127.0.0.1:5001 127.0.0.1:5002)"
+    assert announcement(lines[:2], "listening on") == \
+        "dmoe-server listening on 127.0.0.1:5000 (and 1 more process: 127.0.0.1:5001)"
+    assert announcement(lines[:1], "listening on") == "dmoe-server listening on 127.0.0.1:5000"
+    assert announcement(lines, "metrics on") is None
+    assert launch.announced([announcement(lines, "listening on")]) == [f"127.0.0.1:{p}" for p in (5000, 5001, 5002)]

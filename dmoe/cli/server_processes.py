@@ -9,10 +9,10 @@ The launching process (the parent) runs one DHT node, joined through ``--initial
 and picks the free cells of ``--num-experts`` through it; every child is a whole server (:func:`dmoe.cli.server.serve`)
 joined through the parent's node, with every ``N``-th expert. Each child gets its own gRPC port, DHT node, metrics
 endpoint, DHT identity (:func:`child_identity`), and, under ``--checkpoint-dir``/``--replica-dir``, its own
-``process-I`` subdirectory; it never pushes its experts' replicas to its siblings. On a machine with several GPUs, ``--device
-cuda`` (or none) puts child I on GPU I modulo their count; ``--device cuda:0`` keeps them all on one. The parent
-prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1 more processes: B C
-...)``.
+``process-I`` subdirectory; it never pushes its experts' replicas to its siblings. On a machine with several
+GPUs, ``--device cuda`` (or none) puts child I on GPU I modulo their count; ``--device cuda:0`` keeps them all on
+one. The parent prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1
+more processes: B C ...)``.
 
 The parent owns the children: SIGINT/SIGTERM (or the death of its own launcher) stops them cleanly (each writes its
 last checkpoint and pushes its replicas), and a child that dies stops the others and the parent with status 1, so
