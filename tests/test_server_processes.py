@@ -71,9 +71,14 @@ def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_serv
     uids = expand_pattern("ffn.[0:2].[0:2]")
     replica_flags = ("--replica-interval", "0.5", "--refresh-period", "0.5")
     with processes() as procs:
+        # another machine's 2-process server first, so that this one's first replica pushes know both its hosts
+        procs.append(elsewhere := Proc(server_args("--experts", "ffn.9.[0:2]", "--processes", "2", "--replica-dir",
+                                                   str(tmp_path / "elsewhere"), *replica_flags)))
+        elsewhere.endpoint(timeout=120)
+        peer = re.search(r"DHT node at (\S+)", "".join(elsewhere.output)).group(1)
         procs.append(proc := Proc(server_args("--experts", "ffn.[0:2].[0:2]", "--processes", "2",
                                               "--metrics-port", "0", "--replica-dir", str(tmp_path / "here"),
-                                              *replica_flags)))
+                                              "--initial-peers", peer, *replica_flags)))
         endpoint = proc.endpoint(timeout=120)
         endpoints = announced(proc, "listening on")
         assert endpoints[0] == endpoint and len(set(endpoints)) == 2
@@ -91,17 +96,19 @@ def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_serv
             torch.testing.assert_close(forward_future(at, uid, [x]).result(30)[0], expected)
             assert backward_future(at, uid, [x], [grad]).result(30)[0].shape == x.shape
 
-        # replicas leave the machine: with one server elsewhere, every expert's replica goes there (R=2 would pick
-        # two siblings if they counted as hosts), and no sibling holds another's
-        procs.append(elsewhere := Proc(server_args("--experts", "ffn.9.9", "--initial-peers", dht_node,
-                                                   "--replica-dir", str(tmp_path / "elsewhere"), *replica_flags)))
-        elsewhere.endpoint(timeout=120)
+        # replicas leave the machine, one per machine: the other server's 2 processes are this one's only other
+        # hosts, and each expert's replica goes to one of them (R=2 would put one on each, or one on a sibling here,
+        # if hosts were told apart by key); the other server's replicas come here (to either process: this one
+        # joined after its first pushes), and no process holds a sibling's
+        def held(where: str) -> list[str]:
+            return sorted(path.stem for path in (tmp_path / where).glob("process-*/*.replica"))
+
         deadline = time.monotonic() + 60
-        while sorted(path.stem for path in (tmp_path / "elsewhere").glob("*.replica")) != uids:
-            assert time.monotonic() < deadline, list((tmp_path / "elsewhere").iterdir())
+        while set(held("elsewhere")) != set(uids) or set(held("here")) != {"ffn.9.0", "ffn.9.1"}:
+            assert time.monotonic() < deadline, (held("elsewhere"), held("here"))
             time.sleep(0.2)
-        held_here = {path.stem for path in (tmp_path / "here").glob("process-*/*.replica")}
-        assert held_here <= {"ffn.9.9"}, held_here
+        time.sleep(1.5)  # three more push rounds: a second replica on one machine would have come by now
+        assert held("elsewhere") == uids, held("elsewhere")
         children = server_children(proc.popen.pid)
         assert len(children) == 2
         os.kill(children[1], signal.SIGKILL)  # a crash of one: the whole server stops, for a supervisor to restart

@@ -21,7 +21,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -231,14 +231,11 @@ def fault_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
                        seed=args.fault_seed)
 
 
-def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser,
-             identity: Identity | None = None) -> Announcer:
-    """The server's own DHT node, joined through ``--initial-peers``; exits naming the flag if none answers.
-    Its identity: ``identity`` if given, else ``--identity``'s, else the checkpoint directory's, else ephemeral."""
+def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Announcer:
+    """The server's own DHT node, joined through ``--initial-peers``; exits naming the flag if none answers."""
     path = args.identity or (Path(args.checkpoint_dir) / IDENTITY_FILE if args.checkpoint_dir else None)
     try:
-        if identity is None and path is not None:
-            identity = Identity.load_or_create(path)
+        identity = Identity.load_or_create(path) if path is not None else None
     except (OSError, ValueError) as error:
         parser.error(f"argument --identity: {error}")
     try:
@@ -318,21 +315,20 @@ def print_line(line: str) -> None:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None,
-          report: Callable[[str], None] = print_line, *, identity: Identity | None = None,
-          siblings: Sequence[bytes] = ()) -> None:
+          report: Callable[[str], None] = print_line, *, machine: str | None = None) -> None:
     """Builds the server of checked ``args``, serves until SIGINT/SIGTERM (or the launcher's death), then stops
     cleanly. ``report`` gets the program's announcement lines (DHT node, metrics, listening) in that order.
-    ``identity``: the DHT identity to use instead of the flags'; ``siblings``: public keys of servers never to push
-    replicas to (the other processes of a ``--processes`` server)."""
+    ``machine``: the replica token shared by the processes of a ``--processes`` server (see
+    :class:`~dmoe.replicas.ReplicaConfig`)."""
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     config = server_config(args, parser)
     replicas = replica_config(args, parser)
-    if replicas is not None and siblings:
-        replicas = dataclasses.replace(replicas, exclude_hosts=tuple(siblings))
+    if replicas is not None and machine is not None:
+        replicas = dataclasses.replace(replicas, machine=machine)
     announcer = None
     if uids is None or replicas is not None:  # the DHT first: to see which cells are free, to find replicas
-        announcer = join_dht(args, parser, identity)
+        announcer = join_dht(args, parser)
     if uids is None:
         uids = free_experts(announcer.dht, args.layer, args.grid, args.num_experts)
         logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
@@ -344,7 +340,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
         parser.error(f"argument --checkpoint-dir: {error}")
     except TypeError as error:  # constructor arguments the class does not take
         parser.error(f"argument --expert-kwargs: {error}")
-    server.announcer = announcer or join_dht(args, parser, identity)
+    server.announcer = announcer or join_dht(args, parser)
     report(f"dmoe-server DHT node at {server.announcer.dht.endpoint} (others may pass it as --initial-peers)")
     if replicas is not None:
         try:

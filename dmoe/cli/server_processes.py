@@ -8,8 +8,10 @@ step's calls to the N processes run side by side.
 The launching process (the parent) runs one DHT node, joined through ``--initial-peers`` (or starting a new DHT),
 and picks the free cells of ``--num-experts`` through it; every child is a whole server (:func:`dmoe.cli.server.serve`)
 joined through the parent's node, with every ``N``-th expert. Each child gets its own gRPC port, DHT node, metrics
-endpoint, DHT identity (:func:`child_identity`), and, under ``--checkpoint-dir``/``--replica-dir``, its own
-``process-I`` subdirectory; it never pushes its experts' replicas to its siblings. On a machine with several
+endpoint and DHT identity (``PATH.process-I`` beside ``--identity PATH``), and, under
+``--checkpoint-dir``/``--replica-dir``, its own ``process-I`` subdirectory (holding its identity by default). The
+children share a machine token (:class:`~dmoe.replicas.ReplicaConfig`): none pushes its replicas to a sibling, which
+would leave with the machine, and no server puts two replicas of an expert on this machine. On a machine with several
 GPUs, ``--device cuda`` (or none) puts child I on GPU I modulo their count; ``--device cuda:0`` keeps them all on
 one. The parent prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1
 more processes: B C ...)``.
@@ -26,6 +28,7 @@ import json
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import sys
 import time
@@ -35,9 +38,9 @@ from pathlib import Path
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.server import IDENTITY_FILE, build_parser, import_custom_modules, serve
+from dmoe.cli.server import build_parser, import_custom_modules, serve
 from dmoe.cli.signals import PARENT_ENV, StopSignals
-from dmoe.dht import DHT, Identity
+from dmoe.dht import DHT
 from dmoe.directory import free_experts
 from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
 
@@ -89,9 +92,11 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
         if getattr(args, flag):
             setattr(child, flag, getattr(args, flag) + index + (flag == "dht_port"))  # the parent's node has dht_port
     child.initial_peers = [dht_endpoint]
-    for flag in ("checkpoint_dir", "replica_dir"):
+    for flag in ("checkpoint_dir", "replica_dir"):  # the default identity (in the checkpoint directory) too
         if getattr(args, flag) is not None:
             setattr(child, flag, str(Path(getattr(args, flag)) / SUBDIRECTORY.format(index)))
+    if args.identity is not None:  # one each: an identity owns entries its siblings would overwrite (replicas)
+        child.identity = f"{args.identity}.process-{index}"
     if not args.torch_threads:  # the cores shared out, rather than each child taking them all
         child.torch_threads = max(1, torch.get_num_threads() // args.processes)
     if args.device in (None, "auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
@@ -99,28 +104,9 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
     return child
 
 
-def child_identity(args: argparse.Namespace, index: int) -> Identity:
-    """Child ``index``'s DHT identity, one per child: in ``process-I/`` of ``--checkpoint-dir``, as a one-process
-    server keeps its own there; next to ``--identity PATH`` as ``PATH.process-I``; else an ephemeral one.
-
-    One per child, not one for all: a server's identity owns the entries it writes under its own subkey (the replica
-    hosts it announces, the replicas it holds), which siblings sharing a key would overwrite. The parent makes them
-    all, so that each child can be told its siblings' keys and never push its replicas to them (they would leave
-    with this machine)."""
-    if args.identity is not None:
-        return Identity.load_or_create(f"{args.identity}.process-{index}")
-    if args.checkpoint_dir is not None:
-        return Identity.load_or_create(Path(args.checkpoint_dir) / SUBDIRECTORY.format(index) / IDENTITY_FILE)
-    if index == 0:
-        logger.warning("no DHT identity given: signing declarations with ephemeral keys, so after a restart this "
-                       "server's uids stay owned by the old keys until their declarations expire")
-    return Identity()
-
-
-def run_child(args: argparse.Namespace, uids: list[str], parent_pid: int, lines: Connection, seed: bytes,
-              siblings: tuple[bytes, ...]) -> None:
+def run_child(args: argparse.Namespace, uids: list[str], parent_pid: int, lines: Connection, machine: str) -> None:
     """A child's whole life (the target of its process): a server of ``uids`` whose announcement lines go to the
-    parent, which prints them once every child serves; ``seed``: its DHT identity; ``siblings``: the others' keys."""
+    parent, which prints them once every child serves; ``machine``: the token its replicas' hosts are told apart by."""
     keep_freed_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the children
     os.environ[PARENT_ENV] = str(parent_pid)  # stop if the parent dies without stopping this process
@@ -128,7 +114,7 @@ def run_child(args: argparse.Namespace, uids: list[str], parent_pid: int, lines:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     import_custom_modules(args, parser)  # again: this is a new interpreter
-    serve(args, parser, uids, report=lines.send, identity=Identity.from_seed(seed), siblings=siblings)
+    serve(args, parser, uids, report=lines.send, machine=machine)
 
 
 def announcement(lines: list[list[str]], kind: str) -> str | None:
@@ -145,11 +131,7 @@ def announcement(lines: list[list[str]], kind: str) -> str | None:
 def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None) -> int:
     """Runs ``args.processes`` children until a stop signal or a child's death; returns the exit status."""
     count = args.processes
-    try:
-        identities = [child_identity(args, index) for index in range(count)]
-    except (OSError, ValueError) as error:
-        parser.error(f"argument --identity: {error}")
-    keys = [identity.public_key for identity in identities]
+    machine = secrets.token_hex(8)  # the children's replicas go to other machines, one per machine
     try:
         dht = DHT(initial_peers=args.initial_peers, host=args.host, port=args.dht_port)
     except (ConnectionError, OSError) as error:
@@ -165,10 +147,9 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
         with StopSignals() as stop:
             for index in range(count):
                 receiver, sender = context.Pipe(duplex=False)
-                siblings = tuple(key for key in keys if key != keys[index])
                 child = context.Process(target=run_child, name=f"dmoe-server-{index}",
                                         args=(child_args(args, index, dht.endpoint), uids[index::count],
-                                              os.getpid(), sender, identities[index].seed(), siblings))
+                                              os.getpid(), sender, machine))
                 child.start()
                 sender.close()
                 children.append((child, receiver))

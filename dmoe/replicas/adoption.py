@@ -44,6 +44,7 @@ from dmoe.replicas.records import (
     directory_entries,
     distance,
     holders,
+    host_value,
     hosts_key,
     replicas_key,
     server_subkey,
@@ -208,8 +209,9 @@ class Adopter:
 
     def __init__(self, server: "ExpertServer", dht: DHT, store: ReplicaStore, layers: Sequence[str], *,
                  check_period: float, stagger: float, channels: ReplicaChannels, metrics: ReplicaMetrics | None = None,
-                 max_bytes: int, expiration: float):
+                 max_bytes: int, expiration: float, machine: str | None = None):
         self.server, self.dht, self.store, self.layers = server, dht, store, list(layers)
+        self.machine = machine
         self.check_period, self.stagger, self.expiration = check_period, stagger, expiration
         self.channels, self.metrics, self.max_bytes = channels, metrics, max_bytes
         self.subkey = server_subkey(dht.identity.public_key)
@@ -230,7 +232,8 @@ class Adopter:
     def announce(self) -> None:
         """Stores this server as a host of its layers and as a holder of each replica it holds (not served here)."""
         expires = time.time() + self.expiration
-        records = {hosts_key(layer): {self.subkey: (self.endpoint, expires)} for layer in self.layers}
+        host = host_value(self.endpoint, self.machine)
+        records = {hosts_key(layer): {self.subkey: (host, expires)} for layer in self.layers}
         for uid, held in self.held_elsewhere().items():
             value = Holder(self.endpoint, held.updates, held.signer.hex()[:SIGNER_HEX], b"").value()
             records[replicas_key(uid)] = {self.subkey: (value, expires)}

@@ -15,13 +15,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
 from dmoe.dht import DHT, Identity
 from dmoe.replicas.metrics import ReplicaMetrics
-from dmoe.replicas.records import distance, hosts_key
+from dmoe.replicas.records import Host, distance, hosts_key, parse_host
 from dmoe.replicas.snapshots import CHUNK_BYTES, SignedSnapshot, SnapshotRefused, check_header, open_body, sign, take
 from dmoe.uid import split_uid
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
@@ -119,20 +119,21 @@ class ReplicaPusher:
         compression: wire compression of the snapshots' floating-point tensors (``dmoe.wire.NONE``: exact).
         repush_every: an unchanged snapshot goes again after this many intervals.
         workers: experts pushed at once.
-        exclude: public keys of hosts never pushed to (the server's sibling processes on this machine).
+        machine: this server's machine token (see :class:`~dmoe.replicas.ReplicaConfig`): no replica goes to a host
+            of the same machine, and at most one replica of an expert to each machine.
     """
 
     def __init__(self, server: "ExpertServer", dht: DHT, identity: Identity, *, replicas: int = 2,
                  interval: float = 60.0, compression: int = 0, metrics: ReplicaMetrics | None = None,
                  channels: ReplicaChannels | None = None, chunk_bytes: int = CHUNK_BYTES, repush_every: int = 5,
-                 timeout: float = 60.0, workers: int = 4, exclude: Collection[bytes] = ()):
+                 timeout: float = 60.0, workers: int = 4, machine: str | None = None):
         if replicas < 0 or interval <= 0:
             raise ValueError(f"replicas must be >= 0 and interval positive, got {replicas} and {interval}")
         self.server, self.dht, self.identity = server, dht, identity
         self.replicas, self.interval, self.compression = replicas, interval, compression
         self.metrics, self.chunk_bytes, self.repush_every, self.timeout = metrics, chunk_bytes, repush_every, timeout
         self.channels = channels or ReplicaChannels()
-        self.exclude = {identity.public_key, *exclude}
+        self.machine = machine
         self.rounds = 0
         self._pushed: dict[tuple[str, str], _Pushed] = {}  # (uid, host endpoint) -> what it got last
         self._stop = threading.Event()
@@ -142,12 +143,15 @@ class ReplicaPusher:
         # short, and one slow host does not hold up the others' experts
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dmoe-replica-push")
 
-    def hosts(self, layers: Sequence[str]) -> dict[str, list[tuple[bytes, str]]]:
-        """layer -> (host key, endpoint) of every other server announcing it receives the layer's replicas (but
-        those of ``exclude``)."""
+    def hosts(self, layers: Sequence[str]) -> dict[str, list[Host]]:
+        """layer -> every other server announcing it receives the layer's replicas, but those of this machine."""
         records = self.dht.get_many([hosts_key(layer) for layer in layers])
-        return {layer: [(entry.owner, entry.value) for entry in records[hosts_key(layer)].values()
-                        if entry.owner not in self.exclude] for layer in layers}
+        found: dict[str, list[Host]] = {}
+        for layer in layers:
+            hosts = [Host(entry.owner, *parse_host(entry.value)) for entry in records[hosts_key(layer)].values()]
+            found[layer] = [host for host in hosts if host.key != self.identity.public_key
+                            and (host.machine is None or host.machine != self.machine)]
+        return found
 
     def push_all(self, *, force: bool = False) -> dict[str, list[str]]:
         """One round: every expert that trained since its last push (all with ``force``) goes to its R closest
@@ -167,18 +171,22 @@ class ReplicaPusher:
             self.rounds += 1
             return placed
 
-    def _push_one(self, uid: str, backend, hosts: list[tuple[bytes, str]], force: bool) -> list[str]:
-        ranked = [endpoint for key, endpoint in sorted(hosts, key=lambda host: distance(uid, host[0]))]
+    def _push_one(self, uid: str, backend, hosts: list[Host], force: bool) -> list[str]:
+        ranked = sorted(hosts, key=lambda host: distance(uid, host.key))
         now = time.monotonic()
         signed: SignedSnapshot | None = None
-        placed = []
-        for endpoint in ranked:
+        placed: list[str] = []
+        machines: set[str | None] = set()  # of the hosts placed: one replica per machine, which may leave whole
+        for _, endpoint, machine in ranked:
             if len(placed) == self.replicas:
                 break
+            if machine is not None and machine in machines:
+                continue
             last = self._pushed.get((uid, endpoint))
             if not force and last is not None and last.updates == backend.updates \
                     and now - last.at < self.repush_every * self.interval:
                 placed.append(endpoint)  # it holds this state already
+                machines.add(machine)
                 continue
             if signed is None:
                 signed = sign(take(backend, self.server.runtime.paused, self.compression), self.identity)
@@ -196,6 +204,7 @@ class ReplicaPusher:
             self._count("ok")
             self._pushed[(uid, endpoint)] = _Pushed(signed.updates, now)
             placed.append(endpoint)
+            machines.add(machine)
         if len(placed) < self.replicas and ranked:
             logger.debug("%s has %d of %d replicas (%d hosts known)", uid, len(placed), self.replicas, len(ranked))
         return placed

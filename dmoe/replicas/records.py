@@ -5,7 +5,8 @@ Keys hold a ``/``, which no grid prefix can (:mod:`dmoe.uid`), so they never col
 records:
 
 * ``{layer}/replica-hosts``: one owned (int) entry per server that receives replicas of the layer's experts,
-  valued with its gRPC endpoint; the entry's owner (the server's public key) places it for :func:`distance`;
+  valued with its gRPC endpoint, then ``/`` and its machine's token for the processes of one ``dmoe-server
+  --processes`` (:func:`host_value`); the entry's owner (the server's public key) places it for :func:`distance`;
 * ``{uid}/replicas``: one owned entry per server holding a replica of ``uid``, valued ``ENDPOINT/UPDATES/SIGNER``
   (the replica's update count and the first 16 hex digits of the key that signed it) — announced as a replica,
   never as a served expert, so beam search never sees it;
@@ -35,6 +36,24 @@ SIGNER_HEX = 16
 
 def hosts_key(layer: str) -> str:
     return f"{layer}/replica-hosts"
+
+
+class Host(NamedTuple):
+    """A server that receives replicas of a layer, as its ``replica-hosts`` entry says."""
+    key: bytes              # its public key (the entry's owner)
+    endpoint: str
+    machine: str | None     # the token of its dmoe-server --processes, shared with its sibling processes
+
+
+def host_value(endpoint: str, machine: str | None) -> str:
+    """A ``replica-hosts`` entry's value: ``ENDPOINT`` or ``ENDPOINT/MACHINE``."""
+    return endpoint if machine is None else f"{endpoint}/{machine}"
+
+
+def parse_host(value: str) -> tuple[str, str | None]:
+    """(endpoint, machine token or None) of a ``replica-hosts`` entry's value (see :func:`host_value`)."""
+    endpoint, slash, machine = value.rpartition("/")
+    return (endpoint, machine or None) if slash else (value, None)
 
 
 def replicas_key(uid: str) -> str:

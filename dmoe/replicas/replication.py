@@ -44,8 +44,9 @@ class ReplicaConfig:
         stagger: seconds a holder of a replica waits, per holder ranked before it, before adopting an empty cell.
         layers: layers whose replicas this server receives besides those of the experts it serves (a server that
             ends up serving none of its ``--num-experts`` cells still holds and adopts the layers' experts).
-        exclude_hosts: public keys of servers never pushed to besides this one: the other processes of one
-            ``dmoe-server --processes``, whose replicas would leave with this machine.
+        machine: a token this server shares with the other processes of its ``dmoe-server --processes``
+            (announced with its host entry): none of its replicas go to a host of its own machine, which would leave
+            with it, and at most one replica of an expert goes to each machine. None: a machine of its own.
     """
 
     directory: str
@@ -56,7 +57,7 @@ class ReplicaConfig:
     check_period: float | None = None
     stagger: float = 2.0
     layers: Sequence[str] = field(default_factory=tuple)
-    exclude_hosts: Sequence[bytes] = field(default_factory=tuple)
+    machine: str | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 0 or self.interval <= 0 or self.budget_mb <= 0 or self.stagger < 0:
@@ -95,7 +96,7 @@ class Replication:
         self.servicer = ReplicaServicer(self.store, self.template, lambda uid: owner_of(dht, uid), self.metrics)
         self.pusher = ReplicaPusher(server, dht, dht.identity, replicas=config.replicas, interval=config.interval,
                                     compression=parse_compression(config.compression), metrics=self.metrics,
-                                    channels=self.channels, exclude=config.exclude_hosts)
+                                    channels=self.channels, machine=config.machine)
         self.adopter: Adopter | None = None
         self.restored: dict[str, Adoption] = {}
         server.replication = self
@@ -121,7 +122,7 @@ class Replication:
             note_adoptions(self.dht, adopted)
         self.adopter = Adopter(server, self.dht, self.store, layers, check_period=self.config.check_period or refresh,
                                stagger=self.config.stagger, channels=self.channels, metrics=self.metrics,
-                               max_bytes=self.max_bytes, expiration=expiration)
+                               max_bytes=self.max_bytes, expiration=expiration, machine=self.config.machine)
         self.adopter.announce()  # at once: the others' next push round finds this server
         self.pusher.start()
         self.adopter.start()
