@@ -34,7 +34,7 @@ from dmoe.replicas import (
     sign,
     take,
 )
-from dmoe.replicas.records import holders, replicas_key
+from dmoe.replicas.records import holders, host_value, parse_host, replicas_key
 from dmoe.replicas.store import read_replica
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import FLOAT16, dmoe_pb2, serialize
@@ -462,3 +462,10 @@ def test_bad_replicas_are_refused_with_a_clear_status_and_the_held_replica_stays
         assert refused['dmoe_replicas_refused_total{reason="mismatch"}'] == 2
         assert refused['dmoe_replicas_refused_total{reason="not_owner"}'] == 1
         assert receiver.stop() == 0
+
+
+@pytest.mark.parametrize("endpoint, machine", [("127.0.0.1:5000", None), ("127.0.0.1:5000", "9f3a0c1d2e4b5a6c"),
+                                               ("[::1]:5000", "9f3a0c1d2e4b5a6c"), ("[::1]:5000", None)])
+def test_a_replica_host_entry_carries_its_machine_token_when_it_has_one(endpoint, machine):
+    assert parse_host(host_value(endpoint, machine)) == (endpoint, machine)
+    assert parse_host(endpoint) == (endpoint, None)  # a server of one process announces its endpoint alone
