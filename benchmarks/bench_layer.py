@@ -60,7 +60,7 @@ from dmoe.launch import LocalSwarm, SwarmConfig, announced
 from dmoe.server.backend import make_optimizer
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.server.metrics import read_metrics
-from dmoe.server.profile import STAGES, format_stages, read_stages, stage_difference
+from dmoe.server.profile import STAGES, format_stages, read_all_stages, stage_difference
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
 from dmoe.wire import ChannelPool
@@ -264,17 +264,12 @@ class ServerStages:
         self.cache: dict = {}
 
     def start(self) -> None:
-        self._start = self.read()
+        self._start = read_all_stages(self.endpoints)
 
     def stop(self, batch: int) -> None:
         assert self._start is not None, "start() comes first"
-        self.rounds.setdefault(batch, []).append(stage_difference(self.read(), self._start))
+        self.rounds.setdefault(batch, []).append(stage_difference(read_all_stages(self.endpoints), self._start))
         self.cache = self.activation_cache()  # its counts so far (report() comes after the server stopped)
-
-    def read(self) -> dict:
-        """The stage times so far, summed over the server's processes (which run side by side)."""
-        stages = [read_stages(endpoint) for endpoint in self.endpoints]
-        return {stage: tuple(map(sum, zip(*(s[stage] for s in stages)))) for stage in stages[0]}
 
     def report(self, remote_seconds: dict[int, float]) -> None:
         """Per batch size: each stage in ms per remote step, and what the step spent outside the handlers."""

@@ -344,14 +344,6 @@ def server_counters(metrics_endpoints: list[str]) -> dict[str, float]:
     return counters
 
 
-def read_all_stages(metrics_endpoints: list[str]) -> dict:
-    """The server's stage times so far, summed over its processes."""
-    from dmoe.server.profile import read_stages
-
-    stages = [read_stages(endpoint) for endpoint in metrics_endpoints]
-    return {stage: tuple(map(sum, zip(*(s[stage] for s in stages)))) for stage in stages[0]}
-
-
 def formed_batches(before: dict[str, float], after: dict[str, float]) -> str:
     """``forward 256x12 backward 256x12``: rows per batch the server formed (and how many) between two reads."""
     parts = []
@@ -453,7 +445,7 @@ def main() -> None:
             counters_before = server_counters(metrics)
             stages_before = None
             if args.profile:
-                from dmoe.server.profile import format_stages, stage_difference
+                from dmoe.server.profile import format_stages, read_all_stages, stage_difference
                 stages_before = read_all_stages(metrics)
             for _ in range(args.rounds):  # interleaved, so drifts of a shared machine hit both sides alike
                 limit.send({**cmd, "phase": "measure"})

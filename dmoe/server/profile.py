@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -124,3 +124,9 @@ def read_stages(metrics_endpoint: str, timeout: float = 30.0) -> Snapshot:
 
     with urllib.request.urlopen(f"http://{metrics_endpoint}/metrics", timeout=timeout) as response:
         return scrape_stages(response.read().decode())
+
+
+def read_all_stages(metrics_endpoints: Sequence[str], timeout: float = 30.0) -> Snapshot:
+    """The stage clocks of a server's processes (``dmoe-server --processes``), summed stage by stage."""
+    snapshots = [read_stages(endpoint, timeout) for endpoint in metrics_endpoints]
+    return {stage: (sum(s[stage][0] for s in snapshots), sum(s[stage][1] for s in snapshots)) for stage in STAGES}
