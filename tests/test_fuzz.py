@@ -155,11 +155,16 @@ def test_backend_skips_optimizer_steps_with_nonfinite_gradients():
     assert backend.skipped_steps == 1 and not torch.equal(module.state_dict()["ffn.0.weight"], before["ffn.0.weight"])
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-check", "sums"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_the_value_checks_find_every_nan_inf_and_huge_value_but_pass_large_finite_half_values(dtype):
+def test_the_value_checks_find_every_nan_inf_and_huge_value_but_pass_large_finite_half_values(dtype, fused,
+                                                                                              monkeypatch):
+    from dmoe.server import backend
     from dmoe.server.backend import all_finite
     from dmoe.server.validation import first_bad_values
 
+    if not fused:  # what a CPU does with a large expert's gradients
+        monkeypatch.setattr(backend, "FUSED_CHECK_MAX_CPU_NUMEL", 0)
     big = torch.full((4, 1000), 60000.0, dtype=dtype)  # sums past float16's range, every element finite
     assert all_finite([big, torch.zeros(0, dtype=dtype)])
     assert first_bad_values([big, torch.zeros(0, dtype=dtype)], [("g", None), ("e", None)],
@@ -177,6 +182,11 @@ def test_the_value_checks_find_every_nan_inf_and_huge_value_but_pass_large_finit
     opposite = big.clone()
     opposite[0, 0], opposite[1, 1] = math.inf, -math.inf  # cancelling infinities still count
     assert not all_finite([opposite]) and first_bad_values([opposite], [("g", None)]).startswith("g holds NaN")
+    kept = big.clone()
+    assert all_finite([kept]) and torch.equal(kept, big)  # the fused check rewrites each value as itself
+    other = torch.float32 if dtype != torch.float32 else torch.float64  # mixed dtypes are summed
+    assert all_finite([big, torch.ones(3, dtype=other)]) and not all_finite([big, torch.full((3,), math.nan,
+                                                                                            dtype=other)])
     problem = first_bad_values([-big], [("g", None)], max_abs_value=1e4)
     assert "above this server's limit 10000" in problem and problem.startswith("g holds a value of magnitude")
 

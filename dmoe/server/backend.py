@@ -21,13 +21,38 @@ Segments = Sequence[tuple["bytes | None", int]]
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when no element of ``tensors`` is NaN or infinite, in one read pass per tensor and one host sync.
+#: the most elements a CPU checks in one fused pass (:func:`all_finite`); more are summed, which only reads them
+FUSED_CHECK_MAX_CPU_NUMEL = 1 << 20
 
-    A sum is NaN or infinite when any element is, and torch sums in parallel and vectorised: cheaper than the total
-    norm (whose squares also overflow far sooner). A sum that overflows counts as non-finite too, which takes
-    gradients summing past ~3e38.
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when no element of ``tensors`` (gradients) is NaN or infinite, with one host sync.
+
+    Tensors of one device and dtype are checked in one fused call, the check AMP's gradient scaler makes every step,
+    with a scale of 1, so that each element is rewritten as itself. That is one dispatch for all the tensors, where
+    the sums below cost about a dozen small operations per step. Those operations dominated a small expert's
+    backward on a CPU, and on a GPU each is a kernel launch. On a CPU, more than
+    :data:`FUSED_CHECK_MAX_CPU_NUMEL` elements are summed instead, because summing only reads them. Past that size
+    the fused pass, which also writes them, was 1.2x slower (8M gradients on the 2-core VM).
     """
+    if not tensors:
+        return True
+    first = tensors[0]
+    if (all(t.device == first.device and t.dtype == first.dtype for t in tensors) and first.is_floating_point()
+            and (first.device.type != "cpu" or sum(t.numel() for t in tensors) <= FUSED_CHECK_MAX_CPU_NUMEL)):
+        found = torch.zeros(1, device=first.device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, torch.ones(1, device=first.device))
+            return not found.item()
+        except (NotImplementedError, RuntimeError):  # a device without the fused check: sum instead
+            pass
+    return _sums_finite(tensors)
+
+
+def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """:func:`all_finite` in one read pass per tensor. A sum is NaN or infinite when any element is, and torch sums
+    in parallel and vectorised: cheaper than the total norm, whose squares also overflow far sooner. A sum that
+    overflows counts as non-finite too, which takes gradients summing past ~3e38."""
     sums = [t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype) for t in tensors]
     return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in sums])).all())
 
