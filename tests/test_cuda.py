@@ -138,3 +138,28 @@ def test_two_cuda_workers_with_their_own_copy_streams_answer_many_concurrent_req
         futures = [runtime.submit(pools[i % 4], x) for i, x in enumerate(xs)]
         for x, future in zip(xs, futures):
             torch.testing.assert_close(future.result(60)[0], torch.tanh(x @ weight), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gradients_on_the_gpu_are_checked_in_one_fused_call_and_a_nan_skips_the_step(dtype):
+    from dmoe.server.backend import ExpertBackend, all_finite, make_optimizer
+
+    device = torch.device("cuda")
+    big = torch.full((4, 1000), 60000.0, dtype=dtype, device=device)  # finite, summing past float16's range
+    assert all_finite([big, torch.zeros(0, dtype=dtype, device=device)])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = big.clone()
+        broken[3, 999] = bad
+        assert not all_finite([big, broken])
+    module = local_copy("ffn.0", "cuda").to(dtype)
+    backend = ExpertBackend("e", module, [torch.randn(2, HIDDEN, device=device, dtype=dtype)],
+                            make_optimizer("adam", module.parameters(), 0.1))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    x = torch.randn(3, HIDDEN, device=device, dtype=dtype)
+    backend.backward(x, torch.full((3, HIDDEN), float("nan"), device=device, dtype=dtype))
+    assert backend.skipped_steps == 1 and backend.updates == 0
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    backend.backward(x, torch.randn(3, HIDDEN, device=device, dtype=dtype))  # a finite gradient still trains
+    assert backend.skipped_steps == 1 and backend.updates == 1
+    assert not torch.equal(module.state_dict()["ffn.0.weight"], before["ffn.0.weight"])
