@@ -373,7 +373,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adam", choices=["sgd", "adam"])
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--activation-cache-mb", type=float, default=512.0,
-                        help="the server's activation cache, and the limit's")
+                        help="the server's activation cache (its processes share it), and the limit's")
     parser.add_argument("--device", default="cpu", help="where the server and the limit compute (cpu, cuda)")
     parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
                         help="the server's --autocast; the limit runs the same forwards and backwards under it")

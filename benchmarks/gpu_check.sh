@@ -128,8 +128,9 @@ plan_next() {  # what the GPU has not measured yet, most wanted first: shared me
     step transport.1_process 80 $transport
     step transport.4_processes 80 $transport --server-processes 4
     step cuda_tests 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
+    # the processes share the server's --activation-cache-mb: 2048 leaves each the 512 one process has by default
     step throughput.4_processes 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda \
-        --duration 1 --rounds 1 --server-processes 4
+        --duration 1 --rounds 1 --server-processes 4 --activation-cache-mb 2048
 }
 
 case "${1:-}" in

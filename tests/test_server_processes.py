@@ -12,7 +12,7 @@ import torch
 
 from dmoe import launch
 from dmoe.cli import server as server_program
-from dmoe.cli.server_processes import announcement
+from dmoe.cli.server_processes import announcement, child_args
 from dmoe.client.remote_expert import backward_future, forward_future
 from dmoe.dht import DHT
 from dmoe.directory import get_experts
@@ -189,3 +189,27 @@ def test_the_program_line_names_every_process_once():
     assert announcement(lines[:1], "listening on") == "dmoe-server listening on 127.0.0.1:5000"
     assert announcement(lines, "metrics on") is None
     assert launch.announced([announcement(lines, "listening on")]) == [f"127.0.0.1:{p}" for p in (5000, 5001, 5002)]
+
+
+def test_the_memory_budgets_are_the_servers_and_shared_out_among_its_processes(monkeypatch, tmp_path):
+    flags = ["--experts", "ffn.[0:4]", "--processes", "3", "--device", "cpu", "--activation-cache-mb", "600"]
+    args = server_program.build_parser().parse_args([*flags, "--replica-dir", str(tmp_path), "--replica-budget-mb",
+                                                     "300"])
+    children = [child_args(args, index, "127.0.0.1:1") for index in range(3)]
+    assert [child.activation_cache_mb for child in children] == [200, 200, 200]  # one device: its budget in 3
+    assert [child.replica_budget_mb for child in children] == [100, 100, 100]  # one disk
+    assert [child.processes for child in children] == [1, 1, 1] and args.activation_cache_mb == 600
+
+    # a machine with two GPUs (simulated: this one may have none): processes 0 and 2 share cuda:0's budget
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args.device = "cuda"
+    children = [child_args(args, index, "127.0.0.1:1") for index in range(3)]
+    assert [child.device for child in children] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert [child.activation_cache_mb for child in children] == [300, 600, 300]
+    assert [child.replica_budget_mb for child in children] == [100, 100, 100]
+    args.device = "cuda:0"  # all on one GPU
+    children = [child_args(args, index, "127.0.0.1:1") for index in range(3)]
+    assert [(c.device, c.activation_cache_mb) for c in children] == [("cuda:0", 200)] * 3
+    args = server_program.build_parser().parse_args(flags)  # no replicas: the budget's flag stays unset
+    assert child_args(args, 0, "127.0.0.1:1").replica_budget_mb == args.replica_budget_mb

@@ -13,7 +13,8 @@ endpoint and DHT identity (``PATH.process-I`` beside ``--identity PATH``), and, 
 children share a machine token (:class:`~dmoe.replicas.ReplicaConfig`): none pushes its replicas to a sibling, which
 would leave with the machine, and no server puts two replicas of an expert on this machine. On a machine with several
 GPUs, ``--device cuda`` (or none) puts child I on GPU I modulo their count; ``--device cuda:0`` keeps them all on
-one. The parent prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1
+one. The memory budgets stay the server's: the children on one device share ``--activation-cache-mb`` and all share
+``--replica-budget-mb``. The parent prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1
 more processes: B C ...)``.
 
 The parent owns the children: SIGINT/SIGTERM (or the death of its own launcher) stops them cleanly (each writes its
@@ -99,8 +100,15 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
         child.identity = f"{args.identity}.process-{index}"
     if not args.torch_threads:  # the cores shared out, rather than each child taking them all
         child.torch_threads = max(1, torch.get_num_threads() // args.processes)
-    if args.device in (None, "auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        child.device = f"cuda:{index % torch.cuda.device_count()}"  # the GPUs shared out too; cuda:0 keeps one
+    gpus = torch.cuda.device_count() if args.device in (None, "auto", "cuda") and torch.cuda.is_available() else 0
+    if gpus > 1:
+        child.device = f"cuda:{index % gpus}"  # the GPUs shared out too; cuda:0 keeps one
+    # the memory budgets are the server's, as a volunteer sizes them: the kept activations of the processes that
+    # share a device share its budget, and the replicas of all of them share the disk's
+    sharing = len(range(index % gpus, args.processes, gpus)) if gpus > 1 else args.processes
+    child.activation_cache_mb = args.activation_cache_mb / sharing
+    if args.replica_dir is not None:
+        child.replica_budget_mb = args.replica_budget_mb / args.processes
     return child
 
 
