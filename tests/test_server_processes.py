@@ -191,13 +191,15 @@ def test_the_program_line_names_every_process_once():
     assert launch.announced([announcement(lines, "listening on")]) == [f"127.0.0.1:{p}" for p in (5000, 5001, 5002)]
 
 
-def test_the_memory_budgets_are_the_servers_and_shared_out_among_its_processes(monkeypatch, tmp_path):
-    flags = ["--experts", "ffn.[0:4]", "--processes", "3", "--device", "cpu", "--activation-cache-mb", "600"]
+def test_the_servers_threads_and_memory_budgets_are_shared_out_among_its_processes(monkeypatch, tmp_path):
+    flags = ["--experts", "ffn.[0:4]", "--processes", "3", "--device", "cpu", "--activation-cache-mb", "600",
+             "--torch-threads", "7"]
     args = server_program.build_parser().parse_args([*flags, "--replica-dir", str(tmp_path), "--replica-budget-mb",
                                                      "300"])
     children = [child_args(args, index, "127.0.0.1:1") for index in range(3)]
     assert [child.activation_cache_mb for child in children] == [200, 200, 200]  # one device: its budget in 3
     assert [child.replica_budget_mb for child in children] == [100, 100, 100]  # one disk
+    assert [child.torch_threads for child in children] == [2, 2, 2]  # the threads asked for, in all
     assert [child.processes for child in children] == [1, 1, 1] and args.activation_cache_mb == 600
 
     # a machine with two GPUs (simulated: this one may have none): processes 0 and 2 share cuda:0's budget
@@ -213,3 +215,5 @@ def test_the_memory_budgets_are_the_servers_and_shared_out_among_its_processes(m
     assert [(c.device, c.activation_cache_mb) for c in children] == [("cuda:0", 200)] * 3
     args = server_program.build_parser().parse_args(flags)  # no replicas: the budget's flag stays unset
     assert child_args(args, 0, "127.0.0.1:1").replica_budget_mb == args.replica_budget_mb
+    args.torch_threads, args.processes = 2, 3  # fewer threads than processes: one each
+    assert child_args(args, 0, "127.0.0.1:1").torch_threads == 1

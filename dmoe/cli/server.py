@@ -115,9 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="server processes that deal out the experts among them, each with its own gRPC port, DHT "
                              "node and Python interpreter, so that one interpreter does not hold a big GPU back "
                              "(--port, --dht-port and --metrics-port, if not 0, count up from the given one; "
-                             "--torch-threads is per process, by default the cores shared out; "
-                             "--activation-cache-mb is shared by the processes on one device, --replica-budget-mb by "
-                             "all)")
+                             "--torch-threads (by default the cores) and --replica-budget-mb are shared out among "
+                             "the processes, and --activation-cache-mb among those on one device)")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="on a GPU, copy through pinned memory on a copy stream per worker and wait once per "
                              "batch (default: plain copies, faster on the GPUs measured; benchmarks/README.md)")

@@ -13,8 +13,8 @@ endpoint and DHT identity (``PATH.process-I`` beside ``--identity PATH``), and, 
 children share a machine token (:class:`~dmoe.replicas.ReplicaConfig`): none pushes its replicas to a sibling, which
 would leave with the machine, and no server puts two replicas of an expert on this machine. On a machine with several
 GPUs, ``--device cuda`` (or none) puts child I on GPU I modulo their count; ``--device cuda:0`` keeps them all on
-one. The memory budgets stay the server's: the children on one device share ``--activation-cache-mb`` and all share
-``--replica-budget-mb``. The parent prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1
+one. The server's resources stay the server's: the children share ``--torch-threads`` (by default the cores) and
+``--replica-budget-mb``, and those on one device share its ``--activation-cache-mb``. The parent prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1
 more processes: B C ...)``.
 
 The parent owns the children: SIGINT/SIGTERM (or the death of its own launcher) stops them cleanly (each writes its
@@ -98,8 +98,8 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
             setattr(child, flag, str(Path(getattr(args, flag)) / SUBDIRECTORY.format(index)))
     if args.identity is not None:  # one each: an identity owns entries its siblings would overwrite (replicas)
         child.identity = f"{args.identity}.process-{index}"
-    if not args.torch_threads:  # the cores shared out, rather than each child taking them all
-        child.torch_threads = max(1, torch.get_num_threads() // args.processes)
+    # --torch-threads (by default the cores) is the server's in all, as for one process: shared out, at least one each
+    child.torch_threads = max(1, (args.torch_threads or torch.get_num_threads()) // args.processes)
     gpus = torch.cuda.device_count() if args.device in (None, "auto", "cuda") and torch.cuda.is_available() else 0
     if gpus > 1:
         child.device = f"cuda:{index % gpus}"  # the GPUs shared out too; cuda:0 keeps one
