@@ -15,6 +15,8 @@ per round, seconds per step, and the gRPC statuses a misbehaving peer got). Beha
 * ``stall``: sends the first piece of each part, prints ``stalled mid all-reduce`` (once per part), then nothing.
 * ``hostile``: client mode; in round r it attacks owner k with ``ATTACKS[r][k % len(ATTACKS[r])]``.
 * ``bad-owner``: answers every member's stream with NaN values (its service lies).
+* ``late``: reads its group ``LATE`` seconds after it formed (a slow DHT), past its ``join_timeout`` (default 3 s):
+  the others' first streams to it find a peer that does not know the group yet.
 """
 from __future__ import annotations
 
@@ -152,8 +154,27 @@ def lying(register):
     return register_lying
 
 
+#: seconds a ``late`` peer takes to learn its group after matchmaking found it
+LATE = 5.0
+
+
+class LateAverager(DecentralizedAverager):
+    """Learns its group ``LATE`` seconds after the others: its matchmaking returns the group that much later."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        find_group = self.matchmaker.find_group
+
+        def late(*find_args: Any, **find_kwargs: Any):
+            group = find_group(*find_args, **find_kwargs)
+            time.sleep(LATE)
+            return group
+
+        self.matchmaker.find_group = late
+
+
 BEHAVIOURS = {"honest": DecentralizedAverager, "stall": StallingAverager, "hostile": HostileAverager,
-              "bad-owner": DecentralizedAverager}
+              "bad-owner": DecentralizedAverager, "late": LateAverager}
 
 
 @dataclasses.dataclass

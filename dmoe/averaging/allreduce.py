@@ -276,11 +276,40 @@ class Outcome:
     error: str | None = None
 
 
+#: seconds between a member's streams to an owner that did not know the group yet
+RETRY_PAUSE = 0.25
+
+
 async def send_and_receive(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: str, me: int, weight: float,
                            values: torch.Tensor, out: torch.Tensor, *, compression: int, piece_elements: int,
-                           max_abs_value: float, timeout: float, pace: SendPace | None = None) -> Outcome:
+                           max_abs_value: float, timeout: float, pace: SendPace | None = None,
+                           retry_until: float = 0.0) -> Outcome:
     """Streams ``values`` (this member's values of one part) to its owner and writes the average it answers into
-    ``out``; never raises (a failure is the outcome's ``error``)."""
+    ``out``; never raises (a failure is the outcome's ``error``).
+
+    ``retry_until`` (``time.monotonic()``): until then, an owner that does not know the group yet (NOT_FOUND: it
+    has not read it from the DHT within its ``join_timeout``, or not begun the round) is sent the part again. A
+    member that read the group sooner than the owner would otherwise be dropped. On a loaded DHT an owner may
+    read its group seconds after the others, and every member then waited ``allreduce_timeout`` for a retry
+    without the dropped member.
+    """
+    started = time.monotonic()
+    while True:
+        outcome = await _stream_part(stub, group_id, me, weight, values, out, compression=compression,
+                                     piece_elements=piece_elements, max_abs_value=max_abs_value,
+                                     timeout=timeout - (time.monotonic() - started), pace=pace)
+        now = time.monotonic()
+        if not (outcome.error is not None and outcome.error.startswith(f"{grpc.StatusCode.NOT_FOUND.name}:")
+                and now + RETRY_PAUSE < min(retry_until, started + timeout)):
+            return outcome
+        logger.debug("group %s: the owner did not know the group yet (%s); sending again", group_id, outcome.error)
+        await asyncio.sleep(RETRY_PAUSE)
+
+
+async def _stream_part(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: str, me: int, weight: float,
+                       values: torch.Tensor, out: torch.Tensor, *, compression: int, piece_elements: int,
+                       max_abs_value: float, timeout: float, pace: SendPace | None) -> Outcome:
+    """One stream of :func:`send_and_receive`."""
 
     async def requests():
         for start in range(0, values.numel(), piece_elements):
@@ -371,7 +400,10 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                 tasks[member.peer_id] = _dead_owner_leaves(reducer, member.peer_id, send(
                     stub_for(member.endpoint), group_id, me, weight, flat[start:end], out[start:end],
                     compression=compression, piece_elements=piece_elements, max_abs_value=max_abs_value,
-                    timeout=min(allreduce_timeout + join_timeout + 5.0, left), pace=pace))
+                    timeout=min(allreduce_timeout + join_timeout + 5.0, left), pace=pace,
+                    # the leader's group: every owner in it learns it, maybe late. A retry's id is computed by each
+                    # survivor, and one with another view never learns this one: refused, as before
+                    retry_until=time.monotonic() + min(allreduce_timeout, left) if attempt == 0 else 0.0))
         outcomes = dict(zip(tasks, await asyncio.gather(*tasks.values())))
         failed = {owner: o.error for owner, o in outcomes.items() if o.error is not None}
         views = {o.contributors for o in outcomes.values() if o.error is None}
@@ -384,6 +416,8 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
         accepted = set(ids).intersection(*views) if views else set()
         for owner, error in failed.items():
             dropped[owner] = error
+        for pid in set(ids) - accepted - set(failed):  # the retry leaves them out too: say why
+            dropped[pid] = "refused by some owners" if views else "no owner answered"
         survivors = [m for m in members if m.peer_id in accepted and m.peer_id not in failed]
         logger.info("group %s attempt %d: owners failed %s, %d different contributor lists; survivors %s",
                  group.group_id, attempt + 1, failed or "none", len(views), [m.peer_id for m in survivors])
