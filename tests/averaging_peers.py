@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("dmoe.averaging.matchmaking").setLevel(logging.INFO)  # who led which group, who gave up
+    logging.getLogger("dmoe.averaging.allreduce").setLevel(logging.INFO)  # which owners failed an attempt, and why
     jobs = json.loads(args.jobs)
     out = Path(args.out)
     places = [(job, index) for job in jobs for index in job["indices"]]

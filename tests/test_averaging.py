@@ -88,7 +88,8 @@ def runs(bootstrap: str, tmp_path_factory) -> tuple[Path, dict[str, dict[int, di
         procs += [start_peers(bootstrap, out, jobs) for jobs in halves]
         found = {key: result for proc in procs for key, result in results_of(proc).items()}
         warnings = [line.strip() for proc in procs for line in proc.output
-                    if " WARNING " in line or " INFO dmoe.averaging.matchmaking" in line]
+                    if " WARNING " in line or " INFO dmoe.averaging.matchmaking" in line
+                    or " INFO dmoe.averaging.allreduce" in line]
     by_prefix: dict[str, dict[int, dict]] = {}
     for (prefix, index), result in found.items():
         # the peers' warnings and matchmaking news about this job's groups (keys begin with the prefix), for failures
