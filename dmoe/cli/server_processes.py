@@ -6,16 +6,16 @@ bring N interpreters to one GPU (or to many CPU cores); clients already send one
 step's calls to the N processes run side by side.
 
 The launching process (the parent) runs one DHT node, joined through ``--initial-peers`` (or starting a new DHT),
-and picks the free cells of ``--num-experts`` through it; every child is a whole server (:func:`dmoe.cli.server.serve`)
-joined through the parent's node, with every ``N``-th expert. Each child gets its own gRPC port, DHT node, metrics
-endpoint and DHT identity (``PATH.process-I`` beside ``--identity PATH``), and, under
-``--checkpoint-dir``/``--replica-dir``, its own ``process-I`` subdirectory (holding its identity by default). The
-children share a machine token (:class:`~dmoe.replicas.ReplicaConfig`): none pushes its replicas to a sibling, which
-would leave with the machine, and no server puts two replicas of an expert on this machine. On a machine with several
-GPUs, ``--device cuda`` (or none) puts child I on GPU I modulo their count; ``--device cuda:0`` keeps them all on
-one. The server's resources stay the server's: the children share ``--torch-threads`` (by default the cores) and
-``--replica-budget-mb``, and those on one device share its ``--activation-cache-mb``. The parent prints the program's usual lines once every child serves: ``dmoe-server listening on A (and N-1
-more processes: B C ...)``.
+and picks the free cells of ``--num-experts`` through it; every child is a whole server
+(:func:`dmoe.cli.server.serve`) joined through the parent's node, with every ``N``-th expert. Each child gets its
+own gRPC port, DHT node, metrics endpoint and DHT identity (``PATH.process-I`` beside ``--identity PATH``), and,
+under ``--checkpoint-dir``/``--replica-dir``, its own ``process-I`` subdirectory (holding its identity by default).
+The children share a machine token (:class:`~dmoe.replicas.ReplicaConfig`): none pushes its replicas to a sibling,
+which would leave with the machine, and no server puts two replicas of an expert on this machine. On a machine with
+several GPUs, ``--device cuda`` (or none) puts child I on GPU I modulo their count; ``--device cuda:0`` keeps them
+all on one. The server's resources stay the server's: the children share ``--torch-threads`` (by default the cores)
+and ``--replica-budget-mb``, and those on one device share its ``--activation-cache-mb``. The parent prints the
+program's usual lines once every child serves: ``dmoe-server listening on A (and N-1 more processes: B C ...)``.
 
 The parent owns the children: SIGINT/SIGTERM (or the death of its own launcher) stops them cleanly (each writes its
 last checkpoint and pushes its replicas), and a child that dies stops the others and the parent with status 1, so
