@@ -119,11 +119,13 @@ def saved(folder: Path, index: int, round_number: int = -1) -> list[torch.Tensor
 
 
 def assert_holds(folder: Path, indices: Sequence[int], expected: Sequence[torch.Tensor], round_number: int = -1,
-                 atol: float = 1e-5) -> None:
+                 atol: float = 1e-5, results: dict[int, dict] | None = None) -> None:
+    """``results``: the job's, whose groups a failure describes (who averaged with whom, and the peers' log)."""
+    groups = f"; {describe_groups(results)}" if results is not None else ""
     for index in indices:
         for got, want in zip(saved(folder, index, round_number), expected):
             assert torch.isfinite(got).all()
-            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"peer {index}: {m}")
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"peer {index}: {m}{groups}")
 
 
 @pytest.mark.parametrize("prefix", ["one4", "one8", "one9"])
@@ -137,7 +139,7 @@ def test_one_group_holds_the_exact_weighted_mean_after_one_round(runs, prefix):
         assert info is not None and info["members"] == info["contributors"] and len(info["members"]) == len(
             everyone), f"peer {index} of {prefix}: {describe_groups(results)}"
         assert info["weight"] == pytest.approx(sum(weight_of(i) for i in everyone) / len(everyone))
-    assert_holds(folder, everyone, weighted_mean(everyone))
+    assert_holds(folder, everyone, weighted_mean(everyone), results=results)
 
 
 def describe_groups(results: dict[int, dict]) -> str:
@@ -158,17 +160,17 @@ def describe_groups(results: dict[int, dict]) -> str:
 def test_a_full_moshpit_grid_holds_the_exact_weighted_mean_after_d_rounds(runs, prefix, grid):
     folder, results = job_results(runs, prefix)
     everyone = sorted(results)
-    assert_holds(folder, everyone, weighted_mean(everyone), round_number=len(grid) - 1)
+    assert_holds(folder, everyone, weighted_mean(everyone), round_number=len(grid) - 1, results=results)
     for result in results.values():
         assert [len(info["members"]) for info in result["infos"]] == [max(grid)] * len(grid)
 
 
 def test_one_round_of_a_grid_averages_each_line_only(runs):
     """After round 0 of a 3x3 grid a peer holds the mean of its line, not the global one: every round matters."""
-    folder, _ = job_results(runs, "grid9")
+    folder, results = job_results(runs, "grid9")
     for column in range(3):  # round 0 frees dimension 0: cells (0, c), (1, c), (2, c), peers c, 3 + c, 6 + c
         line = [column, 3 + column, 6 + column]
-        assert_holds(folder, line, weighted_mean(line), round_number=0)
+        assert_holds(folder, line, weighted_mean(line), round_number=0, results=results)
     assert not torch.allclose(saved(folder, 0, 0)[0], weighted_mean(range(9))[0], atol=1e-3)
 
 
@@ -176,7 +178,7 @@ def test_peers_crowded_in_one_cell_spread_over_the_grid_and_reach_the_exact_mean
     """Moshpit's rule: after averaging, a peer takes its rank in its group as the coordinate just averaged along,
     so two pairs from one crowded cell of a 2x2 grid pair across in the next round."""
     folder, results = job_results(runs, "crowd")
-    assert_holds(folder, [0, 1, 2, 3], weighted_mean([0, 1, 2, 3]), round_number=1)
+    assert_holds(folder, [0, 1, 2, 3], weighted_mean([0, 1, 2, 3]), round_number=1, results=results)
     for result in results.values():
         first, second = result["infos"]
         assert len(first["members"]) == len(second["members"]) == 2
@@ -213,13 +215,14 @@ def test_an_owner_that_learns_its_group_late_is_sent_its_parts_again_and_everyon
         # they sent them again, so nobody was dropped and no second attempt was needed
         assert info is not None and len(info["contributors"]) == 4 and info["attempts"] == 1 and \
             not info["dropped"], f"peer {index}: {describe_groups(results)}"
-    assert_holds(folder, [0, 1, 2, 3], weighted_mean([0, 1, 2, 3]))
+    assert_holds(folder, [0, 1, 2, 3], weighted_mean([0, 1, 2, 3]), results=results)
 
 
 def test_a_member_stalling_past_allreduce_timeout_is_dropped_and_keeps_its_own_values(runs):
     folder, results = job_results(runs, "stall")
-    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2], weighted=False))
-    assert_holds(folder, [3], make_tensors(3), atol=0)  # it could not agree with anyone: its own values, untouched
+    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2], weighted=False), results=results)
+    # it could not agree with anyone: its own values, untouched
+    assert_holds(folder, [3], make_tensors(3), atol=0, results=results)
     assert results[3]["infos"] == [None]
     for index in range(3):
         (info,) = results[index]["infos"]
@@ -233,7 +236,7 @@ def test_a_member_stalling_past_allreduce_timeout_is_dropped_and_keeps_its_own_v
 
 def test_a_hostile_member_is_refused_with_clear_statuses_and_the_others_average_correctly(runs):
     folder, results = job_results(runs, "hostile")
-    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2]))
+    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2]), results=results)
     first = results[0]["infos"][0]
     (hostile_id,) = set(first["members"]) - set(first["contributors"])
     for index in range(3):
@@ -261,9 +264,9 @@ def test_a_hostile_member_is_refused_with_clear_statuses_and_the_others_average_
 
 def test_an_owner_answering_nan_is_dropped_and_the_others_average_among_themselves(runs):
     folder, results = job_results(runs, "liar")
-    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2], weighted=False))
+    assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2], weighted=False), results=results)
     assert results[3]["infos"] == [None]  # its own part failed its own check: it keeps its values (not NaN)
-    assert_holds(folder, [3], make_tensors(3), atol=0)
+    assert_holds(folder, [3], make_tensors(3), atol=0, results=results)
     for index in range(3):
         assert len(results[index]["infos"][0]["contributors"]) == 3
 
