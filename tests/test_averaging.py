@@ -321,3 +321,32 @@ def test_shutdown_ends_a_step_in_flight_and_stops_every_thread(bootstrap):
             averager.step()
     left = [t for t in set(threading.enumerate()) - before if t.is_alive() and t.name.startswith("dmoe")]
     assert not left
+
+
+def test_a_leader_publishes_its_group_before_declaring_that_it_leads(bootstrap):
+    """A peer that reads a leader's declaration must be able to read the group it points to: stored together, the
+    declaration could be readable first, and a peer that waited for the group in vain went on as if the leader took
+    nobody (and could lead a group of its own with one of its members)."""
+    with DHT(initial_peers=[bootstrap]) as first, DHT(initial_peers=[bootstrap]) as second:
+        stores: dict[int, list[set[str]]] = {}
+        averagers = []
+        for dht in (first, second):
+            averager = DecentralizedAverager(make_tensors(len(averagers)), dht, "order", target_group_size=2,
+                                             matchmaking_time=30.0)
+            calls = stores.setdefault(averager.peer_id, [])
+            dht.store_many = lambda records, calls=calls, store_many=dht.store_many: (
+                calls.append(set(records)), store_many(records))[1]
+            averagers.append(averager)
+        try:
+            infos = [future.result(timeout=60) for future in [a.step(wait=False) for a in averagers]]
+        finally:
+            for averager in averagers:
+                averager.shutdown()
+    assert all(info is not None and len(info.contributors) == 2 for info in infos), infos
+    group_id = infos[0].group_id
+    leader = int(group_id.split(".")[-2])
+    calls = stores[leader]  # its declarations (waiting, then leading) and the group
+    published = calls.index({group_id})  # the group alone, then the declaration that it leads
+    assert calls[published + 1:] == [{"order.0.*"}] and all(call == {"order.0.*"} for call in calls[:published])
+    (member,) = set(stores) - {leader}
+    assert stores[member] and all(call == {"order.0.*"} for call in stores[member])  # declarations only

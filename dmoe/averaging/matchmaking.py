@@ -5,7 +5,7 @@ so nobody else can rewrite it), with its endpoint, its bandwidth and a state: ``
 ``L<n>.<nonce>`` leading a group of ``n``. The **leader** is the smallest waiting peer id not yet taken by another
 group: once it sees ``target_group_size`` waiting peers, or when its ``matchmaking_time`` is up and it sees at least
 ``min_group_size``, it publishes the group in record ``<key>.<leader>.<nonce>`` (the group id): one entry per
-member, all owned by the leader's key, then marks itself as leading. Everyone else polls the key: a peer listed in
+member, all owned by the leader's key, and once that is stored, marks itself as leading. Everyone else polls the key: a peer listed in
 a leader's group joins it; a peer left out of full groups waits for the next smallest waiting peer to lead (or
 leads itself). All members thus read the same list, signed by one key. A peer that finds nobody by its deadline
 marks itself gone and averages with no one.
@@ -214,10 +214,13 @@ class Matchmaker:
         self._expiration = max(expiration, self._expiration + 0.01)
         state = f"{LEADING}{len(members)}.{nonce}"
         try:
-            results = self.dht.store_many({
-                group_id: {m.peer_id: (m.describe(), expiration) for m in members},
-                key: {self.me.peer_id: (f"{self.me.describe()};{state}", self._expiration)},
-            })
+            # the group before the declaration that points to it: stored together, a peer could read the declaration
+            # first, wait `margin` in vain for the group, go on as if this leader took nobody, and lead a group of
+            # its own with one of this group's members (on a loaded DHT, a record can take seconds to be readable)
+            results = self.dht.store_many({group_id: {m.peer_id: (m.describe(), expiration) for m in members}})
+            if all(result is True for result in results[group_id].values()):
+                results |= self.dht.store_many(
+                    {key: {self.me.peer_id: (f"{self.me.describe()};{state}", self._expiration)}})
         except TimeoutError as error:
             results = {"error": {0: str(error)}}
         failed = [f"{subkey}: {result}" for record in results.values() for subkey, result in record.items()
