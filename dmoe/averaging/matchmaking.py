@@ -3,7 +3,7 @@
 Every peer declares itself in record ``<prefix>.<round>.<group key>`` under its own peer id (an owned int subkey,
 so nobody else can rewrite it), with its endpoint, its bandwidth and a state: ``w`` waiting, ``x`` gone, or
 ``L<n>.<nonce>`` leading a group of ``n``. The **leader** is the smallest waiting peer id not yet taken by another
-group: once it sees ``target_group_size`` waiting peers, or when its ``matchmaking_time`` is up and it sees at least
+group: once it sees ``target_group_size`` waiting peers (and ``margin`` after it declared itself), or when its ``matchmaking_time`` is up and it sees at least
 ``min_group_size``, it publishes the group in record ``<key>.<leader>.<nonce>`` (the group id): one entry per
 member, all owned by the leader's key, and once that is stored, marks itself as leading. Everyone else polls the key: a peer listed in
 a leader's group joins it; a peer left out of full groups waits for the next smallest waiting peer to lead (or
@@ -147,6 +147,11 @@ class Matchmaker:
         target = cfg.target_group_size if target_group_size is None else target_group_size
         matchmaking_ends = time.time() + cfg.matchmaking_time
         self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl)
+        # no group is led before the peers that declared about when this one did can be read: a leader that formed a
+        # full group at once with the waiting peers it saw first could take one that a smaller peer, declared but not
+        # yet readable, took too (two groups claiming one peer: one of them fails its all-reduce). A round of one
+        # group of everyone needs no wait: its leader sees all the peers it expects
+        settled = min(time.time() + self.margin, matchmaking_ends) if not single_group else 0.0
         groups: dict[int, Group] = {}  # leader id -> group read completely
         unreadable: dict[int, float] = {}  # leader id -> since when its group could not be read in full
         while not self.stop.is_set() and time.time() < deadline:
@@ -157,7 +162,7 @@ class Matchmaker:
                 declarations = None
             if declarations is not None:
                 outcome = self._look(round_number, key, declarations, groups, unreadable, matchmaking_ends, target,
-                                     single_group)
+                                     single_group, settled)
                 if outcome is not _WAIT:
                     return outcome
             self.stop.wait(cfg.poll_period * random.uniform(0.75, 1.25))
@@ -166,7 +171,7 @@ class Matchmaker:
 
     def _look(self, round_number: int, key: str, declarations: dict[int, Declaration], groups: dict[int, Group],
               unreadable: dict[int, float], matchmaking_ends: float, target: int,
-              single_group: bool = False) -> "Group | None | object":
+              single_group: bool = False, settled: float = 0.0) -> "Group | None | object":
         """One look at the key's declarations: a group to join, one led now, None (gave up) or _WAIT."""
         cfg, me = self.config, self.me.peer_id
         leaders = {pid: d for pid, d in declarations.items() if d.state.startswith(LEADING)}
@@ -197,7 +202,7 @@ class Matchmaker:
             return _WAIT
         # this peer leads: the smallest waiting peer that no group has taken
         available = [self.me] + [d.member for pid, d in sorted(waiting.items()) if d.expiration > now + self.margin]
-        if len(available) < target and now < matchmaking_ends:
+        if (len(available) < target or now < settled) and now < matchmaking_ends:
             return _WAIT
         members = available[:target]
         if len(members) < cfg.min_group_size or not any(m.endpoint for m in members):
