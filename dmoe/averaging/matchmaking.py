@@ -1,14 +1,15 @@
 """Matchmaking: peers that want to average find each other under one DHT key and agree on one member list.
 
-Every peer declares itself in record ``<prefix>.<round>.<group key>`` under its own peer id (an owned int subkey,
-so nobody else can rewrite it), with its endpoint, its bandwidth and a state: ``w`` waiting, ``x`` gone, or
+Every peer declares itself in record ``<prefix>.<round>.<group key>`` under its own peer id (an owned int subkey, so
+nobody else can rewrite it), with its endpoint, its bandwidth and a state: ``w`` waiting, ``x`` gone, or
 ``L<n>.<nonce>`` leading a group of ``n``. The **leader** is the smallest waiting peer id not yet taken by another
-group: once it sees ``target_group_size`` waiting peers (and ``margin`` after it declared itself), or when its ``matchmaking_time`` is up and it sees at least
-``min_group_size``, it publishes the group in record ``<key>.<leader>.<nonce>`` (the group id): one entry per
-member, all owned by the leader's key, and once that is stored, marks itself as leading. Everyone else polls the key: a peer listed in
-a leader's group joins it; a peer left out of full groups waits for the next smallest waiting peer to lead (or
-leads itself). All members thus read the same list, signed by one key. A peer that finds nobody by its deadline
-marks itself gone and averages with no one.
+group: once it sees ``target_group_size`` waiting peers (and ``margin`` after it declared itself), or when its
+``matchmaking_time`` is up and it sees at least ``min_group_size``, it publishes the group in record
+``<key>.<leader>.<nonce>`` (the group id): one entry per member, all owned by the leader's key, and once that is
+stored, marks itself as leading. Everyone else polls the key: a peer listed in a leader's group joins it; a peer
+left out of full groups waits for the next smallest waiting peer to lead (or leads itself). All members thus read
+the same list, signed by one key. A peer that finds nobody by its deadline marks itself gone and averages with no
+one.
 
 Waiting peers keep their declarations alive with short expirations, so a peer that dies while waiting stops
 holding the others up ``declaration_ttl`` seconds later; leaders take only peers whose declarations will live a
