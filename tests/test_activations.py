@@ -19,7 +19,7 @@ from dmoe.server import ExpertBackend
 from dmoe.server.activations import ActivationCache, KeptForward
 from dmoe.uid import grid_uids
 from tests.procs import running
-from tests.test_metrics import scrape, value
+from tests.test_metrics import scrape, scrape_once, value
 
 HIDDEN = 8
 
@@ -234,7 +234,8 @@ def test_out_of_device_memory_drops_the_kept_activations_answers_resource_exhaus
             forward_future(endpoint, "s.0", [torch.randn(100, HIDDEN)]).result(30)
         proc.wait_for(r"s.0.forward ran out of memory on cpu with 100 rows: freed 0.000244 MiB of kept activations, "
                       r"running it again")
-        samples = scrape(metrics)
+        samples = scrape_once(metrics, "dmoe_requests_total", 1, expert="s.0", method="forward",
+                              code="RESOURCE_EXHAUSTED")
         torch.testing.assert_close(forward_future(endpoint, "s.0", [x]).result(30)[0], kept, rtol=0, atol=0)
         # the inputs kept for the backward went too: its gradients alone are refused, and sent with them it works
         with pytest.raises(RemoteExpertError, match="FAILED_PRECONDITION.*holds no inputs for this activation_id"):

@@ -42,7 +42,8 @@ JOBS = [
     {"prefix": "float16", "indices": [0, 1, 2, 3], "weighted": True, "settings": {"compression": "float16"}},
     {"prefix": "uint8", "indices": [0, 1, 2, 3], "weighted": True, "settings": {"compression": "uint8"}},
     # failures: peer 3 stalls / attacks / lies as an owner
-    {"prefix": "stall", "indices": [0, 1, 2, 3], "settings": {"allreduce_timeout": 4.0},
+    # (8 s: with 4, an honest member of a loaded suite once read the group too late to deliver in time)
+    {"prefix": "stall", "indices": [0, 1, 2, 3], "settings": {"allreduce_timeout": 8.0},
      "peers": {"3": {"behaviour": "stall"}}},
     {"prefix": "hostile", "indices": [0, 1, 2, 3], "weighted": True, "rounds": len(ATTACKS),
      "settings": {"allreduce_timeout": 10.0}, "peers": {"3": {"behaviour": "hostile"}}},
@@ -231,7 +232,7 @@ def test_a_member_stalling_past_allreduce_timeout_is_dropped_and_keeps_its_own_v
         assert set(map(int, info["dropped"])) == set(info["members"]) - set(info["contributors"]), info
         # the all-reduce waited allreduce_timeout for it, and not much longer (matchmaking is left out: all the
         # module's ~40 peers start at once, and on a loaded CI machine forming the group alone once took ~10 s)
-        assert 4 <= info["allreduce_s"] < 4 * 4, info
+        assert 8 <= info["allreduce_s"] < 8 * 4, info
 
 
 def test_a_hostile_member_is_refused_with_clear_statuses_and_the_others_average_correctly(runs):

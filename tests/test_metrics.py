@@ -26,6 +26,16 @@ def value(samples, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def scrape_once(endpoint: str, name: str, expected: float, timeout: float = 30.0, **labels
+                ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """:func:`scrape`, once ``name{labels}`` reads ``expected``. A call is counted as its handler returns, which
+    can be just after the client got its status (a refusal is sent first)."""
+    deadline = time.monotonic() + timeout
+    while value(samples := scrape(endpoint), name, **labels) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return samples
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "grpc"])
 def test_server_process_started_from_a_config_file_counts_requests_batches_errors_and_steps(tmp_path,
                                                                                            shared_memory):
