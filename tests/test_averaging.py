@@ -324,6 +324,14 @@ def test_shutdown_ends_a_step_in_flight_and_stops_every_thread(bootstrap):
     assert not left
 
 
+def recording(store_many, calls: list[set[str]]):
+    """``DHT.store_many``, also noting the keys of each call in ``calls``."""
+    def store(records):
+        calls.append(set(records))
+        return store_many(records)
+    return store
+
+
 def test_a_leader_lets_declarations_settle_and_publishes_its_group_before_declaring_that_it_leads(bootstrap):
     """Two races on a loaded DHT that made two groups claim one peer. A leader that formed a full group with the first
     peers it saw could miss a smaller peer declared at about the same time, which took one of them too: no group
@@ -335,9 +343,7 @@ def test_a_leader_lets_declarations_settle_and_publishes_its_group_before_declar
         for dht in (first, second):
             averager = DecentralizedAverager(make_tensors(len(averagers)), dht, "order", target_group_size=2,
                                              matchmaking_time=30.0)
-            calls = stores.setdefault(averager.peer_id, [])
-            dht.store_many = lambda records, calls=calls, store_many=dht.store_many: (
-                calls.append(set(records)), store_many(records))[1]
+            dht.store_many = recording(dht.store_many, stores.setdefault(averager.peer_id, []))
             averagers.append(averager)
         try:
             infos = [future.result(timeout=60) for future in [a.step(wait=False) for a in averagers]]
