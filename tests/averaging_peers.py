@@ -1,6 +1,6 @@
 """Averaging peers for tests: many in one process (threads), each with its own DHT node and gRPC server.
 
-    python -m tests.averaging_peers --initial-peers HOST:PORT --out DIR --jobs JSON
+    python -m tests.averaging_peers --initial-peers HOST:PORT --out DIR --jobs JSON [--debug]
 
 ``--jobs`` is a list of runs, all started at once, each ``{"prefix": "one4", "indices": [0, 1, 2, 3], "rounds": 1,
 "grid": [], "weighted": true, "settings": {AveragerConfig fields}, "peers": {"3": {"behaviour": "stall",
@@ -12,7 +12,8 @@ at ``"cell"`` when the job names one for all. After each round it saves its tens
 ``DIR/<prefix>/peer<i>.r<round>.pt``; at the end it prints ``result {json}`` (prefix, index, one GroupInfo or null
 per round, seconds per step, and the gRPC statuses a misbehaving peer got). Behaviours:
 
-* ``stall``: sends the first piece of each part, prints ``stalled mid all-reduce`` (once per part), then nothing.
+* ``stall``: sends the first piece of each part, prints ``stalled mid all-reduce: peer ID`` (once per part), then
+  nothing.
 * ``hostile``: client mode; in round r it attacks owner k with ``ATTACKS[r][k % len(ATTACKS[r])]``.
 * ``bad-owner``: answers every member's stream with NaN values (its service lies).
 * ``late``: reads its group ``LATE`` seconds after it formed (a slow DHT), past its ``join_timeout`` (default 3 s):
@@ -72,7 +73,7 @@ class StallingAverager(DecentralizedAverager):
         async def requests():
             piece = serialize(values[:kwargs["piece_elements"]], kwargs["compression"])
             yield dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight, values=piece)
-            print(STALLED, flush=True)
+            print(f"{STALLED}: peer {self.peer_id}", flush=True)
             await asyncio.Event().wait()
 
         try:
@@ -224,11 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--initial-peers", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", required=True, help="JSON list of runs (see the module docstring)")
+    parser.add_argument("--debug", action="store_true", help="log each sender an owner begins to hear from")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("dmoe.averaging.matchmaking").setLevel(logging.INFO)  # who led which group, who gave up
-    logging.getLogger("dmoe.averaging.allreduce").setLevel(logging.INFO)  # which owners failed an attempt, and why
+    # which owners failed an attempt, and why
+    logging.getLogger("dmoe.averaging.allreduce").setLevel(logging.DEBUG if args.debug else logging.INFO)
     jobs = json.loads(args.jobs)
     out = Path(args.out)
     places = [(job, index) for job in jobs for index in job["indices"]]

@@ -60,10 +60,10 @@ def bootstrap() -> Iterator[str]:
         yield proc.endpoint()
 
 
-def start_peers(bootstrap: str, out: Path, jobs: Sequence[dict[str, Any]]) -> Proc:
+def start_peers(bootstrap: str, out: Path, jobs: Sequence[dict[str, Any]], debug: bool = False) -> Proc:
     jobs = [{**job, "settings": {**QUICK, **job.get("settings", {})}} for job in jobs]  # run by one process
     return Proc(["-m", "tests.averaging_peers", "--initial-peers", bootstrap, "--out", str(out),
-                 "--jobs", json.dumps(jobs)])
+                 "--jobs", json.dumps(jobs), *(["--debug"] if debug else [])])
 
 
 def results_of(proc: Proc, timeout: float = 240.0) -> dict[tuple[str, int], dict]:
@@ -275,11 +275,14 @@ def test_an_owner_answering_nan_is_dropped_and_the_others_average_among_themselv
 def test_a_peer_killed_mid_allreduce_is_dropped_and_the_survivors_average_among_themselves(bootstrap, tmp_path):
     kill = {"prefix": "kill", "weighted": True, "settings": {"allreduce_timeout": 20.0, "target_group_size": 4}}
     with processes() as procs:
-        survivors = start_peers(bootstrap, tmp_path, [{**kill, "indices": [0, 1, 2]}])
+        survivors = start_peers(bootstrap, tmp_path, [{**kill, "indices": [0, 1, 2]}], debug=True)
         victim = start_peers(bootstrap, tmp_path, [{**kill, "indices": [3], "peers": {"3": {"behaviour": "stall"}}}])
         procs += [survivors, victim]
-        for _ in range(3):  # its streams to each of the 3 other owners have started
-            victim.wait_for(STALLED, timeout=120)
+        victim_id = victim.wait_for(f"{STALLED}: peer (\\d+)", timeout=120).group(1)
+        # its streams reached each of the 3 other owners. A stream killed before it reached an owner that the victim
+        # already answered leaves that owner no sign of the death: it waits allreduce_timeout (seen once in the suite)
+        for _ in range(3):
+            survivors.wait_for(f"group kill\\.0\\S*: peer {victim_id} began sending its part", timeout=60)
         killed_at = time.monotonic()
         victim.kill()  # SIGKILL
         results = results_of(survivors)

@@ -207,6 +207,7 @@ class PartReducer:
         self.values[sender] = torch.empty(self.length, dtype=DTYPE)
         self.filled[sender] = 0
         self.weights[sender] = weight
+        logger.debug("group %s: peer %s began sending its part", self.group_id, sender)
 
     def add(self, sender: int, piece: dmoe_pb2.Tensor | torch.Tensor) -> None:
         """The next piece of ``sender``'s values (a message, or a tensor for the owner's own values)."""
