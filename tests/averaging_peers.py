@@ -14,6 +14,8 @@ per round, seconds per step, and the gRPC statuses a misbehaving peer got). Beha
 
 * ``stall``: sends the first piece of each part, prints ``stalled mid all-reduce: peer ID`` (once per part), then
   nothing.
+* ``mute``: owns and answers its part, sends nobody its values; prints ``sends nobody its values: peer ID`` (once
+  per part).
 * ``hostile``: client mode; in round r it attacks owner k with ``ATTACKS[r][k % len(ATTACKS[r])]``.
 * ``bad-owner``: answers every member's stream with NaN values (its service lies).
 * ``late``: reads its group ``LATE`` seconds after it formed (a slow DHT), past its ``join_timeout`` (default 3 s):
@@ -44,6 +46,7 @@ from dmoe.wire.codec import serialize
 
 SHAPES = [(1024, 700), (3, 333, 257), (64, 64, 64), (777,)]  # 4.95 MB of float32, mixed shapes
 STALLED = "stalled mid all-reduce"
+MUTE = "sends nobody its values"
 
 #: what a hostile member sends each owner, by round: every one of them must be refused with a clear status
 ATTACKS = [
@@ -82,6 +85,16 @@ class StallingAverager(DecentralizedAverager):
         except grpc.aio.AioRpcError as error:
             return Outcome(error=error.code().name)
         return Outcome(error="stalled")
+
+
+class MuteAverager(DecentralizedAverager):
+    """Owns and answers its part but sends nobody its values: a peer whose streams were lost, then (in the test)
+    killed."""
+
+    async def _send_part(self, stub, group_id, me, weight, values, out, **kwargs) -> Outcome:
+        print(f"{MUTE}: peer {self.peer_id}", flush=True)
+        await asyncio.Event().wait()
+        return Outcome(error="mute")
 
 
 class HostileAverager(DecentralizedAverager):
@@ -174,8 +187,8 @@ class LateAverager(DecentralizedAverager):
         self.matchmaker.find_group = late
 
 
-BEHAVIOURS = {"honest": DecentralizedAverager, "stall": StallingAverager, "hostile": HostileAverager,
-              "bad-owner": DecentralizedAverager, "late": LateAverager}
+BEHAVIOURS = {"honest": DecentralizedAverager, "stall": StallingAverager, "mute": MuteAverager,
+              "hostile": HostileAverager, "bad-owner": DecentralizedAverager, "late": LateAverager}
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dmoe import DHT, DecentralizedAverager
-from tests.averaging_peers import ATTACKS, STALLED, make_tensors, weight_of
+from tests.averaging_peers import ATTACKS, MUTE, STALLED, make_tensors, weight_of
 from tests.procs import Proc, processes, running
 
 #: matchmaking waits up to 60 s for a group to fill (a full group forms at once; the wait only runs out when a peer
@@ -279,8 +279,8 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_survivors_average_among_
         victim = start_peers(bootstrap, tmp_path, [{**kill, "indices": [3], "peers": {"3": {"behaviour": "stall"}}}])
         procs += [survivors, victim]
         victim_id = victim.wait_for(f"{STALLED}: peer (\\d+)", timeout=120).group(1)
-        # its streams reached each of the 3 other owners. A stream killed before it reached an owner that the victim
-        # already answered leaves that owner no sign of the death: it waits allreduce_timeout (seen once in the suite)
+        # its streams reached each of the 3 other owners: their breaking is what drops it here (streams that never
+        # reached an owner: the next test)
         for _ in range(3):
             survivors.wait_for(f"group kill\\.0\\S*: peer {victim_id} began sending its part", timeout=60)
         killed_at = time.monotonic()
@@ -293,6 +293,34 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_survivors_average_among_
         assert result["error"] is None, result["error"]
         (info,) = result["infos"]
         assert len(info["members"]) == 4 and len(info["contributors"]) == 3 and info["attempts"] == 2
+
+
+def test_a_peer_killed_after_it_answered_but_before_its_values_arrived_is_dropped_without_waiting_out_the_timeout(
+        bootstrap, tmp_path):
+    """Its streams never began anywhere, so no broken stream tells an owner it died: each owner, having had its
+    answer, checks that it still accepts connections."""
+    timeout = 30.0
+    mute = {"prefix": "mute", "weighted": True, "settings": {"allreduce_timeout": timeout, "target_group_size": 4}}
+    with processes() as procs:
+        survivors = start_peers(bootstrap, tmp_path, [{**mute, "indices": [0, 1, 2]}], debug=True)
+        victim = start_peers(bootstrap, tmp_path, [{**mute, "indices": [3], "peers": {"3": {"behaviour": "mute"}}}])
+        procs += [survivors, victim]
+        victim_id = victim.wait_for(f"{MUTE}: peer (\\d+)", timeout=120).group(1)
+        for _ in range(3):  # each survivor had the victim's answer, and waits for its values
+            survivors.wait_for(f"group mute\\.0\\S*: peer {victim_id} answered, its values have not arrived",
+                               timeout=60)
+        killed_at = time.monotonic()
+        victim.kill()
+        results = results_of(survivors)
+        returned_after = time.monotonic() - killed_at
+    assert returned_after < timeout / 2, f"survivors took {returned_after:.1f}s after the kill"
+    assert_holds(tmp_path / "mute", [0, 1, 2], weighted_mean([0, 1, 2]))
+    for result in results.values():
+        assert result["error"] is None, result["error"]
+        (info,) = result["infos"]
+        assert len(info["contributors"]) == 3 and info["attempts"] == 2, info
+        assert victim_id in info["dropped"], info
+    assert f"dropped peer {victim_id}: it stopped accepting connections" in "".join(survivors.output)
 
 
 def test_a_lone_peer_averages_with_nobody_and_leaves_its_tensors(bootstrap):

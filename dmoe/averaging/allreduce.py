@@ -3,8 +3,9 @@
 The tensors of every member are flattened into one float32 vector and cut into one contiguous part per member,
 sized in proportion to the bandwidth each declared (DeDLOC): a member in client mode owns an empty part. Each
 member streams its values of every part to that part's owner (scatter-reduce); the owner checks each piece as it
-arrives, and once every member delivered (or was refused, broke its stream, or ``allreduce_timeout`` passed) it
-averages the values it accepted, weighted, and streams the average back to every sender (all-gather).
+arrives, and once every member delivered (or was refused, broke its stream, was found gone, or
+``allreduce_timeout`` passed) it averages the values it accepted, weighted, and streams the average back to every
+sender (all-gather).
 
 Agreement: an owner's answer names the members its average is over (its contributors). A member keeps the result
 only if every part came back and all owners name the same contributors, itself included. Otherwise (an owner died
@@ -168,6 +169,11 @@ class PartReducer:
     def time_left(self) -> float:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
+    def waiting_for(self, sender: int) -> bool:
+        """Whether the part still waits for ``sender``'s stream to begin."""
+        return (self.result is None and sender in self.members and sender not in self.values
+                and sender not in self.complete and sender not in self.dropped)
+
     def ban(self, sender: int, refusal: Refused) -> Refused:
         """Drops ``sender`` from the group with the reason it was refused; returns the refusal to raise."""
         self.drop(sender, refusal.message)
@@ -255,6 +261,13 @@ class PartReducer:
         self.values.clear()
         self.result = PartResult.encode(contributors, total, values, self.compression, self.piece_elements)
         self._done.set()
+
+    async def settled(self, timeout: float) -> None:
+        """Returns once the part is averaged, or after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._done.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     async def wait(self) -> PartResult:
         """The average, once every member delivered or was dropped; at the deadline, without the stragglers."""
@@ -367,11 +380,13 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                     compression: int, piece_elements: int, max_abs_value: float, allreduce_timeout: float,
                     join_timeout: float, max_retries: int, min_group_size: int, deadline: float,
                     pace: SendPace | None = None,
-                    send: Callable[..., Awaitable[Outcome]] = send_and_receive) -> AllReduceResult | None:
+                    send: Callable[..., Awaitable[Outcome]] = send_and_receive,
+                    reachable: Callable[[str], Awaitable[bool]] | None = None) -> AllReduceResult | None:
     """Averages ``flat`` with the group into ``out`` (never into ``flat``); None when the members could not agree.
 
     ``register`` makes this peer's owned parts reachable by its gRPC service (None in client mode); ``deadline``
-    is ``time.monotonic()`` by which to give up.
+    is ``time.monotonic()`` by which to give up. ``reachable(endpoint)``: False once the peer there refuses
+    connections (see :func:`_dead_owner_leaves`); None: never asked.
     """
     members = list(group.members)
     dropped: dict[int, str] = {}
@@ -398,7 +413,7 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
             if member.peer_id == me:
                 tasks[me] = _own_part(reducer, me, weight, flat[start:end], out[start:end])
             else:
-                tasks[member.peer_id] = _dead_owner_leaves(reducer, member.peer_id, send(
+                tasks[member.peer_id] = _dead_owner_leaves(reducer, member, reachable, send(
                     stub_for(member.endpoint), group_id, me, weight, flat[start:end], out[start:end],
                     compression=compression, piece_elements=piece_elements, max_abs_value=max_abs_value,
                     timeout=min(allreduce_timeout + join_timeout + 5.0, left), pace=pace,
@@ -429,14 +444,38 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
     return None
 
 
-async def _dead_owner_leaves(reducer: PartReducer | None, owner: int, sending: Awaitable[Outcome]) -> Outcome:
+#: seconds between checks that a member which answered, but whose values have not arrived, still accepts connections
+PROBE_PERIOD = 1.0
+
+
+async def _dead_owner_leaves(reducer: PartReducer | None, owner: Member,
+                             reachable: Callable[[str], Awaitable[bool]] | None,
+                             sending: Awaitable[Outcome]) -> Outcome:
     """A member whose own part this peer could not reach is dead: it will not send its values of this peer's part
     either, so this peer's part stops waiting for them (a member killed before its streams reached everyone would
-    otherwise hold up every part it never reached until allreduce_timeout)."""
+    otherwise hold up every part it never reached until allreduce_timeout).
+
+    A member that answered, but whose stream to this peer has not begun, is watched until it begins (or the part
+    is averaged): once its peer refuses connections (``reachable``), it is dropped too. Killed after it answered and
+    before its stream arrived, it left no broken stream here, and this part waited allreduce_timeout for it.
+    """
     outcome = await sending
-    if reducer is not None and outcome.error is not None and outcome.error.startswith(
-            f"{grpc.StatusCode.UNAVAILABLE.name}:"):
-        reducer.drop(owner, f"its own part was unreachable ({outcome.error})")
+    if reducer is None:
+        return outcome
+    if outcome.error is not None:
+        if outcome.error.startswith(f"{grpc.StatusCode.UNAVAILABLE.name}:"):
+            reducer.drop(owner.peer_id, f"its own part was unreachable ({outcome.error})")
+        return outcome
+    if reachable is None or not owner.endpoint or not reducer.waiting_for(owner.peer_id):
+        return outcome
+    logger.debug("group %s: peer %s answered, its values have not arrived yet: watching that it stays reachable",
+                 reducer.group_id, owner.peer_id)
+    while reducer.waiting_for(owner.peer_id):
+        if not await reachable(owner.endpoint):
+            if reducer.waiting_for(owner.peer_id):
+                reducer.drop(owner.peer_id, "it stopped accepting connections before its values arrived")
+            break
+        await reducer.settled(PROBE_PERIOD)
     return outcome
 
 

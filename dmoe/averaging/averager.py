@@ -30,6 +30,9 @@ from dmoe.wire.codec import parse_compression
 
 logger = logging.getLogger(__name__)
 
+#: seconds a check that a peer accepts connections may take before it counts as "cannot tell" (then: reachable)
+PROBE_TIMEOUT = 5.0
+
 
 @dataclass(frozen=True)
 class GroupInfo:
@@ -102,7 +105,7 @@ class DecentralizedAverager:
         self._closed = False
         self._inflight: concurrent.futures.Future | None = None
         self._stubs: dict[str, dmoe_pb2_grpc.AveragingServiceStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None
         self.servicer: AveragingServicer | None = None
         self.endpoint: str | None = None
@@ -141,10 +144,26 @@ class DecentralizedAverager:
         """A stub per endpoint, its channel created on the loop that uses it."""
         stub = self._stubs.get(endpoint)
         if stub is None:
-            channel = grpc.aio.insecure_channel(endpoint, options=grpc_options())
-            self._channels.append(channel)
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=grpc_options())
             stub = self._stubs[endpoint] = dmoe_pb2_grpc.AveragingServiceStub(channel)
         return stub
+
+    async def _reachable(self, endpoint: str) -> bool:
+        """False when the peer at ``endpoint`` refuses connections (its process is gone); True when it is connected
+        or cannot be told within ``PROBE_TIMEOUT`` (a host that vanished without closing its connections is only
+        found out by gRPC's keepalive)."""
+        self._stub(endpoint)
+        channel = self._channels[endpoint]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PROBE_TIMEOUT
+        state = channel.get_state(try_to_connect=True)  # after a lost connection the channel idles until asked
+        while state in (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING):
+            try:
+                await asyncio.wait_for(channel.wait_for_state_change(state), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return True
+            state = channel.get_state(try_to_connect=True)
+        return state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     def step(self, weight: float | None = None, timeout: float | None = None, wait: bool = True, *,
              group_size: int | None = None, single_group: bool = False,
@@ -192,7 +211,8 @@ class DecentralizedAverager:
             register=self.servicer.register if self.servicer is not None else None,
             compression=self.compression, piece_elements=cfg.piece_bytes // 4, max_abs_value=cfg.max_abs_value,
             allreduce_timeout=cfg.allreduce_timeout, join_timeout=cfg.join_timeout, max_retries=cfg.max_retries,
-            min_group_size=cfg.min_group_size, deadline=deadline, pace=self._pace, send=self._send_part), self._loop)
+            min_group_size=cfg.min_group_size, deadline=deadline, pace=self._pace, send=self._send_part,
+            reachable=self._reachable), self._loop)
         self._inflight = running
         try:
             result: AllReduceResult | None = running.result(max(0.0, deadline - time.monotonic()) + 1.0)
@@ -247,7 +267,7 @@ class DecentralizedAverager:
             async def stop() -> None:
                 if self._server is not None:
                     await self._server.stop(grace=0.5)
-                for channel in self._channels:
+                for channel in self._channels.values():
                     await channel.close()
             try:
                 self._run(stop(), timeout=10)
