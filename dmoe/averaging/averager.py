@@ -140,20 +140,24 @@ class DecentralizedAverager:
         host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        """A channel per endpoint, created on the loop that uses it."""
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=grpc_options())
+        return channel
+
     def _stub(self, endpoint: str) -> dmoe_pb2_grpc.AveragingServiceStub:
-        """A stub per endpoint, its channel created on the loop that uses it."""
         stub = self._stubs.get(endpoint)
         if stub is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=grpc_options())
-            stub = self._stubs[endpoint] = dmoe_pb2_grpc.AveragingServiceStub(channel)
+            stub = self._stubs[endpoint] = dmoe_pb2_grpc.AveragingServiceStub(self._channel(endpoint))
         return stub
 
     async def _reachable(self, endpoint: str) -> bool:
         """False when the peer at ``endpoint`` refuses connections (its process is gone); True when it is connected
         or cannot be told within ``PROBE_TIMEOUT`` (a host that vanished without closing its connections is only
         found out by gRPC's keepalive)."""
-        self._stub(endpoint)
-        channel = self._channels[endpoint]
+        channel = self._channel(endpoint)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PROBE_TIMEOUT
         state = channel.get_state(try_to_connect=True)  # after a lost connection the channel idles until asked
