@@ -238,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--initial-peers", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--jobs", required=True, help="JSON list of runs (see the module docstring)")
-    parser.add_argument("--debug", action="store_true", help="log each sender an owner begins to hear from")
+    parser.add_argument("--debug", action="store_true",
+                        help="the all-reduce's DEBUG lines: each sender an owner begins to hear from, each member "
+                             "that answered and is watched until its values arrive")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
