@@ -230,6 +230,7 @@ def test_a_member_stalling_past_allreduce_timeout_is_dropped_and_keeps_its_own_v
         assert len(info["contributors"]) == 3 and info["attempts"] == 2
         # the member left out is named with the reason, though its own part answered (it was no failed owner)
         assert set(map(int, info["dropped"])) == set(info["members"]) - set(info["contributors"]), info
+        assert all("within allreduce_timeout" in reason for reason in info["dropped"].values()), info
         # the all-reduce waited allreduce_timeout for it, and not much longer (matchmaking is left out: all the
         # module's ~40 peers start at once, and on a loaded CI machine forming the group alone once took ~10 s)
         assert 8 <= info["allreduce_s"] < 8 * 4, info
@@ -293,6 +294,8 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_survivors_average_among_
         assert result["error"] is None, result["error"]
         (info,) = result["infos"]
         assert len(info["members"]) == 4 and len(info["contributors"]) == 3 and info["attempts"] == 2
+        (reason,) = info["dropped"].values()  # its stream here broke, or its own part's did (if not answered yet)
+        assert reason.startswith(("its stream broke", "UNAVAILABLE")), info
 
 
 def test_a_peer_killed_after_it_answered_but_before_its_values_arrived_is_dropped_without_waiting_out_the_timeout(
@@ -319,8 +322,7 @@ def test_a_peer_killed_after_it_answered_but_before_its_values_arrived_is_droppe
         assert result["error"] is None, result["error"]
         (info,) = result["infos"]
         assert len(info["contributors"]) == 3 and info["attempts"] == 2, info
-        assert victim_id in info["dropped"], info
-    assert f"dropped peer {victim_id}: it stopped accepting connections" in "".join(survivors.output)
+        assert info["dropped"][victim_id] == "it stopped accepting connections before its values arrived", info
 
 
 def test_a_lone_peer_averages_with_nobody_and_leaves_its_tensors(bootstrap):

@@ -423,17 +423,21 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
         outcomes = dict(zip(tasks, await asyncio.gather(*tasks.values())))
         failed = {owner: o.error for owner, o in outcomes.items() if o.error is not None}
         views = {o.contributors for o in outcomes.values() if o.error is None}
+
+        def why(pid: int, otherwise: str) -> str:  # this peer's own part knows why it left a member out
+            return reducer.dropped.get(pid, otherwise) if reducer is not None else otherwise
+
         if not failed and len(views) == 1:
             contributors = next(iter(views))
             if me in contributors:
                 total = next(iter(outcomes.values())).total_weight
-                dropped.update({pid: "refused or missing" for pid in ids if pid not in contributors})
+                dropped.update({pid: why(pid, "refused or missing") for pid in ids if pid not in contributors})
                 return AllReduceResult(contributors, total, tuple(ids), dropped, attempt + 1)
         accepted = set(ids).intersection(*views) if views else set()
         for owner, error in failed.items():
             dropped[owner] = error
         for pid in set(ids) - accepted - set(failed):  # the retry leaves them out too: say why
-            dropped[pid] = "refused by some owners" if views else "no owner answered"
+            dropped[pid] = why(pid, "refused by some owners" if views else "no owner answered")
         survivors = [m for m in members if m.peer_id in accepted and m.peer_id not in failed]
         logger.info("group %s attempt %d: owners failed %s, %d different contributor lists; survivors %s",
                  group.group_id, attempt + 1, failed or "none", len(views), [m.peer_id for m in survivors])

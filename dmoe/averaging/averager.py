@@ -41,7 +41,8 @@ class GroupInfo:
     members: the group as matchmaking formed it (peer ids, sorted); contributors: whose tensors the average is
     over (members that died, stalled or were refused are left out); weight: what the averaged tensors weigh in the
     next round (the contributors' mean weight, so that a full grid gives the exact weighted mean); dropped: members
-    left out, with the reason.
+    left out, with the reason (an owner's failure, or why this peer's own part left them out when it did: a broken
+    stream, a refusal, a timeout).
     """
 
     group_id: str
