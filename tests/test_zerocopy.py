@@ -38,7 +38,10 @@ def tensors_of(shape, dtype):
     return (torch.randn(shape) * 10).to(dtype)
 
 
-shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3)
+#: at most 7**3 elements of at most 8 bytes: every buffer stays under zc.ALIGN_MIN_BYTES, so none is padded (9**3
+#: float64 elements were, and the writer's bytes then rightly differed from protobuf's)
+shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3)
+assert 7 ** 3 * 8 < zc.ALIGN_MIN_BYTES
 dtypes = st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8,
                           torch.bool])
 compressions = st.sampled_from([NONE, FLOAT16, UINT8])
