@@ -7,6 +7,7 @@ module start together once (``runs``); each test checks its own run's saved tens
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import threading
@@ -19,6 +20,9 @@ import pytest
 import torch
 
 from dmoe import DHT, DecentralizedAverager
+from dmoe.averaging.allreduce import PartReducer
+from dmoe.averaging.service import AveragingServicer
+from dmoe.wire import dmoe_pb2_grpc
 from tests.averaging_peers import ATTACKS, MUTE, STALLED, make_tensors, weight_of
 from tests.procs import Proc, processes, running
 
@@ -299,6 +303,61 @@ def test_a_peer_killed_mid_allreduce_is_dropped_and_the_survivors_average_among_
         # load sometimes INTERNAL ("Internal error from Core"); not a timeout
         (reason,) = info["dropped"].values()
         assert reason.startswith("its stream broke") or reason.split(":")[0] in grpc.StatusCode.__members__, info
+
+
+#: a member that sends the first piece of its part, then waits to be killed (or, told "end", ends its stream)
+CUT_SENDER = """
+import sys, time, grpc, torch
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
+from dmoe.wire.codec import serialize
+def parts():
+    yield dmoe_pb2.AveragingPart(group_id=sys.argv[2], sender=2, weight=1.0, values=serialize(torch.ones(10)))
+    print("sent", flush=True)
+    if sys.argv[3] != "end":
+        time.sleep(600)
+for _ in dmoe_pb2_grpc.AveragingServiceStub(grpc.insecure_channel(sys.argv[1])).reduce(parts()):
+    pass
+"""
+
+
+def test_a_member_killed_mid_stream_is_dropped_for_its_broken_stream_not_banned_for_a_short_part():
+    # gRPC ends the stream of a killed sender as if it had finished, and reports the cancellation a moment later:
+    # read at once, the part would look short, the member would be banned for a wrong part size (as the one member
+    # here that ends its stream short is)
+    async def run() -> list[str]:
+        servicer = AveragingServicer("cut", join_timeout=10)
+        servicer.begin_round(0)
+        server = grpc.aio.server()
+        dmoe_pb2_grpc.add_AveragingServiceServicer_to_server(servicer, server)
+        endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        groups = [f"cut.0.*.1.{index:08x}" for index in range(5)]
+        reducers = [PartReducer(group, [1, 2], 1000, timeout=60) for group in groups]
+        for group, reducer in zip(groups, reducers):
+            servicer.register(group, reducer)
+        try:
+            with processes() as procs:
+                procs += [Proc(["-c", CUT_SENDER, endpoint, group, "end" if group == groups[-1] else "wait"])
+                          for group in groups]
+                for proc in procs:
+                    await asyncio.to_thread(proc.wait_for, "^sent", 120)
+                deadline = time.monotonic() + 30
+                while not all(reducer.filled.get(2) == 10 for reducer in reducers):  # the first pieces arrived
+                    assert time.monotonic() < deadline, [reducer.filled for reducer in reducers]
+                    await asyncio.sleep(0.01)
+                for proc in procs[:-1]:
+                    proc.kill()
+                deadline = time.monotonic() + 30
+                while not all(2 in reducer.dropped for reducer in reducers):
+                    assert time.monotonic() < deadline, [reducer.dropped for reducer in reducers]
+                    await asyncio.sleep(0.01)
+        finally:
+            await server.stop(0)
+        return [reducer.dropped[2] for reducer in reducers]
+
+    *killed, ended = asyncio.run(run())
+    assert all(reason.startswith("its stream broke") for reason in killed), killed
+    assert ended.startswith("wrong part size: peer 2 sent 10 values, the part has 1000; banned"), ended
 
 
 def test_a_peer_killed_after_it_answered_but_before_its_values_arrived_is_dropped_without_waiting_out_the_timeout(

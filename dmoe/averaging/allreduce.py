@@ -233,6 +233,10 @@ class PartReducer:
         self.values[sender][start:start + values.numel()] = values
         self.filled[sender] = start + values.numel()
 
+    def short(self, sender: int) -> bool:
+        """Whether ``sender`` is still in and has sent less than the whole part."""
+        return sender in self.values and self.filled[sender] < self.length
+
     def finish(self, sender: int) -> None:
         """``sender``'s stream ended: its values count if they fill the part exactly."""
         if sender not in self.values:

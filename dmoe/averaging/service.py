@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 KEPT_GROUPS = 8
 #: rounds (the current one and the ones before) whose groups this peer still answers for
 KEPT_ROUNDS = 2
+#: seconds a stream that ended short of its part waits for gRPC to report it cancelled, before the short part is
+#: refused as the sender's (a killed sender's stream ends first and is reported cancelled a moment later)
+BROKEN_STREAM_GRACE = 1.0
 
 
 class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
@@ -125,6 +128,10 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                                                   f"peer {sender}: only the first message of a stream may name the "
                                                   f"group and the sender; banned from group {reducer.group_id}"))
             reducer.add(sender, message.values)
+        if reducer.short(sender) and not context.cancelled():
+            # gRPC ends a killed sender's stream as if it had finished, and reports the cancellation (cancelling
+            # this task) a moment later: until then a short part may be a broken stream, not the sender's doing
+            await asyncio.sleep(BROKEN_STREAM_GRACE)
         if context.cancelled():  # a sender that died mid-stream ends it too: dropped, not refused
             reducer.drop(sender, "its stream broke")
             raise asyncio.CancelledError
