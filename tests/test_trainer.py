@@ -178,17 +178,21 @@ def test_flags_override_config_fields():
     assert parse_config([]) == TrainConfig()
 
 
-def test_progress_shows_dropped_share_of_the_last_interval_only():
+def test_progress_shows_the_dropped_share_of_a_sliding_window_of_steps():
     counters = [0, 0]
     model = SimpleNamespace(moe_counters=lambda: tuple(counters))
-    meter = IntervalMeter(model)
-    counters[:] = [100, 50]  # a bad start: half the experts dropped
-    meter.add(3.0, 64)
-    assert meter.postfix(model, window=1)["dropped"] == "50.0%"
-    counters[:] = [300, 60]  # since then: 10 of 200 dropped
-    meter.add(2.0, 64)
-    shown = meter.postfix(model, window=1)
-    assert shown["dropped"] == "5.0%" and shown["loss"] == "2.000"
+    meter = IntervalMeter(model, window=3)
+    shares = []
+    for chosen, dropped in [(100, 50), (100, 0), (100, 0), (100, 0), (200, 10)]:  # a bad first step, then calm
+        counters[0] += chosen
+        counters[1] += dropped
+        meter.add(model, 3.0 - len(shares), 64)
+        shares.append(meter.postfix()["dropped"])
+    # the bad step stays on the bar for the window's 3 steps (tqdm draws only some of them), then leaves it
+    assert shares == ["50.0%", "25.0%", "16.7%", "0.0%", "2.5%"]
+    assert meter.postfix()["loss"] == "0.000"  # the last 3 steps' mean: 1, 0 and -1
+    meter.restart(model)
+    assert meter.postfix()["dropped"] == "n/a"
 
 
 def test_every_block_gets_its_own_layer_with_its_own_layer_name():
@@ -291,6 +295,6 @@ def test_switch_gating_with_one_expert_per_token_trains_and_shows_the_balance(te
     balance.backward()
     assert all(block.moe.proj.weight.grad.abs().sum() > 0 for block in model.blocks)
     meter = IntervalMeter(model)
-    meter.add(3.0, 100, balance=1.25)
-    assert meter.postfix(model)["balance"] == "1.25"
+    meter.add(model, 3.0, 100, balance=1.25)
+    assert meter.postfix()["balance"] == "1.25"
     assert GatedTransformerLM(config.model_config(), stand_in_factory(config)).balance_loss() is None

@@ -20,6 +20,7 @@ gradients every trainer applies alike), and each trainer reads its own slice of 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -253,9 +254,9 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                     collab.step(inputs.shape[0])
                     new_step = collab.local_step
                 history["train"].append((new_step, loss.item()))
-                meter.add(loss.item(), inputs.numel(), balance.item() if balance is not None else None)
+                meter.add(model, loss.item(), inputs.numel(), balance.item() if balance is not None else None)
                 bar.update(new_step - step)
-                postfix = meter.postfix(model)
+                postfix = meter.postfix()
                 if collab is not None:
                     postfix.update(collaboration_postfix(collab))
                 bar.set_postfix(postfix, refresh=False)
@@ -349,32 +350,50 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack, dht=N
     return remote_layer
 
 
-class IntervalMeter:
-    """Mean loss, tokens per second and the share of chosen experts that were dropped, since the last restart
-    (with --switch also the mean load-balancing loss: 1 is perfectly even)."""
+@dataclass
+class StepFigures:
+    """What one training step (or, in a collaboration, one batch) adds to the progress bar."""
 
-    def __init__(self, model: GatedTransformerLM):
+    loss: float
+    tokens: int
+    seconds: float
+    chosen: int        # experts the mixtures chose in its forward and backward passes
+    dropped: int       # of those, the ones that did not answer
+    balance: float | None = None
+
+
+class IntervalMeter:
+    """Mean loss, tokens per second and the share of chosen experts that were dropped over the last ``window`` steps
+    since the last restart (with --switch also the mean load-balancing loss: 1 is perfectly even).
+
+    The window slides, so that a failure stays on the bar for ``window`` steps: tqdm draws only some steps (at most
+    one per 0.1 s), and a window emptied every ``window`` steps could show a dropped server for one step, undrawn.
+    """
+
+    def __init__(self, model: GatedTransformerLM, window: int = 10):
+        self.window = window
         self.restart(model)
 
     def restart(self, model: GatedTransformerLM) -> None:
-        self.since, self.counters, self.losses, self.tokens = time.perf_counter(), model.moe_counters(), [], 0
-        self.balances: list[float] = []
+        """Forgets the steps so far (after a validation: its time is not training throughput)."""
+        self.steps: collections.deque[StepFigures] = collections.deque(maxlen=self.window)
+        self.since, self.counters = time.perf_counter(), model.moe_counters()
 
-    def add(self, loss: float, tokens: int, balance: float | None = None) -> None:
-        self.losses.append(loss)
-        self.tokens += tokens
-        if balance is not None:
-            self.balances.append(balance)
+    def add(self, model: GatedTransformerLM, loss: float, tokens: int, balance: float | None = None) -> None:
+        now, counters = time.perf_counter(), model.moe_counters()
+        chosen, dropped = (after - before for after, before in zip(counters, self.counters))
+        self.steps.append(StepFigures(loss, tokens, now - self.since, chosen, dropped, balance))
+        self.since, self.counters = now, counters
 
-    def postfix(self, model: GatedTransformerLM, window: int = 10) -> dict[str, str]:
-        chosen, dropped = (now - before for now, before in zip(model.moe_counters(), self.counters))
-        shown = {"loss": f"{sum(self.losses) / len(self.losses):.3f}",
-                 "tok/s": f"{self.tokens / max(time.perf_counter() - self.since, 1e-9):,.0f}",
+    def postfix(self) -> dict[str, str]:
+        steps = self.steps
+        chosen, dropped = sum(s.chosen for s in steps), sum(s.dropped for s in steps)
+        shown = {"loss": f"{sum(s.loss for s in steps) / max(len(steps), 1):.3f}",
+                 "tok/s": f"{sum(s.tokens for s in steps) / max(sum(s.seconds for s in steps), 1e-9):,.0f}",
                  "dropped": f"{dropped / chosen:.1%}" if chosen else "n/a"}
-        if self.balances:
-            shown["balance"] = f"{sum(self.balances) / len(self.balances):.2f}"
-        if len(self.losses) >= window:
-            self.restart(model)
+        balances = [s.balance for s in steps if s.balance is not None]
+        if balances:
+            shown["balance"] = f"{sum(balances) / len(balances):.2f}"
         return shown
 
 
