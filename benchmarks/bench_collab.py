@@ -15,7 +15,8 @@ Measured: the final validation loss of each run (the same held-out windows), the
 at most 3% above) and killed/single (goal: at most 5% above; both goals are one-sided, a lower loss passes), and
 after every global step the largest relative difference
 between the trainers' dense parameters, ``max_i ||p_i - p_0|| / ||p_0||`` over the trainers that hold the step
-(goal: below 1e-5). The exit status is 1 when a goal is missed.
+(goal: below 1e-5; the killed trainer's steps after the one it was killed at are left out: it may have finished a
+step whose last answers the kill cut off, and the survivors took that step without it). The exit status is 1 when a goal is missed.
 
 Not equal in the runs, by design of the system: a collaboration's step takes at least B samples, a few more when
 batches were in flight as the target was reached (``samples_ratio``); and the experts, which train on their server
@@ -97,20 +98,29 @@ class Run:
     steps: int
     samples: int
     seconds: float
-    gaps: list[float] = field(default_factory=list)  # the largest relative parameter gap at each step
+    gaps: dict[int, float] = field(default_factory=dict)  # step -> the largest relative parameter gap after it
 
     @property
     def max_gap(self) -> float:
-        return max(self.gaps, default=0.0)
+        return max(self.gaps.values(), default=0.0)
+
+    @property
+    def worst_step(self) -> int | None:
+        return max(self.gaps, key=self.gaps.__getitem__, default=None)
 
 
 class GapMeter:
     """Compares the trainers' saved parameters step by step as they appear, deleting what it compared (a long run
-    would otherwise fill the disk): a step is compared once every trainer still running is past it."""
+    would otherwise fill the disk): a step is compared once every trainer still running is past it.
+
+    A killed trainer's steps after the one it was killed at are left out: it may have finished a step whose last
+    answers the kill cut off, which the survivors then took without it; that state died with it.
+    """
 
     def __init__(self, dirs: list[Path]):
-        self.dirs, self.next_step, self.gaps = dirs, 1, []
+        self.dirs, self.next_step, self.gaps = dirs, 1, {}
         self.done: set[int] = set()  # trainers that exited or were killed: not waited for
+        self.killed_at: dict[int, int] = {}  # trainer -> the last step of it that counts
 
     def latest(self, i: int) -> int:
         steps = [int(f.name[4:-3]) for f in self.dirs[i].glob("step*.pt")]
@@ -122,7 +132,8 @@ class GapMeter:
             if not final and any(self.latest(i) < self.next_step for i in waiting):
                 return
             files = [d / f"step{self.next_step}.pt" for d in self.dirs]
-            held = [torch.load(f, weights_only=True) for f in files if f.exists()]
+            held = [torch.load(f, weights_only=True) for i, f in enumerate(files)
+                    if f.exists() and self.next_step <= self.killed_at.get(i, self.next_step)]
             if not held:
                 if final:
                     return
@@ -130,8 +141,8 @@ class GapMeter:
                 continue
             reference = held[0].double()
             norm = reference.norm().item()
-            self.gaps.append(max(((p.double() - reference).norm().item() / max(norm, 1e-30) for p in held[1:]),
-                                 default=0.0))
+            self.gaps[self.next_step] = max(((p.double() - reference).norm().item() / max(norm, 1e-30)
+                                             for p in held[1:]), default=0.0)
             for f in files:
                 f.unlink(missing_ok=True)
             self.next_step += 1
@@ -195,6 +206,7 @@ def run_collab(args: argparse.Namespace, data: str, work: Path, kill: bool) -> R
         while any(p.alive for p in procs) and time.monotonic() < deadline:
             if kill and victim.alive and any(line.strip() == f"saved step {kill_at}" for line in victim.output):
                 victim.kill()
+                meter.killed_at[n - 1] = kill_at
                 print(f"  killed trainer {n - 1} at step {kill_at}", flush=True)
             for i, p in enumerate(procs):
                 if not p.alive:
@@ -291,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run.name:8} {run.steps:6d} {run.samples:8d} {run.samples / single.samples:13.3f} "
               f"{run.val_loss:9.4f} {run.val_loss / single.val_loss:7.4f} {run.max_gap:13.3g} {run.seconds:8.0f}")
     collab, killed = runs[1], runs[2]
+    for run in (collab, killed):
+        if run.max_gap > 0:
+            print(f"{run.name}: the largest parameter gap, {run.max_gap:.3g}, after step {run.worst_step}")
     figures = {"single_val_loss": single.val_loss, "collab_val_loss": collab.val_loss,
                "ratio": collab.val_loss / single.val_loss, "killed_ratio": killed.val_loss / single.val_loss,
                "max_param_gap": max(collab.max_gap, killed.max_gap)}
