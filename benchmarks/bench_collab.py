@@ -16,7 +16,8 @@ at most 3% above) and killed/single (goal: at most 5% above; both goals are one-
 after every global step the largest relative difference
 between the trainers' dense parameters, ``max_i ||p_i - p_0|| / ||p_0||`` over the trainers that hold the step
 (goal: below 1e-5; the killed trainer's steps after the one it was killed at are left out: it may have finished a
-step whose last answers the kill cut off, and the survivors took that step without it). The exit status is 1 when a goal is missed.
+step whose last answers the kill cut off, and the survivors took that step without it). The exit status is 1 when a
+goal is missed.
 
 Not equal in the runs, by design of the system: a collaboration's step takes at least B samples, a few more when
 batches were in flight as the target was reached (``samples_ratio``); and the experts, which train on their server
@@ -132,8 +133,8 @@ class GapMeter:
             if not final and any(self.latest(i) < self.next_step for i in waiting):
                 return
             files = [d / f"step{self.next_step}.pt" for d in self.dirs]
-            held = [torch.load(f, weights_only=True) for i, f in enumerate(files)
-                    if f.exists() and self.next_step <= self.killed_at.get(i, self.next_step)]
+            counted = [f for i, f in enumerate(files) if i not in self.killed_at or self.next_step <= self.killed_at[i]]
+            held = [torch.load(f, weights_only=True) for f in counted if f.exists()]
             if not held:
                 if final:
                     return
