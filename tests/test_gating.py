@@ -156,6 +156,22 @@ def test_minimising_the_balance_loss_spreads_tokens_over_the_grid():
     assert len(used) >= 4, used
 
 
+@pytest.mark.parametrize("grid", [(3, 2), (6,)])
+@pytest.mark.parametrize("switch", [False, True])
+def test_an_empty_batch_gives_an_empty_output_and_a_zero_balance_loss(grid, switch):
+    """A batch of 0 rows (e.g. a data loader's empty remainder) flows through forward and backward."""
+    layer = LocalMixtureOfExperts(4, grid, "ffn0", k_best=2, switch=switch).double()
+    x = torch.zeros(0, 4, dtype=torch.double, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (0, 4)
+    loss = out.sum() + (layer.balance_loss if switch else 0)
+    if switch:
+        assert float(layer.balance_loss) == 0.0
+    loss.backward()
+    assert x.grad.shape == (0, 4)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_the_remote_layers_row_copies_move_every_float_dtype_bit_for_bit(dtype):
     """Requests and answers are sliced and scattered as raw bits with numpy, which has no bfloat16."""

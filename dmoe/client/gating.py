@@ -105,11 +105,12 @@ class MixtureBase(nn.Module):
         """
         coords, valid = coords.to(grid_scores[0].device), valid.to(grid_scores[0].device)
         routed = valid.sum().clamp_min(1)
+        rows = max(len(grid_scores[0]), 1)  # an empty batch gives 0 (not the NaN of a mean over no rows)
         terms = []
         for dim, (size, scores) in enumerate(zip(self.grid, grid_scores)):
             share = torch.zeros(size, dtype=scores.dtype, device=scores.device).index_add_(
                 0, coords[:, :, dim][valid], torch.ones(int(valid.sum()), dtype=scores.dtype, device=scores.device))
-            terms.append(size * (share / routed * torch.softmax(scores, dim=-1).mean(0)).sum())
+            terms.append(size * (share / routed * torch.softmax(scores, dim=-1).sum(0) / rows).sum())
         return torch.stack(terms).mean()
 
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
@@ -190,7 +191,7 @@ class LocalMixtureOfExperts(MixtureBase):
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
         total = grid_scores[0]
         for scores in grid_scores[1:]:
-            total = (total[:, :, None] + scores[:, None, :]).reshape(total.shape[0], -1)
+            total = (total[:, :, None] + scores[:, None, :]).reshape(total.shape[0], total.shape[1] * scores.shape[1])
         top = total.topk(min(self.k_best, total.shape[1]), dim=1).indices.tolist()
         return [[self.uids[i] for i in row] for row in top]
 
@@ -202,6 +203,9 @@ class LocalMixtureOfExperts(MixtureBase):
                 rows.append(row)
                 slots.append(slot)
         alive = torch.zeros(flat.shape[0], self.k_best, dtype=torch.bool)
+        if not groups:  # an empty batch: no expert is called, but the output still has the experts' width
+            width = self.experts[self.uids[0].replace(".", "_")](flat).shape[-1]
+            return flat.new_zeros(0, self.k_best, width), alive
         all_rows, all_slots, outputs = [], [], []
         for uid, (rows, slots) in groups.items():
             rows_t = torch.tensor(rows)
