@@ -172,6 +172,19 @@ def test_a_shared_batch_holds_only_inputs_and_a_graphs_size_excludes_the_weights
     assert len(disabled) == 0
 
 
+def test_inputs_kept_from_a_shared_batch_pin_exactly_the_bytes_the_cache_counts():
+    cached, _, cache = twin_backends()
+    x = torch.randn(6, HIDDEN)
+    cached.forward(x, segments=[(b"a", 1), (None, 2), (b"b", 3)])
+    held = [cache.inputs("e.0", aid)[0] for aid in (b"a", b"b")]
+    torch.testing.assert_close(held, [x[:1], x[3:]])
+    assert [t.untyped_storage().nbytes() for t in held] == [1 * HIDDEN * 4, 3 * HIDDEN * 4]
+    assert cache.nbytes == 4 * HIDDEN * 4
+    alone = torch.randn(2, HIDDEN)
+    cached.forward(alone, segments=[(b"alone", 2)])  # a request alone in its batch is kept as it came: no copy
+    assert cache.inputs("e.0", b"alone")[0].data_ptr() == alone.data_ptr()
+
+
 # ---- through a real server process ---------------------------------------------------------------------------
 
 def test_server_process_uses_kept_activations_gives_the_same_training_and_refuses_long_ids():

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from dmoe.client import RemoteExpert, RemoteExpertError, forward_future
+from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forward_future
 from dmoe.experts import create_expert, expert_seed
 from dmoe.wire import MAX_BATCH_ITEMS, ChannelPool, deserialize, dmoe_pb2, serialize
 from dmoe.wire.codec import UINT8
@@ -137,11 +137,30 @@ def test_bad_streams_get_a_clear_status(stub):
         # more bytes than MAX_BATCH rows of the schema can hold, in parts each under the message limit
         ([dmoe_pb2.ExpertRequest(uid="bad.0", tensors=[dmoe_pb2.Tensor(buffer=b"\0" * 1024)])]
          * (4 * MAX_BATCH * HIDDEN // 1024 + 1), Code.RESOURCE_EXHAUSTED, "streamed request exceeds"),
+        # no bytes at all, but more parts than any valid request is cut into: each costs the server memory
+        ([request(dmoe_pb2.Tensor(), uid="bad.0")] * (1 + 4 * MAX_BATCH * HIDDEN // 64 + 1),
+         Code.RESOURCE_EXHAUSTED, "tensor parts"),
     ]
     for messages, code, words in cases:
         error = stream_call(stub, "forward_stream", messages)
         assert error.code() == code and words in error.details(), (messages, error.details())
 
+
+def test_a_stream_of_exactly_max_batch_size_rows_is_served_and_one_row_more_is_refused(server):
+    x, grad = torch.randn(MAX_BATCH, HIDDEN), torch.randn(MAX_BATCH, HIDDEN)
+    streamed = {"unary_limit": 16, "timeout": 60}  # more tensor bytes than this go by stream
+    local = create_expert("explode", HIDDEN, seed=expert_seed(0, "bad.0"))
+    with torch.no_grad():
+        torch.testing.assert_close(forward_future(server, "bad.0", [x], **streamed).result()[0], local(x),
+                                   rtol=1e-4, atol=1e-5)
+    # bad.1: its step must not change bad.0's weights, which a later test relies on
+    assert backward_future(server, "bad.1", [x], [grad], **streamed).result()[0].shape == x.shape
+    one_more = torch.randn(MAX_BATCH + 1, HIDDEN)
+    for call_one_more in (lambda: forward_future(server, "bad.1", [one_more], **streamed),
+                          lambda: backward_future(server, "bad.1", [one_more], [one_more], **streamed)):
+        with pytest.raises(RemoteExpertError) as error:
+            call_one_more().result()
+        assert error.value.code == Code.RESOURCE_EXHAUSTED, error.value
 
 
 def test_every_bad_item_of_a_batch_call_fails_alone_with_its_status_and_the_good_ones_are_answered(server, stub):

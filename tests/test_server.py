@@ -1,8 +1,10 @@
 """The expert server: backends, batching runtime, the dmoe-server program, and clean shutdown."""
 from __future__ import annotations
 
+import errno
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -13,6 +15,7 @@ from dmoe.cli import server as run_server
 from dmoe.client import RemoteExpert, backward_future, forward_future
 from dmoe.experts import TRANSFORMER_SEQ_LEN, create_expert, expert_class, expert_seed
 from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, make_optimizer
+from dmoe.server.transfer import Transfers
 from tests.procs import running
 
 
@@ -220,6 +223,40 @@ def test_a_batch_out_of_device_memory_runs_again_after_its_owner_freed_memory_th
     assert batches == [16, 16, 4, 5, 7, 1] and device["freed"] == 2 and runtime.out_of_memory == 2
 
 
+def test_a_batch_that_fails_after_its_computation_ran_is_not_run_again(monkeypatch):
+    """After the computation (a backward's optimizer step applied), running the batch again would step twice: a
+    copy back out of memory runs the copy alone again, and any other failure there fails the batch's tasks."""
+    calls: list[int] = []
+    copies = {"failures": 1}
+    copy = Transfers.outputs
+
+    def flaky_copy(self, outputs):
+        if copies["failures"]:
+            copies["failures"] -= 1
+            raise torch.OutOfMemoryError("no room for the outputs")
+        return copy(self, outputs)
+
+    def counted(x):
+        calls.append(x.shape[0])
+        return (x + 1,) if x.shape[0] != 5 else (x[:1],)  # a batch of 5 answers with a wrong number of rows
+
+    monkeypatch.setattr(Transfers, "outputs", flaky_copy)
+    with Runtime() as runtime:
+        pool = runtime.create_pool("counted", counted, 100)
+        torch.testing.assert_close(runtime.submit(pool, torch.ones(2)).result(30)[0], torch.full((2,), 2.0))
+        assert calls == [2] and copies["failures"] == 0
+        gate = Gate()
+        blocker = runtime.create_pool("gate", gate, 100)
+        runtime.submit(blocker, torch.zeros(1))
+        assert gate.entered.wait(30)
+        futures = [runtime.submit(pool, torch.ones(n)) for n in (2, 3)]  # one batch of 5
+        gate.opened.set()
+        for future in futures:
+            with pytest.raises(RuntimeError, match="expected a batch of 5 rows"):
+                future.result(30)
+    assert calls == [2, 5]
+
+
 def test_a_backward_that_fails_half_way_leaves_no_gradients_for_the_next_step():
     class Fragile(torch.nn.Module):
         """Two layers; backward raises between them, after the second layer's gradients were accumulated."""
@@ -249,6 +286,40 @@ def test_a_backward_that_fails_half_way_leaves_no_gradients_for_the_next_step():
     reference(x).backward(grad)
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     torch.testing.assert_close(module.state_dict(), reference.state_dict())
+
+
+class OutOfMemoryOnce(torch.optim.Adam):
+    """Adam whose first step runs out of device memory before changing anything, as allocating its state can."""
+
+    failed = False
+
+    def step(self, closure=None):
+        if not self.failed:
+            self.failed = True
+            raise torch.OutOfMemoryError("simulated: out of memory allocating Adam's state")
+        return super().step(closure)
+
+
+def test_an_optimizer_step_out_of_memory_runs_again_and_applies_the_gradients_once():
+    module, reference = create_expert("ffn", 8, seed=0), create_expert("ffn", 8, seed=0)
+    backend = ExpertBackend("x.0", module, [torch.randn(2, 8)], OutOfMemoryOnce(module.parameters(), lr=0.1))
+    x, grad = torch.randn(5, 8), torch.randn(5, 8)
+    with Runtime() as runtime:
+        pool = runtime.create_pool("x.0.backward", backend.backward, 100, segmented=True, group="x.0")
+        runtime.submit(pool, x, grad).result(30)
+    reference(x).backward(grad)
+    torch.optim.Adam(reference.parameters(), lr=0.1).step()
+    assert backend.optimizer.failed and runtime.out_of_memory == 1 and backend.updates == 1
+    assert all(p.grad is None for p in module.parameters())
+    torch.testing.assert_close(module.state_dict(), reference.state_dict(), rtol=0, atol=0)
+
+
+def test_a_failed_optimizer_step_leaves_no_gradients_for_the_next_step():
+    backend = make_backend()
+    backend.optimizer.step = lambda: (_ for _ in ()).throw(RuntimeError("step failed"))
+    with pytest.raises(RuntimeError, match="step failed"):
+        backend.backward(torch.randn(3, 8), torch.randn(3, 8))
+    assert all(p.grad is None for p in backend.module.parameters()) and backend.updates == 0
 
 
 def test_runtime_close_fails_queued_tasks_and_returns_promptly():
@@ -360,6 +431,25 @@ def test_in_process_server_announces_serves_and_closes_quickly():
     assert announcer.calls[-1] == ("close",)
     assert elapsed < server.config.shutdown_grace, f"close took {elapsed:.2f}s with no calls in flight"
     assert not any(thread.is_alive() for thread in server.runtime._threads)
+
+
+def test_a_server_whose_last_checkpoint_fails_still_stops_everything_then_raises_the_failure(tmp_path):
+    config = ServerConfig(device="cpu", shared_memory=False, workers=1, checkpoint_dir=str(tmp_path),
+                          checkpoint_interval=0, metrics_port=0)
+    server = ExpertServer.create("ffn.[0:2]", "ffn", 8, config=config).start()
+    metrics_port = int(server.metrics.endpoint.rsplit(":", 1)[1])
+
+    def disk_full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    server.checkpoints.save = disk_full
+    with pytest.raises(OSError, match="No space left"):
+        server.close()
+    assert not any(thread.is_alive() for thread in server.runtime._threads)
+    assert not server._loop_thread.is_alive()
+    with socket.socket() as freed:  # the metrics port is free again
+        freed.bind((server.config.host, metrics_port))
+    server.close()  # closed already: returns at once
 
 
 # ---- the dmoe-server program -----------------------------------------------------------------------------------

@@ -57,6 +57,12 @@ def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in sums])).all())
 
 
+def _owned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` in memory of their own: a slice of a batch would pin the whole batch (on a GPU, device memory) in
+    the activation cache, which counts only the slice's bytes and could then hold far more than its budget."""
+    return rows.clone() if rows.untyped_storage().nbytes() > rows.nbytes else rows
+
+
 @dataclass(frozen=True)
 class TensorSchema:
     """Shape without the batch dimension, and dtype name: what one input or output of an expert looks like."""
@@ -149,7 +155,7 @@ class ExpertBackend:
             for activation_id, rows in segments:
                 if activation_id is not None:
                     cache.put(self.name, activation_id,
-                              KeptForward.inputs_only([x[start:start + rows] for x in inputs]))
+                              KeptForward.inputs_only([_owned(x[start:start + rows]) for x in inputs]))
                 start += rows
             return self._forward_no_grad(inputs)
         params = list(self.module.parameters())
@@ -184,13 +190,14 @@ class ExpertBackend:
                 input_grads = self._recompute_backward(inputs, grad_outputs)
             else:
                 input_grads = self._segmented_backward(inputs, grad_outputs, segments)
+            self._apply_gradients()
         except BaseException:
-            # a backward that failed half-way may have added to some parameters' .grad: the next step must not
-            # apply those (the runtime may run the batch's other requests again, one at a time)
+            # a backward or step that failed half-way leaves this batch's gradients in .grad, and the runtime runs
+            # the batch again (after freeing memory, or each request alone): that run must start from none, or its
+            # step would apply these gradients twice
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
             raise
-        self._apply_gradients()
         return input_grads
 
     def _segmented_backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
@@ -245,13 +252,37 @@ class ExpertBackend:
             return
         if self.clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.clip_grad_norm)
-        self.optimizer.step()
+        self._step()
         self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.activations is not None:
             self.activations.drop_graphs(self.name)  # graphs kept before this step saved the old weights
         if self.scheduler is not None:
-            self.scheduler.step()
+            try:
+                self.scheduler.step()
+            except Exception:  # noqa: BLE001 - the step is applied: raising would make the runtime apply it again
+                logger.exception("%s: the LR scheduler's step failed after the optimizer's", self.name)
+
+    def _step(self) -> None:
+        """``optimizer.step()``; when it raises, warns if it had already changed some weights.
+
+        Those changes cannot be undone without a copy of every weight, memory the step may just have run out of
+        (Adam's first step allocates its state, before it changes any weight). The batch's rerun then steps once
+        more from the weights as they are, with its own fresh gradients: a weight the failed step moved gets at
+        most one extra step of its gradient, never the gradients summed twice.
+        """
+        assert self.optimizer is not None
+        params = list(self.module.parameters())
+        versions = parameter_versions(params)
+        try:
+            self.optimizer.step()
+        except BaseException:
+            if parameter_versions(params) != versions:
+                logger.warning("%s: the optimizer step failed after changing some weights; they may move twice",
+                               self.name)
+                if self.activations is not None:
+                    self.activations.drop_graphs(self.name)
+            raise
 
     def hparams_json(self) -> str:
         return json.dumps(self.hparams, sort_keys=True, default=str)

@@ -22,6 +22,15 @@ logger = logging.getLogger(__name__)
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class AfterCompute(Exception):
+    """A batch failed after its computation ran: a backward's optimizer step is already applied, so the batch is
+    not run again (neither after freeing memory nor task by task)."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(repr(cause))
+        self.cause = cause
+
+
 class Runtime:
     """Takes the pool whose oldest task is oldest, joins its queued tasks into one batch, runs it, answers each.
 
@@ -208,8 +217,13 @@ class Runtime:
             for i, task in enumerate(batch):
                 task.future.set_result([parts[i] for parts in pieces])
             return
-        self._observe(pool, batch, started, error)
-        if isinstance(error, torch.OutOfMemoryError) and not freed:
+        self._observe(pool, batch, started, error.cause if isinstance(error, AfterCompute) else error)
+        if isinstance(error, AfterCompute):
+            # the computation ran (a backward's optimizer step is applied): running it again would apply it twice
+            logger.warning("%s failed after computing a batch of %d tasks: %r", pool.name, len(batch), error.cause)
+            for task in batch:
+                task.future.set_exception(error.cause)
+        elif isinstance(error, torch.OutOfMemoryError) and not freed:
             with self._cond:  # workers may run out at once
                 self.out_of_memory += 1
             released = self._free_memory()
@@ -258,15 +272,28 @@ class Runtime:
         if timer is not None:
             timer.lap("compute")
         rows = sum(task.rows for task in batch)
-        outputs = transfers.outputs(outputs)
-        if timer is not None:
-            timer.lap("to_host")
-        for i, y in enumerate(outputs):
-            if y.dim() == 0 or y.shape[0] != rows:
-                raise RuntimeError(f"output {i} has shape {list(y.shape)}, expected a batch of {rows} rows first")
+        try:
+            outputs = self._copy_back(outputs, transfers)
+            if timer is not None:
+                timer.lap("to_host")
+            for i, y in enumerate(outputs):
+                if y.dim() == 0 or y.shape[0] != rows:
+                    raise RuntimeError(f"output {i} has shape {list(y.shape)}, expected a batch of {rows} rows first")
+        except Exception as exc:
+            raise AfterCompute(exc.with_traceback(None)) from None
         pool.batches += 1
         pool.rows += rows
         return outputs
+
+    def _copy_back(self, outputs: Sequence[torch.Tensor], transfers: Transfers) -> list[torch.Tensor]:
+        """The outputs to the host; out of memory there, the copy alone runs again once memory is freed."""
+        try:
+            return transfers.outputs(outputs)
+        except torch.OutOfMemoryError:
+            pass  # outside the except clause, whose traceback would hold the failed copy's tensors
+        logger.warning("copying outputs back ran out of memory on %s: freed %.3g MiB of kept activations, copying "
+                       "again", self.device, self._free_memory() / 2**20)
+        return transfers.outputs(outputs)
 
     def close(self) -> None:
         """Stops the workers after their current batches; queued tasks fail with 'shutting down'."""

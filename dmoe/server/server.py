@@ -334,27 +334,55 @@ class ExpertServer:
 
     def close(self) -> None:
         """Lets in-flight calls finish (up to ``shutdown_grace`` s), pushes the experts' last replicas, stops
-        announcing, writes the last checkpoint, stops both threads."""
+        announcing, writes the last checkpoint, stops both threads.
+
+        Every step runs even when an earlier one failed (each failure is logged), so a final checkpoint that cannot
+        be written still leaves no thread running and no port bound; then the first failure is raised.
+        """
         if self._closed:
             return
         self._closed = True
-        if self._loop is not None and self._grpc_server is not None:
-            stop = self._grpc_server.stop(self.config.shutdown_grace)
-            asyncio.run_coroutine_threadsafe(stop, self._loop).result()
-        if self.replication is not None:  # after in-flight calls, while the DHT node (the announcer's) still runs
-            self.replication.close(push=self._loop is not None)
-        if self.announcer is not None:
-            self.announcer.close()
-        if self.checkpoints is not None:  # after in-flight calls finished, before the runtime stops
-            self.checkpoints.close(save=self._loop is not None)
-        self.runtime.close()
-        if self.activations is not None:
-            self.activations.clear()
-        self.metrics.close()
-        if self._loop is not None and self._loop_thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop_thread.join()
+        first: BaseException | None = None
+        for step, run in self._shutdown_steps():
+            try:
+                run()
+            except BaseException as error:  # noqa: BLE001 - raised below, once the later steps have run
+                logger.exception("closing the server: %s failed", step)
+                first = first if first is not None else error
         logger.info("server stopped")
+        if first is not None:
+            raise first
+
+    def _shutdown_steps(self) -> list[tuple[str, Callable[[], Any]]]:
+        """(name, step) of :meth:`close`, in order."""
+        started = self._loop is not None
+        replication, checkpoints = self.replication, self.checkpoints
+        steps: list[tuple[str, Callable[[], Any]]] = []
+        if started and self._grpc_server is not None:
+            steps.append(("the gRPC server", self._stop_grpc))
+        if replication is not None:  # after in-flight calls, while the DHT node (the announcer's) still runs
+            steps.append(("replication", lambda: replication.close(push=started)))
+        if self.announcer is not None:
+            steps.append(("the announcer", self.announcer.close))
+        if checkpoints is not None:  # after in-flight calls finished, before the runtime stops
+            steps.append(("the last checkpoint", lambda: checkpoints.close(save=started)))
+        steps.append(("the runtime", self.runtime.close))
+        if self.activations is not None:
+            steps.append(("the activation cache", self.activations.clear))
+        steps.append(("the metrics", self.metrics.close))
+        if started and self._loop_thread is not None:
+            steps.append(("the gRPC loop thread", self._stop_loop))
+        return steps
+
+    def _stop_grpc(self) -> None:
+        assert self._loop is not None and self._grpc_server is not None
+        stop = self._grpc_server.stop(self.config.shutdown_grace)
+        asyncio.run_coroutine_threadsafe(stop, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        assert self._loop is not None and self._loop_thread is not None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join()
 
     def __enter__(self) -> "ExpertServer":
         return self.start()

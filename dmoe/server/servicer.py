@@ -94,6 +94,20 @@ class HostedExpert:
         return max_batch_size * row_bytes
 
 
+#: the smallest average part (bytes of payload) a streamed request may be cut into
+MIN_STREAM_PART_BYTES = 64
+
+
+def stream_parts_limit(payload_limit: int, n_tensors: int) -> int:
+    """The most tensor parts a streamed request of at most ``payload_limit`` bytes and ``n_tensors`` tensors may have.
+
+    Each part costs memory beyond its bytes (its message), so streams of empty parts must be bounded too; but not
+    by charging parts against the payload limit, which refused valid requests of exactly the most rows. Any request
+    cut into parts of at least :data:`MIN_STREAM_PART_BYTES` fits (clients cut into :data:`STREAM_PART_BYTES`).
+    """
+    return n_tensors + payload_limit // MIN_STREAM_PART_BYTES
+
+
 class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
     """Implements ``ExpertService`` of proto/dmoe.proto for a set of hosted experts.
 
@@ -294,7 +308,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
                       context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
-        uid, compression, groups, total, limit = None, NONE, [], 0, self.max_stream_bytes
+        uid, compression, groups, limit = None, NONE, [], self.max_stream_bytes
+        payload = parts = max_parts = 0
         activation_id = b""
         async for message in requests:
             if uid is None:
@@ -302,12 +317,17 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 # refuse an unknown expert, or more bytes than a valid request can have, before buffering them
                 expert = await self._expert(uid, context)
                 limit = min(limit, expert.max_payload_bytes(kind, self.max_batch_size))
-            # each part costs memory beyond its bytes: count it, so streams of empty parts are bounded too
-            total += message_bytes(message.tensors) + 64 * len(message.tensors)
-            if total > limit:
+                max_parts = stream_parts_limit(limit, len(expert.schemas(kind)))
+            payload += message_bytes(message.tensors)
+            parts += len(message.tensors)
+            if payload > limit:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"streamed request exceeds {limit} bytes, more than a valid {kind} of {uid} "
                                     f"(max_batch_size {self.max_batch_size}) can carry")
+            if parts > max_parts:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"streamed request has more than {max_parts} tensor parts, more than a valid "
+                                    f"{kind} of {uid} needs")
             groups.append(message.tensors)
         if uid is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
