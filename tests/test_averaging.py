@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -454,3 +456,102 @@ def test_a_leader_lets_declarations_settle_and_publishes_its_group_before_declar
     assert calls[published + 1:] == [{"order.0.*"}] and all(call == {"order.0.*"} for call in calls[:published])
     (member,) = set(stores) - {leader}
     assert stores[member] and all(call == {"order.0.*"} for call in stores[member])  # declarations only
+
+
+def averaging_together(stack: contextlib.ExitStack, bootstrap: str, prefix: str, tensors: Sequence[torch.Tensor],
+                       settings: Sequence[dict[str, Any]]) -> list[DecentralizedAverager]:
+    """An averager per tensor, each with its own DHT node and settings, shut down with ``stack``."""
+    averagers = []
+    for tensor, own in zip(tensors, settings):
+        dht = stack.enter_context(DHT(initial_peers=[bootstrap]))
+        averagers.append(stack.enter_context(DecentralizedAverager(
+            [tensor], dht, prefix, target_group_size=len(tensors), matchmaking_time=30.0, **own)))
+    return averagers
+
+
+def step_together(averagers: Sequence[DecentralizedAverager]) -> list:
+    futures = [averager.step(wait=False) for averager in averagers]
+    return [future.result(timeout=90) for future in futures]
+
+
+def test_peers_whose_bandwidths_have_many_significant_digits_average_whoever_leads(bootstrap):
+    """A group record carries each bandwidth with 6 significant digits: a leader that cut the parts from its own
+    unrounded bandwidth got other bounds than its members, and every round it led failed ("wrong part size")."""
+    # with any of them unrounded, in any order of the peer ids, a bound of 10**6 + 1 values moves
+    bandwidths = [97331933.29226607, 44914079.07427758, 91401355.51512511]
+    with contextlib.ExitStack() as stack:
+        averagers = averaging_together(stack, bootstrap, "digits", [torch.full((10**6 + 1,), float(i)) for i in
+                                                                     range(3)], [{"bandwidth": b, "max_retries": 0}
+                                                                                 for b in bandwidths])
+        infos = step_together(averagers)
+    assert all(info is not None and len(info.contributors) == 3 and not info.dropped for info in infos), infos
+    for averager in averagers:
+        assert torch.equal(averager.tensors[0], torch.ones(10**6 + 1))  # the mean of 0, 1 and 2
+
+
+def test_float16_values_beyond_its_range_average_saturated_and_nobody_is_banned(bootstrap):
+    """float16 turned honest values in (65504, max_abs_value] into inf on the wire, and owners banned their
+    senders for "NaN or Inf"; they are now sent as the largest float16."""
+    tensors = [torch.tensor([7e4, 1.0, 1.0, 7e4]), torch.tensor([7e4, 3.0, 3.0, 7e4])]
+    with contextlib.ExitStack() as stack:
+        averagers = averaging_together(stack, bootstrap, "saturate", tensors, [{"compression": "float16"}] * 2)
+        infos = step_together(averagers)
+    assert all(info is not None and len(info.contributors) == 2 and not info.dropped for info in infos), infos
+    for averager in averagers:
+        assert averager.tensors[0].tolist() == [65504.0, 2.0, 2.0, 65504.0]
+
+
+def lead_a_broken_group(dht: DHT, key: str, victim: int, victim_entry: str, leader_entry: str) -> None:
+    """Publishes, as leader 12345, a group of itself and ``victim`` (listed as ``victim_entry``), once the victim
+    declared itself: anyone can lead a group in a key, and list whom it likes."""
+    deadline = time.monotonic() + 30
+    while victim not in dht.get(key):
+        assert time.monotonic() < deadline, f"peer {victim} never declared itself in {key}"
+        time.sleep(0.05)
+    nonce, expiration = "0123abcd", time.time() + 30
+    dht.store_many({f"{key}.12345.{nonce}": {victim: (victim_entry, expiration), 12345: (leader_entry, expiration)}})
+    dht.store(key, 12345, f"{leader_entry};L2.{nonce}", expiration)
+
+
+def test_a_group_that_cannot_average_is_ignored_and_fails_no_step(bootstrap, caplog):
+    """Every bandwidth 0 made the victim's step raise ValueError (nobody can own a part); a part given to a victim
+    in client mode, RuntimeError. Both victims ignore such groups, and, alone, average with nobody."""
+    caplog.set_level(logging.WARNING, logger="dmoe.averaging.matchmaking")
+    with DHT(initial_peers=[bootstrap]) as hostile, DHT(initial_peers=[bootstrap]) as dht, \
+            DecentralizedAverager([torch.zeros(3)], dht, "broken0", matchmaking_time=6.0) as served, \
+            DecentralizedAverager([torch.zeros(3)], dht, "broken1", matchmaking_time=6.0, client_mode=True) as client:
+        futures = [served.step(wait=False), client.step(wait=False)]
+        lead_a_broken_group(hostile, "broken0.0.*", served.peer_id, f"{served.endpoint};0", "127.0.0.1:9;0")
+        lead_a_broken_group(hostile, "broken1.0.*", client.peer_id, "127.0.0.1:8;1", "127.0.0.1:9;1")
+        assert [future.result(timeout=60) for future in futures] == [None, None]
+        assert torch.equal(served.tensors[0], torch.zeros(3)) and torch.equal(client.tensors[0], torch.zeros(3))
+    assert "of peer 12345: no member accepts connections with a positive bandwidth" in caplog.text
+    assert "of peer 12345: it lists this peer at 127.0.0.1:8" in caplog.text
+
+
+def lying_about_the_total_weight(register):
+    """``AveragingServicer.register``, whose parts answer every member a total weight of -4."""
+    def register_lying(group_id: str, reducer: PartReducer) -> None:
+        finalize = reducer._finalize
+
+        def finalize_lying() -> None:
+            finalize()
+            reducer.result.messages[0].total_weight = -4.0
+        reducer._finalize = finalize_lying
+        register(group_id, reducer)
+    return register_lying
+
+
+def test_an_owner_answering_an_absurd_total_weight_fails_the_round_and_leaves_the_members_weight(bootstrap):
+    """A member took any finite total: with -4, its weight became -2, which every owner refused at every later
+    step; its averaging was off for good."""
+    with contextlib.ExitStack() as stack:
+        member, owner = averaging_together(stack, bootstrap, "total", [torch.zeros(3), torch.ones(3)],
+                                           [{"client_mode": True}, {}])  # the owner's part is the only one
+        owner.servicer.register = lying_about_the_total_weight(owner.servicer.register)
+        lied_to, _ = step_together([member, owner])
+        assert lied_to is None and member.weight == 1.0 and torch.equal(member.tensors[0], torch.zeros(3))
+        del owner.servicer.register  # honest again
+        infos = step_together([member, owner])
+    assert all(info is not None and len(info.contributors) == 2 for info in infos), infos
+    assert member.weight == 1.0 and torch.equal(member.tensors[0], owner.tensors[0])

@@ -3,6 +3,8 @@ Moshpit grid keys and coordinates, matchmaking records, settings."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import NamedTuple
 
 import grpc
@@ -11,9 +13,11 @@ import torch
 
 from dmoe import AveragerConfig
 from dmoe.averaging import grid as moshpit
-from dmoe.averaging.allreduce import PartReducer, Refused, SendPace, partition
-from dmoe.averaging.matchmaking import parse_declarations
-from dmoe.wire.codec import FLOAT16, serialize
+from dmoe.averaging.allreduce import (MAX_WEIGHT, Outcome, PartReducer, PartResult, Refused, SendPace, allreduce,
+                                      bad_total, encode_piece, partition)
+from dmoe.averaging.matchmaking import Declaration, Group, Matchmaker, Member, parse_declarations, parse_member
+from dmoe.wire import dmoe_pb2
+from dmoe.wire.codec import FLOAT16, deserialize, serialize
 
 
 def test_parts_are_proportional_to_bandwidth_and_empty_for_client_mode():
@@ -30,6 +34,13 @@ def test_parts_cover_every_value_whatever_the_rounding():
         assert sum(end - start for start, end in bounds) == total and bounds[3][0] == bounds[3][1]
     with pytest.raises(ValueError, match="nobody can own a part"):
         partition(10, [0.0, 0.0])
+
+
+def test_parts_cover_every_value_even_for_bandwidths_near_the_float_limit():
+    # a leader may publish any finite bandwidth: their sum must not overflow into parts that cover nothing
+    for bandwidths in ([1e308, 1.7e308, 0.0], [1.7e308, 5e-324]):
+        bounds = partition(10, bandwidths)
+        assert bounds[0][0] == 0 and bounds[-1][1] == 10 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
 
 
 def reduce(senders: dict[int, tuple[float, torch.Tensor]], members=None, timeout: float = 5.0, **kwargs):
@@ -108,6 +119,135 @@ def test_a_duplicate_stream_bans_the_sender_even_after_its_first_stream_delivere
         reducer.finish(2)
         return await reducer.wait()
     assert asyncio.run(run()).contributors == (2,)
+
+
+def test_float16_saturates_values_beyond_its_range_and_the_owner_averages_them_without_a_ban():
+    async def run():
+        reducer = PartReducer("g", [1, 2], 3, timeout=5, compression=FLOAT16, max_abs_value=1e6)
+        for sender, values in ((1, torch.tensor([7e4, -7e4, 1.0])), (2, torch.tensor([7e4, 0.0, 3.0]))):
+            reducer.begin(sender, 1.0)
+            reducer.add(sender, encode_piece(values, FLOAT16, dmoe_pb2.Tensor()))  # as a member sends it
+            reducer.finish(sender)
+        return await reducer.wait(), reducer
+    result, reducer = asyncio.run(run())
+    assert result.contributors == (1, 2) and not reducer.dropped
+    torch.testing.assert_close(result.values, torch.tensor([65504.0, -32752.0, 2.0]))
+    # the owner's answer saturates too: an average beyond float16's range still arrives finite
+    answer = PartResult.encode((1, 2), 2.0, torch.tensor([7e4, 1.0]), FLOAT16, piece_elements=8)
+    assert deserialize(answer.messages[0].values).tolist() == [65504.0, 1.0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_float16_still_carries_nan_and_inf_so_that_they_are_refused(bad):
+    async def run():
+        reducer = PartReducer("g", [1, 2], 3, timeout=5, compression=FLOAT16, max_abs_value=1e6)
+        reducer.begin(1, 1.0)
+        with pytest.raises(Refused, match="NaN or Inf"):
+            reducer.add(1, encode_piece(torch.tensor([7e4, bad, 1.0]), FLOAT16, dmoe_pb2.Tensor()))
+        return reducer
+    assert 1 in asyncio.run(run()).dropped
+
+
+class FakeDHT:
+    """What matchmaking's leader and readers call on a DHT: stores succeed and are kept, reads return them."""
+
+    def __init__(self):
+        self.records: dict[str, dict[int, Entry]] = {}
+
+    def store_many(self, records):
+        for key, entries in records.items():
+            for subkey, (value, expiration) in entries.items():
+                self.records.setdefault(key, {})[subkey] = Entry(value, expiration, b"leader")
+        return {key: {subkey: True for subkey in entries} for key, entries in records.items()}
+
+    def get_many(self, keys):
+        return {key: self.records.get(key, {}) for key in keys}
+
+
+def test_a_leader_cuts_the_parts_from_the_bandwidths_its_members_read_from_the_group_record():
+    # describe() keeps 6 significant digits: a leader cutting from its own unrounded bandwidth got other bounds
+    # than everyone else, and every owner refused every stream as the wrong size
+    dht = FakeDHT()
+    me = Member(5, "127.0.0.1:1000", 94990151.83623111)
+    leader = Matchmaker(dht, me, AveragerConfig(), threading.Event())
+    other = parse_member(9, "127.0.0.1:1001;54873527.695502765")
+    group = leader._lead(0, "run.0.*", [leader.me, other])
+    read = tuple(parse_member(pid, entry.value) for pid, entry in sorted(dht.records[group.group_id].items()))
+    assert group.members == read
+    assert partition(10**6 + 1, [m.bandwidth for m in group.members]) == \
+        partition(10**6 + 1, [m.bandwidth for m in read])
+
+
+@pytest.mark.parametrize("me, entries, reason", [
+    (Member(5, "127.0.0.1:1000", 1.0), {5: "127.0.0.1:1000;0", 1: "127.0.0.1:9;0"}, "nobody could own a part"),
+    (Member(5, None, 0.0), {5: "127.0.0.1:1000;1", 1: "127.0.0.1:9;1"}, "lists this peer at 127.0.0.1:1000"),
+    (Member(5, "127.0.0.1:1000", 1.0), {5: "127.0.0.1:1000;1", 1: "127.0.0.1:9;nan"}, "malformed entries"),
+])
+def test_matchmaking_ignores_a_group_that_cannot_average(me, entries, reason, caplog):
+    dht = FakeDHT()
+    dht.store_many({"run.0.*.1.0123abcd": {pid: (value, 1e12) for pid, value in entries.items()}})
+    matchmaker = Matchmaker(dht, me, AveragerConfig(), threading.Event())
+    leaders = {1: Declaration(parse_member(1, "127.0.0.1:9;1"), "L2.0123abcd", 1e12, b"leader")}
+    groups: dict[int, Group] = {}
+    matchmaker._read_groups(0, "run.0.*", leaders, groups)
+    assert not groups and reason in caplog.text
+    dht.store_many({"run.0.*.1.0123abcd": {5: (me.describe(), 1e12), 1: ("127.0.0.1:9;1", 1e12)}})
+    matchmaker._read_groups(0, "run.0.*", leaders, groups)
+    assert list(groups) == [1]  # a sane group is joined
+
+
+def run_allreduce(members: list[Member], me: int, answers: dict[int, Outcome] | None = None,
+                  register=None, weight: float = 1.0):
+    """This peer's all-reduce among ``members`` with values of 4 ones, each owner answering ``answers[owner]`` (and
+    the values it was sent); returns (result, sends made)."""
+    sent = []
+
+    async def send(stub, group_id, sender, weight, values, out, **kwargs) -> Outcome:
+        sent.append(stub)
+        out.copy_(values)
+        return answers[stub]
+
+    async def run():
+        group = Group("run.0.*.1.0123abcd", 0, members[0].peer_id, tuple(members))
+        return await allreduce(group, me, torch.ones(4), weight, torch.empty(4), stub_for=lambda endpoint: int(
+            endpoint.rpartition(":")[2]), register=register, compression=0, piece_elements=4, max_abs_value=0.0,
+            allreduce_timeout=5, join_timeout=1, max_retries=1, min_group_size=2, deadline=time.monotonic() + 10,
+            send=send)
+    return asyncio.run(run()), sent
+
+
+def test_a_group_that_cannot_average_fails_the_round_without_raising():
+    nobody_owns = [Member(1, "127.0.0.1:1", 0.0), Member(2, "127.0.0.1:2", 0.0)]
+    assert run_allreduce(nobody_owns, me=1) == (None, [])
+    # this peer is in client mode (no register), yet the group gives it a part
+    assert run_allreduce([Member(1, "127.0.0.1:1", 1.0), Member(2, "127.0.0.1:2", 1.0)], me=1) == (None, [])
+
+
+def test_bad_total_accepts_what_a_sum_of_accepted_weights_can_be():
+    assert bad_total((1, 2), 0.0, me=1, weight=0.0) is None  # every weight 0: an honest total of 0
+    assert bad_total((1, 2), 2 * MAX_WEIGHT, me=1, weight=MAX_WEIGHT) is None
+    assert "not in" in bad_total((1, 2), -4.0, me=1, weight=1.0)
+    assert "not in" in bad_total((1, 2), 2 * MAX_WEIGHT * 1.001, me=1, weight=1.0)
+    assert "not in" in bad_total((1, 2), float("inf"), me=1, weight=1.0)
+    assert "below this member's own weight" in bad_total((1, 2), 0.5, me=1, weight=1.0)
+    assert bad_total((2, 3), 0.5, me=1, weight=1.0) is None  # left out: its weight is not in the total
+
+
+@pytest.mark.parametrize("totals", [(-4.0, -4.0), (3.1e12, 3.1e12), (0.5, 0.5), (3.0, 4.0)])
+def test_an_absurd_or_disagreeing_total_weight_fails_the_round(totals):
+    # this peer (3) is in client mode; owners 1 and 2 answer contributors (1, 2, 3) with these totals. Taken, a
+    # negative total made this peer's weight negative, and every owner refused its every later step
+    members = [Member(1, "127.0.0.1:1", 1.0), Member(2, "127.0.0.1:2", 1.0), Member(3, None, 0.0)]
+    answers = {owner: Outcome((1, 2, 3), total) for owner, total in zip((1, 2), totals)}
+    result, _ = run_allreduce(members, me=3, answers=answers)
+    assert result is None
+
+
+def test_owners_agreeing_on_a_sane_total_weight_give_it_to_the_member():
+    members = [Member(1, "127.0.0.1:1", 1.0), Member(2, "127.0.0.1:2", 1.0), Member(3, None, 0.0)]
+    result, sent = run_allreduce(members, me=3, answers={1: Outcome((1, 2, 3), 3.0), 2: Outcome((1, 2, 3), 3.0)})
+    assert result is not None and result.total_weight == 3.0 and result.contributors == (1, 2, 3)
+    assert sorted(sent) == [1, 2]
 
 
 def test_group_keys_free_one_dimension_per_round_and_ranks_become_coordinates():

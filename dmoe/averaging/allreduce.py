@@ -29,7 +29,7 @@ import torch
 
 from dmoe.averaging.matchmaking import Group, Member
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
-from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, serialize
+from dmoe.wire.codec import FLOAT16, NONE, InvalidTensor, TensorTooLarge, deserialize, serialize
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ DTYPE = torch.float32
 DTYPE_NAME = "float32"
 #: weights above this are refused: a sum of weights must stay finite and exact enough to divide by
 MAX_WEIGHT = 1e12
+#: the largest finite float16: what ``compression='float16'`` saturates larger magnitudes to
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 
 class Refused(Exception):
@@ -52,9 +54,12 @@ def partition(total: int, bandwidths: Sequence[float]) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` of each member's part of ``total`` values, sized in proportion to
     ``bandwidths`` (0: an empty part). Every member computes the same bounds from the same published floats."""
     shares = [max(0.0, float(b)) for b in bandwidths]
-    whole = sum(shares)
-    if not whole > 0:
+    largest = max(shares, default=0.0)
+    if not largest > 0:
         raise ValueError("no member of the group accepts connections, nobody can own a part")
+    # in [0, 1]: a leader may publish bandwidths near the float limit, whose sum (or total * share) is inf
+    shares = [share / largest for share in shares]
+    whole = sum(shares)
     exact = [total * share / whole for share in shares]
     sizes = [math.floor(x) for x in exact]
     # the values left by rounding down go to the largest remainders (ties: the earlier member)
@@ -79,6 +84,32 @@ def bad_values(values: torch.Tensor, max_abs_value: float) -> str | None:
         return "holds NaN or Inf values"
     if max_abs_value and max(-low, high) > max_abs_value:
         return f"holds a value of magnitude {max(-low, high):.3g}, above the limit {max_abs_value:g} (max_abs_value)"
+    return None
+
+
+def encode_piece(values: torch.Tensor, compression: int, out: dmoe_pb2.Tensor) -> dmoe_pb2.Tensor:
+    """Serializes a piece of a part into ``out``. float16 saturates finite values beyond its range to +-65504:
+    cast as they are, they would arrive as inf and the receiver would refuse them (and ban the sender) as garbage,
+    though they passed ``max_abs_value``; the lossy compression was opted into. NaN and inf stay what they are, and
+    are refused as before."""
+    if compression == FLOAT16 and values.numel() and _beyond_float16(values):
+        values = torch.where(values.isinf(), values, values.clamp(-FLOAT16_MAX, FLOAT16_MAX))
+    return serialize(values, compression, out=out)
+
+
+def _beyond_float16(values: torch.Tensor) -> bool:
+    array = values.numpy()  # numpy's min and max: no copy, no torch thread team on the loop (see bad_values)
+    return bool(float(array.min()) < -FLOAT16_MAX or float(array.max()) > FLOAT16_MAX)
+
+
+def bad_total(contributors: Sequence[int], total_weight: float, me: int, weight: float) -> str | None:
+    """Why an owner's ``total_weight`` cannot be the sum of its contributors' weights, or None. Each weight was
+    accepted in [0, MAX_WEIGHT], and this member's own (``weight``) is one of them when it contributed: the
+    member's next weight is taken from the total, and one out of those bounds would be refused by every owner."""
+    if not (math.isfinite(total_weight) and 0 <= total_weight <= MAX_WEIGHT * len(contributors)):
+        return f"total weight {total_weight} is not in [0, {MAX_WEIGHT:g} x {len(contributors)} contributors]"
+    if me in contributors and total_weight < weight:
+        return f"total weight {total_weight} is below this member's own weight {weight}"
     return None
 
 
@@ -134,7 +165,7 @@ class PartResult:
         messages = []
         for start in range(0, values.numel() if values is not None else 0, piece_elements):
             message = dmoe_pb2.AveragedPart()
-            serialize(values[start:start + piece_elements], compression, out=message.values)
+            encode_piece(values[start:start + piece_elements], compression, out=message.values)
             messages.append(message)
         if not messages:
             messages.append(dmoe_pb2.AveragedPart())
@@ -333,7 +364,7 @@ async def _stream_part(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: str, 
         for start in range(0, values.numel(), piece_elements):
             message = dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight) if start == 0 else \
                 dmoe_pb2.AveragingPart()
-            serialize(values[start:start + piece_elements], compression, out=message.values)  # encoded as sent
+            encode_piece(values[start:start + piece_elements], compression, out=message.values)  # encoded as sent
             if pace is not None:
                 await pace.wait(message.ByteSize())
             yield message
@@ -400,13 +431,14 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
         if left <= 0:
             logger.warning("group %s: out of time before attempt %d", group.group_id, attempt + 1)
             return None
-        bounds = partition(flat.numel(), [m.bandwidth for m in members])
+        bounds, problem = _parts(members, me, flat.numel(), can_own=register is not None)
+        if problem is not None:
+            logger.warning("group %s cannot average: %s; tensors unchanged", group.group_id, problem)
+            return None
         ids = [m.peer_id for m in members]
         mine = bounds[ids.index(me)]
         reducer = None
         if mine[1] > mine[0]:
-            if register is None:
-                raise RuntimeError("a peer in client mode cannot own a part")
             reducer = PartReducer(group_id, ids, mine[1] - mine[0], timeout=min(allreduce_timeout, left),
                                   compression=compression, max_abs_value=max_abs_value, piece_elements=piece_elements)
             register(group_id, reducer)
@@ -424,32 +456,59 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                     # the leader's group: every owner in it learns it, maybe late. A retry's id is computed by each
                     # survivor, and one with another view never learns this one: refused, as before
                     retry_until=time.monotonic() + min(allreduce_timeout, left) if attempt == 0 else 0.0))
-        outcomes = dict(zip(tasks, await asyncio.gather(*tasks.values())))
+        outcomes = {owner: _checked(outcome, me, weight)
+                    for owner, outcome in zip(tasks, await asyncio.gather(*tasks.values()))}
         failed = {owner: o.error for owner, o in outcomes.items() if o.error is not None}
-        views = {o.contributors for o in outcomes.values() if o.error is None}
+        # owners that name the same contributors with different totals disagree too: one of them lies, and which
+        # one cannot be told, so the round fails rather than take a weight that may be a lie
+        views = {(o.contributors, o.total_weight) for o in outcomes.values() if o.error is None}
 
         def why(pid: int, otherwise: str) -> str:  # this peer's own part knows why it left a member out
             return reducer.dropped.get(pid, otherwise) if reducer is not None else otherwise
 
         if not failed and len(views) == 1:
-            contributors = next(iter(views))
+            contributors, total = next(iter(views))
             if me in contributors:
-                total = next(iter(outcomes.values())).total_weight
                 dropped.update({pid: why(pid, "refused or missing") for pid in ids if pid not in contributors})
                 return AllReduceResult(contributors, total, tuple(ids), dropped, attempt + 1)
-        accepted = set(ids).intersection(*views) if views else set()
+        accepted = set(ids).intersection(*(contributors for contributors, _ in views)) if views else set()
         for owner, error in failed.items():
             dropped[owner] = error
         for pid in set(ids) - accepted - set(failed):  # the retry leaves them out too: say why
             dropped[pid] = why(pid, "refused by some owners" if views else "no owner answered")
         survivors = [m for m in members if m.peer_id in accepted and m.peer_id not in failed]
-        logger.info("group %s attempt %d: owners failed %s, %d different contributor lists; survivors %s",
+        logger.info("group %s attempt %d: owners failed %s, %d different answers; survivors %s",
                  group.group_id, attempt + 1, failed or "none", len(views), [m.peer_id for m in survivors])
         if (me not in {m.peer_id for m in survivors} or len(survivors) < min_group_size
                 or not any(m.bandwidth > 0 for m in survivors) or len(survivors) == len(members)):
             return None
         members = survivors
     return None
+
+
+def _parts(members: Sequence[Member], me: int, total: int,
+           can_own: bool) -> tuple[list[tuple[int, int]], str | None]:
+    """The bounds of the members' parts, or why the all-reduce cannot begin among them: matchmaking refuses such
+    groups, so this guards groups that came some other way, which must fail the round, not the caller's step."""
+    ids = [m.peer_id for m in members]
+    if me not in ids:
+        return [], "this peer is not a member"
+    if not any(m.bandwidth > 0 for m in members):
+        return [], "no member has a positive bandwidth, so nobody can own a part"
+    bounds = partition(total, [m.bandwidth for m in members])
+    start, end = bounds[ids.index(me)]
+    if end > start and not can_own:
+        return [], "it gives this peer a part, but this peer is in client mode and cannot own one"
+    return bounds, None
+
+
+def _checked(outcome: Outcome, me: int, weight: float) -> Outcome:
+    """``outcome``, or a failed one when its total weight is absurd (a broken answer, as a NaN average is)."""
+    if outcome.error is None:
+        problem = bad_total(outcome.contributors, outcome.total_weight, me, weight)
+        if problem is not None:
+            return Outcome(error=f"bad answer: {problem}")
+    return outcome
 
 
 #: seconds between checks that a member which answered, but whose values have not arrived, still accepts connections

@@ -29,7 +29,8 @@ class AveragerConfig:
     bandwidth: this peer's declared bandwidth (any unit, the same for all peers): parts are sized in proportion.
     client_mode: accept no connections (a peer behind NAT): no gRPC server, a part of size 0; the peer still sends
         its values to every owner and receives their averages.
-    compression: ``'none'``, ``'float16'`` or ``'uint8'``, applied to every piece sent, both ways.
+    compression: ``'none'``, ``'float16'`` or ``'uint8'``, applied to every piece sent, both ways. float16
+        saturates finite values beyond its range to +-65504 (as inf they would be refused as garbage).
     max_send_rate: bytes per second this peer sends at most, over all its streams (0: no limit); leaves room on a
         shared uplink, and emulates a slow one in experiments.
     max_abs_value: owners refuse values of a larger magnitude (and members averages of one); 0: no limit.

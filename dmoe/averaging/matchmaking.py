@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from dmoe.averaging.config import AveragerConfig
 from dmoe.dht import DHT
@@ -89,6 +89,25 @@ def parse_member(peer_id: int, value: str) -> Member:
     return Member(peer_id, endpoint, bandwidth if endpoint is not None else 0.0)
 
 
+def published(member: Member) -> Member:
+    """``member`` as the others read it from a record (the bandwidth rounded by :meth:`Member.describe`): every
+    member, the leader included, must cut the parts from these very values, or the bounds differ by a value and
+    every owner refuses every stream as the wrong size."""
+    return parse_member(member.peer_id, member.describe())
+
+
+def unworkable(members: Sequence[Member], me: Member) -> str | None:
+    """Why a group read from the DHT cannot average, or None. A broken or hostile leader may publish anything: a
+    group where nobody can own a part, or one that gives this peer a part though it accepts no connections."""
+    if not any(m.bandwidth > 0 for m in members):
+        return "no member accepts connections with a positive bandwidth, so nobody could own a part"
+    listed = next((m for m in members if m.peer_id == me.peer_id), None)
+    if listed is not None and listed.endpoint != me.endpoint:
+        return (f"it lists this peer at {listed.endpoint or '- (client mode)'}, "
+                f"not at {me.endpoint or '- (client mode)'} as it declared")
+    return None
+
+
 @dataclass(frozen=True)
 class Declaration:
     member: Member
@@ -121,8 +140,9 @@ class Matchmaker:
     """
 
     def __init__(self, dht: DHT, me: Member, config: AveragerConfig, stop: threading.Event):
-        self.dht, self.me, self.config, self.stop = dht, me, config, stop
+        self.dht, self.me, self.config, self.stop = dht, published(me), config, stop
         self._expiration = 0.0  # of this peer's latest declaration: a later store must expire later to count
+        self._ignored: set[str] = set()  # groups of this search refused as unworkable: said once, not every poll
         self.margin = max(1.0, 3 * config.poll_period)
 
     def _declare(self, key: str, state: str, expiration: float) -> bool:
@@ -153,6 +173,7 @@ class Matchmaker:
         # yet readable, took too (two groups claiming one peer: one of them fails its all-reduce). A round of one
         # group of everyone needs no wait: its leader sees all the peers it expects
         settled = min(time.time() + self.margin, matchmaking_ends) if not single_group else 0.0
+        self._ignored.clear()
         groups: dict[int, Group] = {}  # leader id -> group read completely
         unreadable: dict[int, float] = {}  # leader id -> since when its group could not be read in full
         while not self.stop.is_set() and time.time() < deadline:
@@ -235,13 +256,15 @@ class Matchmaker:
             logger.warning("could not publish group %s (%s); averaging with no one", group_id, ", ".join(failed))
             self._declare(key, GONE, time.time() + cfg.declaration_ttl)
             return None
-        members = sorted(members, key=lambda m: m.peer_id)
+        # the values the others read from the record, not this peer's own: they cut the parts from those
+        members = sorted((published(m) for m in members), key=lambda m: m.peer_id)
         logger.info("leading group %s of %d", group_id, len(members))
         return Group(group_id, round_number, self.me.peer_id, tuple(members))
 
     def _read_groups(self, round_number: int, key: str, leaders: dict[int, Declaration],
                      groups: dict[int, Group]) -> None:
-        """Reads the groups of ``leaders``; keeps those readable in full (every entry signed by the leader)."""
+        """Reads the groups of ``leaders``; keeps those readable in full (every entry signed by the leader) that can
+        average. The others stay unread: after ``margin``, the search goes on as if their leaders took nobody."""
         ids = {pid: f"{key}.{pid}.{_LEADING.fullmatch(d.state).group(2)}" for pid, d in leaders.items()}
         try:
             records = self.dht.get_many(list(ids.values()))
@@ -251,15 +274,22 @@ class Matchmaker:
         for pid, group_id in ids.items():
             declaration = leaders[pid]
             size = int(_LEADING.fullmatch(declaration.state).group(1))
-            members = []
+            members, malformed = [], []
             for subkey, entry in records.get(group_id, {}).items():
                 if isinstance(subkey, int) and entry.owner == declaration.owner:  # others may write there too
                     try:
                         members.append(parse_member(subkey, entry.value))
                     except ValueError:
-                        pass
-            if len(members) == size and pid in {m.peer_id for m in members}:
-                groups[pid] = Group(group_id, round_number, pid, tuple(sorted(members, key=lambda m: m.peer_id)))
+                        malformed.append(subkey)
+            problem = f"malformed entries of peers {sorted(malformed)}" if malformed else None
+            if problem is None and len(members) == size and pid in {m.peer_id for m in members}:
+                problem = unworkable(members, self.me)
+                if problem is None:
+                    groups[pid] = Group(group_id, round_number, pid, tuple(sorted(members, key=lambda m: m.peer_id)))
+            if problem is not None:
+                logger.log(logging.DEBUG if group_id in self._ignored else logging.WARNING,
+                           "ignoring group %s of peer %s: %s", group_id, pid, problem)
+                self._ignored.add(group_id)
 
 
 _WAIT = object()
