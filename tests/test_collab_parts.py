@@ -4,8 +4,10 @@ and whom to download from, the state's encoding, checks and gRPC service, and th
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import re
 import time
 from typing import Iterator
 
@@ -13,14 +15,18 @@ import pytest
 import torch
 
 from dmoe import DHT, CollaborationConfig
+from dmoe.collab.optimizer import CollaborativeOptimizer, parameters_lineage
 from dmoe.collab.progress import (
     ACCUMULATING,
     AVERAGING,
     GONE,
+    MAX_GROUP_SIZE,
+    RECORD_MAX_STEP,
     CollaborationState,
     Progress,
     ProgressTracker,
     canonical_lineage,
+    check_record_fits,
     progress_key,
     refusal,
 )
@@ -32,10 +38,12 @@ from dmoe.collab.state_sync import (
     TrainingState,
     check_state,
     decode_state,
+    download_limits,
     download_state,
     encode_state,
     load_state,
 )
+from dmoe.wire import dmoe_pb2
 from tests.procs import running
 
 torch.set_num_threads(1)
@@ -57,6 +65,17 @@ def test_a_progress_record_survives_encoding_and_fits_a_dht_value():
     assert parsed == Progress(123456, 4096, float(f"{1234.5678:.4g}"), round(record.time, 2), "[::1]:65535",
                               ACCUMULATING, "0123abcd", 3)
     assert Progress.parse(progress(endpoint=None).encode()).endpoint is None
+
+
+def test_a_record_is_checked_to_fit_up_to_a_billion_steps_and_a_full_length_ipv6_endpoint_is_refused():
+    for endpoint in ("255.255.255.255:65535", "[2a02:8071:5e80:1a40::4e1d]:65535", None):
+        check_record_fits(7, progress(endpoint=endpoint), CONFIG, 96)
+        worst = progress(step=RECORD_MAX_STEP, samples=int(CONFIG.max_samples), speed=9.999e99,
+                         stamp=9999999999.99, endpoint=endpoint, group_size=MAX_GROUP_SIZE)
+        assert len(worst.encode()) <= 96
+    full = "[2a02:8071:5e80:1a40:d1c3:9a2b:7f10:4e1d]:43123"
+    with pytest.raises(ValueError, match="--averaging-host and --state-port.*--averaging-client-mode"):
+        check_record_fits(7, progress(step=0, samples=0, endpoint=full), CONFIG, 96)
 
 
 @pytest.mark.parametrize("value", [
@@ -127,6 +146,26 @@ def test_a_trainer_behind_or_off_the_canonical_lineage_downloads_from_one_on_it(
     assert state(progress(step=3), {2: progress(step=5, endpoint=None)}).source() is None
     # nobody else: a collaboration of one is always on its own lineage
     assert state(progress(step=0), {}).source() is None
+
+
+def test_trainers_above_the_serving_ones_do_not_keep_a_joiner_from_downloading():
+    joiner = progress(step=0, lineage="00000000", group_size=0)
+    serving = {1: progress(step=50, endpoint="127.0.0.1:2"), 2: progress(step=50, endpoint="127.0.0.1:3")}
+    claims = {3: progress(step=10**9, endpoint=None, lineage="bbbbbbbb", group_size=1)}  # client mode, or a lie
+    assert state(joiner, {**serving, **claims}).source()[0] in (1, 2)
+    # the highest serving step wins over a lower one
+    lower = {4: progress(step=20, endpoint="127.0.0.1:4")}
+    assert state(joiner, {**serving, **claims, **lower}).source()[0] in (1, 2)
+    # at that step the canonical lineage is the one of everyone there; when no server holds it, a trainer behind
+    # takes the servers' own rather than stay behind ...
+    at_50 = {1: progress(step=50, endpoint="127.0.0.1:2", lineage="cccccccc", group_size=1),
+             5: progress(step=50, endpoint=None, lineage="aaaaaaaa", group_size=3)}
+    assert state(joiner, at_50).source()[0] == 1
+    assert state(joiner, {**at_50, 6: progress(step=50, endpoint="127.0.0.1:6", lineage="aaaaaaaa")}
+                 ).source()[0] == 6
+    # ... but one at that step never swaps its lineage for another non-canonical one, nor goes back
+    assert state(progress(step=50, lineage="dddddddd", group_size=1), at_50).source() is None
+    assert state(progress(step=60), serving).source() is None
 
 
 # ---- the state: encoding, checks, loading ----
@@ -202,6 +241,165 @@ def test_the_state_service_serves_its_run_and_refuses_others_with_a_clear_status
             download_state(server.endpoint, "run", timeout=10, max_bytes=100)
     with pytest.raises(StateDownloadError, match="UNAVAILABLE"):
         download_state(server.endpoint, "run", timeout=5, max_bytes=1 << 20)  # the server is gone
+
+
+def adam(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def sent(mutate) -> TrainingState:
+    """A state as a peer that changed it before encoding would serve it."""
+    model, opt = adam(seed=1)
+    captured = TrainingState.capture(5, "0123abcd", 2, list(model.parameters()), opt)
+    mutate(captured)
+    return decode_state(encode_state(captured, "run"), 1 << 20)
+
+
+def changed(attribute: str, *keys, value):
+    """A change a peer makes to its state before encoding it: ``state.<attribute>[keys...] = value``."""
+    def mutate(captured: TrainingState) -> None:
+        if not keys:
+            setattr(captured, attribute, value)
+            return
+        target = getattr(captured, attribute)
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+    return mutate
+
+
+@pytest.mark.parametrize("mutate, refused", [
+    (changed("optimizer", "state", 0, "exp_avg", value=torch.zeros(1)),
+     r"'exp_avg' of parameter 0 has shape \[1\] in the state, the parameter \[3, 4\] here"),
+    (changed("optimizer", "state", 1, "exp_avg_sq", value=torch.zeros(())),
+     r"'exp_avg_sq' of parameter 1 has shape \[\]"),
+    (changed("optimizer", "state", 0, "exp_avg", value=torch.zeros(3, 4, dtype=torch.int64)), "not floating point"),
+    (changed("optimizer", "state", 0, "step", value=torch.tensor(-1.0)),
+     r"'step' of parameter 0 is -1.0, not a finite number >= 0"),
+    (changed("optimizer", "state", 0, "step", value=torch.tensor(float("nan"))), "'step' of parameter 0 is nan"),
+    (changed("optimizer", "state", 0, "step", value=torch.ones(2)), "'step' of parameter 0 is not a real scalar"),
+    (changed("optimizer", "state", 1, "step", value=3.0), "'step' of parameter 1 is not a tensor in the state"),
+    (changed("optimizer", "state", 1, "extra", value=1), r"parameter 1 holds \['exp_avg', 'exp_avg_sq', 'extra'"),
+    (changed("optimizer", "state", 7, value={"foo": 1.0}), "names parameter 7; this model has 2"),
+    (changed("optimizer", "param_groups", 0, "params", value=2), r"groups differ: params \[2\] in the state"),
+    (changed("optimizer", "param_groups", 0, "params", value=[1, 0]),
+     r"params \[\[1, 0\]\] in the state, \[\[0, 1\]\] here"),
+    (changed("optimizer", "param_groups", value=[{"params": [0]}, {"params": [1]}]),
+     r"groups differ: params \[\[0\], \[1\]\] in the state"),
+    (changed("lineage", value="has space;" + "x" * 100), "lineage 'has space;xxx.* is malformed"),
+    (changed("group_size", value=10**6), "averaged by 1000000 trainers"),
+])
+def test_a_state_this_optimizer_could_not_step_with_is_refused_before_anything_is_written(mutate, refused):
+    model, opt = adam(seed=0)
+    parameters = list(model.parameters())
+    before = [p.detach().clone() for p in parameters]
+    state_before = {i: {k: v.clone() for k, v in entry.items()}
+                    for i, entry in opt.state_dict()["state"].items()}
+    with pytest.raises(StateMismatch, match=refused):
+        load_state(sent(mutate), parameters, opt)
+    assert all(torch.equal(p, q) for p, q in zip(parameters, before))
+    for index, entry in opt.state_dict()["state"].items():
+        assert all(torch.equal(value, state_before[index][key]) for key, value in entry.items())
+
+
+@pytest.mark.parametrize("value, refused", [
+    ("bar", "'foo' of parameter 0 is 'bar', not a tensor or a finite number"),
+    (10**400, "'foo' of parameter 0 is 1000.*, not a tensor or a finite number"),
+], ids=["a string", "an int beyond floats"])
+def test_a_fresh_optimizer_refuses_optimizer_values_that_are_not_finite_numbers(value, refused):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(StateMismatch, match=refused):
+        load_state(sent(changed("optimizer", "state", 0, "foo", value=value)), list(model.parameters()),
+                   torch.optim.Adam(model.parameters()))
+
+
+def test_a_loaded_state_keeps_this_trainers_hyperparameters_and_steps_to_finite_values():
+    # every trainer sets its own learning rate for each step: a peer's (NaN, a string, 1e30) is never taken
+    for lr in (float("nan"), "fast", 1e30):
+        model, opt = adam(seed=0)
+        load_state(sent(changed("optimizer", "param_groups", 0, "lr", value=lr)), list(model.parameters()), opt)
+        assert opt.param_groups[0]["lr"] == 1e-3 and opt.state_dict()["state"][0]["step"] == 1
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_state_sending_one_value_both_as_a_tensor_and_a_scalar_is_malformed():
+    model, opt = adam()
+    messages = encode_state(TrainingState.capture(1, "0123abcd", 2, list(model.parameters()), opt), "run")
+    extra = json.loads(messages[0].optimizer_json)
+    extra["state"] = {"0": {"exp_avg": 1.0}}
+    messages[0].optimizer_json = json.dumps(extra)
+    with pytest.raises(StateDownloadError, match=r"\['exp_avg'\] of parameter 0 sent both as tensors and as"):
+        decode_state(messages, 1 << 20)
+
+
+def test_a_state_download_counts_every_field_and_every_message_against_its_caps():
+    model, opt = adam()
+    genuine = encode_state(TrainingState.capture(4, "0123abcd", 2, list(model.parameters()), opt), "run")
+    served = {"messages": genuine}
+    with StateServer(StateServicer("run", lambda: served["messages"])) as server:
+        assert download_state(server.endpoint, "run", 10, *download_limits(list(model.parameters()))).step == 4
+        served["messages"] = [dmoe_pb2.StatePart(name="x" * (64 << 10)) for _ in range(40)]  # 2.5 MiB, no tensor
+        with pytest.raises(StateDownloadError, match="more than 1048576 bytes or 10000 messages"):
+            download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20)
+        served["messages"] = [dmoe_pb2.StatePart() for _ in range(1000)]  # empty: no bytes at all
+        with pytest.raises(StateDownloadError, match="more than 1048576 bytes or 100 messages"):
+            download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20, max_messages=100)
+
+
+class WithScale(torch.nn.Module):
+    """A model with a 0-dimensional parameter, as a learned temperature or scale is."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_a_zero_dimensional_parameter_has_a_lineage_and_its_state_survives_a_download():
+    torch.manual_seed(0)
+    model = WithScale()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    lineage = parameters_lineage(model.parameters())
+    same = WithScale()
+    same.load_state_dict(model.state_dict())
+    assert parameters_lineage(same.parameters()) == lineage
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert parameters_lineage(model.parameters()) != lineage
+    torch.manual_seed(1)
+    fresh = WithScale()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    encoded = encode_state(TrainingState.capture(3, lineage, 1, list(model.parameters()), opt), "run")
+    with StateServer(StateServicer("run", lambda: encoded)) as server:
+        downloaded = download_state(server.endpoint, "run", 10, *download_limits(list(fresh.parameters())))
+    load_state(downloaded, list(fresh.parameters()), fresh_opt)
+    assert fresh.scale.shape == () and torch.equal(fresh.scale, model.scale)
+    assert torch.equal(fresh_opt.state[fresh.scale]["exp_avg"], opt.state[model.scale]["exp_avg"])
+
+
+def test_the_lineage_of_parameters_of_one_or_more_dimensions_did_not_change():
+    import hashlib
+
+    model, _ = trained(seed=3)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    parameters = [p.detach().to(dtype) for p, dtype in zip(model.parameters(), dtypes)]
+    digest = hashlib.blake2b(digest_size=4)
+    for p in parameters:  # as lineages were computed before 0-dimensional parameters were allowed
+        digest.update(str(tuple(p.shape)).encode())
+        digest.update(p.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    assert parameters_lineage(parameters) == digest.hexdigest()
 
 
 # ---- the tracker on a real DHT ----
@@ -288,3 +486,61 @@ def test_a_peer_too_late_for_a_single_group_gives_up_at_once_instead_of_waiting_
         finally:
             for averager in averagers:
                 averager.shutdown()
+
+
+def test_a_progress_record_no_node_would_take_is_refused_at_the_start_or_logged_and_the_tracker_goes_on(
+        bootstrap, caplog, monkeypatch):
+    caplog.set_level(logging.ERROR, logger="dmoe.collab.progress")
+    full_ipv6 = "[2a02:8071:5e80:1a40:d1c3:9a2b:7f10:4e1d]:43123"
+    with DHT([bootstrap], client_mode=True) as dht_a, DHT([bootstrap], client_mode=True) as dht_b:
+        with pytest.raises(ValueError, match="cannot carry its state endpoint .*--averaging-host"):
+            ProgressTracker(dht_a, "fit", CONFIG, 11, progress(step=0, samples=0, endpoint=full_ipv6))
+        a = ProgressTracker(dht_a, "fit", CONFIG, 11, progress(step=0, samples=0))
+        observer = ProgressTracker(dht_b, "fit", CONFIG)
+        try:
+            a.update(step=10**90)  # a record too long for any node: refused by the DHT before it is sent
+            assert a.publish_now() is False
+            assert "could not publish progress" in caplog.text
+            a.update(step=4)  # the tracker's thread is still there to publish it
+            wait_until(lambda: observer.refresh_now().get(11) is not None and observer.state().peers[11].step == 4)
+            def unreadable(key: str):
+                raise OSError("an error nobody foresaw")
+
+            monkeypatch.setattr(dht_a, "get", unreadable)
+            wait_until(lambda: "the progress tracker's refresh failed" in caplog.text)
+            a.update(step=5)  # nor does that stop it
+            wait_until(lambda: observer.refresh_now().get(11) is not None and observer.state().peers[11].step == 5)
+        finally:
+            a.close()
+            observer.close()
+
+
+def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best_serving_trainer(bootstrap, caplog):
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    torch.manual_seed(0)
+    ahead = WithScale()  # a 0-dimensional parameter too: its lineage, its state's download
+    ahead_opt = torch.optim.AdamW(ahead.parameters(), lr=0.01)
+    ahead(torch.randn(3, 4)).sum().backward()
+    ahead_opt.step()
+    good = encode_state(TrainingState.capture(7, "0123abcd", 3, list(ahead.parameters()), ahead_opt), "join")
+    broken = TrainingState.capture(9, "0123abcd", 3, list(ahead.parameters()), ahead_opt)
+    broken.optimizer["param_groups"][0]["params"] = 2  # once a TypeError that killed the joiner
+    bad = encode_state(broken, "join")
+    with DHT([bootstrap], client_mode=True) as hostile, StateServer(StateServicer("join", lambda: good)) as server, \
+            StateServer(StateServicer("join", lambda: bad)) as bad_server:
+        now = time.time()
+        hostile.store_many({progress_key("join"): {pid: (p.encode(), now + 60) for pid, p in {
+            901: Progress(10**9, 0, 0.0, now, None, ACCUMULATING, "bbbbbbbb", 1),  # above everyone, serves nothing
+            902: Progress(7, 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3),
+            903: Progress(9, 0, 1.0, now, bad_server.endpoint, ACCUMULATING, "0123abcd", 3)}.items()}})
+        torch.manual_seed(1)
+        joiner = WithScale()
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "join", 100, refresh_period=0.2,
+                progress_ttl=30.0, client_mode=True) as collab:
+            collab.wait_for_trainers(count=10, timeout=2.0)  # reads and syncs again meanwhile
+            assert (collab.local_step, collab.lineage, collab.steps_downloaded) == (7, "0123abcd", 1)
+            assert all(torch.equal(mine, theirs) for mine, theirs in zip(joiner.parameters(), ahead.parameters()))
+    assert re.search(r"ignoring trainer 903 .*: its state at \S+ was refused: the optimizer's parameter groups "
+                     r"differ: params \[2\] in the state", caplog.text), caplog.text
+    assert "downloaded the state at step 7 from trainer 902" in caplog.text

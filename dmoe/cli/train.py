@@ -17,6 +17,7 @@ import typing
 
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import add_config_argument, parse_args
+from dmoe.collab.progress import RecordTooLong
 from dmoe.trainer.data import DownloadError
 from dmoe.trainer.loop import TrainConfig, train
 
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     try:
         train(config)
-    except (DownloadError, FileNotFoundError, ConnectionError) as e:  # no corpus or no DHT peer: no traceback
+    # no corpus, no DHT peer, or a state endpoint too long to publish: no traceback
+    except (DownloadError, FileNotFoundError, ConnectionError, RecordTooLong) as e:
         raise SystemExit(f"dmoe-train: {e}")
 
 

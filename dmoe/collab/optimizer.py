@@ -12,8 +12,9 @@ their servers.
 Joining, dying, falling behind:
 
 * A trainer that starts, restarts or falls behind the top step (or finds its parameters off the canonical
-  lineage) downloads the dense parameters, the optimizer state and the step from a live trainer on it
-  (:mod:`~dmoe.collab.state_sync`) before it contributes; the batch it was computing is thrown away.
+  lineage) downloads the dense parameters, the optimizer state and the step from a live trainer on it, the
+  furthest that serves its state (:mod:`~dmoe.collab.state_sync`), before it contributes; the batch it was
+  computing is thrown away.
 * A trainer that dies only loses its accumulated samples: the averager drops it and the others finish the step
   among themselves; it stops being counted once its progress record expires.
 * When averaging fails, a trainer that sees the others moved on re-syncs from them; one that sees nobody ahead
@@ -56,6 +57,7 @@ from dmoe.collab.state_sync import (
     StateServer,
     StateServicer,
     TrainingState,
+    download_limits,
     download_state,
     encode_state,
     load_state,
@@ -75,7 +77,8 @@ def parameters_lineage(parameters: Iterable[torch.Tensor]) -> str:
     digest = hashlib.blake2b(digest_size=LINEAGE_CHARS // 2)
     for p in parameters:
         digest.update(str(tuple(p.shape)).encode())
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+        # flattened before the byte view, which a 0-dimensional tensor does not allow (same bytes for the others)
+        digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -133,7 +136,7 @@ class CollaborativeOptimizer:
         self._accumulators = [torch.zeros_like(p, dtype=torch.float32) for p in self.parameters]
         self._speed, self._last_call = 0.0, None
         self._reset_at = 0.0  # wall clock of the last step applied or state downloaded
-        self._state_bytes = 4 * sum(p.numel() * p.element_size() for p in self.parameters) + (1 << 20)
+        self._state_limits = download_limits(self.parameters)  # (bytes, messages)
         self._served: tuple[tuple[int, str], list] | None = None
         self._rng = random.Random()
         self._closed = False
@@ -282,14 +285,16 @@ class CollaborativeOptimizer:
         self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
 
     def _wait_for_others(self, step: int) -> bool:
-        """After a failed averaging: True once a trainer is past ``step``. While partners still average (this
-        trainer came too late for their group) it waits for them to publish their step, so that it downloads
-        their state rather than stepping alone; at most the averager's all-reduce timeout."""
+        """After a failed averaging: True once a trainer that serves its state is past ``step`` (as for
+        :meth:`CollaborationState.source`, one that serves none cannot be downloaded from: a client-mode trainer,
+        or a record claiming a step with nothing behind it, must not cut the wait short). While partners still
+        average (this trainer came too late for their group) it waits for them to publish their step, so that it
+        downloads their state rather than stepping alone; at most the averager's all-reduce timeout."""
         deadline = time.monotonic() + self.averager.config.allreduce_timeout
         while True:
             self.tracker.refresh_now()
             state = self.tracker.state()
-            if state.top_step > step:
+            if any(p.step > step and p.endpoint is not None for p in state.peers.values()):
                 return True
             averaging = any(p.step == step and p.phase == AVERAGING for p in state.peers.values())
             if not averaging or time.monotonic() > deadline:
@@ -328,7 +333,7 @@ class CollaborativeOptimizer:
             return False
         peer_id, claimed = chosen
         try:
-            downloaded = download_state(claimed.endpoint, self.run_id, self.config.state_timeout, self._state_bytes)
+            downloaded = download_state(claimed.endpoint, self.run_id, self.config.state_timeout, *self._state_limits)
             if downloaded.step < claimed.step:
                 raise StateMismatch(f"it claims step {claimed.step} but serves step {downloaded.step}")
             if downloaded.step == claimed.step and downloaded.lineage != claimed.lineage:

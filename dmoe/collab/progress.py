@@ -11,8 +11,11 @@ step a hash of the previous lineage and the group whose average made the step (o
 at one step with one lineage hold equal parameters, without comparing them. Where lineages differ at one step
 (trainers that averaged in two separate groups, or one that stepped alone after its group failed), the
 **canonical** one wins: made by the largest group, then held by the most trainers, then the smallest name. A
-trainer behind the top step, or off the canonical lineage, downloads the state of a trainer on it
-(:mod:`~dmoe.collab.state_sync`).
+trainer behind, or off the canonical lineage, downloads the state of a trainer on it
+(:mod:`~dmoe.collab.state_sync`): of the furthest trainers that serve their state (those in client mode serve none).
+
+A record must fit one DHT value (96 characters by default) for the whole run: a trainer whose state endpoint
+leaves too little room (a full-length IPv6 address) is refused at the start (:func:`check_record_fits`).
 
 Every trainer sees the collaboration from the records it read (:class:`CollaborationState`): the samples its
 partners (same step, same lineage) accumulated, their speed and the estimated time until the target batch size.
@@ -31,6 +34,7 @@ from typing import Mapping
 
 from dmoe.collab.config import CollaborationConfig, check_run_id
 from dmoe.dht import DHT
+from dmoe.dht.messages import check_entry
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,18 @@ ACCUMULATING, AVERAGING, GONE = "a", "v", "x"
 LINEAGE_CHARS = 8
 #: a group larger than this cannot have made a step: a matchmaking record holds at most this many peers
 MAX_GROUP_SIZE = 256
+#: a trainer's record must fit the DHT's value limit up to this step: no collaboration gets near a billion steps,
+#: and an endpoint that only fits for fewer would make the trainer vanish from the others' view in mid-run
+RECORD_MAX_STEP = 10**9 - 1
+
+
+def check_lineage(lineage: object) -> str:
+    """Raises ValueError for anything but a lineage as :func:`dmoe.collab.optimizer.parameters_lineage` writes it
+    (it travels in progress records: a malformed one could not be published)."""
+    if not isinstance(lineage, str) or len(lineage) != LINEAGE_CHARS or any(
+            c not in "0123456789abcdef" for c in lineage):
+        raise ValueError(f"malformed lineage {lineage!r}")
+    return lineage
 
 
 def progress_key(run_id: str) -> str:
@@ -81,14 +97,35 @@ class Progress:
             raise ValueError("step, samples and group size must be non-negative integers")
         if phase not in (ACCUMULATING, AVERAGING, GONE):
             raise ValueError(f"unknown phase {phase!r}")
-        if len(lineage) != LINEAGE_CHARS or any(c not in "0123456789abcdef" for c in lineage):
-            raise ValueError(f"malformed lineage {lineage!r}")
+        check_lineage(lineage)
         if endpoint != "-":
             host, _, port = endpoint.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"malformed endpoint {endpoint!r}")
         return cls(int(step), int(samples), float(speed), float(stamp), None if endpoint == "-" else endpoint,
                    phase, lineage, int(group_size))
+
+
+class RecordTooLong(ValueError):
+    """This trainer's progress record could not be published for the whole run (a setting to change, not a bug)."""
+
+
+def check_record_fits(peer_id: int, progress: Progress, config: CollaborationConfig, max_value_bytes: int) -> None:
+    """Raises :class:`RecordTooLong`, naming the settings to change, when this trainer's record could grow past what the DHT
+    stores before :data:`RECORD_MAX_STEP`: its endpoint takes too much of the value (a full-length IPv6 address
+    leaves no room for the numbers). Checked once at the start, rather than failing to publish in mid-run."""
+    worst = replace(progress, step=max(progress.step, RECORD_MAX_STEP),
+                    samples=max(progress.samples, int(config.max_samples)), samples_per_second=9.999e99,
+                    time=9999999999.99, phase=ACCUMULATING, group_size=MAX_GROUP_SIZE)
+    value = worst.encode()
+    try:
+        check_entry(peer_id, value, worst.time, max_value_bytes)
+    except ValueError as error:
+        raise RecordTooLong(
+            f"this trainer's progress record cannot carry its state endpoint {progress.endpoint!r}: at step "
+            f"{worst.step} it would be {value!r} ({len(value)} characters; {error}). Serve the state at a shorter "
+            f"address (dmoe-train --averaging-host and --state-port; CollaborationConfig.state_host and state_port), "
+            f"or train in client mode (--averaging-client-mode), which serves no state") from None
 
 
 def refusal(progress: Progress, config: CollaborationConfig, now: float) -> tuple[str, str] | None:
@@ -199,16 +236,25 @@ class CollaborationState:
         return missing / speed if speed > 0 else math.inf
 
     def source(self, rng: random.Random | None = None) -> tuple[int, Progress] | None:
-        """Whom this trainer should download the state from, or None when it is on the top step's canonical
-        lineage (or nobody who could serve it is there): a random trainer on that lineage that serves its state."""
+        """Whom this trainer should download the state from, or None when nobody who serves a state is better off:
+        a random trainer among those that serve theirs, at the highest step any of them reached, on that step's
+        canonical lineage. Only servers count toward that step: trainers above it (in client mode, or a record
+        that claims a step with nothing behind it) cannot be downloaded from, and must not keep a joiner at its
+        own step. If no server holds the canonical lineage there, this trainer takes the servers' own canonical
+        lineage when that moves it forward, never to swap one lineage for another at its own step."""
         if self.me is None:
             return None
-        top = self.top_step
-        canonical = self.canonical(top)
-        if top == self.me.step and canonical == self.me.lineage:
+        serving = {pid: p for pid, p in self.peers.items() if p.endpoint is not None}
+        best = max((p.step for p in serving.values()), default=-1)
+        if best < self.me.step:
             return None
-        candidates = sorted((pid, p) for pid, p in self.peers.items()
-                            if p.step == top and p.lineage == canonical and p.endpoint is not None)
+        at_best = {pid: p for pid, p in serving.items() if p.step == best}
+        canonical = self.canonical(best)
+        if not any(p.lineage == canonical for p in at_best.values()) and best > self.me.step:
+            canonical = canonical_lineage(at_best)
+        if best == self.me.step and canonical == self.me.lineage:
+            return None
+        candidates = sorted((pid, p) for pid, p in at_best.items() if p.lineage == canonical)
         return (rng or random).choice(candidates) if candidates else None
 
 
@@ -223,6 +269,8 @@ class ProgressTracker:
                  progress: Progress | None = None):
         if (peer_id is None) != (progress is None):
             raise ValueError("a trainer gives both its peer_id and its progress; an observer neither")
+        if peer_id is not None:
+            check_record_fits(peer_id, progress, config, dht.config.max_value_bytes)
         self.dht, self.config, self.peer_id = dht, config, peer_id
         self.key = progress_key(run_id)
         self._progress = progress
@@ -264,6 +312,9 @@ class ProgressTracker:
                 return self.dht.store(self.key, self.peer_id, progress.encode(), self._expiration)
             except (TimeoutError, RuntimeError) as error:
                 logger.warning("could not publish progress: %s", error)
+                return False
+            except ValueError as error:  # no node would take it: a failure to publish must not stop training
+                logger.error("could not publish progress %r: %s", progress.encode(), error)
                 return False
 
     # ---- the others ----
@@ -324,9 +375,12 @@ class ProgressTracker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self.peer_id is not None:
-                self.publish_now()
-            self.refresh_now()
+            try:
+                if self.peer_id is not None:
+                    self.publish_now()
+                self.refresh_now()
+            except Exception:  # noqa: BLE001 - a dead thread would leave the trainer invisible and blind, silently
+                logger.exception("the progress tracker's refresh failed; trying again at the next one")
             self._wake.wait(self.config.refresh_period * random.uniform(0.8, 1.0))
             self._wake.clear()
 

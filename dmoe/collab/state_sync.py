@@ -3,9 +3,11 @@ behind, and downloaded from a live trainer over gRPC (``CollaborationService`` i
 
 The state travels as tensors in the wire codec's format (a large one cut into parts, ``Tensor.parts``) plus one
 JSON text for what the optimizer holds besides tensors (its param groups' settings, per-parameter scalars). The
-receiver refuses a state that does not fit its own model and optimizer (another number of parameters, another
-shape or dtype, non-finite values, optimizer state of the wrong size) with :class:`StateMismatch`, whose message
-names what differs, before anything is written.
+receiver refuses a state that does not fit its own model and optimizer exactly (another number of parameters,
+another shape or dtype, non-finite values, other parameter groups, optimizer state of another shape or kind, a
+negative step) or that it could not publish as its own (a malformed lineage) with :class:`StateMismatch`, whose
+message names what differs, before anything is written. It keeps its own optimizer settings (:func:`load_state`).
+A download is bounded in bytes and messages (:func:`download_limits`), whatever the sender streams.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Callable, Sequence
 import grpc
 import torch
 
+from dmoe.collab.progress import MAX_GROUP_SIZE, RECORD_MAX_STEP, check_lineage
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
 from dmoe.wire.channels import STREAM_PART_BYTES
 from dmoe.wire.codec import InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
@@ -114,7 +117,11 @@ def decode_state(messages: Sequence[dmoe_pb2.StatePart], max_bytes: int) -> Trai
     for index, entry in extra["state"].items():
         if not (index.isdigit() and isinstance(entry, dict)):
             raise StateDownloadError(f"malformed state: optimizer scalars for {index!r}")
-        optimizer_state.setdefault(int(index), {}).update(entry)
+        tensors_of = optimizer_state.setdefault(int(index), {})
+        if set(entry) & set(tensors_of):
+            raise StateDownloadError(f"malformed state: optimizer state {sorted(set(entry) & set(tensors_of))} of "
+                                     f"parameter {index} sent both as tensors and as scalars")
+        tensors_of.update(entry)
     return TrainingState(int(head.step), head.lineage, int(head.group_size), parameters,
                          {"param_groups": extra["param_groups"], "state": optimizer_state})
 
@@ -125,44 +132,147 @@ def _shape(t: torch.Tensor | torch.Size) -> list[int]:
 
 def check_state(state: TrainingState, parameters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
     """Raises :class:`StateMismatch` naming the first difference between ``state`` and this trainer's parameters
-    and optimizer; writes nothing."""
-    if len(state.parameters) != len(parameters):
-        raise StateMismatch(f"the state holds {len(state.parameters)} parameter tensors, this model "
-                            f"{len(parameters)}")
-    for i, (theirs, mine) in enumerate(zip(state.parameters, parameters)):
+    and optimizer, or the first value it could not train on; writes nothing."""
+    _check_header(state)
+    _check_parameters(state.parameters, parameters)
+    if not isinstance(state.optimizer, dict):
+        raise StateMismatch("the optimizer's state is not a dict")
+    _check_param_groups(state.optimizer.get("param_groups"), optimizer)
+    _check_optimizer_state(state.optimizer.get("state"), parameters, optimizer)
+
+
+def _check_header(state: TrainingState) -> None:
+    """The step, lineage and group size this trainer will publish as its own: what a progress record may hold."""
+    if isinstance(state.step, bool) or not isinstance(state.step, int) or not 0 <= state.step <= RECORD_MAX_STEP:
+        raise StateMismatch(f"the state is at step {state.step!r}")
+    try:
+        check_lineage(state.lineage)
+    except ValueError:
+        raise StateMismatch(f"the state's lineage {_short(state.lineage)} is malformed") from None
+    if isinstance(state.group_size, bool) or not isinstance(state.group_size, int) \
+            or not 0 <= state.group_size <= MAX_GROUP_SIZE:
+        raise StateMismatch(f"the state's last step was averaged by {state.group_size!r} trainers")
+
+
+def _check_parameters(theirs_all: Sequence[torch.Tensor], parameters: Sequence[torch.Tensor]) -> None:
+    if len(theirs_all) != len(parameters):
+        raise StateMismatch(f"the state holds {len(theirs_all)} parameter tensors, this model {len(parameters)}")
+    for i, (theirs, mine) in enumerate(zip(theirs_all, parameters)):
+        if not torch.is_tensor(theirs):
+            raise StateMismatch(f"parameter {i} is not a tensor in the state")
         if theirs.shape != mine.shape:
             raise StateMismatch(f"parameter {i} has shape {_shape(theirs)} in the state, {_shape(mine)} here")
         if theirs.dtype != mine.dtype:
             raise StateMismatch(f"parameter {i} is {theirs.dtype} in the state, {mine.dtype} here")
         if theirs.numel() and not bool(torch.isfinite(theirs).all()):
             raise StateMismatch(f"parameter {i} holds NaN or Inf values in the state")
-    groups = state.optimizer["param_groups"]
-    mine_groups = optimizer.param_groups
-    if len(groups) != len(mine_groups) or any(
-            not isinstance(g, dict) or len(g.get("params", ())) != len(m["params"]) for g, m in zip(groups, mine_groups)):
-        raise StateMismatch("the optimizer's parameter groups differ: "
-                            f"{[len(g.get('params', ())) if isinstance(g, dict) else '?' for g in groups]} "
-                            f"parameters per group in the state, {[len(m['params']) for m in mine_groups]} here")
-    for index, entry in state.optimizer["state"].items():
-        if not 0 <= index < len(parameters):
-            raise StateMismatch(f"the optimizer's state names parameter {index}; this model has {len(parameters)}")
+
+
+def _check_param_groups(groups: object, optimizer: torch.optim.Optimizer) -> None:
+    """The state's groups must list this optimizer's parameter indices, in its groups and order: the state's
+    indices would name other parameters otherwise. Their hyperparameters are not taken (see :func:`load_state`)."""
+    expected, start = [], 0
+    for group in optimizer.param_groups:
+        expected.append(list(range(start, start + len(group["params"]))))
+        start += len(group["params"])
+    listed = [g.get("params") if isinstance(g, dict) else None for g in groups] if isinstance(groups, list) else None
+    if listed is None or listed != expected or any(
+            isinstance(i, bool) or not isinstance(i, int) for params in listed for i in params):
+        theirs = _short(groups if listed is None else listed)
+        raise StateMismatch(f"the optimizer's parameter groups differ: params {theirs} in the state, "
+                            f"{_short(expected)} here")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_optimizer_state(entries: object, parameters: Sequence[torch.Tensor],
+                           optimizer: torch.optim.Optimizer) -> None:
+    """Every value as this optimizer could step with it: keyed by a parameter's index, the keys this optimizer
+    holds for that parameter (when it holds any yet), tensors of the parameter's exact shape (a scalar ``step``),
+    finite numbers, a ``step`` >= 0."""
+    if not isinstance(entries, dict):
+        raise StateMismatch("the optimizer's state is not a dict of parameters")
+    kinds: dict[str, tuple[str, int]] = {}
+    for index, entry in entries.items():
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(parameters):
+            raise StateMismatch(f"the optimizer's state names parameter {index!r}; this model has "
+                                f"{len(parameters)}")
+        if not isinstance(entry, dict) or not all(isinstance(key, str) for key in entry):
+            raise StateMismatch(f"the optimizer's state of parameter {index} is not a dict of names")
+        mine = optimizer.state.get(parameters[index]) or {}
+        if mine and set(entry) != set(mine):
+            raise StateMismatch(f"the optimizer's state of parameter {index} holds {sorted(entry)} in the state, "
+                                f"{sorted(mine)} here")
         for key, value in entry.items():
-            if torch.is_tensor(value):
-                if value.numel() > 1 and value.shape != parameters[index].shape:
-                    raise StateMismatch(f"optimizer state {key!r} of parameter {index} has shape {_shape(value)} "
-                                        f"in the state, the parameter {_shape(parameters[index])} here")
-                if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
-                    raise StateMismatch(f"optimizer state {key!r} of parameter {index} holds NaN or Inf values")
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise StateMismatch(f"optimizer state {key!r} of parameter {index} is {value}")
+            where = f"optimizer state {key!r} of parameter {index}"
+            _check_state_value(where, key, value, parameters[index], mine.get(key))
+            kind, first = kinds.setdefault(key, (_kind(key, value), index))
+            if _kind(key, value) != kind:
+                raise StateMismatch(f"{where} is {_kind(key, value)}, that of parameter {first} {kind}")
+
+
+def _check_state_value(where: str, key: str, value: object, parameter: torch.Tensor, mine: object) -> None:
+    if mine is not None and torch.is_tensor(mine) != torch.is_tensor(value):
+        raise StateMismatch(f"{where} is {'not ' if torch.is_tensor(mine) else ''}a tensor in the state, "
+                            f"{'' if torch.is_tensor(mine) else 'not '}one here")
+    if key == "step":  # a count of steps (Adam's bias correction divides by 1 - beta ** step)
+        if torch.is_tensor(value):
+            if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+                raise StateMismatch(f"{where} is not a real scalar: {value.dtype} of shape {_shape(value)}")
+            value = value.item()
+        if not _non_negative(value):
+            raise StateMismatch(f"{where} is {value!r}, not a finite number >= 0")
+    elif torch.is_tensor(value):
+        if value.shape != parameter.shape:
+            raise StateMismatch(f"{where} has shape {_shape(value)} in the state, the parameter "
+                                f"{_shape(parameter)} here")
+        if parameter.is_floating_point() and not value.is_floating_point():
+            # torch's optimizers keep a parameter's state in floating point (loading casts it to its dtype)
+            raise StateMismatch(f"{where} is {value.dtype}, not floating point")
+        if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
+            raise StateMismatch(f"{where} holds NaN or Inf values")
+    elif not (isinstance(value, bool) or _finite(value)):
+        raise StateMismatch(f"{where} is {_short(value)}, not a tensor or a finite number")
+
+
+def _finite(value: object) -> bool:
+    """A finite int or float; an int too large for a float is not (optimizers turn numbers into float tensors)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _non_negative(value: object) -> bool:
+    return _finite(value) and value >= 0
+
+
+def _kind(key: str, value: object) -> str:
+    """What one key's values must share across parameters: torch's optimizers convert or step them all together
+    (Adam turns a number ``step`` into a tensor only when the first parameter's is one)."""
+    if torch.is_tensor(value):
+        return f"a {value.dtype} tensor" if key == "step" else "a tensor"
+    return f"a {type(value).__name__}"
 
 
 def load_state(state: TrainingState, parameters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-    """Writes a checked state into the parameters and the optimizer (the caller holds the training lock)."""
+    """Writes a checked state into the parameters and the optimizer (the caller holds the training lock).
+
+    Only the optimizer's per-parameter state is taken, not the sender's hyperparameters (learning rate, betas,
+    weight decay...): every trainer of a collaboration runs with the same flags and sets the learning rate of
+    each step itself (from the step, before it), so the sender's carry nothing this trainer lacks; and one
+    peer's settings would otherwise become everyone's (a finite learning rate of 1e30 passes any check)."""
     check_state(state, parameters, optimizer)
+    own_groups = optimizer.state_dict()["param_groups"]
     try:
-        optimizer.load_state_dict(state.optimizer)  # first: it raises on what the checks above did not foresee
-    except (ValueError, KeyError, TypeError) as error:
+        # first: it raises on what the checks above did not foresee, before any parameter is written
+        optimizer.load_state_dict({"param_groups": own_groups, "state": state.optimizer["state"]})
+    except (ValueError, KeyError, TypeError, RuntimeError, ArithmeticError) as error:
         raise StateMismatch(f"the optimizer refused the state: {error}") from None
     with torch.no_grad():
         for mine, theirs in zip(parameters, state.parameters):
@@ -213,21 +323,34 @@ class StateServer:
         self.close()
 
 
-def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int) -> TrainingState:
-    """The state of the trainer at ``endpoint``; raises :class:`StateDownloadError` when it cannot be had (the
-    stream is cut once it carries more than ``max_bytes`` of tensors)."""
+def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
+                   max_messages: int = 10_000) -> TrainingState:
+    """The state of the trainer at ``endpoint``; raises :class:`StateDownloadError` when it cannot be had. The
+    stream is cut once its messages hold more than ``max_bytes`` in all (every field, not only the tensors: this
+    bounds what is kept in memory) or number more than ``max_messages`` (an empty message holds no bytes, but its
+    object costs memory all the same)."""
     messages, received = [], 0
     with grpc.insecure_channel(endpoint, options=grpc_options()) as channel:
         call = dmoe_pb2_grpc.CollaborationServiceStub(channel).download_state(
             dmoe_pb2.StateRequest(run_id=run_id), timeout=timeout)
         try:
             for message in call:
-                received += len(message.tensor.buffer) + len(message.tensor.aux)
-                if received > max_bytes:
+                received += message.ByteSize()
+                if received > max_bytes or len(messages) >= max_messages:
                     call.cancel()
-                    raise StateDownloadError(f"{endpoint} sent more than {max_bytes} bytes of state: far more "
-                                             f"than this model's parameters and optimizer state")
+                    raise StateDownloadError(f"{endpoint} sent more than {max_bytes} bytes or {max_messages} "
+                                             f"messages of state: far more than this model's parameters and "
+                                             f"optimizer state")
                 messages.append(message)
         except grpc.RpcError as error:
             raise StateDownloadError(f"{endpoint}: {error.code().name}: {error.details()}") from None
     return decode_state(messages, max_bytes)
+
+
+def download_limits(parameters: Sequence[torch.Tensor], part_bytes: int = STREAM_PART_BYTES) -> tuple[int, int]:
+    """The most bytes and messages a download of a state for ``parameters`` may take: the parameters and up to
+    three optimizer tensors of each one's size (Adam's moments, AMSGrad's maximum) and a scalar step, cut into
+    ``part_bytes`` parts (what :func:`encode_state` does), plus 1 MiB for names, settings and message headers."""
+    tensor_bytes = sum(p.numel() * p.element_size() for p in parameters)
+    max_bytes = 4 * tensor_bytes + (1 << 20)
+    return max_bytes, 5 * len(parameters) + max_bytes // part_bytes + 1
