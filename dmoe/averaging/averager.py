@@ -25,6 +25,7 @@ from dmoe.averaging.config import AveragerConfig
 from dmoe.averaging.matchmaking import Matchmaker, Member, new_peer_id
 from dmoe.averaging.service import AveragingServicer
 from dmoe.dht import DHT
+from dmoe.endpoints import join_host_port, reachable_endpoint
 from dmoe.wire import dmoe_pb2_grpc, grpc_options
 from dmoe.wire.codec import parse_compression
 
@@ -134,12 +135,11 @@ class DecentralizedAverager:
         self.servicer = AveragingServicer(self.prefix, cfg.join_timeout, self._pace)
         self._server = grpc.aio.server(options=grpc_options())
         dmoe_pb2_grpc.add_AveragingServiceServicer_to_server(self.servicer, self._server)
-        port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = self._server.add_insecure_port(join_host_port(cfg.host, cfg.port))
         if port == 0:
-            raise OSError(f"could not listen on {cfg.host}:{cfg.port}")
+            raise OSError(f"could not listen on {join_host_port(cfg.host, cfg.port)}")
         await self._server.start()
-        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return reachable_endpoint(cfg.host, port)
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         """A channel per endpoint, created on the loop that uses it."""

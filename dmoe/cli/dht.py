@@ -22,6 +22,7 @@ from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
 from dmoe.dht.signing import Identity
+from dmoe.endpoints import join_host_port
 
 logger = logging.getLogger("dmoe.cli.dht")  # not __name__: that is __main__ when run as a program
 
@@ -92,7 +93,7 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
             node = DHTNode(config, identity=identity if not nodes else None)
             nodes.append(node)
             host, port = await node.listen(args.port if not addresses else 0, args.host)
-            addresses.append(f"{host}:{port}")
+            addresses.append(join_host_port(host, port))
             if peers and not await node.bootstrap(peers):
                 raise ConnectionError(f"none of the initial peers {args.initial_peers} answered")
             peers = peers or [(host, port)]

@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from dmoe.collab.progress import MAX_GROUP_SIZE, RECORD_MAX_STEP, check_lineage
+from dmoe.endpoints import join_host_port, reachable_endpoint
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
 from dmoe.wire.channels import STREAM_PART_BYTES
 from dmoe.wire.codec import InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
@@ -306,12 +307,11 @@ class StateServer:
         self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dmoe-state"),
                                    options=grpc_options())
         dmoe_pb2_grpc.add_CollaborationServiceServicer_to_server(servicer, self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        bound = self._server.add_insecure_port(join_host_port(host, port))
         if bound == 0:
-            raise OSError(f"could not listen on {host}:{port}")
+            raise OSError(f"could not listen on {join_host_port(host, port)}")
         self._server.start()
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.endpoint = f"[{shown}]:{bound}" if ":" in shown else f"{shown}:{bound}"
+        self.endpoint = reachable_endpoint(host, bound)
 
     def close(self) -> None:
         self._server.stop(grace=1.0).wait(5)

@@ -10,10 +10,11 @@ from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
-from dmoe.dht.node import DHTNode, parse_endpoint
+from dmoe.dht.node import DHTNode, listen_host, parse_endpoint
 from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Record, Subkey
+from dmoe.endpoints import join_host_port
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -23,7 +24,8 @@ class DHT:
     """A DHT node usable from ordinary (torch, server) code.
 
     initial_peers: ``HOST:PORT`` of nodes already in the swarm (any one suffices); empty starts a new swarm.
-    host, port: where this node listens for UDP (port 0 picks a free one; see :attr:`endpoint`).
+    host, port: where this node listens for UDP (port 0 picks a free one; see :attr:`endpoint`); by default on
+        loopback when every initial peer is on this host, else on every interface (:func:`listen_host`).
     config: :class:`DHTConfig` (timeouts, replication, record limits).
     identity: the key pair that signs what this node stores and owns the int subkeys it stores first (see
         :meth:`Identity.load_or_create`); default: a fresh, ephemeral one.
@@ -33,9 +35,11 @@ class DHT:
     Raises ``ConnectionError`` when initial peers were given and none answered.
     """
 
-    def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, initial_peers: Sequence[str] = (), host: str | None = None, port: int = 0,
                  config: DHTConfig | None = None, identity: Identity | None = None, client_mode: bool = False):
         addresses = [parse_endpoint(peer) for peer in initial_peers]
+        if host is None:
+            host = listen_host(addresses)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="dmoe-dht-loop", daemon=True)
         self._thread.start()
@@ -44,9 +48,13 @@ class DHT:
         self.config = self.node.config
         try:
             bound_host, bound_port = self.run_coroutine(self.node.listen(port, host))
-            self.endpoint = f"{bound_host}:{bound_port}"
+            self.endpoint = join_host_port(bound_host, bound_port)
             if addresses and not self.run_coroutine(self.node.bootstrap(addresses)):
-                raise ConnectionError(f"none of the initial DHT peers {list(initial_peers)} answered")
+                hint = ""
+                if host in ("127.0.0.1", "::1", "localhost") and listen_host(addresses) not in ("127.0.0.1", "::1"):
+                    hint = f" (this node listens on {host}, from where no other machine can be reached: give it a " \
+                           "public host, e.g. --host 0.0.0.0)"
+                raise ConnectionError(f"none of the initial DHT peers {list(initial_peers)} answered{hint}")
         except BaseException:
             self.close()
             raise

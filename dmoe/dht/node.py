@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import socket
 from typing import Iterable, Sequence
@@ -27,6 +28,23 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"invalid peer address {endpoint!r}: expected HOST:PORT, e.g. 127.0.0.1:31337")
     return host.strip("[]"), int(port)
+
+
+def listen_host(addresses: Sequence[tuple[str, int]]) -> str:
+    """Where a node that was given no host listens, from its initial peers: on loopback when they are all on this
+    host (a local swarm, the tests: nothing exposed), on every interface otherwise. A socket bound to 127.0.0.1
+    cannot send to another machine (EINVAL), so a trainer joining a remote swarm must not bind there. The family
+    follows the peers' (IPv6 peers: ``::``)."""
+    ips = []
+    for host, port in addresses:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except OSError:
+            continue  # bootstrap says it cannot resolve it
+        ips.extend(ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos[:1])
+    if not ips or all(ip.is_loopback for ip in ips):
+        return "::1" if ips and ips[0].version == 6 else "127.0.0.1"
+    return "::" if ips[0].version == 6 else "0.0.0.0"
 
 
 class DHTNode(Server):

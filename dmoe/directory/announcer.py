@@ -8,6 +8,7 @@ from typing import Sequence
 
 from dmoe.dht import DHT, DHTConfig, DHTNode, Identity
 from dmoe.directory.declarations import declare
+from dmoe.endpoints import join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Announcer:
         if self._future is not None:
             raise RuntimeError("this announcer has already started")
         if self.announce_host:
-            endpoint = f"{self.announce_host}:{endpoint.rsplit(':', 1)[1]}"
+            endpoint = join_host_port(self.announce_host, endpoint.rsplit(':', 1)[1])
         self.endpoint = endpoint
         self.uids.extend(uid for uid in uids if uid not in self.uids)
         self.first_results = self.dht.run_coroutine(declare(self.dht.node, list(self.uids), endpoint,

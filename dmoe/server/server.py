@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import grpc
 import torch
 
+from dmoe.endpoints import join_host_port, reachable_endpoint
 from dmoe.experts import create_expert, expert_class, expert_seed
 from dmoe.server.activations import ActivationCache
 from dmoe.server.backend import ExpertBackend, make_optimizer
@@ -279,8 +280,7 @@ class ExpertServer:
     def endpoint(self) -> str:
         if self.port is None:
             raise RuntimeError("the server is not started")
-        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "[::]", "") else self.config.host
-        return f"{host}:{self.port}"
+        return reachable_endpoint(self.config.host, self.port)
 
     def start(self) -> "ExpertServer":
         """Starts computing and listening; returns once the port is bound and calls are accepted."""
@@ -325,9 +325,9 @@ class ExpertServer:
         add_to_server(self.servicer, server)
         if self.replication is not None:
             dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(self.replication.servicer, server)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        port = server.add_insecure_port(join_host_port(self.config.host, self.config.port))
         if port == 0:
-            raise RuntimeError(f"could not bind {self.config.host}:{self.config.port}")
+            raise RuntimeError(f"could not bind {join_host_port(self.config.host, self.config.port)}")
         await server.start()
         self._grpc_server = server
         return port
