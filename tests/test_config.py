@@ -75,6 +75,20 @@ def test_trainer_config_file_with_tuples_and_booleans(tmp_path, capsys):
     assert "key 'grid': must be positive" in capsys.readouterr().err
 
 
+def test_a_collaborating_trainer_with_remote_peers_must_be_reachable_by_them(capsys):
+    """Its averager would be announced at 127.0.0.1 to trainers on other machines: every round would fail on it."""
+    remote = ["--experts", "remote", "--initial-peers", "10.1.2.3:31337", "--collaborate", "run",
+              "--target-batch-size", "64"]
+    with pytest.raises(SystemExit):
+        train.parse_config(remote)
+    assert "--averaging-host 127.0.0.1 cannot be reached by trainers on other machines" in capsys.readouterr().err
+    assert train.parse_config(remote + ["--averaging-host", "10.1.2.4"]).averaging_host == "10.1.2.4"
+    assert train.parse_config(remote + ["--averaging-client-mode"]).averaging_client_mode
+    local = ["--experts", "remote", "--initial-peers", "127.0.0.1:31337", "--collaborate", "run",
+             "--target-batch-size", "64"]
+    assert train.parse_config(local).averaging_host == "127.0.0.1"
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--num-experts", "4", "--layer", "ffn0"], "--grid"),
     (["--num-experts", "4", "--grid", "2", "2"], "--layer"),
