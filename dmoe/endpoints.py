@@ -7,6 +7,9 @@ not in :mod:`dmoe.wire`, which imports torch: the DHT imports this.)
 """
 from __future__ import annotations
 
+import socket
+from typing import Sequence
+
 #: hosts that bind every interface: others on this machine reach such a server at 127.0.0.1
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
@@ -21,3 +24,43 @@ def join_host_port(host: str, port: int | str) -> str:
 def reachable_endpoint(host: str, port: int | str) -> str:
     """Where a server bound to ``host`` is reached from this machine: a wildcard host at 127.0.0.1."""
     return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)
+
+
+def is_loopback_ip(ip: str) -> bool:
+    """Whether an IP literal (IPv4-mapped ones included), or "localhost", names this host over loopback."""
+    return ip.startswith("127.") or ip in ("::1", "localhost") or ip.startswith("::ffff:127.")
+
+
+def outbound_host(peers: Sequence[tuple[str, int]]) -> str | None:
+    """This machine's address on its route to the first of ``peers`` not on this host, or None when all are here
+    (or none resolves): the address a server bound to every interface is reached at by those peers' machines, as
+    far as this machine can tell (behind NAT, only ``--announce-host`` knows better). Nothing is sent."""
+    for host, port in peers:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        except (OSError, IndexError):
+            continue
+        if is_loopback_ip(address[0]):
+            continue
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect(address)  # a UDP connect only picks the route and the source address
+                return probe.getsockname()[0]
+            except OSError:
+                continue
+    return None
+
+
+def announced_endpoint(endpoint: str, outbound: str | None) -> str:
+    """What others are told of a server of this machine at ``endpoint``: a loopback host (the reachable form of a
+    wildcard bind) becomes ``outbound`` when the peers are on other machines."""
+    host, _, port = endpoint.rpartition(":")
+    if outbound is None or not is_loopback_ip(host.strip("[]")):
+        return endpoint
+    return join_host_port(outbound, port)
+
+
+def machine_address() -> str | None:
+    """This machine's address on its default route (IPv4), or None without one: what a bootstrap node bound to
+    every interface prints for others to pass as ``--initial-peers``. Nothing is sent."""
+    return outbound_host([("192.0.2.1", 9)])  # TEST-NET-1: only the route to it is looked up

@@ -11,7 +11,7 @@ from dmoe.client import forward_future
 from dmoe.collab.state_sync import StateServer, StateServicer, TrainingState, download_state, encode_state
 from dmoe.dht import DHT
 from dmoe.dht.node import listen_host
-from dmoe.endpoints import join_host_port, reachable_endpoint
+from dmoe.endpoints import announced_endpoint, join_host_port, machine_address, outbound_host, reachable_endpoint
 from dmoe.server import ExpertServer, ServerConfig
 
 
@@ -70,5 +70,50 @@ def test_a_swarm_on_ipv6_serves_experts_records_and_states():
 
 
 def test_a_node_told_to_listen_on_loopback_says_why_it_cannot_reach_a_remote_peer():
+    if outbound_host([("10.1.2.3", 9)]) is None:
+        pytest.skip("this host has no route to other machines")
     with pytest.raises(ConnectionError, match=r"listens on 127\.0\.0\.1, from where no other machine can be reached"):
         DHT(["10.1.2.3:9"], host="127.0.0.1")
+
+
+def test_a_node_in_client_mode_listens_everywhere_and_a_name_with_both_families_is_reached_over_ipv4(monkeypatch):
+    """A client-mode node answers nobody, and its local bootstrap peer may hand it contacts on other machines. A
+    bootstrap name with AAAA and A records: the README's nodes listen on 0.0.0.0, so IPv4."""
+    assert listen_host([("127.0.0.1", 1)], client_mode=True) == "0.0.0.0"
+    assert listen_host([("::1", 1)], client_mode=True) == "::"
+    both = [(socket.AF_INET6, socket.SOCK_DGRAM, 0, "", ("2001:db8::1", 1, 0, 0)),
+            (socket.AF_INET, socket.SOCK_DGRAM, 0, "", ("198.51.100.7", 1))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: both)
+    assert listen_host([("boot.example.org", 1)]) == "0.0.0.0"
+
+
+def test_a_server_bound_everywhere_is_announced_at_this_machines_address_toward_its_peers():
+    assert announced_endpoint("127.0.0.1:5000", "198.51.100.7") == "198.51.100.7:5000"
+    assert announced_endpoint("[::1]:5000", "2001:db8::5") == "[2001:db8::5]:5000"
+    assert announced_endpoint("127.0.0.1:5000", None) == "127.0.0.1:5000"  # the peers are here: so is everyone
+    assert announced_endpoint("10.0.0.5:5000", "198.51.100.7") == "10.0.0.5:5000"  # a host given: as it is
+    machine = machine_address()
+    if machine is None:
+        pytest.skip("this host has no default route, so no address toward other machines")
+    with DHT(host="0.0.0.0") as boot:
+        assert boot.endpoint.startswith("127.0.0.1:")  # where this machine reaches it, not 0.0.0.0
+        port = boot.endpoint.rsplit(":", 1)[1]
+        with DHT([f"{machine}:{port}"], host="0.0.0.0") as server_node:
+            assert server_node.outbound_host == machine
+            assert server_node.announced("127.0.0.1:5999") == f"{machine}:5999"
+
+
+def test_a_node_that_joined_through_loopback_is_reached_from_other_machines_at_its_machines_address():
+    """B joins A through 127.0.0.1, so A knows B at 127.0.0.1 and names it so to everyone; C, on "another machine"
+    (bound to this host's non-loopback address only), must reach B at A's address instead."""
+    machine = machine_address()
+    if machine is None:
+        pytest.skip("this host has no non-loopback address")
+    with DHT(host="0.0.0.0") as a:
+        port_a = a.endpoint.rsplit(":", 1)[1]
+        with DHT([f"127.0.0.1:{port_a}"], host="0.0.0.0") as b:
+            port_b = int(b.endpoint.rsplit(":", 1)[1])
+            assert ("127.0.0.1", port_b) in [(c.ip, c.port) for c in a.node.protocol.router.contacts()]
+            with DHT([f"{machine}:{port_a}"], host=machine) as c:
+                known = {(node.ip, node.port) for node in c.node.protocol.router.contacts()}
+                assert (machine, port_b) in known and ("127.0.0.1", port_b) not in known, known

@@ -71,9 +71,11 @@ def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_serv
     uids = expand_pattern("ffn.[0:2].[0:2]")
     replica_flags = ("--replica-interval", "0.5", "--refresh-period", "0.5")
     with processes() as procs:
-        # another machine's 2-process server first, so that this one's first replica pushes know both its hosts
+        # another machine's 2-process server first, so that this one's first replica pushes know both its hosts;
+        # bound to every interface, as volunteers' are (its processes join its node at that node's loopback form)
         procs.append(elsewhere := Proc(server_args("--experts", "ffn.9.[0:2]", "--processes", "2", "--replica-dir",
-                                                   str(tmp_path / "elsewhere"), *replica_flags)))
+                                                   str(tmp_path / "elsewhere"), "--host", "0.0.0.0",
+                                                   *replica_flags)))
         elsewhere.endpoint(timeout=120)
         peer = re.search(r"DHT node at (\S+)", "".join(elsewhere.output)).group(1)
         procs.append(proc := Proc(server_args("--experts", "ffn.[0:2].[0:2]", "--processes", "2",

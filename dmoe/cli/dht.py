@@ -22,7 +22,7 @@ from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
 from dmoe.dht.signing import Identity
-from dmoe.endpoints import join_host_port
+from dmoe.endpoints import WILDCARD_HOSTS, join_host_port, machine_address, outbound_host
 
 logger = logging.getLogger("dmoe.cli.dht")  # not __name__: that is __main__ when run as a program
 
@@ -93,10 +93,13 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
             node = DHTNode(config, identity=identity if not nodes else None)
             nodes.append(node)
             host, port = await node.listen(args.port if not addresses else 0, args.host)
-            addresses.append(join_host_port(host, port))
+            # bound to every interface: others reach it at this machine's address (the next nodes here too: a
+            # reply to a ping of 0.0.0.0 comes from another address, and is dropped as not the one asked)
+            shown = (outbound_host(peers) or machine_address() or "127.0.0.1") if host in WILDCARD_HOSTS else host
+            addresses.append(join_host_port(shown, port))
             if peers and not await node.bootstrap(peers):
                 raise ConnectionError(f"none of the initial peers {args.initial_peers} answered")
-            peers = peers or [(host, port)]
+            peers = peers or [(shown, port)]
         if start is not None:
             started = await start(nodes[0])
         more = f" (and {len(addresses) - 1} more nodes: {' '.join(addresses[1:])})" if len(addresses) > 1 else ""

@@ -342,7 +342,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
     except TypeError as error:  # constructor arguments the class does not take
         parser.error(f"argument --expert-kwargs: {error}")
     server.announcer = announcer or join_dht(args, parser)
-    report(f"dmoe-server DHT node at {server.announcer.dht.endpoint} (others may pass it as --initial-peers)")
+    dht = server.announcer.dht
+    report(f"dmoe-server DHT node at {dht.announced(dht.endpoint)} (others may pass it as --initial-peers)")
     if replicas is not None:
         try:
             Replication(server, replicas).restore()  # before serving: the newest replica of each expert

@@ -92,7 +92,9 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
     for flag in ("port", "dht_port", "metrics_port"):
         if getattr(args, flag):
             setattr(child, flag, getattr(args, flag) + index + (flag == "dht_port"))  # the parent's node has dht_port
-    child.initial_peers = [dht_endpoint]
+    # the parent's node (at its loopback form when bound to every interface: a ping of 0.0.0.0 is answered from
+    # another address, and dropped), then the swarm's own peers, which so learn the child at its real address
+    child.initial_peers = [dht_endpoint, *(args.initial_peers or ())]
     for flag in ("checkpoint_dir", "replica_dir"):  # the default identity (in the checkpoint directory) too
         if getattr(args, flag) is not None:
             setattr(child, flag, str(Path(getattr(args, flag)) / SUBDIRECTORY.format(index)))
@@ -151,7 +153,8 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
         if uids is None:
             uids = free_experts(dht, args.layer, args.grid, args.num_experts)
             logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
-        print(f"dmoe-server DHT node at {dht.endpoint} (others may pass it as --initial-peers)", flush=True)
+        shared = dht.announced(dht.endpoint)
+        print(f"dmoe-server DHT node at {shared} (others may pass it as --initial-peers)", flush=True)
         with StopSignals() as stop:
             for index in range(count):
                 receiver, sender = context.Pipe(duplex=False)

@@ -161,8 +161,8 @@ class CollaborativeOptimizer:
 
     @property
     def endpoint(self) -> str | None:
-        """Where this trainer serves its state (None in client mode)."""
-        return self.state_server.endpoint if self.state_server is not None else None
+        """Where this trainer serves its state, as the others are told (None in client mode)."""
+        return self.dht.announced(self.state_server.endpoint) if self.state_server is not None else None
 
     @property
     def param_groups(self) -> list[dict]:

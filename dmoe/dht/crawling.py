@@ -16,7 +16,7 @@ from typing import Any
 
 from kademlia.node import Node
 
-from dmoe.dht.messages import MalformedRequest, parse_nodes
+from dmoe.dht.messages import MalformedRequest, as_seen_from, parse_nodes
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.storage import Record, merge_records
 
@@ -179,7 +179,7 @@ class RecordCrawl:
         else:
             nodes = parse_nodes(data)
         self.responded[node.id] = node
-        self._add(nodes)
+        self._add(as_seen_from(node, nodes))
 
     async def run(self, local: Record | None = None) -> tuple[list[Node], Record]:
         """The closest responding nodes (closest first) and the merged record they (and ``local``, what this node

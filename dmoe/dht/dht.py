@@ -14,7 +14,7 @@ from dmoe.dht.node import DHTNode, listen_host, parse_endpoint
 from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Record, Subkey
-from dmoe.endpoints import join_host_port
+from dmoe.endpoints import announced_endpoint, is_loopback_ip, outbound_host, reachable_endpoint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,7 +39,9 @@ class DHT:
                  config: DHTConfig | None = None, identity: Identity | None = None, client_mode: bool = False):
         addresses = [parse_endpoint(peer) for peer in initial_peers]
         if host is None:
-            host = listen_host(addresses)
+            host = listen_host(addresses, client_mode)
+        #: this machine's address toward its first initial peer on another machine (None: all are here)
+        self.outbound_host = outbound_host(addresses)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="dmoe-dht-loop", daemon=True)
         self._thread.start()
@@ -48,16 +50,21 @@ class DHT:
         self.config = self.node.config
         try:
             bound_host, bound_port = self.run_coroutine(self.node.listen(port, host))
-            self.endpoint = join_host_port(bound_host, bound_port)
+            self.endpoint = reachable_endpoint(bound_host, bound_port)
             if addresses and not self.run_coroutine(self.node.bootstrap(addresses)):
                 hint = ""
-                if host in ("127.0.0.1", "::1", "localhost") and listen_host(addresses) not in ("127.0.0.1", "::1"):
+                if is_loopback_ip(host) and self.outbound_host is not None:
                     hint = f" (this node listens on {host}, from where no other machine can be reached: give it a " \
-                           "public host, e.g. --host 0.0.0.0)"
+                           "public host, e.g. --host 0.0.0.0, and --announce-host ADDRESS behind NAT)"
                 raise ConnectionError(f"none of the initial DHT peers {list(initial_peers)} answered{hint}")
         except BaseException:
             self.close()
             raise
+
+    def announced(self, endpoint: str) -> str:
+        """What to tell the swarm of a server of this machine at ``endpoint`` (a wildcard bind's loopback form):
+        this machine's address toward its peers when they are on other machines."""
+        return announced_endpoint(endpoint, self.outbound_host)
 
     def run_coroutine(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Runs ``coro`` on this node's loop and waits for it (at most ``config.call_timeout`` seconds)."""

@@ -23,6 +23,7 @@ from kademlia.node import Node
 from dmoe.dht.routing import DHTRoutingTable
 from dmoe.dht.signing import AUTH_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES
 from dmoe.dht.storage import Entry, Record, RecordStorage
+from dmoe.endpoints import is_loopback_ip
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,15 @@ def parse_contacts(raw_nodes: Any) -> list[Node]:
             except ValueError:
                 continue
     return nodes
+
+
+def as_seen_from(responder: Node, nodes: list[Node]) -> list[Node]:
+    """A reply's contacts as this node can reach them. A loopback address from a peer on another machine names a
+    node of that machine which joined its peer through loopback (a server's processes join their parent's node so):
+    it is reached at the peer's own address and the same port. ``nodes`` is not modified (parsed lists are shared)."""
+    if is_loopback_ip(responder.ip) or not any(is_loopback_ip(node.ip) for node in nodes):
+        return nodes
+    return [Node(node.id, responder.ip, node.port) if is_loopback_ip(node.ip) else node for node in nodes]
 
 
 def split_values_reply(blob: Any) -> list[dict[str, Any]] | None:

@@ -30,21 +30,25 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def listen_host(addresses: Sequence[tuple[str, int]]) -> str:
+def listen_host(addresses: Sequence[tuple[str, int]], client_mode: bool = False) -> str:
     """Where a node that was given no host listens, from its initial peers: on loopback when they are all on this
     host (a local swarm, the tests: nothing exposed), on every interface otherwise. A socket bound to 127.0.0.1
-    cannot send to another machine (EINVAL), so a trainer joining a remote swarm must not bind there. The family
-    follows the peers' (IPv6 peers: ``::``)."""
+    cannot send to another machine (EINVAL), so a trainer joining a remote swarm must not bind there. A node in
+    client mode answers nobody, so it always listens on every interface: its local bootstrap peer may hand it
+    contacts on other machines. The family follows the peers' (IPv4 where a name has both: the README's nodes
+    listen on 0.0.0.0)."""
     ips = []
     for host, port in addresses:
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
         except OSError:
             continue  # bootstrap says it cannot resolve it
-        ips.extend(ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos[:1])
-    if not ips or all(ip.is_loopback for ip in ips):
-        return "::1" if ips and ips[0].version == 6 else "127.0.0.1"
-    return "::" if ips[0].version == 6 else "0.0.0.0"
+        found = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+        ips.append(next((ip for ip in found if ip.version == 4), found[0]))
+    version = ips[0].version if ips else 4
+    if not client_mode and all(ip.is_loopback for ip in ips):
+        return "::1" if version == 6 else "127.0.0.1"
+    return "::" if version == 6 else "0.0.0.0"
 
 
 class DHTNode(Server):

@@ -89,6 +89,8 @@ class Announcer:
             raise RuntimeError("this announcer has already started")
         if self.announce_host:
             endpoint = join_host_port(self.announce_host, endpoint.rsplit(':', 1)[1])
+        else:  # bound to every interface: peers on other machines reach it at this machine's address toward them
+            endpoint = self.dht.announced(endpoint)
         self.endpoint = endpoint
         self.uids.extend(uid for uid in uids if uid not in self.uids)
         self.first_results = self.dht.run_coroutine(declare(self.dht.node, list(self.uids), endpoint,
