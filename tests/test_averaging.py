@@ -555,3 +555,16 @@ def test_an_owner_answering_an_absurd_total_weight_fails_the_round_and_leaves_th
         infos = step_together([member, owner])
     assert all(info is not None and len(info.contributors) == 2 for info in infos), infos
     assert member.weight == 1.0 and torch.equal(member.tensors[0], owner.tensors[0])
+
+
+def test_peers_bound_to_every_interface_are_reached_at_the_host_they_announce(bootstrap):
+    """Behind NAT (a cloud VM) a peer binds its private address or 0.0.0.0 and must be told at its public one:
+    127.0.0.2 stands for it here (any 127/8 address reaches a socket bound to 0.0.0.0)."""
+    tensors = [torch.zeros(1000), torch.full((1000,), 2.0)]
+    with contextlib.ExitStack() as stack:
+        averagers = averaging_together(stack, bootstrap, "announced", tensors,
+                                       [{"host": "0.0.0.0", "announce_host": "127.0.0.2"}] * 2)
+        assert all(averager.endpoint.startswith("127.0.0.2:") for averager in averagers)
+        infos = step_together(averagers)
+    assert all(info is not None and len(info.contributors) == 2 for info in infos), infos
+    assert all(torch.equal(averager.tensors[0], torch.ones(1000)) for averager in averagers)

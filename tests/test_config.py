@@ -84,6 +84,10 @@ def test_a_collaborating_trainer_with_remote_peers_must_be_reachable_by_them(cap
     assert "--averaging-host 127.0.0.1 cannot be reached by trainers on other machines" in capsys.readouterr().err
     assert train.parse_config(remote + ["--averaging-host", "10.1.2.4"]).averaging_host == "10.1.2.4"
     assert train.parse_config(remote + ["--averaging-client-mode"]).averaging_client_mode
+    behind_nat = train.parse_config(remote + ["--averaging-host", "0.0.0.0",
+                                              "--averaging-announce-host", "203.0.113.9"])
+    settings = behind_nat.collaboration_settings()
+    assert settings["announce_host"] == settings["state_announce_host"] == "203.0.113.9"
     local = ["--experts", "remote", "--initial-peers", "127.0.0.1:31337", "--collaborate", "run",
              "--target-batch-size", "64"]
     assert train.parse_config(local).averaging_host == "127.0.0.1"

@@ -118,7 +118,7 @@ class DecentralizedAverager:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dmoe-averager-step")
         try:
             if not cfg.client_mode:
-                self.endpoint = dht.announced(self._run(self._serve(), timeout=30))
+                self.endpoint = dht.announced(self._run(self._serve(), timeout=30), cfg.announce_host)
         except BaseException:
             self.shutdown()
             raise

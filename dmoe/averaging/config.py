@@ -35,6 +35,9 @@ class AveragerConfig:
         shared uplink, and emulates a slow one in experiments.
     max_abs_value: owners refuse values of a larger magnitude (and members averages of one); 0: no limit.
     host, port: where the gRPC server listens (port 0 picks a free one).
+    announce_host: the host the others are told, where it is not ``host`` (behind NAT: a cloud VM's public address,
+        the server bound to its private one or 0.0.0.0). Default: ``host``, or for 0.0.0.0 this machine's address
+        toward its DHT peers.
     poll_period: seconds between DHT reads while matchmaking.
     piece_bytes: bytes of values per streamed message.
     declaration_ttl: seconds a matchmaking declaration lives past the declarer's deadline before a refresh, so
@@ -55,6 +58,7 @@ class AveragerConfig:
     max_abs_value: float = 1e6
     host: str = "127.0.0.1"
     port: int = 0
+    announce_host: str | None = None
     poll_period: float = 0.2
     piece_bytes: int = STREAM_PART_BYTES
     declaration_ttl: float = 2.0

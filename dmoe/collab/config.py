@@ -36,6 +36,7 @@ class CollaborationConfig:
     state_timeout: seconds a state download may take.
     state_host, state_port: where this trainer serves its state to joiners (port 0 picks a free one). A trainer in
         client mode (``AveragerConfig.client_mode``) serves nothing and only downloads.
+    state_announce_host: the host the others are told for the state server, as ``AveragerConfig.announce_host``.
     finish_timeout: at the end of training, seconds :meth:`CollaborativeOptimizer.finish` waits for the live peers
         to reach the last step.
     """
@@ -51,6 +52,7 @@ class CollaborationConfig:
     state_timeout: float = 60.0
     state_host: str = "127.0.0.1"
     state_port: int = 0
+    state_announce_host: str | None = None
     finish_timeout: float = 60.0
 
     def __post_init__(self) -> None:

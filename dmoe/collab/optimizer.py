@@ -162,7 +162,9 @@ class CollaborativeOptimizer:
     @property
     def endpoint(self) -> str | None:
         """Where this trainer serves its state, as the others are told (None in client mode)."""
-        return self.dht.announced(self.state_server.endpoint) if self.state_server is not None else None
+        if self.state_server is None:
+            return None
+        return self.dht.announced(self.state_server.endpoint, self.config.state_announce_host)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -14,7 +14,7 @@ from dmoe.dht.node import DHTNode, listen_host, parse_endpoint
 from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Record, Subkey
-from dmoe.endpoints import announced_endpoint, is_loopback_ip, outbound_host, reachable_endpoint
+from dmoe.endpoints import announced_endpoint, is_loopback_ip, join_host_port, outbound_host, reachable_endpoint
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,9 +61,12 @@ class DHT:
             self.close()
             raise
 
-    def announced(self, endpoint: str) -> str:
-        """What to tell the swarm of a server of this machine at ``endpoint`` (a wildcard bind's loopback form):
-        this machine's address toward its peers when they are on other machines."""
+    def announced(self, endpoint: str, announce_host: str | None = None) -> str:
+        """What to tell the swarm of a server of this machine at ``endpoint``: its port at ``announce_host`` when
+        one is given (behind NAT); else, for a wildcard bind's loopback form, this machine's address toward its
+        peers when they are on other machines."""
+        if announce_host:
+            return join_host_port(announce_host, endpoint.rpartition(":")[2])
         return announced_endpoint(endpoint, self.outbound_host)
 
     def run_coroutine(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -147,4 +150,3 @@ class DHT:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

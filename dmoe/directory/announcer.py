@@ -8,7 +8,6 @@ from typing import Sequence
 
 from dmoe.dht import DHT, DHTConfig, DHTNode, Identity
 from dmoe.directory.declarations import declare
-from dmoe.endpoints import join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +86,8 @@ class Announcer:
         whether the first declaration fully reached the DHT (failures are retried sooner than a refresh period)."""
         if self._future is not None:
             raise RuntimeError("this announcer has already started")
-        if self.announce_host:
-            endpoint = join_host_port(self.announce_host, endpoint.rsplit(':', 1)[1])
-        else:  # bound to every interface: peers on other machines reach it at this machine's address toward them
-            endpoint = self.dht.announced(endpoint)
+        # --announce-host, or for a server bound to every interface this machine's address toward its peers
+        endpoint = self.dht.announced(endpoint, self.announce_host)
         self.endpoint = endpoint
         self.uids.extend(uid for uid in uids if uid not in self.uids)
         self.first_results = self.dht.run_coroutine(declare(self.dht.node, list(self.uids), endpoint,

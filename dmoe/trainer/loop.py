@@ -109,6 +109,10 @@ class TrainConfig:
                                      non_negative(int))
     averaging_host: str = _option("127.0.0.1", "address this trainer's averager and state server listen on, "
                                                "reachable by the other trainers (with --collaborate)")
+    averaging_announce_host: str | None = _option(
+        None, "address the other trainers are told for this trainer's averager and state server, where it is not "
+              "--averaging-host (behind NAT, e.g. a cloud VM's public address; default: --averaging-host, or for "
+              "0.0.0.0 this machine's address toward its DHT peers)")
     averaging_port: int = _option(0, "port of the averager (0: any free one)", port_number)
     state_port: int = _option(0, "port that serves this trainer's state to joiners (0: any free one)", port_number)
     averaging_client_mode: bool = _option(False, "accept no connections (behind NAT): average by sending only, "
@@ -156,7 +160,8 @@ class TrainConfig:
     def _check_averaging_host(self) -> None:
         """Trainers on other machines must reach this one's averager and state server: a loopback address would be
         announced to them, and every round with this trainer would fail on it."""
-        if self.averaging_client_mode or self.averaging_host not in ("127.0.0.1", "::1", "localhost"):
+        if self.averaging_client_mode or self.averaging_announce_host \
+                or self.averaging_host not in ("127.0.0.1", "::1", "localhost"):
             return
         try:
             peers = [parse_endpoint(peer) for peer in self.initial_peers]
@@ -165,7 +170,8 @@ class TrainConfig:
         if listen_host(peers) not in ("127.0.0.1", "::1"):
             raise ValueError(f"--averaging-host {self.averaging_host} cannot be reached by trainers on other machines "
                              f"(--initial-peers {' '.join(self.initial_peers)} are not all on this host): give this "
-                             "machine's address that they can reach, or --averaging-client-mode to serve nothing")
+                             "machine's address that they can reach (or 0.0.0.0, with --averaging-announce-host "
+                             "behind NAT), or --averaging-client-mode to serve nothing")
 
     def collaboration_settings(self) -> dict:
         """Keyword arguments of :class:`~dmoe.collab.CollaborativeOptimizer` for ``--collaborate``."""
@@ -173,6 +179,7 @@ class TrainConfig:
             target_batch_size=self.target_batch_size, grad_clip=self.grad_clip, state_host=self.averaging_host,
             state_port=self.state_port, refresh_period=self.refresh_period, progress_ttl=self.progress_ttl,
             host=self.averaging_host, port=self.averaging_port, client_mode=self.averaging_client_mode,
+            announce_host=self.averaging_announce_host, state_announce_host=self.averaging_announce_host,
             matchmaking_time=self.matchmaking_time, allreduce_timeout=self.allreduce_timeout,
             compression=self.averaging_compression, bandwidth=self.bandwidth)
 
