@@ -21,6 +21,11 @@ def join_host_port(host: str, port: int | str) -> str:
     return f"{host}:{port}"
 
 
+def bare_host(host: str) -> str:
+    """``host`` without IPv6 brackets: what a socket (not gRPC) binds."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def reachable_endpoint(host: str, port: int | str) -> str:
     """Where a server bound to ``host`` is reached from this machine: a wildcard host at 127.0.0.1."""
     return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)

@@ -11,7 +11,14 @@ from dmoe.client import forward_future
 from dmoe.collab.state_sync import StateServer, StateServicer, TrainingState, download_state, encode_state
 from dmoe.dht import DHT
 from dmoe.dht.node import listen_host
-from dmoe.endpoints import announced_endpoint, join_host_port, machine_address, outbound_host, reachable_endpoint
+from dmoe.endpoints import (
+    announced_endpoint,
+    bare_host,
+    join_host_port,
+    machine_address,
+    outbound_host,
+    reachable_endpoint,
+)
 from dmoe.server import ExpertServer, ServerConfig
 
 
@@ -35,6 +42,7 @@ def test_an_ipv6_host_is_put_in_brackets_once_and_a_wildcard_is_reached_on_loopb
     for wildcard in ("0.0.0.0", "::", "[::]", ""):
         assert reachable_endpoint(wildcard, 7) == "127.0.0.1:7"
     assert reachable_endpoint("2001:db8::1", 7) == "[2001:db8::1]:7"
+    assert bare_host("[::1]") == "::1" and bare_host("::1") == "::1" and bare_host("10.0.0.5") == "10.0.0.5"
 
 
 def test_a_node_given_no_host_listens_on_loopback_only_for_a_swarm_on_this_host():
@@ -51,14 +59,15 @@ def test_a_node_given_no_host_listens_on_loopback_only_for_a_swarm_on_this_host(
 
 @needs_ipv6
 def test_a_swarm_on_ipv6_serves_experts_records_and_states():
-    with DHT(host="::1") as first, DHT([first.endpoint]) as second:
+    with DHT(host="[::1]") as first, DHT([first.endpoint]) as second:  # a host in brackets, as gRPC's
         assert first.endpoint.startswith("[::1]:")
         assert second.node.transport.get_extra_info("sockname")[0] == "::1"
         assert second.store("k", "s", "v", expiration_time=time.time() + 60)
         assert first.get("k")["s"].value == "v"
-    server = ExpertServer.create("nop.[0:1]", "nop", 4, config=ServerConfig(device="cpu", host="::1"))
+    server = ExpertServer.create("nop.[0:1]", "nop", 4, config=ServerConfig(device="cpu", host="::1",
+                                                                           metrics_port=0))
     with server:
-        assert server.endpoint.startswith("[::1]:")
+        assert server.endpoint.startswith("[::1]:") and server.metrics.endpoint.startswith("[::1]:")
         x = torch.randn(3, 4)
         torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)
     model = torch.nn.Linear(2, 2)

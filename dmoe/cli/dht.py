@@ -22,7 +22,7 @@ from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
 from dmoe.dht.signing import Identity
-from dmoe.endpoints import WILDCARD_HOSTS, join_host_port, machine_address, outbound_host
+from dmoe.endpoints import WILDCARD_HOSTS, bare_host, join_host_port, machine_address, outbound_host
 
 logger = logging.getLogger("dmoe.cli.dht")  # not __name__: that is __main__ when run as a program
 
@@ -92,7 +92,7 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
         for _ in range(args.num_nodes):
             node = DHTNode(config, identity=identity if not nodes else None)
             nodes.append(node)
-            host, port = await node.listen(args.port if not addresses else 0, args.host)
+            host, port = await node.listen(args.port if not addresses else 0, bare_host(args.host))
             # bound to every interface: others reach it at this machine's address (the next nodes here too: a
             # reply to a ping of 0.0.0.0 comes from another address, and is dropped as not the one asked)
             shown = (outbound_host(peers) or machine_address() or "127.0.0.1") if host in WILDCARD_HOSTS else host

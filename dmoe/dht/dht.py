@@ -14,7 +14,14 @@ from dmoe.dht.node import DHTNode, listen_host, parse_endpoint
 from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Record, Subkey
-from dmoe.endpoints import announced_endpoint, is_loopback_ip, join_host_port, outbound_host, reachable_endpoint
+from dmoe.endpoints import (
+    announced_endpoint,
+    bare_host,
+    is_loopback_ip,
+    join_host_port,
+    outbound_host,
+    reachable_endpoint,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,8 +45,7 @@ class DHT:
     def __init__(self, initial_peers: Sequence[str] = (), host: str | None = None, port: int = 0,
                  config: DHTConfig | None = None, identity: Identity | None = None, client_mode: bool = False):
         addresses = [parse_endpoint(peer) for peer in initial_peers]
-        if host is None:
-            host = listen_host(addresses, client_mode)
+        host = listen_host(addresses, client_mode) if host is None else bare_host(host)
         #: this machine's address toward its first initial peer on another machine (None: all are here)
         self.outbound_host = outbound_host(addresses)
         self.loop = asyncio.new_event_loop()

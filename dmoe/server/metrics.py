@@ -43,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
+from dmoe.endpoints import bare_host, reachable_endpoint
 from dmoe.wire import status_code
 from dmoe.wire.shared_memory import METHODS as SHARED_METHODS
 
@@ -312,10 +313,8 @@ class ServerMetrics:
         """Serves ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; returns ``HOST:PORT``."""
         if self._http is not None:
             raise RuntimeError("the metrics endpoint is running already")
-        self._http, self._http_thread = start_http_server(port, addr=host, registry=self.registry)
-        bound_port = self._http.server_address[1]
-        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        self.endpoint = f"{shown}:{bound_port}"
+        self._http, self._http_thread = start_http_server(port, addr=bare_host(host), registry=self.registry)
+        self.endpoint = reachable_endpoint(host, self._http.server_address[1])
         logger.info("metrics on http://%s/metrics", self.endpoint)
         return self.endpoint
 
