@@ -188,3 +188,12 @@ def test_dht_program_exits_promptly_on_signal(signum):
         dht.popen.send_signal(signum)
         assert dht.popen.wait(30) == 0
         assert time.monotonic() - started < 10  # generous: the CI machine is shared; a hang would take 30
+
+
+def test_the_metrics_endpoint_may_stay_on_another_interface_than_the_experts():
+    parser = run_server.build_parser()
+    args = parser.parse_args(["--experts", "ffn.0", "--host", "0.0.0.0", "--metrics-port", "0",
+                              "--metrics-host", "127.0.0.1"])
+    config = run_server.server_config(args, parser)
+    assert (config.host, config.metrics_host, config.metrics_port) == ("0.0.0.0", "127.0.0.1", 0)
+    assert run_server.server_config(parser.parse_args(["--experts", "ffn.0"]), parser).metrics_host is None

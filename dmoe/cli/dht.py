@@ -22,7 +22,7 @@ from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
 from dmoe.dht.signing import Identity
-from dmoe.endpoints import WILDCARD_HOSTS, bare_host, join_host_port, machine_address, outbound_host
+from dmoe.endpoints import WILDCARD_HOSTS, bare_host, is_loopback_ip, join_host_port, machine_address, outbound_host
 
 logger = logging.getLogger("dmoe.cli.dht")  # not __name__: that is __main__ when run as a program
 
@@ -98,7 +98,10 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
             shown = (outbound_host(peers) or machine_address() or "127.0.0.1") if host in WILDCARD_HOSTS else host
             addresses.append(join_host_port(shown, port))
             if peers and not await node.bootstrap(peers):
-                raise ConnectionError(f"none of the initial peers {args.initial_peers} answered")
+                hint = ""
+                if is_loopback_ip(host) and outbound_host(peers) is not None:
+                    hint = f" (this node listens on {host}, from where no other machine can be reached: --host 0.0.0.0)"
+                raise ConnectionError(f"none of the initial peers {args.initial_peers} answered{hint}")
             peers = peers or [(shown, port)]
         if start is not None:
             started = await start(nodes[0])

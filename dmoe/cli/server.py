@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the forward, in the memory of the device the experts compute on (0: always recompute)")
     parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
+    parser.add_argument("--metrics-host", default=None,
+                        help="interface of the metrics endpoint (default: --host; e.g. 127.0.0.1 keeps the "
+                             "unauthenticated metrics off a public --host 0.0.0.0)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
     return parser
 
@@ -301,6 +304,7 @@ def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     config = ServerConfig(host=args.host, port=args.port, device=args.device, max_batch_size=args.max_batch_size,
                           autocast=args.autocast, response_compression=args.compression,
                           max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
+                          metrics_host=args.metrics_host,
                           workers=args.workers, overlap_copies=args.overlap_copies, profile=args.profile,
                           shared_memory=args.shared_memory)
     config.faults = fault_config(args, parser)
