@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from dmoe.endpoints import (
     outbound_host,
     reachable_endpoint,
 )
+from dmoe.monitor import MonitorServer
 from dmoe.server import ExpertServer, ServerConfig
 
 
@@ -126,3 +128,14 @@ def test_a_node_that_joined_through_loopback_is_reached_from_other_machines_at_i
             with DHT([f"{machine}:{port_a}"], host=machine) as c:
                 known = {(node.ip, node.port) for node in c.node.protocol.router.contacts()}
                 assert (machine, port_b) in known and ("127.0.0.1", port_b) not in known, known
+
+
+@needs_ipv6
+def test_the_swarm_page_is_served_on_ipv6():
+    server = MonitorServer(None, host="::1").start()  # the page itself needs no monitor
+    try:
+        assert server.endpoint.startswith("[::1]:")
+        with urllib.request.urlopen(f"http://{server.endpoint}/", timeout=10) as answer:
+            assert answer.status == 200 and b"<html" in answer.read().lower()
+    finally:
+        server.close()

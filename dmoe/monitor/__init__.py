@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from http import HTTPStatus
@@ -22,6 +23,7 @@ from typing import Any, Sequence
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
 from dmoe.directory import alive_experts
+from dmoe.endpoints import bare_host, reachable_endpoint
 from dmoe.replicas.records import ADOPTION_MEMORY, adopted_key, adoptions, holders, replicas_key
 from dmoe.uid import grid_uids
 
@@ -202,6 +204,10 @@ def page() -> bytes:
     return resources.files(__package__).joinpath("index.html").read_bytes()
 
 
+class _IPv6HTTPServer(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class MonitorServer:
     """Serves the page at ``/`` and ``monitor.snapshot()`` as JSON at ``/api/swarm``, from a daemon thread.
 
@@ -235,10 +241,11 @@ class MonitorServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
                 logger.debug("%s %s", self.address_string(), format % args)
 
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        # http.server's servers are IPv4 unless told otherwise
+        server_class = _IPv6HTTPServer if ":" in bare_host(host) else ThreadingHTTPServer
+        self._httpd = server_class((bare_host(host), port), Handler)
         self._httpd.daemon_threads = True
-        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        self.endpoint = f"{shown}:{self._httpd.server_address[1]}"
+        self.endpoint = reachable_endpoint(host, self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="dmoe-monitor-http", daemon=True)
 
     def start(self) -> "MonitorServer":
