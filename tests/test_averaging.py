@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from dmoe import DHT, DecentralizedAverager
+from dmoe.averaging import averager as averager_module
 from dmoe.averaging.allreduce import PartReducer
+from dmoe.averaging.matchmaking import Group, Member
 from dmoe.averaging.service import AveragingServicer
 from dmoe.wire import dmoe_pb2_grpc
 from tests.averaging_peers import ATTACKS, MUTE, STALLED, make_tensors, weight_of
@@ -568,3 +570,30 @@ def test_peers_bound_to_every_interface_are_reached_at_the_host_they_announce(bo
         infos = step_together(averagers)
     assert all(info is not None and len(info.contributors) == 2 for info in infos), infos
     assert all(torch.equal(averager.tensors[0], torch.ones(1000)) for averager in averagers)
+
+
+def test_a_shutdown_as_matchmaking_ends_starts_no_all_reduce(bootstrap, monkeypatch):
+    """Shutdown came after matchmaking found a group but before the all-reduce was in flight: it saw nothing to
+    cancel, waited for the step, and the step averaged and wrote the tensors anyway, up to a whole step_timeout."""
+    started: list[object] = []
+
+    async def recorded(*args, **kwargs):
+        started.append(args)
+
+    monkeypatch.setattr(averager_module, "allreduce", recorded)
+    tensors = make_tensors(0)
+    before = [t.clone() for t in tensors]
+    with DHT(initial_peers=[bootstrap]) as dht:
+        averager = DecentralizedAverager(tensors, dht, "late-shutdown")
+        me = averager.matchmaker.me
+        stopper = threading.Thread(target=averager.shutdown)
+
+        def found_as_shutdown_begins(*args, **kwargs):
+            stopper.start()
+            assert averager._stop.wait(10)
+            return Group("late-shutdown.0.g", 0, me.peer_id, (me, Member(me.peer_id + 1, "127.0.0.1:9", 1.0)))
+
+        monkeypatch.setattr(averager.matchmaker, "find_group", found_as_shutdown_begins)
+        assert averager.step(timeout=30) is None
+        stopper.join(10)
+    assert not started and all(torch.equal(t, b) for t, b in zip(tensors, before))

@@ -205,7 +205,7 @@ class DecentralizedAverager:
             self._loop.call_soon_threadsafe(self.servicer.begin_round, round_number)
         group = self.matchmaker.find_group(round_number, key, time.time() + (deadline - time.monotonic()),
                                            group_size, single_group)
-        if group is None:
+        if group is None or self._stop.is_set():  # shut down while matchmaking: no all-reduce starts
             return None
         matched = time.monotonic()
         with self.lock:
@@ -219,6 +219,8 @@ class DecentralizedAverager:
             min_group_size=cfg.min_group_size, deadline=deadline, pace=self._pace, send=self._send_part,
             reachable=self._reachable), self._loop)
         self._inflight = running
+        if self._stop.is_set():  # shutdown began after the check above but read no all-reduce in flight
+            running.cancel()
         try:
             result: AllReduceResult | None = running.result(max(0.0, deadline - time.monotonic()) + 1.0)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
