@@ -102,7 +102,7 @@ class HostileAverager(DecentralizedAverager):
 
     async def _send_part(self, stub, group_id, me, weight, values, out, **kwargs) -> Outcome:
         round_number = int(group_id[len(self.prefix) + 1:].split(".")[0])
-        owner = list(self._stubs.values()).index(stub)  # stubs are made in the order of the owners
+        owner = [made for _, made in self._channels.values()].index(stub)  # made in the order of the owners
         attacks = ATTACKS[round_number % len(ATTACKS)]
         attack = attacks[owner % len(attacks)]
         if attack == "honest":

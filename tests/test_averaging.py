@@ -597,3 +597,19 @@ def test_a_shutdown_as_matchmaking_ends_starts_no_all_reduce(bootstrap, monkeypa
         assert averager.step(timeout=30) is None
         stopper.join(10)
     assert not started and all(torch.equal(t, b) for t, b in zip(tensors, before))
+
+
+def test_channels_to_peers_of_long_ago_are_closed(bootstrap, monkeypatch):
+    """A long run with churn meets ever new peers: the averager keeps channels to the latest MAX_CHANNELS only."""
+    monkeypatch.setattr(averager_module, "MAX_CHANNELS", 3)
+    with DHT(initial_peers=[bootstrap]) as dht, DecentralizedAverager(make_tensors(0), dht, "channels") as averager:
+        async def connect() -> list:
+            made = [averager._channel(f"127.0.0.1:{port}") for port in range(9001, 9006)]
+            await asyncio.sleep(0.1)  # the evicted channels' close runs
+            return made
+
+        made = averager._run(connect(), timeout=10)
+        assert list(averager._channels) == ["127.0.0.1:9003", "127.0.0.1:9004", "127.0.0.1:9005"]
+        assert averager._channel("127.0.0.1:9005") is made[-1]
+        with pytest.raises(grpc.aio.UsageError):  # closed
+            averager._run(made[0].channel_ready(), timeout=10)

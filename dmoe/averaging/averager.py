@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds a check that a peer accepts connections may take before it counts as "cannot tell" (then: reachable)
 PROBE_TIMEOUT = 5.0
+#: channels to other peers kept open: the oldest beyond these are closed (and made again if their peer comes back)
+MAX_CHANNELS = 64
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,8 @@ class DecentralizedAverager:
         self._stop = threading.Event()
         self._closed = False
         self._inflight: concurrent.futures.Future | None = None
-        self._stubs: dict[str, dmoe_pb2_grpc.AveragingServiceStub] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # endpoint -> its channel and stub, oldest first (see MAX_CHANNELS)
+        self._channels: OrderedDict[str, tuple[grpc.aio.Channel, dmoe_pb2_grpc.AveragingServiceStub]] = OrderedDict()
         self._server: grpc.aio.Server | None = None
         self.servicer: AveragingServicer | None = None
         self.endpoint: str | None = None
@@ -143,16 +146,21 @@ class DecentralizedAverager:
 
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         """A channel per endpoint, created on the loop that uses it."""
-        channel = self._channels.get(endpoint)
-        if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=grpc_options())
-        return channel
+        return self._connection(endpoint)[0]
 
     def _stub(self, endpoint: str) -> dmoe_pb2_grpc.AveragingServiceStub:
-        stub = self._stubs.get(endpoint)
-        if stub is None:
-            stub = self._stubs[endpoint] = dmoe_pb2_grpc.AveragingServiceStub(self._channel(endpoint))
-        return stub
+        return self._connection(endpoint)[1]
+
+    def _connection(self, endpoint: str) -> tuple[grpc.aio.Channel, dmoe_pb2_grpc.AveragingServiceStub]:
+        pair = self._channels.get(endpoint)
+        if pair is not None:
+            return pair
+        channel = grpc.aio.insecure_channel(endpoint, options=grpc_options())
+        pair = self._channels[endpoint] = channel, dmoe_pb2_grpc.AveragingServiceStub(channel)
+        while len(self._channels) > MAX_CHANNELS:  # peers of long ago: a run with churn meets ever new ones
+            _, (old, _) = self._channels.popitem(last=False)
+            asyncio.ensure_future(old.close(grace=self.config.allreduce_timeout))  # its calls (if any) may end
+        return pair
 
     async def _reachable(self, endpoint: str) -> bool:
         """False when the peer at ``endpoint`` refuses connections (its process is gone); True when it is connected
@@ -274,7 +282,7 @@ class DecentralizedAverager:
             async def stop() -> None:
                 if self._server is not None:
                     await self._server.stop(grace=0.5)
-                for channel in self._channels.values():
+                for channel, _ in self._channels.values():
                     await channel.close()
             try:
                 self._run(stop(), timeout=10)
