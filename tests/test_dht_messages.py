@@ -6,12 +6,15 @@ import asyncio
 import json
 import time
 
+import pytest
 import umsgpack
 from kademlia.node import Node
 
 from dmoe.dht.config import DHTConfig
-from dmoe.dht.messages import (VALUES_HEADER, EncodedReplies, ReplyParser, find_value_reply, parse_contacts,
-                               parse_nodes, split_values_reply)
+from dmoe.dht import DHT
+from dmoe.dht.messages import (MAX_CONTACTS, VALUES_HEADER, EncodedReplies, MalformedRequest, ReplyParser,
+                               find_value_reply, parse_contacts, parse_find_value_reply, parse_nodes,
+                               split_values_reply)
 from dmoe.dht.routing import DHTRoutingTable
 from dmoe.dht.signing import Identity, Verifier
 from dmoe.dht.storage import Entry, RecordStorage
@@ -86,3 +89,28 @@ def test_contacts_with_addresses_no_datagram_can_reach_are_dropped():
     assert [(n.ip, n.port) for n in parse_contacts([good, *hostile])] == [("127.0.0.1", 9), ("::1", 9)]
     assert parse_nodes([[b"x" * 20, "127.0.0.1", 70000], [b"y" * 20, "localhost", 9]]) == []
     assert [(n.ip, n.port) for n in parse_nodes([[b"x" * 20, "127.0.0.1", 9]])] == [("127.0.0.1", 9)]
+
+
+def test_a_reply_nested_too_deep_to_parse_is_malformed_and_a_lookup_does_not_wait_for_it():
+    """json.loads raises RecursionError (not ValueError) on deep nesting: the reply never reached the crawl, which
+    waited for it until the call timed out (a server's declarations, which have no timeout, for ever)."""
+    deep = "[" * 30000
+    for reply in ({"record": "[]", "auth": b"", "nodes": deep}, {"record": deep, "auth": b"", "nodes": "[]"}):
+        with pytest.raises(MalformedRequest):
+            parse_find_value_reply(reply, KEY, lambda *args: True)
+
+    def hostile_value(sender, nodeid, key):
+        return {"record": "[]", "auth": b"", "nodes": deep}
+
+    with DHT() as hostile:
+        hostile.node.protocol.rpc_find_value = hostile_value
+        with DHT([hostile.endpoint], config=DHTConfig(call_timeout=20.0)) as victim:
+            started = time.monotonic()
+            assert victim.get("ffn0") == {}
+            assert time.monotonic() - started < 10, "the lookup waited for a reply it had dropped"
+
+
+def test_a_reply_names_at_most_max_contacts():
+    many = [[(i.to_bytes(2, "big") * 10).hex(), "10.0.0.1", 1000 + i] for i in range(3 * MAX_CONTACTS)]
+    assert len(parse_contacts(many)) == MAX_CONTACTS
+    assert len(parse_nodes([(bytes.fromhex(item[0]), item[1], item[2]) for item in many])) == MAX_CONTACTS

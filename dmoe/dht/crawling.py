@@ -112,8 +112,8 @@ class RecordCrawl:
         self.sent.pop(node.id, None)  # it answered: verifying its entries is our time, not its lateness
         try:
             known = self.protocol.replies.parse_known(data, self.target.id)
-        except MalformedRequest as error:
-            self._deliver(node, (True, error))
+        except Exception as error:  # noqa: BLE001 - a reply must reach the crawl, or the crawl waits for it for ever
+            self._deliver(node, (True, malformed(error)))
             return
         if known is not None:
             self._deliver(node, (True, known))
@@ -122,8 +122,8 @@ class RecordCrawl:
         async def verify() -> None:  # entries not seen before: checked on the protocol's verification thread
             try:
                 self._deliver(node, (True, await self.protocol.replies.parse(data, self.target.id)))
-            except MalformedRequest as error:
-                self._deliver(node, (True, error))
+            except Exception as error:  # noqa: BLE001 - as above
+                self._deliver(node, (True, malformed(error)))
         self.protocol.spawn(verify())
 
     def _deliver(self, node: Node, reply: tuple[bool, Any]) -> None:
@@ -243,3 +243,8 @@ class RecordCrawl:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def malformed(error: Exception) -> MalformedRequest:
+    """``error`` as the malformed reply it means; a parser's unforeseen exception is one too."""
+    return error if isinstance(error, MalformedRequest) else MalformedRequest(f"unparsable reply: {error!r}"[:200])

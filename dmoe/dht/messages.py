@@ -32,8 +32,11 @@ ID_BYTES = 20
 PARSED_REPLIES = 512
 #: encoded records a node keeps for its replies (re-encoded when the record changes)
 ENCODED_RECORDS = 1024
-#: contact lists of find_value replies remembered parsed (a few KB each)
+#: contact lists of find_value replies remembered parsed (a few KB each, ~25 KB at most: see MAX_CONTACTS)
 PARSED_CONTACTS = 4096
+#: contacts taken from one reply (a node names its ``ksize`` closest, 20 by default); a hostile reply may carry a
+#: datagram's worth, ~1,000, and the parsed lists above would then hold a GiB and more
+MAX_CONTACTS = 64
 #: contact lists a node keeps encoded for its replies (re-encoded when its routing table changes; ~1 KB each)
 ENCODED_CONTACTS = 4096
 #: a find_values reply is one binary string: per key, these three lengths, then the record's JSON text, its owners
@@ -151,8 +154,8 @@ def parse_find_value_reply(data: Any, key: bytes, verifier: Callable[..., bool],
                 if len(contacts) >= PARSED_CONTACTS:
                     del contacts[next(iter(contacts))]  # the oldest parsed
                 contacts[nodes_text] = nodes
-    except ValueError as error:
-        raise MalformedRequest(f"undecodable find_value reply: {error}") from None
+    except (ValueError, RecursionError) as error:  # JSON nested deeper than the parser recurses: RecursionError
+        raise MalformedRequest(f"undecodable find_value reply: {error!r}"[:200]) from None
     if seen is not None:
         seen[text, auth] = record
     return record, nodes
@@ -180,9 +183,9 @@ def valid_address(ip: Any, port: Any) -> bool:
 
 
 def parse_contacts(raw_nodes: Any) -> list[Node]:
-    """Contacts ``[[id hex, ip, port], ...]``; malformed items are skipped."""
+    """Contacts ``[[id hex, ip, port], ...]``, the first :data:`MAX_CONTACTS`; malformed items are skipped."""
     nodes = []
-    for item in raw_nodes if isinstance(raw_nodes, list) else []:
+    for item in raw_nodes[:MAX_CONTACTS] if isinstance(raw_nodes, list) else []:
         if (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and len(item[0]) == 2 * ID_BYTES
                 and valid_address(item[1], item[2])):
             try:
@@ -251,9 +254,10 @@ def _verified_record(entries: Any, auth: bytes, key: bytes, verifier: Callable[.
 
 
 def parse_nodes(data: Any) -> list[Node]:
-    """Contacts from a find_node reply (``[(id, ip, port), ...]``); malformed entries are skipped."""
+    """Contacts from a find_node reply (``[(id, ip, port), ...]``), the first :data:`MAX_CONTACTS`; malformed entries
+    are skipped."""
     nodes = []
-    for item in data if isinstance(data, (list, tuple)) else []:
+    for item in data[:MAX_CONTACTS] if isinstance(data, (list, tuple)) else []:
         if (isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], bytes)
                 and len(item[0]) == ID_BYTES and valid_address(item[1], item[2])):
             nodes.append(Node(item[0], item[1], item[2]))
