@@ -3,6 +3,7 @@ server's expert adopted with its last pushed weights while a client trains on, a
 and bad replicas refused with the held one untouched."""
 from __future__ import annotations
 
+import errno
 import threading
 import time
 import urllib.request
@@ -35,6 +36,7 @@ from dmoe.replicas import (
     take,
 )
 from dmoe.replicas.records import holders, host_value, parse_host, replicas_key
+from dmoe.replicas import store as store_module
 from dmoe.replicas.store import read_replica
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import FLOAT16, dmoe_pb2, serialize
@@ -124,6 +126,26 @@ def test_the_store_survives_a_restart_and_drops_the_replica_received_longest_ago
     assert sorted(reopened.held()) == ["ffn0.0.1", "ffn0.0.2"]
     assert reopened.get("ffn0.0.2").body == replicas["ffn0.0.2"].body
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ffn0.0.1.replica", "ffn0.0.2.replica"]
+    smaller = ReplicaStore(tmp_path, budget_bytes=int(1.5 * size))  # --replica-budget-mb lowered since
+    assert sorted(smaller.held()) == ["ffn0.0.2"] and smaller.nbytes <= smaller.budget_bytes
+
+
+def test_a_replica_that_cannot_be_written_costs_no_replica_held(tmp_path, monkeypatch):
+    """A full disk: the write failed after the replicas to evict were deleted, so both were lost."""
+    identity = Identity()
+    replicas = [sign(take(expert_server(f"ffn0.1.{i}").backends[f"ffn0.1.{i}"]), identity) for i in range(3)]
+    size = max(len(r.body) for r in replicas) + 1024
+    store = ReplicaStore(tmp_path, budget_bytes=int(2.5 * size))
+    store.put(replicas[0]), store.put(replicas[1])
+
+    def full_disk(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module, "write_atomically", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        store.put(replicas[2])
+    assert sorted(store.held()) == ["ffn0.1.0", "ffn0.1.1"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ffn0.1.0.replica", "ffn0.1.1.replica"]
 
 
 def test_an_expert_added_to_a_running_server_is_served_counted_and_can_be_removed_again():

@@ -84,6 +84,12 @@ class ReplicaStore:
                 continue
             stat = path.stat()
             self._held[header.uid] = HeldReplica(header, stat.st_size, stat.st_mtime)
+        over = self._to_evict("", 0)  # a budget lowered since they were written
+        if over:
+            logger.info("removing %d replicas received longest ago, beyond the budget of %d bytes: %s", len(over),
+                        self.budget_bytes, ", ".join(over))
+            self._remove(over)
+            self.evicted += len(over)
         if self._held:
             logger.info("holding %d replicas (%.1f MiB) in %s", len(self._held), self.nbytes / 2**20, self.directory)
 
@@ -122,24 +128,34 @@ class ReplicaStore:
                                   f"replica of {signed.uid} has {len(data)} bytes, more than this server's replica "
                                   f"budget of {self.budget_bytes}")
         with self._lock:
-            evicted = []
-            used = sum(held.nbytes for uid, held in self._held.items() if uid != signed.uid)
-            for uid, held in sorted(self._held.items(), key=lambda item: item[1].received_at):
-                if used + len(data) <= self.budget_bytes:
-                    break
-                if uid == signed.uid:
-                    continue
-                self._path(uid).unlink(missing_ok=True)
-                del self._held[uid]
-                used -= held.nbytes
-                evicted.append(uid)
+            evicted = self._to_evict(signed.uid, len(data))
+            # written first: a write that fails (a full disk) must not cost the replicas it would evict; the budget
+            # is what bounds the directory, so the disk must have room for it
             write_atomically(self._path(signed.uid), data)
+            self._remove(evicted)
             self._held[signed.uid] = HeldReplica(signed.header, len(data), time.time())
         self.evicted += len(evicted)
         if evicted:
             logger.info("replica budget full: removed the replicas received longest ago (%s) for %s",
                         ", ".join(evicted), signed.uid)
         return evicted
+
+    def _to_evict(self, uid: str, nbytes: int) -> list[str]:
+        """The replicas received longest ago that must go for ``nbytes`` of ``uid`` to fit the budget."""
+        evicted = []
+        used = sum(held.nbytes for other, held in self._held.items() if other != uid)
+        for other, held in sorted(self._held.items(), key=lambda item: item[1].received_at):
+            if used + nbytes <= self.budget_bytes:
+                break
+            if other != uid:
+                used -= held.nbytes
+                evicted.append(other)
+        return evicted
+
+    def _remove(self, uids: list[str]) -> None:
+        for uid in uids:
+            if self._held.pop(uid, None) is not None:
+                self._path(uid).unlink(missing_ok=True)
 
     def touch(self, uid: str) -> None:
         """Counts the replica as just received (the same one was pushed again): it is the last to be evicted."""
