@@ -8,7 +8,8 @@ closest to the expert's key), so the holder of the newest replica usually goes f
 served when their turn comes. Adopting means:
 
 1. fetching the newest replica that verifies (this server's own, or another holder's: its signature, its bytes,
-   its signer the key that signed the replicas this server knows of, its state fitting this server's experts);
+   its signer the key that signed the replicas this server knows of, its state fitting this server's experts),
+   newest by its signed update count: announced counts only order the fetches (:func:`newest_replica`);
 2. loading it into a new backend (:attr:`ExpertServer.backend_factory`);
 3. claiming the uid (:func:`claim`): declaring it, then reading the directory back. A uid's entry is owned by the
    first key that stores it until it expires, and readers side with the owner most replicas hold, so of two
@@ -26,7 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import grpc
 
@@ -53,6 +54,7 @@ from dmoe.replicas.snapshots import SignedSnapshot, SnapshotRefused, check_state
 from dmoe.replicas.store import HeldReplica, ReplicaStore
 from dmoe.server.backend import ExpertBackend
 from dmoe.uid import split_uid
+from dmoe.wire import dmoe_pb2
 
 if TYPE_CHECKING:
     from dmoe.server import ExpertServer
@@ -86,48 +88,107 @@ def read_holders(dht: DHT, uids: Sequence[str]) -> dict[str, list[Holder]]:
     return {uid: holders(records[replicas_key(uid)]) for uid in uids}
 
 
-def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: ReplicaChannels, *, max_bytes: int,
-                   store: ReplicaStore | None = None, announced: list[Holder] | None = None, timeout: float = 60.0
-                   ) -> tuple[SignedSnapshot, object, object] | None:
-    """The replica of ``uid`` with the most updates that verifies, as (signed, snapshot, checked state), or None.
+#: replicas fetched from other holders, at most, before adoption settles for the best verified so far. Announced
+#: update counts are only a hint (any key may write one), so finding the newest means fetching; each fetch may
+#: cost a whole replica's bytes, so the few best-announced candidates are all that is tried
+MAX_FETCHES = 3
+#: seconds under which a failed fetch (refused, unreachable, none held) is cheap enough not to count as one
+QUICK_FAILURE = 1.0
 
-    Candidates: what ``store`` holds and what the holders announced in the DHT (``announced``: read now if None),
-    most updates first. Its signer must be the key that signed the replica ``store`` holds, or else the key most
-    holders name: one lying holder cannot make this server adopt a snapshot of its own making.
+
+class Verified(NamedTuple):
+    """A replica that verified: signed by the expected key, its bytes intact, its state fitting this server."""
+    signed: SignedSnapshot
+    snapshot: object
+    state: object
+
+    @property
+    def updates(self) -> int:
+        return self.signed.header.updates
+
+
+def expected_signer(own: dmoe_pb2.ReplicaHeader | None, announced: Sequence[Holder]) -> str | None:
+    """The signer a replica of the expert must have: the key that signed the replica held here, or else the key
+    most holders name (one lying holder cannot make this server adopt a snapshot of its own making)."""
+    if own is not None:
+        return own.signer.hex()[:SIGNER_HEX]
+    if announced:
+        return Counter(holder.signer for holder in announced).most_common(1)[0][0]
+    return None
+
+
+def check_replica(signed: SignedSnapshot, signer: str, template: ExpertBackend) -> Verified:
+    """``signed`` opened and checked against ``template``; raises SnapshotRefused (or ValueError) if it is of no
+    use. The signature itself was checked when the header arrived (:func:`fetch_snapshot`, the store's push)."""
+    if not signed.header.signer.hex().startswith(signer):
+        raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
+                              f"signed by {signed.header.signer.hex()[:SIGNER_HEX]}, not {signer}")
+    snapshot = open_body(signed)
+    return Verified(signed, snapshot, check_state(snapshot, template))
+
+
+def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: ReplicaChannels, *, max_bytes: int,
+                   store: ReplicaStore | None = None, announced: list[Holder] | None = None, timeout: float = 60.0,
+                   max_fetches: int = MAX_FETCHES) -> Verified | None:
+    """The replica of ``uid`` whose signed header counts the most updates among those that verify, as (signed,
+    snapshot, checked state), or None.
+
+    Candidates: what ``store`` holds and what the holders announced in the DHT (``announced``: read now if None).
+    Any key can announce any count, so announced counts only order the fetches and skip holders that cannot beat
+    the best verified so far: ranked by them, a holder announcing a huge count and serving an old snapshot of the
+    owner would roll the expert back. The replica held here is always looked at (it costs no fetch), so one with
+    fewer updates is taken only when the held one is unusable. At most ``max_fetches`` replicas are fetched
+    (failures faster than :data:`QUICK_FAILURE` not counted): each may cost a whole replica's bytes.
     """
     own = store.header(uid) if store is not None else None
     if announced is None:
         announced = read_holders(dht, [uid])[uid]
     me = dht.identity.public_key
     announced = [holder for holder in announced if holder.holder != me]
-    if own is not None:
-        signer = own.signer.hex()[:SIGNER_HEX]
-    elif announced:
-        signer = Counter(holder.signer for holder in announced).most_common(1)[0][0]
-    else:
+    signer = expected_signer(own, announced)
+    if signer is None:
         return None
     candidates: list[Holder | None] = [h for h in announced if h.signer == signer]
     if own is not None:
-        candidates.append(None)  # None: this server's own replica
+        candidates.insert(0, None)  # None: this server's own replica, looked at first of those as new (no fetch)
     candidates.sort(key=lambda h: -(own.updates if h is None else h.updates))
+    best: Verified | None = None
+    fetches = 0
     for holder in candidates:
-        try:
-            if holder is None:
-                signed = store.get(uid)
-                if signed is None:
-                    continue
-            else:
-                signed = fetch_snapshot(channels.stub(holder.endpoint), holder.endpoint, uid, max_bytes=max_bytes,
-                                        timeout=timeout)
-            if not signed.header.signer.hex().startswith(signer):
-                raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
-                                      f"signed by {signed.header.signer.hex()[:SIGNER_HEX]}, not {signer}")
-            snapshot = open_body(signed)
-            return signed, snapshot, check_state(snapshot, template)
-        except (ReplicaError, SnapshotRefused, OSError, ValueError) as error:
-            where = "this server's own" if holder is None else f"{holder.endpoint}'s"
-            logger.warning("%s replica of %s is of no use: %s", where, uid, error)
-    return None
+        if best is not None and (own.updates if holder is None else holder.updates) <= best.updates:
+            break  # (sorted: nobody after it announced more either)
+        if holder is not None and fetches >= max_fetches:
+            continue  # looking on for the replica held here, which costs no fetch
+        found, cost = _try(uid, holder, signer, template, channels, store, max_bytes, timeout)
+        fetches += cost
+        if found is not None and (best is None or found.updates > best.updates):
+            best = found
+    if best is not None and own is not None and best.updates < own.updates:
+        logger.warning("the replica of %s held here (%d updates) is of no use: taking one with %d", uid,
+                       own.updates, best.updates)
+    return best
+
+
+def _try(uid: str, holder: Holder | None, signer: str, template: ExpertBackend, channels: ReplicaChannels,
+         store: ReplicaStore | None, max_bytes: int, timeout: float) -> tuple[Verified | None, int]:
+    """(the replica of ``uid`` that ``holder`` holds, verified, or None; 1 if the look counts as a fetch, else 0).
+    ``holder`` None: this server's own replica, which costs no fetch."""
+    started = time.monotonic()
+    try:
+        if holder is None:
+            signed = store.get(uid)
+            return (check_replica(signed, signer, template) if signed is not None else None), 0
+        signed = fetch_snapshot(channels.stub(holder.endpoint), holder.endpoint, uid, max_bytes=max_bytes,
+                                timeout=timeout)
+        if signed.header.updates < holder.updates:
+            logger.warning("%s announced a replica of %s with %d updates but holds one with %d", holder.endpoint,
+                           uid, holder.updates, signed.header.updates)
+        return check_replica(signed, signer, template), 1
+    except (ReplicaError, SnapshotRefused, OSError, ValueError) as error:
+        where = "this server's own" if holder is None else f"{holder.endpoint}'s"
+        logger.warning("%s replica of %s is of no use: %s", where, uid, error)
+        quick = holder is None or time.monotonic() - started < QUICK_FAILURE
+        return None, 0 if quick else 1
 
 
 def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channels: ReplicaChannels, *,

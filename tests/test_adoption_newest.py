@@ -1,0 +1,156 @@
+"""Which replica adoption and a new server's restore take: the one whose signed header counts the most updates,
+whatever holders announce in ``{uid}/replicas`` (any key can write an entry there), and never one older than the
+replica held here. Holders are in-process gRPC servers on 127.0.0.1 serving genuinely signed replicas; the DHT is
+three in-process nodes."""
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from contextlib import ExitStack
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+
+from dmoe.dht import DHT, Identity
+from dmoe.replicas import ReplicaChannels, ReplicaStore, newest_replica, restore_newest, sign, take
+from dmoe.replicas.adoption import MAX_FETCHES, Adopter
+from dmoe.replicas.records import SIGNER_HEX, Holder, replicas_key, server_subkey
+from dmoe.replicas.snapshots import SignedSnapshot
+from dmoe.server import ExpertServer, ServerConfig
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
+
+UID = "ffn0.1.2"
+HIDDEN = 8
+MAX_BYTES = 1 << 30
+
+
+def expert_server(uids: str = UID) -> ExpertServer:
+    """An unstarted server of adam-trained ffn experts (a template and a backend factory)."""
+    return ExpertServer.create(uids, "ffn", HIDDEN, optimizer="adam", lr=0.01, config=ServerConfig(device="cpu"))
+
+
+def train(backend, steps: int) -> None:
+    for _ in range(steps):
+        backend.backward(torch.randn(4, HIDDEN), torch.randn(4, HIDDEN))
+        backend.backward_calls += 1
+
+
+class Holding(dmoe_pb2_grpc.ReplicaServiceServicer):
+    """A holder's replica service serving one replica as it is (an honest holder, or one that lies about it in
+    the DHT); counts the fetches it answered."""
+
+    def __init__(self, signed: SignedSnapshot | None):
+        self.signed, self.fetches = signed, 0
+
+    def fetch(self, request: dmoe_pb2.ReplicaQuery, context) -> Iterator[dmoe_pb2.ReplicaChunk]:
+        self.fetches += 1
+        if self.signed is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no replica of {request.uid}")
+        yield from self.signed.chunks()
+
+
+class Swarm:
+    """A DHT of in-process nodes and replica holders on 127.0.0.1, each announcing what it likes."""
+
+    def __init__(self, stack: ExitStack):
+        self.stack = stack
+        self.first = stack.enter_context(DHT())
+        self.holdings: dict[str, Holding] = {}
+
+    def node(self, identity: Identity | None = None) -> DHT:
+        return self.stack.enter_context(DHT([self.first.endpoint], identity=identity))
+
+    def holder(self, signed: SignedSnapshot | None, announced: int, signer: Identity) -> Holding:
+        """Serves ``signed`` and announces, from its own key, a replica with ``announced`` updates."""
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        holding = Holding(signed)
+        dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(holding, server)
+        endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        server.start()
+        self.stack.callback(server.stop, None)
+        dht = self.node()
+        value = Holder(endpoint, announced, signer.public_key.hex()[:SIGNER_HEX], b"").value()
+        assert dht.store(replicas_key(UID), server_subkey(dht.identity.public_key), value, time.time() + 120)
+        self.holdings[endpoint] = holding
+        return holding
+
+
+@pytest.fixture
+def swarm() -> Iterator[Swarm]:
+    with ExitStack() as stack:
+        yield Swarm(stack)
+
+
+@pytest.fixture
+def lineage() -> tuple[Identity, list[SignedSnapshot]]:
+    """The owner and its replicas of UID after 3, 5 and 8 updates, all genuinely signed by it."""
+    owner, backend, taken = Identity(), expert_server().backends[UID], []
+    for steps in (3, 2, 3):
+        train(backend, steps)
+        taken.append(sign(take(backend), owner))
+    return owner, taken
+
+
+def test_a_holder_announcing_a_huge_count_cannot_roll_a_new_server_back_to_its_old_replica(swarm, lineage, tmp_path):
+    owner, (old, _, newest) = lineage
+    liar = swarm.holder(old, 10**9, owner)  # an old snapshot of the owner's, announced as the newest by far
+    honest = swarm.holder(newest, 8, owner)
+    server, channels = expert_server(), ReplicaChannels()
+    try:
+        restored = restore_newest(server, swarm.node(), [UID], channels, max_bytes=MAX_BYTES,
+                                  store=ReplicaStore(tmp_path, MAX_BYTES))
+    finally:
+        channels.close()
+    assert restored[UID].updates == server.backends[UID].updates == 8
+    assert (liar.fetches, honest.fetches) == (1, 1)  # the announcement only ordered the look
+
+
+def test_a_held_replica_is_adopted_rather_than_an_older_one_announced_as_far_newer(swarm, lineage, tmp_path):
+    owner, (old, middle, newest) = lineage
+    store = ReplicaStore(tmp_path, MAX_BYTES)
+    store.put(newest)
+    swarm.holder(old, 10**9, owner)
+    swarm.holder(middle, 10**6, owner)
+    channels = ReplicaChannels()
+    with expert_server("ffn0.0.0") as server:
+        adopter = Adopter(server, swarm.node(), store, ["ffn0"], check_period=1.0, stagger=1.0, channels=channels,
+                          max_bytes=MAX_BYTES, expiration=30.0)
+        try:
+            assert adopter.adopt([UID]) == [UID]
+            assert server.backends[UID].updates == 8
+            assert [adoption.updates for adoption in adopter.adopted] == [8]
+        finally:
+            channels.close()
+
+
+def test_the_newest_verified_replica_wins_among_holders_that_all_announce_more_than_they_hold(swarm, lineage):
+    owner, (old, middle, newest) = lineage
+    swarm.holder(old, 10**9, owner)
+    swarm.holder(newest, 10**8, owner)
+    swarm.holder(middle, 10**7, owner)
+    channels = ReplicaChannels()
+    try:
+        found = newest_replica(swarm.node(), UID, expert_server().backends[UID], channels, max_bytes=MAX_BYTES)
+    finally:
+        channels.close()
+    assert found.snapshot.updates == found.signed.header.updates == 8
+
+
+def test_fetches_stop_after_the_few_best_announced_holders_but_quick_refusals_do_not_count(swarm, lineage):
+    owner, (old, middle, newest) = lineage
+    empty = [swarm.holder(None, 10**9 - i, owner) for i in range(MAX_FETCHES + 2)]  # announce, hold nothing
+    swarm.holder(old, 10**6, owner)
+    swarm.holder(middle, 10**5, owner)
+    swarm.holder(newest, 10**4, owner)
+    for updates in (100, 99, 98):
+        swarm.holder(old, updates, owner)
+    channels = ReplicaChannels()
+    try:
+        found = newest_replica(swarm.node(), UID, expert_server().backends[UID], channels, max_bytes=MAX_BYTES)
+    finally:
+        channels.close()
+    assert found.snapshot.updates == 8
+    assert all(holding.fetches == 1 for holding in empty)
+    assert sum(holding.fetches for holding in swarm.holdings.values()) == len(empty) + MAX_FETCHES
