@@ -58,6 +58,9 @@ GOALS = {"ratio": 1.03, "killed_ratio": 1.05, "max_param_gap": 1e-5}
 STEPPED = re.compile(r"step (\d+): (?:averaged|stepped alone with) (\d+) samples")
 
 
+SAVED = re.compile(r"saved step (\d+)")
+
+
 def child(save_dir: str | None, argv: list[str]) -> int:
     """One trainer: ``dmoe-train`` with ``argv``, saving the client's parameters after every step to ``save_dir``."""
     import logging
@@ -205,10 +208,13 @@ def run_collab(args: argparse.Namespace, data: str, work: Path, kill: bool) -> R
         deadline = time.monotonic() + args.timeout
         victim = procs[-1]
         while any(p.alive for p in procs) and time.monotonic() < deadline:
-            if kill and victim.alive and any(line.strip() == f"saved step {kill_at}" for line in victim.output):
+            # at the first step it saved from kill_at on: one that fell behind and downloaded the state skips steps
+            reached = max((int(m.group(1)) for m in map(SAVED.fullmatch, map(str.strip, victim.output)) if m),
+                          default=0)
+            if kill and victim.alive and reached >= kill_at:
                 victim.kill()
-                meter.killed_at[n - 1] = kill_at
-                print(f"  killed trainer {n - 1} at step {kill_at}", flush=True)
+                meter.killed_at[n - 1] = reached
+                print(f"  killed trainer {n - 1} at step {reached}", flush=True)
             for i, p in enumerate(procs):
                 if not p.alive:
                     meter.done.add(i)

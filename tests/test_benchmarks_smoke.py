@@ -244,7 +244,9 @@ def test_churn_benchmark_smoke_kills_a_server_and_adopts_its_experts():
 
 def test_collab_benchmark_smoke_compares_one_trainer_with_a_collaboration_and_one_killed():
     stdout = run_benchmark("bench_collab.py", "--smoke")
-    assert "killed trainer 1 at step 2" in stdout, stdout  # the smoke collaboration has 2 trainers
+    # the smoke collaboration has 2 trainers; the second is killed at step 2, or at the first step it saved from
+    # there if it fell behind and downloaded the state
+    assert re.search(r"killed trainer 1 at step [2-5]\b", stdout), stdout
     last = dict(item.split("=") for item in stdout.strip().splitlines()[-1].split())
     assert set(last) == {"single_val_loss", "collab_val_loss", "ratio", "killed_ratio", "max_param_gap"}, last
     assert all(math.isfinite(float(v)) for v in last.values()), last
