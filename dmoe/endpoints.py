@@ -39,11 +39,13 @@ def is_loopback_ip(ip: str) -> bool:
 def outbound_host(peers: Sequence[tuple[str, int]]) -> str | None:
     """This machine's address on its route to the first of ``peers`` not on this host, or None when all are here
     (or none resolves): the address a server bound to every interface is reached at by those peers' machines, as
-    far as this machine can tell (behind NAT, only ``--announce-host`` knows better). Nothing is sent."""
+    far as this machine can tell (behind NAT, only ``--announce-host`` knows better). Nothing is sent. IPv4 where
+    a name has both, as :func:`dmoe.dht.node.listen_host` listens."""
     for host, port in peers:
         try:
-            family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        except (OSError, IndexError):
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+            family, _, _, _, address = min(infos, key=lambda info: info[0] != socket.AF_INET)
+        except (OSError, ValueError):  # unresolvable, or no address at all
             continue
         if is_loopback_ip(address[0]):
             continue

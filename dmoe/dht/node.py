@@ -44,7 +44,8 @@ def listen_host(addresses: Sequence[tuple[str, int]], client_mode: bool = False)
         except OSError:
             continue  # bootstrap says it cannot resolve it
         found = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-        ips.append(next((ip for ip in found if ip.version == 4), found[0]))
+        if found:
+            ips.append(next((ip for ip in found if ip.version == 4), found[0]))
     version = ips[0].version if ips else 4
     if not client_mode and all(ip.is_loopback for ip in ips):
         return "::1" if version == 6 else "127.0.0.1"
