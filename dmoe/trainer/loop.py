@@ -36,6 +36,7 @@ from tqdm import tqdm
 from dmoe.cli.config import non_negative, port_number, positive
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
+from dmoe.endpoints import is_loopback_ip
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
@@ -160,14 +161,13 @@ class TrainConfig:
     def _check_averaging_host(self) -> None:
         """Trainers on other machines must reach this one's averager and state server: a loopback address would be
         announced to them, and every round with this trainer would fail on it."""
-        if self.averaging_client_mode or self.averaging_announce_host \
-                or self.averaging_host not in ("127.0.0.1", "::1", "localhost"):
+        if self.averaging_client_mode or self.averaging_announce_host or not is_loopback_ip(self.averaging_host):
             return
         try:
             peers = [parse_endpoint(peer) for peer in self.initial_peers]
         except ValueError as error:
             raise ValueError(f"--initial-peers: {error}") from None
-        if listen_host(peers) not in ("127.0.0.1", "::1"):
+        if not is_loopback_ip(listen_host(peers)):  # the peers are not all on this host
             raise ValueError(f"--averaging-host {self.averaging_host} cannot be reached by trainers on other machines "
                              f"(--initial-peers {' '.join(self.initial_peers)} are not all on this host): give this "
                              "machine's address that they can reach (or 0.0.0.0, with --averaging-announce-host "

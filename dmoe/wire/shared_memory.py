@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import grpc
 
+from dmoe.endpoints import is_loopback_ip
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.zerocopy import ANSWER_PARSERS
 
@@ -77,18 +78,12 @@ def is_loopback_peer(peer: str) -> bool:
     kind, _, address = peer.partition(":")
     if kind == "unix":
         return True
-    if kind == "ipv4":
-        return address.startswith("127.")
-    if kind == "ipv6":
-        host = address.rpartition(":")[0].strip("[]").lower()
-        return host == "::1" or host.startswith("::ffff:127.")
-    return False
+    return kind in ("ipv4", "ipv6") and is_loopback_ip(address.rpartition(":")[0].strip("[]").lower())
 
 
 def is_local_endpoint(endpoint: str) -> bool:
     """Whether ``HOST:PORT`` names this host by a loopback address (the only servers a client tries it with)."""
-    host = endpoint.rpartition(":")[0].strip("[]").lower()
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return is_loopback_ip(endpoint.rpartition(":")[0].strip("[]").lower())
 
 
 # ------------------------------------------------------------------------------------------------ client side
