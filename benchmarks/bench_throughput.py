@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -390,6 +391,11 @@ def main() -> None:
                              "dmoe.wire.shared_memory.MIN_BYTES)")
     parser.add_argument("--server-processes", type=int, default=1,
                         help="the server's --processes: its experts dealt out among this many server processes")
+    parser.add_argument("--clients", type=int, default=None,
+                        help="client processes of every case (default: the preset's; a GPU host's cores can run "
+                             "more, so that the clients' Python is not what is measured)")
+    parser.add_argument("--inflight", type=int, default=None,
+                        help="concurrent requests per client process of every case (default: the preset's)")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print its stage times after each case")
     parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
@@ -400,6 +406,11 @@ def main() -> None:
 
     from dmoe.launch import announced
     cases = preset_cases(args.preset)
+    for flag in ("clients", "inflight"):
+        if getattr(args, flag) is not None:
+            if getattr(args, flag) < 1:
+                parser.error(f"--{flag} must be at least 1")
+            cases = [dataclasses.replace(case, **{flag: getattr(args, flag)}) for case in cases]
     duration = args.duration or {"quick": 2.0, "smoke": 0.5}.get(args.preset, 4.0)
     n_clients = max(case.clients for case in cases)
     print(f"preset {args.preset}: {len(cases)} cases, {duration:g} s each, server/limit torch threads "
@@ -407,7 +418,8 @@ def main() -> None:
           f"autocast {args.autocast or 'off'}, wire compression {args.compression}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
           f", payload through {'shared memory' if args.shared_memory else 'gRPC'}"
-          f"{f', {args.server_processes} server processes' if args.server_processes > 1 else ''}", flush=True)
+          f"{f', {args.server_processes} server processes' if args.server_processes > 1 else ''}"
+          f", {n_clients} client processes x {max(case.inflight for case in cases)} requests in flight", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []
