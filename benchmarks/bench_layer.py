@@ -60,7 +60,9 @@ from dmoe.launch import LocalSwarm, SwarmConfig, announced
 from dmoe.server.backend import make_optimizer
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.server.metrics import read_metrics
+from dmoe.client.gating import CLIENT_STAGES
 from dmoe.server.profile import STAGES, format_stages, read_all_stages, stage_difference
+from dmoe.timing import StageClock
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
 from dmoe.wire import ChannelPool
@@ -101,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "default on one host); --no-shared-memory: every byte through gRPC's transport")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print where its time goes per step")
+    parser.add_argument("--client-profile", action="store_true",
+                        help="time the remote layer's own stages (gate, search, copies, sending, waiting, gathering; "
+                             "dmoe.client.gating.CLIENT_STAGES) and print them per step")
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="h=64, batches 8 32, 3 steps")
     args = parser.parse_args(argv)
@@ -200,15 +205,22 @@ def main(argv=None) -> list[dict]:
                                           expert_factory=server_code).to(device)
         local_step, recompute_step = local_step_fn(local, args.lr), server_code_step_fn(recompute)
         stages = ServerStages(swarm, args.steps) if args.profile else None
+        client_stages = ClientStages(remote, args.steps) if args.client_profile else None
+
+        def after_warmup() -> None:
+            for profile in (stages, client_stages):
+                if profile is not None:
+                    profile.start()
         rounds: dict[int, list[dict[str, float]]] = {batch: [] for batch in args.batches}
         for _ in range(args.rounds):
             for batch in args.batches:
                 rounds[batch].append(time_steps({"remote": remote_step, "local": local_step,
                                                  "recompute": recompute_step}, batch, args.hidden, args.steps,
                                                 args.warmup, device, args.autocast,
-                                                after_warmup=stages.start if stages else lambda: None))
-                if stages is not None:
-                    stages.stop(batch)
+                                                after_warmup=after_warmup))
+                for profile in (stages, client_stages):
+                    if profile is not None:
+                        profile.stop(batch)
         for batch, timed in rounds.items():
             ratios = sorted(t["local"] / t["remote"] for t in timed)
             median = {name: statistics.median(t[name] for t in timed) for name in timed[0]}
@@ -248,8 +260,41 @@ def main(argv=None) -> list[dict]:
               f"{r['ratio']:>17.2f} {r['ratio_min']:>14.2f}-{r['ratio_max']:.2f} {r['ratio_vs_recompute']:>13.2f}")
     if stages is not None:
         stages.report({r["batch"]: r["remote_s"] for r in rows})
+    if client_stages is not None:
+        client_stages.report({r["batch"]: r["remote_s"] for r in rows})
     print(f"wrote {out}")
     return rows
+
+
+class ClientStages:
+    """The remote layer's own stages (``stage_clock``), one difference per round of each batch size's timed steps."""
+
+    def __init__(self, layer: RemoteMixtureOfExperts, steps: int):
+        self.clock = layer.stage_clock = StageClock(CLIENT_STAGES)
+        self.steps = steps
+        self.rounds: dict[int, list[dict]] = {}
+        self._start: dict | None = None
+
+    def start(self) -> None:
+        self._start = self.clock.snapshot()
+
+    def stop(self, batch: int) -> None:
+        assert self._start is not None, "start() comes first"
+        self.rounds.setdefault(batch, []).append(stage_difference(self.clock.snapshot(), self._start))
+
+    def report(self, remote_seconds: dict[int, float]) -> None:
+        """Per batch size: each stage in ms per remote step, and what the step spent outside them."""
+        for batch, rounds in self.rounds.items():
+            snapshot = {stage: (sum(r[stage][0] for r in rounds), sum(r[stage][1] for r in rounds))
+                        for stage in CLIENT_STAGES}
+            steps = self.steps * len(rounds)
+            staged_ms = 1e3 * sum(total for total, _ in snapshot.values()) / steps
+            step_ms = 1e3 * remote_seconds[batch]
+            print(f"client stages at batch {batch} ({steps} remote steps; remote step {step_ms:.2f} ms median, "
+                  f"{staged_ms:.2f} ms in these stages, {step_ms - staged_ms:.2f} ms outside them: autograd's "
+                  f"backward of the mix and the gate, the step's own code; wait and bwd_wait hold the servers' "
+                  f"work and gRPC):")
+            print(format_stages(snapshot, per=steps))
 
 
 class ServerStages:

@@ -26,8 +26,8 @@ def make_layer(dead=(), **kwargs):
         # a layer whose listed experts never answer, as if their servers were gone
         run = layer._run_experts
 
-        def run_with_dead(flat, chosen):
-            out, alive = run(flat, chosen)
+        def run_with_dead(flat, chosen, *laps):
+            out, alive = run(flat, chosen, *laps)
             for row, uids in enumerate(chosen):
                 for slot, uid in enumerate(uids):
                     if uid in dead:

@@ -15,7 +15,16 @@ import torch
 from torch import nn
 
 from dmoe.experts import create_expert
+from dmoe.timing import NO_LAPS, Laps, NoLaps, StageClock
 from dmoe.uid import join_uid, split_uid
+
+#: where a layer's forward and the backward of its experts' calls spend their time, in order (``stage_clock``):
+#: the gate's scores, the search for experts, grouping rows per expert, the rows' copy to host memory, building and
+#: sending the calls, waiting for answers, gathering them per row, the copy back to the inputs' device, rerouting
+#: rows that lost all their experts, the weighted mix; then the same for the backward's calls. What they leave out
+#: of a training step is autograd's own work (the mix's and the gate's backward) and the caller's.
+CLIENT_STAGES = ("gate", "search", "plan", "to_host", "send", "wait", "gather", "to_device", "reroute", "combine",
+                 "bwd_to_host", "bwd_send", "bwd_wait", "bwd_sum", "bwd_to_device")
 
 
 class NoAliveExpertsError(RuntimeError):
@@ -66,16 +75,22 @@ class MixtureBase(nn.Module):
         self.stats = MoEStats()
         self._coords_cache: dict[str, tuple[int, ...]] = {}
         self.reroute_attempts = 0  # in-process experts never fail
+        #: set to ``StageClock(CLIENT_STAGES)`` to time each forward's (and its calls' backward's) stages; None: no
+        #: timing at all. On a GPU each stage then waits for the device (:class:`dmoe.timing.Laps`).
+        self.stage_clock: StageClock | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected inputs [..., {self.in_features}], got {list(x.shape)}")
         flat = x.reshape(-1, self.in_features)
+        laps: Laps | NoLaps = NO_LAPS if self.stage_clock is None else self.stage_clock.laps(flat.device)
         grid_scores = list(self.proj(flat).split(self.grid, dim=-1))
         detached = [s.detach() for s in grid_scores]
+        laps.lap("gate")
         chosen = self._choose(detached)                                # per row: uids, best first
+        laps.lap("search")
         coords, valid = self._coords_tensor(chosen, flat.shape[0])     # [n, k, ndim], [n, k]
-        expert_out, alive = self._run_experts(flat, chosen)            # [n, k, out], [n, k]
+        expert_out, alive = self._run_experts(flat, chosen, laps)      # [n, k, out], [n, k]
         for _ in range(self.reroute_attempts):
             # Rows that none of their experts answered: the failed ones are banned now, so a second search
             # finds the next-best alive experts for exactly those rows (a dead server costs no lost rows).
@@ -88,10 +103,12 @@ class MixtureBase(nn.Module):
             coords[lost], valid[lost] = self._coords_tensor(rechosen, len(lost))
             retry_out, alive[lost] = self._run_experts(flat[lost], rechosen)
             expert_out = expert_out.index_put((lost,), retry_out.to(expert_out.dtype))
+        laps.lap("reroute")
         self.stats.forward_passes += 1
         if self.switch:
             self.balance_loss = self._balance_loss(grid_scores, coords, valid)
         out = self._combine(grid_scores, coords, valid & alive, expert_out)
+        laps.lap("combine")
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def _balance_loss(self, grid_scores: list[torch.Tensor], coords: torch.Tensor,
@@ -116,7 +133,10 @@ class MixtureBase(nn.Module):
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
         raise NotImplementedError
 
-    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]],
+                     laps: Laps | NoLaps = NO_LAPS) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's chosen experts' outputs and which of them answered; ``laps`` times the stages from ``plan``
+        to ``to_device`` (see :data:`CLIENT_STAGES`)."""
         raise NotImplementedError
 
     def _coords_tensor(self, chosen: list[list[str]], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +215,8 @@ class LocalMixtureOfExperts(MixtureBase):
         top = total.topk(min(self.k_best, total.shape[1]), dim=1).indices.tolist()
         return [[self.uids[i] for i in row] for row in top]
 
-    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]],
+                     laps: Laps | NoLaps = NO_LAPS) -> tuple[torch.Tensor, torch.Tensor]:
         groups: dict[str, tuple[list[int], list[int]]] = {}
         for row, uids in enumerate(chosen):
             for slot, uid in enumerate(uids):

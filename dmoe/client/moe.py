@@ -17,6 +17,7 @@ from dmoe.client.beam_search import PrefixCache, beam_search
 from dmoe.client.failures import CallPolicy, wait_for_experts
 from dmoe.client.gating import MixtureBase
 from dmoe.client.remote_expert import backward_futures, forward_futures, new_activation_id
+from dmoe.timing import NO_LAPS, Laps, NoLaps
 from dmoe.wire import NONE, ChannelPool
 
 
@@ -75,12 +76,13 @@ class _RemoteExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dummy: torch.Tensor, flat: torch.Tensor, policy: CallPolicy, plan: list[PlannedCall], k: int,
-                will_backward: bool):
+                will_backward: bool, laps: Laps | NoLaps = NO_LAPS):
         inputs = flat.detach()
         # requests are built and answers gathered in host memory: inputs on a GPU cross to it once, and the
         # mixed outputs cross back once, instead of one small copy per expert each way
         host = inputs.cpu().contiguous()
         host_bits = _bits(host)
+        laps.lap("to_host")
         # a backward will follow: the servers keep each forward's inputs (and activations) under its id until then
         ids = [new_activation_id() if will_backward else None for _ in plan]
         sent = [_from_bits(host_bits[call.rows], host.dtype) for call in plan]
@@ -89,8 +91,10 @@ class _RemoteExperts(torch.autograd.Function):
                                    for (uid, endpoint, _, _), rows_in, activation_id in zip(plan, sent, ids)],
                                   timeout=policy.forward_timeout, compression=policy.compression,
                                   channels=policy.channels)
+        laps.lap("send")
         wait_for_experts(futures, [call.rows for call in plan], len(inputs), policy.k_min, policy.forward_timeout,
                          policy.timeout_after_k_min)
+        laps.lap("wait")
         out: torch.Tensor | None = None
         out_bits = None
         alive = np.zeros((len(inputs), k), dtype=bool)
@@ -111,23 +115,30 @@ class _RemoteExperts(torch.autograd.Function):
             out = _zeros((len(inputs), k, inputs.shape[-1]), host.dtype)
         policy.stats.experts_chosen += len(plan)
         policy.stats.experts_dropped += len(plan) - len(answered)
-        ctx.policy, ctx.answered = policy, answered
+        ctx.policy, ctx.answered, ctx.clock = policy, answered, laps.clock
         ctx.inputs_like = (inputs.shape, inputs.dtype, inputs.device)
         alive_t = torch.from_numpy(alive)
         ctx.mark_non_differentiable(alive_t)
-        return out.to(inputs.device), alive_t
+        laps.lap("gather")
+        out = out.to(inputs.device)
+        laps.lap("to_device")
+        return out, alive_t
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_alive: Any):
         policy, answered = ctx.policy, ctx.answered
         shape, dtype, device = ctx.inputs_like
+        laps = NO_LAPS if ctx.clock is None else ctx.clock.laps(device)
         grad_host = grad_out.cpu().contiguous()  # one copy off the GPU, sliced per expert (with numpy: see _bits)
         grad_bits = _bits(grad_host)
+        laps.lap("bwd_to_host")
         futures = backward_futures([(uid, endpoint, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
                                      activation_id) for uid, endpoint, rows, slots, activation_id, rows_in in answered],
                                    timeout=policy.backward_timeout, compression=policy.compression,
                                    channels=policy.channels)
+        laps.lap("bwd_send")
         wait_futures(futures, timeout=policy.backward_timeout)
+        laps.lap("bwd_wait")
         grad_inputs = _zeros(tuple(shape), dtype)
         # rows are distinct within one expert's request, so a plain indexed add accumulates them
         grad_sum = grad_inputs.numpy() if dtype in _NUMPY_SUMS else None
@@ -150,7 +161,10 @@ class _RemoteExperts(torch.autograd.Function):
                 f"{int(short.sum())} rows got fewer than backward_k_min={policy.backward_k_min} expert gradients "
                 f"in {policy.layer_name!r}"
             )
-        return None, grad_inputs.to(device), None, None, None, None
+        laps.lap("bwd_sum")
+        grad_inputs = grad_inputs.to(device)
+        laps.lap("bwd_to_device")
+        return None, grad_inputs, None, None, None, None, None
 
 
 class RemoteMixtureOfExperts(MixtureBase):
@@ -225,7 +239,9 @@ class RemoteMixtureOfExperts(MixtureBase):
         return [PlannedCall(uid, self._endpoints[uid], np.array(rows, dtype=np.int64), np.array(slots, dtype=np.int64))
                 for uid, (rows, slots) in groups.items()]
 
-    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]],
+                     laps: Laps | NoLaps = NO_LAPS) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self._plan(chosen)
+        laps.lap("plan")
         # the dummy requires grad, so autograd records this call (and a backward can follow) whenever grad is on
-        return _RemoteExperts.apply(self._dummy, flat, self.policy, self._plan(chosen), self.k_best,
-                                    torch.is_grad_enabled())
+        return _RemoteExperts.apply(self._dummy, flat, self.policy, plan, self.k_best, torch.is_grad_enabled(), laps)

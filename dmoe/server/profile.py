@@ -19,85 +19,37 @@ What none of them holds is the Python between them (asyncio scheduling, futures)
 request's other stages, and gRPC's own work outside the handler (HTTP/2, parsing the message), seen from the
 client as its call's time minus ``call``.
 
-A GPU runs kernels and copies asynchronously: to give each stage its own time, a profiling worker synchronises the
-device at every stage boundary, which costs the overlap the server otherwise gets (copies beside compute). So
-profile to see the shares, and time throughput with the profile off. Off by default; the runtime and servicer then
-do no timing at all.
+On a GPU a profiling worker synchronises the device at every stage boundary (:class:`dmoe.timing.Laps`), which
+costs the overlap the server otherwise gets (copies beside compute). So profile to see the shares, and time
+throughput with the profile off. Off by default; the runtime and servicer then do no timing at all.
 """
 from __future__ import annotations
 
-import threading
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
+from dmoe.timing import Laps, Snapshot, format_stages, stage_difference
+from dmoe.timing import StageClock as _StageClock
+
+__all__ = ["STAGES", "StageClock", "BatchTimer", "Snapshot", "format_stages", "stage_difference", "scrape_stages",
+           "read_stages", "read_all_stages"]
+
 STAGES = ("call", "decode", "queue", "batch", "to_device", "compute", "to_host", "encode")
 
+#: the laps of one batch's stages on one worker thread
+BatchTimer = Laps
 
-class StageClock:
-    """Seconds and counts per stage of one server, added from any thread and read by metrics or tests."""
+
+class StageClock(_StageClock):
+    """The server's stages (:data:`STAGES`), added from any thread and read by metrics or tests."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seconds = dict.fromkeys(STAGES, 0.0)
-        self._counts = dict.fromkeys(STAGES, 0)
+        super().__init__(STAGES)
 
-    def add(self, stage: str, seconds: float, count: int = 1) -> None:
-        if stage not in self._seconds:
-            raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-        with self._lock:
-            self._seconds[stage] += seconds
-            self._counts[stage] += count
-
-    def snapshot(self) -> dict[str, tuple[float, int]]:
-        """stage -> (total seconds, times counted), consistent across stages."""
-        with self._lock:
-            return {stage: (self._seconds[stage], self._counts[stage]) for stage in STAGES}
-
-    def batch_timer(self, device: torch.device) -> "BatchTimer":
+    def batch_timer(self, device: torch.device) -> BatchTimer:
         """A timer for one batch's stages on ``device`` (one per batch, used by one worker thread)."""
-        return BatchTimer(self, device)
-
-
-class BatchTimer:
-    """Laps of one batch: each :meth:`lap` charges the time since the previous one to a stage.
-
-    On a GPU each lap first waits for the device (see the module docstring), so that a stage holds its own kernels
-    and copies instead of the work queued before it.
-    """
-
-    def __init__(self, clock: StageClock, device: torch.device):
-        self.clock = clock
-        self._sync: Callable[[], None] = (
-            (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None))
-        self._sync()
-        self._last = time.perf_counter()
-
-    def lap(self, stage: str) -> None:
-        self._sync()
-        now = time.perf_counter()
-        self.clock.add(stage, now - self._last)
-        self._last = now
-
-
-Snapshot = dict[str, tuple[float, int]]
-
-
-def stage_difference(after: Snapshot, before: Snapshot) -> Snapshot:
-    """What a stretch of work added: ``after`` minus ``before`` (two snapshots of one clock)."""
-    return {stage: (after[stage][0] - before[stage][0], after[stage][1] - before[stage][1]) for stage in after}
-
-
-def format_stages(snapshot: Snapshot, per: int = 0, unit: str = "step") -> str:
-    """A table of ``snapshot``: per stage its total, its count and its mean per event; with ``per`` > 0 also
-    milliseconds per ``unit`` (e.g. per training step: the total divided by ``per``)."""
-    lines = [f"{'stage':>10} {'total s':>9} {'events':>8} {'ms/event':>9}" + (f" {'ms/' + unit:>10}" if per else "")]
-    for stage in STAGES:
-        total, count = snapshot.get(stage, (0.0, 0))
-        line = f"{stage:>10} {total:>9.3f} {count:>8d} {1e3 * total / count if count else 0.0:>9.3f}"
-        lines.append(line + (f" {1e3 * total / per:>10.3f}" if per else ""))
-    return "\n".join(lines)
+        return self.laps(device)
 
 
 def scrape_stages(metrics_text: str) -> Snapshot:
