@@ -8,9 +8,11 @@
 #   benchmarks/gpu_check.sh bytes      # there too: the layer, the ceiling and throughput with float16 on the wire
 #   benchmarks/gpu_check.sh shared     # there too: the layer and the ceiling with the payload through shared memory
 #                                      # (the default) and through gRPC, then throughput, the CUDA tests, bf16
-#   benchmarks/gpu_check.sh next       # there too, the one to run first: the layer through shared memory and gRPC, and
-#                                      # with 1, 2, 4 server processes (dmoe-server --processes), the ceiling with 1
-#                                      # and 4, the CUDA tests, throughput with 4
+#   benchmarks/gpu_check.sh next       # there too, the one to run first: the layer through shared memory, through
+#                                      # gRPC and with 4 server processes (dmoe-server --processes), its profile, the
+#                                      # CUDA tests, throughput with 1 and with 4 server processes
+#   benchmarks/gpu_check.sh after      # there too: the layer with 4 and 8 server processes, its server and client
+#                                      # stages, the bf16 tables, the CUDA tests, the 1-process layer, throughput
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
@@ -120,17 +122,33 @@ plan_shared() {  # the payload through shared memory (the default on one host) a
 
 plan_next() {  # what the GPU has not measured yet, most wanted first: shared memory, then several server processes
     local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
-    local transport="python3 benchmarks/bench_throughput.py --preset transport --device cuda --duration 1 --rounds 1"
+    local throughput="python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 1 --rounds 1"
     step layer.shared 60 $layer
     step layer.grpc 60 $layer --no-shared-memory
-    step layer.2_processes 60 $layer --server-processes 2
     step layer.4_processes 60 $layer --server-processes 4
-    step transport.1_process 80 $transport
-    step transport.4_processes 80 $transport --server-processes 4
+    step profile.layer 60 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 --steps 10 --profile
     step cuda_tests 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
-    # the processes share the server's --activation-cache-mb: 2048 leaves each the 512 one process has by default
-    step throughput.4_processes 120 python3 benchmarks/bench_throughput.py --preset compute --device cuda \
-        --duration 1 --rounds 1 --server-processes 4 --activation-cache-mb 2048
+    step throughput.1_process 110 $throughput
+    # the processes share the server's --activation-cache-mb: 2048 leaves each the 512 one process has by default;
+    # 4 clients of one request each, one per expert, so that the clients' Python is not the bound
+    step throughput.4_processes 110 $throughput --server-processes 4 --activation-cache-mb 2048 --clients 4 \
+        --inflight 1
+}
+
+plan_after() {  # after the client's calls moved to kept threads: the layer with 4 and 8 server processes, where
+               # its step goes (server and client stages), the bf16 tables, the CUDA tests, the 1-process layer
+    local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
+    local throughput="python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 0.6 --rounds 1 \
+--server-processes 4 --activation-cache-mb 2048 --clients 4 --inflight 1"
+    step layer.4_processes 60 $layer --server-processes 4
+    step profile.layer_4_processes 60 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
+        --steps 10 --server-processes 4 --profile --client-profile
+    step layer_bf16.4_processes 60 $layer --server-processes 4 --autocast bf16
+    step throughput_bf16.4_processes 100 $throughput --autocast bf16
+    step layer.8_processes 60 $layer --server-processes 8
+    step cuda_tests 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
+    step layer.1_process 60 $layer
+    step throughput.4_processes 100 $throughput
 }
 
 case "${1:-}" in
@@ -140,5 +158,6 @@ case "${1:-}" in
     bytes) run bytes ;;
     shared) run shared ;;
     next) run next ;;
-    *) echo "usage: $0 fetch|run|variants|bytes|shared|next" >&2; exit 2 ;;
+    after) run after ;;
+    *) echo "usage: $0 fetch|run|variants|bytes|shared|next|after" >&2; exit 2 ;;
 esac
