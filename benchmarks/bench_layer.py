@@ -289,11 +289,11 @@ class ClientStages:
                         for stage in CLIENT_STAGES}
             steps = self.steps * len(rounds)
             staged_ms = 1e3 * sum(total for total, _ in snapshot.values()) / steps
-            step_ms = 1e3 * remote_seconds[batch]
-            print(f"client stages at batch {batch} ({steps} remote steps; remote step {step_ms:.2f} ms median, "
-                  f"{staged_ms:.2f} ms in these stages, {step_ms - staged_ms:.2f} ms outside them: autograd's "
-                  f"backward of the mix and the gate, the step's own code; wait and bwd_wait hold the servers' "
-                  f"work and gRPC):")
+            waits_ms = 1e3 * (snapshot["wait"][0] + snapshot["bwd_wait"][0]) / steps
+            print(f"client stages at batch {batch} ({steps} remote steps; remote step {1e3 * remote_seconds[batch]:.2f}"
+                  f" ms median; in these stages {staged_ms:.2f} ms per step on average, of which {waits_ms:.2f} ms "
+                  f"waiting for the servers' answers (their work and gRPC's) and {staged_ms - waits_ms:.2f} ms the "
+                  f"client's own; not in them: autograd's backward of the mix and the gate):")
             print(format_stages(snapshot, per=steps))
 
 
