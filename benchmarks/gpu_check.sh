@@ -8,11 +8,12 @@
 #   benchmarks/gpu_check.sh bytes      # there too: the layer, the ceiling and throughput with float16 on the wire
 #   benchmarks/gpu_check.sh shared     # there too: the layer and the ceiling with the payload through shared memory
 #                                      # (the default) and through gRPC, then throughput, the CUDA tests, bf16
-#   benchmarks/gpu_check.sh next       # there too, the one to run first: the layer through shared memory, through
+#   benchmarks/gpu_check.sh next       # there too (run 2026-11-27): the layer through shared memory, through
 #                                      # gRPC and with 4 server processes (dmoe-server --processes), its profile, the
 #                                      # CUDA tests, throughput with 1 and with 4 server processes
-#   benchmarks/gpu_check.sh after      # there too: the layer with 4 and 8 server processes, its server and client
-#                                      # stages, the bf16 tables, the CUDA tests, the 1-process layer, throughput
+#   benchmarks/gpu_check.sh after      # there too, the one to run first: the layer with 4 and 8 server processes, its
+#                                      # server and client stages, the bf16 tables, the CUDA tests, the 1-process
+#                                      # layer, throughput (GPU_BUDGET_S=330 fits it into a 15-minute lease)
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
