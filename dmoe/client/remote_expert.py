@@ -1,10 +1,9 @@
 """Calling experts on other machines: non-blocking ``forward_future``/``backward_future``, their per-server
 batched forms ``forward_futures``/``backward_futures``, and ``RemoteExpert``.
 
-Calls are futures of blocking calls on threads kept between calls (:mod:`dmoe.wire.call_threads`), so starting
-one costs a serialisation and no new thread: the gating layer can start all of its calls at once and wait for the
-first ones to come back. Payloads larger than one message are streamed in parts by a short-lived thread that ends
-with its call.
+Calls go through the sync gRPC stack's ``.future()``, so starting one costs a serialisation and no thread: the
+gating layer can start all of its calls at once and wait for the first ones to come back. Payloads larger than
+one message are streamed in parts by a short-lived thread that ends with its call.
 """
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ from typing import NamedTuple
 import grpc
 
 from dmoe.wire import dmoe_pb2_grpc
-from dmoe.wire.call_threads import CallThreads, ThreadedCall
 from dmoe.wire.shared_memory import MIN_BYTES as SHARED_MEMORY_MIN_BYTES
 from dmoe.wire.shared_memory import AVAILABLE, SegmentPool, SharedMemoryCalls, is_local_endpoint
 from dmoe.wire.zerocopy import ANSWER_PARSERS, Message
@@ -46,21 +45,19 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
 
 class TensorCalls(NamedTuple):
     """ExpertService's tensor-carrying unary calls on one channel: each takes a request (a
-    :data:`dmoe.wire.zerocopy.Message`) and returns the answer read in place (views of the received bytes);
-    ``future()`` runs the call on ``threads`` (:mod:`dmoe.wire.call_threads`).
+    :data:`dmoe.wire.zerocopy.Message`) and returns the answer read in place (views of the received bytes).
     :class:`~dmoe.wire.shared_memory.SharedMemoryCalls` has the same four, through shared memory."""
 
-    forward: ThreadedCall
-    backward: ThreadedCall
-    forward_batch: ThreadedCall
-    backward_batch: ThreadedCall
+    forward: grpc.UnaryUnaryMultiCallable
+    backward: grpc.UnaryUnaryMultiCallable
+    forward_batch: grpc.UnaryUnaryMultiCallable
+    backward_batch: grpc.UnaryUnaryMultiCallable
 
     @classmethod
-    def on(cls, channel: grpc.Channel, threads: CallThreads) -> "TensorCalls":
-        def call(method: str) -> ThreadedCall:
-            return ThreadedCall(channel.unary_unary(
-                f"/dmoe.ExpertService/{method}", request_serializer=Message.join,
-                response_deserializer=ANSWER_PARSERS[method], _registered_method=True), threads)
+    def on(cls, channel: grpc.Channel) -> "TensorCalls":
+        def call(method: str) -> grpc.UnaryUnaryMultiCallable:
+            return channel.unary_unary(f"/dmoe.ExpertService/{method}", request_serializer=Message.join,
+                                       response_deserializer=ANSWER_PARSERS[method], _registered_method=True)
         return cls(call("forward"), call("backward"), call("forward_batch"), call("backward_batch"))
 
 
@@ -90,7 +87,6 @@ class ChannelPool:
         self.max_message_bytes = max_message_bytes
         self.shared_memory, self.shared_memory_min_bytes = shared_memory and AVAILABLE, shared_memory_min_bytes
         self.segments = SegmentPool()
-        self.threads = CallThreads()  # the tensor calls' futures run on these (dmoe.wire.call_threads)
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
 
@@ -107,9 +103,8 @@ class ChannelPool:
             entry = self._entries.get(endpoint)
             if entry is None:
                 channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes))
-                calls = TensorCalls.on(channel, self.threads)
-                shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, self.threads,
-                                            self.shared_memory_min_bytes)
+                calls = TensorCalls.on(channel)
+                shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, self.shared_memory_min_bytes)
                           if self.shared_memory and is_local_endpoint(endpoint) else None)
                 entry = self._entries[endpoint] = _Entry(channel, dmoe_pb2_grpc.ExpertServiceStub(channel), calls,
                                                          shared)
@@ -130,8 +125,7 @@ class ChannelPool:
             channels = [entry.channel for entry in self._entries.values()]
             self._entries.clear()
         for channel in channels:
-            channel.close()  # ends the calls in flight, and so frees the call threads that wait on them
-        self.threads.close()
+            channel.close()
         self.segments.close()
 
     def __enter__(self) -> "ChannelPool":

@@ -43,7 +43,6 @@ import grpc
 
 from dmoe.endpoints import is_loopback_ip
 from dmoe.wire import dmoe_pb2
-from dmoe.wire.call_threads import CallThreads, ThreadedCall
 from dmoe.wire.zerocopy import ANSWER_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -319,11 +318,11 @@ class SharedMemoryCalls:
     the plain way: ``plain``, a ``TensorCalls``)."""
 
     def __init__(self, channel: grpc.Channel, endpoint: str, plain: Any, segments: SegmentPool,
-                 threads: CallThreads, min_bytes: int = MIN_BYTES):
+                 min_bytes: int = MIN_BYTES):
         self.endpoint, self.segments, self.enabled, self.min_bytes = endpoint, segments, True, min_bytes
-        self.call_shared = ThreadedCall(channel.unary_unary(
+        self.call_shared = channel.unary_unary(
             "/dmoe.ExpertService/call_shared", request_serializer=dmoe_pb2.SharedMemoryCall.SerializeToString,
-            response_deserializer=dmoe_pb2.SharedMemoryAnswer.FromString, _registered_method=True), threads)
+            response_deserializer=dmoe_pb2.SharedMemoryAnswer.FromString, _registered_method=True)
         self.forward, self.backward, self.forward_batch, self.backward_batch = (
             SharedMethod(self, method, ANSWER_PARSERS[method], getattr(plain, method)) for method in METHODS)
 
