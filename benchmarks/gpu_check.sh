@@ -136,7 +136,7 @@ plan_next() {  # what the GPU has not measured yet, most wanted first: shared me
         --inflight 1
 }
 
-plan_after() {  # after the client's calls moved to kept threads: the layer with 4 and 8 server processes, where
+plan_after() {  # run 2 of 2026-11-27: the layer with 4 and 8 server processes, where
                # its step goes (server and client stages), the bf16 tables, the CUDA tests, the 1-process layer
     local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
     local throughput="python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 0.6 --rounds 1 \
