@@ -197,3 +197,12 @@ def test_private_channel_pool_is_used_and_closable(server):
         x = torch.randn(2, HIDDEN)
         out = RemoteExpert("ffn.0", server, channels=channels)(x)
         torch.testing.assert_close(out, local_copy("ffn.0")(x).detach())
+
+
+def test_float16_compression_of_inputs_beyond_its_range_is_answered_not_refused_as_non_finite(server):
+    """float16 cast finite inputs above 65504 to inf, and the server (which refuses non-finite inputs) failed the
+    call; the values now saturate, and the expert answers as for inputs at 65504."""
+    x = torch.full((3, HIDDEN), 1e5)
+    outputs = forward_future(server, "ffn.8", [x], timeout=30, compression="float16").result()
+    expected = forward_future(server, "ffn.8", [torch.full((3, HIDDEN), 65504.0)], timeout=30).result()
+    torch.testing.assert_close(outputs[0], expected[0], rtol=1e-2, atol=1e-2)

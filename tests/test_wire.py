@@ -83,3 +83,13 @@ def test_encoded_bytes_counts_what_serialize_makes_without_making_it(compression
                    torch.zeros(0, 3), torch.ones(2, dtype=torch.bool)):
         message = serialize(tensor, compression)
         assert encoded_bytes(tensor, compression) == len(message.buffer) + len(message.aux), (tensor.dtype, compression)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_float16_saturates_finite_values_beyond_its_range_and_keeps_inf_and_nan(dtype):
+    x = torch.tensor([1e6, -7e4, 65504.0, float("inf"), float("-inf"), float("nan"), 1.5], dtype=dtype)
+    half = deserialize(serialize(x, FLOAT16))  # back in its dtype: 65504 is 65536 as a bfloat16
+    big = torch.tensor([65504.0, -65504.0, 65504.0], dtype=dtype)
+    assert half[:5].tolist() == [*big.tolist(), float("inf"), float("-inf")]
+    assert half[5].isnan() and half[6].item() == 1.5
+    assert deserialize(serialize(x[:3], FLOAT16)).float().isfinite().all()

@@ -29,7 +29,7 @@ import torch
 
 from dmoe.averaging.matchmaking import Group, Member
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
-from dmoe.wire.codec import FLOAT16, NONE, InvalidTensor, TensorTooLarge, deserialize, serialize
+from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, serialize
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,6 @@ DTYPE = torch.float32
 DTYPE_NAME = "float32"
 #: weights above this are refused: a sum of weights must stay finite and exact enough to divide by
 MAX_WEIGHT = 1e12
-#: the largest finite float16: what ``compression='float16'`` saturates larger magnitudes to
-FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 
 class Refused(Exception):
@@ -88,18 +86,11 @@ def bad_values(values: torch.Tensor, max_abs_value: float) -> str | None:
 
 
 def encode_piece(values: torch.Tensor, compression: int, out: dmoe_pb2.Tensor) -> dmoe_pb2.Tensor:
-    """Serializes a piece of a part into ``out``. float16 saturates finite values beyond its range to +-65504:
-    cast as they are, they would arrive as inf and the receiver would refuse them (and ban the sender) as garbage,
-    though they passed ``max_abs_value``; the lossy compression was opted into. NaN and inf stay what they are, and
-    are refused as before."""
-    if compression == FLOAT16 and values.numel() and _beyond_float16(values):
-        values = torch.where(values.isinf(), values, values.clamp(-FLOAT16_MAX, FLOAT16_MAX))
+    """Serializes a piece of a part into ``out``. float16 saturates finite values beyond its range to +-65504 (the
+    codec's :data:`~dmoe.wire.codec.FLOAT16_MAX`): cast as they are, they would arrive as inf and the receiver would
+    refuse them (and ban the sender) as garbage, though they passed ``max_abs_value``. NaN and inf stay what they
+    are, and are refused as before."""
     return serialize(values, compression, out=out)
-
-
-def _beyond_float16(values: torch.Tensor) -> bool:
-    array = values.numpy()  # numpy's min and max: no copy, no torch thread team on the loop (see bad_values)
-    return bool(float(array.min()) < -FLOAT16_MAX or float(array.max()) > FLOAT16_MAX)
 
 
 def bad_total(contributors: Sequence[int], total_weight: float, me: int, weight: float) -> str | None:

@@ -83,6 +83,28 @@ def _memory(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+#: the largest finite float16: what float16 compression saturates larger finite magnitudes to
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def _to_float16(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as float16, with finite values beyond its range saturated to +-65504 instead of cast to inf: as inf
+    they would arrive as garbage (a server with ``--reject-nonfinite`` refuses the request, an averaging peer bans
+    the sender) though they were finite when sent; the lossy compression was opted into. NaN and inf stay as they
+    are. Costs one pass over the float16 copy, and a second cast only when something overflowed."""
+    half = tensor.detach().to(torch.float16)
+    if half.device.type == "cpu":  # numpy's pass: no torch thread team (an averaging peer encodes on its loop)
+        overflowed = bool(np.isinf(half.numpy()).any()) if half.numel() else False
+    else:
+        overflowed = bool(half.isinf().any())
+    if overflowed:
+        source = tensor.detach()
+        if source.dtype == torch.bfloat16:  # 65504 is not a bfloat16 (it rounds to 65536, an inf in float16)
+            source = source.float()
+        half = torch.where(source.isinf(), source, source.clamp(-FLOAT16_MAX, FLOAT16_MAX)).to(torch.float16)
+    return half
+
+
 def pack(tensor: torch.Tensor, compression: int = NONE) -> OutgoingTensor:
     """What is sent of ``tensor`` (any device), not yet copied into bytes; compression applies to floating-point
     tensors only."""
@@ -90,7 +112,7 @@ def pack(tensor: torch.Tensor, compression: int = NONE) -> OutgoingTensor:
     if not tensor.is_floating_point() or tensor.numel() == 0:
         compression = NONE
     if compression == FLOAT16 and tensor.dtype != torch.float16:
-        return OutgoingTensor(_memory(tensor.to(torch.float16)), tuple(tensor.shape), name, FLOAT16)
+        return OutgoingTensor(_memory(_to_float16(tensor)), tuple(tensor.shape), name, FLOAT16)
     if compression == UINT8:
         buffer, aux = _quantize_uint8(tensor)
         return OutgoingTensor(buffer, tuple(tensor.shape), name, UINT8, aux)
