@@ -105,6 +105,27 @@ def test_a_node_refuses_new_records_past_max_records_but_refreshes_old_ones():
     assert storage.store(b"x" * 20, 1, "a:1", 150.0)
 
 
+def test_a_node_refuses_new_entries_past_max_entries_across_records_and_expired_ones_make_room():
+    now = [100.0]
+    storage = RecordStorage(max_entries=5, clock=lambda: now[0])
+    for i in range(5):  # 5 entries over 3 records
+        assert storage.store(bytes([i % 3]) * 20, i, "a:1", 110.0 + i)
+    assert storage.entries == 5
+    with pytest.raises(RecordFull, match="max_entries"):
+        storage.store(bytes([0]) * 20, 99, "a:1", 150.0)  # a new subkey of a held record
+    with pytest.raises(RecordFull, match="max_entries"):
+        storage.store(b"x" * 20, 1, "a:1", 150.0)  # a new record
+    assert storage.store(bytes([1]) * 20, 1, "a:2", 150.0)  # refreshing a held entry adds none
+    assert storage.entries == 5
+    now[0] = 112.5  # the entries expiring at 110 and 112 are gone (111 was refreshed to 150)
+    assert storage.store(b"x" * 20, 1, "a:1", 150.0)
+    assert storage.entries == 4
+    assert storage.store(bytes([0]) * 20, 99, "a:1", 150.0)
+    assert storage.entries == 5 and len(storage) == 3  # the record at 2 lost its only entry
+    with pytest.raises(RecordFull, match="max_entries"):
+        storage.store(b"y" * 20, 1, "a:1", 150.0)
+
+
 def test_clients_side_with_the_owner_most_replicas_hold_not_the_latest_expiration():
     honest = {5: ALICE.entry(KEY, 5, "a:1", 150.0), "2": ALICE.entry(KEY, "2", "a:1", 150.0)}
     lying = {5: MALLORY.entry(KEY, 5, "evil:1", 900.0), "2": MALLORY.entry(KEY, "2", "m:1", 900.0)}

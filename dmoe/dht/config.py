@@ -27,6 +27,10 @@ class DHTConfig:
         and signature, this is what keeps a 256-subkey record's reply within one datagram.
     max_records: most records (keys) a node stores; stores of new keys beyond it are refused, so a flood of stores
         cannot exhaust a node's memory.
+    max_entries: most entries (subkeys) of all its records together a node stores; stores of new ones beyond it are
+        refused. Records times subkeys alone let a flood fill ~7 GiB; 2**19 entries of at most 96 bytes of value
+        and 96 of key and signature are about 250 MB of Python objects, and a swarm's directory needs about one
+        entry per expert (shared out over the nodes).
     hedge_after: a lookup query unanswered for this long no longer holds the lookup up: the next closest node is
         asked too, and the lookup may finish without the slow one (its answer is still used if it comes in time).
     dead_node_ttl: a node that failed to answer is skipped by lookups for this long (unless it contacts us first),
@@ -58,6 +62,7 @@ class DHTConfig:
     max_record_subkeys: int = 256
     max_value_bytes: int = 96
     max_records: int = 1 << 16
+    max_entries: int = 1 << 19
     routing_refresh_period: float = 600.0
     call_timeout: float = 60.0
     client_mode: bool = False

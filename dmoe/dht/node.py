@@ -70,7 +70,8 @@ class DHTNode(Server):
         super().__init__(ksize=self.config.ksize, alpha=self.config.alpha, node_id=node_id)
         self.identity = identity or Identity()  # signs what this node stores
         self.storage: RecordStorage = RecordStorage(self.config.max_record_subkeys, self.config.max_expiration,
-                                                    max_records=self.config.max_records)
+                                                    max_records=self.config.max_records,
+                                                    max_entries=self.config.max_entries)
         self.protocol: DHTProtocol | None = None
 
     def _create_protocol(self) -> DHTProtocol:

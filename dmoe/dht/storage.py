@@ -36,7 +36,7 @@ Record = dict[Subkey, Entry]
 
 class RecordFull(ValueError):
     """A store would grow a record past ``max_record_subkeys`` (its replies would no longer fit in a datagram),
-    or the node past ``max_records``."""
+    or the node past ``max_records`` or ``max_entries``."""
 
 
 class NotOwner(ValueError):
@@ -116,12 +116,16 @@ class RecordStorage(IStorage):
     """A node's local records, keyed by the 20-byte key digest."""
 
     def __init__(self, max_subkeys: int = 256, max_expiration: float = 3600.0,
-                 clock: Callable[[], float] = time.time, max_records: int = 1 << 16):
+                 clock: Callable[[], float] = time.time, max_records: int = 1 << 16, max_entries: int = 1 << 19):
         self.max_subkeys = max_subkeys
         self.max_expiration = max_expiration
         self.max_records = max_records
+        #: entries of all records together: records times subkeys alone allowed 16.7M (~7 GiB of Python objects)
+        self.max_entries = max_entries
         self.clock = clock
         self.data: dict[bytes, Record] = {}
+        self.entries = 0  # held now, expired ones included until they are dropped
+        self._last_purge = float("-inf")
         #: per key, a number that changes whenever its live entries do (stored, replaced or expired), so that
         #: what is derived from a record (its encoded reply) can be reused until then
         self.versions: dict[bytes, int] = {}
@@ -150,11 +154,18 @@ class RecordStorage(IStorage):
         if record is None:
             if len(self.data) >= self.max_records and not self._purge():
                 raise RecordFull(f"this node already holds {len(self.data)} records (max_records)")
-            record = self.data[key] = {}
-        if subkey not in record and len(record) >= self.max_subkeys:
-            raise RecordFull(f"record {key.hex()} already holds {len(record)} subkeys (max_record_subkeys)")
+        if record is None or subkey not in record:
+            if self.entries >= self.max_entries and not self._purge():
+                raise RecordFull(f"this node already holds {self.entries} entries (max_entries)")
+            if record is not None and len(record) >= self.max_subkeys:
+                raise RecordFull(f"record {key.hex()} already holds {len(record)} subkeys (max_record_subkeys)")
+            record = self._live(key) if record is not None else None  # a purge may have dropped it
+            if record is None:
+                record = self.data[key] = {}
         before = record.get(subkey)
         stored = merge_entry(record, subkey, Entry(value, expiration, owner, signature))
+        if before is None and subkey in record:
+            self.entries += 1
         if record.get(subkey) is not before:
             self._changed(key)
             self._soonest[key] = min(expiration, self._soonest.get(key, expiration))
@@ -170,10 +181,14 @@ class RecordStorage(IStorage):
         return entry if entry is not None and entry.expiration > self.clock() else None
 
     def _purge(self) -> bool:
-        """Drops expired records; True if that made room."""
-        for key in list(self.data):
-            self._live(key)
-        return len(self.data) < self.max_records
+        """Drops expired entries and records; True if that made room for a new record and a new entry. At most one
+        scan a second: a flood of stores into a full node must not buy a scan of every record each."""
+        now = self.clock()
+        if not self._last_purge <= now < self._last_purge + 1.0:
+            self._last_purge = now
+            for key in list(self.data):
+                self._live(key)
+        return len(self.data) < self.max_records and self.entries < self.max_entries
 
     def _live(self, key: bytes) -> Record | None:
         record = self.data.get(key)
@@ -185,6 +200,7 @@ class RecordStorage(IStorage):
         expired = [s for s, entry in record.items() if entry.expiration <= now]
         for subkey in expired:
             del record[subkey]
+        self.entries -= len(expired)
         if expired:
             self._changed(key)
         if not record:
