@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -74,6 +75,7 @@ class MixtureBase(nn.Module):
         self.proj = nn.Linear(in_features, sum(self.grid))
         self.stats = MoEStats()
         self._coords_cache: dict[str, tuple[int, ...]] = {}
+        self._last_codes: tuple | None = None  # (chosen, n_rows, codes, uids) of the last routing
         self.reroute_attempts = 0  # in-process experts never fail
         #: set to ``StageClock(CLIENT_STAGES)`` to time each forward's (and its calls' backward's) stages; None: no
         #: timing at all. On a GPU each stage then waits for the device (:class:`dmoe.timing.Laps`).
@@ -139,18 +141,35 @@ class MixtureBase(nn.Module):
         to ``to_device`` (see :data:`CLIENT_STAGES`)."""
         raise NotImplementedError
 
+    def _expert_codes(self, chosen: list[list[str]], n_rows: int) -> tuple[np.ndarray, list[str]]:
+        """Per row and slot, the index of its expert among ``uids`` (-1 where a row has fewer than ``k_best``), and
+        the chosen uids in order of first appearance. One pass of Python over the (row, slot) pairs; what is built
+        from them is numpy's (a trainer's layer routes thousands of tokens per step)."""
+        last = self._last_codes
+        if last is not None and last[0] is chosen and last[1] == n_rows:  # the plan after the coordinates
+            return last[2], last[3]
+        k = self.k_best
+        index: dict[str, int] = {}
+        code = index.setdefault
+        if all(len(uids) == k for uids in chosen):  # the usual case: every row got its k experts
+            codes = np.fromiter((code(uid, len(index)) for uids in chosen for uid in uids), dtype=np.int64,
+                                count=n_rows * k).reshape(n_rows, k)
+        else:
+            codes = np.full((n_rows, k), -1, dtype=np.int64)
+            for row, uids in enumerate(chosen):
+                uids = uids[:k]
+                codes[row, :len(uids)] = [code(uid, len(index)) for uid in uids]
+        self._last_codes = (chosen, n_rows, codes, list(index))
+        return codes, self._last_codes[3]
+
     def _coords_tensor(self, chosen: list[list[str]], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Grid coordinates [n, k, ndim] of the chosen experts, and which slots hold one (rows may get < k)."""
-        pad = (0,) * len(self.grid)
-        coords, valid = [], []
-        for uids in chosen:
-            uids = uids[: self.k_best]
-            row = [self._coords_of(uid) for uid in uids]
-            coords.append(row + [pad] * (self.k_best - len(row)))
-            valid.append([True] * len(row) + [False] * (self.k_best - len(row)))
-        shape = (n_rows, self.k_best, len(self.grid))
-        return (torch.tensor(coords, dtype=torch.long).reshape(shape),
-                torch.tensor(valid, dtype=torch.bool).reshape(shape[:2]))
+        """Grid coordinates [n, k, ndim] of the chosen experts (0 in empty slots), and which slots hold one (rows
+        may get < k)."""
+        codes, uids = self._expert_codes(chosen, n_rows)
+        table = np.zeros((len(uids) + 1, len(self.grid)), dtype=np.int64)  # the last row: empty slots' (-1) zeros
+        for i, uid in enumerate(uids):
+            table[i] = self._coords_of(uid)
+        return torch.from_numpy(table[codes]), torch.from_numpy(codes >= 0)
 
     def _coords_of(self, uid: str) -> tuple[int, ...]:
         coords = self._coords_cache.get(uid)

@@ -229,15 +229,15 @@ class RemoteMixtureOfExperts(MixtureBase):
         return chosen
 
     def _plan(self, chosen: list[list[str]]) -> list[PlannedCall]:
-        """Groups (row, slot) pairs by expert: one request per expert carries all of its rows."""
-        groups: dict[str, tuple[list[int], list[int]]] = {}
-        for row, uids in enumerate(chosen):
-            for slot, uid in enumerate(uids[: self.k_best]):
-                rows, slots = groups.setdefault(uid, ([], []))
-                rows.append(row)
-                slots.append(slot)
-        return [PlannedCall(uid, self._endpoints[uid], np.array(rows, dtype=np.int64), np.array(slots, dtype=np.int64))
-                for uid, (rows, slots) in groups.items()]
+        """Groups (row, slot) pairs by expert: one request per expert carries all of its rows (in row order); the
+        experts in order of first appearance."""
+        codes, uids = self._expert_codes(chosen, len(chosen))
+        flat = codes.reshape(-1)
+        held = np.flatnonzero(flat >= 0)  # row * k + slot of every pair, ascending
+        order = held[np.argsort(flat[held], kind="stable")]
+        groups = np.split(order, np.cumsum(np.bincount(flat[held], minlength=len(uids)))[:-1])
+        return [PlannedCall(uid, self._endpoints[uid], group // self.k_best, group % self.k_best)
+                for uid, group in zip(uids, groups)]
 
     def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]],
                      laps: Laps | NoLaps = NO_LAPS) -> tuple[torch.Tensor, torch.Tensor]:
