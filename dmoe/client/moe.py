@@ -221,12 +221,10 @@ class RemoteMixtureOfExperts(MixtureBase):
         # (no predicate while nothing is banned: beam search would call it for every candidate expert)
         found = beam_search(self.dht, self.layer, [s.float().cpu() for s in grid_scores], self.k_best,
                             exclude=self._is_excluded if len(self.bans) else None, cache=self._cache)
-        chosen = []
+        remember = self._endpoints.update  # (uid, endpoint) pairs, a row at a time in C: thousands of rows a step
         for row in found:
-            for uid, endpoint in row:
-                self._endpoints[uid] = endpoint
-            chosen.append([uid for uid, _ in row])
-        return chosen
+            remember(row)
+        return [[uid for uid, _ in row] for row in found]
 
     def _plan(self, chosen: list[list[str]]) -> list[PlannedCall]:
         """Groups (row, slot) pairs by expert: one request per expert carries all of its rows (in row order); the
