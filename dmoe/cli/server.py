@@ -379,6 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     check_checkpoint_layout(args, parser)
     if args.processes > 1:
         sys.exit(serve_in_processes(args, parser, uids))
+    count = len(uids) if uids is not None else args.num_experts * len(args.layer)
+    if resolve_device(args.device).type == "cuda" and count >= 4:
+        logger.info("one process serves these %d experts on the GPU: --processes 4 carried about twice the rows on an "
+                    "H100 (benchmarks/README.md, \"On a GPU\")", count)
     serve(args, parser, uids)
 
 
