@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dmoe.dht import DHT, Identity
+from dmoe.directory import declare_experts
 from dmoe.replicas import ReplicaChannels, ReplicaStore, newest_replica, restore_newest, sign, take
 from dmoe.replicas.adoption import MAX_FETCHES, Adopter
 from dmoe.replicas.records import SIGNER_HEX, Holder, replicas_key, server_subkey
@@ -154,3 +155,39 @@ def test_fetches_stop_after_the_few_best_announced_holders_but_quick_refusals_do
     assert found.snapshot.updates == 8
     assert all(holding.fetches == 1 for holding in empty)
     assert sum(holding.fetches for holding in swarm.holdings.values()) == len(empty) + MAX_FETCHES
+
+
+def test_an_adopter_that_restarts_while_it_owns_the_cell_takes_its_own_newer_replicas_not_the_old_owners(swarm,
+                                                                                                        tmp_path):
+    """B adopted UID from A's replica (3 updates), trained it and pushed replicas signed by itself (8 updates) to
+    another holder, then restarted: its store still holds A's replica, and the directory still names B. It used to
+    accept only A's signature (the held replica's) and rolled UID back to 3 updates."""
+    a, b = Identity(), Identity()
+    backend = expert_server().backends[UID]
+    train(backend, 3)
+    a_replica = sign(take(backend), a)
+    train(backend, 5)
+    b_replica = sign(take(backend), b)
+    store = ReplicaStore(tmp_path, MAX_BYTES)
+    store.put(a_replica)
+    holder = swarm.holder(b_replica, 8, b)
+    swarm.holder(a_replica, 3, a)
+    node = swarm.node(identity=b)
+    channels = ReplicaChannels()
+    with expert_server("ffn0.0.0") as server:
+        assert declare_experts(node, [UID], "127.0.0.1:9", 10) == [True]  # B's claim, still alive
+        adopter = Adopter(server, node, store, ["ffn0"], check_period=1.0, stagger=1.0, channels=channels,
+                          max_bytes=MAX_BYTES, expiration=30.0)
+        try:
+            assert adopter.adopt([UID]) == [UID]
+            assert server.backends[UID].updates == 8 and holder.fetches == 1
+        finally:
+            channels.close()
+    # a server that does not own the cell still takes only the held replica's signer
+    channels = ReplicaChannels()
+    try:
+        found = newest_replica(swarm.node(), UID, expert_server().backends[UID], channels, max_bytes=MAX_BYTES,
+                               store=store)
+    finally:
+        channels.close()
+    assert found.signed.header.signer == a.public_key and found.snapshot.updates == 3

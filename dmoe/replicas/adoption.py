@@ -107,29 +107,35 @@ class Verified(NamedTuple):
         return self.signed.header.updates
 
 
-def expected_signer(own: dmoe_pb2.ReplicaHeader | None, announced: Sequence[Holder]) -> str | None:
-    """The signer a replica of the expert must have: the key that signed the replica held here, or else the key
-    most holders name (one lying holder cannot make this server adopt a snapshot of its own making)."""
+def expected_signers(own: dmoe_pb2.ReplicaHeader | None, announced: Sequence[Holder],
+                     mine: bytes | None = None) -> set[str]:
+    """The signers a replica of the expert may have (key prefixes): the key that signed the replica held here, or
+    else the key most holders name (one lying holder cannot make this server adopt a snapshot of its own making);
+    and ``mine``, this server's key, when the directory names this server the expert's owner (it served the
+    expert, adopted, and pushed replicas signed by itself, then restarted: its own replicas are the newest)."""
+    signers = set()
     if own is not None:
-        return own.signer.hex()[:SIGNER_HEX]
-    if announced:
-        return Counter(holder.signer for holder in announced).most_common(1)[0][0]
-    return None
+        signers.add(own.signer.hex()[:SIGNER_HEX])
+    elif announced:
+        signers.add(Counter(holder.signer for holder in announced).most_common(1)[0][0])
+    if mine is not None:
+        signers.add(mine.hex()[:SIGNER_HEX])
+    return signers
 
 
-def check_replica(signed: SignedSnapshot, signer: str, template: ExpertBackend) -> Verified:
+def check_replica(signed: SignedSnapshot, signers: set[str], template: ExpertBackend) -> Verified:
     """``signed`` opened and checked against ``template``; raises SnapshotRefused (or ValueError) if it is of no
     use. The signature itself was checked when the header arrived (:func:`fetch_snapshot`, the store's push)."""
-    if not signed.header.signer.hex().startswith(signer):
-        raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
-                              f"signed by {signed.header.signer.hex()[:SIGNER_HEX]}, not {signer}")
+    if signed.header.signer.hex()[:SIGNER_HEX] not in signers:
+        raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner", f"signed by "
+                              f"{signed.header.signer.hex()[:SIGNER_HEX]}, not {' or '.join(sorted(signers))}")
     snapshot = open_body(signed)
     return Verified(signed, snapshot, check_state(snapshot, template))
 
 
 def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: ReplicaChannels, *, max_bytes: int,
                    store: ReplicaStore | None = None, announced: list[Holder] | None = None, timeout: float = 60.0,
-                   max_fetches: int = MAX_FETCHES) -> Verified | None:
+                   max_fetches: int = MAX_FETCHES, owned: bool = False) -> Verified | None:
     """The replica of ``uid`` whose signed header counts the most updates among those that verify, as (signed,
     snapshot, checked state), or None.
 
@@ -138,17 +144,19 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
     the best verified so far: ranked by them, a holder announcing a huge count and serving an old snapshot of the
     owner would roll the expert back. The replica held here is always looked at (it costs no fetch), so one with
     fewer updates is taken only when the held one is unusable. At most ``max_fetches`` replicas are fetched
-    (failures faster than :data:`QUICK_FAILURE` not counted): each may cost a whole replica's bytes.
+    (failures faster than :data:`QUICK_FAILURE` not counted): each may cost a whole replica's bytes. ``owned``: the
+    directory names this server's key the owner of ``uid`` now, so replicas this server signed count too (see
+    :func:`expected_signers`).
     """
     own = store.header(uid) if store is not None else None
     if announced is None:
         announced = read_holders(dht, [uid])[uid]
     me = dht.identity.public_key
     announced = [holder for holder in announced if holder.holder != me]
-    signer = expected_signer(own, announced)
-    if signer is None:
+    signers = expected_signers(own, announced, me if owned else None)
+    if not signers:
         return None
-    candidates: list[Holder | None] = [h for h in announced if h.signer == signer]
+    candidates: list[Holder | None] = [h for h in announced if h.signer in signers]
     if own is not None:
         candidates.insert(0, None)  # None: this server's own replica, looked at first of those as new (no fetch)
     candidates.sort(key=lambda h: -(own.updates if h is None else h.updates))
@@ -159,7 +167,7 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
             break  # (sorted: nobody after it announced more either)
         if holder is not None and fetches >= max_fetches:
             continue  # looking on for the replica held here, which costs no fetch
-        found, cost = _try(uid, holder, signer, template, channels, store, max_bytes, timeout)
+        found, cost = _try(uid, holder, signers, template, channels, store, max_bytes, timeout)
         fetches += cost
         if found is not None and (best is None or found.updates > best.updates):
             best = found
@@ -169,7 +177,7 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
     return best
 
 
-def _try(uid: str, holder: Holder | None, signer: str, template: ExpertBackend, channels: ReplicaChannels,
+def _try(uid: str, holder: Holder | None, signers: set[str], template: ExpertBackend, channels: ReplicaChannels,
          store: ReplicaStore | None, max_bytes: int, timeout: float) -> tuple[Verified | None, int]:
     """(the replica of ``uid`` that ``holder`` holds, verified, or None; 1 if the look counts as a fetch, else 0).
     ``holder`` None: this server's own replica, which costs no fetch."""
@@ -177,13 +185,13 @@ def _try(uid: str, holder: Holder | None, signer: str, template: ExpertBackend, 
     try:
         if holder is None:
             signed = store.get(uid)
-            return (check_replica(signed, signer, template) if signed is not None else None), 0
+            return (check_replica(signed, signers, template) if signed is not None else None), 0
         signed = fetch_snapshot(channels.stub(holder.endpoint), holder.endpoint, uid, max_bytes=max_bytes,
                                 timeout=timeout)
         if signed.header.updates < holder.updates:
             logger.warning("%s announced a replica of %s with %d updates but holds one with %d", holder.endpoint,
                            uid, holder.updates, signed.header.updates)
-        return check_replica(signed, signer, template), 1
+        return check_replica(signed, signers, template), 1
     except (ReplicaError, SnapshotRefused, OSError, ValueError) as error:
         where = "this server's own" if holder is None else f"{holder.endpoint}'s"
         logger.warning("%s replica of %s is of no use: %s", where, uid, error)
@@ -199,10 +207,11 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
     noted once the server owns the uid. Experts left fresh with no replica anywhere are logged as lost training."""
     loaded, fresh = {}, []
     announced = read_holders(dht, uids)
+    owned = owned_here(dht, uids)
     for uid in uids:
         backend = server.backends[uid]
         found = newest_replica(dht, uid, backend, channels, max_bytes=max_bytes, store=store,
-                               announced=announced[uid])
+                               announced=announced[uid], owned=uid in owned)
         if found is None:
             if backend.updates == 0:
                 fresh.append(uid)
@@ -219,6 +228,17 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
         if metrics is not None:
             metrics.started_fresh.inc(len(fresh))
     return loaded
+
+
+def owned_here(dht: DHT, uids: Sequence[str]) -> set[str]:
+    """Those of ``uids`` whose directory entry this node's key owns (none, where the DHT did not answer)."""
+    try:
+        entries = directory_entries(dht, list(uids))
+    except Exception as error:  # noqa: BLE001 - only widens whose replicas count
+        logger.warning("could not read the directory entries of %d experts: %s", len(uids), error)
+        return set()
+    me = dht.identity.public_key
+    return {uid for uid, entry in entries.items() if entry is not None and entry.owner == me}
 
 
 def note_adoptions(dht: DHT, adoptions: Sequence[Adoption]) -> None:
@@ -350,7 +370,8 @@ class Adopter:
         for uid in uids:
             backend = self.server.backend_factory(uid)
             found = newest_replica(self.dht, uid, backend, self.channels, max_bytes=self.max_bytes, store=self.store,
-                                   announced=announced[uid])
+                                   announced=announced[uid],
+                                   owned=entries[uid] is not None and entries[uid].owner == me)
             if found is None:
                 logger.warning("no usable replica of %s: not adopting it", uid)
                 continue
