@@ -159,3 +159,25 @@ def test_a_node_refuses_unsigned_forged_and_other_owner_stores_with_reasons():
     assert results[0] is True
     assert "signature" in results[1] and "signature" in results[2]
     assert "owned by" in results[3]
+
+
+def test_an_entry_arriving_expired_or_too_far_ahead_is_dropped_and_logged_once_a_minute_per_host(caplog):
+    """A writer whose clock is behind by more than an entry's lifetime (or ahead by more than max_expiration)
+    has its stores dropped without an error it sees; the node names the likely cause, without flooding its log."""
+    async def scenario() -> list:
+        protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig(max_expiration=3600.0))
+        node_id, now = b"s" * 20, time.time()
+        behind = {1: ALICE.entry(KEY, 1, "a:1", now - 120), 2: ALICE.entry(KEY, 2, "a:1", now - 300)}
+        ahead = {3: ALICE.entry(KEY, 3, "a:1", now + 3600 + 900)}
+        fine = {4: ALICE.entry(KEY, 4, "a:1", now + 60), 5: ALICE.entry(KEY, 5, "a:1", now - 1)}
+        return [*protocol.rpc_store(("10.0.0.1", 1), node_id, KEY, record_to_wire(behind)),
+                *protocol.rpc_store(("10.0.0.2", 1), node_id, KEY, record_to_wire(ahead)),
+                *protocol.rpc_store(("10.0.0.3", 1), node_id, KEY, record_to_wire(fine))]
+
+    with caplog.at_level("WARNING", logger="dmoe.dht.protocol"):
+        results = asyncio.run(scenario())
+    assert results == [False, False, False, True, False]
+    warnings = [r.getMessage() for r in caplog.records if "clock" in r.getMessage()]
+    assert len(warnings) == 2, warnings  # one per skewed host; a second of the same host's, and 1 s late, are not
+    assert "10.0.0.1" in warnings[0] and "already expired by 120 s" in warnings[0]
+    assert "10.0.0.2" in warnings[1] and "beyond max_expiration by 900 s" in warnings[1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable, NamedTuple
 
 from kademlia.node import Node
@@ -30,6 +31,11 @@ logger = logging.getLogger(__name__)
 MAX_KEYS_PER_REQUEST = 128
 #: The node id in the requests of a client-mode node: the receiver does not take it as a contact.
 CLIENT_ID = b""
+
+
+#: seconds beyond which an entry arriving expired (or expiring beyond ``max_expiration``) is logged as a likely
+#: clock skew between writer and node; below it, a store can simply have been slow (or written at the edge)
+CLOCK_SKEW_WARNING = 10.0
 
 
 class ValueAsk(NamedTuple):
@@ -58,6 +64,7 @@ class DHTProtocol(UDPTransport):
         self.replies = ReplyParser(self.verifier, config.max_value_bytes)  # what this node is sent
         self.encoded = EncodedReplies()  # what this node sends
         self._value_batches: dict[tuple[str, int], list[ValueAsk]] = {}
+        self._skew_warned: dict[str, float] = {}  # sender host -> when its clock was last suspected (monotonic)
 
     # ---- asking -------------------------------------------------------------------------------------------
     async def call_ping(self, node_to_ask: Node) -> tuple[bool, Any]:
@@ -217,6 +224,7 @@ class DHTProtocol(UDPTransport):
                 logger.warning("refusing unsigned or forged entry %s of %s from %s", subkey, key.hex()[:16], sender)
                 results.append("refused: unsigned or bad signature")
                 continue
+            self._check_clock(sender, entry.expiration)
             try:
                 results.append(self.storage.store(key, subkey, *entry))
             except RecordFull as error:
@@ -226,6 +234,26 @@ class DHTProtocol(UDPTransport):
                 logger.warning("refusing store from %s: %s", sender, error)
                 results.append(f"refused: {error}")
         return results
+
+    def _check_clock(self, sender: tuple[str, int], expiration: float) -> None:
+        """Warns (once a minute per host) when a signed entry arrives expired, or expiring further ahead than
+        ``max_expiration`` allows, by more than :data:`CLOCK_SKEW_WARNING` seconds: the store is dropped either
+        way, silently for the writer, and the usual cause is a clock off on one of the two machines."""
+        now = time.time()
+        off = (now - expiration if expiration <= now
+               else expiration - (now + self.config.max_expiration) if expiration > now + self.config.max_expiration
+               else 0.0)
+        if off <= CLOCK_SKEW_WARNING:
+            return
+        host, last = sender[0], self._skew_warned.get(sender[0])
+        if last is not None and time.monotonic() - last < 60.0:
+            return
+        if len(self._skew_warned) >= 1024:
+            self._skew_warned.clear()
+        self._skew_warned[host] = time.monotonic()
+        logger.warning("%s stored an entry %s by %.0f s, which this node drops: is one of the two machines' clocks "
+                       "off? Records expire by wall-clock time (keep clocks synchronised, e.g. with NTP)", host,
+                       "already expired" if expiration <= now else "expiring beyond max_expiration", off)
 
     def rpc_find_node(self, sender: tuple[str, int], nodeid: Any, key: Any) -> list[tuple[bytes, str, int]]:
         key = check_id(key, "key")
