@@ -181,3 +181,15 @@ def test_an_entry_arriving_expired_or_too_far_ahead_is_dropped_and_logged_once_a
     assert len(warnings) == 2, warnings  # one per skewed host; a second of the same host's, and 1 s late, are not
     assert "10.0.0.1" in warnings[0] and "already expired by 120 s" in warnings[0]
     assert "10.0.0.2" in warnings[1] and "beyond max_expiration by 900 s" in warnings[1]
+
+
+def test_a_purge_that_frees_an_entry_lets_a_new_subkey_in_even_while_the_records_are_at_their_cap():
+    now = [1000.0]
+    storage = RecordStorage(max_records=2, max_entries=3, clock=lambda: now[0])
+    a, b = b"A" * 20, b"B" * 20
+    assert storage.store(a, "x", "v", 1050.0) and storage.store(a, "y", "v", 1500.0)
+    assert storage.store(b, "x", "v", 1500.0)
+    now[0] = 1100.0  # a.x expired: room for one entry, none for a record
+    assert storage.store(b, "new", "v", 1500.0) and storage.entries == 3
+    with pytest.raises(RecordFull, match="max_records"):
+        storage.store(b"C" * 20, "x", "v", 1500.0)

@@ -1,4 +1,6 @@
 """Gating maths of the DMoE layer: structured scores, renormalisation over survivors, gradients into the gate."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -183,3 +185,20 @@ def test_the_remote_layers_row_copies_move_every_float_dtype_bit_for_bit(dtype):
     _bits(out)[rows, np.array([1, 0, 1])] = _bits(x[rows])
     assert torch.equal(out[4, 1], x[4]) and torch.equal(out[0, 0], x[0]) and torch.equal(out[2, 1], x[2])
     assert int((out != 0).any(-1).sum()) == 3  # nothing else was written
+
+
+def test_the_in_process_layer_charges_its_experts_compute_to_wait_when_given_a_stage_clock():
+    from dmoe.client.gating import CLIENT_STAGES
+    from dmoe.timing import StageClock
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(0.05)
+            return x
+
+    layer = LocalMixtureOfExperts(4, (2, 2), "ffn0", k_best=2, expert_factory=lambda uid: Slow())
+    layer.stage_clock = StageClock(CLIENT_STAGES)
+    layer(torch.randn(3, 4))
+    seconds = {stage: total for stage, (total, _) in layer.stage_clock.snapshot().items()}
+    assert seconds["wait"] >= 0.05 * 2  # at least two experts were called, one after the other
+    assert seconds["reroute"] < 0.05 and seconds["combine"] < 0.05

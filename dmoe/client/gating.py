@@ -23,7 +23,8 @@ from dmoe.uid import join_uid, split_uid
 #: the gate's scores, the search for experts, grouping rows per expert, the rows' copy to host memory, building and
 #: sending the calls, waiting for answers, gathering them per row, the copy back to the inputs' device, rerouting
 #: rows that lost all their experts, the weighted mix; then the same for the backward's calls. What they leave out
-#: of a training step is autograd's own work (the mix's and the gate's backward) and the caller's.
+#: of a training step is autograd's own work (the mix's and the gate's backward) and the caller's. The in-process
+#: layer times gate, search, plan, wait (its experts' compute), gather and combine.
 CLIENT_STAGES = ("gate", "search", "plan", "to_host", "send", "wait", "gather", "to_device", "reroute", "combine",
                  "bwd_to_host", "bwd_send", "bwd_wait", "bwd_sum", "bwd_to_device")
 
@@ -159,8 +160,9 @@ class MixtureBase(nn.Module):
             for row, uids in enumerate(chosen):
                 uids = uids[:k]
                 codes[row, :len(uids)] = [code(uid, len(index)) for uid in uids]
-        self._last_codes = (chosen, n_rows, codes, list(index))
-        return codes, self._last_codes[3]
+        uids = list(index)
+        self._last_codes = (chosen, n_rows, codes, uids)  # (read back by this thread: another may replace it)
+        return codes, uids
 
     def _coords_tensor(self, chosen: list[list[str]], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Grid coordinates [n, k, ndim] of the chosen experts (0 in empty slots), and which slots hold one (rows
@@ -243,6 +245,7 @@ class LocalMixtureOfExperts(MixtureBase):
                 rows.append(row)
                 slots.append(slot)
         alive = torch.zeros(flat.shape[0], self.k_best, dtype=torch.bool)
+        laps.lap("plan")
         if not groups:  # an empty batch: no expert is called, but the output still has the experts' width
             width = self.experts[self.uids[0].replace(".", "_")](flat).shape[-1]
             return flat.new_zeros(0, self.k_best, width), alive
@@ -254,8 +257,10 @@ class LocalMixtureOfExperts(MixtureBase):
             all_slots.append(torch.tensor(slots))
         rows_t, slots_t = torch.cat(all_rows), torch.cat(all_slots)
         alive[rows_t, slots_t] = True
+        laps.lap("wait")  # in process, "waiting for the experts" is their compute
         # one differentiable scatter of every expert's rows (not one full copy of the buffer per expert)
         out = flat.new_zeros(flat.shape[0], self.k_best, outputs[0].shape[-1]).index_put((rows_t, slots_t),
                                                                                        torch.cat(outputs))
         self.stats.experts_chosen += len(groups)
+        laps.lap("gather")
         return out, alive

@@ -152,11 +152,15 @@ class RecordStorage(IStorage):
             return False
         record = self._live(key)
         if record is None:
-            if len(self.data) >= self.max_records and not self._purge():
-                raise RecordFull(f"this node already holds {len(self.data)} records (max_records)")
+            if len(self.data) >= self.max_records:
+                self._purge()
+                if len(self.data) >= self.max_records:
+                    raise RecordFull(f"this node already holds {len(self.data)} records (max_records)")
         if record is None or subkey not in record:
-            if self.entries >= self.max_entries and not self._purge():
-                raise RecordFull(f"this node already holds {self.entries} entries (max_entries)")
+            if self.entries >= self.max_entries:
+                self._purge()
+                if self.entries >= self.max_entries:
+                    raise RecordFull(f"this node already holds {self.entries} entries (max_entries)")
             if record is not None and len(record) >= self.max_subkeys:
                 raise RecordFull(f"record {key.hex()} already holds {len(record)} subkeys (max_record_subkeys)")
             record = self._live(key) if record is not None else None  # a purge may have dropped it
@@ -180,15 +184,14 @@ class RecordStorage(IStorage):
         entry = self.data.get(key, {}).get(subkey)
         return entry if entry is not None and entry.expiration > self.clock() else None
 
-    def _purge(self) -> bool:
-        """Drops expired entries and records; True if that made room for a new record and a new entry. At most one
-        scan a second: a flood of stores into a full node must not buy a scan of every record each."""
+    def _purge(self) -> None:
+        """Drops expired entries and records, at most once a second: a flood of stores into a full node must not
+        buy a scan of every record each."""
         now = self.clock()
         if not self._last_purge <= now < self._last_purge + 1.0:
             self._last_purge = now
             for key in list(self.data):
                 self._live(key)
-        return len(self.data) < self.max_records and self.entries < self.max_entries
 
     def _live(self, key: bytes) -> Record | None:
         record = self.data.get(key)

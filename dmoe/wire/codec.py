@@ -94,7 +94,8 @@ def _to_float16(tensor: torch.Tensor) -> torch.Tensor:
     are. Costs one pass over the float16 copy, and a second cast only when something overflowed."""
     half = tensor.detach().to(torch.float16)
     if half.device.type == "cpu":  # numpy's pass: no torch thread team (an averaging peer encodes on its loop)
-        overflowed = bool(np.isinf(half.numpy()).any()) if half.numel() else False
+        # +-inf by their bits (exponent all ones, mantissa zero): numpy's float16 isinf is ~15x slower than the cast
+        overflowed = bool(((half.reshape(-1).view(torch.int16).numpy() & 0x7FFF) == 0x7C00).any())
     else:
         overflowed = bool(half.isinf().any())
     if overflowed:
