@@ -153,9 +153,15 @@ def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
 
 
 def test_layer_benchmark_quick_writes_sane_csv(tmp_path):
-    stdout = run_benchmark("bench_layer.py", "--quick", "--rounds", "2", "--profile", "--results", str(tmp_path))
+    stdout = run_benchmark("bench_layer.py", "--quick", "--rounds", "2", "--profile", "--client-profile", "--results",
+                           str(tmp_path))
     assert "speed vs in-proc" in stdout
     assert "server stages at batch 8" in stdout and "server stages at batch 32" in stdout
+    # the client's stages: every timed step sent calls and waited for them (3 steps x 2 rounds)
+    client = re.search(r"client stages at batch 32 \(6 remote steps; .*?\n(.*?)\n(?:client|wrote|server)", stdout, re.S)
+    assert client, stdout
+    counts = {line.split()[0]: int(line.split()[2]) for line in client.group(1).splitlines()[1:]}
+    assert counts["send"] == counts["wait"] == counts["bwd_send"] == counts["bwd_wait"] == 6, counts
     cache = re.search(r"activation cache over the run: (\d+) hits, \d+ misses, 0 evicted, 0 released for a batch out "
                       r"of memory; at most [\d.]+ MiB on cpu", stdout)
     assert cache and int(cache.group(1)) > 0, stdout  # backwards used their forwards' kept graphs
@@ -197,10 +203,12 @@ def test_grpc_echo_benchmark_times_a_round_trip_and_a_copy(tmp_path):
 
 
 def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):
-    run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "1", "--results", str(tmp_path))
+    run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "1", "--clients", "2", "--inflight", "1",
+                  "--results", str(tmp_path))
     (path,) = tmp_path.glob("throughput_smoke_cpu_*.csv")
     rows = {r["mode"]: r for r in read_csv(path)}
     assert set(rows) == {"fwd", "fwd+bwd", "fwd+bwd cached"}
+    assert all((r["clients"], r["inflight"]) == ("2", "1") for r in rows.values())  # the flags replaced the preset's
     for mode, r in rows.items():
         batch = int(r["batch"])
         assert float(r["remote_samples_per_s"]) > 0 and float(r["limit_samples_per_s"]) > 0
