@@ -151,8 +151,9 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
                         if line.strip() and "resumed from" not in line:
                             bar.write(f"[trainer {i}] {line.rstrip()}")
                 view = observer.state()
-                if view.top_step > bar.n:
-                    bar.update(view.top_step - bar.n)
+                step = min(view.top_step, bar.total)  # a progress record may claim any step: the bar stays in range
+                if step > bar.n:
+                    bar.update(step - bar.n)
                 eta = view.eta
                 bar.set_postfix({"trainers": view.num_trainers,
                                  "batch": f"{view.samples_accumulated}/{target}",
