@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -61,7 +61,7 @@ from dmoe.server.backend import make_optimizer
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.server.metrics import read_metrics
 from dmoe.client.gating import CLIENT_STAGES
-from dmoe.server.profile import STAGES, format_stages, read_all_stages, stage_difference
+from dmoe.server.profile import format_stages, read_all_stages, stage_difference
 from dmoe.timing import StageClock
 from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
@@ -266,28 +266,45 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
-class ClientStages:
-    """The remote layer's own stages (``stage_clock``), one difference per round of each batch size's timed steps."""
+class StageRounds:
+    """A stage clock read before and after each batch size's timed steps (warm-up left out), one difference per
+    round; :meth:`summed` adds a batch size's rounds up."""
 
-    def __init__(self, layer: RemoteMixtureOfExperts, steps: int):
-        self.clock = layer.stage_clock = StageClock(CLIENT_STAGES)
+    def __init__(self, steps: int):
         self.steps = steps
         self.rounds: dict[int, list[dict]] = {}
         self._start: dict | None = None
 
+    def read(self) -> dict:
+        raise NotImplementedError
+
     def start(self) -> None:
-        self._start = self.clock.snapshot()
+        self._start = self.read()
 
     def stop(self, batch: int) -> None:
         assert self._start is not None, "start() comes first"
-        self.rounds.setdefault(batch, []).append(stage_difference(self.clock.snapshot(), self._start))
+        self.rounds.setdefault(batch, []).append(stage_difference(self.read(), self._start))
+
+    def summed(self) -> Iterator[tuple[int, dict, int]]:
+        """Per batch size: (batch, every stage's seconds and events over its rounds, the remote steps timed)."""
+        for batch, rounds in self.rounds.items():
+            yield batch, {stage: (sum(r[stage][0] for r in rounds), sum(r[stage][1] for r in rounds))
+                          for stage in rounds[0]}, self.steps * len(rounds)
+
+
+class ClientStages(StageRounds):
+    """The remote layer's own stages (``stage_clock``)."""
+
+    def __init__(self, layer: RemoteMixtureOfExperts, steps: int):
+        super().__init__(steps)
+        self.clock = layer.stage_clock = StageClock(CLIENT_STAGES)
+
+    def read(self) -> dict:
+        return self.clock.snapshot()
 
     def report(self, remote_seconds: dict[int, float]) -> None:
-        """Per batch size: each stage in ms per remote step, and what the step spent outside them."""
-        for batch, rounds in self.rounds.items():
-            snapshot = {stage: (sum(r[stage][0] for r in rounds), sum(r[stage][1] for r in rounds))
-                        for stage in CLIENT_STAGES}
-            steps = self.steps * len(rounds)
+        """Per batch size: each stage in ms per remote step, and the client's own share of them."""
+        for batch, snapshot, steps in self.summed():
             staged_ms = 1e3 * sum(total for total, _ in snapshot.values()) / steps
             waits_ms = 1e3 * (snapshot["wait"][0] + snapshot["bwd_wait"][0]) / steps
             print(f"client stages at batch {batch} ({steps} remote steps; remote step {1e3 * remote_seconds[batch]:.2f}"
@@ -297,33 +314,27 @@ class ClientStages:
             print(format_stages(snapshot, per=steps))
 
 
-class ServerStages:
-    """The profiled server's stage times, scraped from its metrics before and after each batch size's timed steps
-    (warm-up left out), one difference per round."""
+class ServerStages(StageRounds):
+    """The profiled server's stage times, scraped from its metrics (of all its processes)."""
 
     def __init__(self, swarm: LocalSwarm, steps: int):
-        self.endpoints, self.steps = announced(swarm.servers[0].output, "metrics on"), steps
-        self.summed = len(self.endpoints) > 1
-        self.rounds: dict[int, list[dict]] = {}
-        self._start: dict | None = None
+        super().__init__(steps)
+        self.endpoints = announced(swarm.servers[0].output, "metrics on")
         self.cache: dict = {}
 
-    def start(self) -> None:
-        self._start = read_all_stages(self.endpoints)
+    def read(self) -> dict:
+        return read_all_stages(self.endpoints)
 
     def stop(self, batch: int) -> None:
-        assert self._start is not None, "start() comes first"
-        self.rounds.setdefault(batch, []).append(stage_difference(read_all_stages(self.endpoints), self._start))
+        super().stop(batch)
         self.cache = self.activation_cache()  # its counts so far (report() comes after the server stopped)
 
     def report(self, remote_seconds: dict[int, float]) -> None:
         """Per batch size: each stage in ms per remote step, and what the step spent outside the handlers."""
-        for batch, rounds in self.rounds.items():
-            snapshot = {stage: (sum(r[stage][0] for r in rounds), sum(r[stage][1] for r in rounds)) for stage in STAGES}
-            steps = self.steps * len(rounds)
+        for batch, snapshot, steps in self.summed():
             call_ms = 1e3 * snapshot["call"][0] / steps
             step_ms = 1e3 * remote_seconds[batch]
-            if self.summed:  # the processes' handlers run side by side: their sum may exceed the step
+            if len(self.endpoints) > 1:  # the processes' handlers run side by side: their sum may exceed the step
                 where = f"{call_ms:.2f} ms in the handlers of the server's {len(self.endpoints)} processes, summed"
             else:
                 where = (f"{call_ms:.2f} ms in the server's handlers, {step_ms - call_ms:.2f} ms outside them: client "

@@ -297,6 +297,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
     count = len(uids) if uids is not None else args.num_experts * len(args.layer)
     if args.processes > count:
         parser.error(f"argument --processes: {args.processes} processes need at least as many experts, got {count}")
+    if device.type == "cuda" and args.processes == 1 and count >= 4:
+        logger.info("one process serves these %d experts on the GPU: --processes 4 carried about twice the rows on an "
+                    "H100 (benchmarks/README.md, \"On a GPU\")", count)
     return uids
 
 
@@ -379,10 +382,6 @@ def main(argv: list[str] | None = None) -> None:
     check_checkpoint_layout(args, parser)
     if args.processes > 1:
         sys.exit(serve_in_processes(args, parser, uids))
-    count = len(uids) if uids is not None else args.num_experts * len(args.layer)
-    if resolve_device(args.device).type == "cuda" and count >= 4:
-        logger.info("one process serves these %d experts on the GPU: --processes 4 carried about twice the rows on an "
-                    "H100 (benchmarks/README.md, \"On a GPU\")", count)
     serve(args, parser, uids)
 
 

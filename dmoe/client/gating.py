@@ -76,7 +76,6 @@ class MixtureBase(nn.Module):
         self.proj = nn.Linear(in_features, sum(self.grid))
         self.stats = MoEStats()
         self._coords_cache: dict[str, tuple[int, ...]] = {}
-        self._last_codes: tuple | None = None  # (chosen, n_rows, codes, uids) of the last routing
         self.reroute_attempts = 0  # in-process experts never fail
         #: set to ``StageClock(CLIENT_STAGES)`` to time each forward's (and its calls' backward's) stages; None: no
         #: timing at all. On a GPU each stage then waits for the device (:class:`dmoe.timing.Laps`).
@@ -146,9 +145,6 @@ class MixtureBase(nn.Module):
         """Per row and slot, the index of its expert among ``uids`` (-1 where a row has fewer than ``k_best``), and
         the chosen uids in order of first appearance. One pass of Python over the (row, slot) pairs; what is built
         from them is numpy's (a trainer's layer routes thousands of tokens per step)."""
-        last = self._last_codes
-        if last is not None and last[0] is chosen and last[1] == n_rows:  # the plan after the coordinates
-            return last[2], last[3]
         k = self.k_best
         index: dict[str, int] = {}
         code = index.setdefault
@@ -160,9 +156,7 @@ class MixtureBase(nn.Module):
             for row, uids in enumerate(chosen):
                 uids = uids[:k]
                 codes[row, :len(uids)] = [code(uid, len(index)) for uid in uids]
-        uids = list(index)
-        self._last_codes = (chosen, n_rows, codes, uids)  # (read back by this thread: another may replace it)
-        return codes, uids
+        return codes, list(index)
 
     def _coords_tensor(self, chosen: list[list[str]], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Grid coordinates [n, k, ndim] of the chosen experts (0 in empty slots), and which slots hold one (rows

@@ -27,18 +27,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
-from dmoe.timing import Laps, Snapshot, format_stages, stage_difference
+from dmoe.timing import Snapshot, format_stages, stage_difference
 from dmoe.timing import StageClock as _StageClock
 
-__all__ = ["STAGES", "StageClock", "BatchTimer", "Snapshot", "format_stages", "stage_difference", "scrape_stages",
+__all__ = ["STAGES", "StageClock", "Snapshot", "format_stages", "stage_difference", "scrape_stages",
            "read_stages", "read_all_stages"]
 
 STAGES = ("call", "decode", "queue", "batch", "to_device", "compute", "to_host", "encode")
-
-#: the laps of one batch's stages on one worker thread
-BatchTimer = Laps
 
 
 class StageClock(_StageClock):
@@ -46,10 +41,6 @@ class StageClock(_StageClock):
 
     def __init__(self) -> None:
         super().__init__(STAGES)
-
-    def batch_timer(self, device: torch.device) -> BatchTimer:
-        """A timer for one batch's stages on ``device`` (one per batch, used by one worker thread)."""
-        return self.laps(device)
 
 
 def scrape_stages(metrics_text: str) -> Snapshot:

@@ -260,7 +260,7 @@ class Runtime:
                 logger.exception("batch observer failed")
 
     def _compute(self, pool: TaskPool, batch: Sequence[Task], transfers: Transfers) -> list[torch.Tensor]:
-        timer = self.stages.batch_timer(self.device) if self.stages is not None else None
+        timer = self.stages.laps(self.device) if self.stages is not None else None
         inputs = transfers.inputs([task.inputs for task in batch], timer)
         autocast = (torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.autocast])
                     if self.autocast else contextlib.nullcontext())

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from dmoe.server.profile import BatchTimer
+from dmoe.timing import Laps
 
 
 class Transfers:
@@ -33,7 +33,7 @@ class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def inputs(self, requests: Sequence[Sequence[torch.Tensor]], timer: BatchTimer | None = None) -> list[torch.Tensor]:
+    def inputs(self, requests: Sequence[Sequence[torch.Tensor]], timer: Laps | None = None) -> list[torch.Tensor]:
         """The i-th tensors of all ``requests`` joined along their first (batch) dimension, on the device.
         ``timer``: charges the join to ``batch`` and the copies to ``to_device`` (``dmoe-server --profile``)."""
         joined = [join([request[i] for request in requests], self.device) for i in range(len(requests[0]))]
@@ -57,7 +57,7 @@ class CudaTransfers(Transfers):
         self.copy_stream = torch.cuda.Stream(device)
         self.done = torch.cuda.Event()
 
-    def inputs(self, requests: Sequence[Sequence[torch.Tensor]], timer: BatchTimer | None = None) -> list[torch.Tensor]:
+    def inputs(self, requests: Sequence[Sequence[torch.Tensor]], timer: Laps | None = None) -> list[torch.Tensor]:
         compute = torch.cuda.current_stream(self.device)
         parts = [[request[i] for request in requests] for i in range(len(requests[0]))]
         on_host = [all(part.device.type == "cpu" for part in group) for group in parts]
