@@ -26,6 +26,8 @@ computing different experts at once) where the baselines use them inside each op
     python benchmarks/bench_layer.py --profile       # and where the server's time goes (dmoe-server --profile)
     python benchmarks/bench_layer.py --no-shared-memory   # every byte through gRPC (on one host the payload
                                                           # otherwise goes through shared memory)
+    python benchmarks/bench_layer.py --no-hold-calls   # no hold call kept open per channel (gRPC then starts a
+                                                       # thread to poll a channel for nearly every call)
 
 ``--profile`` starts the server with ``--profile`` and prints, per batch size, the milliseconds per step that each
 stage of the server's path took (dmoe/server/profile.py), summed over the step's calls, requests and batches, and
@@ -101,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="the layer's calls pass their payload through memory shared with the server (the "
                              "default on one host); --no-shared-memory: every byte through gRPC's transport")
+    parser.add_argument("--hold-calls", action=argparse.BooleanOptionalAction, default=True,
+                        help="the client keeps a hold call open per channel (the default; dmoe.wire.channels.HeldCall)")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print where its time goes per step")
     parser.add_argument("--client-profile", action="store_true",
@@ -186,7 +190,7 @@ def main(argv=None) -> list[dict]:
                                             "--processes", str(args.server_processes),
                                             *(("--profile", "--metrics-port", "0") if args.profile else ())))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht, \
-            ChannelPool(shared_memory=args.shared_memory) as channels:
+            ChannelPool(shared_memory=args.shared_memory, hold_calls=args.hold_calls) as channels:
         swarm.wait_declared()
         remote = RemoteMixtureOfExperts(args.hidden, args.grid, "ffn0", dht, k_best=args.k, forward_timeout=60,
                                         backward_timeout=60, timeout_after_k_min=60, k_min=args.k,
@@ -234,6 +238,7 @@ def main(argv=None) -> list[dict]:
     suffix += "_overlap_copies" if args.overlap_copies and device.type != "cpu" else ""
     suffix += "" if args.compression == "none" else f"_{args.compression}"
     suffix += "" if args.shared_memory else "_grpc_only"
+    suffix += "" if args.hold_calls else "_no_hold_calls"
     suffix += "" if args.server_processes == 1 else f"_{args.server_processes}_processes"
     out = args.results / f"bench_layer{suffix}.csv"
     with out.open("w", newline="") as f:
@@ -251,7 +256,8 @@ def main(argv=None) -> list[dict]:
           f"), device {args.device}, autocast {args.autocast or 'off'}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
           f"{'' if args.compression == 'none' else f', wire compression {args.compression}'}"
-          f", payload through {'shared memory' if args.shared_memory else 'gRPC'}, median of {args.steps} steps, "
+          f", payload through {'shared memory' if args.shared_memory else 'gRPC'}"
+          f"{'' if args.hold_calls else ', no hold calls'}, median of {args.steps} steps, "
           f"{args.rounds} round(s)")
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} {'in-proc+recompute s':>20} {'speed vs in-proc':>17} "
           f"{'(rounds: low-high)':>19} {'vs recompute':>13}")

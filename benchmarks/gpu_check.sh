@@ -11,9 +11,10 @@
 #   benchmarks/gpu_check.sh next       # there too (run 2026-11-27): the layer through shared memory, through
 #                                      # gRPC and with 4 server processes (dmoe-server --processes), its profile, the
 #                                      # CUDA tests, throughput with 1 and with 4 server processes
-#   benchmarks/gpu_check.sh after      # there too, the one to run first: the layer with 4 and 8 server processes, its
-#                                      # server and client stages, the bf16 tables, the CUDA tests, the 1-process
-#                                      # layer, throughput (GPU_BUDGET_S=330 fits it into a 15-minute lease)
+#   benchmarks/gpu_check.sh after      # there too, the one to run first: the layer with 4 server processes with and
+#                                      # without hold calls, with 8, its server and client stages, the bf16
+#                                      # tables, the CUDA tests, the 1-process layer, throughput
+#                                      # (GPU_BUDGET_S=330 fits it into a 15-minute lease)
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
@@ -136,12 +137,14 @@ plan_next() {  # what the GPU has not measured yet, most wanted first: shared me
         --inflight 1
 }
 
-plan_after() {  # run 2 of 2026-11-27: the layer with 4 and 8 server processes, where
-               # its step goes (server and client stages), the bf16 tables, the CUDA tests, the 1-process layer
+plan_after() {  # run 2 of 2026-11-27: the layer with 4 and 8 server processes (since then also without the
+               # client's hold calls, to compare), where its step goes (server and client stages), the bf16
+               # tables, the CUDA tests, the 1-process layer
     local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
     local throughput="python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 0.6 --rounds 1 \
 --server-processes 4 --activation-cache-mb 2048 --clients 4 --inflight 1"
     step layer.4_processes 60 $layer --server-processes 4
+    step layer.4_processes_no_hold 60 $layer --server-processes 4 --no-hold-calls
     step profile.layer_4_processes 60 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
         --steps 10 --server-processes 4 --profile --client-profile
     step layer_bf16.4_processes 60 $layer --server-processes 4 --autocast bf16

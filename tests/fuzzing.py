@@ -144,7 +144,10 @@ RPCS = ["forward", "backward", "forward", "backward", "info", "forward_batch", "
 
 @st.composite
 def cases(draw, target: Target) -> Case:
-    rpc = draw(st.sampled_from(RPCS + ["forward_stream", "backward_stream"]))
+    rpc = draw(st.sampled_from(RPCS + ["forward_stream", "backward_stream", "hold"]))
+    if rpc == "hold":  # short or malformed: a valid hold of 60 s would only outlast the deadline
+        seconds = draw(st.sampled_from([-1.0, -0.0, 0.0, 0.01, float("nan"), float("inf"), float("-inf")]))
+        return Case(rpc, dmoe_pb2.Hold(seconds=seconds).SerializeToString(), "structured")
     kind = draw(st.sampled_from(["structured", "structured", "mutated", "random bytes"]))
     if rpc.endswith("_stream"):
         messages = draw(st.lists(structured_request(target), max_size=3))
@@ -236,6 +239,8 @@ def check_outcome(case: Case, code: grpc.StatusCode, details: str, response, tar
             return f"{case.kind} {case.rpc}: answered with a stream that does not decode: {error}"
         if len(decoded) != 1 or list(decoded[0].shape[1:]) != [target.hidden]:
             return f"{case.kind} {case.rpc}: answered with malformed streamed tensors"
+    if code == grpc.StatusCode.OK and case.rpc == "hold" and dmoe_pb2.HoldEnd.FromString(response).stopping:
+        return f"{case.kind} hold: answered that the server is stopping while it serves"
     if code == grpc.StatusCode.OK and case.rpc == "info":
         info = dmoe_pb2.ExpertInfo.FromString(response)
         if info.uid not in target.uids or [list(s.shape) for s in info.inputs] != [[target.hidden]]:

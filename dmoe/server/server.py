@@ -376,8 +376,12 @@ class ExpertServer:
 
     def _stop_grpc(self) -> None:
         assert self._loop is not None and self._grpc_server is not None
-        stop = self._grpc_server.stop(self.config.shutdown_grace)
-        asyncio.run_coroutine_threadsafe(stop, self._loop).result()
+        server, servicer, grace = self._grpc_server, self.servicer, self.config.shutdown_grace
+
+        async def stop() -> None:
+            servicer.release_holds()  # clients' held calls end now; the calls that compute get the grace period
+            await server.stop(grace)
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result()
 
     def _stop_loop(self) -> None:
         assert self._loop is not None and self._loop_thread is not None

@@ -125,6 +125,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         stages: where to add each request's ``decode`` and ``encode`` time (:mod:`dmoe.server.profile`); None: none.
         shared_memory: the clients' segments this server maps for ``call_shared`` (:mod:`dmoe.wire.shared_memory`);
             None: it refuses them, and clients on this host call the plain way.
+        max_holds: ``hold`` calls open at once beyond this are refused (RESOURCE_EXHAUSTED): each is a coroutine
+            and an HTTP/2 stream here, and a client opens one per channel.
+        max_hold_seconds: no ``hold`` call is answered later than this.
     """
 
     def __init__(self, experts: dict[str, HostedExpert], runtime: Runtime, *, max_batch_size: int, device: str,
@@ -132,7 +135,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                  stream_part_bytes: int = STREAM_PART_BYTES, faults: Faults | None = None,
                  reject_nonfinite: bool = True, max_abs_value: float | None = None,
                  max_batch_items: int = MAX_BATCH_ITEMS, stages: StageClock | None = None,
-                 shared_memory: SegmentMaps | None = None):
+                 shared_memory: SegmentMaps | None = None, max_holds: int = 4096,
+                 max_hold_seconds: float = 60.0):
         self.experts, self.runtime = experts, runtime
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
@@ -142,6 +146,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         self.max_batch_items = max_batch_items
         self.stages = stages
         self.shared_memory = shared_memory
+        self.max_holds, self.max_hold_seconds = max_holds, max_hold_seconds
+        self.holds = 0  # hold calls open now
+        self._stopping = asyncio.Event()  # set on the server's loop by release_holds()
 
     def _lookup(self, uid: str) -> HostedExpert:
         expert = self.experts.get(uid)
@@ -164,6 +171,30 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             max_batch_size=self.max_batch_size, device=self.device, hparams_json=backend.hparams_json(),
             forward_calls=backend.forward_calls, backward_calls=backend.backward_calls, updates=backend.updates,
         )
+
+    async def hold(self, request: dmoe_pb2.Hold, context: grpc.aio.ServicerContext) -> dmoe_pb2.HoldEnd:
+        """Answers after ``request.seconds`` (at most :attr:`max_hold_seconds`), or at once when the server begins
+        to stop: a client keeps one such call open per channel, see ``Hold`` in proto/dmoe.proto."""
+        if not 0.0 <= request.seconds < float("inf"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"hold seconds must be finite and >= 0, got {request.seconds}")
+        if self.holds >= self.max_holds:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this server keeps at most {self.max_holds} hold calls open")
+        self.holds += 1
+        try:
+            try:
+                await asyncio.wait_for(self._stopping.wait(), min(request.seconds, self.max_hold_seconds))
+            except asyncio.TimeoutError:
+                pass
+            return dmoe_pb2.HoldEnd(stopping=self._stopping.is_set())
+        finally:
+            self.holds -= 1
+
+    def release_holds(self) -> None:
+        """Answers every open ``hold`` call, and any later one at once (run on the server's event loop, before it
+        stops: gRPC's graceful stop would otherwise wait out its grace period on them)."""
+        self._stopping.set()
 
     async def _call(self, kind: str, uid: str, tensors: Sequence[Any], compression: int,
                     context: grpc.aio.ServicerContext, activation_id: bytes = b"") -> list[OutgoingTensor]:
@@ -383,6 +414,8 @@ def add_to_server(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
     handlers = {
         "info": grpc.unary_unary_rpc_method_handler(servicer.info, request_deserializer=dmoe_pb2.ExpertUID.FromString,
                                                     response_serializer=dmoe_pb2.ExpertInfo.SerializeToString),
+        "hold": grpc.unary_unary_rpc_method_handler(servicer.hold, request_deserializer=dmoe_pb2.Hold.FromString,
+                                                    response_serializer=dmoe_pb2.HoldEnd.SerializeToString),
         "forward": unary(servicer.forward, parse_request, response_bytes),
         "backward": unary(servicer.backward, parse_request, response_bytes),
         "forward_stream": streamed(servicer.forward_stream),

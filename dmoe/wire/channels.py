@@ -1,12 +1,14 @@
 """gRPC options shared by both ends, and a pool of client channels reused per endpoint."""
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import NamedTuple
 
 import grpc
 
-from dmoe.wire import dmoe_pb2_grpc
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.shared_memory import MIN_BYTES as SHARED_MEMORY_MIN_BYTES
 from dmoe.wire.shared_memory import AVAILABLE, SegmentPool, SharedMemoryCalls, is_local_endpoint
 from dmoe.wire.zerocopy import ANSWER_PARSERS, Message
@@ -18,6 +20,8 @@ MAX_BATCH_ITEMS = 1024
 #: Size of one streamed part: well under any limit, big enough that per-message overhead is negligible.
 STREAM_PART_BYTES = 2 * 1024 * 1024
 
+
+logger = logging.getLogger(__name__)
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -61,11 +65,76 @@ class TensorCalls(NamedTuple):
         return cls(call("forward"), call("backward"), call("forward_batch"), call("backward_batch"))
 
 
+class HeldCall:
+    """Keeps one ``hold`` call (proto/dmoe.proto) open on a channel while the channel is in use.
+
+    gRPC's synchronous stack reads a channel's answers on a thread that it starts when the channel's first call
+    begins and that ends with its last one, so a layer whose channels are idle between steps started a thread for
+    nearly every call. With a call held open the thread stays; each hold lasts ``seconds`` and is opened again by
+    the next use after it ended, so a channel left unused gives its thread back. A server that refuses holds (an
+    older one: UNIMPLEMENTED) is not asked again; after any other failure, or a server that is stopping, the next
+    try waits ``retry_seconds``.
+    """
+
+    def __init__(self, channel: grpc.Channel, endpoint: str, seconds: float = 30.0, retry_seconds: float = 5.0):
+        self._method = channel.unary_unary("/dmoe.ExpertService/hold",
+                                           request_serializer=dmoe_pb2.Hold.SerializeToString,
+                                           response_deserializer=dmoe_pb2.HoldEnd.FromString,
+                                           _registered_method=True)
+        self.endpoint, self.seconds, self.retry_seconds = endpoint, seconds, retry_seconds
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+        self.open = False  # read without the lock on every use: a stale value costs one look under it
+        self.supported = True
+        self._retry_at = 0.0
+        self._closed = False
+        #: how the last hold ended: "time" (its seconds passed), "stopping" (the server began to stop) or the
+        #: name of the status it failed with; None while none has
+        self.ended_by: str | None = None
+
+    def ensure(self) -> None:
+        """Opens a hold if none is open and none is due to wait (cheap when one is open)."""
+        if self.open or not self.supported:
+            return
+        with self._lock:
+            if self.open or self._closed or not self.supported or time.monotonic() < self._retry_at:
+                return
+            self.open = True
+            call = self._method.future(dmoe_pb2.Hold(seconds=self.seconds), timeout=self.seconds + 30.0)
+            self._call = call
+        call.add_done_callback(self._ended)
+
+    def _ended(self, call: grpc.Future) -> None:
+        if call.cancelled():
+            return  # closed by the pool
+        try:
+            stopping = call.result().stopping
+            ended_by, pause = ("stopping", self.retry_seconds) if stopping else ("time", 0.0)
+        except grpc.RpcError as error:
+            ended_by, pause = error.code().name, self.retry_seconds
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.supported = False
+                logger.debug("%s does not hold calls: its channel's thread comes and goes", self.endpoint)
+        with self._lock:
+            if self._call is call:
+                self._retry_at = time.monotonic() + pause
+                self.ended_by = ended_by
+                self.open = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+
+
 class _Entry(NamedTuple):
     channel: grpc.Channel
     stub: dmoe_pb2_grpc.ExpertServiceStub
     calls: TensorCalls
     shared: SharedMemoryCalls | None
+    hold: HeldCall | None
 
 
 class ChannelPool:
@@ -77,14 +146,19 @@ class ChannelPool:
     ``shared_memory``: the tensor-carrying calls to a server at a loopback address pass their payload through
     memory shared with it (:mod:`dmoe.wire.shared_memory`), where the platform allows and the server agrees, for
     requests of ``shared_memory_min_bytes`` or more; False: always through gRPC.
+
+    ``hold_calls``: keep a ``hold`` call open on each channel in use (:class:`HeldCall`: gRPC then keeps the
+    channel's polling thread instead of starting one per call), each for ``hold_seconds``.
     """
 
     _default: "ChannelPool | None" = None
     _default_lock = threading.Lock()
 
     def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES, shared_memory: bool = True,
-                 shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES):
+                 shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES, hold_calls: bool = True,
+                 hold_seconds: float = 30.0):
         self.max_message_bytes = max_message_bytes
+        self.hold_calls, self.hold_seconds = hold_calls, hold_seconds
         self.shared_memory, self.shared_memory_min_bytes = shared_memory and AVAILABLE, shared_memory_min_bytes
         self.segments = SegmentPool()
         self._entries: dict[str, _Entry] = {}
@@ -107,8 +181,17 @@ class ChannelPool:
                 shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, self.shared_memory_min_bytes)
                           if self.shared_memory and is_local_endpoint(endpoint) else None)
                 entry = self._entries[endpoint] = _Entry(channel, dmoe_pb2_grpc.ExpertServiceStub(channel), calls,
-                                                         shared)
-            return entry
+                                                         shared, HeldCall(channel, endpoint, self.hold_seconds)
+                                                         if self.hold_calls else None)
+        if entry.hold is not None:
+            entry.hold.ensure()
+        return entry
+
+    def held(self, endpoint: str) -> HeldCall | None:
+        """The hold kept on ``endpoint``'s channel (None: no channel yet, or ``hold_calls`` is off)."""
+        with self._lock:
+            entry = self._entries.get(endpoint)
+        return entry.hold if entry is not None else None
 
     def stub(self, endpoint: str) -> dmoe_pb2_grpc.ExpertServiceStub:
         """The generated stub: every call, with protobuf messages."""
@@ -122,10 +205,12 @@ class ChannelPool:
 
     def close(self) -> None:
         with self._lock:
-            channels = [entry.channel for entry in self._entries.values()]
+            entries = list(self._entries.values())
             self._entries.clear()
-        for channel in channels:
-            channel.close()
+        for entry in entries:
+            if entry.hold is not None:
+                entry.hold.close()
+            entry.channel.close()
         self.segments.close()
 
     def __enter__(self) -> "ChannelPool":

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64moe/wire/dmoe.proto\x12\x04\x64moe\"\x87\x01\n\x06Tensor\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12&\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x11.dmoe.Compression\x12\x0b\n\x03\x61ux\x18\x05 \x01(\x0c\x12\r\n\x05parts\x18\x06 \x01(\r\x12\x0b\n\x03pad\x18\x07 \x01(\x0c\",\n\x0cTensorSchema\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\"\x18\n\tExpertUID\x12\x0b\n\x03uid\x18\x01 \x01(\t\"\xf4\x01\n\nExpertInfo\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nexpert_cls\x18\x02 \x01(\t\x12\"\n\x06inputs\x18\x03 \x03(\x0b\x32\x12.dmoe.TensorSchema\x12#\n\x07outputs\x18\x04 \x03(\x0b\x32\x12.dmoe.TensorSchema\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0chparams_json\x18\x07 \x01(\t\x12\x15\n\rforward_calls\x18\x08 \x01(\x04\x12\x16\n\x0e\x62\x61\x63kward_calls\x18\t \x01(\x04\x12\x0f\n\x07updates\x18\n \x01(\x04\"\x83\x01\n\rExpertRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x1d\n\x07tensors\x18\x02 \x03(\x0b\x32\x0c.dmoe.Tensor\x12/\n\x14response_compression\x18\x03 \x01(\x0e\x32\x11.dmoe.Compression\x12\x15\n\ractivation_id\x18\x04 \x01(\x0c\"/\n\x0e\x45xpertResponse\x12\x1d\n\x07tensors\x18\x01 \x03(\x0b\x32\x0c.dmoe.Tensor\"2\n\x0c\x42\x61tchRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.dmoe.ExpertRequest\"L\n\x0c\x45xpertResult\x12\x1d\n\x07tensors\x18\x01 \x03(\x0b\x32\x0c.dmoe.Tensor\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"4\n\rBatchResponse\x12#\n\x07results\x18\x01 \x03(\x0b\x32\x12.dmoe.ExpertResult\"\xa8\x01\n\x10SharedMemoryCall\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\n\n\x02\x66\x64\x18\x03 \x01(\x05\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\x16\n\x0erequest_offset\x18\x05 \x01(\x04\x12\x16\n\x0erequest_length\x18\x06 \x01(\x04\x12\x15\n\ranswer_offset\x18\x07 \x01(\x04\x12\x17\n\x0f\x61nswer_capacity\x18\x08 \x01(\x04\"S\n\x12SharedMemoryAnswer\x12\x15\n\ranswer_length\x18\x01 \x01(\x04\x12\x15\n\rinline_answer\x18\x02 \x01(\x0c\x12\x0f\n\x07refused\x18\x03 \x01(\t\"_\n\rAveragingPart\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x1c\n\x06values\x18\x04 \x01(\x0b\x32\x0c.dmoe.Tensor\"X\n\x0c\x41veragedPart\x12\x14\n\x0c\x63ontributors\x18\x01 \x03(\r\x12\x14\n\x0ctotal_weight\x18\x02 \x01(\x01\x12\x1c\n\x06values\x18\x03 \x01(\x0b\x32\x0c.dmoe.Tensor\"\x1e\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa3\x01\n\tStatePart\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07lineage\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x16\n\x0eoptimizer_json\x18\x05 \x01(\t\x12\x0f\n\x07tensors\x18\x06 \x01(\r\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x1c\n\x06tensor\x18\x08 \x01(\x0b\x32\x0c.dmoe.Tensor\"9\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x06tensor\x18\x02 \x01(\x0b\x32\x0c.dmoe.Tensor\"\xcc\x01\n\x08Snapshot\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nexpert_cls\x18\x02 \x01(\t\x12\x14\n\x0chparams_json\x18\x03 \x01(\t\x12\x0f\n\x07updates\x18\x04 \x01(\x04\x12\x15\n\rforward_calls\x18\x05 \x01(\x04\x12\x16\n\x0e\x62\x61\x63kward_calls\x18\x06 \x01(\x04\x12\x10\n\x08taken_at\x18\x07 \x01(\x01\x12\x13\n\x0blayout_json\x18\x08 \x01(\t\x12\"\n\x07tensors\x18\t \x03(\x0b\x32\x11.dmoe.NamedTensor\"\x80\x01\n\rReplicaHeader\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x0f\n\x07updates\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\x12\x10\n\x08taken_at\x18\x05 \x01(\x01\x12\x0e\n\x06signer\x18\x06 \x01(\x0c\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"A\n\x0cReplicaChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.dmoe.ReplicaHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1d\n\nReplicaAck\x12\x0f\n\x07updates\x18\x01 \x01(\x04\"\x1b\n\x0cReplicaQuery\x12\x0b\n\x03uid\x18\x01 \x01(\t*/\n\x0b\x43ompression\x12\x08\n\x04NONE\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\t\n\x05UINT8\x10\x02\x32\xe0\x03\n\rExpertService\x12)\n\x04info\x12\x0f.dmoe.ExpertUID\x1a\x10.dmoe.ExpertInfo\x12\x34\n\x07\x66orward\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse\x12\x35\n\x08\x62\x61\x63kward\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse\x12?\n\x0e\x66orward_stream\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse(\x01\x30\x01\x12@\n\x0f\x62\x61\x63kward_stream\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse(\x01\x30\x01\x12\x38\n\rforward_batch\x12\x12.dmoe.BatchRequest\x1a\x13.dmoe.BatchResponse\x12\x39\n\x0e\x62\x61\x63kward_batch\x12\x12.dmoe.BatchRequest\x1a\x13.dmoe.BatchResponse\x12?\n\x0b\x63\x61ll_shared\x12\x16.dmoe.SharedMemoryCall\x1a\x18.dmoe.SharedMemoryAnswer2I\n\x10\x41veragingService\x12\x35\n\x06reduce\x12\x13.dmoe.AveragingPart\x1a\x12.dmoe.AveragedPart(\x01\x30\x01\x32O\n\x14\x43ollaborationService\x12\x37\n\x0e\x64ownload_state\x12\x12.dmoe.StateRequest\x1a\x0f.dmoe.StatePart0\x01\x32s\n\x0eReplicaService\x12.\n\x04push\x12\x12.dmoe.ReplicaChunk\x1a\x10.dmoe.ReplicaAck(\x01\x12\x31\n\x05\x66\x65tch\x12\x12.dmoe.ReplicaQuery\x1a\x12.dmoe.ReplicaChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64moe/wire/dmoe.proto\x12\x04\x64moe\"\x87\x01\n\x06Tensor\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12&\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x11.dmoe.Compression\x12\x0b\n\x03\x61ux\x18\x05 \x01(\x0c\x12\r\n\x05parts\x18\x06 \x01(\r\x12\x0b\n\x03pad\x18\x07 \x01(\x0c\",\n\x0cTensorSchema\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\"\x18\n\tExpertUID\x12\x0b\n\x03uid\x18\x01 \x01(\t\"\xf4\x01\n\nExpertInfo\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nexpert_cls\x18\x02 \x01(\t\x12\"\n\x06inputs\x18\x03 \x03(\x0b\x32\x12.dmoe.TensorSchema\x12#\n\x07outputs\x18\x04 \x03(\x0b\x32\x12.dmoe.TensorSchema\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0chparams_json\x18\x07 \x01(\t\x12\x15\n\rforward_calls\x18\x08 \x01(\x04\x12\x16\n\x0e\x62\x61\x63kward_calls\x18\t \x01(\x04\x12\x0f\n\x07updates\x18\n \x01(\x04\"\x83\x01\n\rExpertRequest\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x1d\n\x07tensors\x18\x02 \x03(\x0b\x32\x0c.dmoe.Tensor\x12/\n\x14response_compression\x18\x03 \x01(\x0e\x32\x11.dmoe.Compression\x12\x15\n\ractivation_id\x18\x04 \x01(\x0c\"/\n\x0e\x45xpertResponse\x12\x1d\n\x07tensors\x18\x01 \x03(\x0b\x32\x0c.dmoe.Tensor\"2\n\x0c\x42\x61tchRequest\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.dmoe.ExpertRequest\"L\n\x0c\x45xpertResult\x12\x1d\n\x07tensors\x18\x01 \x03(\x0b\x32\x0c.dmoe.Tensor\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\"4\n\rBatchResponse\x12#\n\x07results\x18\x01 \x03(\x0b\x32\x12.dmoe.ExpertResult\"\xa8\x01\n\x10SharedMemoryCall\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\n\n\x02\x66\x64\x18\x03 \x01(\x05\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\x16\n\x0erequest_offset\x18\x05 \x01(\x04\x12\x16\n\x0erequest_length\x18\x06 \x01(\x04\x12\x15\n\ranswer_offset\x18\x07 \x01(\x04\x12\x17\n\x0f\x61nswer_capacity\x18\x08 \x01(\x04\"S\n\x12SharedMemoryAnswer\x12\x15\n\ranswer_length\x18\x01 \x01(\x04\x12\x15\n\rinline_answer\x18\x02 \x01(\x0c\x12\x0f\n\x07refused\x18\x03 \x01(\t\"\x17\n\x04Hold\x12\x0f\n\x07seconds\x18\x01 \x01(\x02\"\x1b\n\x07HoldEnd\x12\x10\n\x08stopping\x18\x01 \x01(\x08\"_\n\rAveragingPart\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x1c\n\x06values\x18\x04 \x01(\x0b\x32\x0c.dmoe.Tensor\"X\n\x0c\x41veragedPart\x12\x14\n\x0c\x63ontributors\x18\x01 \x03(\r\x12\x14\n\x0ctotal_weight\x18\x02 \x01(\x01\x12\x1c\n\x06values\x18\x03 \x01(\x0b\x32\x0c.dmoe.Tensor\"\x1e\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa3\x01\n\tStatePart\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0f\n\x07lineage\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x16\n\x0eoptimizer_json\x18\x05 \x01(\t\x12\x0f\n\x07tensors\x18\x06 \x01(\r\x12\x0c\n\x04name\x18\x07 \x01(\t\x12\x1c\n\x06tensor\x18\x08 \x01(\x0b\x32\x0c.dmoe.Tensor\"9\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x06tensor\x18\x02 \x01(\x0b\x32\x0c.dmoe.Tensor\"\xcc\x01\n\x08Snapshot\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x12\n\nexpert_cls\x18\x02 \x01(\t\x12\x14\n\x0chparams_json\x18\x03 \x01(\t\x12\x0f\n\x07updates\x18\x04 \x01(\x04\x12\x15\n\rforward_calls\x18\x05 \x01(\x04\x12\x16\n\x0e\x62\x61\x63kward_calls\x18\x06 \x01(\x04\x12\x10\n\x08taken_at\x18\x07 \x01(\x01\x12\x13\n\x0blayout_json\x18\x08 \x01(\t\x12\"\n\x07tensors\x18\t \x03(\x0b\x32\x11.dmoe.NamedTensor\"\x80\x01\n\rReplicaHeader\x12\x0b\n\x03uid\x18\x01 \x01(\t\x12\x0f\n\x07updates\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\x0c\x12\x10\n\x08taken_at\x18\x05 \x01(\x01\x12\x0e\n\x06signer\x18\x06 \x01(\x0c\x12\x11\n\tsignature\x18\x07 \x01(\x0c\"A\n\x0cReplicaChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.dmoe.ReplicaHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1d\n\nReplicaAck\x12\x0f\n\x07updates\x18\x01 \x01(\x04\"\x1b\n\x0cReplicaQuery\x12\x0b\n\x03uid\x18\x01 \x01(\t*/\n\x0b\x43ompression\x12\x08\n\x04NONE\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x12\t\n\x05UINT8\x10\x02\x32\x83\x04\n\rExpertService\x12)\n\x04info\x12\x0f.dmoe.ExpertUID\x1a\x10.dmoe.ExpertInfo\x12!\n\x04hold\x12\n.dmoe.Hold\x1a\r.dmoe.HoldEnd\x12\x34\n\x07\x66orward\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse\x12\x35\n\x08\x62\x61\x63kward\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse\x12?\n\x0e\x66orward_stream\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse(\x01\x30\x01\x12@\n\x0f\x62\x61\x63kward_stream\x12\x13.dmoe.ExpertRequest\x1a\x14.dmoe.ExpertResponse(\x01\x30\x01\x12\x38\n\rforward_batch\x12\x12.dmoe.BatchRequest\x1a\x13.dmoe.BatchResponse\x12\x39\n\x0e\x62\x61\x63kward_batch\x12\x12.dmoe.BatchRequest\x1a\x13.dmoe.BatchResponse\x12?\n\x0b\x63\x61ll_shared\x12\x16.dmoe.SharedMemoryCall\x1a\x18.dmoe.SharedMemoryAnswer2I\n\x10\x41veragingService\x12\x35\n\x06reduce\x12\x13.dmoe.AveragingPart\x1a\x12.dmoe.AveragedPart(\x01\x30\x01\x32O\n\x14\x43ollaborationService\x12\x37\n\x0e\x64ownload_state\x12\x12.dmoe.StateRequest\x1a\x0f.dmoe.StatePart0\x01\x32s\n\x0eReplicaService\x12.\n\x04push\x12\x12.dmoe.ReplicaChunk\x1a\x10.dmoe.ReplicaAck(\x01\x12\x31\n\x05\x66\x65tch\x12\x12.dmoe.ReplicaQuery\x1a\x12.dmoe.ReplicaChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dmoe.wire.dmoe_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPRESSION']._serialized_start=2019
-  _globals['_COMPRESSION']._serialized_end=2066
+  _globals['_COMPRESSION']._serialized_start=2073
+  _globals['_COMPRESSION']._serialized_end=2120
   _globals['_TENSOR']._serialized_start=31
   _globals['_TENSOR']._serialized_end=166
   _globals['_TENSORSCHEMA']._serialized_start=168
@@ -55,32 +55,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHAREDMEMORYCALL']._serialized_end=1023
   _globals['_SHAREDMEMORYANSWER']._serialized_start=1025
   _globals['_SHAREDMEMORYANSWER']._serialized_end=1108
-  _globals['_AVERAGINGPART']._serialized_start=1110
-  _globals['_AVERAGINGPART']._serialized_end=1205
-  _globals['_AVERAGEDPART']._serialized_start=1207
-  _globals['_AVERAGEDPART']._serialized_end=1295
-  _globals['_STATEREQUEST']._serialized_start=1297
-  _globals['_STATEREQUEST']._serialized_end=1327
-  _globals['_STATEPART']._serialized_start=1330
-  _globals['_STATEPART']._serialized_end=1493
-  _globals['_NAMEDTENSOR']._serialized_start=1495
-  _globals['_NAMEDTENSOR']._serialized_end=1552
-  _globals['_SNAPSHOT']._serialized_start=1555
-  _globals['_SNAPSHOT']._serialized_end=1759
-  _globals['_REPLICAHEADER']._serialized_start=1762
-  _globals['_REPLICAHEADER']._serialized_end=1890
-  _globals['_REPLICACHUNK']._serialized_start=1892
-  _globals['_REPLICACHUNK']._serialized_end=1957
-  _globals['_REPLICAACK']._serialized_start=1959
-  _globals['_REPLICAACK']._serialized_end=1988
-  _globals['_REPLICAQUERY']._serialized_start=1990
-  _globals['_REPLICAQUERY']._serialized_end=2017
-  _globals['_EXPERTSERVICE']._serialized_start=2069
-  _globals['_EXPERTSERVICE']._serialized_end=2549
-  _globals['_AVERAGINGSERVICE']._serialized_start=2551
-  _globals['_AVERAGINGSERVICE']._serialized_end=2624
-  _globals['_COLLABORATIONSERVICE']._serialized_start=2626
-  _globals['_COLLABORATIONSERVICE']._serialized_end=2705
-  _globals['_REPLICASERVICE']._serialized_start=2707
-  _globals['_REPLICASERVICE']._serialized_end=2822
+  _globals['_HOLD']._serialized_start=1110
+  _globals['_HOLD']._serialized_end=1133
+  _globals['_HOLDEND']._serialized_start=1135
+  _globals['_HOLDEND']._serialized_end=1162
+  _globals['_AVERAGINGPART']._serialized_start=1164
+  _globals['_AVERAGINGPART']._serialized_end=1259
+  _globals['_AVERAGEDPART']._serialized_start=1261
+  _globals['_AVERAGEDPART']._serialized_end=1349
+  _globals['_STATEREQUEST']._serialized_start=1351
+  _globals['_STATEREQUEST']._serialized_end=1381
+  _globals['_STATEPART']._serialized_start=1384
+  _globals['_STATEPART']._serialized_end=1547
+  _globals['_NAMEDTENSOR']._serialized_start=1549
+  _globals['_NAMEDTENSOR']._serialized_end=1606
+  _globals['_SNAPSHOT']._serialized_start=1609
+  _globals['_SNAPSHOT']._serialized_end=1813
+  _globals['_REPLICAHEADER']._serialized_start=1816
+  _globals['_REPLICAHEADER']._serialized_end=1944
+  _globals['_REPLICACHUNK']._serialized_start=1946
+  _globals['_REPLICACHUNK']._serialized_end=2011
+  _globals['_REPLICAACK']._serialized_start=2013
+  _globals['_REPLICAACK']._serialized_end=2042
+  _globals['_REPLICAQUERY']._serialized_start=2044
+  _globals['_REPLICAQUERY']._serialized_end=2071
+  _globals['_EXPERTSERVICE']._serialized_start=2123
+  _globals['_EXPERTSERVICE']._serialized_end=2638
+  _globals['_AVERAGINGSERVICE']._serialized_start=2640
+  _globals['_AVERAGINGSERVICE']._serialized_end=2713
+  _globals['_COLLABORATIONSERVICE']._serialized_start=2715
+  _globals['_COLLABORATIONSERVICE']._serialized_end=2794
+  _globals['_REPLICASERVICE']._serialized_start=2796
+  _globals['_REPLICASERVICE']._serialized_end=2911
 # @@protoc_insertion_point(module_scope)

@@ -142,6 +142,18 @@ class SharedMemoryAnswer(_message.Message):
     refused: str
     def __init__(self, answer_length: _Optional[int] = ..., inline_answer: _Optional[bytes] = ..., refused: _Optional[str] = ...) -> None: ...
 
+class Hold(_message.Message):
+    __slots__ = ("seconds",)
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    def __init__(self, seconds: _Optional[float] = ...) -> None: ...
+
+class HoldEnd(_message.Message):
+    __slots__ = ("stopping",)
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    stopping: bool
+    def __init__(self, stopping: _Optional[bool] = ...) -> None: ...
+
 class AveragingPart(_message.Message):
     __slots__ = ("group_id", "sender", "weight", "values")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class ExpertServiceStub:
                 request_serializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertUID.SerializeToString,
                 response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertInfo.FromString,
                 _registered_method=True)
+        self.hold = channel.unary_unary(
+                '/dmoe.ExpertService/hold',
+                request_serializer=dmoe_dot_wire_dot_dmoe__pb2.Hold.SerializeToString,
+                response_deserializer=dmoe_dot_wire_dot_dmoe__pb2.HoldEnd.FromString,
+                _registered_method=True)
         self.forward = channel.unary_unary(
                 '/dmoe.ExpertService/forward',
                 request_serializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertRequest.SerializeToString,
@@ -80,6 +85,12 @@ class ExpertServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def hold(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,6 +148,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.info,
                     request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertUID.FromString,
                     response_serializer=dmoe_dot_wire_dot_dmoe__pb2.ExpertInfo.SerializeToString,
+            ),
+            'hold': grpc.unary_unary_rpc_method_handler(
+                    servicer.hold,
+                    request_deserializer=dmoe_dot_wire_dot_dmoe__pb2.Hold.FromString,
+                    response_serializer=dmoe_dot_wire_dot_dmoe__pb2.HoldEnd.SerializeToString,
             ),
             'forward': grpc.unary_unary_rpc_method_handler(
                     servicer.forward,
@@ -201,6 +217,33 @@ class ExpertService:
             '/dmoe.ExpertService/info',
             dmoe_dot_wire_dot_dmoe__pb2.ExpertUID.SerializeToString,
             dmoe_dot_wire_dot_dmoe__pb2.ExpertInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dmoe.ExpertService/hold',
+            dmoe_dot_wire_dot_dmoe__pb2.Hold.SerializeToString,
+            dmoe_dot_wire_dot_dmoe__pb2.HoldEnd.FromString,
             options,
             channel_credentials,
             insecure,
