@@ -12,9 +12,9 @@
 #                                      # gRPC and with 4 server processes (dmoe-server --processes), its profile, the
 #                                      # CUDA tests, throughput with 1 and with 4 server processes
 #   benchmarks/gpu_check.sh after      # there too, the one to run first: the layer with 4 server processes with and
-#                                      # without hold calls, with 8, its server and client stages, the bf16
-#                                      # tables, the CUDA tests, the 1-process layer, throughput
-#                                      # (GPU_BUDGET_S=330 fits it into a 15-minute lease)
+#                                      # without hold calls, its server and client stages, the CUDA tests, the
+#                                      # bf16 layer, 8 processes, throughput, the 1-process layer (GPU_BUDGET_S=330
+#                                      # fits what it can into a 15-minute lease, skipping the rest)
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
@@ -137,9 +137,9 @@ plan_next() {  # what the GPU has not measured yet, most wanted first: shared me
         --inflight 1
 }
 
-plan_after() {  # run 2 of 2026-11-27: the layer with 4 and 8 server processes (since then also without the
-               # client's hold calls, to compare), where its step goes (server and client stages), the bf16
-               # tables, the CUDA tests, the 1-process layer
+plan_after() {  # run 2 of 2026-11-27, since then also without the client's hold calls (to compare) and in this
+               # order: the layer with 4 server processes, where its step goes (server and client stages), the
+               # CUDA tests, the bf16 layer, 8 processes, throughput, the 1-process layer
     local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
     local throughput="python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 0.6 --rounds 1 \
 --server-processes 4 --activation-cache-mb 2048 --clients 4 --inflight 1"
@@ -147,12 +147,12 @@ plan_after() {  # run 2 of 2026-11-27: the layer with 4 and 8 server processes (
     step layer.4_processes_no_hold 60 $layer --server-processes 4 --no-hold-calls
     step profile.layer_4_processes 60 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
         --steps 10 --server-processes 4 --profile --client-profile
-    step layer_bf16.4_processes 60 $layer --server-processes 4 --autocast bf16
-    step throughput_bf16.4_processes 100 $throughput --autocast bf16
-    step layer.8_processes 60 $layer --server-processes 8
     step cuda_tests 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
-    step layer.1_process 60 $layer
+    step layer_bf16.4_processes 60 $layer --server-processes 4 --autocast bf16
+    step layer.8_processes 60 $layer --server-processes 8
+    step throughput_bf16.4_processes 100 $throughput --autocast bf16
     step throughput.4_processes 100 $throughput
+    step layer.1_process 60 $layer
 }
 
 case "${1:-}" in

@@ -71,8 +71,15 @@ def test_a_hold_that_ran_its_time_is_opened_again_by_the_next_use(server):
         sequential_calls(server, channels, 1)
         hold = channels.held(server)
         wait_until(lambda: hold.ended_by == "time" and not hold.open)
+        assert hold.opened == 1
         sequential_calls(server, channels, 1)
-        assert hold.open
+        assert hold.opened == 2
+
+
+def test_hold_seconds_must_be_positive_and_finite():
+    for seconds in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="hold_seconds"):
+            ChannelPool(hold_seconds=seconds)
 
 
 def test_the_server_refuses_malformed_holds_and_serves_on(server):
@@ -106,8 +113,9 @@ def test_stopping_answers_held_calls_at_once_and_a_full_server_refuses_more():
             started = time.monotonic()
             server.close()
             assert time.monotonic() - started < 15  # not the 30 s grace that open calls would get
-            assert first.held(server.endpoint).ended_by == "stopping"
-            assert second.held(server.endpoint).ended_by == "stopping"
+            for pool in (first, second):  # (the pools hear of it on their channels' threads)
+                wait_until(lambda: pool.held(server.endpoint).ended_by is not None)
+                assert pool.held(server.endpoint).ended_by == "stopping"
     finally:
         server.close()
 

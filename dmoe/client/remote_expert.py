@@ -1,9 +1,10 @@
 """Calling experts on other machines: non-blocking ``forward_future``/``backward_future``, their per-server
 batched forms ``forward_futures``/``backward_futures``, and ``RemoteExpert``.
 
-Calls go through the sync gRPC stack's ``.future()``, so starting one costs a serialisation and no thread (the
-channel pool keeps a call held open on each channel, :class:`~dmoe.wire.channels.HeldCall`, so gRPC keeps the
-channel's polling thread): the gating layer can start all of its calls at once and wait for the first ones. Payloads larger than
+Calls go through the sync gRPC stack's ``.future()``, so starting one costs a serialisation (and, on a channel
+with no other call in flight, a thread to poll it: the channel pool keeps a call held open on each channel in use,
+:class:`~dmoe.wire.channels.HeldCall`, so that the thread stays): the gating layer can start all of its calls at
+once and wait for the first ones. Payloads larger than
 one message are streamed in parts by a short-lived thread that ends with its call.
 """
 from __future__ import annotations

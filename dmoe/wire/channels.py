@@ -81,10 +81,14 @@ class HeldCall:
                                            request_serializer=dmoe_pb2.Hold.SerializeToString,
                                            response_deserializer=dmoe_pb2.HoldEnd.FromString,
                                            _registered_method=True)
+        if not 0 < seconds < float("inf") or not 0 <= retry_seconds < float("inf"):
+            raise ValueError(f"hold seconds must be finite and > 0 (retry seconds >= 0), got {seconds} and "
+                             f"{retry_seconds}")
         self.endpoint, self.seconds, self.retry_seconds = endpoint, seconds, retry_seconds
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
         self.open = False  # read without the lock on every use: a stale value costs one look under it
+        self.opened = 0  # holds opened so far
         self.supported = True
         self._retry_at = 0.0
         self._closed = False
@@ -100,6 +104,7 @@ class HeldCall:
             if self.open or self._closed or not self.supported or time.monotonic() < self._retry_at:
                 return
             self.open = True
+            self.opened += 1
             call = self._method.future(dmoe_pb2.Hold(seconds=self.seconds), timeout=self.seconds + 30.0)
             self._call = call
         call.add_done_callback(self._ended)
@@ -148,7 +153,8 @@ class ChannelPool:
     requests of ``shared_memory_min_bytes`` or more; False: always through gRPC.
 
     ``hold_calls``: keep a ``hold`` call open on each channel in use (:class:`HeldCall`: gRPC then keeps the
-    channel's polling thread instead of starting one per call), each for ``hold_seconds``.
+    channel's polling thread instead of starting one per call), each for ``hold_seconds`` (servers cap it at 60).
+    A pool dropped without ``close()`` keeps its threads and the servers' holds until its holds end.
     """
 
     _default: "ChannelPool | None" = None
@@ -158,6 +164,8 @@ class ChannelPool:
                  shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES, hold_calls: bool = True,
                  hold_seconds: float = 30.0):
         self.max_message_bytes = max_message_bytes
+        if not 0 < hold_seconds < float("inf"):
+            raise ValueError(f"hold_seconds must be finite and > 0, got {hold_seconds}")
         self.hold_calls, self.hold_seconds = hold_calls, hold_seconds
         self.shared_memory, self.shared_memory_min_bytes = shared_memory and AVAILABLE, shared_memory_min_bytes
         self.segments = SegmentPool()
