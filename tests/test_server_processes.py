@@ -141,7 +141,7 @@ def test_a_restart_resumes_each_process_from_its_checkpoint_and_another_count_is
         assert exit_info.value.code == 2
         error = capsys.readouterr().err
         assert "--checkpoint-dir" in error and "start it with --processes 2" in error, error
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["process-0", "process-1", "processes.json"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".lock", "process-0", "process-1", "processes.json"]
 
     with processes() as procs:
         procs.append(proc := Proc(server_args(*flags, "--processes", "2")))

@@ -34,12 +34,12 @@ from dmoe.experts import expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
-from dmoe.server.checkpoints import CheckpointMismatch, CorruptCheckpoint
+from dmoe.server.checkpoints import CheckpointDirectoryInUse, CheckpointMismatch, CorruptCheckpoint, saved_uids
 from dmoe.server.faults import JITTERS, FaultConfig
 from dmoe.server.profile import format_stages
 from dmoe.server.runtime import AUTOCAST_DTYPES
-from dmoe.server.server import resolve_device
-from dmoe.uid import UIDError, expand_pattern, is_valid_prefix
+from dmoe.server.server import PortUnavailable, resolve_device
+from dmoe.uid import UIDError, expand_pattern, grid_uids, is_valid_prefix
 from dmoe.wire import MAX_MESSAGE_BYTES
 from dmoe.wire.codec import COMPRESSIONS
 
@@ -221,6 +221,29 @@ def expert_uids(args: argparse.Namespace, parser: argparse.ArgumentParser) -> li
     return None
 
 
+def saved_cells(directory: str | Path, args: argparse.Namespace, parser: argparse.ArgumentParser,
+                count: int | None = None) -> list[str] | None:
+    """With ``--num-experts``: the uids checkpointed in ``directory`` (None if none are), so that the same command
+    resumes the same experts instead of choosing cells afresh; exits naming the flag if they do not fit ``--layer``
+    and ``--grid``, or (``count``) are not that many."""
+    try:
+        uids = saved_uids(directory)
+    except CorruptCheckpoint as error:
+        parser.error(f"argument --checkpoint-dir: {error}")
+    if uids is None:
+        return None
+    cells = {uid for layer in args.layer for uid in grid_uids(layer, args.grid)}
+    outside = [uid for uid in uids if uid not in cells]
+    if outside:
+        parser.error(f"argument --checkpoint-dir: {directory} holds experts outside --layer {' '.join(args.layer)} "
+                     f"--grid {' '.join(map(str, args.grid))}: {', '.join(outside[:5])}; start with the flags it was "
+                     "written with, or another directory")
+    if count is not None and len(uids) != count:
+        parser.error(f"argument --num-experts: {directory} holds the checkpoints of {len(uids)} experts, not {count}; "
+                     "start with the count it was written with, or another --checkpoint-dir")
+    return uids
+
+
 def fault_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FaultConfig | None:
     """The fault flags as a FaultConfig (None when nothing is injected); argparse errors name the flag."""
     if not args.inject_latency_ms >= 0:
@@ -294,9 +317,19 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         except ValueError as error:
             parser.error(f"argument --initial-peers: {error}")
     replica_config(args, parser)
+    if args.checkpoint_dir is None and args.checkpoint_interval != 60.0:
+        parser.error("argument --checkpoint-interval: needs --checkpoint-dir")
+    if not args.checkpoint_interval < float("inf"):
+        parser.error(f"argument --checkpoint-interval: must be finite, got {args.checkpoint_interval}")
     count = len(uids) if uids is not None else args.num_experts * len(args.layer)
     if args.processes > count:
         parser.error(f"argument --processes: {args.processes} processes need at least as many experts, got {count}")
+    for flag in ("port", "dht_port", "metrics_port"):  # the processes' ports count up from nonzero ones
+        first = getattr(args, flag)
+        last = (first or 0) + args.processes - 1 + (flag == "dht_port" and args.processes > 1)
+        if first and last > 65535:
+            parser.error(f"argument --{flag.replace('_', '-')}: {args.processes} processes count their ports up from "
+                         f"{first} to {last}, beyond 65535")
     if device.type == "cuda" and args.processes == 1 and count >= 4:
         logger.info("one process serves these %d experts on the GPU: --processes 4 carried about twice the rows on an "
                     "H100 (benchmarks/README.md, \"On a GPU\")", count)
@@ -337,6 +370,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
     announcer = None
     if uids is None or replicas is not None:  # the DHT first: to see which cells are free, to find replicas
         announcer = join_dht(args, parser)
+    if uids is None and args.checkpoint_dir is not None:
+        uids = saved_cells(args.checkpoint_dir, args, parser, args.num_experts * len(args.layer))
+        if uids is not None:
+            logger.info("resuming the %d experts checkpointed in %s: %s", len(uids), args.checkpoint_dir,
+                        ", ".join(uids))
     if uids is None:
         uids = free_experts(announcer.dht, args.layer, args.grid, args.num_experts)
         logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
@@ -344,7 +382,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
         server = ExpertServer.create(uids, args.expert_cls, args.hidden_dim, cls_kwargs=args.expert_kwargs,
                                      optimizer=args.optimizer, lr=args.lr, clip_grad_norm=args.clip_grad_norm,
                                      seed=args.seed, config=config)
-    except (CheckpointMismatch, CorruptCheckpoint, OSError) as error:  # restored in the constructor
+    except (CheckpointMismatch, CorruptCheckpoint, CheckpointDirectoryInUse, OSError) as error:  # in the constructor
         parser.error(f"argument --checkpoint-dir: {error}")
     except TypeError as error:  # constructor arguments the class does not take
         parser.error(f"argument --expert-kwargs: {error}")
@@ -357,6 +395,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
         except OSError as error:
             parser.error(f"argument --replica-dir: {error}")
 
+    try:
+        server.start()
+    except PortUnavailable as error:  # (start() closed what it had started)
+        parser.error(f"argument --port: {error}")
     with StopSignals() as stop, server:
         if server.metrics.endpoint is not None:
             report(f"dmoe-server metrics on {server.metrics.endpoint}")
@@ -379,9 +421,12 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uids = check_args(args, parser)
     from dmoe.cli.server_processes import check_checkpoint_layout, serve_in_processes  # it imports this module
-    check_checkpoint_layout(args, parser)
+    lock = check_checkpoint_layout(args, parser)  # (held until this process exits)
     if args.processes > 1:
-        sys.exit(serve_in_processes(args, parser, uids))
+        status = serve_in_processes(args, parser, uids)
+        if lock is not None:
+            lock.close()
+        sys.exit(status)
     serve(args, parser, uids)
 
 

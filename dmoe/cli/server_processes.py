@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import multiprocessing
 import os
 import secrets
@@ -35,15 +36,17 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import IO
 
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.server import build_parser, import_custom_modules, serve
+from dmoe.cli.server import build_parser, import_custom_modules, saved_cells, serve
 from dmoe.cli.signals import PARENT_ENV, StopSignals
 from dmoe.dht import DHT
 from dmoe.directory import free_experts
 from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
+from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory
 
 logger = logging.getLogger("dmoe.cli.server")
 
@@ -57,16 +60,37 @@ CHECK_PERIOD = 0.5
 LAYOUT_FILE = "processes.json"
 
 
-def check_checkpoint_layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def check_checkpoint_layout(args: argparse.Namespace, parser: argparse.ArgumentParser) -> IO[str] | None:
     """Refuses a ``--checkpoint-dir`` written by a server of another process count: its experts were dealt out
     otherwise, and starting anyway would start some of them from scratch (and write checkpoints that mix the two
-    layouts). A server of several processes records its count in ``DIR/processes.json`` before any child starts."""
+    layouts). A server of several processes records its count in ``DIR/processes.json`` before any child starts
+    (a count under which no child ever wrote a checkpoint binds nothing), and holds the directory's lock
+    (:func:`~dmoe.server.checkpoints.lock_directory`), which it returns to keep for as long as it runs; each child
+    locks its own ``process-I`` subdirectory."""
     if args.checkpoint_dir is None:
-        return
+        return None
     directory = Path(args.checkpoint_dir)
+    lock = None
+    try:
+        if args.processes > 1:
+            lock = lock_directory(directory)  # creates it
+        elif directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"{directory} is not a directory")
+    except (CheckpointDirectoryInUse, OSError) as error:
+        parser.error(f"argument --checkpoint-dir: {error}")
+    try:
+        _check_layout(directory, args, parser)
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
+    return lock
+
+
+def _check_layout(directory: Path, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     layout = directory / LAYOUT_FILE
     saved = 1 if (directory / CHECKPOINT_FILENAME).exists() else None  # None: nothing written here yet
-    if layout.exists():
+    if layout.exists() and any(directory.glob(f"{SUBDIRECTORY.format('*')}/{CHECKPOINT_FILENAME}")):
         try:
             saved = json.loads(layout.read_text())["processes"]
             if not isinstance(saved, int) or saved < 2:
@@ -78,11 +102,44 @@ def check_checkpoint_layout(args: argparse.Namespace, parser: argparse.ArgumentP
         hint = f"--processes {saved}" if saved > 1 else "no --processes"
         parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoints of a server of {saved} "
                      f"process{'es' * (saved > 1)}: start it with {hint} (the experts are dealt out by the count)")
-    if args.processes > 1 and not layout.exists():
-        directory.mkdir(parents=True, exist_ok=True)
+    if args.processes > 1 and saved is None:
         partial = layout.with_name(layout.name + ".tmp")
-        partial.write_text(json.dumps({"processes": args.processes}) + "\n")
-        os.replace(partial, layout)
+        try:
+            partial.write_text(json.dumps({"processes": args.processes}) + "\n")
+            os.replace(partial, layout)
+        except OSError as error:
+            parser.error(f"argument --checkpoint-dir: {error}")
+
+
+def deal_cells(args: argparse.Namespace, parser: argparse.ArgumentParser, dht: DHT) -> list[list[str]]:
+    """Each child's uids with ``--num-experts``: those its checkpoint holds (so the same command resumes the same
+    experts), and for children with none, free cells other than those."""
+    count, total = args.processes, args.num_experts * len(args.layer)
+    sizes = [len(range(index, total, count)) for index in range(count)]
+    saved = [saved_cells(Path(args.checkpoint_dir) / SUBDIRECTORY.format(index), args, parser, sizes[index])
+             if args.checkpoint_dir is not None else None for index in range(count)]
+    kept = [uid for uids in saved if uids is not None for uid in uids]
+    if kept:
+        logger.info("resuming the %d experts checkpointed in %s", len(kept), args.checkpoint_dir)
+    if len(set(kept)) != len(kept):
+        parser.error(f"argument --checkpoint-dir: the process-I subdirectories of {args.checkpoint_dir} hold "
+                     "checkpoints of one expert twice")
+    if all(uids is not None for uids in saved):
+        return saved  # type: ignore[return-value]
+    if not kept:  # every layer's experts spread over the processes
+        uids = free_experts(dht, args.layer, args.grid, args.num_experts)
+        logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
+        return [uids[index::count] for index in range(count)]
+    per_layer = min(math.prod(args.grid), args.num_experts + len(kept))  # room for the kept cells, left out below
+    fresh = [uid for uid in free_experts(dht, args.layer, args.grid, per_layer) if uid not in set(kept)]
+    fresh = fresh[:total - len(kept)]
+    logger.info("chose %d more experts, free grid cells first: %s", len(fresh), ", ".join(fresh))
+    dealt = []
+    for index, uids in enumerate(saved):
+        if uids is None:
+            uids, fresh = fresh[:sizes[index]], fresh[sizes[index]:]
+        dealt.append(uids)
+    return dealt
 
 
 def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argparse.Namespace:
@@ -118,7 +175,9 @@ def run_child(args: argparse.Namespace, uids: list[str], parent_pid: int, lines:
     """A child's whole life (the target of its process): a server of ``uids`` whose announcement lines go to the
     parent, which prints them once every child serves; ``machine``: the token its replicas' hosts are told apart by."""
     keep_freed_memory()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops the children
+    # Ctrl-C and a closed terminal reach the whole group: the parent stops the children
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     os.environ[PARENT_ENV] = str(parent_pid)  # stop if the parent dies without stopping this process
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -150,16 +209,14 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
     children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
     status = 0
     try:
-        if uids is None:
-            uids = free_experts(dht, args.layer, args.grid, args.num_experts)
-            logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
+        dealt = deal_cells(args, parser, dht) if uids is None else [uids[index::count] for index in range(count)]
         shared = dht.announced(dht.endpoint)
         print(f"dmoe-server DHT node at {shared} (others may pass it as --initial-peers)", flush=True)
         with StopSignals() as stop:
             for index in range(count):
                 receiver, sender = context.Pipe(duplex=False)
                 child = context.Process(target=run_child, name=f"dmoe-server-{index}",
-                                        args=(child_args(args, index, dht.endpoint), uids[index::count],
+                                        args=(child_args(args, index, dht.endpoint), dealt[index],
                                               os.getpid(), sender, machine))
                 child.start()
                 sender.close()

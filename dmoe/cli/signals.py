@@ -22,7 +22,8 @@ def orphaned() -> bool:
 
 
 class StopSignals:
-    """Waits in the main thread for SIGINT or SIGTERM, whichever thread of the process the kernel hands it to.
+    """Waits in the main thread for SIGINT, SIGTERM or SIGHUP (a closed terminal or SSH session), whichever thread
+    of the process the kernel hands it to. SIGHUP is left alone where it is ignored (``nohup``).
 
     An Event set from a Python signal handler is not enough: when the signal lands on a gRPC or torch thread, the
     main thread blocked in ``Event.wait()`` is never interrupted, so the handler never runs. The C-level handler
@@ -34,15 +35,17 @@ class StopSignals:
             signum = stop.wait()
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
     def __enter__(self) -> "StopSignals":
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
         self.received: list[int] = []
         self._old_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        ignored_hangup = {s for s in self.SIGNALS
+                          if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN}
         self._old_handlers = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
-                              for s in self.SIGNALS}
+                              for s in self.SIGNALS if s not in ignored_hangup}
         return self
 
     def wait(self, timeout: float | None = None) -> int | None:

@@ -8,10 +8,15 @@ so compute only pauses for the copy, not for the disk.
 
 A write goes to a temporary file in the same directory, is fsynced, renamed over the old checkpoint, and the
 directory is fsynced: a crash at any moment leaves either the old checkpoint or the new one, never half of one.
+
+One server at a time: :class:`Checkpoints` holds an exclusive lock on ``DIR/.lock`` (:func:`lock_directory`) from
+its first restore, save or start to its ``close()``, so a second server given the same directory is refused instead
+of writing its experts over the first one's (and removing the first one's temp files as stale). Reading needs none.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -19,9 +24,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Mapping
+from typing import IO, Any, Callable, ContextManager, Mapping
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: directories are not locked
+    fcntl = None  # type: ignore[assignment]
 
 from dmoe.server.backend import ExpertBackend
 
@@ -31,6 +41,7 @@ FORMAT = "dmoe-experts-checkpoint"
 VERSION = 1
 FILENAME = "experts.pt"
 TMP_SUFFIX = ".tmp"
+LOCK_FILENAME = ".lock"
 
 
 class CheckpointMismatch(ValueError):
@@ -39,6 +50,51 @@ class CheckpointMismatch(ValueError):
 
 class CorruptCheckpoint(ValueError):
     """The checkpoint file exists but cannot be read (not written by dmoe, or damaged on disk)."""
+
+
+class CheckpointDirectoryInUse(ValueError):
+    """Another process (a server) holds the checkpoint directory."""
+
+
+def lock_directory(directory: str | os.PathLike) -> IO[str] | None:
+    """Takes the exclusive lock on ``directory/.lock`` (created, with the directory, if missing) and returns the
+    open lock file, which holds it until closed (or the process ends, however it ends). Raises
+    CheckpointDirectoryInUse naming the holder's pid. None where the platform has no ``flock``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        return None
+    file = open(directory / LOCK_FILENAME, "a+")
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        file.seek(0)
+        holder = file.read().strip() or "unknown"
+        file.close()
+        if error.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise CheckpointDirectoryInUse(f"{directory} is in use by another server (pid {holder}): give each "
+                                           "server its own directory") from None
+        raise
+    file.seek(0)
+    file.truncate()
+    file.write(f"{os.getpid()}\n")
+    file.flush()
+    return file
+
+
+def saved_uids(directory: str | os.PathLike) -> list[str] | None:
+    """The uids of the experts checkpointed in ``directory`` (sorted), None if it holds no checkpoint; raises
+    CorruptCheckpoint. Maps the file instead of reading its tensors."""
+    path = Path(directory) / FILENAME
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        raise CorruptCheckpoint(f"{path} cannot be read ({type(error).__name__}: {error})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("experts"), dict):
+        raise CorruptCheckpoint(f"{path} is not a dmoe experts checkpoint")
+    return sorted(state["experts"])
 
 
 def describe(backend: ExpertBackend) -> dict[str, Any]:
@@ -122,7 +178,14 @@ class Checkpoints:
         self._stop = threading.Event()
         self._save_lock = threading.Lock()  # the timer thread and close() never write at the same time
         self._thread: threading.Thread | None = None
+        self._lock_file: IO[str] | None = None  # held from the first restore/save/start to close()
         self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _hold(self) -> None:
+        """Takes the directory's lock before this object first writes or removes anything in it (reading needs
+        none): raises CheckpointDirectoryInUse."""
+        if self._lock_file is None and fcntl is not None:
+            self._lock_file = lock_directory(self.directory)
 
     # ---- restoring ----
     def read(self) -> dict[str, Any] | None:
@@ -168,6 +231,7 @@ class Checkpoints:
 
     def restore(self) -> bool:
         """Loads every expert from the checkpoint if there is one (True), after checking that it matches."""
+        self._hold()
         self._remove_stale_temp_files()
         state = self.read()
         if state is None:
@@ -206,6 +270,7 @@ class Checkpoints:
     def save(self) -> Path:
         """Takes a snapshot and writes it atomically; returns the checkpoint's path."""
         with self._save_lock:
+            self._hold()
             state = self.snapshot()
             buffer = io.BytesIO()
             torch.save(state, buffer)
@@ -217,6 +282,7 @@ class Checkpoints:
 
     def start(self) -> "Checkpoints":
         """Starts periodic saving (nothing to start when ``interval`` is None or 0)."""
+        self._hold()
         if self.interval and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dmoe-checkpoints", daemon=True)
             self._thread.start()
@@ -230,14 +296,20 @@ class Checkpoints:
                 logger.exception("could not write the checkpoint to %s", self.path)
 
     def close(self, save: bool = True) -> None:
-        """Stops the timer thread, then (by default) writes a last checkpoint."""
+        """Stops the timer thread, then (by default) writes a last checkpoint, then lets go of the directory."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if save:
-            self.save()
-            logger.info("final checkpoint written to %s", self.path)
+        try:
+            if save:
+                self.save()
+                logger.info("final checkpoint written to %s", self.path)
+        finally:
+            with self._save_lock:
+                if self._lock_file is not None:
+                    self._lock_file.close()
+                    self._lock_file = None
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 BackendFactory = Callable[[str], ExpertBackend]
 
 
+class PortUnavailable(OSError):
+    """The server's gRPC port cannot be bound (another process listens on it, or the host is not this machine's)."""
+
+
 @dataclass
 class ServerConfig:
     """How a server listens and runs; every field has a sensible default.
@@ -188,7 +192,11 @@ class ExpertServer:
             self.checkpoints = Checkpoints(self.config.checkpoint_dir, self.backends,
                                            pause=self.runtime.paused,
                                            interval=self.config.checkpoint_interval)
-            self.checkpoints.restore()
+            try:
+                self.checkpoints.restore()
+            except BaseException:
+                self.checkpoints.close(save=False)  # lets go of the directory
+                raise
 
     def _host(self, uid: str, backend: ExpertBackend) -> HostedExpert:
         """``backend`` on the server's device with its two task pools (one group: never run at once)."""
@@ -325,16 +333,21 @@ class ExpertServer:
         add_to_server(self.servicer, server)
         if self.replication is not None:
             dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(self.replication.servicer, server)
-        port = server.add_insecure_port(join_host_port(self.config.host, self.config.port))
+        address = join_host_port(self.config.host, self.config.port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:  # what gRPC raises when it cannot bind
+            port = 0
         if port == 0:
-            raise RuntimeError(f"could not bind {join_host_port(self.config.host, self.config.port)}")
+            raise PortUnavailable(f"could not listen on {address}: another process listens there, or the host is "
+                                  "not an address of this machine")
         await server.start()
         self._grpc_server = server
         return port
 
     def close(self) -> None:
-        """Lets in-flight calls finish (up to ``shutdown_grace`` s), pushes the experts' last replicas, stops
-        announcing, writes the last checkpoint, stops both threads.
+        """Lets in-flight calls finish (up to ``shutdown_grace`` s), writes the last checkpoint, pushes the
+        experts' last replicas, stops announcing, stops both threads.
 
         Every step runs even when an earlier one failed (each failure is logged), so a final checkpoint that cannot
         be written still leaves no thread running and no port bound; then the first failure is raised.
@@ -360,12 +373,13 @@ class ExpertServer:
         steps: list[tuple[str, Callable[[], Any]]] = []
         if started and self._grpc_server is not None:
             steps.append(("the gRPC server", self._stop_grpc))
+        if checkpoints is not None:  # after in-flight calls finished, before the runtime stops, and first of all
+            # what may take long (pushes to other hosts): a supervisor's stop timeout must not cut the disk's copy
+            steps.append(("the last checkpoint", lambda: checkpoints.close(save=started)))
         if replication is not None:  # after in-flight calls, while the DHT node (the announcer's) still runs
             steps.append(("replication", lambda: replication.close(push=started)))
         if self.announcer is not None:
             steps.append(("the announcer", self.announcer.close))
-        if checkpoints is not None:  # after in-flight calls finished, before the runtime stops
-            steps.append(("the last checkpoint", lambda: checkpoints.close(save=started)))
         steps.append(("the runtime", self.runtime.close))
         if self.activations is not None:
             steps.append(("the activation cache", self.activations.clear))
@@ -389,7 +403,7 @@ class ExpertServer:
         self._loop_thread.join()
 
     def __enter__(self) -> "ExpertServer":
-        return self.start()
+        return self.start() if self._loop is None else self
 
     def __exit__(self, *exc) -> None:
         self.close()

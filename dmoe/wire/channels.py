@@ -44,6 +44,9 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
         # most, then GOAWAY "too_many_pings") would tear down idle channels and fail the next calls.
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_ping_strikes", 0),
+        # Server side: a port another process listens on is refused. gRPC binds with SO_REUSEPORT by default, and
+        # two servers on one port would share its connections, each answering NOT_FOUND for the other's experts.
+        ("grpc.so_reuseport", 0),
     ]
 
 

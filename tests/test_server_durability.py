@@ -1,0 +1,128 @@
+"""A volunteer's server keeps its experts across restarts and refuses setups that would lose them: the same
+``--num-experts`` command resumes the same cells, one checkpoint directory serves one server, a closed terminal
+(SIGHUP) still writes the last checkpoint, a port in use or out of range is a CLI error naming the flag."""
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from dmoe.cli import server as server_program
+from dmoe.cli.server_processes import LAYOUT_FILE, check_checkpoint_layout
+from dmoe.server.checkpoints import saved_uids
+from tests.procs import Proc, processes
+
+HIDDEN = 8
+
+
+def server_args(*flags: str) -> list[str]:
+    return ["-m", "dmoe.cli.server", "--hidden-dim", str(HIDDEN), "--expert-cls", "nop", *flags]
+
+
+def stopped(proc: Proc, signum: int = signal.SIGTERM, timeout: float = 60) -> str:
+    """Sends ``signum`` and returns the program's whole output once it exited with status 0."""
+    proc.popen.send_signal(signum)
+    assert proc.popen.wait(timeout) == 0, "".join(proc.output)
+    proc._reader.join(timeout=10)
+    return "".join(proc.output)
+
+
+def refused(*flags: str, timeout: float = 120) -> str:
+    """The output of a server program that must exit with status 2 (an argparse error)."""
+    proc = Proc(server_args(*flags))
+    assert proc.popen.wait(timeout) == 2, "".join(proc.output)
+    proc._reader.join(timeout=10)
+    return "".join(proc.output)
+
+
+@pytest.mark.parametrize("processes_flag", [(), ("--processes", "2")])
+def test_the_same_num_experts_command_resumes_the_same_cells(tmp_path, processes_flag):
+    flags = ("--num-experts", "2", "--grid", "8", "--layer", "ffn", "--checkpoint-dir", str(tmp_path),
+             *processes_flag)
+    with processes() as procs:
+        procs.append(first := Proc(server_args(*flags)))
+        first.endpoint(timeout=120)
+        stopped(first)
+    directories = [tmp_path] if not processes_flag else [tmp_path / "process-0", tmp_path / "process-1"]
+    cells = [saved_uids(directory) for directory in directories]
+    assert sum(len(uids) for uids in cells) == 2, cells
+    with processes() as procs:  # 8 cells: a fresh choice would rarely be the same 2 (and dealt the same way)
+        procs.append(again := Proc(server_args(*flags)))
+        again.endpoint(timeout=120)
+        output = stopped(again)
+    assert "resuming the 2 experts checkpointed" in output, output
+    assert [saved_uids(directory) for directory in directories] == cells
+
+
+def test_a_second_server_on_the_same_checkpoint_directory_is_refused(tmp_path):
+    with processes() as procs:
+        procs.append(first := Proc(server_args("--experts", "a.[0:2]", "--checkpoint-dir", str(tmp_path))))
+        first.endpoint(timeout=120)
+        output = refused("--experts", "b.[0:2]", "--checkpoint-dir", str(tmp_path))
+        assert "argument --checkpoint-dir" in output and "in use by another server" in output, output
+        output = refused("--experts", "b.[0:2]", "--checkpoint-dir", str(tmp_path), "--processes", "2")
+        assert "argument --checkpoint-dir" in output and "in use by another server" in output, output
+        assert first.alive
+        stopped(first)
+    assert saved_uids(tmp_path) == ["a.0", "a.1"]  # the first server's experts, not the refused one's
+
+
+def test_a_closed_terminal_stops_the_server_with_its_last_checkpoint(tmp_path):
+    with processes() as procs:
+        procs.append(proc := Proc(server_args("--experts", "a.[0:2]", "--checkpoint-dir", str(tmp_path))))
+        proc.endpoint(timeout=120)
+        output = stopped(proc, signal.SIGHUP)
+    assert "SIGHUP received" in output and "final checkpoint written" in output, output
+    assert saved_uids(tmp_path) == ["a.0", "a.1"]
+
+
+def test_a_port_in_use_is_refused_naming_the_flag():
+    with processes() as procs:
+        procs.append(first := Proc(server_args("--experts", "a.[0:2]")))
+        port = re.search(r":(\d+)$", first.endpoint(timeout=120)).group(1)
+        output = refused("--experts", "b.[0:2]", "--port", port)
+        assert "argument --port" in output and "could not listen" in output, output
+        assert first.alive
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--processes", "2", "--port", "65535"), "argument --port: 2 processes count their ports up from 65535"),
+    (("--processes", "2", "--dht-port", "65534"), "argument --dht-port"),
+    (("--processes", "2", "--metrics-port", "65535"), "argument --metrics-port"),
+    (("--checkpoint-interval", "5"), "argument --checkpoint-interval: needs --checkpoint-dir"),
+    (("--checkpoint-interval", "inf", "--checkpoint-dir", "unused"), "argument --checkpoint-interval: must be finite"),
+])
+def test_flags_that_would_fail_later_are_refused_at_once(flags, words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        server_program.main(["--experts", "a.[0:2]", "--hidden-dim", str(HIDDEN), *flags])
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_checkpoint_directory_that_is_a_file_is_refused_with_processes_too(tmp_path, capsys):
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    for count in ("1", "2"):
+        with pytest.raises(SystemExit):
+            server_program.main(["--experts", "a.[0:2]", "--hidden-dim", str(HIDDEN), "--processes", count,
+                                 "--checkpoint-dir", str(path)])
+        assert "argument --checkpoint-dir" in capsys.readouterr().err
+
+
+def test_a_process_count_under_which_nothing_was_checkpointed_binds_nothing(tmp_path):
+    parser = server_program.build_parser()
+
+    def layout(count: str):
+        return check_checkpoint_layout(parser.parse_args(["--experts", "a.[0:4]", "--processes", count,
+                                                          "--checkpoint-dir", str(tmp_path)]), parser)
+    layout("2").close()  # a first start that failed before any child wrote a checkpoint
+    layout("3").close()  # is not held against another count
+    assert '"processes": 3' in (tmp_path / LAYOUT_FILE).read_text()
+    (tmp_path / "process-0").mkdir()
+    (tmp_path / "process-0" / "experts.pt").write_bytes(b"written by a child")
+    with pytest.raises(SystemExit):
+        layout("2")
+    lock = layout("3")
+    assert lock is not None
+    lock.close()
