@@ -222,3 +222,22 @@ def test_the_demo_gives_each_trainer_its_slice_and_one_collaboration(text_file, 
     assert {(c.collaborate, c.target_batch_size, c.wait_for_trainers, c.experts) for c in configs} == {
         ("demo", 24, 3, "remote")}
     assert len({c.out_dir for c in configs}) == 3
+
+
+def test_the_demo_gives_each_trainer_its_own_ports_and_checkpoint_and_reads_its_config_anywhere(
+        text_file, tmp_path, monkeypatch):
+    from dmoe.cli.demo import collaborative_args
+    from dmoe.cli.train import parse_config
+
+    (tmp_path / "demo.toml").write_text("batch-size = 4\nsteps = 7\n")
+    monkeypatch.chdir(tmp_path)  # the trainers run elsewhere (the repository's root): the path must still hold
+    rest = ["--data", str(text_file), "--config", "demo.toml", "--averaging-port", "5100", "--state-port", "5200",
+            "--checkpoint", "ck.pt"]
+    config = parse_config(rest, defaults={"steps": 150})
+    assert config.steps == 7  # the file's, not the demo's default
+    trainer_args = collaborative_args(rest, config, 2)
+    monkeypatch.chdir("/")
+    configs = [parse_config(trainer_args(i, "127.0.0.1:5000")) for i in range(2)]
+    assert [(c.averaging_port, c.state_port) for c in configs] == [(5100, 5200), (5101, 5201)]
+    assert [c.checkpoint for c in configs] == [str(tmp_path / "ck.trainer0.pt"), str(tmp_path / "ck.trainer1.pt")]
+    assert {(c.batch_size, c.steps) for c in configs} == {(4, 7)}

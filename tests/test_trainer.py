@@ -162,12 +162,43 @@ def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file,
     (["--expert-optimizer", "lamb"], "--expert-optimizer"),
     (["--expert-lr", "0"], "--expert-lr"),
     (["--expert-clip-grad-norm", "-1"], "--expert-clip-grad-norm"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--seed", "99999999999999"], "--seed"),
+    (["--data", ""], "--data"),
+    (["--expert-cls", "nosuch"], "--expert-cls"),
+    (["--device", "nosuch"], "--device"),
+    (["--initial-peers", "127.0.0.1:5000"], "--initial-peers is only used with --experts remote"),
+    (["--experts", "remote", "--initial-peers", "garbage"], "--initial-peers"),
 ])
 def test_bad_flag_values_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_config(argv)
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_text_too_short_or_a_checkpoint_of_another_model_ends_the_program_with_one_line(text_file, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: stand_in_factory(config))
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    flags = ["--out-dir", str(tmp_path / "out"), "--seq-len", "32", "--hidden", "32", "--heads", "2", "--grid", "2",
+             "2", "--k-best", "2", "--eval-batches", "1", "--sample-bytes", "0", "--threads", "1"]
+    with pytest.raises(SystemExit, match="dmoe-train: .*too short for windows of 32 tokens"):
+        train_program.main(["--data", str(short), *flags])
+    train_program.main(["--data", str(text_file), "--steps", "2", *flags])
+    flags[flags.index("--hidden") + 1] = "48"
+    with pytest.raises(SystemExit, match="dmoe-train: --resume: .*--hidden was 32, now 48"):
+        train_program.main(["--data", str(text_file), "--steps", "4", "--resume", *flags])
+
+
+def test_a_program_s_defaults_yield_to_a_config_file_and_the_command_line(tmp_path):
+    (tmp_path / "c.toml").write_text('max-minutes = 0.5\nout-dir = "mine"\n')
+    defaults = {"max_minutes": 4.0, "out_dir": "runs/demo"}  # the demo's
+    assert parse_config([], defaults=defaults).max_minutes == 4.0
+    config = parse_config(["--config", str(tmp_path / "c.toml")], defaults=defaults)
+    assert (config.max_minutes, config.out_dir) == (0.5, "mine")
+    assert parse_config(["--config", str(tmp_path / "c.toml"), "--max-minutes", "2"], defaults=defaults).max_minutes == 2
 
 
 def test_flags_override_config_fields():
@@ -193,6 +224,20 @@ def test_progress_shows_the_dropped_share_of_a_sliding_window_of_steps():
     assert meter.postfix()["loss"] == "0.000"  # the last 3 steps' mean: 1, 0 and -1
     meter.restart(model)
     assert meter.postfix()["dropped"] == "n/a"
+
+
+def test_progress_says_when_the_mixtures_found_no_expert_at_all(capsys):
+    stats = SimpleNamespace(experts_chosen=0, experts_dropped=0)  # what a remote layer counts with no server up
+    model = SimpleNamespace(blocks=[SimpleNamespace(moe=SimpleNamespace(stats=stats))],
+                            moe_counters=lambda: (stats.experts_chosen, stats.experts_dropped))
+    meter = IntervalMeter(model, window=3)
+    for _ in range(3):
+        meter.add(model, 3.0, 64)
+    assert meter.postfix()["dropped"] == "no experts"
+    assert capsys.readouterr().out.count("no expert of any mixture layer was found") == 1  # said once
+    stats.experts_chosen = 8
+    meter.add(model, 3.0, 64)
+    assert meter.postfix()["dropped"] == "0.0%"
 
 
 def test_every_block_gets_its_own_layer_with_its_own_layer_name():

@@ -37,8 +37,8 @@ from tqdm import tqdm
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.train import build_parser, parse_config
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
-from dmoe.trainer.data import DownloadError, shakespeare
-from dmoe.trainer.loop import TrainConfig, train
+from dmoe.trainer.data import DataError, DownloadError, shakespeare
+from dmoe.trainer.loop import ResumeMismatch, TrainConfig, train
 
 MAX_TRAINERS = 16
 RUN_ID = "demo"
@@ -61,20 +61,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not 1 <= args.trainers <= MAX_TRAINERS:
         demo.error(f"argument --trainers: must be between 1 and {MAX_TRAINERS}, got {args.trainers}")
+    if args.server_threads < 1:
+        demo.error(f"argument --server-threads: must be at least 1, got {args.server_threads}")
     collaborative = args.trainers > 1
-    defaults = ["--steps", "150"] if collaborative else ["--max-minutes", "4"]
-    config = parse_config([*defaults, "--out-dir", "runs/demo", *rest])
+    # the demo's own defaults, which a --config file and the command line override
+    defaults = {"steps": 150} if collaborative else {"max_minutes": 4.0}
+    config = parse_config(rest, defaults={**defaults, "out_dir": "runs/demo"})
     config.experts = "remote"  # with the swarm's DHT node as the initial peer, once it is up
     if not 1 <= args.servers <= config.grid[0]:
         demo.error(f"argument --servers: must be between 1 and the first grid dimension ({config.grid[0]})")
     if collaborative:
-        trainer_args = collaborative_args([*defaults, *rest], config, args.trainers)
+        try:
+            trainer_args = collaborative_args(rest, config, args.trainers)
+        except (DownloadError, OSError) as error:
+            print(f"swarm_demo: {error}", file=sys.stderr)
+            return 1
         parse_config(trainer_args(0, "127.0.0.1:1"))  # a flag that does not fit fails here, before the swarm starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     swarm_config = SwarmConfig(
         layers=tuple(f"ffn{i}" for i in range(config.layers)), grid=tuple(config.grid), n_servers=args.servers,
-        hidden_dim=config.hidden, threads_per_server=args.server_threads, echo=args.verbose,
+        hidden_dim=config.hidden, expert_cls=config.expert_cls, threads_per_server=args.server_threads,
+        echo=args.verbose,
         # the experts train (and start) as --experts local ones would: one source of truth, the trainer's flags
         server_args=(*config.expert_server_args(), "--refresh-period", "5",
                      "--log-level", "INFO" if args.verbose else "WARNING"),
@@ -91,12 +99,15 @@ def main(argv: list[str] | None = None) -> int:
                 return run_trainers(swarm.initial_peers, trainer_args, args.trainers, config)
             config.initial_peers = (swarm.initial_peers,)
             result = train(config)
-            print(f"demo done: validation perplexity {result['final_val_perplexity']:.2f} after {result['step']} "
-                  f"steps; shutting the swarm down", flush=True)
+            print(f"demo {'interrupted' if result['interrupted'] else 'done'}: validation perplexity "
+                  f"{result['final_val_perplexity']:.2f} after {result['step']} steps; shutting the swarm down",
+                  flush=True)
+            if result["interrupted"]:
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         print("interrupted; the swarm has been shut down", file=sys.stderr)
         return 130
-    except (DownloadError, FileNotFoundError) as error:
+    except (DownloadError, DataError, OSError, ResumeMismatch) as error:
         print(f"swarm_demo: {error}", file=sys.stderr)
         return 1
     return 0
@@ -111,14 +122,35 @@ def collaborative_args(rest: list[str], config: TrainConfig, trainers: int):
         data = ["--data", str(Path(config.data).resolve())]
     target = config.target_batch_size or trainers * config.batch_size
     out_dir = Path(config.out_dir).resolve()
+    rest = absolute_config(rest)
+    checkpoint = Path(config.checkpoint).resolve() if config.checkpoint is not None else None
 
     def trainer_args(i: int, initial_peers: str) -> list[str]:
-        return [*rest, *data, "--experts", "remote", "--initial-peers", initial_peers,
+        # what each trainer needs its own of: ports counted up from fixed ones, a checkpoint file
+        own = []
+        for flag, port in (("--averaging-port", config.averaging_port), ("--state-port", config.state_port)):
+            if port:
+                own += [flag, str(port + i)]
+        if checkpoint is not None:
+            own += ["--checkpoint", str(checkpoint.with_name(f"{checkpoint.stem}.trainer{i}{checkpoint.suffix}"))]
+        return [*rest, *data, "--steps", str(config.steps), "--max-minutes", str(config.max_minutes),
+                "--experts", "remote", "--initial-peers", initial_peers,
                 "--collaborate", config.collaborate or RUN_ID, "--target-batch-size", str(target),
                 "--data-shard", str(i), "--data-shards", str(trainers), "--wait-for-trainers", str(trainers),
-                "--out-dir", str(out_dir / f"trainer{i}"), *(["--sample-bytes", "0"] if i else [])]
+                "--out-dir", str(out_dir / f"trainer{i}"), *own, *(["--sample-bytes", "0"] if i else [])]
 
     return trainer_args
+
+
+def absolute_config(argv: list[str]) -> list[str]:
+    """``argv`` with the path of ``--config`` made absolute: the trainers run from the repository's root."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--config" and i + 1 < len(out):
+            out[i + 1] = str(Path(out[i + 1]).resolve())
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + str(Path(arg.split("=", 1)[1]).resolve())
+    return out
 
 
 def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainConfig) -> int:

@@ -18,8 +18,8 @@ import typing
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import add_config_argument, parse_args
 from dmoe.collab.progress import RecordTooLong
-from dmoe.trainer.data import DownloadError
-from dmoe.trainer.loop import TrainConfig, train
+from dmoe.trainer.data import DataError, DownloadError
+from dmoe.trainer.loop import ResumeMismatch, TrainConfig, train
 
 
 EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
@@ -51,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
+def parse_config(argv: list[str] | None = None, defaults: dict | None = None) -> TrainConfig:
+    """The flags (and ``--config`` file) as a checked TrainConfig. ``defaults``: a program's own defaults (the
+    demo's), which a config file and the command line override, in that order."""
     parser = build_parser()
+    if defaults:
+        parser.set_defaults(**defaults)
     args = vars(parse_args(parser, argv))
     config = TrainConfig(**{name: tuple(v) if isinstance(v, list) else v for name, v in args.items()})
     try:
@@ -67,8 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     try:
         train(config)
-    # no corpus, no DHT peer, or a state endpoint too long to publish: no traceback
-    except (DownloadError, FileNotFoundError, ConnectionError, RecordTooLong) as e:
+    # no corpus (or one too short), no DHT peer, a checkpoint of another model, or a state endpoint too long to
+    # publish: no traceback
+    except (DownloadError, DataError, OSError, ResumeMismatch, RecordTooLong) as e:
         raise SystemExit(f"dmoe-train: {e}")
 
 

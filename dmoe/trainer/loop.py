@@ -37,6 +37,7 @@ from dmoe.cli.config import non_negative, port_number, positive
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
 from dmoe.endpoints import is_loopback_ip
+from dmoe.experts import expert_class_names
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
@@ -137,6 +138,26 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the flag when options do not fit together."""
+        if not self.dropout < 1:
+            raise ValueError(f"--dropout must be below 1, got {self.dropout}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be in 0..{2**32 - 1}, got {self.seed}")
+        if self.data == "":
+            raise ValueError("--data must name a text file (leave it out for the Shakespeare corpus)")
+        if self.expert_cls not in expert_class_names():
+            raise ValueError(f"--expert-cls: unknown class {self.expert_cls!r}; registered: "
+                             f"{', '.join(expert_class_names())}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, ValueError) as error:
+            raise ValueError(f"--device: {error}") from None
+        if self.initial_peers and self.experts != "remote":
+            raise ValueError("--initial-peers is only used with --experts remote (these experts are in-process)")
+        for peer in self.initial_peers:
+            try:
+                parse_endpoint(peer)
+            except ValueError as error:
+                raise ValueError(f"--initial-peers: {error}") from None
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
         if self.k_best > math.prod(self.grid):
@@ -395,6 +416,9 @@ class IntervalMeter:
 
     def __init__(self, model: GatedTransformerLM, window: int = 10):
         self.window = window
+        # mixtures that count their experts (the remote ones): none chosen in a step means none was found
+        self.counted = any(getattr(block.moe, "stats", None) is not None for block in getattr(model, "blocks", ()))
+        self.warned = False
         self.restart(model)
 
     def restart(self, model: GatedTransformerLM) -> None:
@@ -407,13 +431,17 @@ class IntervalMeter:
         chosen, dropped = (after - before for after, before in zip(counters, self.counters))
         self.steps.append(StepFigures(loss, tokens, now - self.since, chosen, dropped, balance))
         self.since, self.counters = now, counters
+        if self.counted and not chosen and not self.warned:
+            self.warned = True
+            tqdm.write("warning: no expert of any mixture layer was found in the DHT this step: the model trains "
+                       "without its experts (check --initial-peers, --grid, --layers and that the servers run)")
 
     def postfix(self) -> dict[str, str]:
         steps = self.steps
         chosen, dropped = sum(s.chosen for s in steps), sum(s.dropped for s in steps)
         shown = {"loss": f"{sum(s.loss for s in steps) / max(len(steps), 1):.3f}",
                  "tok/s": f"{sum(s.tokens for s in steps) / max(sum(s.seconds for s in steps), 1e-9):,.0f}",
-                 "dropped": f"{dropped / chosen:.1%}" if chosen else "n/a"}
+                 "dropped": f"{dropped / chosen:.1%}" if chosen else ("no experts" if self.counted else "n/a")}
         balances = [s.balance for s in steps if s.balance is not None]
         if balances:
             shown["balance"] = f"{sum(balances) / len(balances):.2f}"
@@ -467,6 +495,10 @@ def save_checkpoint(path: Path, model, optimizer, step: int, history: dict, conf
     os.replace(tmp, path)
 
 
+class ResumeMismatch(ValueError):
+    """The checkpoint to resume from was saved for another model than the one the flags describe."""
+
+
 def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[int, dict]:
     if not path.exists():
         tqdm.write(f"no checkpoint at {path}: starting from step 0")
@@ -474,10 +506,11 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[
     state = torch.load(path, map_location=config.device, weights_only=True)
     saved = state["config"]
     changed = [f"--{name.replace('_', '-')} was {saved[name]!r}, now {getattr(config, name)!r}"
-               for name in ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "experts")
+               for name in ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "experts", "expert_cls")
                if name in saved and _as_tuple(saved[name]) != _as_tuple(getattr(config, name))]
     if changed:
-        raise ValueError(f"{path} was saved with a different model: " + "; ".join(changed))
+        raise ResumeMismatch(f"--resume: {path} was saved with a different model: " + "; ".join(changed)
+                             + " (resume with those flags, or give another --out-dir / --checkpoint)")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"].cpu())
