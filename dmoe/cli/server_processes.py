@@ -213,19 +213,22 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
         shared = dht.announced(dht.endpoint)
         print(f"dmoe-server DHT node at {shared} (others may pass it as --initial-peers)", flush=True)
         with StopSignals() as stop:
-            for index in range(count):
-                receiver, sender = context.Pipe(duplex=False)
-                child = context.Process(target=run_child, name=f"dmoe-server-{index}",
-                                        args=(child_args(args, index, dht.endpoint), dealt[index],
-                                              os.getpid(), sender, machine))
-                child.start()
-                sender.close()
-                children.append((child, receiver))
-            status = wait_ready(children, stop)
-            if status is None:
-                status = watch(children, stop)
+            try:
+                for index in range(count):
+                    receiver, sender = context.Pipe(duplex=False)
+                    child = context.Process(target=run_child, name=f"dmoe-server-{index}",
+                                            args=(child_args(args, index, dht.endpoint), dealt[index],
+                                                  os.getpid(), sender, machine))
+                    child.start()
+                    sender.close()
+                    children.append((child, receiver))
+                status = wait_ready(children, stop)
+                if status is None:
+                    status = watch(children, stop)
+            finally:  # still under StopSignals: a second Ctrl-C does not kill the parent while the children stop
+                stop_children([child for child, _ in children])
     finally:
-        stop_children([child for child, _ in children])
+        stop_children([child for child, _ in children])  # (nothing left to stop, unless StopSignals failed)
         dht.close()
     return status
 
