@@ -138,6 +138,19 @@ def test_dmoe_server_refuses_a_mismatching_checkpoint_with_an_argparse_error(tmp
     assert "argument --checkpoint-dir" in output and "hidden_dim was 8, now 16" in output, output
 
 
+def test_a_checkpoint_altered_by_hand_is_refused_as_corrupt_not_with_a_traceback(tmp_path):
+    save_checkpoint(tmp_path)
+    state = torch.load(tmp_path / FILENAME, weights_only=True)
+    del state["experts"]["ck.1"]["description"]["parameters"]
+    torch.save(state, tmp_path / FILENAME)
+    with pytest.raises(CorruptCheckpoint, match="lacks parts"):
+        save_checkpoint(tmp_path)
+    proc = Proc(server_args(tmp_path))
+    assert proc.popen.wait(timeout=120) == 2
+    proc._reader.join(timeout=10)
+    assert "argument --checkpoint-dir" in "".join(proc.output) and "lacks parts" in "".join(proc.output)
+
+
 def test_damaged_checkpoint_is_refused_not_loaded(tmp_path):
     save_checkpoint(tmp_path)
     path = tmp_path / FILENAME

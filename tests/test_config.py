@@ -47,6 +47,7 @@ optimizer = "sgd"
     ("reject_nonfinite = 3", "'reject_nonfinite'", "true or false"),
     ("port = [1, 2]", "'port'", "a single value"),
     ("experts =", "not valid TOML", "line 1"),
+    ("hidden-dim = 8\nhidden_dim = 16", "'hidden-dim' and 'hidden_dim'", "set the same flag"),
 ])
 def test_bad_config_keys_and_values_fail_with_one_line_naming_the_key(tmp_path, capsys, text, named, allowed):
     path = write(tmp_path, text + "\n")

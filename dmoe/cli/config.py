@@ -135,13 +135,16 @@ def config_defaults(parser: argparse.ArgumentParser, table: dict[str, Any]) -> d
     value its flag would refuse.
     """
     allowed = _allowed_keys(parser)
-    values = {}
+    values, spelled = {}, {}
     for raw_key, value in table.items():
         key = raw_key.replace("-", "_")
         action = allowed.get(key)
         if action is None:
             names = ", ".join(sorted(name.replace("_", "-") for name in allowed))
             raise ConfigError(f"unknown key {raw_key!r}; allowed keys: {names}")
+        if key in spelled:  # batch-size and batch_size: one flag set twice, one value silently lost otherwise
+            raise ConfigError(f"keys {spelled[key]!r} and {raw_key!r} set the same flag; keep one")
+        spelled[key] = raw_key
         values[key] = convert_value(action, raw_key, value)
     return values
 

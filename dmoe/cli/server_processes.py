@@ -46,7 +46,7 @@ from dmoe.cli.signals import PARENT_ENV, StopSignals
 from dmoe.dht import DHT
 from dmoe.directory import free_experts
 from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
-from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory
+from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory, write_atomically
 
 logger = logging.getLogger("dmoe.cli.server")
 
@@ -103,10 +103,8 @@ def _check_layout(directory: Path, args: argparse.Namespace, parser: argparse.Ar
         parser.error(f"argument --checkpoint-dir: {directory} holds the checkpoints of a server of {saved} "
                      f"process{'es' * (saved > 1)}: start it with {hint} (the experts are dealt out by the count)")
     if args.processes > 1 and saved is None:
-        partial = layout.with_name(layout.name + ".tmp")
-        try:
-            partial.write_text(json.dumps({"processes": args.processes}) + "\n")
-            os.replace(partial, layout)
+        try:  # fsynced: lost to a power loss, it would let a restart without --processes start fresh experts
+            write_atomically(layout, (json.dumps({"processes": args.processes}) + "\n").encode())
         except OSError as error:
             parser.error(f"argument --checkpoint-dir: {error}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 
 from dmoe.cli.allocator import keep_freed_memory
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     # publish: no traceback
     except (DownloadError, DataError, OSError, ResumeMismatch, RecordTooLong) as e:
         raise SystemExit(f"dmoe-train: {e}")
+    except KeyboardInterrupt:  # before the loop (which saves and returns): joining, waiting for trainers
+        print("dmoe-train: interrupted before training began", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

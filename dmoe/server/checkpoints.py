@@ -97,6 +97,10 @@ def saved_uids(directory: str | os.PathLike) -> list[str] | None:
     return sorted(state["experts"])
 
 
+#: what :func:`describe` says of an expert
+DESCRIBED = ("expert_cls", "hparams_json", "inputs", "outputs", "parameters")
+
+
 def describe(backend: ExpertBackend) -> dict[str, Any]:
     """What must be equal between a checkpoint and a server for the checkpoint to be loaded into it."""
     return {
@@ -129,12 +133,17 @@ def to_host(value: Any) -> Any:
 
 
 def _fsync_directory(directory: Path) -> None:
+    """Makes a rename in ``directory`` durable where the platform can; a failure only costs that durability (the
+    file is written and renamed), so it is logged, not raised."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # some platforms cannot open directories; the rename is still atomic there
         return
     try:
         os.fsync(fd)
+    except OSError as error:
+        logger.warning("could not fsync %s after a rename in it (%s): a power loss could undo the rename", directory,
+                       error)
     finally:
         os.close(fd)
 
@@ -202,6 +211,13 @@ class Checkpoints:
         if state.get("version") != VERSION:
             raise CorruptCheckpoint(f"{self.path} has format version {state.get('version')}, "
                                     f"this dmoe reads version {VERSION}")
+        experts = state.get("experts")
+        if not (isinstance(experts, dict) and isinstance(state.get("pattern"), str)
+                and isinstance(state.get("saved_at"), (int, float))
+                and all(isinstance(e, dict) and isinstance(e.get("state"), dict)
+                        and isinstance(e.get("description"), dict)
+                        and all(key in e["description"] for key in DESCRIBED) for e in experts.values())):
+            raise CorruptCheckpoint(f"{self.path} lacks parts of a dmoe experts checkpoint (altered by hand?)")
         return state
 
     def check(self, state: dict[str, Any]) -> None:
@@ -219,7 +235,7 @@ class Checkpoints:
         by_difference: dict[str, list[str]] = {}  # the same change usually applies to every expert: say it once
         for uid in shared:
             want, have = describe(self.backends[uid]), saved[uid]["description"]
-            for key in ("expert_cls", "hparams_json", "inputs", "outputs", "parameters"):
+            for key in DESCRIBED:
                 if want[key] != have[key]:
                     by_difference.setdefault(_difference(key, have[key], want[key]), []).append(uid)
         for difference, uids in by_difference.items():
