@@ -46,3 +46,15 @@ class SmallDeviceExpert(nn.Module):
         if x.shape[0] > self.ROWS:
             raise torch.OutOfMemoryError(f"stand-in device: {x.shape[0]} rows do not fit, at most {self.ROWS}")
         return self.linear(x)
+
+
+@register_expert_class("double", lambda batch, hidden: torch.randn(batch, hidden))
+class DoublePrecisionExpert(nn.Module):
+    """Answers float64 rows of the right shape: a server whose answers the layer must not mix into float32 ones."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).double()

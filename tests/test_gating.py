@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dmoe.client.gating import LocalMixtureOfExperts, NoAliveExpertsError
-from dmoe.client.moe import _bits, _from_bits, _zeros
+from dmoe.client.moe import RemoteMixtureOfExperts, _bits, _from_bits, _zeros
 
 
 class Scale(nn.Module):
@@ -202,3 +202,32 @@ def test_the_in_process_layer_charges_its_experts_compute_to_wait_when_given_a_s
     seconds = {stage: total for stage, (total, _) in layer.stage_clock.snapshot().items()}
     assert seconds["wait"] >= 0.05 * 2  # at least two experts were called, one after the other
     assert seconds["reroute"] < 0.05 and seconds["combine"] < 0.05
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(in_features=0), "in_features"),
+    (dict(grid=(0, 4)), "grid"),
+    (dict(grid=()), "grid"),
+    (dict(layer="a.b"), "layer name"),
+    (dict(k_best=17), "k_best must be between 1 and the 16"),
+    (dict(k_min=0), "k_min"),
+    (dict(k_min=5), "k_min"),
+    (dict(backward_k_min=5), "backward_k_min"),
+    (dict(forward_timeout=0), "forward_timeout must be > 0"),
+    (dict(backward_timeout=-1.0), "backward_timeout must be > 0"),
+    (dict(timeout_after_k_min=-1.0), "timeout_after_k_min must be >= 0"),
+    (dict(reroute_attempts=-1), "reroute_attempts"),
+    (dict(compression="bogus"), "unknown compression"),
+    (dict(dht=None), "dht is required"),
+])
+def test_the_remote_layer_refuses_nonsensical_arguments_at_construction(kwargs, words):
+    args = dict(in_features=16, grid=(4, 4), layer="ffn0", dht=object(), k_best=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=words):
+        RemoteMixtureOfExperts(args.pop("in_features"), args.pop("grid"), args.pop("layer"), args.pop("dht"), **args)
+
+
+def test_the_local_layer_refuses_a_grid_or_layer_it_could_not_route():
+    for grid, layer in (((0, 4), "ffn0"), ((4, 4), "a.b")):
+        with pytest.raises(ValueError):
+            LocalMixtureOfExperts(16, grid, layer, k_best=2)

@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 import torch
 
-from dmoe.client.gating import LocalMixtureOfExperts
+from dmoe.client.gating import LocalMixtureOfExperts, NoAliveExpertsError
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
@@ -135,12 +135,13 @@ def test_killed_server_loses_no_rows_and_is_avoided_afterwards():
         assert layer.stats.experts_dropped == first_drops  # the dead server is banned: not chosen again
 
 
-def test_answers_of_the_wrong_shape_are_dropped_and_their_experts_avoided():
+@pytest.mark.parametrize("bad_cls", ["widen", "double"])
+def test_answers_of_the_wrong_shape_or_dtype_are_dropped_and_their_experts_avoided(bad_cls):
     with processes() as procs:
         boot = Proc(["-m", "dmoe.dht", "--host", "127.0.0.1", "--port", "0"])
         procs.append(boot)
         peer = boot.endpoint()
-        for pattern, cls in (("ffn0.[0:2].[0:4]", "ffn"), ("ffn0.[2:4].[0:4]", "widen")):
+        for pattern, cls in (("ffn0.[0:2].[0:4]", "ffn"), ("ffn0.[2:4].[0:4]", bad_cls)):
             procs.append(Proc(["-m", "dmoe.cli.server", "--experts", pattern, "--expert-cls", cls,
                                "--custom-module", "tests/custom_experts.py", "--hidden-dim", str(HIDDEN),
                                "--initial-peers", peer]))
@@ -153,7 +154,56 @@ def test_answers_of_the_wrong_shape_are_dropped_and_their_experts_avoided():
             out = layer(x)  # rows whose experts all answered too wide are re-routed to the others
             out.sum().backward()
             assert out.shape == (64, HIDDEN) and torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+            assert out.dtype == x.grad.dtype == torch.float32  # no float64 answer made it into the mixture
+            assert layer.stats.backward_failures == 0  # nor into the gradients sent to the healthy server
             dropped = layer.stats.experts_dropped
             assert dropped > 0
             layer(x)
             assert layer.stats.experts_dropped == dropped  # the widening experts are banned: not chosen again
+
+
+def test_half_precision_inputs_travel_as_float32_and_come_back_in_their_dtype(swarm):
+    _, dht = swarm
+    layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=2, k_min=2)
+    x = torch.randn(16, HIDDEN)
+    with torch.no_grad():
+        exact = layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # a client under mixed precision
+            half = layer(x.bfloat16())
+    assert half.dtype == torch.bfloat16 and layer.stats.experts_dropped == 0
+    torch.testing.assert_close(half.float(), exact, atol=0.1, rtol=0.05)
+    x16 = x.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x16)
+    out.float().sum().backward()
+    assert x16.grad.dtype == torch.bfloat16 and torch.isfinite(x16.grad.float()).all()
+    assert layer.stats.backward_failures == 0
+
+
+def test_rows_of_another_width_than_the_experts_fail_with_the_servers_reason(swarm):
+    _, dht = swarm
+    layer = RemoteMixtureOfExperts(2 * HIDDEN, GRID, "ffn0", dht, k_best=2, reroute_attempts=0)
+    with pytest.raises(NoAliveExpertsError, match=r"refused the requests as invalid.*expected shape \[\*, 16\]"):
+        layer(torch.randn(4, 2 * HIDDEN))
+
+
+def test_rerouted_rows_wait_only_for_what_is_left_of_the_forward_timeout():
+    with processes() as procs:
+        boot = Proc(["-m", "dmoe.dht", "--host", "127.0.0.1", "--port", "0"])
+        procs.append(boot)
+        peer = boot.endpoint()
+        for pattern in ("ffn0.[0:2].[0:4]", "ffn0.[2:4].[0:4]"):  # both slow: the reroute goes to the other one
+            procs.append(Proc(["-m", "dmoe.cli.server", "--experts", pattern, "--hidden-dim", str(HIDDEN),
+                               "--initial-peers", peer, "--inject-latency-ms", "30000"]))
+        for proc in procs[1:]:
+            proc.endpoint()
+        with DHT(initial_peers=[peer]) as dht:
+            wait_until_declared(dht, UIDS)
+            layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=1, forward_timeout=1.5,
+                                           reroute_attempts=1, allow_zero_outputs=True)
+            started = time.monotonic()
+            with torch.no_grad():
+                layer(torch.randn(1, HIDDEN))
+            elapsed = time.monotonic() - started
+    assert layer.stats.experts_dropped >= 1
+    assert elapsed < 2.4, elapsed  # a second full timeout for the reroute would take 3 s

@@ -50,18 +50,24 @@ class CallPolicy:
     bans: Bans = field(default_factory=Bans)
     stats: MoEStats = field(default_factory=MoEStats)
     layer_name: str = ""
+    #: the last refusal of a request as invalid ("uid at endpoint: message"), None if none since it was cleared
+    refused: str | None = None
 
     def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
-                 shape: tuple[int, ...] | None = None) -> list[torch.Tensor] | None:
+                 shape: tuple[int, ...] | None = None,
+                 dtype: torch.dtype | None = None) -> list[torch.Tensor] | None:
         """The future's result, or None after banning whatever failed (the expert, or its whole server).
 
-        An answer whose first tensor is not floating-point of ``shape`` counts as the expert's failure: a faulty or
-        hostile server (or one hosting other experts under these uids) must not break the mixture.
+        An answer whose first tensor is not floating-point of ``shape`` (and ``dtype``, what was sent) counts as the
+        expert's failure: a faulty or hostile server (or one hosting other experts under these uids) must not break
+        the mixture. A refusal of the request as invalid (INVALID_ARGUMENT: often the caller's own mistake, such as
+        rows of another width than the experts') is logged as a warning and kept in :attr:`refused` for the
+        layer's error.
         """
         error = None if not future.done() or future.cancelled() else future.exception()
         if future.done() and not future.cancelled() and error is None:
             result = future.result()
-            problem = malformed(result, shape)
+            problem = malformed(result, shape, dtype)
             if problem is None:
                 self.bans.succeed(uid, endpoint)
                 return result
@@ -70,8 +76,12 @@ class CallPolicy:
         server_down = error is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         backoff = self.bans.fail(uid=None if server_down else uid, endpoint=endpoint if server_down else None)
         what = f"server {endpoint}" if server_down else f"expert {uid}"
-        logger.info("%s %s dropped (%s); %s banned for %.1fs", "backward" if backward else "forward", uid,
-                    error if error is not None else "no answer in time", what, backoff)
+        refused = code == grpc.StatusCode.INVALID_ARGUMENT
+        if refused:
+            self.refused = f"{uid} at {endpoint}: {getattr(error, 'message', error)}"
+        logger.log(logging.WARNING if refused else logging.INFO, "%s %s dropped (%s); %s banned for %.1fs",
+                   "backward" if backward else "forward", uid,
+                   error if error is not None else "no answer in time", what, backoff)
         if backward:
             self.stats.backward_failures += 1
         return None
@@ -131,8 +141,10 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
             futures[i].cancel()
 
 
-def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None) -> str | None:
-    """What is wrong with an expert's answer that should be floating-point of ``shape`` (None: nothing)."""
+def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None,
+              dtype: torch.dtype | None = None) -> str | None:
+    """What is wrong with an expert's answer that should be floating-point of ``shape`` and ``dtype`` (None:
+    nothing)."""
     if not result:
         return "no tensors"
     first = result[0]
@@ -140,4 +152,6 @@ def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None) -> 
         return f"expected shape {list(shape)}, got {list(first.shape)}"
     if not first.is_floating_point():
         return f"expected floating-point values, got {first.dtype}"
+    if dtype is not None and first.dtype != dtype:
+        return f"expected {dtype}, got {first.dtype}"
     return None

@@ -8,6 +8,8 @@ extra dimensions (``[batch, seq, hidden]``) are routed **per token**: every posi
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -17,7 +19,7 @@ from torch import nn
 
 from dmoe.experts import create_expert
 from dmoe.timing import NO_LAPS, Laps, NoLaps, StageClock
-from dmoe.uid import join_uid, split_uid
+from dmoe.uid import DELIMITER, is_valid_prefix, join_uid, split_uid
 
 #: where a layer's forward and the backward of its experts' calls spend their time, in order (``stage_clock``):
 #: the gate's scores, the search for experts, grouping rows per expert, the rows' copy to host memory, building and
@@ -61,8 +63,15 @@ class MixtureBase(nn.Module):
     def __init__(self, in_features: int, grid: Sequence[int], layer: str, k_best: int,
                  allow_zero_outputs: bool = False, switch: bool = False):
         super().__init__()
-        if k_best < 1:
-            raise ValueError(f"k_best must be >= 1, got {k_best}")
+        if not isinstance(in_features, int) or in_features < 1:
+            raise ValueError(f"in_features must be a positive int, got {in_features!r}")
+        if not len(grid) or any(int(g) < 1 for g in grid):
+            raise ValueError(f"grid must hold one or more positive sizes, got {tuple(grid)}")
+        if not isinstance(layer, str) or not is_valid_prefix(layer) or DELIMITER in layer:
+            raise ValueError(f"invalid layer name {layer!r} (letters, digits, _ or -, no dots)")
+        if not 1 <= k_best <= math.prod(int(g) for g in grid):
+            raise ValueError(f"k_best must be between 1 and the {math.prod(int(g) for g in grid)} experts of the grid, "
+                             f"got {k_best}")
         self.in_features = in_features
         self.grid = tuple(int(g) for g in grid)
         self.layer = layer
@@ -91,19 +100,21 @@ class MixtureBase(nn.Module):
         laps.lap("gate")
         chosen = self._choose(detached)                                # per row: uids, best first
         laps.lap("search")
+        started = time.monotonic()
         coords, valid = self._coords_tensor(chosen, flat.shape[0])     # [n, k, ndim], [n, k]
         expert_out, alive = self._run_experts(flat, chosen, laps)      # [n, k, out], [n, k]
         for _ in range(self.reroute_attempts):
             # Rows that none of their experts answered: the failed ones are banned now, so a second search
             # finds the next-best alive experts for exactly those rows (a dead server costs no lost rows).
             lost = torch.nonzero(valid.any(1) & ~(valid & alive).any(1)).squeeze(1)
-            if len(lost) == 0:
+            left = self._time_left(started)
+            if len(lost) == 0 or (left is not None and left <= 0):
                 break
             rechosen = self._choose([s[lost] for s in detached])
             if not any(rechosen):
                 break
             coords[lost], valid[lost] = self._coords_tensor(rechosen, len(lost))
-            retry_out, alive[lost] = self._run_experts(flat[lost], rechosen)
+            retry_out, alive[lost] = self._run_experts(flat[lost], rechosen, timeout=left)
             expert_out = expert_out.index_put((lost,), retry_out.to(expert_out.dtype))
         laps.lap("reroute")
         self.stats.forward_passes += 1
@@ -135,11 +146,20 @@ class MixtureBase(nn.Module):
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
         raise NotImplementedError
 
-    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]],
-                     laps: Laps | NoLaps = NO_LAPS) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]], laps: Laps | NoLaps = NO_LAPS,
+                     timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts' outputs and which of them answered; ``laps`` times the stages from ``plan``
-        to ``to_device`` (see :data:`CLIENT_STAGES`)."""
+        to ``to_device`` (see :data:`CLIENT_STAGES`); ``timeout``: the most seconds the calls may take (None: the
+        layer's own limit)."""
         raise NotImplementedError
+
+    def _time_left(self, started: float) -> float | None:
+        """Seconds a forward that began at ``started`` may still wait for experts (None: no limit)."""
+        return None
+
+    def _why_no_answers(self) -> str:
+        """What the last forward's failed calls said, for the error of rows that got no answer ('' if nothing)."""
+        return ""
 
     def _expert_codes(self, chosen: list[list[str]], n_rows: int) -> tuple[np.ndarray, list[str]]:
         """Per row and slot, the index of its expert among ``uids`` (-1 where a row has fewer than ``k_best``), and
@@ -184,7 +204,7 @@ class MixtureBase(nn.Module):
             if not self.allow_zero_outputs:
                 raise NoAliveExpertsError(
                     f"{missing} of {len(has_any)} rows got no answer from any expert of {self.layer!r}; "
-                    "pass allow_zero_outputs=True to use zeros for them instead"
+                    "pass allow_zero_outputs=True to use zeros for them instead" + self._why_no_answers()
                 )
         if self.switch:
             # the router's probability of each chosen expert over the whole grid: summed coordinate scores, so the
@@ -230,8 +250,8 @@ class LocalMixtureOfExperts(MixtureBase):
         top = total.topk(min(self.k_best, total.shape[1]), dim=1).indices.tolist()
         return [[self.uids[i] for i in row] for row in top]
 
-    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]],
-                     laps: Laps | NoLaps = NO_LAPS) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]], laps: Laps | NoLaps = NO_LAPS,
+                     timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         groups: dict[str, tuple[list[int], list[int]]] = {}
         for row, uids in enumerate(chosen):
             for slot, uid in enumerate(uids):

@@ -6,6 +6,7 @@ experts that fail, are late or answer nonsense (dropped, banned, renormalised ar
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple, Sequence
 
@@ -19,6 +20,7 @@ from dmoe.client.gating import MixtureBase
 from dmoe.client.remote_expert import backward_futures, forward_futures, new_activation_id
 from dmoe.timing import NO_LAPS, Laps, NoLaps
 from dmoe.wire import NONE, ChannelPool
+from dmoe.wire.codec import parse_compression
 
 
 class PlannedCall(NamedTuple):
@@ -68,6 +70,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 #: dtypes whose input gradients are summed with numpy (others with torch's index_add_)
 _NUMPY_SUMS = (torch.float32, torch.float64)
+#: what rows and gradients travel as: the experts' schema (every built-in class takes float32 rows; a server's
+#: --autocast decides the precision it computes in). Inputs of other float dtypes (under autocast, a .half() or
+#: .double() model) are cast for the wire and the mixture comes back in their dtype.
+WIRE_DTYPE = torch.float32
 
 
 class _RemoteExperts(torch.autograd.Function):
@@ -76,11 +82,12 @@ class _RemoteExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dummy: torch.Tensor, flat: torch.Tensor, policy: CallPolicy, plan: list[PlannedCall], k: int,
-                will_backward: bool, laps: Laps | NoLaps = NO_LAPS):
+                will_backward: bool, laps: Laps | NoLaps = NO_LAPS, timeout: float | None = None):
         inputs = flat.detach()
+        timeout = policy.forward_timeout if timeout is None else timeout
         # requests are built and answers gathered in host memory: inputs on a GPU cross to it once, and the
         # mixed outputs cross back once, instead of one small copy per expert each way
-        host = inputs.cpu().contiguous()
+        host = inputs.cpu().to(WIRE_DTYPE).contiguous()
         host_bits = _bits(host)
         laps.lap("to_host")
         # a backward will follow: the servers keep each forward's inputs (and activations) under its id until then
@@ -89,10 +96,9 @@ class _RemoteExperts(torch.autograd.Function):
         # one call per server carries all of its experts' requests; each expert still answers (or fails) alone
         futures = forward_futures([(uid, endpoint, [rows_in], activation_id)
                                    for (uid, endpoint, _, _), rows_in, activation_id in zip(plan, sent, ids)],
-                                  timeout=policy.forward_timeout, compression=policy.compression,
-                                  channels=policy.channels)
+                                  timeout=timeout, compression=policy.compression, channels=policy.channels)
         laps.lap("send")
-        wait_for_experts(futures, [call.rows for call in plan], len(inputs), policy.k_min, policy.forward_timeout,
+        wait_for_experts(futures, [call.rows for call in plan], len(inputs), policy.k_min, timeout,
                          policy.timeout_after_k_min)
         laps.lap("wait")
         out: torch.Tensor | None = None
@@ -101,18 +107,18 @@ class _RemoteExperts(torch.autograd.Function):
         answered = []
         for (uid, endpoint, rows, slots), future, activation_id, rows_in in zip(plan, futures, ids, sent):
             # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
-            result = policy.outcome(uid, endpoint, future, shape=(len(rows), inputs.shape[-1]))
+            result = policy.outcome(uid, endpoint, future, shape=(len(rows), inputs.shape[-1]), dtype=WIRE_DTYPE)
             if result is None:
                 continue
             if out is None:
-                out = _zeros((len(inputs), k, inputs.shape[-1]), result[0].dtype)
+                out = _zeros((len(inputs), k, inputs.shape[-1]), WIRE_DTYPE)
                 out_bits = _bits(out)
-            out_bits[rows, slots] = _bits(result[0].to(out.dtype))
+            out_bits[rows, slots] = _bits(result[0])
             alive[rows, slots] = True
             # the rows sent are kept only to send again if the server lost them (a backward sends gradients alone)
             answered.append(AnsweredCall(uid, endpoint, rows, slots, activation_id, rows_in))
         if out is None:
-            out = _zeros((len(inputs), k, inputs.shape[-1]), host.dtype)
+            out = _zeros((len(inputs), k, inputs.shape[-1]), WIRE_DTYPE)
         policy.stats.experts_chosen += len(plan)
         policy.stats.experts_dropped += len(plan) - len(answered)
         ctx.policy, ctx.answered, ctx.clock = policy, answered, laps.clock
@@ -120,7 +126,7 @@ class _RemoteExperts(torch.autograd.Function):
         alive_t = torch.from_numpy(alive)
         ctx.mark_non_differentiable(alive_t)
         laps.lap("gather")
-        out = out.to(inputs.device)
+        out = out.to(inputs.device, dtype=inputs.dtype)
         laps.lap("to_device")
         return out, alive_t
 
@@ -129,7 +135,8 @@ class _RemoteExperts(torch.autograd.Function):
         policy, answered = ctx.policy, ctx.answered
         shape, dtype, device = ctx.inputs_like
         laps = NO_LAPS if ctx.clock is None else ctx.clock.laps(device)
-        grad_host = grad_out.cpu().contiguous()  # one copy off the GPU, sliced per expert (with numpy: see _bits)
+        # one copy off the GPU, sliced per expert (with numpy: see _bits)
+        grad_host = grad_out.cpu().to(WIRE_DTYPE).contiguous()
         grad_bits = _bits(grad_host)
         laps.lap("bwd_to_host")
         futures = backward_futures([(uid, endpoint, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
@@ -146,7 +153,7 @@ class _RemoteExperts(torch.autograd.Function):
         wanted = np.zeros(shape[0], dtype=np.int64)
         for (uid, endpoint, rows, _, _, rows_in), future in zip(answered, futures):
             wanted[rows] += 1
-            result = policy.outcome(uid, endpoint, future, backward=True, shape=tuple(rows_in.shape))
+            result = policy.outcome(uid, endpoint, future, backward=True, shape=tuple(rows_in.shape), dtype=WIRE_DTYPE)
             if result is None:
                 continue
             if grad_sum is not None:
@@ -164,7 +171,7 @@ class _RemoteExperts(torch.autograd.Function):
         laps.lap("bwd_sum")
         grad_inputs = grad_inputs.to(device)
         laps.lap("bwd_to_device")
-        return None, grad_inputs, None, None, None, None, None
+        return None, grad_inputs, None, None, None, None, None, None
 
 
 class RemoteMixtureOfExperts(MixtureBase):
@@ -200,6 +207,21 @@ class RemoteMixtureOfExperts(MixtureBase):
                  channels: ChannelPool | None = None, cache: Any = None, reroute_attempts: int = 1,
                  switch: bool = False):
         super().__init__(in_features, grid, layer, k_best, allow_zero_outputs, switch)
+        if dht is None:
+            raise ValueError("dht is required: a dmoe.DHT node joined to the swarm, to find its experts")
+        if not 1 <= k_min <= k_best:
+            raise ValueError(f"k_min must be between 1 and k_best={k_best}, got {k_min}")
+        if not 0 <= backward_k_min <= k_best:
+            raise ValueError(f"backward_k_min must be between 0 and k_best={k_best}, got {backward_k_min}")
+        for name, seconds, zero_ok in (("forward_timeout", forward_timeout, False),
+                                       ("backward_timeout", backward_timeout, False),
+                                       ("timeout_after_k_min", timeout_after_k_min, True)):
+            if seconds is not None and not (seconds >= 0 if zero_ok else seconds > 0):
+                raise ValueError(f"{name} must be {'>= 0' if zero_ok else '> 0'} seconds (or None: no limit), "
+                                 f"got {seconds}")
+        if reroute_attempts < 0:
+            raise ValueError(f"reroute_attempts must be >= 0, got {reroute_attempts}")
+        compression = parse_compression(compression)  # raises ValueError naming the choices
         self.reroute_attempts = reroute_attempts
         self.dht = dht
         self.policy = CallPolicy(k_min=k_min, timeout_after_k_min=timeout_after_k_min,
@@ -213,6 +235,18 @@ class RemoteMixtureOfExperts(MixtureBase):
         # autograd needs one input that requires grad, or backward (and so the experts' training) is skipped
         # whenever the layer's inputs do not require grad.
         self._dummy = torch.empty(0, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.policy.refused = None  # what this forward's servers refuse, for its error
+        return super().forward(x)
+
+    def _time_left(self, started: float) -> float | None:
+        timeout = self.policy.forward_timeout
+        return None if timeout is None else timeout - (time.monotonic() - started)
+
+    def _why_no_answers(self) -> str:
+        refused = self.policy.refused
+        return "" if refused is None else f" (the servers refused the requests as invalid, e.g. {refused})"
 
     def _is_excluded(self, uid: str, endpoint: str) -> bool:
         return self.bans.is_banned(uid, endpoint)
@@ -237,9 +271,10 @@ class RemoteMixtureOfExperts(MixtureBase):
         return [PlannedCall(uid, self._endpoints[uid], group // self.k_best, group % self.k_best)
                 for uid, group in zip(uids, groups)]
 
-    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]],
-                     laps: Laps | NoLaps = NO_LAPS) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_experts(self, flat: torch.Tensor, chosen: list[list[str]], laps: Laps | NoLaps = NO_LAPS,
+                     timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self._plan(chosen)
         laps.lap("plan")
         # the dummy requires grad, so autograd records this call (and a backward can follow) whenever grad is on
-        return _RemoteExperts.apply(self._dummy, flat, self.policy, plan, self.k_best, torch.is_grad_enabled(), laps)
+        return _RemoteExperts.apply(self._dummy, flat, self.policy, plan, self.k_best, torch.is_grad_enabled(), laps,
+                                    timeout)
