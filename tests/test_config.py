@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import signal
+import socket
 import time
 
 import pytest
@@ -124,6 +125,8 @@ def test_every_server_and_trainer_flag_has_help():
     (["--initial-peers", "nowhere"], "--initial-peers"),
     (["--port", "70000"], "--port"),
     (["--period", "0"], "--period"),
+    (["--period", "inf"], "--period"),
+    (["--grid", "1000", "1000"], "--grid"),
     ([], "--initial-peers"),
 ])
 def test_monitor_rejects_bad_flags_naming_them(flags, named, capsys):
@@ -181,7 +184,41 @@ def test_num_experts_server_fills_the_cells_a_first_server_left_free():
                 assert time.monotonic() - started < 10
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("flags, named", [
+    (["--port", "70000"], "--port"),
+    (["--log-level", "bogus"], "--log-level"),
+    (["--initial-peers", "nowhere"], "--initial-peers"),
+    (["--routing-refresh-period", "0"], "routing_refresh_period"),
+    (["--max-concurrent-rpcs", "0"], "max_concurrent_rpcs"),
+    (["--rpc-timeout", "inf"], "rpc_timeout"),
+])
+def test_dht_program_rejects_bad_flags_naming_them(flags, named, capsys):
+    from dmoe.cli import dht as dht_program
+
+    with pytest.raises(SystemExit) as exit_info:
+        dht_program.main(flags)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_dht_program_stops_at_once_while_joining_a_silent_peer_and_fails_with_status_1():
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never answers
+    silent.bind(("127.0.0.1", 0))
+    try:
+        peer = f"127.0.0.1:{silent.getsockname()[1]}"
+        with running("-m", "dmoe.dht", "--initial-peers", peer, "--rpc-timeout", "30") as dht:
+            dht.wait_for("bound to UDP")
+            started = time.monotonic()
+            dht.popen.send_signal(signal.SIGINT)
+            assert dht.popen.wait(30) == 0
+            assert time.monotonic() - started < 10  # not the 30 s its join would take
+        with running("-m", "dmoe.dht", "--initial-peers", peer, "--rpc-timeout", "0.5") as dht:
+            assert dht.popen.wait(60) == 1  # python -m dmoe.dht says it failed
+    finally:
+        silent.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_dht_program_exits_promptly_on_signal(signum):
     with running("-m", "dmoe.dht", "--port", "0") as dht:
         dht.endpoint()

@@ -5,7 +5,8 @@
 Prints one line ``dmoe-dht listening on HOST:PORT`` once the node is up; pass that address to others as
 ``--initial-peers``. ``--num-nodes N`` runs N nodes on one event loop in this process (swarm tests and benchmarks on
 few cores). What the first node stores is signed with the key in ``--identity PATH`` (created if absent) or an
-ephemeral one. Stops cleanly on SIGINT/SIGTERM. Programs built on this one (``python -m dmoe.directory``) add what
+ephemeral one. Stops cleanly on SIGINT, SIGTERM or SIGHUP (unless ignored: nohup), also while joining. Any
+flag may come from a TOML file (``--config``). Programs built on this one (``python -m dmoe.directory``) add what
 their first node stores (:data:`Start`).
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ import signal
 import sys
 from typing import Awaitable, Callable, Sequence
 
+from dmoe.cli.config import add_config_argument, port_number
+from dmoe.cli.config import parse_args as parse_with_config
 from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
@@ -29,8 +32,10 @@ logger = logging.getLogger("dmoe.cli.dht")  # not __name__: that is __main__ whe
 #: What a program built on this one does once its nodes are up, before it says it is ready: it gets the first node
 #: and may return a task that runs until shutdown (cancelled then).
 Start = Callable[[DHTNode], Awaitable["asyncio.Task | None"]]
-#: The config fields the program takes as flags: all but client_mode, as others join through this program's nodes.
-FLAG_FIELDS = [field for field in dataclasses.fields(DHTConfig) if field.name != "client_mode"]
+#: The config fields the program takes as flags: all but client_mode, as others join through this program's nodes,
+#: and call_timeout, which only the blocking DHT facade uses.
+FLAG_FIELDS = [field for field in dataclasses.fields(DHTConfig) if field.name not in ("client_mode", "call_timeout")]
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _flag_bool(text: str) -> bool:
@@ -42,15 +47,16 @@ def _flag_bool(text: str) -> bool:
 def build_parser(prog: str = "dmoe-dht", description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
     """The node flags: where to listen, whom to join, the identity, and one flag per :class:`DHTConfig` field."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_config_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (UDP)")
-    parser.add_argument("--port", type=int, default=0, help="UDP port (0: any free port)")
+    parser.add_argument("--port", type=port_number, default=0, help="UDP port (0: any free port)")
     parser.add_argument("--initial-peers", nargs="*", default=[], metavar="HOST:PORT",
                         help="addresses of nodes already in the swarm (space- or comma-separated)")
     parser.add_argument("--num-nodes", type=int, default=1, help="run this many nodes in this process")
     parser.add_argument("--identity", default=None, metavar="PATH",
                         help="Ed25519 key file signing what the first node stores (created if absent; default: "
                              "ephemeral key)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     for field in FLAG_FIELDS:
         kind = _flag_bool if isinstance(field.default, bool) else type(field.default)
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default,
@@ -61,10 +67,19 @@ def build_parser(prog: str = "dmoe-dht", description: str = __doc__.split("\n\n"
 def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
                ) -> argparse.Namespace:
     parser = parser or build_parser()
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv)
     args.initial_peers = [peer for item in args.initial_peers for peer in item.split(",") if peer.strip()]
     if args.num_nodes < 1:
         parser.error("--num-nodes must be at least 1")
+    for peer in args.initial_peers:
+        try:
+            parse_endpoint(peer)
+        except ValueError as error:
+            parser.error(f"argument --initial-peers: {error}")
+    try:
+        DHTConfig(**{field.name: getattr(args, field.name) for field in FLAG_FIELDS})
+    except ValueError as error:
+        parser.error(f"DHT settings: {error}")
     return args
 
 
@@ -73,7 +88,10 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
     config = DHTConfig(**{field.name: getattr(args, field.name) for field in FLAG_FIELDS})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    signums = [signal.SIGINT, signal.SIGTERM]
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # not under nohup
+        signums.append(signal.SIGHUP)
+    for signum in signums:
         loop.add_signal_handler(signum, stop.set)
 
     async def stop_when_orphaned() -> None:
@@ -83,26 +101,22 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
         stop.set()
 
     watchdog = asyncio.ensure_future(stop_when_orphaned())
-    identity = Identity.load_or_create(args.identity) if args.identity else None
+    try:
+        identity = Identity.load_or_create(args.identity) if args.identity else None
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--identity: {error}") from None
     nodes: list[DHTNode] = []
     started: asyncio.Task | None = None
     try:
-        peers = [parse_endpoint(peer) for peer in args.initial_peers]
-        addresses = []
-        for _ in range(args.num_nodes):
-            node = DHTNode(config, identity=identity if not nodes else None)
-            nodes.append(node)
-            host, port = await node.listen(args.port if not addresses else 0, bare_host(args.host))
-            # bound to every interface: others reach it at this machine's address (the next nodes here too: a
-            # reply to a ping of 0.0.0.0 comes from another address, and is dropped as not the one asked)
-            shown = (outbound_host(peers) or machine_address() or "127.0.0.1") if host in WILDCARD_HOSTS else host
-            addresses.append(join_host_port(shown, port))
-            if peers and not await node.bootstrap(peers):
-                hint = ""
-                if is_loopback_ip(host) and outbound_host(peers) is not None:
-                    hint = f" (this node listens on {host}, from where no other machine can be reached: --host 0.0.0.0)"
-                raise ConnectionError(f"none of the initial peers {args.initial_peers} answered{hint}")
-            peers = peers or [(shown, port)]
+        up = asyncio.ensure_future(bring_up(args, config, identity, nodes))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({up, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not up.done():  # a stop signal while joining (a slow or silent peer): no need to wait for it
+            up.cancel()
+            logger.info("stopped before the nodes were up")
+            return
+        stopped.cancel()
+        addresses = up.result()
         if start is not None:
             started = await start(nodes[0])
         more = f" (and {len(addresses) - 1} more nodes: {' '.join(addresses[1:])})" if len(addresses) > 1 else ""
@@ -116,6 +130,33 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
             started.cancel()
         for node in nodes:
             node.stop()
+
+
+async def bring_up(args: argparse.Namespace, config: DHTConfig, identity: Identity | None,
+                   nodes: list[DHTNode]) -> list[str]:
+    """Starts ``args.num_nodes`` nodes (appended to ``nodes`` as they start) and joins them to the swarm; returns
+    the addresses others reach them at. Raises ValueError naming the flag for an address it cannot listen on."""
+    peers = [parse_endpoint(peer) for peer in args.initial_peers]
+    addresses: list[str] = []
+    for _ in range(args.num_nodes):
+        node = DHTNode(config, identity=identity if not nodes else None)
+        nodes.append(node)
+        try:
+            host, port = await node.listen(args.port if not addresses else 0, bare_host(args.host))
+        except OSError as error:
+            raise ValueError(f"--host {args.host} --port {args.port if not addresses else 0}: cannot listen there: "
+                             f"{error}") from None
+        # bound to every interface: others reach it at this machine's address (the next nodes here too: a
+        # reply to a ping of 0.0.0.0 comes from another address, and is dropped as not the one asked)
+        shown = (outbound_host(peers) or machine_address() or "127.0.0.1") if host in WILDCARD_HOSTS else host
+        addresses.append(join_host_port(shown, port))
+        if peers and not await node.bootstrap(peers):
+            hint = ""
+            if is_loopback_ip(host) and outbound_host(peers) is not None:
+                hint = f" (this node listens on {host}, from where no other machine can be reached: --host 0.0.0.0)"
+            raise ConnectionError(f"none of the initial peers {args.initial_peers} answered{hint}")
+        peers = peers or [(shown, port)]
+    return addresses
 
 
 def serve(args: argparse.Namespace, start: Start | None = None, prog: str = "dmoe-dht") -> int:

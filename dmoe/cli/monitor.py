@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 from typing import Sequence
@@ -28,6 +29,10 @@ def _layer(text: str) -> str:
     if not is_valid_prefix(text) or "." in text:
         raise argparse.ArgumentTypeError(f"invalid layer name {text!r} (letters, digits, _ or -, no dots)")
     return text
+
+
+#: the most grid cells (over all layers) the page shows: each is read from the DHT every period
+MAX_CELLS = 1 << 16
 
 
 def _peer(text: str) -> str:
@@ -63,6 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the monitor until SIGINT/SIGTERM; returns the exit status."""
     parser = build_parser()
     args = parse_args(parser, argv)
+    cells = math.prod(args.grid) * len(args.layers)
+    if cells > MAX_CELLS:
+        parser.error(f"argument --grid: {cells} cells to show, at most {MAX_CELLS} (the page reads every one each "
+                     "period)")
+    for flag in ("period", "info_timeout"):
+        if not getattr(args, flag) < 86400:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be under a day, got {getattr(args, flag)}")
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kademlia").setLevel(logging.WARNING)
     try:

@@ -72,3 +72,13 @@ class DHTConfig:
             raise ValueError("ksize, num_replicas, read_width and alpha must be positive")
         if self.rpc_timeout <= 0 or self.default_expiration <= 0 or self.max_expiration <= 0:
             raise ValueError("rpc_timeout, default_expiration and max_expiration must be positive")
+        finite = ("rpc_timeout", "hedge_after", "dead_node_ttl", "routing_refresh_period", "call_timeout")
+        bad = [name for name in finite if not 0 <= getattr(self, name) < float("inf")]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} must be finite and >= 0")
+        if self.routing_refresh_period <= 0 or self.call_timeout <= 0:
+            raise ValueError("routing_refresh_period and call_timeout must be positive")
+        at_least_one = ("max_concurrent_rpcs", "max_record_subkeys", "max_value_bytes", "max_records", "max_entries")
+        bad = [name for name in at_least_one if getattr(self, name) < 1]
+        if bad or self.socket_buffer_bytes < 0:
+            raise ValueError(f"{', '.join(bad) or 'socket_buffer_bytes'} must be at least {1 if bad else 0}")
