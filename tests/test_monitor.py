@@ -152,3 +152,20 @@ def test_page_in_a_headless_browser_draws_the_grid_and_drops_a_dead_servers_expe
         return states == {"dead"} and survivors == {"alive"} and cells.legend == [swarm.server_endpoints[0]], cells
     _, cells = wait_until(second_gone, 60, f"the experts of the killed server {dead_endpoint} to disappear")
     assert dead_endpoint not in json.dumps(get_json(f"http://{monitor}/api/swarm"))
+
+
+def test_an_idle_connection_to_the_page_is_closed_and_requests_are_still_answered():
+    import socket
+    from types import SimpleNamespace
+
+    from dmoe.monitor import MonitorServer
+
+    server = MonitorServer(SimpleNamespace(snapshot=lambda: {"layers": []}), idle_timeout=0.5).start()
+    try:
+        host, port = server.endpoint.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as idle:
+            idle.settimeout(10)
+            assert idle.recv(1) == b""  # closed by the server, well before this side's 10 s
+        assert get_json(f"http://{server.endpoint}/api/swarm") == {"layers": []}
+    finally:
+        server.close()

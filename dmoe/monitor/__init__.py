@@ -214,13 +214,17 @@ class MonitorServer:
     Args:
         monitor: whose snapshots to serve.
         host, port: where to listen (port 0: a free one; see :attr:`endpoint` once started).
+        idle_timeout: seconds a connection may send nothing before it is closed (each open connection holds a
+            thread: idle ones would pile up).
     """
 
-    def __init__(self, monitor: SwarmMonitor, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, monitor: SwarmMonitor, host: str = "127.0.0.1", port: int = 0, idle_timeout: float = 30.0):
         self.monitor = monitor
         html = page()
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = idle_timeout  # http.server closes a connection whose next request does not come in time
+
             def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
                 path = self.path.split("?", 1)[0]
                 if path in ("/", "/index.html"):
