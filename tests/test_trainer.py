@@ -198,7 +198,8 @@ def test_a_program_s_defaults_yield_to_a_config_file_and_the_command_line(tmp_pa
     assert parse_config([], defaults=defaults).max_minutes == 4.0
     config = parse_config(["--config", str(tmp_path / "c.toml")], defaults=defaults)
     assert (config.max_minutes, config.out_dir) == (0.5, "mine")
-    assert parse_config(["--config", str(tmp_path / "c.toml"), "--max-minutes", "2"], defaults=defaults).max_minutes == 2
+    config = parse_config(["--config", str(tmp_path / "c.toml"), "--max-minutes", "2"], defaults=defaults)
+    assert config.max_minutes == 2
 
 
 def test_flags_override_config_fields():

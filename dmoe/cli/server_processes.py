@@ -71,13 +71,11 @@ def check_checkpoint_layout(args: argparse.Namespace, parser: argparse.ArgumentP
         return None
     directory = Path(args.checkpoint_dir)
     lock = None
-    try:
-        if args.processes > 1:
+    if args.processes > 1:  # (one process: its server's checkpoints lock the directory)
+        try:
             lock = lock_directory(directory)  # creates it
-        elif directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(f"{directory} is not a directory")
-    except (CheckpointDirectoryInUse, OSError) as error:
-        parser.error(f"argument --checkpoint-dir: {error}")
+        except (CheckpointDirectoryInUse, OSError) as error:
+            parser.error(f"argument --checkpoint-dir: {error}")
     try:
         _check_layout(directory, args, parser)
     except BaseException:
@@ -226,7 +224,6 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
             finally:  # still under StopSignals: a second Ctrl-C does not kill the parent while the children stop
                 stop_children([child for child, _ in children])
     finally:
-        stop_children([child for child, _ in children])  # (nothing left to stop, unless StopSignals failed)
         dht.close()
     return status
 

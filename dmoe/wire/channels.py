@@ -84,9 +84,6 @@ class HeldCall:
                                            request_serializer=dmoe_pb2.Hold.SerializeToString,
                                            response_deserializer=dmoe_pb2.HoldEnd.FromString,
                                            _registered_method=True)
-        if not 0 < seconds < float("inf") or not 0 <= retry_seconds < float("inf"):
-            raise ValueError(f"hold seconds must be finite and > 0 (retry seconds >= 0), got {seconds} and "
-                             f"{retry_seconds}")
         self.endpoint, self.seconds, self.retry_seconds = endpoint, seconds, retry_seconds
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
