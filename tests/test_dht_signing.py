@@ -3,6 +3,7 @@ merge what replicas send, and the limits that keep a node alive under junk and f
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 import time
@@ -16,6 +17,7 @@ from dmoe.dht.messages import find_value_reply, parse_find_value_reply, record_t
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.signing import Identity, Verifier, verify
 from dmoe.dht.storage import Entry, NotOwner, RecordFull, RecordStorage, merge_records
+from dmoe.dht.throttle import ThrottledWarnings
 
 KEY, OTHER_KEY = b"k" * 20, b"o" * 20
 ALICE, MALLORY = Identity(), Identity()
@@ -193,3 +195,58 @@ def test_a_purge_that_frees_an_entry_lets_a_new_subkey_in_even_while_the_records
     assert storage.store(b, "new", "v", 1500.0) and storage.entries == 3
     with pytest.raises(RecordFull, match="max_records"):
         storage.store(b"C" * 20, "x", "v", 1500.0)
+
+
+def test_a_node_holds_a_flooding_machine_to_its_share_and_logs_one_warning_for_the_flood(caplog):
+    """Throwaway keys sign entries cheaply: without a share per machine, one flooder filled a node's max_entries
+    and locked every honest writer out; each refused entry was also a warning in the node's log."""
+    async def scenario() -> tuple[list, list]:
+        config = DHTConfig(max_entries=64, max_records=1024, sender_share=1 / 16)  # share: 4 entries
+        storage = RecordStorage(max_entries=64, max_records=1024, sender_share=1 / 16)
+        protocol = DHTProtocol(Node(b"n" * 20), storage, config)
+        node_id, expiration, flooder = b"s" * 20, time.time() + 600, Identity()
+        flood = [protocol.rpc_store(("203.0.113.9", 1), node_id, bytes([i]) * 20,
+                                    record_to_wire({1: flooder.entry(bytes([i]) * 20, 1, "evil:1", expiration)}))[0]
+                 for i in range(100)]
+        honest = [protocol.rpc_store(("198.51.100.7", 1), node_id, KEY,
+                                     record_to_wire({i: ALICE.entry(KEY, i, "a:1", expiration)}))[0] for i in range(4)]
+        return flood, honest
+
+    with caplog.at_level("WARNING", logger="dmoe.dht.protocol"):
+        flood, honest = asyncio.run(scenario())
+    assert flood[:32] == [True] * 32 and all("record full: 203.0.113.9 already holds 32" in r for r in flood[32:])
+    assert honest == [True] * 4
+    warnings = [r.getMessage() for r in caplog.records if "refusing store" in r.getMessage()]
+    assert len(warnings) == 1 and "203.0.113.9" in warnings[0], warnings
+
+
+def test_throttled_warnings_log_once_per_host_and_kind_a_period_and_few_in_all(caplog):
+    now = [0.0]
+    warnings = ThrottledWarnings(logging.getLogger("test.throttle"), period=60.0, max_per_period=3,
+                                 clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="test.throttle"):
+        assert warnings.warn("bad", "10.0.0.1", "bad datagram from %s", "10.0.0.1")
+        assert not warnings.warn("bad", "10.0.0.1", "bad datagram from %s", "10.0.0.1")
+        assert warnings.warn("forged", "10.0.0.1", "forged entry from %s", "10.0.0.1")
+        assert warnings.warn("bad", "10.0.0.2", "bad datagram from %s", "10.0.0.2")
+        assert not warnings.warn("bad", "10.0.0.3", "bad datagram from %s", "10.0.0.3"), "past max_per_period"
+        now[0] = 61.0
+        assert warnings.warn("bad", "10.0.0.1", "bad datagram from %s", "10.0.0.1%eth0")
+    logged = [r.getMessage() for r in caplog.records]
+    left_out = " ({} more warnings about peers left out since the last one)"
+    assert logged == ["bad datagram from 10.0.0.1", "forged entry from 10.0.0.1" + left_out.format(1),
+                      "bad datagram from 10.0.0.2", "bad datagram from 10.0.0.1%eth0" + left_out.format(1)]
+
+
+def test_a_flood_of_garbage_datagrams_is_one_warning():
+    async def scenario() -> bool:
+        protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+        logged = []
+        protocol.warnings.logger = type("Log", (), {"warning": lambda self, *args: logged.append(args)})()
+        for _ in range(1000):
+            protocol.datagram_received(b"\xff garbage", ("192.0.2.5", 9))
+            protocol.datagram_received(b"\x00", ("192.0.2.5", 9))
+        return logged
+
+    logged = asyncio.run(scenario())
+    assert len(logged) == 1 and "malformed datagram" in logged[0][0]

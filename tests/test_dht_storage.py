@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dmoe.dht.storage import Entry, RecordFull, RecordStorage, merge_records
+from dmoe.dht.storage import Entry, RecordFull, RecordStorage, merge_records, sender_group
 
 KEY = b"k" * 20
 
@@ -78,3 +78,64 @@ def test_a_records_version_changes_exactly_when_its_live_entries_do():
     now[0] = 130.0
     storage.get(KEY)                                               # subkey 2 expired
     assert storage.versions[KEY] != before_expiry
+
+
+def test_sender_groups_are_ipv4_hosts_and_ipv6_64s_and_this_host_is_nobody():
+    assert sender_group("10.1.2.3") == "10.1.2.3" and sender_group("::ffff:10.1.2.3") == "10.1.2.3"
+    assert sender_group("2001:db8:1:2::7") == sender_group("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
+    assert sender_group("2001:db8:1:3::7") != sender_group("2001:db8:1:2::7")
+    assert sender_group("fe80::1%eth0") == "fe80::/64"
+    for here in ("127.0.0.1", "127.5.5.5", "::1", "::ffff:127.0.0.1", "not an address", ""):
+        assert sender_group(here) == ""
+
+
+def test_one_flooding_sender_fills_at_most_half_a_node_and_its_share_and_honest_senders_still_store():
+    now = [100.0]
+    storage = RecordStorage(max_records=64, max_entries=32, sender_share=1 / 8, clock=lambda: now[0])  # share: 4
+    flooded = 0
+    with pytest.raises(RecordFull, match="10.0.0.66 already holds 16 of the 16 entries of this node, its share"):
+        for i in range(32):
+            storage.store(KEY, i, "evil:1", 110.0, sender="10.0.0.66")
+            flooded += 1
+    assert flooded == 16 and storage.entries_of["10.0.0.66"] == 16
+    assert storage.store(KEY, 3, "evil:1", 150.0, sender="10.0.0.66"), "refreshing what it holds was refused"
+    for i in range(100, 104):  # an honest machine still gets its share...
+        assert storage.store(KEY, i, "ok:1", 200.0, sender="10.0.0.7")
+    with pytest.raises(RecordFull, match="10.0.0.7 already holds 4"):  # ...and no more while the node is this full
+        storage.store(KEY, 104, "ok:1", 200.0, sender="10.0.0.7")
+    for i in range(200, 212):  # this host's own processes are nobody's share: only the caps bind them
+        assert storage.store(KEY, i, "here:1", 200.0)
+    with pytest.raises(RecordFull, match="max_entries"):
+        storage.store(KEY, 212, "here:1", 200.0)
+    assert storage.entries_of == {"10.0.0.66": 16, "10.0.0.7": 4, "": 12}
+    now[0] = 120.0  # the flood expires (but the refreshed entry): its room is everybody's again
+    for i in range(300, 312):
+        assert storage.store(KEY, i, "new:1", 200.0, sender=f"10.0.1.{i % 3}")
+    assert storage.entries_of == {"10.0.0.66": 1, "10.0.0.7": 4, "": 12, "10.0.1.0": 4, "10.0.1.1": 4,
+                                  "10.0.1.2": 4}
+    assert storage.entries == 29 and sum(storage.entries_of.values()) == storage.entries
+
+
+def test_a_flood_of_new_records_from_one_sender_is_held_to_its_share_of_records():
+    storage = RecordStorage(max_records=16, max_entries=1024, sender_share=1 / 8, clock=lambda: 100.0)  # share: 2
+    for i in range(8):
+        assert storage.store(bytes([i]) * 20, 1, "evil:1", 200.0, sender=sender_group("2001:db8::1"))
+    with pytest.raises(RecordFull, match="2001:db8::/64 already holds 8 of the 8 records"):
+        storage.store(b"x" * 20, 1, "evil:1", 200.0, sender=sender_group("2001:db8::2"))
+    assert storage.store(bytes([0]) * 20, 2, "evil:1", 200.0, sender=sender_group("2001:db8::2")), "a held record took no entry"
+    assert storage.store(b"y" * 20, 1, "ok:1", 200.0, sender="10.0.0.7")
+    assert storage.records_of == {"2001:db8::/64": 8, "10.0.0.7": 1}
+
+
+def test_an_entry_refreshed_by_another_machine_counts_against_that_machine_and_expiry_balances_the_books():
+    now = [100.0]
+    storage = RecordStorage(clock=lambda: now[0])
+    storage.store(KEY, 1, "a:1", 150.0, sender="10.0.0.1")
+    storage.store(KEY, 2, "a:1", 120.0, sender="10.0.0.1")
+    storage.store(KEY, 1, "a:1", 160.0, sender="10.0.0.2")  # a reader repairing the record with a newer copy
+    assert storage.entries_of == {"10.0.0.1": 1, "10.0.0.2": 1} and storage.records_of == {"10.0.0.1": 1}
+    assert not storage.store(KEY, 1, "a:1", 155.0, sender="10.0.0.3"), "an older copy replaced the newer one"
+    assert storage.entries_of == {"10.0.0.1": 1, "10.0.0.2": 1}
+    now[0] = 170.0
+    assert storage.get(KEY) is None
+    assert storage.entries_of == {} and storage.records_of == {} and storage.entries == 0

@@ -31,6 +31,9 @@ class DHTConfig:
         refused. Records times subkeys alone let a flood fill ~7 GiB; 2**19 entries of at most 96 bytes of value
         and 96 of key and signature are about 250 MB of Python objects, and a swarm's directory needs about one
         entry per expert (shared out over the nodes).
+    sender_share: once a node holds half of ``max_records`` or ``max_entries``, one sending machine (an IPv4
+        address, an IPv6 /64; not this host) gets no new record or entry there beyond this share of the cap, so one
+        flooding machine cannot lock honest writers out (:class:`dmoe.dht.storage.RecordStorage`).
     hedge_after: a lookup query unanswered for this long no longer holds the lookup up: the next closest node is
         asked too, and the lookup may finish without the slow one (its answer is still used if it comes in time).
     dead_node_ttl: a node that failed to answer is skipped by lookups for this long (unless it contacts us first),
@@ -63,6 +66,7 @@ class DHTConfig:
     max_value_bytes: int = 96
     max_records: int = 1 << 16
     max_entries: int = 1 << 19
+    sender_share: float = 1 / 16
     routing_refresh_period: float = 600.0
     call_timeout: float = 60.0
     client_mode: bool = False
@@ -79,6 +83,8 @@ class DHTConfig:
         if self.routing_refresh_period <= 0 or self.call_timeout <= 0:
             raise ValueError("routing_refresh_period and call_timeout must be positive")
         at_least_one = ("max_concurrent_rpcs", "max_record_subkeys", "max_value_bytes", "max_records", "max_entries")
+        if not 0 < self.sender_share <= 1:
+            raise ValueError(f"sender_share must be in (0, 1], got {self.sender_share}")
         bad = [name for name in at_least_one if getattr(self, name) < 1]
         if bad or self.socket_buffer_bytes < 0:
             raise ValueError(f"{', '.join(bad) or 'socket_buffer_bytes'} must be at least {1 if bad else 0}")

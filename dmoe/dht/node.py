@@ -71,7 +71,8 @@ class DHTNode(Server):
         self.identity = identity or Identity()  # signs what this node stores
         self.storage: RecordStorage = RecordStorage(self.config.max_record_subkeys, self.config.max_expiration,
                                                     max_records=self.config.max_records,
-                                                    max_entries=self.config.max_entries)
+                                                    max_entries=self.config.max_entries,
+                                                    sender_share=self.config.sender_share)
         self.protocol: DHTProtocol | None = None
 
     def _create_protocol(self) -> DHTProtocol:

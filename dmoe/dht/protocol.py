@@ -22,7 +22,8 @@ from dmoe.dht.messages import (ID_BYTES, VALUES_HEADER, EncodedReplies, Malforme
 from dmoe.dht.peers import EVICT_AFTER_FAILURES, PeerBook
 from dmoe.dht.routing import DHTRoutingTable
 from dmoe.dht.signing import Verifier
-from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage
+from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, sender_group
+from dmoe.dht.throttle import ThrottledWarnings
 from dmoe.dht.transport import REPLY_BUDGET_BYTES, UDPTransport, chunk_entries
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ class DHTProtocol(UDPTransport):
         self.verifier = Verifier()
         self.replies = ReplyParser(self.verifier, config.max_value_bytes)  # what this node is sent
         self.encoded = EncodedReplies()  # what this node sends
+        self.refusals = ThrottledWarnings(logger)  # stores refused, per sender: a flood must not flood the log
         self._value_batches: dict[tuple[str, int], list[ValueAsk]] = {}
-        self._skew_warned: dict[str, float] = {}  # sender host -> when its clock was last suspected (monotonic)
 
     # ---- asking -------------------------------------------------------------------------------------------
     async def call_ping(self, node_to_ask: Node) -> tuple[bool, Any]:
@@ -206,6 +207,7 @@ class DHTProtocol(UDPTransport):
         key = check_id(key, "key")
         record = record_from_wire(entries, self.config.max_value_bytes)
         self._sender(sender, nodeid)
+        group = sender_group(sender[0])
         results: list[bool | str] = []
         for subkey, entry in record.items():
             current = self.storage.entry(key, subkey)
@@ -216,22 +218,23 @@ class DHTProtocol(UDPTransport):
                 if current.owner == entry.owner:
                     results.append(False)
                     continue
-                logger.warning("refusing store from %s: subkey %s of %s is owned by another key", sender, subkey,
-                               key.hex()[:16])
+                self.refusals.warn("hijack", sender[0], "refusing store from %s: subkey %s of %s is owned by another "
+                                   "key", sender, subkey, key.hex()[:16])
                 results.append(f"refused: subkey {subkey} is owned by {current.owner.hex()[:16]}")
                 continue
             if not self.verifier(key, subkey, *entry):
-                logger.warning("refusing unsigned or forged entry %s of %s from %s", subkey, key.hex()[:16], sender)
+                self.refusals.warn("forged", sender[0], "refusing unsigned or forged entry %s of %s from %s", subkey,
+                                   key.hex()[:16], sender)
                 results.append("refused: unsigned or bad signature")
                 continue
             self._check_clock(sender, entry.expiration)
             try:
-                results.append(self.storage.store(key, subkey, *entry))
+                results.append(self.storage.store(key, subkey, *entry, sender=group))
             except RecordFull as error:
-                logger.warning("refusing store from %s: %s", sender, error)
+                self.refusals.warn("full", sender[0], "refusing store from %s: %s", sender, error)
                 results.append(f"record full: {error}")
             except NotOwner as error:
-                logger.warning("refusing store from %s: %s", sender, error)
+                self.refusals.warn("hijack", sender[0], "refusing store from %s: %s", sender, error)
                 results.append(f"refused: {error}")
         return results
 
@@ -245,15 +248,10 @@ class DHTProtocol(UDPTransport):
                else 0.0)
         if off <= CLOCK_SKEW_WARNING:
             return
-        host, last = sender[0], self._skew_warned.get(sender[0])
-        if last is not None and time.monotonic() - last < 60.0:
-            return
-        if len(self._skew_warned) >= 1024:
-            self._skew_warned.clear()
-        self._skew_warned[host] = time.monotonic()
-        logger.warning("%s stored an entry %s by %.0f s, which this node drops: is one of the two machines' clocks "
-                       "off? Records expire by wall-clock time (keep clocks synchronised, e.g. with NTP)", host,
-                       "already expired" if expiration <= now else "expiring beyond max_expiration", off)
+        self.refusals.warn("clock", sender[0], "%s stored an entry %s by %.0f s, which this node drops: is one of the "
+                           "two machines' clocks off? Records expire by wall-clock time (keep clocks synchronised, "
+                           "e.g. with NTP)", sender[0],
+                           "already expired" if expiration <= now else "expiring beyond max_expiration", off)
 
     def rpc_find_node(self, sender: tuple[str, int], nodeid: Any, key: Any) -> list[tuple[bytes, str, int]]:
         key = check_id(key, "key")

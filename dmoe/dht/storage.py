@@ -15,6 +15,7 @@ Entries are signed (:mod:`dmoe.dht.signing`) and come in two kinds, told apart b
 """
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections import defaultdict
 from typing import Callable, Iterator, NamedTuple, Union
@@ -36,7 +37,24 @@ Record = dict[Subkey, Entry]
 
 class RecordFull(ValueError):
     """A store would grow a record past ``max_record_subkeys`` (its replies would no longer fit in a datagram),
-    or the node past ``max_records`` or ``max_entries``."""
+    the node past ``max_records`` or ``max_entries``, or its sender past its share of a node over half full."""
+
+
+def sender_group(host: str) -> str:
+    """Whose share of a node's storage a store from ``host`` counts against: the IPv4 address, or an IPv6 address's
+    /64 (one machine is commonly given a whole /64, so its addresses are one sender). Loopback and unparsable hosts
+    give ``""``: this machine's own processes, which no share limits."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return ""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return ""
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 class NotOwner(ValueError):
@@ -113,15 +131,34 @@ def missing_entries(held: Record, record: Record, *, older_too: bool = False) ->
 
 
 class RecordStorage(IStorage):
-    """A node's local records, keyed by the 20-byte key digest."""
+    """A node's local records, keyed by the 20-byte key digest.
+
+    Senders' shares: ``max_records`` and ``max_entries`` alone let one flooding machine fill a node (signing
+    entries under throwaway keys is cheap) and lock every honest writer out until its entries expire, which it
+    can postpone by refreshing them. So once a node holds half of either cap, a sender (:func:`sender_group`)
+    that already holds ``sender_share`` of it gets no new record or entry there; refreshing what it holds still
+    works. One machine then fills at most half of a node plus its share, and locking honest writers out takes
+    a flood from about ``1 / (2 * sender_share)`` machines (8 with the default 1/16; a sender able to forge UDP
+    source addresses still needs only one). While a node is under half
+    full a sender may hold any amount: a swarm small enough that every node holds every record (one machine's
+    server declaring thousands of experts) stays unaffected.
+    """
 
     def __init__(self, max_subkeys: int = 256, max_expiration: float = 3600.0,
-                 clock: Callable[[], float] = time.time, max_records: int = 1 << 16, max_entries: int = 1 << 19):
+                 clock: Callable[[], float] = time.time, max_records: int = 1 << 16, max_entries: int = 1 << 19,
+                 sender_share: float = 1 / 16):
         self.max_subkeys = max_subkeys
         self.max_expiration = max_expiration
         self.max_records = max_records
         #: entries of all records together: records times subkeys alone allowed 16.7M (~7 GiB of Python objects)
         self.max_entries = max_entries
+        self.records_share = max(1, int(max_records * sender_share))
+        self.entries_share = max(1, int(max_entries * sender_share))
+        #: per sender group, the entries it stored that are held now, and the records its stores created
+        self.entries_of: dict[str, int] = defaultdict(int)
+        self.records_of: dict[str, int] = defaultdict(int)
+        self._entry_senders: dict[bytes, dict[Subkey, str]] = {}  # per key and subkey, who stored the entry held
+        self._record_senders: dict[bytes, str] = {}  # per key, whose store created the record
         self.clock = clock
         self.data: dict[bytes, Record] = {}
         self.entries = 0  # held now, expired ones included until they are dropped
@@ -135,12 +172,13 @@ class RecordStorage(IStorage):
         self._soonest: dict[bytes, float] = {}
 
     def store(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes = b"",
-              signature: bytes = b"") -> bool:
+              signature: bytes = b"", *, sender: str = "") -> bool:
         """Merges one entry; False if already expired, too far in the future (signed) or older than what is held.
 
         Raises :class:`RecordFull` or :class:`NotOwner`. An unsigned expiration further than ``max_expiration``
         ahead is capped; a signed one cannot be re-dated without breaking its signature, so it is refused.
-        Signatures are checked by the caller (the protocol), not here.
+        Signatures are checked by the caller (the protocol), not here. ``sender``: the :func:`sender_group` of
+        the machine that sent the store, whose share it counts against (``""``: this node or this machine).
         """
         now = self.clock()
         expiration = float(expiration)
@@ -156,24 +194,46 @@ class RecordStorage(IStorage):
                 self._purge()
                 if len(self.data) >= self.max_records:
                     raise RecordFull(f"this node already holds {len(self.data)} records (max_records)")
+            self._check_share(sender, "records", len(self.data), self.max_records, self.records_of,
+                              self.records_share)
         if record is None or subkey not in record:
             if self.entries >= self.max_entries:
                 self._purge()
                 if self.entries >= self.max_entries:
                     raise RecordFull(f"this node already holds {self.entries} entries (max_entries)")
+            self._check_share(sender, "entries", self.entries, self.max_entries, self.entries_of, self.entries_share)
             if record is not None and len(record) >= self.max_subkeys:
                 raise RecordFull(f"record {key.hex()} already holds {len(record)} subkeys (max_record_subkeys)")
             record = self._live(key) if record is not None else None  # a purge may have dropped it
             if record is None:
                 record = self.data[key] = {}
+                self._record_senders[key] = sender
+                self.records_of[sender] += 1
         before = record.get(subkey)
         stored = merge_entry(record, subkey, Entry(value, expiration, owner, signature))
         if before is None and subkey in record:
             self.entries += 1
         if record.get(subkey) is not before:
+            senders = self._entry_senders.setdefault(key, {})
+            if before is not None:  # the entry is now the newer writer's
+                self._forget(self.entries_of, senders.get(subkey, ""))
+            senders[subkey] = sender
+            self.entries_of[sender] += 1
             self._changed(key)
             self._soonest[key] = min(expiration, self._soonest.get(key, expiration))
         return stored
+
+    def _check_share(self, sender: str, what: str, held: int, cap: int, of: dict[str, int], share: int) -> None:
+        """Refuses a new record or entry of ``sender`` that holds its share of a node at least half full."""
+        if sender and held >= cap // 2 and of.get(sender, 0) >= share:
+            raise RecordFull(f"{sender} already holds {of[sender]} of the {held} {what} of this node, its share of a "
+                             f"node over half full (max_{what} x sender_share)")
+
+    @staticmethod
+    def _forget(of: dict[str, int], sender: str) -> None:
+        of[sender] -= 1
+        if not of[sender]:
+            del of[sender]
 
     def _changed(self, key: bytes) -> None:
         self._changes += 1
@@ -201,8 +261,10 @@ class RecordStorage(IStorage):
         if now < self._soonest.get(key, now):
             return record
         expired = [s for s, entry in record.items() if entry.expiration <= now]
+        senders = self._entry_senders.get(key, {})
         for subkey in expired:
             del record[subkey]
+            self._forget(self.entries_of, senders.pop(subkey, ""))
         self.entries -= len(expired)
         if expired:
             self._changed(key)
@@ -210,6 +272,8 @@ class RecordStorage(IStorage):
             del self.data[key]
             self.versions.pop(key, None)
             self._soonest.pop(key, None)
+            self._entry_senders.pop(key, None)
+            self._forget(self.records_of, self._record_senders.pop(key, ""))
             return None
         self._soonest[key] = min(entry.expiration for entry in record.values())
         return record

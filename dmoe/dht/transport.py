@@ -21,6 +21,7 @@ from rpcudp.protocol import RPCProtocol
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.messages import MalformedRequest, valid_port
+from dmoe.dht.throttle import ThrottledWarnings
 
 logger = logging.getLogger(__name__)
 
@@ -77,24 +78,27 @@ class UDPTransport(RPCProtocol):
         self._slots = asyncio.Semaphore(config.max_concurrent_rpcs)
         self._tasks: set[asyncio.Future] = set()  # strong references to fire-and-forget work
         self._drain_socket: socket.socket | None = None  # see drain()
+        self.warnings = ThrottledWarnings(logger)  # about what peers send: a flood of garbage must not flood the log
 
     # ---- receiving ----------------------------------------------------------------------------------------
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         kind = data[:1]
         if len(data) < HEADER_BYTES + 1 or kind not in (REQUEST, RESPONSE):
-            logger.warning("dropping malformed datagram of %d bytes from %s", len(data), addr)
+            self.warnings.warn("malformed", addr[0], "dropping malformed datagram of %d bytes from %s", len(data),
+                               addr)
             return
         if kind == REQUEST and not self.serves:
             logger.debug("not answering a request from %s: this node is in client mode", addr)
             return
         if kind == REQUEST and len(data) > HEADER_BYTES + MAX_REQUEST_BYTES:
-            logger.warning("dropping oversized request of %d bytes from %s", len(data), addr)
+            self.warnings.warn("oversized", addr[0], "dropping oversized request of %d bytes from %s", len(data),
+                               addr)
             return
         msg_id = data[1:HEADER_BYTES]
         try:
             payload = msgpack.unpackb(data[HEADER_BYTES:])
         except Exception as error:  # msgpack raises many types on garbage; none may kill the node
-            logger.warning("dropping undecodable datagram from %s: %r", addr, error)
+            self.warnings.warn("undecodable", addr[0], "dropping undecodable datagram from %s: %r", addr, error)
             return
         if kind == REQUEST:
             self._handle_request(msg_id, payload, addr)
@@ -107,7 +111,8 @@ class UDPTransport(RPCProtocol):
             logger.debug("ignoring late or unknown response from %s", address)
             return
         if tuple(address[:2]) != pending.address:
-            logger.warning("ignoring response from %s to a request sent to %s", address, pending.address)
+            self.warnings.warn("misdirected", address[0], "ignoring response from %s to a request sent to %s", address,
+                               pending.address)
             return
         pending.timeout.cancel()
         del self._outstanding[msg_id]
@@ -117,13 +122,14 @@ class UDPTransport(RPCProtocol):
     def _handle_request(self, msg_id: bytes, data: Any, address: tuple[str, int]) -> None:
         if not (isinstance(data, (list, tuple)) and len(data) == 2 and data[0] in self.rpc_names
                 and isinstance(data[1], (list, tuple))):
-            logger.warning("dropping malformed request from %s", address)
+            self.warnings.warn("malformed", address[0], "dropping malformed request from %s", address)
             return
         name, args = data
         try:
             response = getattr(self, f"rpc_{name}")(address, *args)
         except (MalformedRequest, TypeError, ValueError) as error:
-            logger.warning("dropping malformed %s request from %s: %s", name, address, error)
+            self.warnings.warn("malformed", address[0], "dropping malformed %s request from %s: %s", name, address,
+                               error)
             return
         except Exception:  # a bug serving one request must not take the node down
             logger.exception("failed to serve %s request from %s", name, address)
