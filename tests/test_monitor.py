@@ -169,3 +169,32 @@ def test_an_idle_connection_to_the_page_is_closed_and_requests_are_still_answere
         assert get_json(f"http://{server.endpoint}/api/swarm") == {"layers": []}
     finally:
         server.close()
+
+
+def test_the_page_is_served_while_the_first_poll_still_runs_and_shows_it_never_updated(monkeypatch):
+    """The first poll reads every cell and asks every alive expert for its info (seconds on a large grid); the
+    monitor used to run it before it listened, and signals waited for it."""
+    import threading
+    from types import SimpleNamespace
+
+    from dmoe.monitor import MonitorServer, SwarmMonitor
+
+    polling, release, pollers = threading.Event(), threading.Event(), []
+
+    def slow_poll() -> None:
+        pollers.append(threading.current_thread())
+        polling.set()
+        if threading.current_thread() is not threading.main_thread():  # would block start() itself: fail instead
+            release.wait(60)
+
+    monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], (2, 2), dht=SimpleNamespace(), period=0.1)
+    monkeypatch.setattr(monitor, "_poll", slow_poll)
+    try:
+        with monitor, MonitorServer(monitor) as server:
+            assert polling.wait(10), "the first poll did not start"
+            assert pollers[0] is not threading.main_thread(), "the first poll ran before the page was served"
+            view = get_json(f"http://{server.endpoint}/api/swarm")
+            assert view["updated"] is None and view["layers"][0]["alive"] == 0
+            release.set()
+    finally:
+        release.set()

@@ -65,6 +65,7 @@ class SwarmMonitor:
         self._colors: dict[str, str] = {}
         self._previous: dict[tuple[str, str], tuple[float, int]] = {}  # (uid, endpoint) -> (time, calls)
         self._lock = threading.Lock()
+        self._polling = threading.Lock()
         self._snapshot: dict[str, Any] = self._empty()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -92,7 +93,12 @@ class SwarmMonitor:
         return info, time.monotonic() - started
 
     def poll(self) -> dict[str, Any]:
-        """Reads the DHT and every alive expert now; stores and returns the new snapshot."""
+        """Reads the DHT and every alive expert now; stores and returns the new snapshot. One poll at a time: a
+        caller's poll waits for the background thread's (their bookkeeping of calls per second is shared)."""
+        with self._polling:
+            return self._poll()
+
+    def _poll(self) -> dict[str, Any]:
         snapshot = self._empty()
         located: dict[str, str] = {}
         for layer in snapshot["layers"]:
@@ -170,18 +176,22 @@ class SwarmMonitor:
             return self._snapshot
 
     def start(self) -> "SwarmMonitor":
-        """Polls once now, then every ``period`` seconds in a background thread."""
-        self.poll()
+        """Polls at once and then every ``period`` seconds, in a background thread.
+
+        The first poll runs there too: it reads every cell of the grid and asks every alive expert for its info,
+        which takes up to seconds, and the page should be served (showing "updated never") and signals obeyed
+        meanwhile."""
         self._thread = threading.Thread(target=self._run, name="dmoe-monitor", daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period):
+        while not self._stop.is_set():
             try:
                 self.poll()
             except Exception:  # noqa: BLE001 - the monitor outlives a bad poll
                 logger.exception("poll failed")
+            self._stop.wait(self.period)
 
     def close(self) -> None:
         """Stops polling and closes the DHT node it made; safe to call twice."""
