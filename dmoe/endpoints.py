@@ -26,6 +26,15 @@ def bare_host(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:10.0.0.1:5000`` gives ``10.0.0.1``, ``ipv6:[::1]:5000`` gives
+    ``::1``, ``ipv6:%5B::1%5D:5000`` too); a unix socket's peer gives ``"unix"``."""
+    kind, _, address = peer.partition(":")
+    if kind == "unix":
+        return "unix"
+    return address.rpartition(":")[0].replace("%5B", "[").replace("%5D", "]").strip("[]").lower()
+
+
 def reachable_endpoint(host: str, port: int | str) -> str:
     """Where a server bound to ``host`` is reached from this machine: a wildcard host at 127.0.0.1."""
     return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)

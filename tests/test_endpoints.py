@@ -18,6 +18,7 @@ from dmoe.endpoints import (
     join_host_port,
     machine_address,
     outbound_host,
+    peer_host,
     reachable_endpoint,
 )
 from dmoe.monitor import MonitorServer
@@ -45,6 +46,13 @@ def test_an_ipv6_host_is_put_in_brackets_once_and_a_wildcard_is_reached_on_loopb
         assert reachable_endpoint(wildcard, 7) == "127.0.0.1:7"
     assert reachable_endpoint("2001:db8::1", 7) == "[2001:db8::1]:7"
     assert bare_host("[::1]") == "::1" and bare_host("::1") == "::1" and bare_host("10.0.0.5") == "10.0.0.5"
+
+
+def test_a_grpc_peer_names_its_host_in_every_form_grpc_writes():
+    assert peer_host("ipv4:10.0.0.1:5000") == "10.0.0.1"
+    assert peer_host("ipv6:[::1]:5000") == peer_host("ipv6:%5B::1%5D:5000") == "::1"
+    assert peer_host("ipv6:[2001:DB8::7]:1") == "2001:db8::7"
+    assert peer_host("unix:/tmp/socket") == "unix"
 
 
 def test_a_node_given_no_host_listens_on_loopback_only_for_a_swarm_on_this_host():

@@ -136,3 +136,19 @@ def test_a_server_without_holds_is_not_asked_again():
             assert not hold.open
     finally:
         other.stop(None)
+
+
+def test_one_host_cannot_take_every_hold_of_a_server():
+    server = ExpertServer.create("nop.[0:1]", "nop", HIDDEN, config=ServerConfig(device="cpu", host="127.0.0.1")).start()
+    try:
+        server.servicer.max_holds_per_host = 1
+        with ChannelPool() as first, ChannelPool() as second:
+            sequential_calls(server.endpoint, first, 1)
+            wait_until(lambda: server.servicer.holds_by_host == {"127.0.0.1": 1})
+            sequential_calls(server.endpoint, second, 1)
+            wait_until(lambda: second.held(server.endpoint).ended_by is not None)
+            assert second.held(server.endpoint).ended_by == "RESOURCE_EXHAUSTED"
+            assert server.servicer.holds == 1 and first.held(server.endpoint).open
+        wait_until(lambda: server.servicer.holds == 0 and server.servicer.holds_by_host == {})
+    finally:
+        server.close()

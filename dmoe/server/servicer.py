@@ -14,6 +14,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from dmoe.endpoints import peer_host
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
 from dmoe.server.profile import StageClock
@@ -127,6 +128,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             None: it refuses them, and clients on this host call the plain way.
         max_holds: ``hold`` calls open at once beyond this are refused (RESOURCE_EXHAUSTED): each is a coroutine
             and an HTTP/2 stream here, and a client opens one per channel.
+        max_holds_per_host: the same, for the calls of one client machine, so that one cannot take them all (a
+            client refused a hold calls on without one, a little slower).
         max_hold_seconds: no ``hold`` call is answered later than this.
     """
 
@@ -136,7 +139,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                  reject_nonfinite: bool = True, max_abs_value: float | None = None,
                  max_batch_items: int = MAX_BATCH_ITEMS, stages: StageClock | None = None,
                  shared_memory: SegmentMaps | None = None, max_holds: int = 4096,
-                 max_hold_seconds: float = 60.0):
+                 max_holds_per_host: int = 256, max_hold_seconds: float = 60.0):
         self.experts, self.runtime = experts, runtime
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
@@ -147,7 +150,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         self.stages = stages
         self.shared_memory = shared_memory
         self.max_holds, self.max_hold_seconds = max_holds, max_hold_seconds
+        self.max_holds_per_host = max_holds_per_host
         self.holds = 0  # hold calls open now
+        self.holds_by_host: dict[str, int] = {}
         self._stopping = asyncio.Event()  # set on the server's loop by release_holds()
 
     def _lookup(self, uid: str) -> HostedExpert:
@@ -181,7 +186,12 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         if self.holds >= self.max_holds:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this server keeps at most {self.max_holds} hold calls open")
+        host = peer_host(context.peer())
+        if self.holds_by_host.get(host, 0) >= self.max_holds_per_host:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this server keeps at most "
+                                f"{self.max_holds_per_host} hold calls of one host open")
         self.holds += 1
+        self.holds_by_host[host] = self.holds_by_host.get(host, 0) + 1
         try:
             try:
                 await asyncio.wait_for(self._stopping.wait(), min(request.seconds, self.max_hold_seconds))
@@ -190,6 +200,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             return dmoe_pb2.HoldEnd(stopping=self._stopping.is_set())
         finally:
             self.holds -= 1
+            self.holds_by_host[host] -= 1
+            if not self.holds_by_host[host]:
+                del self.holds_by_host[host]
 
     def release_holds(self) -> None:
         """Answers every open ``hold`` call, and any later one at once (run on the server's event loop, before it

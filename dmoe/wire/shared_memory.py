@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import grpc
 
-from dmoe.endpoints import is_loopback_ip
+from dmoe.endpoints import is_loopback_ip, peer_host
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.zerocopy import ANSWER_PARSERS
 
@@ -75,10 +75,8 @@ def _round_up(value: int, step: int) -> int:
 
 def is_loopback_peer(peer: str) -> bool:
     """Whether a gRPC peer string (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``) is on this host."""
-    kind, _, address = peer.partition(":")
-    if kind == "unix":
-        return True
-    return kind in ("ipv4", "ipv6") and is_loopback_ip(address.rpartition(":")[0].strip("[]").lower())
+    host = peer_host(peer)
+    return host == "unix" or (peer.startswith(("ipv4:", "ipv6:")) and is_loopback_ip(host))
 
 
 def is_local_endpoint(endpoint: str) -> bool:
