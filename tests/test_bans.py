@@ -1,5 +1,11 @@
-"""The client's ban book: how long failed experts and servers are avoided."""
+"""The client's ban book: how long failed experts and servers are avoided, and which failures ban."""
+from concurrent.futures import Future
+
+import grpc
+
 from dmoe.client.bans import BanConfig, Bans
+from dmoe.client.failures import CallPolicy
+from dmoe.client.remote_expert import RemoteExpertError
 
 
 class Clock:
@@ -30,3 +36,23 @@ def test_an_expert_ban_leaves_the_other_experts_of_its_server_alone():
     bans = Bans(clock=Clock())
     bans.fail(uid="ffn0.1.2")
     assert bans.is_banned("ffn0.1.2", "a:1") and not bans.is_banned("ffn0.1.3", "a:1")
+
+
+def failed(code: grpc.StatusCode) -> Future:
+    future = Future()
+    future.set_exception(RemoteExpertError("ffn0.1.2", "a:1", code, "input 0: expected shape [*, 16]"))
+    return future
+
+
+def test_a_refusal_as_invalid_drops_the_expert_but_neither_bans_nor_readmits_it():
+    clock = Clock()
+    policy = CallPolicy(bans=Bans(clock=clock))
+    assert policy.outcome("ffn0.1.2", "a:1", failed(grpc.StatusCode.INVALID_ARGUMENT)) is None
+    assert policy.outcome("ffn0.1.2", "a:1", failed(grpc.StatusCode.INVALID_ARGUMENT), backward=True) is None
+    assert len(policy.bans) == 0 and policy.stats.backward_failures == 1
+    assert policy.refusing == {"ffn0.1.2"} and "expected shape" in policy.refused
+    assert policy.outcome("ffn0.1.2", "a:1", failed(grpc.StatusCode.INTERNAL)) is None  # a real failure still bans
+    assert policy.bans.is_banned("ffn0.1.2", "a:1")
+    clock.now += 1.5
+    policy.outcome("ffn0.1.2", "a:1", failed(grpc.StatusCode.INVALID_ARGUMENT))  # the record stays: next ban doubles
+    assert policy.bans.fail(uid="ffn0.1.2") == 2.0

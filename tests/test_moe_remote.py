@@ -1,5 +1,6 @@
 """The DMoE layer against a real local swarm: batching per expert, same maths as in-process, dead servers,
 and the trainer surviving a server killed in the middle of training."""
+import logging
 import re
 import time
 import urllib.request
@@ -7,6 +8,7 @@ import urllib.request
 import pytest
 import torch
 
+from dmoe.client.bans import BanConfig
 from dmoe.client.gating import LocalMixtureOfExperts, NoAliveExpertsError
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import expert_info
@@ -207,3 +209,43 @@ def test_rerouted_rows_wait_only_for_what_is_left_of_the_forward_timeout():
             elapsed = time.monotonic() - started
     assert layer.stats.experts_dropped >= 1
     assert elapsed < 2.4, elapsed  # a second full timeout for the reroute would take 3 s
+
+
+def test_a_refusal_as_invalid_drops_the_expert_from_that_call_only_and_bans_nothing(caplog):
+    """INVALID_ARGUMENT is usually the caller's own mistake, and one ban book serves every layer of a trainer: a
+    refused call must not make the layers avoid healthy experts. Rows the strict server refuses are rerouted within
+    the call, and the next call with acceptable rows uses its experts again."""
+    strict = [uid for uid in UIDS if uid.startswith("ffn0.0.")]
+    with processes() as procs:
+        boot = Proc(["-m", "dmoe.dht", "--host", "127.0.0.1", "--port", "0"])
+        procs.append(boot)
+        peer = boot.endpoint()
+        for pattern, limit in (("ffn0.0.[0:4]", "100"), ("ffn0.[1:4].[0:4]", "1e6")):
+            procs.append(Proc(["-m", "dmoe.cli.server", "--experts", pattern, "--hidden-dim", str(HIDDEN),
+                               "--initial-peers", peer, "--max-abs-value", limit]))
+        for proc in procs[1:]:
+            proc.endpoint()
+        with DHT(initial_peers=[peer]) as dht:
+            endpoints = wait_until_declared(dht, UIDS)
+            torch.manual_seed(0)
+            # a ban would outlast the test; each reroute passes over the experts refused so far in the call
+            layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=1, reroute_attempts=len(strict) + 1,
+                                           ban_config=BanConfig(initial_backoff=60.0))
+            with torch.no_grad():
+                layer.proj.bias.zero_()  # rows scaled by a positive factor choose the same experts
+            x = torch.randn(64, HIDDEN)
+            caplog.set_level(logging.WARNING, logger="dmoe.client.failures")
+            with torch.no_grad():
+                out = layer(1000 * x)  # above the strict server's --max-abs-value: its experts refuse these rows
+            refusals = [r.getMessage() for r in caplog.records if "above this server's limit 100" in r.getMessage()]
+            assert refusals and all(any(uid in message for uid in strict) for message in refusals)
+            assert out.shape == (64, HIDDEN) and torch.isfinite(out).all()  # every refused row found another
+            assert layer.stats.experts_dropped == len(refusals)  # still counted as failures
+            assert len(layer.bans) == 0
+            before = forward_counts(endpoints)
+            with torch.no_grad():
+                layer(x)
+            after = forward_counts(endpoints)
+            assert layer.stats.experts_dropped == len(refusals)
+            assert sum(after[uid] - before[uid] for uid in strict) > 0  # the strict server's experts serve again
+

@@ -3,7 +3,8 @@
 A DHT record outlives its server by up to its expiration time; without bans the gate would keep choosing a dead
 server's experts (and losing those rows) until then. A failure bans the expert, or its whole server when the
 server itself is unreachable or too slow, for a backoff that doubles with every repeated failure. When the ban
-runs out the expert is tried again; one success clears its record.
+runs out the expert is tried again; one success clears its record. A request refused as invalid is neither a
+failure nor a success here (:meth:`dmoe.client.failures.CallPolicy.outcome`): it is usually the caller's mistake.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Where the gate drops a dead expert: :func:`wait_for_experts` decides which calls answered in time,
 :meth:`CallPolicy.outcome` turns every other call (failed, late, malformed) into a dropped expert and bans it,
 or its whole server (:mod:`dmoe.client.bans`), so the next beam search picks the next-best alive experts; the gate
-then renormalises over the experts that answered (:meth:`dmoe.client.gating.MixtureBase._combine`).
+then renormalises over the experts that answered (:meth:`dmoe.client.gating.MixtureBase._combine`). A request the
+server refuses as invalid drops its expert from that forward only, and bans nothing.
 """
 from __future__ import annotations
 
@@ -52,17 +53,29 @@ class CallPolicy:
     layer_name: str = ""
     #: the last refusal of a request as invalid ("uid at endpoint: message"), None if none since it was cleared
     refused: str | None = None
+    #: experts that refused a forward request as invalid since the layer cleared this (at the start of each
+    #: forward): that forward's reroutes pass them over, as they would pass over banned ones
+    refusing: set[str] = field(default_factory=set)
 
     def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
                  shape: tuple[int, ...] | None = None,
                  dtype: torch.dtype | None = None) -> list[torch.Tensor] | None:
-        """The future's result, or None after banning whatever failed (the expert, or its whole server).
+        """The future's result, or None after dropping the expert: banning whatever failed (the expert, or its whole
+        server), unless the server refused the request as invalid.
 
         An answer whose first tensor is not floating-point of ``shape`` (and ``dtype``, what was sent) counts as the
         expert's failure: a faulty or hostile server (or one hosting other experts under these uids) must not break
-        the mixture. A refusal of the request as invalid (INVALID_ARGUMENT: often the caller's own mistake, such as
-        rows of another width than the experts') is logged as a warning and kept in :attr:`refused` for the
-        layer's error.
+        the mixture.
+
+        A refusal of the request as invalid (INVALID_ARGUMENT) drops the expert from this call only. It is usually
+        the caller's own mistake (rows of another width than the experts', values the server's limits refuse), and
+        one ban book serves every layer of a trainer, so a ban would make all of them avoid healthy experts for the
+        backoff. It is logged as a warning, kept in :attr:`refused` for the layer's error and in :attr:`refusing`
+        for the forward's reroutes, and counted as a failure; it neither bans nor re-admits (an earlier ban
+        record stays, to double if the expert fails again). A hostile server gains nothing from this: refusing
+        takes its experts out of every call it refuses, and anything it could cost a caller by refusing (a slot of
+        the mixture, a wait until the refusal comes) it can already cost by answering, slowly, with well-formed
+        nonsense that no check catches.
         """
         error = None if not future.done() or future.cancelled() else future.exception()
         if future.done() and not future.cancelled() and error is None:
@@ -72,18 +85,22 @@ class CallPolicy:
                 self.bans.succeed(uid, endpoint)
                 return result
             error = RuntimeError(f"malformed answer: {problem}")
+        if backward:
+            self.stats.backward_failures += 1
+        direction = "backward" if backward else "forward"
         code = getattr(error, "code", None)
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            self.refused = f"{uid} at {endpoint}: {getattr(error, 'message', error)}"
+            if not backward:
+                self.refusing.add(uid)
+            logger.warning("%s %s dropped from this call only, not banned: the server refused the request as "
+                           "invalid (%s)", direction, uid, error)
+            return None
         server_down = error is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         backoff = self.bans.fail(uid=None if server_down else uid, endpoint=endpoint if server_down else None)
         what = f"server {endpoint}" if server_down else f"expert {uid}"
-        refused = code == grpc.StatusCode.INVALID_ARGUMENT
-        if refused:
-            self.refused = f"{uid} at {endpoint}: {getattr(error, 'message', error)}"
-        logger.log(logging.WARNING if refused else logging.INFO, "%s %s dropped (%s); %s banned for %.1fs",
-                   "backward" if backward else "forward", uid,
-                   error if error is not None else "no answer in time", what, backoff)
-        if backward:
-            self.stats.backward_failures += 1
+        logger.info("%s %s dropped (%s); %s banned for %.1fs", direction, uid,
+                    error if error is not None else "no answer in time", what, backoff)
         return None
 
 

@@ -104,8 +104,9 @@ class MixtureBase(nn.Module):
         coords, valid = self._coords_tensor(chosen, flat.shape[0])     # [n, k, ndim], [n, k]
         expert_out, alive = self._run_experts(flat, chosen, laps)      # [n, k, out], [n, k]
         for _ in range(self.reroute_attempts):
-            # Rows that none of their experts answered: the failed ones are banned now, so a second search
-            # finds the next-best alive experts for exactly those rows (a dead server costs no lost rows).
+            # Rows that none of their experts answered: the failed ones are banned now (those that refused the
+            # rows as invalid are left out of this forward), so a second search finds the next-best alive experts
+            # for exactly those rows (a dead server costs no lost rows).
             lost = torch.nonzero(valid.any(1) & ~(valid & alive).any(1)).squeeze(1)
             left = self._time_left(started)
             if len(lost) == 0 or (left is not None and left <= 0):

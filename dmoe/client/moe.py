@@ -191,7 +191,8 @@ class RemoteMixtureOfExperts(MixtureBase):
     :param compression: wire compression of the tensors sent (``dmoe.wire.NONE``, ``FLOAT16``, ``UINT8``).
     :param bans: shares the ban book between layers (experts of a dead server are banned once for all).
     :param reroute_attempts: rows that none of their experts answered are sent, within the same forward, to
-        the next-best experts that are not banned, up to this many times.
+        the next-best experts that are not banned (nor refused this forward's rows as invalid), up to this many
+        times.
     :param switch: Switch-style weights (the router's probability over the whole grid; usually with ``k_best=1``)
         and a :attr:`balance_loss` per forward; see :class:`~dmoe.client.gating.MixtureBase`.
 
@@ -238,6 +239,7 @@ class RemoteMixtureOfExperts(MixtureBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.policy.refused = None  # what this forward's servers refuse, for its error
+        self.policy.refusing.clear()  # experts its reroutes pass over
         return super().forward(x)
 
     def _time_left(self, started: float) -> float | None:
@@ -249,12 +251,13 @@ class RemoteMixtureOfExperts(MixtureBase):
         return "" if refused is None else f" (the servers refused the requests as invalid, e.g. {refused})"
 
     def _is_excluded(self, uid: str, endpoint: str) -> bool:
-        return self.bans.is_banned(uid, endpoint)
+        return uid in self.policy.refusing or self.bans.is_banned(uid, endpoint)
 
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
-        # (no predicate while nothing is banned: beam search would call it for every candidate expert)
+        # (no predicate while nothing is excluded: beam search would call it for every candidate expert)
+        excluding = len(self.bans) or self.policy.refusing
         found = beam_search(self.dht, self.layer, [s.float().cpu() for s in grid_scores], self.k_best,
-                            exclude=self._is_excluded if len(self.bans) else None, cache=self._cache)
+                            exclude=self._is_excluded if excluding else None, cache=self._cache)
         remember = self._endpoints.update  # (uid, endpoint) pairs, a row at a time in C: thousands of rows a step
         for row in found:
             remember(row)
