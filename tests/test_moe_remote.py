@@ -249,3 +249,36 @@ def test_a_refusal_as_invalid_drops_the_expert_from_that_call_only_and_bans_noth
             assert layer.stats.experts_dropped == len(refusals)
             assert sum(after[uid] - before[uid] for uid in strict) > 0  # the strict server's experts serve again
 
+
+def test_non_finite_output_gradients_reach_no_server_and_grad_scaler_skips_the_step(swarm, caplog):
+    """An AMP overflow (here in one row) must not be sent (servers refuse NaN and Inf, and must not step on them);
+    the input gradients are NaN, so that GradScaler skips the step as it would for a local layer, and the next step
+    goes on with no expert banned."""
+    local_swarm, dht = swarm
+    layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(16, HIDDEN, requires_grad=True)
+    with torch.no_grad():
+        expected = layer(x)
+    gate = layer.proj.weight.detach().clone()
+    overflow = torch.ones(16, 1)
+    overflow[3] = float("inf")
+    out = layer(x)
+    calls = grpc_calls(local_swarm)
+    caplog.set_level(logging.WARNING, logger="dmoe.client.moe")
+    scaler.scale((out * overflow).sum()).backward()  # no exception
+    sent = {key: n - calls.get(key, 0) for key, n in grpc_calls(local_swarm).items() if "backward" in key[1]}
+    assert not any(sent.values()), sent
+    # every row, where the gate's path alone would leave all but row 3 finite: none of their gradients was sent
+    assert torch.isnan(x.grad).all()
+    assert "non-finite" in caplog.text and "not sent" in caplog.text and "overflow" in caplog.text
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(layer.proj.weight, gate) and scaler.get_scale() < 65536.0  # the step was skipped
+    assert len(layer.bans) == 0 and layer.stats.backward_failures == 0 and layer.stats.nonfinite_backwards == 1
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)  # no server took a step
+    x.grad = None
+    layer(x).sum().backward()  # the next step is an ordinary one
+    assert torch.isfinite(x.grad).all() and layer.stats.experts_dropped == 0 and layer.stats.backward_failures == 0

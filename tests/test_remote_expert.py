@@ -1,6 +1,7 @@
 """RemoteExpert against a real dmoe-server process: same outputs and gradients as the local module, training."""
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 
@@ -206,3 +207,18 @@ def test_float16_compression_of_inputs_beyond_its_range_is_answered_not_refused_
     outputs = forward_future(server, "ffn.8", [x], timeout=30, compression="float16").result()
     expected = forward_future(server, "ffn.8", [torch.full((3, HIDDEN), 65504.0)], timeout=30).result()
     torch.testing.assert_close(outputs[0], expected[0], rtol=1e-2, atol=1e-2)
+
+
+def test_a_non_finite_output_gradient_is_not_sent_and_makes_the_input_gradient_nan(server, caplog):
+    """As a local module under an AMP overflow: the input gradient is NaN (GradScaler skips the step), not an
+    INVALID_ARGUMENT error from the server, which never sees the gradient."""
+    before = expert_info(server, "ffn.4")["backward_calls"]
+    x = torch.randn(4, HIDDEN, requires_grad=True)
+    out = RemoteExpert("ffn.4", server, timeout=30)(x)
+    grad = torch.ones_like(out)
+    grad[1, 2] = float("inf")
+    caplog.set_level(logging.WARNING, logger="dmoe.client.remote_expert")
+    out.backward(grad)
+    assert torch.isnan(x.grad).all()
+    assert "non-finite" in caplog.text and "not sent" in caplog.text
+    assert expert_info(server, "ffn.4")["backward_calls"] == before

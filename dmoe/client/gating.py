@@ -45,6 +45,7 @@ class MoEStats:
     rows_without_expert: int = 0   # rows that got zeros (allow_zero_outputs) or made forward raise
     backward_calls: int = 0
     backward_failures: int = 0
+    nonfinite_backwards: int = 0   # backwards whose output gradients held NaN or Inf: nothing sent (AMP overflows)
 
 
 class MixtureBase(nn.Module):

@@ -6,6 +6,7 @@ experts that fail, are late or answer nonsense (dropped, banned, renormalised ar
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import wait as wait_futures
 from typing import Any, NamedTuple, Sequence
@@ -17,10 +18,13 @@ from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
 from dmoe.client.failures import CallPolicy, wait_for_experts
 from dmoe.client.gating import MixtureBase
-from dmoe.client.remote_expert import backward_futures, forward_futures, new_activation_id
+from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
+                                       new_activation_id)
 from dmoe.timing import NO_LAPS, Laps, NoLaps
 from dmoe.wire import NONE, ChannelPool
 from dmoe.wire.codec import parse_compression
+
+logger = logging.getLogger(__name__)
 
 
 class PlannedCall(NamedTuple):
@@ -136,9 +140,19 @@ class _RemoteExperts(torch.autograd.Function):
         shape, dtype, device = ctx.inputs_like
         laps = NO_LAPS if ctx.clock is None else ctx.clock.laps(device)
         # one copy off the GPU, sliced per expert (with numpy: see _bits)
-        grad_host = grad_out.cpu().to(WIRE_DTYPE).contiguous()
-        grad_bits = _bits(grad_host)
+        grad_host = grad_out.cpu().to(WIRE_DTYPE).contiguous()                     # [n, k, d]
         laps.lap("bwd_to_host")
+        if not all_finite(grad_host):
+            # An overflow, usually AMP's. Servers refuse NaN and Inf (and must never step on them), so nothing is
+            # sent, not even the rows that are finite: a GradScaler skips this step whatever they hold, and
+            # experts stepping on it would train on a batch the rest of the model throws away. Every row's input
+            # gradient is NaN, unknown as none was sent, so that the GradScaler sees the overflow, as it would
+            # for a local layer.
+            bad = int((~np.isfinite(grad_host.numpy()).reshape(len(grad_host), -1).all(1)).sum())
+            policy.stats.nonfinite_backwards += 1
+            logger.warning("%r: %d of %d rows' %s", policy.layer_name, bad, len(grad_host), NON_FINITE_GRADIENTS)
+            return None, torch.full(tuple(shape), float("nan"), dtype=dtype, device=device), *(None,) * 6
+        grad_bits = _bits(grad_host)
         futures = backward_futures([(uid, endpoint, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
                                      activation_id) for uid, endpoint, rows, slots, activation_id, rows_in in answered],
                                    timeout=policy.backward_timeout, compression=policy.compression,

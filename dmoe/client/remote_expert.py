@@ -10,6 +10,8 @@ one message are streamed in parts by a short-lived thread that ends with its cal
 from __future__ import annotations
 
 import json
+import logging
+import math
 import secrets
 import threading
 import time
@@ -25,8 +27,34 @@ from dmoe.wire.codec import (NONE, cut_into_parts, deserialize, encoded_bytes, j
                              serialize)
 from dmoe.wire.zerocopy import batch_request_message, request_message
 
+logger = logging.getLogger(__name__)
+
 #: Requests above this many tensor bytes are streamed (headroom for the message's own fields).
 UNARY_LIMIT_BYTES = MAX_MESSAGE_BYTES - 1024 * 1024
+
+#: dtypes :func:`all_finite` checks with numpy, without a copy
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether no value of ``tensor`` is NaN or infinite: checked before gradients are sent, as servers refuse them.
+
+    On the host with numpy, as the servers check (the smallest and the largest value: NaN makes both NaN; two
+    passes, no copy, on the calling thread: a large torch op on a CPU tensor starts torch's OpenMP team, whose
+    threads then spin). Elsewhere one reduction on the tensor's device.
+    """
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return True
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS:
+        values = tensor.detach().numpy()
+        return math.isfinite(values.min()) and math.isfinite(values.max())
+    return bool(torch.isfinite(tensor).all())
+
+
+#: what the warning of a backward whose gradients are not finite says, after where it happened
+NON_FINITE_GRADIENTS = ("output gradients are non-finite (NaN or Inf: usually a mixed-precision overflow, whose "
+                        "step torch.amp.GradScaler skips), so they were not sent and no expert steps on them; "
+                        "the input gradients are NaN")
 
 
 class RemoteExpertError(RuntimeError):
@@ -329,6 +357,12 @@ class _RemoteCall(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = ctx.saved_tensors
         expert: RemoteExpert = ctx.expert
+        if not all(map(all_finite, grad_outputs)):
+            # the server would refuse them (and must never step on them); NaN input gradients make a GradScaler
+            # skip the step, as it would for a local module
+            logger.warning("expert %s at %s: %s", expert.uid, expert.endpoint, NON_FINITE_GRADIENTS)
+            return (None, None, *(torch.full_like(x, float("nan")) if needed else None
+                                  for x, needed in zip(inputs, ctx.needs_input_grad[2:])))
         grads = expert._call_backward(inputs, grad_outputs, ctx.activation_id).result()
         return (None, None, *(g.to(x.device, copy=True) if needed else None
                               for x, g, needed in zip(inputs, grads, ctx.needs_input_grad[2:])))
