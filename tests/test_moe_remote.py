@@ -282,3 +282,35 @@ def test_non_finite_output_gradients_reach_no_server_and_grad_scaler_skips_the_s
     x.grad = None
     layer(x).sum().backward()  # the next step is an ordinary one
     assert torch.isfinite(x.grad).all() and layer.stats.experts_dropped == 0 and layer.stats.backward_failures == 0
+
+
+def test_a_layer_given_the_grad_scaler_sends_its_experts_unscaled_gradients():
+    """Under AMP the loss, and so every gradient reaching the layer, is multiplied by the scaler's scale (65536 at
+    first). The caller's optimizer steps only after ``scaler.unscale_``; the experts step at once on what they get,
+    so they must get it unscaled: here a server refusing values above 1000 refuses the scaled gradients."""
+    with processes() as procs:
+        boot = Proc(["-m", "dmoe.dht", "--host", "127.0.0.1", "--port", "0"])
+        procs.append(boot)
+        peer = boot.endpoint()
+        procs.append(Proc(["-m", "dmoe.cli.server", "--experts", "ffn0.[0:4].[0:4]", "--hidden-dim", str(HIDDEN),
+                           "--initial-peers", peer, "--max-abs-value", "1000", "--optimizer", "sgd", "--lr", "1e-30"]))
+        procs[1].endpoint()
+        with DHT(initial_peers=[peer]) as dht:
+            wait_until_declared(dht, UIDS)
+            torch.manual_seed(0)
+            layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=2)
+            x = torch.randn(8, HIDDEN, requires_grad=True)
+            layer(x).sum().backward()  # an lr of 1e-30 moves no weight: the same experts answer every backward
+            expected, x.grad = x.grad, None
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+            with pytest.raises(RuntimeError, match="fewer than backward_k_min"):
+                scaler.scale(layer(x).sum()).backward()  # scaled gradients: every expert refuses them
+            assert len(layer.bans) == 0
+            x.grad, layer.grad_scaler = None, scaler
+            scaler.scale(layer(x).sum()).backward()
+            assert layer.stats.backward_failures > 0  # (the refusals above) ...
+            failures = layer.stats.backward_failures
+            torch.testing.assert_close(x.grad / 2.0 ** 16, expected)  # input gradients scaled, as the scaler expects
+            x.grad = None
+            scaler.scale(layer(x).sum()).backward()
+            assert layer.stats.backward_failures == failures  # ... and none since the layer has the scaler

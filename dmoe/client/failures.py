@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import grpc
 import numpy as np
@@ -56,6 +57,8 @@ class CallPolicy:
     #: experts that refused a forward request as invalid since the layer cleared this (at the start of each
     #: forward): that forward's reroutes pass them over, as they would pass over banned ones
     refusing: set[str] = field(default_factory=set)
+    #: the ``torch.amp.GradScaler`` of the loss whose gradients backward sends (None: unscaled gradients)
+    grad_scaler: Any = None
 
     def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
                  shape: tuple[int, ...] | None = None,
@@ -102,6 +105,16 @@ class CallPolicy:
         logger.info("%s %s dropped (%s); %s banned for %.1fs", direction, uid,
                     error if error is not None else "no answer in time", what, backoff)
         return None
+
+
+def loss_scale(scaler: Any) -> float:
+    """The scale a ``torch.amp.GradScaler`` multiplies the loss by now (1.0 for None or a disabled one)."""
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    scale = float(scaler.get_scale())
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"the grad scaler's scale is {scale}: expected a positive finite number")
+    return scale
 
 
 def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,

@@ -16,7 +16,7 @@ import torch
 
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
-from dmoe.client.failures import CallPolicy, wait_for_experts
+from dmoe.client.failures import CallPolicy, loss_scale, wait_for_experts
 from dmoe.client.gating import MixtureBase
 from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
                                        new_activation_id)
@@ -152,6 +152,9 @@ class _RemoteExperts(torch.autograd.Function):
             policy.stats.nonfinite_backwards += 1
             logger.warning("%r: %d of %d rows' %s", policy.layer_name, bad, len(grad_host), NON_FINITE_GRADIENTS)
             return None, torch.full(tuple(shape), float("nan"), dtype=dtype, device=device), *(None,) * 6
+        scale = loss_scale(policy.grad_scaler)
+        if scale != 1.0:  # the experts step on what they get: unscaled (into a new array: grad_host may be grad_out)
+            grad_host = torch.from_numpy(np.multiply(grad_host.numpy(), np.float32(1.0 / scale)))
         grad_bits = _bits(grad_host)
         futures = backward_futures([(uid, endpoint, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
                                      activation_id) for uid, endpoint, rows, slots, activation_id, rows_in in answered],
@@ -182,6 +185,11 @@ class _RemoteExperts(torch.autograd.Function):
                 f"{int(short.sum())} rows got fewer than backward_k_min={policy.backward_k_min} expert gradients "
                 f"in {policy.layer_name!r}"
             )
+        if scale != 1.0:  # scaled again, as the caller's scaler expects of every gradient
+            if grad_sum is not None:
+                grad_sum *= scale
+            else:
+                grad_inputs.mul_(scale)
         laps.lap("bwd_sum")
         grad_inputs = grad_inputs.to(device)
         laps.lap("bwd_to_device")
@@ -209,6 +217,11 @@ class RemoteMixtureOfExperts(MixtureBase):
         times.
     :param switch: Switch-style weights (the router's probability over the whole grid; usually with ``k_best=1``)
         and a :attr:`balance_loss` per forward; see :class:`~dmoe.client.gating.MixtureBase`.
+    :param grad_scaler: the ``torch.amp.GradScaler`` scaling the loss whose gradients reach this layer (also
+        settable later: ``layer.grad_scaler = scaler``). The experts then get their gradients unscaled, as they
+        step on them at once, where the caller's optimizer waits for ``scaler.unscale_``/``scaler.step``: without
+        it an SGD expert would step ``scale`` (65536 at first) times too far, and servers with ``--max-abs-value``
+        would refuse the scaled gradients. The layer's input gradients stay scaled, as the scaler expects.
 
     Routing is per token: ``[batch, seq, hidden]`` inputs are flattened to rows. Rows sent to the same expert
     travel in one request, the requests to one server's experts in one gRPC call, and all servers are called
@@ -220,7 +233,7 @@ class RemoteMixtureOfExperts(MixtureBase):
                  backward_k_min: int = 1, backward_timeout: float | None = 10.0, allow_zero_outputs: bool = False,
                  compression: int = NONE, bans: Bans | None = None, ban_config: BanConfig | None = None,
                  channels: ChannelPool | None = None, cache: Any = None, reroute_attempts: int = 1,
-                 switch: bool = False):
+                 switch: bool = False, grad_scaler: Any = None):
         super().__init__(in_features, grid, layer, k_best, allow_zero_outputs, switch)
         if dht is None:
             raise ValueError("dht is required: a dmoe.DHT node joined to the swarm, to find its experts")
@@ -243,13 +256,22 @@ class RemoteMixtureOfExperts(MixtureBase):
                                  forward_timeout=forward_timeout, backward_k_min=backward_k_min,
                                  backward_timeout=backward_timeout, compression=compression, channels=channels,
                                  bans=bans if bans is not None else Bans(ban_config or BanConfig()),
-                                 stats=self.stats, layer_name=layer)
+                                 stats=self.stats, layer_name=layer, grad_scaler=grad_scaler)
         self.bans = self.policy.bans
         self._cache = cache if cache is not None else PrefixCache()
         self._endpoints: dict[str, str] = {}
         # autograd needs one input that requires grad, or backward (and so the experts' training) is skipped
         # whenever the layer's inputs do not require grad.
         self._dummy = torch.empty(0, requires_grad=True)
+
+    @property
+    def grad_scaler(self) -> Any:
+        """The ``torch.amp.GradScaler`` whose scale the experts' gradients are divided by (None: none)."""
+        return self.policy.grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler: Any) -> None:
+        self.policy.grad_scaler = scaler
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.policy.refused = None  # what this forward's servers refuse, for its error
