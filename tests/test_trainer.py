@@ -344,3 +344,21 @@ def test_switch_gating_with_one_expert_per_token_trains_and_shows_the_balance(te
     meter.add(model, 3.0, 100, balance=1.25)
     assert meter.postfix()["balance"] == "1.25"
     assert GatedTransformerLM(config.model_config(), stand_in_factory(config)).balance_loss() is None
+
+
+def test_resume_keeps_the_validation_times_the_training_time_and_the_batches_drawn(text_file, tmp_path):
+    config = tiny(text_file, tmp_path, steps=4, eval_interval=2, checkpoint_interval=1000)
+    first = train(config, stand_in_factory(config))
+    saved = torch.load(first["checkpoint"], weights_only=True)
+    assert saved["minibatches"] == 4 and saved["seconds"] >= first["history"]["val_seconds"][-1][1] > 0
+
+    config = tiny(text_file, tmp_path, steps=8, eval_interval=2, checkpoint_interval=1000, resume=True)
+    resumed = train(config, stand_in_factory(config))
+    val_seconds = resumed["history"]["val_seconds"]
+    assert val_seconds[:3] == first["history"]["val_seconds"]  # kept, not lost with the first run
+    assert [step for step, _ in val_seconds] == [0, 2, 4, 6, 8]
+    seconds = [s for _, s in val_seconds]
+    assert seconds == sorted(seconds), seconds  # the clock went on from where the first run stopped, not from 0
+    again = torch.load(resumed["checkpoint"], weights_only=True)
+    assert again["minibatches"] == 8 and again["seconds"] > saved["seconds"]
+

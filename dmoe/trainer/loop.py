@@ -97,7 +97,8 @@ class TrainConfig:
     out_dir: str = _option("runs/train", "where the checkpoint and loss curve are written")
     checkpoint: str | None = _option(None, "checkpoint file (default: OUT_DIR/checkpoint.pt)")
     resume: bool = _option(False, "continue from the checkpoint if there is one")
-    max_minutes: float = _option(0.0, "stop after this many minutes (0: no limit)", non_negative(float))
+    max_minutes: float = _option(0.0, "stop after this many minutes of this run (a resumed run counts afresh; 0: "
+                                 "no limit)", non_negative(float))
     sample_bytes: int = _option(200, "bytes of text to sample at the end (0: none)", non_negative(int))
     data_shard: int = _option(0, "train on this slice of the training text (0-based; with --data-shards)",
                               non_negative(int))
@@ -246,9 +247,8 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         model = GatedTransformerLM(config.model_config(), moe_factory)
         model.to(config.device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        step, history = 0, {"train": [], "val": []}
-        if config.resume:
-            step, history = load_checkpoint(checkpoint_path, model, optimizer, config)
+        resumed = load_checkpoint(checkpoint_path, model, optimizer, config) if config.resume else Progress()
+        step, history, minibatch = resumed.step, resumed.history, resumed.minibatches
         collab = None
         if config.collaborate is not None:  # a joiner downloads the collaboration's state here
             from dmoe.collab import CollaborativeOptimizer
@@ -268,13 +268,18 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                    + (f"; collaboration {config.collaborate!r} at step {step}" if collab is not None else ""))
 
         # ---- the loop ----
-        started, interrupted = time.monotonic(), False
+        started, interrupted = time.monotonic(), False  # this run's start: --max-minutes counts from it
+        origin = started - resumed.seconds  # the start of the training this checkpoint holds, stops left out
+
+        def save() -> None:
+            save_checkpoint(checkpoint_path, model, optimizer, config,
+                            Progress(step, history, time.monotonic() - origin, minibatch))
+
         bar = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
         try:
             if step == 0:
-                report_validation(model, data, config, step, history, started)
+                report_validation(model, data, config, step, history, origin)
             meter = IntervalMeter(model)
-            minibatch = 0
             while step < config.steps and not over_time(started, config):
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(step, config)
@@ -283,7 +288,6 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                 generator = batch_generator(config.seed, step) if collab is None else \
                     batch_generator(config.seed + 7919 * (1 + config.data_shard), minibatch)
                 batch = data.batch("train", config.batch_size, config.seq_len, generator)
-                minibatch += 1
                 inputs, targets = (t.to(config.device) for t in batch)
                 _, loss = model(inputs, targets)
                 balance = model.balance_loss() if config.switch else None
@@ -298,29 +302,29 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                     collab.step(inputs.shape[0])
                     new_step = collab.local_step
                 history["train"].append((new_step, loss.item()))
+                previous, step, minibatch = step, new_step, minibatch + 1
                 meter.add(model, loss.item(), inputs.numel(), balance.item() if balance is not None else None)
-                bar.update(new_step - step)
+                bar.update(step - previous)
                 postfix = meter.postfix()
                 if collab is not None:
                     postfix.update(collaboration_postfix(collab))
                 bar.set_postfix(postfix, refresh=False)
-                if new_step == step:
+                if step == previous:
                     continue
-                previous, step = step, new_step
                 if on_step is not None:
                     on_step(step, model)
                 if crossed(previous, step, config.eval_interval) and step < config.steps:
-                    report_validation(model, data, config, step, history, started)
+                    report_validation(model, data, config, step, history, origin)
                     meter.restart(model)  # validation time is not training throughput
                 if crossed(previous, step, config.checkpoint_interval):
-                    save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
+                    save()
         except KeyboardInterrupt:
             interrupted = True
             tqdm.write(f"interrupted at step {step}: saving the checkpoint and the loss curve")
         bar.close()
         # ---- the end: checkpoint, final validation, curve, sample ----
         if interrupted:  # save before anything else, in case a second Ctrl-C follows
-            save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
+            save()
         val_loss = math.nan
         with contextlib.suppress(KeyboardInterrupt):
             if collab is not None and not interrupted:
@@ -329,12 +333,12 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                 tqdm.write(f"collaboration {config.collaborate!r}: {collab.steps_applied} steps applied here, "
                            f"{collab.steps_downloaded} states downloaded")
             if not history["val"] or history["val"][-1][0] != step:
-                report_validation(model, data, config, step, history, started)
+                report_validation(model, data, config, step, history, origin)
             val_loss = history["val"][-1][1]
-        save_checkpoint(checkpoint_path, model, optimizer, step, history, config)
+        save()
         plot_path = plot_losses(history, out_dir / "loss.png")
         print(f"final validation loss {val_loss:.3f} perplexity {math.exp(val_loss):.2f} "
-              f"(step {step}, {(time.monotonic() - started) / 60:.1f} min)")
+              f"(step {step}, {(time.monotonic() - origin) / 60:.1f} min)")
         print(f"loss curve: {plot_path}; checkpoint: {checkpoint_path}" + ("; resume with --resume" if interrupted else ""))
         if config.sample_bytes and not interrupted:
             with contextlib.suppress(KeyboardInterrupt):
@@ -477,18 +481,32 @@ def evaluate(model: GatedTransformerLM, data: TextData, config: TrainConfig) -> 
     return sum(losses) / len(losses)
 
 
-def report_validation(model, data, config, step: int, history: dict, started: float) -> None:
-    """Appends (step, loss) to history["val"] and (step, seconds since ``started``) to history["val_seconds"]."""
+def report_validation(model, data, config, step: int, history: dict, origin: float) -> None:
+    """Appends (step, loss) to history["val"] and (step, seconds of training so far) to history["val_seconds"];
+    ``origin`` is the ``time.monotonic()`` at which the training began, moved on by the time between a stop and its
+    resume."""
     loss = evaluate(model, data, config)
     history["val"].append((step, loss))
-    history.setdefault("val_seconds", []).append((step, time.monotonic() - started))
+    history.setdefault("val_seconds", []).append((step, time.monotonic() - origin))
     tqdm.write(f"step {step}: validation loss {loss:.3f} perplexity {math.exp(loss):.2f}")
 
 
-def save_checkpoint(path: Path, model, optimizer, step: int, history: dict, config: TrainConfig) -> None:
+@dataclass
+class Progress:
+    """What a checkpoint keeps of a run besides its weights, so that a resumed run goes on counting from there."""
+
+    step: int = 0
+    #: "train" and "val": (step, loss); "val_seconds": (step, seconds of training when that validation ran)
+    history: dict[str, list[tuple]] = field(default_factory=lambda: {"train": [], "val": [], "val_seconds": []})
+    seconds: float = 0.0  # of training (validation included), over every run that resumed this checkpoint
+    minibatches: int = 0  # batches drawn: in a collaboration, this trainer's batch order goes on from there
+
+
+def save_checkpoint(path: Path, model, optimizer, config: TrainConfig, progress: Progress) -> None:
     """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
+    state = {"step": progress.step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "history": progress.history, "seconds": progress.seconds, "minibatches": progress.minibatches,
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(config)}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -499,10 +517,12 @@ class ResumeMismatch(ValueError):
     """The checkpoint to resume from was saved for another model than the one the flags describe."""
 
 
-def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[int, dict]:
+def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progress:
+    """Loads the weights and optimizer state saved in ``path`` into ``model`` and ``optimizer``, and torch's RNG
+    state; returns the progress saved with them (none if there is no checkpoint yet)."""
     if not path.exists():
         tqdm.write(f"no checkpoint at {path}: starting from step 0")
-        return 0, {"train": [], "val": []}
+        return Progress()
     state = torch.load(path, map_location=config.device, weights_only=True)
     saved = state["config"]
     changed = [f"--{name.replace('_', '-')} was {saved[name]!r}, now {getattr(config, name)!r}"
@@ -514,9 +534,11 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> tuple[
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"].cpu())
-    history = {"train": [tuple(p) for p in state["history"]["train"]], "val": [tuple(p) for p in state["history"]["val"]]}
+    history = Progress().history
+    history.update({name: [tuple(point) for point in points] for name, points in state["history"].items()})
     tqdm.write(f"resumed from {path} at step {state['step']}")
-    return state["step"], history
+    # checkpoints written before these were kept: their time and batches are unknown, so counted from 0
+    return Progress(state["step"], history, float(state.get("seconds", 0.0)), int(state.get("minibatches", 0)))
 
 
 def _as_tuple(value):
