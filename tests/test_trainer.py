@@ -11,14 +11,17 @@ import contextlib
 import itertools
 import math
 import random
+import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dmoe.cli import train as train_program
+from dmoe.cli.signals import DeferredInterrupt
 from dmoe.cli.train import parse_config
 from dmoe.server.in_process import InProcessExpert
 from dmoe.trainer import loop as trainer
@@ -362,3 +365,97 @@ def test_resume_keeps_the_validation_times_the_training_time_and_the_batches_dra
     again = torch.load(resumed["checkpoint"], weights_only=True)
     assert again["minibatches"] == 8 and again["seconds"] > saved["seconds"]
 
+
+def local_config(text_file, tmp_path, name: str, **overrides) -> TrainConfig:
+    """A short run with the library's in-process experts: they step in backward, inside the trainer's step."""
+    options = dict(experts="local", layers=1, batch_size=8, steps=10, eval_interval=100, checkpoint_interval=1000)
+    return tiny(text_file, tmp_path / name, **{**options, **overrides})
+
+
+@contextlib.contextmanager
+def inside_optimizer_steps(hook):
+    """Calls ``hook(optimizer)`` at the end of every optimizer step of this process (the client's AdamW and each
+    in-process expert's own optimizer), within the trainer's step."""
+    handle = register_optimizer_step_post_hook(lambda optimizer, *_: hook(optimizer))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def stop_after(stop_step: int):
+    """``on_step`` that interrupts once step ``stop_step`` is counted: a Ctrl-C between two steps, the reference."""
+    def on_step(step, model):
+        if step == stop_step:
+            raise KeyboardInterrupt
+    return on_step
+
+
+def assert_same_state(actual, expected, where="checkpoint"):
+    assert type(actual) is type(expected), where
+    if isinstance(actual, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in actual:
+            assert_same_state(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(actual, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same_state(a, e, f"{where}[{i}]")
+    elif isinstance(actual, torch.Tensor):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=where)
+    else:
+        assert actual == expected, where
+
+
+def assert_checkpoint_holds(path, reference_path, step: int):
+    saved, reference = (torch.load(p, weights_only=True) for p in (path, reference_path))
+    assert saved["step"] == reference["step"] == step
+    for part in ("model", "optimizer", "torch_rng", "minibatches"):  # the model holds the in-process experts too
+        assert_same_state(saved[part], reference[part], part)
+    assert saved["history"]["train"] == reference["history"]["train"]
+
+
+def test_ctrl_c_in_the_middle_of_a_step_lets_the_step_finish_and_saves_it_under_its_number(text_file, tmp_path):
+    reference = train(local_config(text_file, tmp_path, "reference"), on_step=stop_after(5))
+    client_steps = 0
+
+    def ctrl_c_once_step_5_stepped_the_client(optimizer):
+        nonlocal client_steps
+        client_steps += type(optimizer) is torch.optim.AdamW
+        if client_steps == 5 and type(optimizer) is torch.optim.AdamW:
+            signal.raise_signal(signal.SIGINT)  # a real Ctrl-C: before the loop counted step 5
+
+    with inside_optimizer_steps(ctrl_c_once_step_5_stepped_the_client):
+        interrupted = train(local_config(text_file, tmp_path, "interrupted"))
+    assert interrupted["interrupted"] and interrupted["step"] == 5 and math.isfinite(interrupted["final_val_loss"])
+    assert_checkpoint_holds(interrupted["checkpoint"], reference["checkpoint"], 5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is plain Ctrl-C again
+
+
+@pytest.mark.parametrize("where", ["after an expert stepped in backward", "after the client's optimizer stepped"])
+def test_an_interrupt_that_cannot_wait_for_the_step_keeps_the_last_checkpoint_instead_of_half_a_step(
+        text_file, tmp_path, where):
+    reference = train(local_config(text_file, tmp_path, "reference"), on_step=stop_after(4))
+    client_steps = 0
+
+    def interrupt_during_step_5(optimizer):  # as a second Ctrl-C would: at once
+        nonlocal client_steps
+        client_steps += type(optimizer) is torch.optim.AdamW
+        expert = type(optimizer) is torch.optim.Adam
+        if (client_steps == 4 and expert) if where.startswith("after an expert") else \
+                (client_steps == 5 and not expert):
+            raise KeyboardInterrupt
+
+    with inside_optimizer_steps(interrupt_during_step_5):
+        interrupted = train(local_config(text_file, tmp_path, "interrupted", checkpoint_interval=2))
+    assert interrupted["interrupted"] and interrupted["step"] == 4
+    assert_checkpoint_holds(interrupted["checkpoint"], reference["checkpoint"], 4)  # the one written at step 4
+
+
+def test_a_first_ctrl_c_is_a_request_and_a_second_one_interrupts_at_once():
+    with pytest.raises(KeyboardInterrupt), DeferredInterrupt() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested  # and no KeyboardInterrupt: the loop stops when its step is done
+        signal.raise_signal(signal.SIGINT)
+        raise AssertionError("a second Ctrl-C did not interrupt")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -1,10 +1,12 @@
-"""A clean, fast Ctrl-C for programs whose main thread waits while other threads (gRPC, torch, DHT) work, and a
-clean stop for programs whose launcher died."""
+"""A clean, fast Ctrl-C for programs whose main thread waits while other threads (gRPC, torch, DHT) work, a Ctrl-C
+that waits for a training step to end, and a clean stop for programs whose launcher died."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 
 #: set by :class:`dmoe.launch.Proc` to the launcher's pid: a program whose launcher dies stops too
@@ -72,3 +74,40 @@ class StopSignals:
             signal.signal(signum, handler)
         self._reader.close()
         self._writer.close()
+
+
+class DeferredInterrupt:
+    """A first Ctrl-C (SIGINT) becomes a request that the main thread reads where it can stop cleanly
+    (``requested``); a second one interrupts at once (KeyboardInterrupt), as usual.
+
+    The training loop stops between steps with it: a KeyboardInterrupt raised anywhere in a step could leave the
+    model, its optimizer and the step counter each at another step, and no checkpoint could be written then. Does
+    nothing outside the main thread (Python runs signal handlers there only) or where SIGINT is ignored.
+
+    ``notice`` is written to stderr at the first Ctrl-C, with ``os.write``: a handler that wrote through
+    ``sys.stderr`` could run while the main thread is inside a write to it (a progress bar), which raises.
+    """
+
+    def __init__(self, notice: str = ""):
+        self.notice = notice
+        self.requested = False
+        self._previous: object | None = None
+
+    def __enter__(self) -> "DeferredInterrupt":
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) not in (
+                signal.SIG_IGN, None):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        if self.notice:
+            with contextlib.suppress(OSError):
+                os.write(2, f"\n{self.notice}\n".encode())
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from dmoe.cli.config import non_negative, port_number, positive
+from dmoe.cli.signals import DeferredInterrupt
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
 from dmoe.endpoints import is_loopback_ip
@@ -42,6 +43,10 @@ from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
 from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
+
+
+#: said at the first Ctrl-C of the loop (see :class:`~dmoe.cli.signals.DeferredInterrupt`)
+STOP_NOTICE = "Ctrl-C: stopping after the step in flight, then saving the checkpoint (Ctrl-C again: stop at once)"
 
 
 def _option(default, help: str, parse=None, choices=None):
@@ -223,7 +228,11 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
     """Runs the training loop; returns final_val_loss, final_val_perplexity, step, history, interrupted and the
     paths of the checkpoint and the loss curve. ``moe_factory(layer_index)`` overrides the mixture layers;
     ``on_step(step, model)`` is called whenever the client's parameters changed (an optimizer step, or with
-    ``--collaborate`` a state downloaded from another trainer)."""
+    ``--collaborate`` a state downloaded from another trainer).
+
+    Ctrl-C (in the main thread) lets the step in flight finish, then saves it and stops. A KeyboardInterrupt that
+    stops a step half-way (a second Ctrl-C) leaves the checkpoint file as it was: the model, the optimizers and the
+    step counter would each be at another step, so no label would fit."""
     config.validate()
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -249,6 +258,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         resumed = load_checkpoint(checkpoint_path, model, optimizer, config) if config.resume else Progress()
         step, history, minibatch = resumed.step, resumed.history, resumed.minibatches
+        saved = resumed.step if config.resume and checkpoint_path.exists() else None  # the step the file holds
         collab = None
         if config.collaborate is not None:  # a joiner downloads the collaboration's state here
             from dmoe.collab import CollaborativeOptimizer
@@ -270,60 +280,78 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         # ---- the loop ----
         started, interrupted = time.monotonic(), False  # this run's start: --max-minutes counts from it
         origin = started - resumed.seconds  # the start of the training this checkpoint holds, stops left out
+        rng = torch.get_rng_state()  # at the last step boundary: dropout draws from it, and a checkpoint keeps it
+        # True from the first change a step makes to what a checkpoint holds (in-process experts step in backward)
+        # until its step is counted: a checkpoint written in between would be labelled with one step and hold part
+        # of the next, so none is
+        half_done = False
 
         def save() -> None:
+            nonlocal saved
             save_checkpoint(checkpoint_path, model, optimizer, config,
-                            Progress(step, history, time.monotonic() - origin, minibatch))
+                            Progress(step, history, time.monotonic() - origin, minibatch), rng)
+            saved = step
 
         bar = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
-        try:
-            if step == 0:
-                report_validation(model, data, config, step, history, origin)
-            meter = IntervalMeter(model)
-            while step < config.steps and not over_time(started, config):
-                for group in optimizer.param_groups:
-                    group["lr"] = learning_rate(step, config)
-                # alone, step s's batch depends only on (seed, s), so a resumed run sees the batches it would have
-                # seen; in a collaboration a step takes a varying number of this trainer's batches
-                generator = batch_generator(config.seed, step) if collab is None else \
-                    batch_generator(config.seed + 7919 * (1 + config.data_shard), minibatch)
-                batch = data.batch("train", config.batch_size, config.seq_len, generator)
-                inputs, targets = (t.to(config.device) for t in batch)
-                _, loss = model(inputs, targets)
-                balance = model.balance_loss() if config.switch else None
-                optimizer.zero_grad(set_to_none=True)
-                (loss + config.balance_coef * balance if balance is not None else loss).backward()
-                if collab is None:
-                    if config.grad_clip:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                    optimizer.step()
-                    new_step = step + 1
-                else:  # clipping and the step happen on the collaboration's averaged gradient
-                    collab.step(inputs.shape[0])
-                    new_step = collab.local_step
-                history["train"].append((new_step, loss.item()))
-                previous, step, minibatch = step, new_step, minibatch + 1
-                meter.add(model, loss.item(), inputs.numel(), balance.item() if balance is not None else None)
-                bar.update(step - previous)
-                postfix = meter.postfix()
-                if collab is not None:
-                    postfix.update(collaboration_postfix(collab))
-                bar.set_postfix(postfix, refresh=False)
-                if step == previous:
-                    continue
-                if on_step is not None:
-                    on_step(step, model)
-                if crossed(previous, step, config.eval_interval) and step < config.steps:
+        with DeferredInterrupt(STOP_NOTICE) as stop:  # a first Ctrl-C ends the step in flight, then stops
+            try:
+                if step == 0:
                     report_validation(model, data, config, step, history, origin)
-                    meter.restart(model)  # validation time is not training throughput
-                if crossed(previous, step, config.checkpoint_interval):
-                    save()
-        except KeyboardInterrupt:
-            interrupted = True
-            tqdm.write(f"interrupted at step {step}: saving the checkpoint and the loss curve")
+                meter = IntervalMeter(model)
+                while step < config.steps and not over_time(started, config) and not stop.requested:
+                    for group in optimizer.param_groups:
+                        group["lr"] = learning_rate(step, config)
+                    # alone, step s's batch depends only on (seed, s), so a resumed run sees the batches it would
+                    # have seen; in a collaboration a step takes a varying number of this trainer's batches
+                    generator = batch_generator(config.seed, step) if collab is None else \
+                        batch_generator(config.seed + 7919 * (1 + config.data_shard), minibatch)
+                    batch = data.batch("train", config.batch_size, config.seq_len, generator)
+                    inputs, targets = (t.to(config.device) for t in batch)
+                    _, loss = model(inputs, targets)
+                    balance = model.balance_loss() if config.switch else None
+                    optimizer.zero_grad(set_to_none=True)
+                    half_done = True
+                    (loss + config.balance_coef * balance if balance is not None else loss).backward()
+                    if collab is None:
+                        if config.grad_clip:
+                            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                        optimizer.step()
+                        new_step = step + 1
+                    else:  # clipping and the step happen on the collaboration's averaged gradient
+                        collab.step(inputs.shape[0])
+                        new_step = collab.local_step
+                    history["train"].append((new_step, loss.item()))
+                    previous, step, minibatch = step, new_step, minibatch + 1
+                    rng = torch.get_rng_state()
+                    half_done = False
+                    meter.add(model, loss.item(), inputs.numel(), balance.item() if balance is not None else None)
+                    bar.update(step - previous)
+                    postfix = meter.postfix()
+                    if collab is not None:
+                        postfix.update(collaboration_postfix(collab))
+                    bar.set_postfix(postfix, refresh=False)
+                    if step == previous:
+                        continue
+                    if on_step is not None:
+                        on_step(step, model)
+                    if crossed(previous, step, config.eval_interval) and step < config.steps:
+                        report_validation(model, data, config, step, history, origin)
+                        meter.restart(model)  # validation time is not training throughput
+                    if crossed(previous, step, config.checkpoint_interval):
+                        save()
+            except KeyboardInterrupt:  # a second Ctrl-C, or one where DeferredInterrupt could not take it
+                interrupted = True
+        interrupted = interrupted or stop.requested
         bar.close()
         # ---- the end: checkpoint, final validation, curve, sample ----
+        if half_done:
+            tqdm.write(f"interrupted in the middle of step {step + 1}: the checkpoint is left as it was ("
+                       + (f"step {saved}" if saved is not None else "none written") + ")")
+            plot_path = plot_losses(history, out_dir / "loss.png")
+            return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
+                    "history": history, "interrupted": True, "checkpoint": checkpoint_path, "plot": plot_path}
         if interrupted:  # save before anything else, in case a second Ctrl-C follows
+            tqdm.write(f"interrupted at step {step}: saving the checkpoint and the loss curve")
             save()
         val_loss = math.nan
         with contextlib.suppress(KeyboardInterrupt):
@@ -502,12 +530,14 @@ class Progress:
     minibatches: int = 0  # batches drawn: in a collaboration, this trainer's batch order goes on from there
 
 
-def save_checkpoint(path: Path, model, optimizer, config: TrainConfig, progress: Progress) -> None:
-    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint."""
+def save_checkpoint(path: Path, model, optimizer, config: TrainConfig, progress: Progress,
+                    rng: torch.Tensor | None = None) -> None:
+    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint. ``rng``: torch's
+    RNG state at the step boundary the checkpoint is labelled with (default: now)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": progress.step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "history": progress.history, "seconds": progress.seconds, "minibatches": progress.minibatches,
-             "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(config)}
+             "torch_rng": torch.get_rng_state() if rng is None else rng, "config": dataclasses.asdict(config)}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
