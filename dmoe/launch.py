@@ -163,6 +163,10 @@ class SwarmConfig:
     server_args: Sequence[str] = ()          # extra dmoe-server flags (optimizer, lr, refresh period, ...)
     echo: bool = False                       # copy the programs' output to stderr
     env: dict[str, str] = field(default_factory=dict)
+    # server i checkpoints its experts in CHECKPOINT_ROOT/server{i} (--checkpoint-dir), so a swarm started again with
+    # the same root, grid and servers resumes them; None: no checkpoints
+    checkpoint_root: str | os.PathLike | None = None
+    stop_timeout: float = 10.0               # seconds a stopping server may take (its last checkpoint) before SIGKILL
 
 
 def split_grid(layers: Sequence[str], grid: Sequence[int], n_servers: int) -> list[str]:
@@ -182,6 +186,7 @@ class LocalSwarm:
         self.dht: Proc | None = None
         self.servers: list[Proc] = []
         self.server_endpoints: list[str] = []
+        self.server_statuses: list[int] = []  # set by close()
         self.initial_peers = ""
 
     def start(self, timeout: float = 120.0) -> "LocalSwarm":
@@ -212,9 +217,18 @@ class LocalSwarm:
 
     def server_command(self, pattern: str) -> list[str]:
         cfg = self.config
-        return ["-m", "dmoe.cli.server", "--experts", pattern, "--expert-cls", cfg.expert_cls,
-                "--hidden-dim", str(cfg.hidden_dim), "--host", cfg.host, "--port", "0",
-                "--initial-peers", self.initial_peers, *cfg.server_args]
+        command = ["-m", "dmoe.cli.server", "--experts", pattern, "--expert-cls", cfg.expert_cls,
+                   "--hidden-dim", str(cfg.hidden_dim), "--host", cfg.host, "--port", "0",
+                   "--initial-peers", self.initial_peers, *cfg.server_args]
+        directory = self.checkpoint_dir(pattern)
+        return command if directory is None else [*command, "--checkpoint-dir", str(directory)]
+
+    def checkpoint_dir(self, pattern: str) -> Path | None:
+        """Where the server of ``pattern`` checkpoints its experts; None without ``checkpoint_root``."""
+        cfg = self.config
+        if cfg.checkpoint_root is None:
+            return None
+        return Path(cfg.checkpoint_root) / f"server{split_grid(cfg.layers, cfg.grid, cfg.n_servers).index(pattern)}"
 
     def restart_server(self, index: int, timeout: float = 120.0) -> str:
         """Starts server ``index`` again (after a kill) with the same experts; returns its new endpoint."""
@@ -228,11 +242,11 @@ class LocalSwarm:
         return self.server_endpoints[index]
 
     def close(self) -> None:
-        """Stops servers first (they announce nothing more), then the DHT; SIGKILL for anything stuck."""
+        """Stops servers first (they announce nothing more and write their last checkpoints), then the DHT; SIGKILL
+        for anything stuck. ``server_statuses`` then holds each server's exit status (0: stopped cleanly)."""
         for proc in self.servers:
             proc.interrupt()
-        for proc in self.servers:
-            proc.stop()
+        self.server_statuses = [proc.stop(self.config.stop_timeout) for proc in self.servers]
         if self.dht is not None:
             self.dht.stop()
 

@@ -20,6 +20,11 @@ target batch of N batches (``--target-batch-size`` overrides it). It shows one b
 the trainers' progress records in the DHT) and each trainer's validation lines, then every trainer's final
 validation perplexity: the same, since they hold the same model. A collaboration runs a fixed ``--steps`` (150
 unless given; ``--max-minutes`` would stop each trainer at its own step).
+
+``--resume`` resumes the whole model: the trainer (or each trainer) from its checkpoint in ``--out-dir``, and the
+experts from their servers' checkpoints, which each server keeps in ``OUT_DIR/experts/server{i}`` and writes when
+the demo ends (also on Ctrl-C). Without ``--resume`` both start afresh. A demo holds its ``--out-dir``: a second one
+given the same directory is refused.
 """
 from __future__ import annotations
 
@@ -37,17 +42,25 @@ from tqdm import tqdm
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.train import build_parser, parse_config
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
+from dmoe.server.checkpoints import FILENAME as EXPERTS_FILE
+from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory
 from dmoe.trainer.data import DataError, DownloadError, shakespeare
 from dmoe.trainer.loop import ResumeMismatch, TrainConfig, train
 
 MAX_TRAINERS = 16
 RUN_ID = "demo"
 FINAL = re.compile(r"final validation loss (\S+) perplexity (\S+) \(step (\d+)")
+EXPERTS_DIR = "experts"  # in --out-dir: server{i}/, the --checkpoint-dir of server i
+SERVER_STOP_SECONDS = 60.0  # a stopping server writes its experts' last checkpoint: not to be cut short
+DESCRIPTION = ("Checkpoints: the trainer's in --out-dir, each expert server's in OUT_DIR/experts/server{i} (written "
+               "when the demo ends, also on Ctrl-C); --resume resumes both, so the experts go on with the trainer "
+               "(give the flags the demo was started with); without it both start afresh. One demo at a time per "
+               "--out-dir.")
 
 
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
-    demo = argparse.ArgumentParser(add_help=False)
+    demo = argparse.ArgumentParser(add_help=False, description=DESCRIPTION)
     demo.add_argument("--servers", type=int, default=2, help="expert servers to start (each hosts a slice)")
     demo.add_argument("--server-threads", type=int, default=1, help="torch threads per expert server")
     demo.add_argument("--verbose", action="store_true", help="show the servers' and DHT node's logs")
@@ -79,37 +92,82 @@ def main(argv: list[str] | None = None) -> int:
         parse_config(trainer_args(0, "127.0.0.1:1"))  # a flag that does not fit fails here, before the swarm starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
+    out_dir = Path(config.out_dir)
+    experts_root = (out_dir / EXPERTS_DIR).resolve()  # the servers run in the repository's root
+    try:
+        # the trainer's checkpoint and the servers' go together: one demo at a time in a directory
+        run_lock = lock_directory(out_dir, holder_kind="demo")
+        if not config.resume:
+            forget_experts(experts_root)
+    except (CheckpointDirectoryInUse, OSError) as error:
+        print(f"swarm_demo: --out-dir: {error}", file=sys.stderr)
+        return 1
     swarm_config = SwarmConfig(
         layers=tuple(f"ffn{i}" for i in range(config.layers)), grid=tuple(config.grid), n_servers=args.servers,
         hidden_dim=config.hidden, expert_cls=config.expert_cls, threads_per_server=args.server_threads,
-        echo=args.verbose,
+        echo=args.verbose, checkpoint_root=experts_root, stop_timeout=SERVER_STOP_SECONDS,
         # the experts train (and start) as --experts local ones would: one source of truth, the trainer's flags
         server_args=(*config.expert_server_args(), "--refresh-period", "5",
                      "--log-level", "INFO" if args.verbose else "WARNING"),
     )
-    started = time.monotonic()
-    print(f"starting a local swarm: 1 DHT node, {args.servers} expert servers, "
-          f"{config.layers} layers x {'x'.join(map(str, config.grid))} {config.expert_cls} experts ...", flush=True)
     try:
-        with LocalSwarm(swarm_config) as swarm:
-            print(f"swarm up in {time.monotonic() - started:.1f}s: DHT at {swarm.initial_peers}, "
-                  f"servers at {', '.join(swarm.server_endpoints)}", flush=True)
-            swarm.wait_declared()
-            if collaborative:
-                return run_trainers(swarm.initial_peers, trainer_args, args.trainers, config)
-            config.initial_peers = (swarm.initial_peers,)
-            result = train(config)
-            print(f"demo {'interrupted' if result['interrupted'] else 'done'}: validation perplexity "
-                  f"{result['final_val_perplexity']:.2f} after {result['step']} steps; shutting the swarm down",
-                  flush=True)
-            if result["interrupted"]:
-                raise KeyboardInterrupt
+        return run_swarm(swarm_config, config, trainer_args if collaborative else None, args.trainers)
     except KeyboardInterrupt:
         print("interrupted; the swarm has been shut down", file=sys.stderr)
         return 130
     except (DownloadError, DataError, OSError, ResumeMismatch) as error:
         print(f"swarm_demo: {error}", file=sys.stderr)
         return 1
+    finally:
+        if run_lock is not None:
+            run_lock.close()
+
+
+def forget_experts(root: Path) -> None:
+    """Removes the experts the servers checkpointed under ``root``, so that a demo started without ``--resume``
+    trains new ones with its new trainer. Each server directory is locked meanwhile: a server still stopping (of a
+    demo that was killed) could write its checkpoint again after the removal (raises CheckpointDirectoryInUse)."""
+    for directory in sorted(root.glob("server*")):
+        if (directory / EXPERTS_FILE).exists():
+            lock = lock_directory(directory)
+            try:
+                (directory / EXPERTS_FILE).unlink()
+            finally:
+                if lock is not None:
+                    lock.close()
+
+
+def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trainers: int) -> int:
+    """Starts the swarm, trains against it (in this process, or ``trainers`` processes with ``trainer_args``), and
+    stops it, its servers writing their experts' last checkpoints; the demo's exit status."""
+    started = time.monotonic()
+    print(f"starting a local swarm: 1 DHT node, {swarm_config.n_servers} expert servers, "
+          f"{config.layers} layers x {'x'.join(map(str, config.grid))} {config.expert_cls} experts ...", flush=True)
+    swarm = LocalSwarm(swarm_config)
+    try:
+        swarm.start()
+    except (RuntimeError, TimeoutError) as error:  # e.g. a server whose checkpoint holds other experts
+        print(f"swarm_demo: the swarm did not start: {error}", file=sys.stderr)
+        return 1
+    try:
+        with swarm:
+            print(f"swarm up in {time.monotonic() - started:.1f}s: DHT at {swarm.initial_peers}, "
+                  f"servers at {', '.join(swarm.server_endpoints)}", flush=True)
+            swarm.wait_declared()
+            if trainer_args is not None:
+                return run_trainers(swarm.initial_peers, trainer_args, trainers, config)
+            config.initial_peers = (swarm.initial_peers,)
+            result = train(config)
+            print(f"demo {'interrupted' if result['interrupted'] else 'done'}: validation perplexity "
+                  f"{result['final_val_perplexity']:.2f} after {result['step']} steps; shutting the swarm down "
+                  f"(the servers checkpoint their experts in {swarm_config.checkpoint_root})", flush=True)
+            if result["interrupted"]:
+                raise KeyboardInterrupt
+    finally:
+        unclean = [i for i, status in enumerate(swarm.server_statuses) if status != 0]
+        if unclean:
+            print(f"swarm_demo: servers {unclean} did not stop cleanly: their experts' checkpoints in "
+                  f"{swarm_config.checkpoint_root} may be older than the trainer's", file=sys.stderr)
     return 0
 
 

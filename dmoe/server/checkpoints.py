@@ -56,10 +56,11 @@ class CheckpointDirectoryInUse(ValueError):
     """Another process (a server) holds the checkpoint directory."""
 
 
-def lock_directory(directory: str | os.PathLike) -> IO[str] | None:
+def lock_directory(directory: str | os.PathLike, holder_kind: str = "server") -> IO[str] | None:
     """Takes the exclusive lock on ``directory/.lock`` (created, with the directory, if missing) and returns the
     open lock file, which holds it until closed (or the process ends, however it ends). Raises
-    CheckpointDirectoryInUse naming the holder's pid. None where the platform has no ``flock``."""
+    CheckpointDirectoryInUse naming the holder's pid (and what it is: ``holder_kind``, the kind of program that
+    locks such a directory). None where the platform has no ``flock``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if fcntl is None:
@@ -72,8 +73,8 @@ def lock_directory(directory: str | os.PathLike) -> IO[str] | None:
         holder = file.read().strip() or "unknown"
         file.close()
         if error.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise CheckpointDirectoryInUse(f"{directory} is in use by another server (pid {holder}): give each "
-                                           "server its own directory") from None
+            raise CheckpointDirectoryInUse(f"{directory} is in use by another {holder_kind} (pid {holder}): give "
+                                           f"each {holder_kind} its own directory") from None
         raise
     file.seek(0)
     file.truncate()

@@ -1,0 +1,82 @@
+"""dmoe-demo (``make demo``): a resumed demo resumes its whole model, the experts on its servers too.
+
+Each test runs the demo in this process on a tiny model: a real DHT node and one real expert server (child
+processes), the trainer in process.
+"""
+from __future__ import annotations
+
+import random
+import signal
+
+import pytest
+import torch
+
+from dmoe.cli import demo
+from dmoe.server.checkpoints import lock_directory
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    rng = random.Random(0)
+    words = "the king queen sword crown night love death speak lord my thou art and of to a is".split()
+    lines = [" ".join(rng.choice(words) for _ in range(7)) for _ in range(300)]
+    path = tmp_path_factory.mktemp("text") / "verse.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_demo(text_file, out_dir, *flags: str) -> int:
+    return demo.main(["--servers", "1", "--data", str(text_file), "--out-dir", str(out_dir), "--max-minutes", "0",
+                      "--layers", "1", "--grid", "2", "2", "--k-best", "2", "--hidden", "16", "--heads", "2",
+                      "--seq-len", "16", "--batch-size", "4", "--eval-batches", "1", "--eval-interval", "100",
+                      "--sample-bytes", "0", "--threads", "1", *flags])
+
+
+def ctrl_c_at_step(monkeypatch, at: int) -> None:
+    """The demo's trainer gets a real Ctrl-C (SIGINT) once step ``at`` is done."""
+    real_train = demo.train
+
+    def train(config):
+        return real_train(config, on_step=lambda step, model: step == at and signal.raise_signal(signal.SIGINT))
+
+    monkeypatch.setattr(demo, "train", train)
+
+
+def saved_experts(out_dir) -> dict:
+    """uid -> what the demo's server checkpointed of that expert."""
+    return torch.load(out_dir / "experts" / "server0" / "experts.pt", weights_only=True)["experts"]
+
+
+def test_a_resumed_demo_resumes_the_experts_its_servers_checkpointed_on_ctrl_c(text_file, tmp_path, monkeypatch):
+    out_dir = tmp_path / "demo"
+    ctrl_c_at_step(monkeypatch, 2)
+    assert run_demo(text_file, out_dir, "--steps", "4") == 130
+    monkeypatch.undo()
+    assert torch.load(out_dir / "checkpoint.pt", weights_only=True)["step"] == 2
+    interrupted = saved_experts(out_dir)  # written by the server as the demo stopped it
+    assert max(expert["updates"] for expert in interrupted.values()) == 2  # one update per step at most
+
+    # resumed at its last step: nothing trains, so the servers save what they resumed
+    assert run_demo(text_file, out_dir, "--steps", "2", "--resume") == 0
+    resumed = saved_experts(out_dir)
+    assert resumed.keys() == interrupted.keys()
+    for uid, expert in resumed.items():
+        assert expert["updates"] == interrupted[uid]["updates"], uid
+        for name, tensor in expert["state"]["module"].items():
+            torch.testing.assert_close(tensor, interrupted[uid]["state"]["module"][name], rtol=0, atol=0,
+                                       msg=f"{uid} {name}")
+
+    # without --resume the demo trains a new model: its experts start afresh too
+    assert run_demo(text_file, out_dir, "--steps", "1") == 0
+    assert max(expert["updates"] for expert in saved_experts(out_dir).values()) == 1
+
+
+def test_a_second_demo_in_the_same_directory_is_refused_naming_the_flag(text_file, tmp_path, capsys):
+    out_dir = tmp_path / "demo"
+    with lock_directory(out_dir):  # what a running demo holds
+        assert run_demo(text_file, out_dir, "--steps", "1") == 1
+    error = capsys.readouterr().err
+    assert "--out-dir" in error and "in use by another demo" in error, error
+    assert not (out_dir / "experts").exists()  # refused before any server started
