@@ -13,6 +13,7 @@ import torch
 
 from dmoe.cli import demo
 from dmoe.server.checkpoints import lock_directory
+from tests.procs import running
 
 torch.set_num_threads(1)
 
@@ -80,3 +81,18 @@ def test_a_second_demo_in_the_same_directory_is_refused_naming_the_flag(text_fil
     error = capsys.readouterr().err
     assert "--out-dir" in error and "in use by another demo" in error, error
     assert not (out_dir / "experts").exists()  # refused before any server started
+
+
+def test_ctrl_c_on_a_collaborative_demo_lets_every_trainer_save_its_checkpoint(text_file, tmp_path):
+    out_dir = tmp_path / "demo"
+    flags = ["-m", "dmoe.cli.demo", "--trainers", "2", "--servers", "1", "--data", str(text_file), "--out-dir",
+             str(out_dir), "--steps", "1000", "--layers", "1", "--grid", "2", "2", "--k-best", "2", "--hidden", "16",
+             "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "1", "--eval-interval", "2",
+             "--checkpoint-interval", "1000", "--sample-bytes", "0", "--threads", "1", "--refresh-period", "0.25",
+             "--progress-ttl", "3", "--matchmaking-time", "8", "--allreduce-timeout", "10"]
+    with running(*flags) as proc:
+        proc.wait_for(r"\[trainer \d\] step 2: validation", timeout=120)
+        proc.interrupt()  # Ctrl-C reaches the demo only: its trainers run in sessions of their own
+        assert proc.popen.wait(timeout=150) == 130, "".join(proc.output)
+    steps = [torch.load(out_dir / f"trainer{i}" / "checkpoint.pt", weights_only=True)["step"] for i in range(2)]
+    assert min(steps) >= 2, steps  # saved as they stopped: none was killed before it could

@@ -52,6 +52,7 @@ RUN_ID = "demo"
 FINAL = re.compile(r"final validation loss (\S+) perplexity (\S+) \(step (\d+)")
 EXPERTS_DIR = "experts"  # in --out-dir: server{i}/, the --checkpoint-dir of server i
 SERVER_STOP_SECONDS = 60.0  # a stopping server writes its experts' last checkpoint: not to be cut short
+TRAINER_STOP_SECONDS = 60.0  # a trainer's step in flight may wait out an averaging round with trainers that stop too
 DESCRIPTION = ("Checkpoints: the trainer's in --out-dir, each expert server's in OUT_DIR/experts/server{i} (written "
                "when the demo ends, also on Ctrl-C); --resume resumes both, so the experts go on with the trainer "
                "(give the flags the demo was started with); without it both start afresh. One demo at a time per "
@@ -249,6 +250,13 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
                                  "batch": f"{view.samples_accumulated}/{target}",
                                  "next": f"{eta:.0f}s" if math.isfinite(eta) else "?"}, refresh=False)
                 time.sleep(0.2)
+        except KeyboardInterrupt:  # (the trainers run in sessions of their own: the terminal's Ctrl-C is ours only)
+            # SIGINT, not the SIGKILL of processes(): each trainer finishes its step in flight and saves its checkpoint
+            for proc in procs:
+                proc.interrupt()
+            for proc in procs:
+                proc.stop(TRAINER_STOP_SECONDS)
+            raise
         finally:
             bar.close()
             observer.close()
