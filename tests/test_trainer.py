@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import math
 import random
+import re
 import signal
 from types import SimpleNamespace
 
@@ -27,6 +28,7 @@ from dmoe.server.in_process import InProcessExpert
 from dmoe.trainer import loop as trainer
 from dmoe.trainer.loop import IntervalMeter, TrainConfig, train
 from dmoe.trainer.model import GatedTransformerLM, ModelConfig
+from tests.procs import running
 
 torch.set_num_threads(1)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -452,10 +454,32 @@ def test_an_interrupt_that_cannot_wait_for_the_step_keeps_the_last_checkpoint_in
     assert_checkpoint_holds(interrupted["checkpoint"], reference["checkpoint"], 4)  # the one written at step 4
 
 
-def test_a_first_ctrl_c_is_a_request_and_a_second_one_interrupts_at_once():
+@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT),
+                                           (signal.SIGHUP, signal.SIGTERM)])
+def test_a_first_stop_signal_is_a_request_and_a_second_one_interrupts_at_once(first, second):
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     with pytest.raises(KeyboardInterrupt), DeferredInterrupt() as stop:
-        signal.raise_signal(signal.SIGINT)
-        assert stop.requested  # and no KeyboardInterrupt: the loop stops when its step is done
-        signal.raise_signal(signal.SIGINT)
-        raise AssertionError("a second Ctrl-C did not interrupt")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.raise_signal(first)
+        assert stop.requested and stop.signum == first  # and no exception: the loop stops when its step is done
+        signal.raise_signal(second)
+        raise AssertionError("a second stop signal did not interrupt")
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+def test_sigterm_stops_dmoe_train_after_its_step_with_the_checkpoint_saved_and_status_130(text_file, tmp_path):
+    """A cluster's scheduler stops a job with SIGTERM: it used to kill the trainer with nothing saved since the
+    last periodic checkpoint; and a stopped run exited 0, as a finished one does."""
+    out_dir = tmp_path / "run"
+    flags = ["--data", str(text_file), "--out-dir", str(out_dir), "--experts", "local", "--seq-len", "32",
+             "--hidden", "32", "--layers", "1", "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--batch-size",
+             "8", "--steps", "100000", "--eval-interval", "2", "--eval-batches", "1", "--checkpoint-interval",
+             "100000", "--sample-bytes", "0", "--threads", "1"]
+    with running("-m", "dmoe.cli.train", *flags) as trainer:
+        trainer.wait_for(r"step 2: validation loss", timeout=120)
+        trainer.popen.send_signal(signal.SIGTERM)
+        assert trainer.popen.wait(60) == 130  # (not stop(): its SIGINT would be a second signal)
+        trainer.wait_for("loss curve: ", timeout=30)  # the output read to its last line
+    output = "".join(trainer.output)
+    assert "SIGTERM: stopping after the step in flight" in output and "interrupted at step" in output, output
+    step = int(re.search(r"interrupted at step (\d+)", output).group(1))
+    assert step >= 2 and torch.load(out_dir / "checkpoint.pt", weights_only=False)["step"] == step

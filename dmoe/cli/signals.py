@@ -1,5 +1,5 @@
-"""A clean, fast Ctrl-C for programs whose main thread waits while other threads (gRPC, torch, DHT) work, a Ctrl-C
-that waits for a training step to end, and a clean stop for programs whose launcher died."""
+"""A clean, fast Ctrl-C for programs whose main thread waits while other threads (gRPC, torch, DHT) work, a stop
+signal that waits for a training step to end, and a clean stop for programs whose launcher died."""
 from __future__ import annotations
 
 import contextlib
@@ -77,37 +77,42 @@ class StopSignals:
 
 
 class DeferredInterrupt:
-    """A first Ctrl-C (SIGINT) becomes a request that the main thread reads where it can stop cleanly
-    (``requested``); a second one interrupts at once (KeyboardInterrupt), as usual.
+    """A first stop signal (SIGINT, SIGTERM, or SIGHUP unless ignored) becomes a request that the main thread reads
+    where it can stop cleanly (``requested``, and ``signum``); a second one interrupts at once (KeyboardInterrupt).
 
     The training loop stops between steps with it: a KeyboardInterrupt raised anywhere in a step could leave the
-    model, its optimizer and the step counter each at another step, and no checkpoint could be written then. Does
-    nothing outside the main thread (Python runs signal handlers there only) or where SIGINT is ignored.
+    model, its optimizer and the step counter each at another step, and no checkpoint could be written then. A
+    cluster's scheduler stops a job with SIGTERM, a closed terminal with SIGHUP: both save the last step too.
+    Does nothing outside the main thread (Python runs signal handlers there only); a signal ignored or not handled
+    from Python (SIG_IGN, or a handler installed from C) is left alone.
 
-    ``notice`` is written to stderr at the first Ctrl-C, with ``os.write``: a handler that wrote through
-    ``sys.stderr`` could run while the main thread is inside a write to it (a progress bar), which raises.
+    ``notice`` is written to stderr at the first signal, after the signal's name, with ``os.write``: a handler that
+    wrote through ``sys.stderr`` could run while the main thread is inside a write to it (a progress bar), which
+    raises.
     """
 
     def __init__(self, notice: str = ""):
         self.notice = notice
         self.requested = False
-        self._previous: object | None = None
+        self.signum: int | None = None  # the first stop signal received
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "DeferredInterrupt":
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) not in (
-                signal.SIG_IGN, None):
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for signum in StopSignals.SIGNALS:
+                if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signum = True, signum
         if self.notice:
             with contextlib.suppress(OSError):
-                os.write(2, f"\n{self.notice}\n".encode())
+                os.write(2, f"\n{signal.Signals(signum).name}: {self.notice}\n".encode())
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}

@@ -68,10 +68,12 @@ def parse_config(argv: list[str] | None = None, defaults: dict | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Exits 0 when the run ended, 130 when a stop signal (Ctrl-C, SIGTERM, SIGHUP) ended it early (after saving
+    the checkpoint, which ``--resume`` continues): a scheduler must not take a stopped run for a finished one."""
     keep_freed_memory()
     config = parse_config(argv)
     try:
-        train(config)
+        result = train(config)
     # no corpus (or one too short), no DHT peer, a checkpoint of another model, or a state endpoint too long to
     # publish: no traceback
     except (DownloadError, DataError, OSError, ResumeMismatch, RecordTooLong) as e:
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # before the loop (which saves and returns): joining, waiting for trainers
         print("dmoe-train: interrupted before training began", file=sys.stderr)
         raise SystemExit(130) from None
+    if result["interrupted"]:
+        raise SystemExit(130)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
 from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
 
 
-#: said at the first Ctrl-C of the loop (see :class:`~dmoe.cli.signals.DeferredInterrupt`)
-STOP_NOTICE = "Ctrl-C: stopping after the step in flight, then saving the checkpoint (Ctrl-C again: stop at once)"
+#: said, after the signal's name, at the loop's first stop signal (:class:`~dmoe.cli.signals.DeferredInterrupt`)
+STOP_NOTICE = "stopping after the step in flight, then saving the checkpoint (Ctrl-C again: stop at once)"
 
 
 def _option(default, help: str, parse=None, choices=None):
@@ -230,7 +230,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
     ``on_step(step, model)`` is called whenever the client's parameters changed (an optimizer step, or with
     ``--collaborate`` a state downloaded from another trainer).
 
-    Ctrl-C (in the main thread) lets the step in flight finish, then saves it and stops. A KeyboardInterrupt that
+    Ctrl-C, SIGTERM or SIGHUP (in the main thread) lets the step in flight finish, then saves it and stops. A KeyboardInterrupt that
     stops a step half-way (a second Ctrl-C) leaves the checkpoint file as it was: the model, the optimizers and the
     step counter would each be at another step, so no label would fit."""
     config.validate()
@@ -293,7 +293,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
             saved = step
 
         bar = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
-        with DeferredInterrupt(STOP_NOTICE) as stop:  # a first Ctrl-C ends the step in flight, then stops
+        with DeferredInterrupt(STOP_NOTICE) as stop:  # a first Ctrl-C/SIGTERM/SIGHUP ends the step, then stops
             try:
                 if step == 0:
                     report_validation(model, data, config, step, history, origin)
