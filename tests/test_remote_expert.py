@@ -29,7 +29,7 @@ LR = 0.1
 
 @pytest.fixture(scope="module")
 def server():
-    with running("-m", "dmoe.cli.server", "--experts", "ffn.[0:9]", "--expert-cls", "ffn",
+    with running("-m", "dmoe.cli.server", "--experts", "ffn.[0:10]", "--expert-cls", "ffn",
                  "--hidden-dim", str(HIDDEN), "--optimizer", "sgd", "--lr", str(LR), "--seed", "7",
                  "--max-batch-size", "65536", "--torch-threads", "1") as proc:
         yield proc.endpoint()
@@ -222,3 +222,23 @@ def test_a_non_finite_output_gradient_is_not_sent_and_makes_the_input_gradient_n
     assert torch.isnan(x.grad).all()
     assert "non-finite" in caplog.text and "not sent" in caplog.text
     assert expert_info(server, "ffn.4")["backward_calls"] == before
+
+
+def test_a_remote_expert_given_the_grad_scaler_steps_on_unscaled_gradients(server):
+    """Under AMP the gradient reaching the expert is the loss scale times the true one, and the server steps on it
+    at once: given the scaler, the expert sends it unscaled (its SGD step is the local copy's) and returns the input
+    gradient scaled, as the scaler expects."""
+    uid, scale = "ffn.9", 1024.0
+    local = local_copy(uid)
+    sgd = torch.optim.SGD(local.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    remote = RemoteExpert(uid, server, timeout=30, grad_scaler=scaler)
+    x = torch.randn(4, HIDDEN, requires_grad=True)
+    scaler.scale(remote(x).pow(2).sum()).backward()
+    x_local = x.detach().clone().requires_grad_()
+    local(x_local).pow(2).sum().backward()
+    sgd.step()
+    torch.testing.assert_close(x.grad / scale, x_local.grad)
+    probe = torch.randn(3, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(remote(probe), local(probe))  # the server stepped as the local copy did

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import queue
 import time
 from concurrent.futures import Future
@@ -105,16 +104,6 @@ class CallPolicy:
         logger.info("%s %s dropped (%s); %s banned for %.1fs", direction, uid,
                     error if error is not None else "no answer in time", what, backoff)
         return None
-
-
-def loss_scale(scaler: Any) -> float:
-    """The scale a ``torch.amp.GradScaler`` multiplies the loss by now (1.0 for None or a disabled one)."""
-    if scaler is None or not scaler.is_enabled():
-        return 1.0
-    scale = float(scaler.get_scale())
-    if not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"the grad scaler's scale is {scale}: expected a positive finite number")
-    return scale
 
 
 def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,

@@ -16,10 +16,10 @@ import torch
 
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
-from dmoe.client.failures import CallPolicy, loss_scale, wait_for_experts
+from dmoe.client.failures import CallPolicy, wait_for_experts
 from dmoe.client.gating import MixtureBase
 from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
-                                       new_activation_id)
+                                       loss_scale, new_activation_id)
 from dmoe.timing import NO_LAPS, Laps, NoLaps
 from dmoe.wire import NONE, ChannelPool
 from dmoe.wire.codec import parse_compression

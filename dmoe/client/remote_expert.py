@@ -51,6 +51,16 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
+def loss_scale(scaler: Any) -> float:
+    """The scale a ``torch.amp.GradScaler`` multiplies the loss by now (1.0 for None or a disabled one)."""
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    scale = float(scaler.get_scale())
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"the grad scaler's scale is {scale}: expected a positive finite number")
+    return scale
+
+
 #: what the warning of a backward whose gradients are not finite says, after where it happened
 NON_FINITE_GRADIENTS = ("output gradients are non-finite (NaN or Inf: usually a mixed-precision overflow, whose "
                         "step torch.amp.GradScaler skips), so they were not sent and no expert steps on them; "
@@ -363,9 +373,12 @@ class _RemoteCall(torch.autograd.Function):
             logger.warning("expert %s at %s: %s", expert.uid, expert.endpoint, NON_FINITE_GRADIENTS)
             return (None, None, *(torch.full_like(x, float("nan")) if needed else None
                                   for x, needed in zip(inputs, ctx.needs_input_grad[2:])))
+        scale = loss_scale(expert.grad_scaler)
+        if scale != 1.0:  # the server steps on them at once: unscaled; the input gradients are scaled again
+            grad_outputs = tuple(g / scale for g in grad_outputs)
         grads = expert._call_backward(inputs, grad_outputs, ctx.activation_id).result()
-        return (None, None, *(g.to(x.device, copy=True) if needed else None
-                              for x, g, needed in zip(inputs, grads, ctx.needs_input_grad[2:])))
+        return (None, None, *((g.to(x.device, copy=True) * scale if scale != 1.0 else g.to(x.device, copy=True))
+                              if needed else None for x, g, needed in zip(inputs, grads, ctx.needs_input_grad[2:])))
 
 
 class RemoteExpert(nn.Module):
@@ -377,12 +390,15 @@ class RemoteExpert(nn.Module):
         timeout: seconds for each forward/backward call (None: no deadline).
         compression: how tensors travel both ways: ``'none'``, ``'float16'`` or ``'uint8'``.
         channels: the channel pool to use; :meth:`ChannelPool.default` if None.
+        grad_scaler: the ``torch.amp.GradScaler`` of the loss (also settable later): the server steps on the
+            gradients at once, so they are sent unscaled (see :class:`dmoe.RemoteMixtureOfExperts`).
     """
 
     def __init__(self, uid: str, endpoint: str, *, timeout: float | None = None, compression: int | str = NONE,
-                 channels: ChannelPool | None = None):
+                 channels: ChannelPool | None = None, grad_scaler: Any = None):
         super().__init__()
         self.uid, self.endpoint, self.timeout = uid, endpoint, timeout
+        self.grad_scaler = grad_scaler
         self.compression = parse_compression(compression)
         self.channels = channels
         self._info: dict[str, Any] | None = None
