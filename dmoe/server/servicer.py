@@ -6,7 +6,9 @@ calls while the runtime workers compute. Every rejection happens before tensors 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -107,6 +109,40 @@ def stream_parts_limit(payload_limit: int, n_tensors: int) -> int:
     cut into parts of at least :data:`MIN_STREAM_PART_BYTES` fits (clients cut into :data:`STREAM_PART_BYTES`).
     """
     return n_tensors + payload_limit // MIN_STREAM_PART_BYTES
+
+
+async def _all_done(futures: Sequence["Future[Any]"]) -> None:
+    """Waits on the loop until every runtime future is done, woken once (the last one's callback) instead of once
+    per future as ``asyncio.wrap_future`` would. If the wait is cancelled (the call was), so are the futures that
+    have not started: the runtime skips them."""
+    if not futures:
+        return
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Any) -> None:  # on a runtime worker, or here for a future already done
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_settle, waiter)
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        for future in futures:
+            future.cancel()
+        raise
+
+
+def _settle(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
@@ -223,6 +259,22 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
         Raises :class:`RequestRejected` with the status to answer (a call of its own, or one item of a batch).
         ``delay``: injected faults include the round trip's delay (a batch pays it once for all of its items).
+        ``shared``: see :meth:`_decode`.
+        """
+        expert, inputs = self._decode(kind, uid, tensors, compression, activation_id, shared)
+        if self.faults is not None:
+            try:
+                await self.faults.apply(delay=delay)  # the round trip's delay, then maybe a failure instead
+            except InjectedFailure as failure:
+                raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
+        future = self._submit(kind, expert, inputs, activation_id)
+        await _all_done([future])
+        return self._answer(kind, uid, future, compression)
+
+    def _decode(self, kind: str, uid: str, tensors: Sequence[Any], compression: int, activation_id: bytes,
+                shared: bool) -> tuple[HostedExpert, list[torch.Tensor]]:
+        """The expert and the inputs of one request, validated (raises :class:`RequestRejected`).
+
         ``shared``: the request's bytes hold other items too. Inputs kept for a backward are then copied on a CPU
         server: a view would hold the whole message in memory while the activation cache counts only its rows.
         """
@@ -252,19 +304,22 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             inputs = [x.clone() for x in inputs]
         if self.stages is not None:
             self.stages.add("decode", time.perf_counter() - started)
-        if self.faults is not None:
-            try:
-                await self.faults.apply(delay=delay)  # the round trip's delay, then maybe a failure instead
-            except InjectedFailure as failure:
-                raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
+        return expert, inputs
+
+    def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor],
+                activation_id: bytes) -> "Future[list[torch.Tensor]]":
+        """Queues a decoded request on the expert's forward or backward pool: the runtime's future."""
         if kind == FORWARD:
             expert.backend.forward_calls += 1
-            future = self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
-        else:
-            expert.backend.backward_calls += 1
-            future = self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
+            return self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
+        expert.backend.backward_calls += 1
+        return self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
+
+    def _answer(self, kind: str, uid: str, future: "Future[list[torch.Tensor]]",
+                compression: int) -> list[OutgoingTensor]:
+        """The packed outputs of a done runtime future (raises :class:`RequestRejected` for its failure)."""
         try:
-            outputs = await asyncio.wrap_future(future)
+            outputs = future.result(timeout=0)
         except torch.OutOfMemoryError as exc:  # even alone, and after the server freed what it could
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"{kind} of {uid}: the server's device ran out of memory ({exc}); send fewer "
@@ -281,18 +336,41 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
     async def _batch(self, kind: str, request: dmoe_pb2.BatchRequest, context) -> BatchResponse:
         """Runs every item as its own call would run (concurrently, each on its own expert's task pool) and
-        answers each item's outcome: one bad or failing item never fails the others."""
+        answers each item's outcome: one bad or failing item never fails the others.
+
+        Without injected faults, the items are decoded and queued one after another and the handler wakes once,
+        when all of them are done: a coroutine and a wake-up per item cost this loop, which decodes and encodes
+        every request of the server, more than a small expert's compute (benchmarks/README.md, "On a GPU").
+        """
         items = request.items
         if not items:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}_batch: the request has no items")
         if len(items) > self.max_batch_items:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{kind}_batch: {len(items)} items, at most "
                                 f"{self.max_batch_items} per call are allowed")
+        shared = len(items) > 1
         if self.faults is not None:
             await self.faults.wait()  # one round trip for the whole call
-        shared = len(items) > 1
-        results = await asyncio.gather(*(self._item(kind, item, shared) for item in items))
-        return BatchResponse(list(results))  # in the items' order
+            return BatchResponse(list(await asyncio.gather(*(self._item(kind, item, shared) for item in items))))
+        queued: list[Result | tuple[str, Future, int]] = []
+        for item in items:
+            try:
+                expert, inputs = self._decode(kind, item.uid, item.tensors, item.response_compression,
+                                              item.activation_id, shared)
+                queued.append((item.uid, self._submit(kind, expert, inputs, item.activation_id),
+                               item.response_compression))
+            except RequestRejected as rejected:
+                queued.append(Result(code=rejected.code.value[0], message=rejected.message))
+        await _all_done([entry[1] for entry in queued if isinstance(entry, tuple)])
+        results = []
+        for entry in queued:
+            if isinstance(entry, tuple):
+                try:
+                    entry = Result(self._answer(kind, *entry))
+                except RequestRejected as rejected:
+                    entry = Result(code=rejected.code.value[0], message=rejected.message)
+            results.append(entry)
+        return BatchResponse(results)  # in the items' order
 
     async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest, shared: bool) -> Result:
         try:
