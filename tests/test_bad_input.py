@@ -140,6 +140,10 @@ def test_bad_streams_get_a_clear_status(stub):
         # no bytes at all, but more parts than any valid request is cut into: each costs the server memory
         ([request(dmoe_pb2.Tensor(), uid="bad.0")] * (1 + 4 * MAX_BATCH * HIDDEN // 64 + 1),
          Code.RESOURCE_EXHAUSTED, "tensor parts"),
+        # no tensors at all, but each message kept to the end: bounded by their count and by their whole size
+        ([request(uid="bad.0")] * (1 + 4 * MAX_BATCH * HIDDEN // 64 + 2), Code.RESOURCE_EXHAUSTED, "messages"),
+        ([request(uid="bad.0", activation_id=b"x" * 60000)] * 4, Code.RESOURCE_EXHAUSTED, "streamed request exceeds"),
+        ([dmoe_pb2.ExpertRequest(uid="nope." + "9" * 50000, tensors=[good()])], Code.NOT_FOUND, "50005 characters"),
     ]
     for messages, code, words in cases:
         error = stream_call(stub, "forward_stream", messages)

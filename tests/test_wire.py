@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from dmoe.wire import FLOAT16, NONE, UINT8, InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
 from dmoe.wire import dmoe_pb2
+from dmoe.collab.state_sync import StateDownloadError, decode_state
 from dmoe.wire.codec import DTYPES, encoded_bytes
 
 
@@ -93,3 +94,13 @@ def test_float16_saturates_finite_values_beyond_its_range_and_keeps_inf_and_nan(
     assert half[:5].tolist() == [*big.tolist(), float("inf"), float("-inf")]
     assert half[5].isnan() and half[6].item() == 1.5
     assert deserialize(serialize(x[:3], FLOAT16)).float().isfinite().all()
+
+
+def test_a_shape_torch_cannot_build_is_refused_even_with_no_elements():
+    """A zero makes the element count 0 whatever the other dimensions are; torch then fails to build the shape
+    (RuntimeError, which a state download did not expect), where the codec refuses it as too large."""
+    message = dmoe_pb2.Tensor(shape=[0, 2**63 - 1, 2**63 - 1], dtype="float32")
+    with pytest.raises(TensorTooLarge, match="dimension above the limit"):
+        deserialize(message)
+    with pytest.raises(StateDownloadError, match="malformed state"):
+        decode_state([dmoe_pb2.StatePart(name="param.w", tensor=message, tensors=1, optimizer_json="{}")], 1 << 20)

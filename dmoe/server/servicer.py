@@ -101,6 +101,10 @@ class HostedExpert:
 MIN_STREAM_PART_BYTES = 64
 
 
+#: bytes a streamed message may hold beyond its tensors' buffers (its uid, shapes, dtypes, field headers)
+STREAM_MESSAGE_SLACK_BYTES = 4096
+
+
 def stream_parts_limit(payload_limit: int, n_tensors: int) -> int:
     """The most tensor parts a streamed request of at most ``payload_limit`` bytes and ``n_tensors`` tensors may have.
 
@@ -109,6 +113,18 @@ def stream_parts_limit(payload_limit: int, n_tensors: int) -> int:
     cut into parts of at least :data:`MIN_STREAM_PART_BYTES` fits (clients cut into :data:`STREAM_PART_BYTES`).
     """
     return n_tensors + payload_limit // MIN_STREAM_PART_BYTES
+
+
+#: bytes a message read in place may hold beyond its tensors' and still be kept whole by a view of them (headers,
+#: alignment padding)
+PIN_SLACK_BYTES = 4096
+
+
+def _pins_more(tensors: Sequence[Any]) -> bool:
+    """Whether views of these tensors (read in place: :class:`dmoe.wire.zerocopy.TensorView`) would keep a message
+    more than :data:`PIN_SLACK_BYTES` larger than their bytes alive."""
+    viewed = [t.buffer for t in tensors if isinstance(getattr(t, "buffer", None), memoryview)]
+    return bool(viewed) and len(viewed[0].obj) > sum(b.nbytes for b in viewed) + PIN_SLACK_BYTES
 
 
 async def _all_done(futures: Sequence["Future[Any]"]) -> None:
@@ -194,7 +210,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
     def _lookup(self, uid: str) -> HostedExpert:
         expert = self.experts.get(uid)
         if expert is None:
-            raise RequestRejected(grpc.StatusCode.NOT_FOUND, f"expert {uid!r} is not hosted on this server")
+            shown = repr(uid) if len(uid) <= 200 else f"{uid[:200]!r}... ({len(uid)} characters)"
+            # (a long uid quoted whole made the status larger than gRPC's metadata limit: RESOURCE_EXHAUSTED)
+            raise RequestRejected(grpc.StatusCode.NOT_FOUND, f"expert {shown} is not hosted on this server")
         return expert
 
     async def _expert(self, uid: str, context: grpc.aio.ServicerContext) -> HostedExpert:
@@ -276,7 +294,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         """The expert and the inputs of one request, validated (raises :class:`RequestRejected`).
 
         ``shared``: the request's bytes hold other items too. Inputs kept for a backward are then copied on a CPU
-        server: a view would hold the whole message in memory while the activation cache counts only its rows.
+        server: a view would hold the whole message in memory while the activation cache counts only its rows. So
+        are the inputs of a request of its own read in place from a message much larger than they are (fields the
+        reader skips, such as padding, would otherwise be kept for the activation's lifetime, uncounted).
         """
         expert = self._lookup(uid)
         started = time.perf_counter() if self.stages is not None else 0.0
@@ -300,7 +320,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                       f"grad_output 0 has {inputs[0].shape[0]} rows, but the forward with this "
                                       f"activation_id had {held[0].shape[0]}")
             inputs = [*held, *inputs]
-        elif shared and kind == FORWARD and activation_id and self.device == "cpu":
+        elif kind == FORWARD and activation_id and self.device == "cpu" and (shared or _pins_more(tensors)):
             inputs = [x.clone() for x in inputs]
         if self.stages is not None:
             self.stages.add("decode", time.perf_counter() - started)
@@ -431,7 +451,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
                       context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
         uid, compression, groups, limit = None, NONE, [], self.max_stream_bytes
-        payload = parts = max_parts = 0
+        payload = parts = max_parts = received = messages = 0
         activation_id = b""
         async for message in requests:
             if uid is None:
@@ -442,14 +462,18 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 max_parts = stream_parts_limit(limit, len(expert.schemas(kind)))
             payload += message_bytes(message.tensors)
             parts += len(message.tensors)
-            if payload > limit:
+            # every message is kept until the stream ends, whatever it holds besides tensors (fields of no use,
+            # or none at all): its whole size and the count of messages are bounded too
+            received += message.ByteSize()
+            messages += 1
+            if payload > limit or received > limit + messages * STREAM_MESSAGE_SLACK_BYTES:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"streamed request exceeds {limit} bytes, more than a valid {kind} of {uid} "
                                     f"(max_batch_size {self.max_batch_size}) can carry")
-            if parts > max_parts:
+            if parts > max_parts or messages > max_parts:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"streamed request has more than {max_parts} tensor parts, more than a valid "
-                                    f"{kind} of {uid} needs")
+                                    f"streamed request has more than {max_parts} tensor parts or messages, more "
+                                    f"than a valid {kind} of {uid} needs")
             groups.append(message.tensors)
         if uid is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")

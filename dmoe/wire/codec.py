@@ -166,6 +166,8 @@ def _validated(message: dmoe_pb2.Tensor, buffer_bytes: int, aux_bytes: int, max_
         raise InvalidTensor(f"tensor has {len(shape)} dimensions, at most {MAX_NDIM} are accepted")
     if any(dim < 0 for dim in shape):
         raise InvalidTensor(f"negative dimension in shape {shape}")
+    if any(dim > max_numel for dim in shape):  # a zero elsewhere makes numel 0, but torch cannot build the shape
+        raise TensorTooLarge(f"tensor of shape {shape} has a dimension above the limit of {max_numel} elements")
     numel = math.prod(shape)
     if numel > max_numel:
         raise TensorTooLarge(f"tensor of shape {shape} has {numel} elements, the limit is {max_numel}")
