@@ -491,3 +491,31 @@ def test_bad_replicas_are_refused_with_a_clear_status_and_the_held_replica_stays
 def test_a_replica_host_entry_carries_its_machine_token_when_it_has_one(endpoint, machine):
     assert parse_host(host_value(endpoint, machine)) == (endpoint, machine)
     assert parse_host(endpoint) == (endpoint, None)  # a server of one process announces its endpoint alone
+
+
+def test_an_adopter_restarted_resumes_the_training_it_did_since_the_adoption(tmp_path):
+    """B adopts A's expert from A's replica (A's first push, at 0 updates), trains it 5 steps, stops cleanly and
+    starts again with the same flags. Nobody else holds a replica of it (A is gone, B has no other host to push it
+    to), so the training since the adoption is B's alone: B used to re-adopt A's replica, its store's, and lose
+    it."""
+    uid = "ffn0.1.0"
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        b_args = server_args(peer, "ffn0.0.0", tmp_path / "b", "--checkpoint-dir", str(tmp_path / "b-checkpoint"))
+        procs.append(adopter := Proc(b_args))
+        procs.append(leaving := Proc(server_args(peer, uid, tmp_path / "a")))
+        first = adopter.endpoint()
+        wait_until((tmp_path / "b" / f"{uid}.replica").exists, 60, f"A's first push of {uid} to B")
+        leaving.kill()
+        with DHT(initial_peers=[peer], client_mode=True) as dht:
+            wait_until(lambda: get_experts(dht, [uid]) == [first], 60, f"B adopting {uid}")
+            for _ in range(5):
+                backward_future(first, uid, [torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)]).result(30)
+            assert expert_info(first, uid, timeout=10)["updates"] == 5
+            assert adopter.stop() == 0
+            procs.append(restarted := Proc(b_args))
+            second = restarted.endpoint()
+            wait_until(lambda: get_experts(dht, [uid]) == [second], 60, f"the restarted B serving {uid} again")
+            assert expert_info(second, uid, timeout=10)["updates"] == 5
+        assert restarted.stop() == 0

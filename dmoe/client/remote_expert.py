@@ -332,7 +332,8 @@ def backward_futures(items: Sequence[tuple[str, str, Sequence[torch.Tensor], Seq
 
 def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,
                 channels: ChannelPool | None = None) -> dict[str, Any]:
-    """The expert's schema, class, hyper-parameters and call counters, fetched now."""
+    """The expert's schema, class, hyper-parameters, call counters and update count (optimizer steps applied),
+    fetched now."""
     stub = (channels or ChannelPool.default()).stub(endpoint)
     try:
         info = stub.info(dmoe_pb2.ExpertUID(uid=uid), timeout=timeout)
@@ -348,6 +349,7 @@ def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,
         "hparams": json.loads(info.hparams_json or "{}"),
         "forward_calls": info.forward_calls,
         "backward_calls": info.backward_calls,
+        "updates": info.updates,
     }
 
 

@@ -7,6 +7,11 @@ so pushes of one expert land on the same few servers each time (their replica is
 different experts spread over different servers. A host that refuses or cannot be reached is skipped for the next
 closest; a snapshot is pushed again only when the expert trained since, or after ``repush_every`` intervals
 (a host may have restarted with an empty directory).
+
+Experts added to the server after the pusher was built (adopted ones) are in no checkpoint of the server's, so
+each round also keeps their snapshot, signed as pushed, in the server's own replica store whenever they trained
+since: a restarted adopter finds its own training there, where it held the old owner's replica before, and
+adopts it again from that (even when it had no other host to push it to).
 """
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ from dmoe.dht import DHT, Identity
 from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.records import Host, distance, hosts_key, parse_host
 from dmoe.replicas.snapshots import CHUNK_BYTES, SignedSnapshot, SnapshotRefused, check_header, open_body, sign, take
+from dmoe.replicas.store import ReplicaStore
 from dmoe.uid import split_uid
-from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
+from dmoe.wire import NONE, dmoe_pb2, dmoe_pb2_grpc, grpc_options
 
 if TYPE_CHECKING:
     from dmoe.server import ExpertServer
@@ -121,19 +127,23 @@ class ReplicaPusher:
         workers: experts pushed at once.
         machine: this server's machine token (see :class:`~dmoe.replicas.ReplicaConfig`): no replica goes to a host
             of the same machine, and at most one replica of an expert to each machine.
+        store: the server's own replica store, where the experts added to ``server`` after this pusher was built
+            (adopted: no checkpoint holds them) are kept too (see the module doc); None: nowhere.
     """
 
     def __init__(self, server: "ExpertServer", dht: DHT, identity: Identity, *, replicas: int = 2,
                  interval: float = 60.0, compression: int = 0, metrics: ReplicaMetrics | None = None,
                  channels: ReplicaChannels | None = None, chunk_bytes: int = CHUNK_BYTES, repush_every: int = 5,
-                 timeout: float = 60.0, workers: int = 4, machine: str | None = None):
+                 timeout: float = 60.0, workers: int = 4, machine: str | None = None,
+                 store: ReplicaStore | None = None):
         if replicas < 0 or interval <= 0:
             raise ValueError(f"replicas must be >= 0 and interval positive, got {replicas} and {interval}")
         self.server, self.dht, self.identity = server, dht, identity
         self.replicas, self.interval, self.compression = replicas, interval, compression
         self.metrics, self.chunk_bytes, self.repush_every, self.timeout = metrics, chunk_bytes, repush_every, timeout
         self.channels = channels or ReplicaChannels()
-        self.machine = machine
+        self.machine, self.store = machine, store
+        self._built_with = frozenset(server.backends)  # (its checkpoint holds these, when it has one)
         self.rounds = 0
         self._pushed: dict[tuple[str, str], _Pushed] = {}  # (uid, host endpoint) -> what it got last
         self._stop = threading.Event()
@@ -155,17 +165,18 @@ class ReplicaPusher:
 
     def push_all(self, *, force: bool = False) -> dict[str, list[str]]:
         """One round: every expert that trained since its last push (all with ``force``) goes to its R closest
-        hosts that take it; returns uid -> the endpoints that hold it now."""
+        hosts that take it, and an adopted one into this server's own store; returns uid -> the endpoints that hold
+        it now."""
         with self._round_lock:
             backends = dict(self.server.backends)
-            if not backends or self.replicas == 0:
+            if not backends:
                 return {}
             try:
-                hosts = self.hosts(sorted({split_uid(uid)[0] for uid in backends}))
+                hosts = self.hosts(sorted({split_uid(uid)[0] for uid in backends})) if self.replicas else {}
             except Exception as error:  # noqa: BLE001 - a DHT hiccup: the next round tries again
                 logger.warning("could not read the replica hosts from the DHT: %s", error)
-                return {}
-            pushes = {uid: self._pool.submit(self._push_one, uid, backend, hosts[split_uid(uid)[0]], force)
+                hosts = {}  # adopted experts are still kept here
+            pushes = {uid: self._pool.submit(self._push_one, uid, backend, hosts.get(split_uid(uid)[0], []), force)
                       for uid, backend in backends.items()}
             placed = {uid: push.result() for uid, push in pushes.items()}
             self.rounds += 1
@@ -174,7 +185,7 @@ class ReplicaPusher:
     def _push_one(self, uid: str, backend, hosts: list[Host], force: bool) -> list[str]:
         ranked = sorted(hosts, key=lambda host: distance(uid, host.key))
         now = time.monotonic()
-        signed: SignedSnapshot | None = None
+        signed = self._keep(uid, backend) if uid not in self._built_with else None
         placed: list[str] = []
         machines: set[str | None] = set()  # of the hosts placed: one replica per machine, which may leave whole
         for _, endpoint, machine in ranked:
@@ -209,6 +220,22 @@ class ReplicaPusher:
             logger.debug("%s has %d of %d replicas (%d hosts known)", uid, len(placed), self.replicas, len(ranked))
         return placed
 
+    def _keep(self, uid: str, backend) -> SignedSnapshot | None:
+        """Writes the snapshot of an adopted expert into this server's own store when it trained since the one kept
+        there (or that one is another owner's); returns it for the pushes (None when nothing was written, or the
+        pushes are compressed: the copy kept here is exact, as a checkpoint is)."""
+        if self.store is None:
+            return None
+        held = self.store.header(uid)
+        if held is not None and held.signer == self.identity.public_key and held.updates == backend.updates:
+            return None
+        signed = sign(take(backend, self.server.runtime.paused), self.identity)
+        try:
+            self.store.put(signed)
+        except (OSError, SnapshotRefused) as error:  # a full disk, or a budget too small: the pushes still go
+            logger.warning("could not keep the snapshot of adopted %s in %s: %s", uid, self.store.directory, error)
+        return signed if self.compression == NONE else None
+
     def _count(self, result: str) -> None:
         if self.metrics is not None:
             self.metrics.pushed.labels(result).inc()
@@ -239,8 +266,8 @@ class ReplicaPusher:
         if push:
             try:
                 placed = self.push_all()
-                logger.info("last replicas pushed: %d experts to %d hosts", len(placed),
-                            len({endpoint for endpoints in placed.values() for endpoint in endpoints}))
+                logger.info("last replicas pushed: %d experts to %d hosts",
+                            sum(1 for endpoints in placed.values() if endpoints), len({endpoint for endpoints in placed.values() for endpoint in endpoints}))
             except Exception:  # noqa: BLE001 - shutting down anyway
                 logger.exception("the last replica push failed")
         self._pool.shutdown()

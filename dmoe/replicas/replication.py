@@ -96,7 +96,7 @@ class Replication:
         self.servicer = ReplicaServicer(self.store, self.template, lambda uid: owner_of(dht, uid), self.metrics)
         self.pusher = ReplicaPusher(server, dht, dht.identity, replicas=config.replicas, interval=config.interval,
                                     compression=parse_compression(config.compression), metrics=self.metrics,
-                                    channels=self.channels, machine=config.machine)
+                                    channels=self.channels, machine=config.machine, store=self.store)
         self.adopter: Adopter | None = None
         self.restored: dict[str, Adoption] = {}
         server.replication = self

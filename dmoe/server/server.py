@@ -215,8 +215,9 @@ class ExpertServer:
 
         Used to adopt the expert of a server that left (:mod:`dmoe.replicas`). An added expert is not in the
         server's checkpoint (a restart with the same flags must find the checkpoint it wrote): its replicas on other
-        servers keep it. Raises ValueError if ``uid`` is served here already or ``backend`` keeps its activations
-        in another cache than the server's.
+        servers keep it, and so does this server's own replica directory (:class:`~dmoe.replicas.ReplicaPusher`).
+        Raises ValueError if ``uid`` is served here already or ``backend`` keeps its activations in another cache
+        than the server's.
         """
         uid = check_uid(uid)
         if self._closed:
