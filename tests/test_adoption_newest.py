@@ -1,7 +1,8 @@
 """Which replica adoption and a new server's restore take: the one whose signed header counts the most updates,
 whatever holders announce in ``{uid}/replicas`` (any key can write an entry there), and never one older than the
-replica held here. Holders are in-process gRPC servers on 127.0.0.1 serving genuinely signed replicas; the DHT is
-three in-process nodes."""
+replica held here; and which signer a server that holds none trusts. Holders are in-process gRPC servers on loopback
+addresses (127.0.0.2, 127.0.0.3, ... play distinct machines) serving genuinely signed replicas; the DHT is in-process
+nodes."""
 from __future__ import annotations
 
 import time
@@ -16,11 +17,13 @@ import torch
 from dmoe.dht import DHT, Identity
 from dmoe.directory import declare_experts
 from dmoe.replicas import ReplicaChannels, ReplicaStore, newest_replica, restore_newest, sign, take
-from dmoe.replicas.adoption import MAX_FETCHES, Adopter
+from dmoe.replicas.adoption import MAX_FETCHES, Adopter, expected_signers, most_vouched
 from dmoe.replicas.records import SIGNER_HEX, Holder, replicas_key, server_subkey
+from dmoe.client import expert_info
 from dmoe.replicas.snapshots import SignedSnapshot
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
+from tests.procs import Proc, processes
 
 UID = "ffn0.1.2"
 HIDDEN = 8
@@ -63,19 +66,25 @@ class Swarm:
     def node(self, identity: Identity | None = None) -> DHT:
         return self.stack.enter_context(DHT([self.first.endpoint], identity=identity))
 
-    def holder(self, signed: SignedSnapshot | None, announced: int, signer: Identity) -> Holding:
-        """Serves ``signed`` and announces, from its own key, a replica with ``announced`` updates."""
+    def holder(self, signed: SignedSnapshot | None, announced: int, signer: Identity,
+               host: str = "127.0.0.1") -> Holding:
+        """Serves ``signed`` at ``host`` and announces, from its own key, a replica with ``announced`` updates."""
         server = grpc.server(futures.ThreadPoolExecutor(2))
         holding = Holding(signed)
         dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(holding, server)
-        endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        holding.endpoint = f"{host}:{server.add_insecure_port(f'{host}:0')}"
         server.start()
         self.stack.callback(server.stop, None)
+        self.announce(holding.endpoint, announced, signer)
+        self.holdings[holding.endpoint] = holding
+        return holding
+
+    def announce(self, endpoint: str, announced: int, signer: Identity) -> None:
+        """An entry of ``{UID}/replicas`` from a key of its own (keys are free): ``endpoint`` holds a replica
+        signed by ``signer`` with ``announced`` updates."""
         dht = self.node()
         value = Holder(endpoint, announced, signer.public_key.hex()[:SIGNER_HEX], b"").value()
         assert dht.store(replicas_key(UID), server_subkey(dht.identity.public_key), value, time.time() + 120)
-        self.holdings[endpoint] = holding
-        return holding
 
 
 @pytest.fixture
@@ -191,3 +200,50 @@ def test_an_adopter_that_restarts_while_it_owns_the_cell_takes_its_own_newer_rep
     finally:
         channels.close()
     assert found.signed.header.signer == a.public_key and found.snapshot.updates == 3
+
+
+def test_a_signer_is_vouched_for_by_the_machines_serving_its_replicas_however_many_ports_or_keys_they_have():
+    owner, attacker = "0" * SIGNER_HEX, "f" * SIGNER_HEX
+    six_ports = {f"127.0.0.4:{5000 + i}": attacker for i in range(6)}
+    assert most_vouched({"127.0.0.2:5000": owner, "127.0.0.3:5000": owner, **six_ports}) == owner
+    one_64 = {f"[2001:db8::{i}]:5000": attacker for i in range(1, 7)}  # a machine is commonly given a whole /64
+    assert most_vouched({"[2001:db8:0:1::1]:5000": owner, "[2001:db8:0:2::1]:5000": owner, **one_64}) == owner
+    assert most_vouched({"[::ffff:10.0.0.1]:5000": owner, "10.0.0.1:6000": attacker}) is None  # one machine, a tie
+    assert most_vouched({"localhost:5000": owner, "127.0.0.1:6000": attacker, "10.0.0.2:1": owner}) == owner
+    assert most_vouched({"127.0.0.2:5000": owner, "127.0.0.4:5000": attacker}) is None  # nothing tells who lies
+    assert most_vouched({}) is None
+
+
+def test_votes_decide_only_when_neither_the_directory_nor_a_held_replica_names_the_signer():
+    me, owner, held, vouched = Identity(), Identity(), Identity(), "f" * SIGNER_HEX
+    prefix = lambda identity: identity.public_key.hex()[:SIGNER_HEX]  # noqa: E731
+    header = dmoe_pb2.ReplicaHeader(signer=held.public_key)
+    assert expected_signers(None, None, me.public_key, vouched) == {prefix(me), vouched}
+    assert expected_signers(None, owner.public_key, me.public_key, vouched) == {prefix(me), prefix(owner)}
+    assert expected_signers(header, None, me.public_key, vouched) == {prefix(me), prefix(held)}
+    assert expected_signers(None, None, me.public_key) == {prefix(me)}  # a tie: only its own replicas
+
+
+def test_throwaway_keys_naming_another_signer_do_not_outvote_the_holders_on_two_machines(swarm, lineage, tmp_path):
+    """A new server takes a cell nobody serves and whose replica it does not hold. The owner's two holders, on two
+    machines, name the owner; seven entries from throwaway keys name an attacker's key: three point at its one
+    machine (a port each, serving its own snapshot, genuinely trained 20 steps and signed), three at machines
+    where nothing listens, one at an honest holder. Trusting the signer that the most entries named, the server
+    restored the attacker's snapshot."""
+    owner, (_, _, newest) = lineage
+    attacker, poisoned = Identity(), expert_server().backends[UID]
+    train(poisoned, 20)
+    forged = sign(take(poisoned), attacker)
+    honest = [swarm.holder(newest, 8, owner, host=f"127.0.0.{i}") for i in (2, 3)]
+    for _ in range(3):
+        swarm.holder(forged, 20, attacker, host="127.0.0.4")
+    for i in (5, 6, 7):
+        swarm.announce(f"127.0.0.{i}:1", 20, attacker)
+    swarm.announce(honest[0].endpoint, 20, attacker)
+    with processes() as procs:
+        procs.append(server := Proc(["-m", "dmoe.cli.server", "--experts", UID, "--hidden-dim", str(HIDDEN),
+                                     "--optimizer", "adam", "--lr", "0.01", "--torch-threads", "1",
+                                     "--initial-peers", swarm.first.endpoint, "--replica-dir", str(tmp_path),
+                                     "--log-level", "WARNING"]))
+        assert expert_info(server.endpoint(), UID, timeout=10)["updates"] == 8  # restored before it serves
+        assert server.stop() == 0

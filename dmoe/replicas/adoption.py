@@ -8,8 +8,8 @@ closest to the expert's key), so the holder of the newest replica usually goes f
 served when their turn comes. Adopting means:
 
 1. fetching the newest replica that verifies (this server's own, or another holder's: its signature, its bytes,
-   its signer the key that signed the replicas this server knows of, its state fitting this server's experts),
-   newest by its signed update count: announced counts only order the fetches (:func:`newest_replica`);
+   its signer one this server trusts with the expert (:func:`expected_signers`), its state fitting this server's
+   experts), newest by its signed update count: announced counts only order the fetches (:func:`newest_replica`);
 2. loading it into a new backend (:attr:`ExpertServer.backend_factory`);
 3. claiming the uid (:func:`claim`): declaring it, then reading the directory back. A uid's entry is owned by the
    first key that stores it until it expires, and readers side with the owner most replicas hold, so of two
@@ -26,15 +26,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import grpc
 
 from dmoe.dht import DHT
 from dmoe.directory import declare_experts
 from dmoe.replicas.metrics import ReplicaMetrics
-from dmoe.replicas.pusher import ReplicaChannels, ReplicaError, fetch_snapshot
+from dmoe.replicas.pusher import ReplicaChannels, ReplicaError, fetch_header, fetch_snapshot
 from dmoe.replicas.records import (
     ADOPTION_MEMORY,
     SIGNER_HEX,
@@ -44,6 +45,7 @@ from dmoe.replicas.records import (
     cell_subkey,
     directory_entries,
     distance,
+    holder_machine,
     holders,
     host_value,
     hosts_key,
@@ -94,6 +96,9 @@ def read_holders(dht: DHT, uids: Sequence[str]) -> dict[str, list[Holder]]:
 MAX_FETCHES = 3
 #: seconds under which a failed fetch (refused, unreachable, none held) is cheap enough not to count as one
 QUICK_FAILURE = 1.0
+#: seconds a holder has to show its replica's header when holders disagree on the signer, and holders asked at once
+PROBE_TIMEOUT = 5.0
+PROBE_WORKERS = 16
 
 
 class Verified(NamedTuple):
@@ -107,20 +112,74 @@ class Verified(NamedTuple):
         return self.signed.header.updates
 
 
-def expected_signers(own: dmoe_pb2.ReplicaHeader | None, announced: Sequence[Holder],
-                     mine: bytes | None = None) -> set[str]:
-    """The signers a replica of the expert may have (key prefixes): the key that signed the replica held here, or
-    else the key most holders name (one lying holder cannot make this server adopt a snapshot of its own making);
-    and ``mine``, this server's key, when the directory names this server the expert's owner (it served the
-    expert, adopted, and pushed replicas signed by itself, then restarted: its own replicas are the newest)."""
-    signers = set()
+def expected_signers(own: dmoe_pb2.ReplicaHeader | None, owner: bytes | None, me: bytes,
+                     vouched: str | None = None) -> set[str]:
+    """The keys (hex prefixes) whose replicas of an expert this server takes, each for a reason nobody can fake:
+
+    * ``me``, this server's own: nobody else can sign with it, and what it signed is training it did (an adopter
+      that restarted finds its own later replicas on other servers);
+    * ``owner``, the key that owns the uid in the directory now, if anyone does: holders take pushes from it
+      alone, and the entry is the strongest evidence of whose the expert is;
+    * the signer of ``own``, the replica held here: this server took it from the owner of its time;
+    * only when neither of the last two names anyone (a new server taking a cell that emptied, whose replica it
+      does not hold): ``vouched``, the signer that the most holder *machines* serve replicas of
+      (:func:`vouched_signer`). Trusting the signer that the most ``{uid}/replicas`` entries named let throwaway
+      keys, which cost nothing, outvote the honest holders and get an attacker's snapshot adopted.
+    """
+    signers = {me.hex()[:SIGNER_HEX]}
+    if owner is not None:
+        signers.add(owner.hex()[:SIGNER_HEX])
     if own is not None:
         signers.add(own.signer.hex()[:SIGNER_HEX])
-    elif announced:
-        signers.add(Counter(holder.signer for holder in announced).most_common(1)[0][0])
-    if mine is not None:
-        signers.add(mine.hex()[:SIGNER_HEX])
+    if owner is None and own is None and vouched is not None:
+        signers.add(vouched)
     return signers
+
+
+def most_vouched(served: Mapping[str, str]) -> str | None:
+    """Of the signers in ``served`` (holder endpoint -> the signer of the replica it served), the one served from
+    the most machines (:func:`~dmoe.replicas.records.holder_machine`), each counted once however many endpoints or
+    keys it has; None when none is, or two tie (nothing tells which holders are honest then)."""
+    machines: dict[str, set[str]] = defaultdict(set)
+    for endpoint, signer in served.items():
+        machine = holder_machine(endpoint)
+        if machine is not None:
+            machines[signer].add(machine)
+    counts = sorted(((len(found), signer) for signer, found in machines.items()), reverse=True)
+    if not counts or (len(counts) > 1 and counts[0][0] == counts[1][0]):
+        return None
+    return counts[0][1]
+
+
+def vouched_signer(uid: str, announced: Sequence[Holder], channels: ReplicaChannels, *, max_bytes: int,
+                   timeout: float = PROBE_TIMEOUT) -> str | None:
+    """The signer (key prefix) of ``uid``'s replicas that the most machines among the holders vouch for, or None.
+
+    An entry of ``{uid}/replicas`` costs a key, which costs nothing, and may name any endpoint, so entries are not
+    votes: every endpoint they name is asked for its replica's header (signature checked, the bytes never fetched),
+    and a machine vouches for the signer of what it served. An attacker then needs more machines serving its
+    snapshot than the expert has honest holders; honest holders only ever hold replicas signed by the key that
+    owned the uid in the directory when they took them. One entry per holder (the record's subkey cap) bounds the
+    endpoints asked; they are asked side by side, each for at most ``timeout`` seconds."""
+    endpoints = sorted({holder.endpoint for holder in announced})
+    if not endpoints:
+        return None
+
+    def probe(endpoint: str) -> str | None:
+        try:
+            header = fetch_header(channels.stub(endpoint), endpoint, uid, max_bytes=max_bytes, timeout=timeout)
+        except (ReplicaError, SnapshotRefused, ValueError) as error:
+            logger.debug("%s vouches for no replica of %s: %s", endpoint, uid, error)
+            return None
+        return header.signer.hex()[:SIGNER_HEX]
+
+    with ThreadPoolExecutor(min(PROBE_WORKERS, len(endpoints)), thread_name_prefix="dmoe-replica-probe") as pool:
+        served = {endpoint: signer for endpoint, signer in zip(endpoints, pool.map(probe, endpoints)) if signer}
+    chosen = most_vouched(served)
+    if chosen is None and served:
+        logger.warning("the holders of %s's replicas serve replicas of %d signers, none from more machines than "
+                       "the others: trusting none of them", uid, len(set(served.values())))
+    return chosen
 
 
 def check_replica(signed: SignedSnapshot, signers: set[str], template: ExpertBackend) -> Verified:
@@ -135,7 +194,7 @@ def check_replica(signed: SignedSnapshot, signers: set[str], template: ExpertBac
 
 def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: ReplicaChannels, *, max_bytes: int,
                    store: ReplicaStore | None = None, announced: list[Holder] | None = None, timeout: float = 60.0,
-                   max_fetches: int = MAX_FETCHES, owned: bool = False) -> Verified | None:
+                   max_fetches: int = MAX_FETCHES, owner: bytes | None = None) -> Verified | None:
     """The replica of ``uid`` whose signed header counts the most updates among those that verify, as (signed,
     snapshot, checked state), or None.
 
@@ -144,18 +203,22 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
     the best verified so far: ranked by them, a holder announcing a huge count and serving an old snapshot of the
     owner would roll the expert back. The replica held here is always looked at (it costs no fetch), so one with
     fewer updates is taken only when the held one is unusable. At most ``max_fetches`` replicas are fetched
-    (failures faster than :data:`QUICK_FAILURE` not counted): each may cost a whole replica's bytes. ``owned``: the
-    directory names this server's key the owner of ``uid`` now, so replicas this server signed count too (see
-    :func:`expected_signers`).
+    (failures faster than :data:`QUICK_FAILURE` not counted): each may cost a whole replica's bytes. Only replicas
+    signed by a key :func:`expected_signers` names count; ``owner``: the key that owns ``uid`` in the directory now
+    (None: nobody). Holding no replica and finding no owner, this server asks the holders which signer their
+    machines vouch for (:func:`vouched_signer`) when their entries name more than one.
     """
     own = store.header(uid) if store is not None else None
     if announced is None:
         announced = read_holders(dht, [uid])[uid]
     me = dht.identity.public_key
     announced = [holder for holder in announced if holder.holder != me]
-    signers = expected_signers(own, announced, me if owned else None)
-    if not signers:
-        return None
+    vouched = None
+    named = {holder.signer for holder in announced}
+    if own is None and owner is None and named:
+        # one signer named: nobody to outvote (its replicas are still verified when fetched)
+        vouched = named.pop() if len(named) == 1 else vouched_signer(uid, announced, channels, max_bytes=max_bytes)
+    signers = expected_signers(own, owner, me, vouched)
     candidates: list[Holder | None] = [h for h in announced if h.signer in signers]
     if own is not None:
         candidates.insert(0, None)  # None: this server's own replica, looked at first of those as new (no fetch)
@@ -207,11 +270,11 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
     noted once the server owns the uid. Experts left fresh with no replica anywhere are logged as lost training."""
     loaded, fresh = {}, []
     announced = read_holders(dht, uids)
-    owned = owned_here(dht, uids)
+    owners = directory_owners(dht, uids)
     for uid in uids:
         backend = server.backends[uid]
         found = newest_replica(dht, uid, backend, channels, max_bytes=max_bytes, store=store,
-                               announced=announced[uid], owned=uid in owned)
+                               announced=announced[uid], owner=owners.get(uid))
         if found is None:
             if backend.updates == 0:
                 fresh.append(uid)
@@ -230,15 +293,15 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
     return loaded
 
 
-def owned_here(dht: DHT, uids: Sequence[str]) -> set[str]:
-    """Those of ``uids`` whose directory entry this node's key owns (none, where the DHT did not answer)."""
+def directory_owners(dht: DHT, uids: Sequence[str]) -> dict[str, bytes]:
+    """uid -> the key that owns its directory entry now, for those of ``uids`` someone declares (none, where the
+    DHT did not answer: the signers are then found as for a cell nobody serves)."""
     try:
         entries = directory_entries(dht, list(uids))
-    except Exception as error:  # noqa: BLE001 - only widens whose replicas count
+    except Exception as error:  # noqa: BLE001 - the holders are asked instead
         logger.warning("could not read the directory entries of %d experts: %s", len(uids), error)
-        return set()
-    me = dht.identity.public_key
-    return {uid for uid, entry in entries.items() if entry is not None and entry.owner == me}
+        return {}
+    return {uid: entry.owner for uid, entry in entries.items() if entry is not None}
 
 
 def note_adoptions(dht: DHT, adoptions: Sequence[Adoption]) -> None:
@@ -371,7 +434,7 @@ class Adopter:
             backend = self.server.backend_factory(uid)
             found = newest_replica(self.dht, uid, backend, self.channels, max_bytes=self.max_bytes, store=self.store,
                                    announced=announced[uid],
-                                   owned=entries[uid] is not None and entries[uid].owner == me)
+                                   owner=entries[uid].owner if entries[uid] is not None else None)
             if found is None:
                 logger.warning("no usable replica of %s: not adopting it", uid)
                 continue

@@ -107,6 +107,25 @@ def fetch_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: s
     return signed
 
 
+def fetch_header(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: str, *, max_bytes: int,
+                 timeout: float | None = 5.0) -> dmoe_pb2.ReplicaHeader:
+    """The header of the replica of ``uid`` the server at ``endpoint`` holds, its signature verified; the stream is
+    cancelled after its first message, so the rest of the bytes never come. Raises :class:`ReplicaError`
+    (NOT_FOUND: none held) or :class:`SnapshotRefused`."""
+    call = stub.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout)
+    try:
+        first = next(call, None)
+    except grpc.RpcError as error:
+        raise ReplicaError(endpoint, error.code(), error.details() or "") from None
+    finally:
+        call.cancel()
+    if first is None or not first.HasField("header") or first.header.uid != uid:
+        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                              f"{endpoint} answered a fetch of {uid} without its header")
+    check_header(first.header, max_bytes)
+    return first.header
+
+
 @dataclass
 class _Pushed:
     updates: int

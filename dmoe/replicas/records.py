@@ -19,12 +19,15 @@ own entries.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
+import socket
 from typing import NamedTuple
 
 from dmoe.dht import DHT
 from dmoe.dht.messages import MAX_STR_SUBKEY
 from dmoe.dht.storage import Entry, Record
+from dmoe.endpoints import bare_host
 from dmoe.uid import split_uid, strict_prefixes
 
 logger = logging.getLogger(__name__)
@@ -85,6 +88,27 @@ class Holder(NamedTuple):
 
     def value(self) -> str:
         return f"{self.endpoint}/{self.updates}/{self.signer}"
+
+
+def holder_machine(endpoint: str) -> str | None:
+    """The machine a holder's ``endpoint`` is on, as votes count it: its IPv4 address, or its IPv6 address's /64
+    (one machine is commonly given a whole /64), a host name resolved first; None when it resolves to nothing.
+    Keys cost nothing to make, machines do (as for the DHT's ``sender_group``, but loopback addresses count as
+    themselves: this host's servers all announce 127.0.0.1, and tests play machines on 127.0.0.2, 127.0.0.3, ...)."""
+    host = bare_host(endpoint.rpartition(":")[0]).split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        try:  # a name: where it points (IPv4 first, as gRPC and dmoe.endpoints.outbound_host prefer)
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            address = ipaddress.ip_address(min(infos, key=lambda info: info[0] != socket.AF_INET)[4][0])
+        except (OSError, ValueError):
+            return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def holders(record: Record) -> list[Holder]:
