@@ -8,11 +8,12 @@ import socket
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
 from dmoe.cli import server as run_server
-from dmoe.client import RemoteExpert, backward_future, forward_future
+from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forward_future
 from dmoe.experts import TRANSFORMER_SEQ_LEN, create_expert, expert_class, expert_seed
 from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, make_optimizer
 from dmoe.server.transfer import Transfers
@@ -515,3 +516,34 @@ def test_autocast_server_answers_in_the_schema_dtype_close_to_full_precision():
         grad_x = backward_future(server.endpoint, "ffn.0", [x], [grad]).result(30)[0]
         assert grad_x.dtype == torch.float32
         torch.testing.assert_close(grad_x, x_local.grad, atol=0.1, rtol=0.05)
+
+
+def test_a_server_refuses_requests_beyond_its_queued_memory_and_takes_them_again_once_it_drained():
+    """Clients sending faster than the experts compute (or on purpose) queued up the server's memory without a
+    bound; the refused ones go to other experts (RESOURCE_EXHAUSTED)."""
+    x = torch.randn(64, 1024)  # 256 KiB of inputs per request
+    config = ServerConfig(device="cpu", max_queued_mb=1.0)
+    with ExpertServer.create("nop.[0:8]", "nop", 1024, config=config) as server:
+        release = threading.Event()
+
+        def pause():
+            with server.runtime.paused():
+                release.wait(60)
+
+        pauser = threading.Thread(target=pause)
+        pauser.start()
+        try:
+            queued = [forward_future(server.endpoint, f"nop.{i}", [x]) for i in range(4)]  # 1 MiB: all taken
+            deadline = time.monotonic() + 30
+            while server.servicer.queued_bytes < 4 * x.nbytes and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(RemoteExpertError, match="MiB of requests waiting.*--max-queued-mb") as refused:
+                forward_future(server.endpoint, "nop.4", [x]).result(30)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            release.set()
+            pauser.join(60)
+        for future in queued:
+            torch.testing.assert_close(future.result(30)[0], x)
+        torch.testing.assert_close(forward_future(server.endpoint, "nop.5", [x]).result(30)[0], x)
+        assert server.servicer.queued_bytes == 0

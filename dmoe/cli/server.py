@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--activation-cache-mb", type=non_negative(float), default=512.0,
                         help="MiB of activations kept from a forward for its backward, which then skips recomputing "
                              "the forward, in the memory of the device the experts compute on (0: always recompute)")
+    parser.add_argument("--max-queued-mb", type=positive_float, default=1024.0,
+                        help="MiB of request inputs waiting for (or in) the experts' compute, at most; requests "
+                             "beyond it are refused (RESOURCE_EXHAUSTED: clients move on to other experts)")
     parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
     parser.add_argument("--metrics-host", default=None,
@@ -348,6 +351,7 @@ def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     config.reject_nonfinite = args.reject_nonfinite
     config.max_abs_value = args.max_abs_value
     config.activation_cache_mb = args.activation_cache_mb
+    config.max_queued_mb = args.max_queued_mb
     return config
 
 

@@ -164,6 +164,7 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
     child.activation_cache_mb = args.activation_cache_mb / sharing
     if args.replica_dir is not None:
         child.replica_budget_mb = args.replica_budget_mb / args.processes
+    child.max_queued_mb = args.max_queued_mb / args.processes  # host memory, all of them together
     return child
 
 

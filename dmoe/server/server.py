@@ -81,6 +81,9 @@ class ServerConfig:
         shared_memory: clients on this host (connected over loopback) may pass requests and answers through
             memory they share with the server instead of gRPC's transport (:mod:`dmoe.wire.shared_memory`);
             False: the server refuses, and they call the plain way.
+        max_queued_mb: MiB of inputs that the requests waiting for the experts (or computing) may hold in all;
+            more are refused with RESOURCE_EXHAUSTED (clients move on to other experts), so that clients sending
+            faster than the experts compute, or on purpose, cannot take all of the server's memory.
     """
 
     host: str = "127.0.0.1"
@@ -105,6 +108,7 @@ class ServerConfig:
     overlap_copies: bool = False
     profile: bool = False
     shared_memory: bool = True
+    max_queued_mb: float = 1024.0
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -177,6 +181,7 @@ class ExpertServer:
             reject_nonfinite=self.config.reject_nonfinite, max_abs_value=self.config.max_abs_value or None,
             stages=self.stages,
             shared_memory=SegmentMaps(self.config.max_message_bytes) if self.config.shared_memory else None,
+            max_queued_bytes=int(self.config.max_queued_mb * 2**20),
         )
         self.metrics = ServerMetrics(experts, self.activations, self.stages)
         self.runtime.on_batch = self.metrics.observe_batch

@@ -183,6 +183,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         max_holds_per_host: the same, for the calls of one client machine, so that one cannot take them all (a
             client refused a hold calls on without one, a little slower).
         max_hold_seconds: no ``hold`` call is answered later than this.
+        max_queued_bytes: requests whose inputs would take the bytes of the requests queued or computing beyond this
+            are refused (RESOURCE_EXHAUSTED), so that clients sending faster than the experts compute (or on
+            purpose) cannot queue up the server's memory; a request alone is never refused for its size here.
     """
 
     def __init__(self, experts: dict[str, HostedExpert], runtime: Runtime, *, max_batch_size: int, device: str,
@@ -191,7 +194,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                  reject_nonfinite: bool = True, max_abs_value: float | None = None,
                  max_batch_items: int = MAX_BATCH_ITEMS, stages: StageClock | None = None,
                  shared_memory: SegmentMaps | None = None, max_holds: int = 4096,
-                 max_holds_per_host: int = 256, max_hold_seconds: float = 60.0):
+                 max_holds_per_host: int = 256, max_hold_seconds: float = 60.0, max_queued_bytes: int = 1 << 30):
         self.experts, self.runtime = experts, runtime
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
@@ -205,6 +208,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         self.max_holds_per_host = max_holds_per_host
         self.holds = 0  # hold calls open now
         self.holds_by_host: dict[str, int] = {}
+        self.max_queued_bytes = max_queued_bytes
+        self.queued_bytes = 0  # inputs of the requests queued or computing now
+        self._queued_lock = threading.Lock()  # (released by the runtime's workers)
         self._stopping = asyncio.Event()  # set on the server's loop by release_holds()
 
     def _lookup(self, uid: str) -> HostedExpert:
@@ -328,12 +334,28 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
     def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor],
                 activation_id: bytes) -> "Future[list[torch.Tensor]]":
-        """Queues a decoded request on the expert's forward or backward pool: the runtime's future."""
+        """Queues a decoded request on the expert's forward or backward pool: the runtime's future. Raises
+        :class:`RequestRejected` when the requests queued already hold :attr:`max_queued_bytes`."""
+        nbytes = sum(x.nbytes for x in inputs)
+        with self._queued_lock:
+            if self.queued_bytes and self.queued_bytes + nbytes > self.max_queued_bytes:
+                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"this server has {self.queued_bytes / 2**20:.0f} MiB of requests waiting for "
+                                      f"its experts, at most {self.max_queued_bytes / 2**20:.0f} MiB "
+                                      "(--max-queued-mb): try again later, or another server")
+            self.queued_bytes += nbytes
         if kind == FORWARD:
             expert.backend.forward_calls += 1
-            return self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
-        expert.backend.backward_calls += 1
-        return self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
+            future = self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
+        else:
+            expert.backend.backward_calls += 1
+            future = self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
+        future.add_done_callback(lambda _: self._dequeued(nbytes))
+        return future
+
+    def _dequeued(self, nbytes: int) -> None:
+        with self._queued_lock:
+            self.queued_bytes -= nbytes
 
     def _answer(self, kind: str, uid: str, future: "Future[list[torch.Tensor]]",
                 compression: int) -> list[OutgoingTensor]:
