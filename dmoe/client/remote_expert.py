@@ -67,10 +67,30 @@ NON_FINITE_GRADIENTS = ("output gradients are non-finite (NaN or Inf: usually a 
                         "the input gradients are NaN")
 
 
+#: the most characters of a server's message that a client keeps (in its errors, and so in its log)
+MAX_SERVER_MESSAGE_CHARS = 1024
+
+
+def truncated(message: str, limit: int = MAX_SERVER_MESSAGE_CHARS) -> str:
+    """``message`` cut to at most ``limit`` characters, saying so and how long it was.
+
+    Servers' messages (status details, batch items' messages: up to the 64 MiB message limit) end up in errors
+    that are logged, kept (``CallPolicy.refused``) and quoted again; whole, a hostile server could flood the
+    client's log every step. Idempotent: a cut message is no longer than ``limit``, so it is never cut again.
+    """
+    if len(message) <= limit:
+        return message
+    note = f"... ({len(message)} characters)"
+    return message[:max(0, limit - len(note))] + note
+
+
 class RemoteExpertError(RuntimeError):
-    """A call to a remote expert failed: the server's status code and message (timeouts: DEADLINE_EXCEEDED)."""
+    """A call to a remote expert failed: the server's status code and message (timeouts: DEADLINE_EXCEEDED).
+
+    The message is cut to :data:`MAX_SERVER_MESSAGE_CHARS` (:func:`truncated`): it is the server's to choose."""
 
     def __init__(self, uid: str, endpoint: str, code: grpc.StatusCode, message: str):
+        message = truncated(message)
         super().__init__(f"expert {uid} at {endpoint}: {code.name}: {message}")
         self.uid, self.endpoint, self.code, self.message = uid, endpoint, code, message
 

@@ -64,6 +64,9 @@ METHODS = ("forward", "backward", "forward_batch", "backward_batch")
 #: and at 1 MiB it carries 1.5-2x the calls (benchmarks/README.md, "Expert server throughput": --preset sizes).
 MIN_BYTES = 64 * 1024
 
+#: The most characters of a server's reason for refusing a segment that the client logs.
+MAX_REASON_CHARS = 1024
+
 #: Whether this platform has what the path needs (memfd with seals, /proc).
 AVAILABLE = (hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and hasattr(os, "MFD_ALLOW_SEALING")
              and os.path.isdir("/proc/self/fd"))
@@ -327,6 +330,8 @@ class SharedMemoryCalls:
     def refuse(self, why: str) -> None:
         if self.enabled:
             self.enabled = False
+            if len(why) > MAX_REASON_CHARS:  # the server's words, up to a message's 64 MiB
+                why = f"{why[:MAX_REASON_CHARS]}... ({len(why)} characters)"
             logger.info("calls to %s go through gRPC, not shared memory: %s", self.endpoint, why)
 
 
