@@ -6,23 +6,31 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+import threading
+import time
 from concurrent import futures
 from typing import Callable, Iterator
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
+from dmoe.client import remote_expert
 from dmoe.client.failures import CallPolicy
-from dmoe.client.remote_expert import (MAX_SERVER_MESSAGE_CHARS, RemoteExpertError, expert_info, forward_future,
-                                       forward_futures)
-from dmoe.wire import ChannelPool, grpc_options
+from dmoe.client.moe import PlannedCall, _RemoteExperts
+from dmoe.client.remote_expert import (MAX_SERVER_MESSAGE_CHARS, MalformedAnswer, RemoteExpert, RemoteExpertError,
+                                       backward_future, expected_bytes, expert_info, forward_future, forward_futures)
+from dmoe.wire import ChannelPool, dmoe_pb2, grpc_options
+from dmoe.wire.codec import FLOAT16, UINT8, pack
 from dmoe.wire.channels import TensorCalls
 from dmoe.wire.shared_memory import MAX_REASON_CHARS, SegmentPool, SharedMemoryCalls
 from dmoe.wire.zerocopy import BatchResponse, Result, batch_response_bytes
 
 HIDDEN = 8
 ROWS = 3
+#: what every call here asks for: ROWS rows of HIDDEN float32
+EXPECTED = [((ROWS, HIDDEN), torch.float32)]
 
 
 @contextlib.contextmanager
@@ -100,3 +108,175 @@ def test_a_servers_long_reason_to_refuse_shared_memory_is_logged_cut_short(caplo
         calls.refuse("r" * (1 << 20))
     assert not calls.enabled and f"... ({1 << 20} characters)" in caplog.text
     assert len(caplog.text) < MAX_REASON_CHARS + 300
+
+
+@pytest.fixture
+def decoded(monkeypatch) -> list[int]:
+    """How many tensors the client decoded (each answer's decoding goes through remote_expert.deserialize)."""
+    count = [0]
+    real = remote_expert.deserialize
+
+    def counting(message, *args, **kwargs):
+        count[0] += 1
+        return real(message, *args, **kwargs)
+
+    monkeypatch.setattr(remote_expert, "deserialize", counting)
+    return count
+
+
+def good_tensor() -> dmoe_pb2.Tensor:
+    return dmoe_pb2.Tensor(buffer=np.ones((ROWS, HIDDEN), np.float32).tobytes(), shape=[ROWS, HIDDEN],
+                           dtype="float32")
+
+
+def big_uint8_float64(n: int) -> dmoe_pb2.Tensor:
+    """n bytes on the wire that decode to 8n bytes (and more on the way): uint8 codes declared float64."""
+    return dmoe_pb2.Tensor(buffer=bytes(n), shape=[n], dtype="float64", compression=UINT8,
+                           aux=bytes(-(-n // 256) * 8))
+
+
+def answer(*tensors: dmoe_pb2.Tensor) -> Callable:
+    response = dmoe_pb2.ExpertResponse(tensors=list(tensors)).SerializeToString()
+    return lambda request, context: response
+
+
+def test_a_streamed_answer_beyond_the_expected_outputs_is_refused_as_it_arrives_and_the_stream_cancelled(pool):
+    part, total = 64 * 1024, 2000  # 125 MiB announced for an answer of 96 bytes
+    sent, ended = [0], threading.Event()
+
+    def stream(requests, context):
+        for _ in requests:
+            pass
+        try:
+            yield dmoe_pb2.ExpertResponse(tensors=[dmoe_pb2.Tensor(buffer=bytes(part), shape=[ROWS, HIDDEN],
+                                                                   dtype="float32", parts=total)]).SerializeToString()
+            sent[0] += 1
+            for _ in range(total - 1):
+                yield dmoe_pb2.ExpertResponse(tensors=[dmoe_pb2.Tensor(buffer=bytes(part))]).SerializeToString()
+                sent[0] += 1
+        finally:
+            ended.set()
+
+    with hostile_server(forward_stream=stream) as endpoint:
+        future = forward_future(endpoint, "ffn.0", [torch.randn(ROWS, HIDDEN)], channels=pool, timeout=60,
+                                unary_limit=0, expect=EXPECTED)
+        with pytest.raises(MalformedAnswer, match=f"exceed {expected_bytes(EXPECTED)} bytes"):
+            future.result(timeout=60)
+        assert ended.wait(30)  # the client cancelled the call: the server stopped sending
+    assert sent[0] < total // 4, sent
+
+
+def test_a_streamed_answer_whose_header_is_not_the_expected_tensor_is_refused_at_its_first_part(pool, decoded):
+    rows = 400 << 15  # 400 MiB of float32 rows announced
+
+    def stream(requests, context):
+        for _ in requests:
+            pass
+        yield dmoe_pb2.ExpertResponse(tensors=[dmoe_pb2.Tensor(buffer=bytes(1024), shape=[rows, HIDDEN],
+                                                               dtype="float32", parts=1 << 20)]).SerializeToString()
+        time.sleep(60)  # the client must not wait for more
+
+    with hostile_server(forward_stream=stream) as endpoint:
+        started = time.monotonic()
+        future = forward_future(endpoint, "ffn.0", [torch.randn(ROWS, HIDDEN)], channels=pool, timeout=60,
+                                unary_limit=0, expect=EXPECTED)
+        with pytest.raises(MalformedAnswer, match=rf"expected \[{ROWS}, {HIDDEN}\] 'float32', got \[{rows}, 8\]"):
+            future.result(timeout=60)
+        assert time.monotonic() - started < 30
+    assert decoded[0] == 0
+
+
+@pytest.mark.parametrize("case, tensors, asked, why", [
+    ("an extra tensor", [good_tensor(), big_uint8_float64(1 << 20)], "none", "2 tensors, expected 1"),
+    ("no tensor", [], "none", "0 tensors, expected 1"),
+    ("another dtype", [dmoe_pb2.Tensor(buffer=bytes(ROWS * HIDDEN), shape=[ROWS, HIDDEN], dtype="float64",
+                                       compression=UINT8, aux=bytes(8))], "none", "got [3, 8] 'float64'"),
+    ("another shape", [dmoe_pb2.Tensor(buffer=bytes(4 * ROWS), shape=[ROWS], dtype="float32")], "none",
+     "got [3] 'float32'"),
+    ("a compression not asked", [dmoe_pb2.Tensor(buffer=bytes(ROWS * HIDDEN), shape=[ROWS, HIDDEN], dtype="float32",
+                                                 compression=UINT8, aux=bytes(8))], "float16",
+     "compression 2, expected FLOAT16, NONE"),
+])
+def test_a_unary_answer_that_is_not_the_expected_outputs_is_refused_before_any_tensor_is_decoded(
+        pool, decoded, case, tensors, asked, why):
+    with hostile_server(forward=answer(*tensors)) as endpoint:
+        future = forward_future(endpoint, "ffn.0", [torch.randn(ROWS, HIDDEN)], channels=pool, timeout=60,
+                                compression=asked, expect=EXPECTED)
+        with pytest.raises(MalformedAnswer) as error:
+            future.result(timeout=60)
+    assert why in str(error.value), case
+    assert decoded[0] == 0
+    assert error.value.code == grpc.StatusCode.INTERNAL and len(str(error.value)) < 400
+
+
+def test_the_expected_answer_in_a_compression_the_server_chose_is_accepted(pool):
+    """A request asking none may get the server's own compression (dmoe-server --compression)."""
+    y = torch.randn(ROWS, HIDDEN)
+    for compression in (FLOAT16, UINT8):
+        packed = pack(y, compression)
+        tensor = dmoe_pb2.Tensor(buffer=bytes(packed.buffer), shape=packed.shape, dtype=packed.dtype,
+                                 compression=packed.compression, aux=packed.aux)
+        with hostile_server(forward=answer(tensor)) as endpoint:
+            got = forward_future(endpoint, "ffn.0", [y], channels=pool, timeout=60, expect=EXPECTED).result(60)
+        torch.testing.assert_close(got[0], y, atol=0.05, rtol=0.05)
+
+
+def test_a_backward_answer_is_checked_against_the_inputs_shapes(pool, decoded):
+    with hostile_server(backward=answer(good_tensor(), big_uint8_float64(1 << 20))) as endpoint:
+        x = torch.randn(ROWS, HIDDEN)
+        with pytest.raises(MalformedAnswer, match="2 tensors, expected 1"):
+            backward_future(endpoint, "ffn.0", [x], [x], channels=pool, timeout=60).result(60)
+    assert decoded[0] == 0
+
+
+def test_each_item_of_a_batch_answer_is_checked_alone(pool, decoded):
+    y = torch.randn(ROWS, HIDDEN)
+    bad = Result([pack(y), pack(torch.randn(1 << 16, dtype=torch.float64), UINT8)])
+    with hostile_server(forward_batch=batch_answer(Result([pack(y)]), bad)) as endpoint:
+        good_one, bad_one = forward_futures([(uid, endpoint, [y], None) for uid in ("ffn.0", "ffn.1")],
+                                            channels=pool, timeout=60, expect=[EXPECTED, EXPECTED])
+        assert torch.equal(good_one.result(60)[0], y)
+        with pytest.raises(MalformedAnswer, match="2 tensors, expected 1") as error:
+            bad_one.result(60)
+    assert error.value.uid == "ffn.1" and decoded[0] == 1
+
+
+def info_of(outputs: list[tuple[list[int], str]]) -> Callable:
+    info = dmoe_pb2.ExpertInfo(uid="ffn.0", expert_cls="ffn",
+                               inputs=[dmoe_pb2.TensorSchema(shape=[HIDDEN], dtype="float32")],
+                               outputs=[dmoe_pb2.TensorSchema(shape=s, dtype=d) for s, d in outputs])
+    data = info.SerializeToString()
+    return lambda request, context: data
+
+
+def test_a_remote_expert_checks_answers_against_its_schema(pool, decoded):
+    x = torch.randn(ROWS, HIDDEN)
+    with hostile_server(info=info_of([([HIDDEN], "float32")]), forward=answer(good_tensor())) as endpoint:
+        torch.testing.assert_close(RemoteExpert("ffn.0", endpoint, channels=pool, timeout=60)(x),
+                                   torch.ones(ROWS, HIDDEN))
+    decoded[0] = 0
+    with hostile_server(info=info_of([([HIDDEN], "float32")]),
+                        forward=answer(good_tensor(), big_uint8_float64(1 << 20))) as endpoint:
+        with pytest.raises(MalformedAnswer, match="2 tensors, expected 1"):
+            RemoteExpert("ffn.0", endpoint, channels=pool, timeout=60)(x)
+    assert decoded[0] == 0
+
+
+def run_layer(endpoint: str, policy: CallPolicy, rows: int = ROWS, will_backward: bool = False):
+    """The remote layer's autograd function on one planned call to ``endpoint`` (uid ffn0.0.0, every row)."""
+    plan = [PlannedCall("ffn0.0.0", endpoint, np.arange(rows), np.zeros(rows, dtype=np.int64))]
+    flat = torch.randn(rows, HIDDEN, requires_grad=will_backward)
+    dummy = torch.empty(0, requires_grad=True)
+    out, alive = _RemoteExperts.apply(dummy, flat, policy, plan, 1, will_backward)
+    return flat, out, alive
+
+
+def test_the_layer_drops_and_bans_an_expert_whose_answer_holds_more_than_its_rows(pool, decoded):
+    y = torch.randn(ROWS, HIDDEN)
+    bad = Result([pack(y), pack(torch.randn(1 << 16, dtype=torch.float64), UINT8)])
+    with hostile_server(forward_batch=batch_answer(bad)) as endpoint:
+        policy = CallPolicy(channels=pool)
+        _, out, alive = run_layer(endpoint, policy)
+    assert not alive.any() and torch.equal(out, torch.zeros_like(out))
+    assert policy.stats.experts_dropped == 1 and policy.bans.is_banned("ffn0.0.0", endpoint)
+    assert decoded[0] == 0

@@ -5,6 +5,7 @@ from dmoe.client.failures import CallPolicy
 from dmoe.client.gating import LocalMixtureOfExperts, MoEStats, NoAliveExpertsError
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import (
+    MalformedAnswer,
     RemoteExpert,
     RemoteExpertError,
     backward_future,
@@ -16,7 +17,7 @@ from dmoe.client.remote_expert import (
 )
 
 __all__ = [
-    "BanConfig", "Bans", "CallPolicy", "LocalMixtureOfExperts", "MoEStats", "NoAliveExpertsError", "PrefixCache",
-    "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "backward_future", "backward_futures",
+    "BanConfig", "Bans", "CallPolicy", "LocalMixtureOfExperts", "MalformedAnswer", "MoEStats", "NoAliveExpertsError",
+    "PrefixCache", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "backward_future", "backward_futures",
     "beam_search", "expert_info", "forward_future", "forward_futures", "new_activation_id",
 ]

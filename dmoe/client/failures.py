@@ -67,7 +67,8 @@ class CallPolicy:
 
         An answer whose first tensor is not floating-point of ``shape`` (and ``dtype``, what was sent) counts as the
         expert's failure: a faulty or hostile server (or one hosting other experts under these uids) must not break
-        the mixture.
+        the mixture. (The calls check every tensor's header against what they expect before decoding any:
+        :class:`~dmoe.client.remote_expert.MalformedAnswer`, a failure like any other here.)
 
         A refusal of the request as invalid (INVALID_ARGUMENT) drops the expert from this call only. It is usually
         the caller's own mistake (rows of another width than the experts', values the server's limits refuse), and

@@ -98,9 +98,12 @@ class _RemoteExperts(torch.autograd.Function):
         ids = [new_activation_id() if will_backward else None for _ in plan]
         sent = [_from_bits(host_bits[call.rows], host.dtype) for call in plan]
         # one call per server carries all of its experts' requests; each expert still answers (or fails) alone
+        # experts map rows of in_features to rows of in_features (the layer's output is their mixture): any other
+        # answer fails undecoded, and a streamed one as soon as it exceeds those rows' bytes
         futures = forward_futures([(uid, endpoint, [rows_in], activation_id)
                                    for (uid, endpoint, _, _), rows_in, activation_id in zip(plan, sent, ids)],
-                                  timeout=timeout, compression=policy.compression, channels=policy.channels)
+                                  timeout=timeout, compression=policy.compression, channels=policy.channels,
+                                  expect=[[(tuple(rows_in.shape), WIRE_DTYPE)] for rows_in in sent])
         laps.lap("send")
         wait_for_experts(futures, [call.rows for call in plan], len(inputs), policy.k_min, timeout,
                          policy.timeout_after_k_min)

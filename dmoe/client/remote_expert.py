@@ -16,15 +16,16 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import grpc
 import torch
 from torch import nn
 
 from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2, status_code
-from dmoe.wire.codec import (NONE, cut_into_parts, deserialize, encoded_bytes, join_parts, pack, parse_compression,
-                             serialize)
+from dmoe.wire.codec import (DTYPES, FLOAT16, NONE, UINT8, UINT8_BLOCK, InvalidTensor, TensorTooLarge, Compression,
+                             cut_into_parts, deserialize, dtype_name, encoded_bytes, join_parts, pack,
+                             parse_compression, serialize)
 from dmoe.wire.zerocopy import batch_request_message, request_message
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,107 @@ class RemoteExpertError(RuntimeError):
         return type(self), (self.uid, self.endpoint, self.code, self.message)
 
 
+class MalformedAnswer(RemoteExpertError):
+    """An answer that is not what was asked (how many tensors, their shapes, dtypes, compression or size): refused
+    before any of its tensors is decoded, and the expert's failure (a layer drops and bans it)."""
+
+    def __init__(self, uid: str, endpoint: str, problem: str):
+        super().__init__(uid, endpoint, grpc.StatusCode.INTERNAL, f"malformed answer: {problem}")
+        self.problem = problem
+
+    def __reduce__(self):
+        return type(self), (self.uid, self.endpoint, self.problem)
+
+
+#: What an answer must hold: a (shape, dtype) per tensor, in order (the shapes with their batch dimension).
+Expected = Sequence[tuple[Sequence[int], torch.dtype]]
+
+#: The most payload bytes of a streamed answer whose tensors the caller did not say (``expect=None``): as much as
+#: servers accept of a streamed request by default.
+MAX_UNKNOWN_ANSWER_BYTES = 1 << 30
+#: Room beyond the largest encoding of the expected tensors in a streamed answer.
+ANSWER_MARGIN_BYTES = 4096
+#: The smallest average part (bytes of payload) a streamed answer may be cut into, as servers require of streamed
+#: requests: each part costs memory beyond its bytes (its message), so a stream of empty parts is bounded too.
+MIN_ANSWER_PART_BYTES = 64
+
+
+def answer_compressions(asked: int) -> frozenset[int]:
+    """The compressions an answer's tensors may come in: the one asked, or none (what compression does not apply
+    to travels as it is); a request asking none may get the server's own (``dmoe-server --compression``), whose
+    decoding the checked shapes and dtypes bound."""
+    return frozenset((asked, NONE)) if asked != NONE else frozenset((NONE, FLOAT16, UINT8))
+
+
+def expected_bytes(expect: Expected) -> int:
+    """The most payload bytes ``expect``'s tensors take in any encoding, with a margin: what a streamed answer may
+    carry (its parts are refused beyond it as they arrive)."""
+    total = ANSWER_MARGIN_BYTES
+    for shape, dtype in expect:
+        numel = math.prod(shape)
+        total += numel * max(dtype.itemsize, 2) + -(-numel // UINT8_BLOCK) * 8  # float16 or uint8's scales
+    return total
+
+
+def _described(tensor: Any) -> str:
+    """A received tensor's header in a few words (the server chose it: never quoted at length)."""
+    shape = list(tensor.shape)
+    dims = str(shape) if len(shape) <= 8 else f"{len(shape)} dimensions"
+    return f"{dims} {truncated(str(tensor.dtype), 24)!r}"
+
+
+def header_problem(tensor: Any, index: int, expect: Expected | None, compressions: frozenset[int]) -> str | None:
+    """What is wrong with an answer's tensor ``index`` before decoding it (None: nothing): its compression, and its
+    shape and dtype when ``expect`` says them. Reads the header only (a buffer read copies the bytes)."""
+    if tensor.compression not in compressions:
+        asked = ", ".join(sorted(Compression.Name(c) for c in compressions))
+        return f"tensor {index} comes in compression {tensor.compression}, expected {asked}"
+    if expect is None:
+        return None
+    shape, dtype = expect[index]
+    if tensor.dtype != dtype_name(dtype) or list(tensor.shape) != list(shape):
+        return f"tensor {index}: expected {list(shape)} {dtype_name(dtype)!r}, got {_described(tensor)}"
+    return None
+
+
+def _decoded(tensors: Sequence[Any], uid: str, endpoint: str, expect: Expected | None,
+             compressions: frozenset[int]) -> list[torch.Tensor]:
+    """An answer's tensors decoded, after checking every header against what was asked (:class:`MalformedAnswer`
+    otherwise): a hostile server's tensors of other shapes, dtypes or compressions would decode to any size."""
+    if expect is not None and len(tensors) != len(expect):
+        raise MalformedAnswer(uid, endpoint, f"{len(tensors)} tensors, expected {len(expect)}")
+    for i, tensor in enumerate(tensors):
+        problem = header_problem(tensor, i, expect, compressions)
+        if problem is not None:
+            raise MalformedAnswer(uid, endpoint, problem)
+    try:
+        return [deserialize(t) for t in tensors]
+    except (InvalidTensor, TensorTooLarge) as error:
+        raise MalformedAnswer(uid, endpoint, str(error)) from None
+
+
+def _checked_parts(responses: Iterable[Any], uid: str, endpoint: str, expect: Expected | None,
+                   compressions: frozenset[int], max_bytes: int) -> Iterator[Sequence[Any]]:
+    """A streamed answer's groups of parts, each tensor's header checked as its first part arrives, and no more
+    parts than ``max_bytes`` cut into parts of :data:`MIN_ANSWER_PART_BYTES` (bytes: ``join_parts``)."""
+    max_parts = (len(expect) if expect is not None else 1) + max_bytes // MIN_ANSWER_PART_BYTES
+    heads = parts = 0
+    for response in responses:
+        group = response.tensors
+        parts += len(group)
+        if parts > max_parts:
+            raise MalformedAnswer(uid, endpoint, f"a streamed answer of more than {max_parts} parts")
+        for part in group:
+            if part.parts:  # a tensor's first part, with its header (join_parts refuses continuations with one)
+                if expect is not None and heads >= len(expect):
+                    raise MalformedAnswer(uid, endpoint, f"more than {len(expect)} tensors")
+                problem = header_problem(part, heads, expect, compressions)
+                if problem is not None:
+                    raise MalformedAnswer(uid, endpoint, problem)
+                heads += 1
+        yield group
+
+
 def _settle(future: Future, fn: Callable[[], Any]) -> None:
     """Resolves ``future`` with ``fn()`` or its exception, unless the caller cancelled it meanwhile."""
     try:
@@ -117,9 +219,10 @@ def _settle(future: Future, fn: Callable[[], Any]) -> None:
 
 def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor], *, timeout: float | None,
           compression: int | str, channels: ChannelPool | None, unary_limit: int,
-          activation_id: bytes | None) -> "Future[list[torch.Tensor]]":
+          activation_id: bytes | None, expect: Expected | None = None) -> "Future[list[torch.Tensor]]":
     channels = channels or ChannelPool.default()
     compression = parse_compression(compression)
+    compressions = answer_compressions(compression)
     future: Future[list[torch.Tensor]] = Future()
 
     def failure(error: grpc.RpcError) -> RemoteExpertError:
@@ -134,7 +237,7 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
                 response = call.result()
             except grpc.RpcError as error:
                 raise failure(error) from None
-            return [deserialize(t) for t in response.tensors]
+            return _decoded(response.tensors, uid, endpoint, expect, compressions)
 
         call.add_done_callback(lambda _: _settle(future, unpack))
         future.add_done_callback(lambda f: call.cancel() if f.cancelled() else None)
@@ -151,12 +254,19 @@ def _call(method: str, endpoint: str, uid: str, tensors: Sequence[torch.Tensor],
     stream = getattr(channels.stub(endpoint), f"{method}_stream")(requests(), timeout=timeout)
     future.add_done_callback(lambda f: stream.cancel() if f.cancelled() else None)
 
+    max_bytes = expected_bytes(expect) if expect is not None else MAX_UNKNOWN_ANSWER_BYTES
+
     def receive() -> list[torch.Tensor]:
         try:
-            tensors = join_parts((response.tensors for response in stream), max_bytes=2**62)
+            tensors = join_parts(_checked_parts(stream, uid, endpoint, expect, compressions, max_bytes), max_bytes)
         except grpc.RpcError as error:
             raise failure(error) from None
-        return [deserialize(t) for t in tensors]
+        except BaseException as error:
+            stream.cancel()  # read no further: the server may go on sending
+            if isinstance(error, (InvalidTensor, TensorTooLarge)):
+                raise MalformedAnswer(uid, endpoint, str(error)) from None
+            raise
+        return _decoded(tensors, uid, endpoint, expect, compressions)
 
     # the thread lives exactly as long as the call: it ends when the stream does (or is cancelled / times out)
     threading.Thread(target=_settle, args=(future, receive), name=f"dmoe-stream-{uid}", daemon=True).start()
@@ -170,8 +280,8 @@ def new_activation_id() -> bytes:
 
 def forward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], *, timeout: float | None = None,
                    compression: int | str = NONE, channels: ChannelPool | None = None,
-                   unary_limit: int = UNARY_LIMIT_BYTES,
-                   activation_id: bytes | None = None) -> "Future[list[torch.Tensor]]":
+                   unary_limit: int = UNARY_LIMIT_BYTES, activation_id: bytes | None = None,
+                   expect: Expected | None = None) -> "Future[list[torch.Tensor]]":
     """Starts expert ``uid``'s forward on ``inputs`` (each with a batch dimension) and returns at once.
 
     The future resolves to the outputs as CPU tensors, or fails with :class:`RemoteExpertError`. The outputs may
@@ -180,9 +290,19 @@ def forward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], *, t
     ``activation_id`` (from :func:`new_activation_id`): a backward with the same id and inputs will follow, so
     the server may keep this forward's activations and skip recomputing them then. Leave it out when no
     backward will follow (inference), or the server holds them for nothing until they expire.
+
+    ``expect``: the outputs' shapes (with the batch dimension) and dtypes, when known (``RemoteExpert`` and the
+    layer know them): an answer of other tensors fails with :class:`MalformedAnswer` before any is decoded, and a
+    streamed one as soon as it exceeds what they take. Without it, any tensors are decoded, a streamed answer up to
+    :data:`MAX_UNKNOWN_ANSWER_BYTES`. Either way only the compression asked for (or none) is accepted.
     """
     return _call("forward", endpoint, uid, inputs, timeout=timeout, compression=compression, channels=channels,
-                 unary_limit=unary_limit, activation_id=activation_id)
+                 unary_limit=unary_limit, activation_id=activation_id, expect=expect)
+
+
+def input_gradients(inputs: Sequence[torch.Tensor]) -> Expected:
+    """What a backward answers: a gradient of each input's shape and dtype."""
+    return [(tuple(x.shape), x.dtype) for x in inputs]
 
 
 def backward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
@@ -193,11 +313,14 @@ def backward_future(endpoint: str, uid: str, inputs: Sequence[torch.Tensor], gra
 
     ``activation_id``: the one the forward of these ``inputs`` was sent with, if any. Then only the gradients
     are sent at first, as the server holds the inputs since that forward; if it no longer does
-    (FAILED_PRECONDITION), the call is made again with the inputs, within the same ``timeout``.
+    (FAILED_PRECONDITION), the call is made again with the inputs, within the same ``timeout``. An answer that is
+    not a gradient of each input's shape and dtype fails with :class:`MalformedAnswer`, undecoded.
     """
+    expect = input_gradients(inputs)
+
     def send(tensors: Sequence[torch.Tensor], seconds: float | None) -> "Future[list[torch.Tensor]]":
         return _call("backward", endpoint, uid, tensors, timeout=seconds, compression=compression, channels=channels,
-                     unary_limit=unary_limit, activation_id=activation_id)
+                     unary_limit=unary_limit, activation_id=activation_id, expect=expect)
 
     if not activation_id:
         return send([*inputs, *grad_outputs], timeout)
@@ -233,8 +356,10 @@ Item = tuple[str, str, Sequence[torch.Tensor], "bytes | None"]
 
 
 def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[torch.Tensor], bytes | None]], *,
-                timeout: float | None, compression: int, channels: ChannelPool) -> "list[Future[list[torch.Tensor]]]":
-    """One ``{method}_batch`` call carrying every item (uid, tensors, activation_id); a future each.
+                timeout: float | None, compression: int, channels: ChannelPool,
+                expect: Sequence[Expected | None]) -> "list[Future[list[torch.Tensor]]]":
+    """One ``{method}_batch`` call carrying every item (uid, tensors, activation_id); a future each, its answer
+    checked against the item's ``expect``.
 
     The request is written by :mod:`dmoe.wire.zerocopy`: the tensors' memory is copied once, into the message (or
     into memory shared with a server on this host, :mod:`dmoe.wire.shared_memory`)."""
@@ -242,6 +367,7 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
                                    for uid, tensors, activation_id in items], compression)
     call = getattr(channels.calls(endpoint), f"{method}_batch").future(request, timeout=timeout)
     futures: list[Future[list[torch.Tensor]]] = [Future() for _ in items]
+    compressions = answer_compressions(compression)
 
     def fail(uid: str, code: grpc.StatusCode, message: str) -> Callable[[], Any]:
         def raise_error():
@@ -262,7 +388,8 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
                 _settle(future, fail(uid, grpc.StatusCode.UNKNOWN,
                                      f"the server answered {len(results)} results for {len(items)} items"))
             elif results[i].code == 0:
-                _settle(future, lambda tensors=results[i].tensors: [deserialize(t) for t in tensors])
+                _settle(future, lambda tensors=results[i].tensors, uid=uid, expected=expect[i]:
+                        _decoded(tensors, uid, endpoint, expected, compressions))
             else:
                 _settle(future, fail(uid, status_code(results[i].code) or grpc.StatusCode.UNKNOWN, results[i].message))
 
@@ -278,9 +405,10 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
 
 
 def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compression: int | str,
-             channels: ChannelPool | None, unary_limit: int) -> "list[Future[list[torch.Tensor]]]":
+             channels: ChannelPool | None, unary_limit: int,
+             expect: Sequence[Expected | None]) -> "list[Future[list[torch.Tensor]]]":
     """Sends ``items`` with one batch call per server (more if they exceed one message or ``MAX_BATCH_ITEMS``);
-    an item too large for one message goes alone, streamed."""
+    an item too large for one message goes alone, streamed. ``expect``: each item's answer (None: unknown)."""
     channels = channels or ChannelPool.default()
     compression = parse_compression(compression)
     futures: list[Future | None] = [None] * len(items)
@@ -295,7 +423,8 @@ def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compr
             nbytes = sum(encoded_bytes(t, compression) for t in tensors)
             if nbytes > unary_limit:
                 futures[i] = _call(method, endpoint, uid, tensors, timeout=timeout, compression=compression,
-                                   channels=channels, unary_limit=unary_limit, activation_id=activation_id)
+                                   channels=channels, unary_limit=unary_limit, activation_id=activation_id,
+                                   expect=expect[i])
                 continue
             if packs[-1] and (size + nbytes > unary_limit or len(packs[-1]) >= MAX_BATCH_ITEMS):
                 packs.append([])
@@ -305,23 +434,27 @@ def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compr
         for group in filter(None, packs):
             sent = _batch_call(method, endpoint, [(uid, tensors, activation_id)
                                                   for _, uid, tensors, activation_id in group],
-                               timeout=timeout, compression=compression, channels=channels)
+                               timeout=timeout, compression=compression, channels=channels,
+                               expect=[expect[i] for i, _, _, _ in group])
             for (i, _, _, _), future in zip(group, sent):
                 futures[i] = future
     return futures  # type: ignore[return-value]
 
 
 def forward_futures(items: Sequence[Item], *, timeout: float | None = None, compression: int | str = NONE,
-                    channels: ChannelPool | None = None,
-                    unary_limit: int = UNARY_LIMIT_BYTES) -> "list[Future[list[torch.Tensor]]]":
+                    channels: ChannelPool | None = None, unary_limit: int = UNARY_LIMIT_BYTES,
+                    expect: Sequence[Expected | None] | None = None) -> "list[Future[list[torch.Tensor]]]":
     """Starts the forwards of many experts, ``(uid, endpoint, inputs, activation_id)`` each, with one call per
     server, and returns a future per item, as :func:`forward_future` would (one failing item fails alone).
+    ``expect``: each item's outputs, as :func:`forward_future` takes them (None: unknown).
 
     One call per server instead of one per expert: gRPC costs a fixed amount of CPU per call on each side, which
     a layer calling 16 experts per step otherwise pays 16 times over.
     """
+    if expect is not None and len(expect) != len(items):
+        raise ValueError(f"expect has {len(expect)} entries for {len(items)} items")
     return _batched("forward", items, timeout=timeout, compression=compression, channels=channels,
-                    unary_limit=unary_limit)
+                    unary_limit=unary_limit, expect=expect if expect is not None else [None] * len(items))
 
 
 def backward_futures(items: Sequence[tuple[str, str, Sequence[torch.Tensor], Sequence[torch.Tensor], bytes | None]],
@@ -332,19 +465,21 @@ def backward_futures(items: Sequence[tuple[str, str, Sequence[torch.Tensor], Seq
     with one call per server. Items with an activation id send their gradients alone; those whose server no
     longer holds the inputs are sent again, each with its inputs, within the same ``timeout``."""
     deadline = time.monotonic() + timeout if timeout is not None else None
+    expect = [input_gradients(inputs) for _, _, inputs, _, _ in items]
     first = _batched("backward", [(uid, endpoint, grads if activation_id else [*inputs, *grads], activation_id)
                                   for uid, endpoint, inputs, grads, activation_id in items],
-                     timeout=timeout, compression=compression, channels=channels, unary_limit=unary_limit)
+                     timeout=timeout, compression=compression, channels=channels, unary_limit=unary_limit,
+                     expect=expect)
     futures = []
-    for (uid, endpoint, inputs, grads, activation_id), sent in zip(items, first):
+    for (uid, endpoint, inputs, grads, activation_id), sent, expected in zip(items, first, expect):
         if not activation_id:
             futures.append(sent)
             continue
 
         def resend(seconds: float | None, uid=uid, endpoint=endpoint, tensors=[*inputs, *grads],
-                   activation_id=activation_id):
+                   activation_id=activation_id, expected=expected):
             return _call("backward", endpoint, uid, tensors, timeout=seconds, compression=compression,
-                         channels=channels, unary_limit=unary_limit, activation_id=activation_id)
+                         channels=channels, unary_limit=unary_limit, activation_id=activation_id, expect=expected)
 
         futures.append(_resend_with_inputs(sent, resend, deadline))
     return futures
@@ -412,6 +547,9 @@ class RemoteExpert(nn.Module):
         timeout: seconds for each forward/backward call (None: no deadline).
         compression: how tensors travel both ways: ``'none'``, ``'float16'`` or ``'uint8'``.
         channels: the channel pool to use; :meth:`ChannelPool.default` if None.
+
+    Its first forward fetches the expert's schema (:attr:`info`), against which every answer is checked before it
+    is decoded: a server can then make the client decode no more than the outputs it asked for.
         grad_scaler: the ``torch.amp.GradScaler`` of the loss (also settable later): the server steps on the
             gradients at once, so they are sent unscaled (see :class:`dmoe.RemoteMixtureOfExperts`).
     """
@@ -432,10 +570,22 @@ class RemoteExpert(nn.Module):
             self._info = expert_info(self.endpoint, self.uid, timeout=self.timeout, channels=self.channels)
         return self._info
 
+    def expected_outputs(self, rows: int) -> Expected:
+        """The outputs of a forward of ``rows`` rows, as the expert's schema says (its ``info``, fetched once):
+        answers of other tensors fail undecoded (:class:`MalformedAnswer`)."""
+        expected = []
+        for shape, name in self.info["outputs"]:
+            if name not in DTYPES:
+                raise MalformedAnswer(self.uid, self.endpoint, f"the expert's schema names an unknown dtype "
+                                      f"{truncated(str(name), 24)!r}")
+            expected.append(((rows, *shape), DTYPES[name]))
+        return expected
+
     def _call_forward(self, inputs: Sequence[torch.Tensor],
                       activation_id: bytes | None) -> "Future[list[torch.Tensor]]":
         return forward_future(self.endpoint, self.uid, inputs, timeout=self.timeout, compression=self.compression,
-                              channels=self.channels, activation_id=activation_id)
+                              channels=self.channels, activation_id=activation_id,
+                              expect=self.expected_outputs(len(inputs[0])))
 
     def _call_backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
                        activation_id: bytes | None) -> "Future[list[torch.Tensor]]":
