@@ -280,3 +280,28 @@ def test_the_layer_drops_and_bans_an_expert_whose_answer_holds_more_than_its_row
     assert not alive.any() and torch.equal(out, torch.zeros_like(out))
     assert policy.stats.experts_dropped == 1 and policy.bans.is_banned("ffn0.0.0", endpoint)
     assert decoded[0] == 0
+
+
+def nan_rows() -> Result:
+    y = torch.full((ROWS, HIDDEN), float("nan"))
+    y[0, 0] = float("inf")
+    return Result([pack(y)])
+
+
+def test_the_layer_drops_and_bans_an_expert_answering_nan(pool):
+    with hostile_server(forward_batch=batch_answer(nan_rows())) as endpoint:
+        policy = CallPolicy(channels=pool)
+        _, out, alive = run_layer(endpoint, policy)
+    assert not alive.any() and torch.equal(out, torch.zeros_like(out))
+    assert policy.stats.experts_dropped == 1 and policy.bans.is_banned("ffn0.0.0", endpoint)
+
+
+def test_the_layer_drops_and_bans_an_expert_answering_nan_gradients(pool):
+    answered = Result([pack(torch.randn(ROWS, HIDDEN))])
+    with hostile_server(forward_batch=batch_answer(answered), backward_batch=batch_answer(nan_rows())) as endpoint:
+        policy = CallPolicy(channels=pool, backward_k_min=0)
+        flat, out, alive = run_layer(endpoint, policy, will_backward=True)
+        assert alive.all()
+        out.sum().backward()
+    assert policy.stats.backward_failures == 1 and policy.bans.is_banned("ffn0.0.0", endpoint)
+    assert torch.equal(flat.grad, torch.zeros_like(flat.grad))  # no gradient came from it: none, not NaN

@@ -22,6 +22,7 @@ import torch
 
 from dmoe.client.bans import Bans
 from dmoe.client.gating import MoEStats
+from dmoe.client.remote_expert import all_finite
 from dmoe.wire import NONE, ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,9 @@ class CallPolicy:
         An answer whose first tensor is not floating-point of ``shape`` (and ``dtype``, what was sent) counts as the
         expert's failure: a faulty or hostile server (or one hosting other experts under these uids) must not break
         the mixture. (The calls check every tensor's header against what they expect before decoding any:
-        :class:`~dmoe.client.remote_expert.MalformedAnswer`, a failure like any other here.)
+        :class:`~dmoe.client.remote_expert.MalformedAnswer`, a failure like any other here.) So does an answer
+        holding NaN or Inf, forward or backward: a diverged or hostile expert's NaN would otherwise poison the
+        mixture (and the loss) of every row it answered, or the gradients of the layer's inputs.
 
         A refusal of the request as invalid (INVALID_ARGUMENT) drops the expert from this call only. It is usually
         the caller's own mistake (rows of another width than the experts', values the server's limits refuse), and
@@ -163,8 +166,9 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
 
 def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None,
               dtype: torch.dtype | None = None) -> str | None:
-    """What is wrong with an expert's answer that should be floating-point of ``shape`` and ``dtype`` (None:
-    nothing)."""
+    """What is wrong with an expert's answer that should be floating-point of ``shape`` and ``dtype``, and finite
+    (None: nothing). Finiteness is numpy's smallest and largest value of each tensor (:func:`all_finite`): two
+    passes on the caller's thread, no torch op."""
     if not result:
         return "no tensors"
     first = result[0]
@@ -174,4 +178,6 @@ def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None,
         return f"expected floating-point values, got {first.dtype}"
     if dtype is not None and first.dtype != dtype:
         return f"expected {dtype}, got {first.dtype}"
+    if not all(map(all_finite, result)):
+        return "non-finite values (NaN or Inf)"
     return None
