@@ -4,6 +4,7 @@ plain gRPC calls, the fallback when a server refuses, and hostile ``call_shared`
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
@@ -228,6 +229,36 @@ def test_any_shared_memory_call_gets_an_answer_or_a_clear_status(server, stub, o
     finally:
         segment.close()
     assert forward_future(server[1], "sh.0", [torch.ones(1, HIDDEN)]).result(30)[0].shape == (1, HIDDEN)
+
+
+def unmappable(size: int, seals: int) -> int:
+    """A memfd a client could make with a valid header: sealed against shrinking, but that no server can map."""
+    fd = os.memfd_create("dmoe-call", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.pwrite(fd, shm.MAGIC + b"k" * shm.KEY_BYTES, 0)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | seals)
+    return fd
+
+
+def test_segments_the_server_cannot_or_will_not_map_are_refused_not_failed(stub):
+    """mmap's OSError escaped: the client got UNKNOWN (and the server logged a traceback) for every such call."""
+    write_sealed = unmappable(1 << 20, fcntl.F_SEAL_WRITE)  # no shared writable mapping of it: EPERM
+    sparse = unmappable(1 << 50, 0)  # 1 PiB: more than any server maps (and than its address space: ENOMEM)
+    try:
+        for fd, why in ((write_sealed, "cannot map the segment: Operation not permitted"),
+                        (sparse, f"the segment has {1 << 50} bytes, more than this server maps")):
+            request = dmoe_pb2.SharedMemoryCall(method="forward", pid=os.getpid(), fd=fd, key=b"k" * shm.KEY_BYTES,
+                                                request_offset=shm.HEADER_BYTES, request_length=16,
+                                                answer_offset=128, answer_capacity=64)
+            answer = stub(request, timeout=30)
+            assert why in answer.refused, answer
+            maps = shm.SegmentMaps(max_request_bytes=1 << 20)  # SegmentMaps itself, as the server has it
+            with pytest.raises(shm.Refused, match=re.escape(why)):
+                maps.open(request, "ipv4:127.0.0.1:5000")
+            assert len(maps) == 0
+    finally:
+        os.close(write_sealed)
+        os.close(sparse)
 
 
 CHILD = """

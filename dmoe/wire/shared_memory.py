@@ -420,8 +420,9 @@ class SegmentMaps:
         for name in [name for name in self._maps if not os.path.exists(f"/proc/{name[0]}")]:
             del self._maps[name]
 
-    @staticmethod
-    def _map(call: dmoe_pb2.SharedMemoryCall) -> MappedSegment:
+    def _map(self, call: dmoe_pb2.SharedMemoryCall) -> MappedSegment:
+        """Maps the segment ``call`` names; raises :class:`Refused` for whatever this server cannot or will not map
+        (a client's segment is the client's to make: write-sealed, larger than the address space...)."""
         path = f"/proc/{call.pid}/fd/{call.fd}"
         try:
             # only a memfd: never open a device or a pipe a client might name
@@ -440,7 +441,12 @@ class SegmentMaps:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:
                 raise Refused(f"the segment has {size} bytes, less than its header")
-            mapping = mmap.mmap(fd, size)
+            if size > self.max_bytes:  # it would evict every other mapping, or not fit in memory at all
+                raise Refused(f"the segment has {size} bytes, more than this server maps ({self.max_bytes})")
+            try:
+                mapping = mmap.mmap(fd, size)
+            except OSError as error:  # a write-sealed memfd (EPERM), no room in the address space (ENOMEM)...
+                raise Refused(f"cannot map the segment: {os.strerror(error.errno or 0)}") from None
         finally:
             os.close(fd)
         header = mapping[:len(MAGIC) + KEY_BYTES]
