@@ -5,11 +5,13 @@ plain gRPC calls, the fallback when a server refuses, and hostile ``call_shared`
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import re
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -229,6 +231,97 @@ def test_any_shared_memory_call_gets_an_answer_or_a_clear_status(server, stub, o
     finally:
         segment.close()
     assert forward_future(server[1], "sh.0", [torch.ones(1, HIDDEN)]).result(30)[0].shape == (1, HIDDEN)
+
+
+class LocalMapper:
+    """A server on this host that maps every segment sent to it and keeps the mapping (it could write into it at
+    any time): it answers ``refused``, or the echo of the request inline, as ``mode`` says; plain calls it echoes."""
+
+    def __init__(self, mode: str):
+        self.mode, self.keys, self.maps = mode, [], []
+        self.server = grpc.server(ThreadPoolExecutor(2), options=grpc_options())
+        handlers = {"call_shared": grpc.unary_unary_rpc_method_handler(self.call_shared),
+                    "forward": grpc.unary_unary_rpc_method_handler(lambda request, context: self.echo(request))}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dmoe.ExpertService",
+                                                                                   handlers),))
+        self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    @staticmethod
+    def echo(request: bytes) -> bytes:
+        return dmoe_pb2.ExpertResponse(tensors=dmoe_pb2.ExpertRequest.FromString(request).tensors).SerializeToString()
+
+    def call_shared(self, request: bytes, context) -> bytes:
+        call = dmoe_pb2.SharedMemoryCall.FromString(request)
+        fd = os.open(f"/proc/{call.pid}/fd/{call.fd}", os.O_RDWR)
+        try:
+            self.maps.append(mmap.mmap(fd, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)
+        self.keys.append(call.key)
+        if self.mode == "refuse":
+            return dmoe_pb2.SharedMemoryAnswer(refused="not today").SerializeToString()
+        data = self.maps[-1][call.request_offset:call.request_offset + call.request_length]
+        return dmoe_pb2.SharedMemoryAnswer(inline_answer=self.echo(data)).SerializeToString()
+
+    def close(self) -> None:
+        self.server.stop(0)
+        for mapping in self.maps:
+            mapping.close()
+
+
+def keys_sent(pool: ChannelPool, endpoint: str) -> list[bytes]:
+    """The keys of the segments the pool's calls to ``endpoint`` will go in (spies on its call_shared)."""
+    calls, keys = pool.calls(endpoint), []
+    real = calls.call_shared
+
+    class Spy:
+        def future(self, request, timeout=None):
+            keys.append(request.key)
+            return real.future(request, timeout=timeout)
+
+    calls.call_shared = Spy()
+    return keys
+
+
+@pytest.mark.parametrize("mode", ["refuse", "answer"])
+def test_a_segment_another_local_server_mapped_is_never_reused_for_this_one(server, mode):
+    """A server refusing a segment after mapping it (or answering through it) can write into it later: reused for
+    another server, the segment carried that server's answers poisoned (and the honest server took the blame)."""
+    _, honest = server
+    mapper = LocalMapper(mode)
+    x = torch.randn(16, HIDDEN)
+    try:
+        with ChannelPool(shared_memory_min_bytes=0, hold_calls=False) as pool:
+            to_honest = keys_sent(pool, honest)
+            assert torch.equal(forward_future(mapper.endpoint, "sh.1", [x], channels=pool).result(30)[0], x)
+            if mode == "refuse":  # its refusal is its word only: the segment is dropped, not pooled
+                assert pool.segments.idle() == 0 and not pool.calls(mapper.endpoint).enabled
+            else:  # pooled for that server alone
+                assert pool.segments.idle(mapper.endpoint) == 1 and pool.segments.idle(honest) == 0
+            for _ in range(3):
+                forward_future(honest, "sh.1", [x], channels=pool).result(30)
+            assert len(to_honest) == 3 and not set(to_honest) & set(mapper.keys)
+            assert len(set(to_honest)) == 1  # the honest server's own segment, reused for it
+            if mode == "answer":  # and the mapper's own, reused for it
+                forward_future(mapper.endpoint, "sh.1", [x], channels=pool).result(30)
+                assert len(mapper.keys) == 2 and mapper.keys[0] == mapper.keys[1]
+    finally:
+        mapper.close()
+
+
+def test_the_idle_segments_kept_are_bounded_over_all_servers():
+    pool = shm.SegmentPool(keep_bytes=2 * shm.MIN_SEGMENT_BYTES)
+    segments = [pool.acquire(100, endpoint) for endpoint in ("a:1", "b:2", "c:3")]
+    for segment, endpoint in zip(segments, ("a:1", "b:2", "c:3")):
+        pool.release(segment, endpoint)
+    assert pool.idle() == 2 and pool.idle("a:1") == 0 and segments[0].map.closed  # the oldest closed
+    again, fresh = pool.acquire(100, "c:3"), pool.acquire(100, "c:3")
+    assert again is segments[2] and fresh is not segments[1]  # b:2's segment is b:2's alone
+    pool.close()
+    assert segments[1].map.closed
+    again.close()
+    fresh.close()
 
 
 def unmappable(size: int, seals: int) -> int:

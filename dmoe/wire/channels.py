@@ -168,7 +168,7 @@ class ChannelPool:
             raise ValueError(f"hold_seconds must be finite and > 0, got {hold_seconds}")
         self.hold_calls, self.hold_seconds = hold_calls, hold_seconds
         self.shared_memory, self.shared_memory_min_bytes = shared_memory and AVAILABLE, shared_memory_min_bytes
-        self.segments = SegmentPool()
+        self.segments = SegmentPool()  # bounded over all endpoints; a segment is reused only for its own endpoint
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
 

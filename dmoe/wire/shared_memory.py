@@ -21,8 +21,11 @@ client cannot change it after the checks; every offset is checked against the se
 cannot or will not use the segment (``--no-shared-memory``, another pid namespace, another user, not Linux)
 answers ``refused``, and the client sends this and every later call to that server the plain way.
 
-The client reuses a segment only after the call it carried succeeded: a cancelled or failed call's segment is
-dropped, as the server may still write its answer there.
+The client reuses a segment only after the call it carried succeeded, and only for calls to that same server: a
+cancelled or failed call's segment is dropped, as the server may still write its answer there, and so is one the
+server refused, as it may have mapped it all the same. A server on this host under the client's user can keep its
+mapping of a segment and write into it whenever it likes; reused for another server, the segment would carry that
+server's answers poisoned, and the honest server would take the blame.
 """
 from __future__ import annotations
 
@@ -116,45 +119,51 @@ class Segment:
 
 
 class SegmentPool:
-    """A client's segments: one per call in flight, reused once a call succeeded; at most ``keep_bytes`` of idle
-    segments are kept. Thread-safe; :meth:`close` closes the idle ones, and those in flight as they come back."""
+    """A client's segments: one per call in flight, reused once a call succeeded, and only for the server (the
+    endpoint) that call went to, which had it mapped already: another server on this host could still hold a
+    mapping of it and write into it. At most ``keep_bytes`` of idle segments are kept, over all servers (the least
+    recently released closed first). Thread-safe; :meth:`close` closes the idle ones, and those in flight as they
+    come back."""
 
     def __init__(self, keep_bytes: int = 256 << 20):
         self.keep_bytes = keep_bytes
-        self._free: list[Segment] = []
+        self._free: list[tuple[str, Segment]] = []  # (the endpoint it may go to again, the segment), oldest first
         self._lock = threading.Lock()
         self._closed = False
 
-    def acquire(self, size: int) -> Segment:
+    def acquire(self, size: int, endpoint: str) -> Segment:
+        """A segment of at least ``size`` bytes for a call to ``endpoint``: one that endpoint had, or a new one."""
         size = max(MIN_SEGMENT_BYTES, 1 << (size - 1).bit_length())
         with self._lock:
-            for i, segment in enumerate(self._free):
-                if segment.size == size:
-                    return self._free.pop(i)
+            for i, (owner, segment) in enumerate(self._free):
+                if owner == endpoint and segment.size == size:
+                    return self._free.pop(i)[1]
         return Segment(size)
 
-    def release(self, segment: Segment) -> None:
-        """Back to the pool: only after the call it carried succeeded (the server is done with it)."""
+    def release(self, segment: Segment, endpoint: str) -> None:
+        """Back to the pool, for ``endpoint`` alone: only after the call it carried there succeeded (the server is
+        done with it)."""
         with self._lock:
             if not self._closed:
-                self._free.append(segment)
-                while sum(s.size for s in self._free) > self.keep_bytes:
-                    self._free.pop(0).close()
+                self._free.append((endpoint, segment))
+                while sum(s.size for _, s in self._free) > self.keep_bytes:
+                    self._free.pop(0)[1].close()
                 return
         segment.close()
 
     def discard(self, segment: Segment) -> None:
-        """Closes a segment the server may still write into (its call failed or was cancelled)."""
+        """Closes a segment the server may still write into (its call failed, was cancelled or was refused)."""
         segment.close()
 
-    def idle(self) -> int:
+    def idle(self, endpoint: str | None = None) -> int:
+        """The idle segments kept (for ``endpoint``; None: for any)."""
         with self._lock:
-            return len(self._free)
+            return sum(1 for owner, _ in self._free if endpoint is None or owner == endpoint)
 
     def close(self) -> None:
         with self._lock:
             self._closed, free, self._free = True, self._free, []
-        for segment in free:
+        for _, segment in free:
             segment.close()
 
 
@@ -227,7 +236,8 @@ class SharedMethod:
             return self.plain.future(message, timeout=timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         request_room = _round_up(message.size, ALIGN)
-        segment = calls.segments.acquire(HEADER_BYTES + request_room + message.size + ANSWER_SLACK_BYTES)
+        segment = calls.segments.acquire(HEADER_BYTES + request_room + message.size + ANSWER_SLACK_BYTES,
+                                         calls.endpoint)
         try:
             message.write_into(segment.view[HEADER_BYTES:HEADER_BYTES + message.size])
         except BaseException:
@@ -263,7 +273,7 @@ class SharedMethod:
                 return
             answer = done.result()
             if answer.refused:
-                calls.segments.release(segment)  # the server did not map it
+                calls.segments.discard(segment)  # "not mapped" is the server's word: it may have kept a mapping
                 calls.refuse(answer.refused)
                 plain_instead()
                 return
@@ -274,10 +284,10 @@ class SharedMethod:
                                                          f"bytes in a room of {segment.size - answer_offset}")))
                     return
                 data = bytes(segment.view[answer_offset:answer_offset + answer.answer_length])
-                calls.segments.release(segment)
+                calls.segments.release(segment, calls.endpoint)
             else:
                 data = answer.inline_answer
-                calls.segments.release(segment)
+                calls.segments.release(segment, calls.endpoint)
             outer._settle(_parsed(self.parse, data, calls.endpoint))
 
         inner.add_done_callback(finish)
