@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.steps, args.batch, args.hidden, args.heads, args.seq_len, args.layers = 6, 8, 16, 2, 16, 1
         args.grid, args.k_best, args.eval_batches, args.timeout = [2, 2], 2, 2, 120.0
-        args.trainers, args.refresh_period, args.progress_ttl, args.matchmaking_time = 2, 0.25, 2.0, 2.0
+        # the three runs at once load the machine: a trainer late by more than the matchmaking time steps alone
+        # (and its parameters part from the other's), as test_collab.py's trainers did with 4 s
+        args.trainers, args.refresh_period, args.progress_ttl, args.matchmaking_time = 2, 0.25, 2.0, 8.0
     if args.trainers < 2 or args.batch % args.trainers:
         parser.error(f"--batch {args.batch} must be a multiple of --trainers {args.trainers} (at least 2)")
     from dmoe.trainer.data import shakespeare
