@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dmoe.cli import server as run_server
-from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forward_future
+from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forward_future, forward_futures
 from dmoe.experts import TRANSFORMER_SEQ_LEN, create_expert, expert_class, expert_seed
 from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, make_optimizer
 from dmoe.server.transfer import Transfers
@@ -546,4 +546,9 @@ def test_a_server_refuses_requests_beyond_its_queued_memory_and_takes_them_again
         for future in queued:
             torch.testing.assert_close(future.result(30)[0], x)
         torch.testing.assert_close(forward_future(server.endpoint, "nop.5", [x]).result(30)[0], x)
+        # one call's items are queued together: an idle server takes a batch call beyond the budget whole
+        big = torch.randn(192, 1024)  # 768 KiB each, 1.5 MiB in the call
+        answers = forward_futures([(f"nop.{i}", server.endpoint, [big], None) for i in (6, 7)])
+        for answer in answers:
+            torch.testing.assert_close(answer.result(30)[0], big)
         assert server.servicer.queued_bytes == 0

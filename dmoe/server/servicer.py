@@ -6,6 +6,7 @@ calls while the runtime workers compute. Every rejection happens before tensors 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from concurrent.futures import Future
@@ -143,7 +144,7 @@ async def _all_done(futures: Sequence["Future[Any]"]) -> None:
             remaining[0] -= 1
             if remaining[0]:
                 return
-        if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the server stopped): nobody waits
             loop.call_soon_threadsafe(_settle, waiter)
 
     for future in futures:
@@ -332,11 +333,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             self.stages.add("decode", time.perf_counter() - started)
         return expert, inputs
 
-    def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor],
-                activation_id: bytes) -> "Future[list[torch.Tensor]]":
-        """Queues a decoded request on the expert's forward or backward pool: the runtime's future. Raises
-        :class:`RequestRejected` when the requests queued already hold :attr:`max_queued_bytes`."""
-        nbytes = sum(x.nbytes for x in inputs)
+    def _reserve(self, nbytes: int) -> None:
+        """Counts ``nbytes`` of inputs as queued, or raises :class:`RequestRejected` when the requests queued already
+        hold :attr:`max_queued_bytes` (a call alone on an idle server is never refused for its size)."""
         with self._queued_lock:
             if self.queued_bytes and self.queued_bytes + nbytes > self.max_queued_bytes:
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -344,6 +343,14 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                       f"its experts, at most {self.max_queued_bytes / 2**20:.0f} MiB "
                                       "(--max-queued-mb): try again later, or another server")
             self.queued_bytes += nbytes
+
+    def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor], activation_id: bytes,
+                reserved: bool = False) -> "Future[list[torch.Tensor]]":
+        """Queues a decoded request on the expert's forward or backward pool: the runtime's future. Its inputs are
+        counted as queued until it is done (:meth:`_reserve`, unless the caller ``reserved`` them)."""
+        nbytes = sum(x.nbytes for x in inputs)
+        if not reserved:
+            self._reserve(nbytes)
         if kind == FORWARD:
             expert.backend.forward_calls += 1
             future = self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
@@ -394,15 +401,22 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         if self.faults is not None:
             await self.faults.wait()  # one round trip for the whole call
             return BatchResponse(list(await asyncio.gather(*(self._item(kind, item, shared) for item in items))))
-        queued: list[Result | tuple[str, Future, int]] = []
+        decoded: list[Result | tuple[HostedExpert, list[torch.Tensor]]] = []
         for item in items:
             try:
-                expert, inputs = self._decode(kind, item.uid, item.tensors, item.response_compression,
-                                              item.activation_id, shared)
-                queued.append((item.uid, self._submit(kind, expert, inputs, item.activation_id),
-                               item.response_compression))
+                decoded.append(self._decode(kind, item.uid, item.tensors, item.response_compression,
+                                            item.activation_id, shared))
             except RequestRejected as rejected:
-                queued.append(Result(code=rejected.code.value[0], message=rejected.message))
+                decoded.append(Result(code=rejected.code.value[0], message=rejected.message))
+        try:  # the call's items are queued together: one check of their bytes, as for a call of its own
+            self._reserve(sum(x.nbytes for entry in decoded if isinstance(entry, tuple) for x in entry[1]))
+        except RequestRejected as rejected:
+            refused = Result(code=rejected.code.value[0], message=rejected.message)
+            return BatchResponse([entry if isinstance(entry, Result) else refused for entry in decoded])
+        queued: list[Result | tuple[str, Future, int]] = [
+            entry if isinstance(entry, Result) else
+            (item.uid, self._submit(kind, *entry, item.activation_id, reserved=True), item.response_compression)
+            for item, entry in zip(items, decoded)]
         await _all_done([entry[1] for entry in queued if isinstance(entry, tuple)])
         results = []
         for entry in queued:

@@ -9,10 +9,10 @@ were most of the server path's time next to a GPU's compute (benchmarks/README.m
   :func:`parse_batch_response`): a message of at least :data:`ZERO_COPY_MIN_BYTES` is walked in Python and its
   tensors' buffers are ``memoryview`` slices of the received bytes; :func:`dmoe.wire.codec.deserialize` turns
   them into tensors without a copy. The views have the attribute names of the generated messages, so code reads
-  either. Unknown fields are skipped, as protobuf skips them (a newer peer's additions). A message holds at most
-  :data:`MAX_FIELDS` fields in all, nested ones and shape dimensions included: every field read becomes a Python
-  object, and a message of empty items, tensors or dimensions (two bytes each) made ~80 times its size of them
-  (seconds of the loop's time and gigabytes for a 64 MiB request). What the walk cannot read (truncation, bad
+  either. Unknown fields are skipped, as protobuf skips them (a newer peer's additions). A message is read within
+  a budget of :data:`MAX_FIELDS` (each field read costs 1, each nested message 8 more: its own objects): every
+  field read becomes a Python object, and a message of empty items, tensors or dimensions (two bytes each) made ~80
+  times its size of them (seconds of the loop's time and gigabytes for a 64 MiB request). What the walk cannot read (truncation, bad
   UTF-8, groups) is junk: ``DecodeError``. Smaller messages go to protobuf directly (their copies cost less than a
   walk in Python, and their size bounds what protobuf builds), as do small unusual ones, so protobuf decides
   exactly as before there.
@@ -38,9 +38,13 @@ from dmoe.wire.codec import NONE, OutgoingTensor
 #: in Python. Measured on a 16-item batch request: 1.4x slower in place at 64 KiB, even at 256 KiB, 26x faster at 4 MiB.
 ZERO_COPY_MIN_BYTES = 256 * 1024
 
-#: The most fields one message read in place may hold, nested ones and shape dimensions included (a batch of
-#: MAX_BATCH_ITEMS items of a few tensors takes ~10k).
-MAX_FIELDS = 1 << 16
+#: The budget of one message read in place: each field read (shape dimensions included) costs 1, each nested
+#: message (an item, a tensor, a result) 8 more, as it builds objects of its own. A valid batch of MAX_BATCH_ITEMS
+#: (1024) items of 16 tensors of 8 dimensions each costs ~430k; a message of empty items stops at ~116k of them
+#: (~30 MiB of objects, where its 2 bytes each made ~80 times the message's size).
+MAX_FIELDS = 1 << 20
+#: What a nested message costs beyond its field.
+_NESTED_COST = 8
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _MASK64 = (1 << 64) - 1
@@ -70,7 +74,7 @@ class _Unusual(Exception):
 
 
 class TooManyFields(DecodeError):
-    """A message of more than :data:`MAX_FIELDS` fields (empty items, tensors or dimensions by the thousand)."""
+    """A message over the :data:`MAX_FIELDS` budget (empty items, tensors or dimensions by the hundred thousand)."""
 
 
 class _Budget:
@@ -81,10 +85,11 @@ class _Budget:
     def __init__(self, fields: int):
         self.left = fields
 
-    def take(self) -> None:
-        self.left -= 1
+    def take(self, cost: int = 1) -> None:
+        self.left -= cost
         if self.left < 0:
-            raise TooManyFields(f"more than {MAX_FIELDS} fields in one message")
+            raise TooManyFields(f"a message over the budget of {MAX_FIELDS} fields (nested messages cost "
+                                f"{1 + _NESTED_COST} each)")
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -227,6 +232,7 @@ def _request(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget)
         if number == 1 and wire_type == _LEN:
             request.uid = _text(data, value, stop)
         elif number == 2 and wire_type == _LEN:
+            budget.take(_NESTED_COST)
             request.tensors.append(_tensor(data, view, value, stop, budget))
         elif number == 3 and wire_type == _VARINT:
             request.response_compression = _int32(value)
@@ -240,6 +246,7 @@ def _elements(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget
     elements = []
     for number, wire_type, value, stop in _fields(data, pos, end, budget):
         if number == 1 and wire_type == _LEN:
+            budget.take(_NESTED_COST)
             elements.append(read(data, view, value, stop, budget))
     return elements
 
@@ -256,6 +263,7 @@ def _result(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) 
     result = Result()
     for number, wire_type, value, stop in _fields(data, pos, end, budget):
         if number == 1 and wire_type == _LEN:
+            budget.take(_NESTED_COST)
             result.tensors.append(_tensor(data, view, value, stop, budget))
         elif number == 2 and wire_type == _VARINT:
             result.code = value & 0xFFFFFFFF
