@@ -246,9 +246,16 @@ class LocalSwarm:
         for anything stuck. ``server_statuses`` then holds each server's exit status (0: stopped cleanly)."""
         for proc in self.servers:
             proc.interrupt()
-        self.server_statuses = [proc.stop(self.config.stop_timeout) for proc in self.servers]
-        if self.dht is not None:
-            self.dht.stop()
+        try:
+            for proc in self.servers:
+                proc.stop(self.config.stop_timeout)
+        finally:  # a second Ctrl-C while they write their last checkpoints: the rest are killed, the DHT node stopped
+            for proc in self.servers:
+                if proc.alive:
+                    proc.kill()
+            self.server_statuses = [proc.popen.wait() for proc in self.servers]
+            if self.dht is not None:
+                self.dht.stop()
 
     def __enter__(self) -> "LocalSwarm":
         return self.start() if self.dht is None else self

@@ -6,10 +6,14 @@ import os
 import re
 import signal
 import textwrap
+import threading
 import time
 
+import pytest
+
 from dmoe.cli.signals import ORPHAN_CHECK_PERIOD
-from tests.procs import running
+from dmoe.launch import LocalSwarm, SwarmConfig
+from tests.procs import Proc, running
 
 # a launcher that starts a DHT node and an expert server, reports their pids, then waits to be killed
 LAUNCHER = textwrap.dedent("""
@@ -49,3 +53,26 @@ def test_dht_node_and_server_stop_when_their_launcher_is_killed():
             if not exited(pid):
                 with contextlib.suppress(ProcessLookupError):  # it may exit between the check and the kill
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_ctrl_c_while_the_servers_stop_kills_them_and_still_stops_the_dht_node():
+    """The demo waits up to a minute for its servers' last checkpoints; a Ctrl-C meanwhile left the DHT node (in a
+    session of its own, out of the terminal's reach) running for good, and no server's status recorded."""
+    swarm = LocalSwarm(SwarmConfig(stop_timeout=60.0))
+    swarm.dht = Proc(["-c", "import time; print('up', flush=True); time.sleep(60)"])
+    # a server still writing its last checkpoint: deaf to the first SIGINT
+    swarm.servers = [Proc(["-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                           "print('up', flush=True); time.sleep(60)"])]
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))  # the user's second Ctrl-C
+    try:
+        for proc in (swarm.dht, *swarm.servers):
+            proc.wait_for("up")
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            swarm.close()
+        assert not swarm.dht.alive and not swarm.servers[0].alive
+        assert swarm.server_statuses == [-signal.SIGKILL]
+    finally:
+        timer.cancel()
+        for proc in (swarm.dht, *swarm.servers):
+            proc.kill()

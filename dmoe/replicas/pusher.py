@@ -163,6 +163,7 @@ class ReplicaPusher:
         self.channels = channels or ReplicaChannels()
         self.machine, self.store = machine, store
         self._built_with = frozenset(server.backends)  # (its checkpoint holds these, when it has one)
+        self._unkept: dict[str, int] = {}  # uid -> the updates of an adopted expert whose snapshot the store refused
         self.rounds = 0
         self._pushed: dict[tuple[str, str], _Pushed] = {}  # (uid, host endpoint) -> what it got last
         self._stop = threading.Event()
@@ -248,10 +249,14 @@ class ReplicaPusher:
         held = self.store.header(uid)
         if held is not None and held.signer == self.identity.public_key and held.updates == backend.updates:
             return None
+        if self._unkept.get(uid) == backend.updates:  # refused at these updates already: not again every round
+            return None
         signed = sign(take(backend, self.server.runtime.paused), self.identity)
         try:
             self.store.put(signed)
+            self._unkept.pop(uid, None)
         except (OSError, SnapshotRefused) as error:  # a full disk, or a budget too small: the pushes still go
+            self._unkept[uid] = backend.updates
             logger.warning("could not keep the snapshot of adopted %s in %s: %s", uid, self.store.directory, error)
         return signed if self.compression == NONE else None
 
