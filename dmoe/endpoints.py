@@ -7,6 +7,7 @@ not in :mod:`dmoe.wire`, which imports torch: the DHT imports this.)
 """
 from __future__ import annotations
 
+import ipaddress
 import socket
 from typing import Sequence
 
@@ -24,6 +25,17 @@ def join_host_port(host: str, port: int | str) -> str:
 def bare_host(host: str) -> str:
     """``host`` without IPv6 brackets: what a socket (not gRPC) binds."""
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def machine_of(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """The machine an address stands for, where peers are counted per machine (signing keys cost nothing to make,
+    machines do): an IPv4 address (an IPv4-mapped IPv6 one too), or an IPv6 address's /64, as one machine is
+    commonly given a whole /64."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def peer_host(peer: str) -> str:

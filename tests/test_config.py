@@ -16,6 +16,14 @@ from dmoe.directory import alive_experts, choose_experts
 from tests.procs import running
 
 
+
+def usage_error(main, argv, capsys) -> str:
+    """What a program's ``main(argv)`` wrote to stderr as it exited with a usage error (status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
 def write(tmp_path, text: str):
     path = tmp_path / "config.toml"
     path.write_text(text)
@@ -52,10 +60,7 @@ optimizer = "sgd"
 ])
 def test_bad_config_keys_and_values_fail_with_one_line_naming_the_key(tmp_path, capsys, text, named, allowed):
     path = write(tmp_path, text + "\n")
-    with pytest.raises(SystemExit) as exit_info:
-        run_server.main(["--config", path])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = usage_error(run_server.main, ["--config", path], capsys)
     assert err.count("\n") == 1 and err.startswith(f"dmoe-server: error: config {path}: ")
     assert named in err and allowed in err
 
@@ -107,10 +112,7 @@ def test_a_collaborating_trainer_with_remote_peers_must_be_reachable_by_them(cap
     (["--experts", "ffn.0", "--initial-peers", "nowhere"], "--initial-peers"),
 ])
 def test_server_rejects_bad_placement_and_operator_flags_naming_them(flags, named, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        run_server.main(flags)
-    assert exit_info.value.code == 2
-    assert named in capsys.readouterr().err
+    assert named in usage_error(run_server.main, flags, capsys)
 
 
 def test_every_server_and_trainer_flag_has_help():
@@ -131,10 +133,7 @@ def test_every_server_and_trainer_flag_has_help():
 ])
 def test_monitor_rejects_bad_flags_naming_them(flags, named, capsys):
     argv = flags if "--initial-peers" in flags or not flags else ["--initial-peers", "127.0.0.1:1", *flags]
-    with pytest.raises(SystemExit) as exit_info:
-        monitor_program.main(argv)
-    assert exit_info.value.code == 2
-    assert named in capsys.readouterr().err
+    assert named in usage_error(monitor_program.main, argv, capsys)
 
 
 def test_choose_experts_takes_free_cells_first_then_replicates():
@@ -195,10 +194,7 @@ def test_num_experts_server_fills_the_cells_a_first_server_left_free():
 def test_dht_program_rejects_bad_flags_naming_them(flags, named, capsys):
     from dmoe.cli import dht as dht_program
 
-    with pytest.raises(SystemExit) as exit_info:
-        dht_program.main(flags)
-    assert exit_info.value.code == 2
-    assert named in capsys.readouterr().err
+    assert named in usage_error(dht_program.main, flags, capsys)
 
 
 def test_dht_program_stops_at_once_while_joining_a_silent_peer_and_fails_with_status_1():

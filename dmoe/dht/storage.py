@@ -22,6 +22,8 @@ from typing import Callable, Iterator, NamedTuple, Union
 
 from kademlia.storage import IStorage
 
+from dmoe.endpoints import machine_of
+
 Subkey = Union[int, str]
 
 
@@ -48,13 +50,8 @@ def sender_group(host: str) -> str:
         address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return ""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if address.is_loopback:
-        return ""
-    if isinstance(address, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return "" if (mapped or address).is_loopback else machine_of(address)
 
 
 class NotOwner(ValueError):

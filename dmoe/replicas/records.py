@@ -27,7 +27,7 @@ from typing import NamedTuple
 from dmoe.dht import DHT
 from dmoe.dht.messages import MAX_STR_SUBKEY
 from dmoe.dht.storage import Entry, Record
-from dmoe.endpoints import bare_host
+from dmoe.endpoints import bare_host, machine_of
 from dmoe.uid import split_uid, strict_prefixes
 
 logger = logging.getLogger(__name__)
@@ -104,11 +104,7 @@ def holder_machine(endpoint: str) -> str | None:
             address = ipaddress.ip_address(min(infos, key=lambda info: info[0] != socket.AF_INET)[4][0])
         except (OSError, ValueError):
             return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if isinstance(address, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
+    return machine_of(address)
 
 
 def holders(record: Record) -> list[Holder]:
