@@ -15,8 +15,9 @@ Measured: the final validation loss of each run (the same held-out windows), the
 at most 3% above) and killed/single (goal: at most 5% above; both goals are one-sided, a lower loss passes), and
 after every global step the largest relative difference
 between the trainers' dense parameters, ``max_i ||p_i - p_0|| / ||p_0||`` over the trainers that hold the step
-(goal: below 1e-5; the killed trainer's steps after the one it was killed at are left out: it may have finished a
-step whose last answers the kill cut off, and the survivors took that step without it). The exit status is 1 when a
+(goal: below 1e-5; the killed trainer's steps from the last one it saved before the kill on are left out: it may
+have finished that step and been killed before its last answers of it reached the survivors, who then took that
+step without them). The exit status is 1 when a
 goal is missed.
 
 Not equal in the runs, by design of the system: a collaboration's step takes at least B samples, a few more when
@@ -117,14 +118,15 @@ class GapMeter:
     """Compares the trainers' saved parameters step by step as they appear, deleting what it compared (a long run
     would otherwise fill the disk): a step is compared once every trainer still running is past it.
 
-    A killed trainer's steps after the one it was killed at are left out: it may have finished a step whose last
-    answers the kill cut off, which the survivors then took without it; that state died with it.
+    A killed trainer's steps from the one it was killed at (the last it saved) on are left out: it may have finished
+    that step and been killed before its last answers of it reached the survivors, who took the step without them;
+    that state died with it.
     """
 
     def __init__(self, dirs: list[Path]):
         self.dirs, self.next_step, self.gaps = dirs, 1, {}
         self.done: set[int] = set()  # trainers that exited or were killed: not waited for
-        self.killed_at: dict[int, int] = {}  # trainer -> the last step of it that counts
+        self.killed_at: dict[int, int] = {}  # trainer -> the first step of it that does not count
 
     def latest(self, i: int) -> int:
         steps = [int(f.name[4:-3]) for f in self.dirs[i].glob("step*.pt")]
@@ -136,7 +138,7 @@ class GapMeter:
             if not final and any(self.latest(i) < self.next_step for i in waiting):
                 return
             files = [d / f"step{self.next_step}.pt" for d in self.dirs]
-            counted = [f for i, f in enumerate(files) if i not in self.killed_at or self.next_step <= self.killed_at[i]]
+            counted = [f for i, f in enumerate(files) if i not in self.killed_at or self.next_step < self.killed_at[i]]
             held = [torch.load(f, weights_only=True) for f in counted if f.exists()]
             if not held:
                 if final:
