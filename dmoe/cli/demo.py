@@ -165,10 +165,12 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
             if result["interrupted"]:
                 raise KeyboardInterrupt
     finally:
-        unclean = [i for i, status in enumerate(swarm.server_statuses) if status != 0]
-        if unclean:
-            print(f"swarm_demo: servers {unclean} did not stop cleanly: their experts' checkpoints in "
-                  f"{swarm_config.checkpoint_root} may be older than the trainer's", file=sys.stderr)
+        for i, status in enumerate(swarm.server_statuses):
+            if status != 0:  # with what it said last: the demo shows no server output unless --verbose
+                last = "".join(swarm.servers[i].output[-5:]).rstrip() or "(nothing)"
+                print(f"swarm_demo: server {i} did not stop cleanly (exit status {status}): its experts' checkpoint "
+                      f"in {swarm_config.checkpoint_root} may be older than the trainer's; its last lines:\n{last}",
+                      file=sys.stderr)
     return 0
 
 
