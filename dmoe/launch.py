@@ -62,6 +62,7 @@ class Proc:
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.output: list[str] = []
         self._endpoint: str | None = None
+        self.interrupted = False  # SIGINT sent (by interrupt())
         self._reader = threading.Thread(target=self._read, name=f"reader-{self.popen.pid}", daemon=True)
         self._reader.start()
 
@@ -113,14 +114,18 @@ class Proc:
 
     def interrupt(self) -> None:
         """SIGINT, like Ctrl-C: asks for a clean shutdown without waiting for it."""
+        self.interrupted = True
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, signal.SIGINT)
 
     def stop(self, timeout: float = 10.0) -> int:
-        """SIGINT (a clean shutdown, like Ctrl-C), then SIGKILL if it does not exit in time."""
+        """SIGINT (a clean shutdown, like Ctrl-C; not again if :meth:`interrupt` sent it already), then SIGKILL if it
+        does not exit in time. A second SIGINT could land after the program left its signal handling, as it writes
+        its last checkpoint or exits, and kill it there (a demo's server exited with status -2)."""
         if self.popen.poll() is None:
-            self.interrupt()
+            if not self.interrupted:
+                self.interrupt()
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:

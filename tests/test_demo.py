@@ -91,7 +91,9 @@ def test_ctrl_c_on_a_collaborative_demo_lets_every_trainer_save_its_checkpoint(t
              "--checkpoint-interval", "1000", "--sample-bytes", "0", "--threads", "1", "--refresh-period", "0.25",
              "--progress-ttl", "3", "--matchmaking-time", "8", "--allreduce-timeout", "10"]
     with running(*flags) as proc:
-        proc.wait_for(r"\[trainer \d\] step 2: validation", timeout=120)
+        started: set[str] = set()
+        while len(started) < 2:  # both trainers in their loop (one interrupted before it would save nothing)
+            started.add(proc.wait_for(r"\[trainer (\d)\] step 2: validation", timeout=120).group(1))
         proc.interrupt()  # Ctrl-C reaches the demo only: its trainers run in sessions of their own
         assert proc.popen.wait(timeout=150) == 130, "".join(proc.output)
     steps = [torch.load(out_dir / f"trainer{i}" / "checkpoint.pt", weights_only=True)["step"] for i in range(2)]

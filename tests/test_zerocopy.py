@@ -211,6 +211,13 @@ STRUCTURED = {
 }
 
 
+def test_a_field_number_beyond_protobufs_largest_is_corrupt_for_both_readers():
+    raw = b"\n\x10\t\x00\x00\x00\x00\n\x070\xc2\xa0\xf0\x90\x80\x80\n\x00"  # a 6-byte tag in the item: field > 2**29
+    assert_reads_like_protobuf(dmoe_pb2.BatchRequest, raw)
+    with pytest.raises(DecodeError):
+        zc.read_in_place(dmoe_pb2.BatchRequest, raw)
+
+
 @settings(max_examples=400, deadline=None)
 @given(message_cls=st.sampled_from(MESSAGES), data=st.data())
 def test_on_any_field_layout_the_reader_agrees_with_protobuf(message_cls, data):

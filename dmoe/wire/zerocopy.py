@@ -47,6 +47,7 @@ MAX_FIELDS = 1 << 20
 _NESTED_COST = 8
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+_MAX_FIELD_NUMBER = (1 << 29) - 1  # protobuf's: a larger one is corrupt
 _MASK64 = (1 << 64) - 1
 
 
@@ -168,8 +169,8 @@ def _fields(data: bytes, pos: int, end: int, budget: _Budget):
         budget.take()
         key, pos = _varint(data, pos, end)
         number, wire_type = key >> 3, key & 7
-        if number == 0:
-            raise _Unusual("field number 0")
+        if not 0 < number <= _MAX_FIELD_NUMBER:
+            raise _Unusual(f"field number {number}")
         if wire_type == _VARINT:
             value, pos = _varint(data, pos, end)
             yield number, wire_type, value, pos
