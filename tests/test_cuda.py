@@ -163,3 +163,19 @@ def test_gradients_on_the_gpu_are_checked_in_one_fused_call_and_a_nan_skips_the_
     backend.backward(x, torch.randn(3, HIDDEN, device=device, dtype=dtype))  # a finite gradient still trains
     assert backend.skipped_steps == 1 and backend.updates == 1
     assert not torch.equal(module.state_dict()["ffn.0.weight"], before["ffn.0.weight"])
+
+
+def test_a_checkpoint_keeps_the_gpu_s_random_state_too(tmp_path):
+    """Dropout on the GPU draws from the GPU's generator: a resumed run must draw what the stopped one would have."""
+    from dmoe.trainer.loop import Progress, TrainConfig, load_checkpoint, rng_state, save_checkpoint
+
+    config = TrainConfig(device="cuda", out_dir=str(tmp_path))
+    model = torch.nn.Linear(4, 4).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.cuda.manual_seed(5)
+    assert "cuda_rng" in rng_state("cuda")
+    save_checkpoint(tmp_path / "checkpoint.pt", model, optimizer, config, Progress(step=1))
+    expected = torch.rand(8, device="cuda")
+    torch.cuda.manual_seed(6)
+    load_checkpoint(tmp_path / "checkpoint.pt", model, optimizer, config)
+    assert torch.equal(torch.rand(8, device="cuda"), expected)

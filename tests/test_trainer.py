@@ -468,7 +468,9 @@ def test_a_first_stop_signal_is_a_request_and_a_second_one_interrupts_at_once(fi
 
 def test_sigterm_stops_dmoe_train_after_its_step_with_the_checkpoint_saved_and_status_130(text_file, tmp_path):
     """A cluster's scheduler stops a job with SIGTERM: it used to kill the trainer with nothing saved since the
-    last periodic checkpoint; and a stopped run exited 0, as a finished one does."""
+    last periodic checkpoint; and a stopped run exited 0, as a finished one does. Meanwhile a second trainer given
+    the same checkpoint is refused: both would write their steps over the other's (a resubmitted job whose first
+    run still stops, a second run started by mistake)."""
     out_dir = tmp_path / "run"
     flags = ["--data", str(text_file), "--out-dir", str(out_dir), "--experts", "local", "--seq-len", "32",
              "--hidden", "32", "--layers", "1", "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--batch-size",
@@ -476,6 +478,10 @@ def test_sigterm_stops_dmoe_train_after_its_step_with_the_checkpoint_saved_and_s
              "100000", "--sample-bytes", "0", "--threads", "1"]
     with running("-m", "dmoe.cli.train", *flags) as trainer:
         trainer.wait_for(r"step 2: validation loss", timeout=120)
+        with pytest.raises(SystemExit, match=rf"dmoe-train: checkpoint {re.escape(str(out_dir / 'checkpoint.pt'))} "
+                                             rf"is in use by another trainer \(pid {trainer.popen.pid}\): give each "
+                                             rf"trainer its own --checkpoint or --out-dir"):
+            train_program.main(flags)
         trainer.popen.send_signal(signal.SIGTERM)
         assert trainer.popen.wait(60) == 130  # (not stop(): its SIGINT would be a second signal)
         trainer.wait_for("loss curve: ", timeout=30)  # the output read to its last line

@@ -45,7 +45,7 @@ from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
 from dmoe.server.checkpoints import FILENAME as EXPERTS_FILE
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory
 from dmoe.trainer.data import DataError, DownloadError, shakespeare
-from dmoe.trainer.loop import ResumeMismatch, TrainConfig, train
+from dmoe.trainer.loop import CheckpointInUse, ResumeMismatch, TrainConfig, train
 
 MAX_TRAINERS = 16
 RUN_ID = "demo"
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; the swarm has been shut down", file=sys.stderr)
         return 130
-    except (DownloadError, DataError, OSError, ResumeMismatch) as error:
+    except (DownloadError, DataError, OSError, ResumeMismatch, CheckpointInUse) as error:
         print(f"swarm_demo: {error}", file=sys.stderr)
         return 1
     finally:

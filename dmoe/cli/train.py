@@ -20,7 +20,7 @@ from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import add_config_argument, parse_args
 from dmoe.collab.progress import RecordTooLong
 from dmoe.trainer.data import DataError, DownloadError
-from dmoe.trainer.loop import ResumeMismatch, TrainConfig, train
+from dmoe.trainer.loop import CheckpointInUse, ResumeMismatch, TrainConfig, train
 
 
 EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     try:
         result = train(config)
-    # no corpus (or one too short), no DHT peer, a checkpoint of another model, or a state endpoint too long to
-    # publish: no traceback
-    except (DownloadError, DataError, OSError, ResumeMismatch, RecordTooLong) as e:
+    # no corpus (or one too short), no DHT peer, a checkpoint of another model or in use by another trainer, or a
+    # state endpoint too long to publish: no traceback
+    except (DownloadError, DataError, OSError, ResumeMismatch, CheckpointInUse, RecordTooLong) as e:
         raise SystemExit(f"dmoe-train: {e}")
     except KeyboardInterrupt:  # before the loop (which saves and returns): joining, waiting for trainers
         print("dmoe-train: interrupted before training began", file=sys.stderr)

@@ -16,7 +16,6 @@ of writing its experts over the first one's (and removing the first one's temp f
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import json
 import logging
@@ -28,11 +27,7 @@ from typing import IO, Any, Callable, ContextManager, Mapping
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: directories are not locked
-    fcntl = None  # type: ignore[assignment]
-
+from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import ExpertBackend
 
 logger = logging.getLogger(__name__)
@@ -52,7 +47,7 @@ class CorruptCheckpoint(ValueError):
     """The checkpoint file exists but cannot be read (not written by dmoe, or damaged on disk)."""
 
 
-class CheckpointDirectoryInUse(ValueError):
+class CheckpointDirectoryInUse(InUse):
     """Another process (a server) holds the checkpoint directory."""
 
 
@@ -63,24 +58,8 @@ def lock_directory(directory: str | os.PathLike, holder_kind: str = "server") ->
     locks such a directory). None where the platform has no ``flock``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
-        return None
-    file = open(directory / LOCK_FILENAME, "a+")
-    try:
-        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        file.seek(0)
-        holder = file.read().strip() or "unknown"
-        file.close()
-        if error.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise CheckpointDirectoryInUse(f"{directory} is in use by another {holder_kind} (pid {holder}): give "
-                                           f"each {holder_kind} its own directory") from None
-        raise
-    file.seek(0)
-    file.truncate()
-    file.write(f"{os.getpid()}\n")
-    file.flush()
-    return file
+    return lock_file(directory / LOCK_FILENAME, str(directory), holder_kind,
+                     f"give each {holder_kind} its own directory", CheckpointDirectoryInUse)
 
 
 def saved_uids(directory: str | os.PathLike) -> list[str] | None:
@@ -194,7 +173,7 @@ class Checkpoints:
     def _hold(self) -> None:
         """Takes the directory's lock before this object first writes or removes anything in it (reading needs
         none): raises CheckpointDirectoryInUse."""
-        if self._lock_file is None and fcntl is not None:
+        if self._lock_file is None:
             self._lock_file = lock_directory(self.directory)
 
     # ---- restoring ----

@@ -39,6 +39,7 @@ from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
 from dmoe.endpoints import is_loopback_ip
 from dmoe.experts import expert_class_names
+from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
@@ -244,6 +245,9 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = Path(config.checkpoint or out_dir / "checkpoint.pt")
     with contextlib.ExitStack() as resources:  # closes the DHT node, remote layers and collaboration, also on Ctrl-C
+        lock = lock_checkpoint(checkpoint_path)  # before reading it: another trainer's save could replace it
+        if lock is not None:
+            resources.callback(lock.close)
         dht = None
         if config.collaborate is not None:  # one DHT node for the experts and the collaboration
             from dmoe.dht import DHT
@@ -280,7 +284,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         # ---- the loop ----
         started, interrupted = time.monotonic(), False  # this run's start: --max-minutes counts from it
         origin = started - resumed.seconds  # the start of the training this checkpoint holds, stops left out
-        rng = torch.get_rng_state()  # at the last step boundary: dropout draws from it, and a checkpoint keeps it
+        rng = rng_state(config.device)  # at the last step boundary: dropout draws from it, and a checkpoint keeps it
         # True from the first change a step makes to what a checkpoint holds (in-process experts step in backward)
         # until its step is counted: a checkpoint written in between would be labelled with one step and hold part
         # of the next, so none is
@@ -322,7 +326,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                         new_step = collab.local_step
                     history["train"].append((new_step, loss.item()))
                     previous, step, minibatch = step, new_step, minibatch + 1
-                    rng = torch.get_rng_state()
+                    rng = rng_state(config.device)
                     half_done = False
                     meter.add(model, loss.item(), inputs.numel(), balance.item() if balance is not None else None)
                     bar.update(step - previous)
@@ -530,14 +534,35 @@ class Progress:
     minibatches: int = 0  # batches drawn: in a collaboration, this trainer's batch order goes on from there
 
 
+class CheckpointInUse(InUse):
+    """Another trainer (a live process) holds the checkpoint file."""
+
+
+def lock_checkpoint(path: Path):
+    """The exclusive lock on the checkpoint ``path`` (on ``PATH.lock``), held while a trainer runs: two trainers
+    given one checkpoint would each resume from it and write over the other's steps (and each other's temporary
+    file). Raises CheckpointInUse naming the holder's pid."""
+    return lock_file(path.with_name(path.name + ".lock"), f"checkpoint {path}", "trainer",
+                     "give each trainer its own --checkpoint or --out-dir", CheckpointInUse)
+
+
+def rng_state(device: str) -> dict[str, torch.Tensor]:
+    """torch's RNG states that a step draws from: the CPU's and, training on CUDA, the GPU's (dropout on the
+    device draws from the device's generator), so that a resumed run draws what it would have drawn."""
+    state = {"torch_rng": torch.get_rng_state()}
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state(torch.device(device))
+    return state
+
+
 def save_checkpoint(path: Path, model, optimizer, config: TrainConfig, progress: Progress,
-                    rng: torch.Tensor | None = None) -> None:
+                    rng: dict[str, torch.Tensor] | None = None) -> None:
     """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint. ``rng``: torch's
-    RNG state at the step boundary the checkpoint is labelled with (default: now)."""
+    RNG states at the step boundary the checkpoint is labelled with (:func:`rng_state`; default: now)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": progress.step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "history": progress.history, "seconds": progress.seconds, "minibatches": progress.minibatches,
-             "torch_rng": torch.get_rng_state() if rng is None else rng, "config": dataclasses.asdict(config)}
+             **(rng_state(config.device) if rng is None else rng), "config": dataclasses.asdict(config)}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -564,6 +589,8 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progre
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["torch_rng"].cpu())
+    if "cuda_rng" in state and torch.device(config.device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu(), torch.device(config.device))
     history = Progress().history
     history.update({name: [tuple(point) for point in points] for name, points in state["history"].items()})
     tqdm.write(f"resumed from {path} at step {state['step']}")
