@@ -2,9 +2,10 @@
 from concurrent.futures import Future
 
 import grpc
+import torch
 
 from dmoe.client.bans import BanConfig, Bans
-from dmoe.client.failures import CallPolicy
+from dmoe.client.failures import REFUSALS_TO_BAN, CallPolicy
 from dmoe.client.remote_expert import RemoteExpertError
 
 
@@ -56,3 +57,26 @@ def test_a_refusal_as_invalid_drops_the_expert_but_neither_bans_nor_readmits_it(
     clock.now += 1.5
     policy.outcome("ffn0.1.2", "a:1", failed(grpc.StatusCode.INVALID_ARGUMENT))  # the record stays: next ban doubles
     assert policy.bans.fail(uid="ffn0.1.2") == 2.0
+
+
+def answered() -> Future:
+    future = Future()
+    future.set_result([torch.zeros(2, 16)])
+    return future
+
+
+def test_only_an_expert_refusing_in_a_row_what_other_experts_answered_is_banned():
+    policy = CallPolicy(bans=Bans(clock=Clock()))
+    refused = [("ffn0.1.2", "a:1")]
+    for _ in range(5):  # every expert refused: the caller's own mistake, however often
+        policy.weigh_refusals(refused, others_answered=False)
+    assert len(policy.bans) == 0 and not policy.refusal_streaks
+    policy.weigh_refusals(refused, others_answered=True)
+    policy.weigh_refusals(refused, others_answered=True)
+    policy.outcome("ffn0.1.2", "a:1", answered())  # an answer ends the streak
+    for _ in range(REFUSALS_TO_BAN - 1):
+        policy.weigh_refusals(refused, others_answered=True)
+    assert len(policy.bans) == 0
+    policy.weigh_refusals(refused, others_answered=True)
+    assert policy.bans.is_banned("ffn0.1.2") and not policy.bans.is_banned("ffn0.1.3", "a:1")
+    assert not policy.refusal_streaks

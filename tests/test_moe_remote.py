@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dmoe.client.bans import BanConfig
+from dmoe.client.failures import REFUSALS_TO_BAN
 from dmoe.client.gating import LocalMixtureOfExperts, NoAliveExpertsError
 from dmoe.client.moe import RemoteMixtureOfExperts
 from dmoe.client.remote_expert import expert_info
@@ -211,10 +212,11 @@ def test_rerouted_rows_wait_only_for_what_is_left_of_the_forward_timeout():
     assert elapsed < 2.4, elapsed  # a second full timeout for the reroute would take 3 s
 
 
-def test_a_refusal_as_invalid_drops_the_expert_from_that_call_only_and_bans_nothing(caplog):
+def test_a_refusal_as_invalid_drops_the_expert_from_that_call_and_bans_it_only_when_it_keeps_refusing(caplog):
     """INVALID_ARGUMENT is usually the caller's own mistake, and one ban book serves every layer of a trainer: a
     refused call must not make the layers avoid healthy experts. Rows the strict server refuses are rerouted within
-    the call, and the next call with acceptable rows uses its experts again."""
+    the call, and the next call with acceptable rows uses its experts again. An expert that refuses forwards the
+    others answer three times in a row is the server's own strictness: it is banned, and no longer asked."""
     strict = [uid for uid in UIDS if uid.startswith("ffn0.0.")]
     with processes() as procs:
         boot = Proc(["-m", "dmoe.dht", "--host", "127.0.0.1", "--port", "0"])
@@ -248,6 +250,23 @@ def test_a_refusal_as_invalid_drops_the_expert_from_that_call_only_and_bans_noth
             after = forward_counts(endpoints)
             assert layer.stats.experts_dropped == len(refusals)
             assert sum(after[uid] - before[uid] for uid in strict) > 0  # the strict server's experts serve again
+
+            caplog.clear()
+            for _ in range(REFUSALS_TO_BAN):
+                with torch.no_grad():
+                    layer(1000 * x)
+            refusing = {uid for uid in strict for r in caplog.records if uid in r.getMessage() and "limit 100" in
+                        r.getMessage()}
+            banned = {uid for uid in strict if layer.bans.is_banned(uid)}
+            assert refusing and banned == refusing, (refusing, banned)
+            assert any(f"refused {REFUSALS_TO_BAN} forwards in a row that other experts answered: banned" in
+                       r.getMessage() for r in caplog.records)
+            before, dropped = forward_counts(endpoints), layer.stats.experts_dropped
+            with torch.no_grad():
+                out = layer(1000 * x)
+            after = forward_counts(endpoints)
+            assert all(after[uid] == before[uid] for uid in banned)  # not asked any more
+            assert layer.stats.experts_dropped == dropped and torch.isfinite(out).all()
 
 
 def test_non_finite_output_gradients_reach_no_server_and_grad_scaler_skips_the_step(swarm, caplog):

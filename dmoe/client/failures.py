@@ -4,7 +4,8 @@ Where the gate drops a dead expert: :func:`wait_for_experts` decides which calls
 :meth:`CallPolicy.outcome` turns every other call (failed, late, malformed) into a dropped expert and bans it,
 or its whole server (:mod:`dmoe.client.bans`), so the next beam search picks the next-best alive experts; the gate
 then renormalises over the experts that answered (:meth:`dmoe.client.gating.MixtureBase._combine`). A request the
-server refuses as invalid drops its expert from that forward only, and bans nothing.
+server refuses as invalid drops its expert from that forward only, and bans nothing unless the expert keeps
+refusing what the others answer (:meth:`CallPolicy.weigh_refusals`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from dmoe.client.remote_expert import all_finite
 from dmoe.wire import NONE, ChannelPool
 
 logger = logging.getLogger(__name__)
+
+#: forwards in a row an expert may refuse as invalid while other experts answer the same call, before it is banned
+REFUSALS_TO_BAN = 3
 
 
 @dataclass
@@ -59,6 +63,8 @@ class CallPolicy:
     refusing: set[str] = field(default_factory=set)
     #: the ``torch.amp.GradScaler`` of the loss whose gradients backward sends (None: unscaled gradients)
     grad_scaler: Any = None
+    #: forwards in a row that an expert refused as invalid while other experts answered the same call
+    refusal_streaks: dict[str, int] = field(default_factory=dict)
 
     def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
                  shape: tuple[int, ...] | None = None,
@@ -78,7 +84,8 @@ class CallPolicy:
         one ban book serves every layer of a trainer, so a ban would make all of them avoid healthy experts for the
         backoff. It is logged as a warning, kept in :attr:`refused` for the layer's error and in :attr:`refusing`
         for the forward's reroutes, and counted as a failure; it neither bans nor re-admits (an earlier ban
-        record stays, to double if the expert fails again). A hostile server gains nothing from this: refusing
+        record stays, to double if the expert fails again), unless the expert keeps refusing what the others answer
+        (:meth:`weigh_refusals`). A hostile server gains nothing from this: refusing
         takes its experts out of every call it refuses, and anything it could cost a caller by refusing (a slot of
         the mixture, a wait until the refusal comes) it can already cost by answering, slowly, with well-formed
         nonsense that no check catches.
@@ -89,6 +96,8 @@ class CallPolicy:
             problem = malformed(result, shape, dtype)
             if problem is None:
                 self.bans.succeed(uid, endpoint)
+                if self.refusal_streaks:
+                    self.refusal_streaks.pop(uid, None)
                 return result
             error = RuntimeError(f"malformed answer: {problem}")
         if backward:
@@ -103,11 +112,31 @@ class CallPolicy:
                            "invalid (%s)", direction, uid, error)
             return None
         server_down = error is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.refusal_streaks.pop(uid, None)  # (a failure of another kind: its own ban, from here)
         backoff = self.bans.fail(uid=None if server_down else uid, endpoint=endpoint if server_down else None)
         what = f"server {endpoint}" if server_down else f"expert {uid}"
         logger.info("%s %s dropped (%s); %s banned for %.1fs", direction, uid,
                     error if error is not None else "no answer in time", what, backoff)
         return None
+
+
+    def weigh_refusals(self, refused: Sequence[tuple[str, str]], others_answered: bool) -> None:
+        """Bans the experts (``(uid, endpoint)``) that refused a forward as invalid :data:`REFUSALS_TO_BAN` times
+        in a row while other experts answered the same call, rows of the same inputs. Then the refusals are the
+        server's own, not the caller's mistake: a server whose limits are far stricter than the others'
+        (``--max-abs-value``), or one serving other shapes under these uids. Unbanned, the gate would pick its
+        experts every step, wait for their refusals and lose their slots of the mixture for good; banned, the next
+        beam search picks the next-best experts, and the backoff retries them as it retries failed ones. A caller's
+        own mistake (rows of the wrong width, non-finite values) is refused by every expert: no streak grows."""
+        if not others_answered:
+            return
+        for uid, endpoint in refused:
+            streak = self.refusal_streaks[uid] = self.refusal_streaks.get(uid, 0) + 1
+            if streak >= REFUSALS_TO_BAN:
+                del self.refusal_streaks[uid]
+                backoff = self.bans.fail(uid=uid)
+                logger.warning("expert %s at %s refused %d forwards in a row that other experts answered: banned "
+                               "for %.1fs", uid, endpoint, streak, backoff)
 
 
 def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,

@@ -111,11 +111,13 @@ class _RemoteExperts(torch.autograd.Function):
         out: torch.Tensor | None = None
         out_bits = None
         alive = np.zeros((len(inputs), k), dtype=bool)
-        answered = []
+        answered, refused = [], []
         for (uid, endpoint, rows, slots), future, activation_id, rows_in in zip(plan, futures, ids, sent):
             # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
             result = policy.outcome(uid, endpoint, future, shape=(len(rows), inputs.shape[-1]), dtype=WIRE_DTYPE)
             if result is None:
+                if uid in policy.refusing:
+                    refused.append((uid, endpoint))
                 continue
             if out is None:
                 out = _zeros((len(inputs), k, inputs.shape[-1]), WIRE_DTYPE)
@@ -126,6 +128,8 @@ class _RemoteExperts(torch.autograd.Function):
             answered.append(AnsweredCall(uid, endpoint, rows, slots, activation_id, rows_in))
         if out is None:
             out = _zeros((len(inputs), k, inputs.shape[-1]), WIRE_DTYPE)
+        if refused:
+            policy.weigh_refusals(refused, bool(answered))
         policy.stats.experts_chosen += len(plan)
         policy.stats.experts_dropped += len(plan) - len(answered)
         ctx.policy, ctx.answered, ctx.clock = policy, answered, laps.clock
