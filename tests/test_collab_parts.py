@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 from typing import Iterator
 
@@ -513,6 +514,109 @@ def test_a_progress_record_no_node_would_take_is_refused_at_the_start_or_logged_
         finally:
             a.close()
             observer.close()
+
+
+def test_a_trainer_whose_clock_is_behind_counts_until_it_goes_silent_and_a_long_silent_record_is_refused(
+        bootstrap, caplog):
+    """Liveness is judged on the reader's clock, by when it first read a record's stamp: by the writer's own stamp,
+    a trainer whose clock is behind by more than progress_ttl was dropped by everyone, without a word."""
+    caplog.set_level(logging.WARNING, logger="dmoe.collab.progress")
+    with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as behind:
+        reader = ProgressTracker(dht, "skew", CONFIG, 11, progress(step=0, samples=0))
+        try:
+            now = time.time()
+            key = progress_key("skew")
+            behind.store(key, 22, progress(step=0, samples=8, stamp=now - 15).encode(), now + 60)  # 15 s slow
+            behind.store(key, 33, progress(step=0, stamp=now - 3600).encode(), now + 60)  # silent for an hour
+            seen = wait_until(lambda: reader.refresh_now().get(22))
+            assert seen.samples == 8 and reader.state().samples_accumulated == 8
+            assert abs(seen.time - time.time()) < 5  # extrapolated from when it was read here, not 15 s back
+            assert 33 not in reader.state().peers
+            assert "trainer 33: it is stamped 3600 s in the past" in caplog.text
+            behind.store(key, 22, progress(step=0, samples=12, stamp=time.time() - 15).encode(), time.time() + 60)
+            wait_until(lambda: (reader.refresh_now().get(22) or progress(samples=0)).samples == 12)
+            # then silent (its entry outlives it): dropped once its stamp is progress_ttl old here
+            wait_until(lambda: 22 not in reader.refresh_now(), timeout=CONFIG.progress_ttl + 10)
+            assert "trainer 22" not in caplog.text
+        finally:
+            reader.close()
+
+
+def test_a_trainer_that_no_node_lets_publish_says_so(bootstrap, caplog):
+    """Anyone can fill a run's progress record (256 entries): a trainer then joining is invisible to the others,
+    which neither count it nor wait for it; it must at least say so."""
+    caplog.set_level(logging.WARNING, logger="dmoe.collab.progress")
+    with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as hostile:
+        expiration = time.time() + 120
+        junk = progress(step=0).encode()
+        hostile.store_many({progress_key("full"): {1000 + i: (junk, expiration)
+                                                   for i in range(dht.config.max_record_subkeys)}})
+        tracker = ProgressTracker(dht, "full", CONFIG, 11, progress(step=0, samples=0))
+        try:
+            wait_until(lambda: "publishes of this trainer's progress in a row were taken by no DHT node" in
+                       caplog.text)
+        finally:
+            tracker.close()
+
+
+def test_a_trainer_waits_for_the_partners_still_finishing_the_last_step_before_it_takes_the_next(bootstrap):
+    """A trainer that reaches the target before its partners of the last step published this step (their
+    all-reduce ends later than its own) stepped alone: it put them a lineage behind, to download its state."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as partner, \
+            CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "finishing", 8,
+                                   refresh_period=0.2, progress_ttl=30.0, allreduce_timeout=8.0,
+                                   client_mode=True) as collab:
+        first = collab.lineage
+        model(torch.randn(8, 3)).sum().backward()
+        assert collab.step(8) and collab.local_step == 1  # alone: nobody else
+        key = progress_key("finishing")
+        partner.store(key, 77, Progress(0, 8, 10.0, time.time(), None, AVERAGING, first, 0).encode(),
+                      time.time() + 60)
+        wait_until(lambda: 77 in collab.tracker.refresh_now())
+
+        def finish() -> None:
+            time.sleep(1.0)
+            partner.store(key, 77, Progress(1, 0, 10.0, time.time(), None, ACCUMULATING, collab.lineage, 1).encode(),
+                          time.time() + 60)
+
+        thread = threading.Thread(target=finish)
+        thread.start()
+        started = time.monotonic()
+        state = collab._await_finishing(collab.tracker.state())
+        waited = time.monotonic() - started
+        thread.join()
+        assert 0.8 < waited < 7.0, waited
+        assert set(state.partners) == {77}
+
+
+def test_a_wait_for_reports_that_the_speeds_promised_in_vain_is_not_repeated_at_the_step(bootstrap):
+    """A record claiming an absurd speed (or a partner that paused) makes the estimate say the target is reached
+    while no report says so: each batch waited up to two batch times for reports that never came."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as hostile, \
+            CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "vain", 1000,
+                                   refresh_period=0.2, progress_ttl=30.0, client_mode=True) as collab:
+        hostile.store(progress_key("vain"), 66, Progress(0, 0, 1e30, time.time(), None, ACCUMULATING, collab.lineage,
+                                                         0).encode(), time.time() + 60)
+        wait_until(lambda: 66 in collab.tracker.refresh_now())
+        waits = []
+        real_wait = collab._wait_for_reports
+        collab._wait_for_reports = lambda batch_size: waits.append(batch_size) or real_wait(batch_size)
+        for _ in range(6):
+            model(torch.randn(4, 3)).sum().backward()
+            collab.step(4)
+            time.sleep(0.02)
+        assert len(waits) == 1 and collab.local_step == 0
+
+
+def test_a_collaboration_refuses_a_minimum_group_above_two():
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="min_group_size must be 2, got 3"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, "mins", 8, min_group_size=3,
+                               target_group_size=4)
 
 
 def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best_serving_trainer(bootstrap, caplog):

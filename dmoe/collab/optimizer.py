@@ -121,6 +121,11 @@ class CollaborativeOptimizer:
         if averager_config.grid:
             raise ValueError("collaborative steps average in one group of every trainer: leave the averager's grid "
                              "empty")
+        if averager_config.min_group_size != 2:
+            # every group of two or more trainers at the step averages, and a trainer alone steps alone: a larger
+            # minimum made each step with fewer partners raise out of step(), half done
+            raise ValueError(f"collaborative steps average with whoever is at the step: min_group_size must be 2, "
+                             f"got {averager_config.min_group_size}")
         self.opt, self.dht, self.run_id, self.config = opt, dht, check_run_id(run_id), config
         self.parameters = [p for group in opt.param_groups for p in group["params"]]
         if not self.parameters:
@@ -129,6 +134,7 @@ class CollaborativeOptimizer:
         self.lock = threading.RLock()
         self.local_step = int(step)
         self.lineage = parameters_lineage(self.parameters)
+        self._left_lineage: str | None = None  # the lineage of the step before (None: it came downloaded)
         self.group_size = 0
         self.samples = 0
         self.steps_applied = self.steps_downloaded = 0
@@ -136,6 +142,7 @@ class CollaborativeOptimizer:
         self._accumulators = [torch.zeros_like(p, dtype=torch.float32) for p in self.parameters]
         self._speed, self._last_call = 0.0, None
         self._reset_at = 0.0  # wall clock of the last step applied or state downloaded
+        self._waited_in_vain = -1  # the step at which a wait for the partners' reports ended without them
         self._state_limits = download_limits(self.parameters)  # (bytes, messages)
         self._served: tuple[tuple[int, str], list] | None = None
         self._rng = random.Random()
@@ -209,7 +216,7 @@ class CollaborativeOptimizer:
             # they published meanwhile; without them it would count nobody toward the target and overshoot it
             self.tracker.refresh_now()
         state = self.tracker.state()
-        if not state.ready and self._target_near(state, batch_size):
+        if not state.ready and self._waited_in_vain != self.local_step and self._target_near(state, batch_size):
             state = self._wait_for_reports(batch_size)
         if not state.ready:
             if state.eta < self.config.refresh_period:
@@ -223,8 +230,26 @@ class CollaborativeOptimizer:
         state = self.tracker.state()
         if not state.ready:
             return False
-        self._global_step(state)
+        self._global_step(self._await_finishing(state))
         return True
+
+    def _await_finishing(self, state: CollaborationState) -> CollaborationState:
+        """The collaboration once the partners of this trainer's last step have finished it: trainers still
+        averaging the step before, from the lineage this trainer left (their all-reduce ends a moment later than
+        this trainer's, or their record of the new step has not arrived yet), publish this step within moments,
+        and must average it with this trainer. A fast trainer that reached the target before they published
+        would step without them, alone, and put them a lineage behind, to download its state and lose their
+        samples (two trainers of a test did, 1 run in 2 on a loaded machine). Waits at most the averager's
+        all-reduce timeout (a partner killed while averaging stays in its record until it expires)."""
+        if self._left_lineage is None:
+            return state
+        deadline = time.monotonic() + self.averager.config.allreduce_timeout
+        while any(p.step == self.local_step - 1 and p.phase == AVERAGING and p.lineage == self._left_lineage
+                  for p in state.peers.values()) and time.monotonic() < deadline:
+            time.sleep(self.config.refresh_period / 4)
+            self.tracker.refresh_now()
+            state = self.tracker.state()
+        return state
 
     def _batch_time(self, batch_size: int) -> float:
         return batch_size / self._speed if self._speed > 0 else self.config.refresh_period
@@ -242,13 +267,18 @@ class CollaborativeOptimizer:
         """The partners' speeds say the target is (nearly) reached, but their reports have not said so yet: rather
         than start a batch that would overshoot it, publish now and read the others again until they report it
         (or start averaging), for at most two of this trainer's batch times (a partner that died keeps being
-        extrapolated until its record expires)."""
+        extrapolated until its record expires). A wait that ends without the reports is not tried again at this
+        step: the speeds that predicted it were wrong (a partner paused, or a record claiming an absurd speed,
+        which would otherwise hold this trainer up to two batch times after each of its batches)."""
         deadline = time.monotonic() + 2 * self._batch_time(batch_size)
         self.tracker.publish_now()
         while True:
             self.tracker.refresh_now()
             state = self.tracker.state()
-            if state.ready or time.monotonic() > deadline:
+            if state.ready:
+                return state
+            if time.monotonic() > deadline:
+                self._waited_in_vain = self.local_step
                 return state
             time.sleep(min(0.05, self.config.refresh_period / 10))
 
@@ -313,6 +343,7 @@ class CollaborativeOptimizer:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.local_step += 1
+            self._left_lineage = self.lineage
             self.lineage, self.group_size = lineage, group_size
         self.steps_applied += 1
         self._reset()
@@ -343,7 +374,7 @@ class CollaborativeOptimizer:
                                     f"{downloaded.lineage}")
             with self.lock:
                 load_state(downloaded, self.parameters, self.opt)
-                self.local_step, self.lineage = downloaded.step, downloaded.lineage
+                self.local_step, self.lineage, self._left_lineage = downloaded.step, downloaded.lineage, None
                 self.group_size = downloaded.group_size
         except (StateDownloadError, StateMismatch) as error:
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")

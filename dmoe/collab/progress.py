@@ -19,7 +19,8 @@ leaves too little room (a full-length IPv6 address) is refused at the start (:fu
 
 Every trainer sees the collaboration from the records it read (:class:`CollaborationState`): the samples its
 partners (same step, same lineage) accumulated, their speed and the estimated time until the target batch size.
-Records that are malformed, claim absurd numbers or were stamped in the future are refused with a logged message.
+Records that are malformed, claim absurd numbers, or were stamped in the future (or so long ago that no clock could
+be that far behind) are refused with a logged message; liveness is judged on the reader's clock.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 ACCUMULATING, AVERAGING, GONE = "a", "v", "x"
 LINEAGE_CHARS = 8
+#: publishes in a row that no node took before the trainer says so (and again at 100 times as many)
+UNPUBLISHED_WARNING = 5
 #: a group larger than this cannot have made a step: a matchmaking record holds at most this many peers
 MAX_GROUP_SIZE = 256
 #: a trainer's record must fit the DHT's value limit up to this step: no collaboration gets near a billion steps,
@@ -275,6 +278,8 @@ class ProgressTracker:
         self.key = progress_key(run_id)
         self._progress = progress
         self._peers: dict[int, Progress] = {}
+        self._stamps: dict[int, tuple[float, float]] = {}  # peer: (its record's stamp, when first read here)
+        self._unpublished = 0  # publishes in a row that no node took
         self._banned: dict[int, float] = {}
         self._warned: set[tuple[int, str]] = set()
         self._expiration = 0.0
@@ -309,13 +314,20 @@ class ProgressTracker:
             # the latest expiration of an owned entry wins: each store must outlive the previous one
             self._expiration = max(now + self.config.progress_ttl, self._expiration + 0.01)
             try:
-                return self.dht.store(self.key, self.peer_id, progress.encode(), self._expiration)
+                stored = self.dht.store(self.key, self.peer_id, progress.encode(), self._expiration)
             except (TimeoutError, RuntimeError) as error:
                 logger.warning("could not publish progress: %s", error)
                 return False
             except ValueError as error:  # no node would take it: a failure to publish must not stop training
                 logger.error("could not publish progress %r: %s", progress.encode(), error)
                 return False
+            self._unpublished = 0 if stored else self._unpublished + 1
+            if self._unpublished in (UNPUBLISHED_WARNING, UNPUBLISHED_WARNING * 100):
+                # the others do not see this trainer: they neither count its samples nor wait for it
+                logger.warning("%d publishes of this trainer's progress in a row were taken by no DHT node (a "
+                               "record full of other entries, or no node reachable): the other trainers do not "
+                               "see it", self._unpublished)
+            return stored
 
     # ---- the others ----
     def state(self, me: Progress | None = None) -> CollaborationState:
@@ -334,6 +346,9 @@ class ProgressTracker:
                 return dict(self._peers)
         now = time.time()
         accepted = {}
+        with self._lock:
+            previous = self._stamps
+        stamps: dict[int, tuple[float, float]] = {}
         for subkey, entry in record.items():
             if not isinstance(subkey, int) or isinstance(subkey, bool) or subkey == self.peer_id:
                 continue
@@ -348,11 +363,25 @@ class ProgressTracker:
             if problem is not None:
                 self._refuse(subkey, *problem)
                 continue
-            if progress.phase == GONE or now - progress.time > self.config.progress_ttl:
-                continue  # stopped, or a zombie whose writer stored a long expiration and went silent
-            accepted[subkey] = progress
+            # liveness by this reader's clock: since when it reads this stamp (a writer whose clock is behind would
+            # look dead by its own stamps; one ahead, fresh for long); the stamp itself only rules out a writer
+            # silent for longer than any clock could be behind (its entry outlived it: a long expiration)
+            first_read = previous.get(subkey)
+            if first_read is None or first_read[0] != progress.time:
+                first_read = (progress.time, now)
+            stamps[subkey] = first_read
+            if progress.phase == GONE or now - first_read[1] > self.config.progress_ttl:
+                continue  # stopped, or silent since
+            if now - progress.time > self.config.progress_ttl + self.config.max_clock_skew:
+                self._refuse(subkey, "past", f"is stamped {now - progress.time:.0f} s in the past (more than "
+                                             f"progress_ttl + max_clock_skew): a trainer that went silent, or a "
+                                             f"clock far behind this one")
+                continue
+            # extrapolated from when it was first read here, on this clock
+            accepted[subkey] = replace(progress, time=first_read[1])
         with self._lock:
             self._peers = accepted
+            self._stamps = stamps
         self.read_at = now
         return accepted
 
