@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Iterator
 
+import grpc
 import pytest
 import torch
 
@@ -44,8 +45,9 @@ from dmoe.collab.state_sync import (
     encode_state,
     load_state,
 )
-from dmoe.wire import dmoe_pb2
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
 from tests.procs import running
+from tests.test_endpoints import needs_ipv6
 
 torch.set_num_threads(1)
 CONFIG = CollaborationConfig(target_batch_size=100, refresh_period=0.2, progress_ttl=2.0)
@@ -242,6 +244,52 @@ def test_the_state_service_serves_its_run_and_refuses_others_with_a_clear_status
             download_state(server.endpoint, "run", timeout=10, max_bytes=100)
     with pytest.raises(StateDownloadError, match="UNAVAILABLE"):
         download_state(server.endpoint, "run", timeout=5, max_bytes=1 << 20)  # the server is gone
+
+
+@needs_ipv6
+def test_downloads_never_read_hold_no_thread_are_capped_per_machine_and_cut_at_the_servers_deadline():
+    """A client that opens downloads and never reads them (HTTP/2 flow control then stalls them) once held both
+    threads of the server for good: every joiner timed out and banned an honest trainer."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 1024)  # a state of 24 MiB: gRPC sends ~6 MiB to a client that does not read
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 2048)).sum().backward()
+    opt.step()
+    encoded = encode_state(TrainingState.capture(4, "0123abcd", 2, list(model.parameters()), opt), "run")
+    limits = download_limits(list(model.parameters()))
+    servicer = StateServicer("run", lambda: encoded, timeout=3.0, max_per_host=2)
+    with StateServer(servicer, host="::") as server:
+        port = server.endpoint.rpartition(":")[2]
+        honest = f"127.0.0.1:{port}"
+        started = time.monotonic()
+        assert download_state(honest, "run", 10, *limits).step == 4
+        alone = time.monotonic() - started
+        with grpc.insecure_channel(f"[::1]:{port}", options=grpc_options()) as channel:  # another machine
+            stub = dmoe_pb2_grpc.CollaborationServiceStub(channel)
+            calls = [stub.download_state(dmoe_pb2.StateRequest(run_id="run")) for _ in range(3)]  # never read
+            wait_until(lambda: sum(call.done() for call in calls) == 1)
+            refused = next(call for call in calls if call.done())
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert re.fullmatch(r"::/64 has 2 state downloads from this trainer in progress already, the most one "
+                                r"machine may have at once; try again once one ends", refused.details())
+            assert servicer.in_progress() == {"::/64": 2}
+            started = time.monotonic()
+            assert download_state(honest, "run", 10, *limits).step == 4  # in its usual time, not the deadline's
+            assert time.monotonic() - started < alone + 1.5
+            servicer.max_downloads = 2  # every place taken: refused, naming why
+            with pytest.raises(StateDownloadError, match="RESOURCE_EXHAUSTED: this trainer serves 2 state "
+                                                         "downloads already, its most at once; try again later"):
+                download_state(honest, "run", 10, *limits)
+            servicer.max_downloads = 32
+            # the server's deadline (3 s, gRPC's connection age within 10%, then a second of grace) ends them
+            wait_until(lambda: not servicer.in_progress(), timeout=15)
+            assert time.monotonic() - started < 10
+            for call in calls:  # what reached this client before, then the end the server gave the stream
+                with pytest.raises(grpc.RpcError) as ended:
+                    sum(1 for _ in call)
+                assert ended.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                    or call is refused
+        assert download_state(f"[::1]:{port}", "run", 10, *limits).step == 4  # that machine is served again
 
 
 def adam(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -7,14 +7,18 @@ receiver refuses a state that does not fit its own model and optimizer exactly (
 another shape or dtype, non-finite values, other parameter groups, optimizer state of another shape or kind, a
 negative step) or that it could not publish as its own (a malformed lineage) with :class:`StateMismatch`, whose
 message names what differs, before anything is written. It keeps its own optimizer settings (:func:`load_state`).
-A download is bounded in bytes and messages (:func:`download_limits`), whatever the sender streams.
+A download is bounded in bytes and messages (:func:`download_limits`), whatever the sender streams. The server
+(:class:`StateServer`) is bounded too, whatever its clients do: a download ends after about ``state_timeout``
+even when the client stops reading, and a machine may hold only a few downloads at once.
 """
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
+import ipaddress
 import json
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -22,7 +26,7 @@ import grpc
 import torch
 
 from dmoe.collab.progress import MAX_GROUP_SIZE, RECORD_MAX_STEP, check_lineage
-from dmoe.endpoints import join_host_port, reachable_endpoint
+from dmoe.endpoints import join_host_port, machine_of, peer_host, reachable_endpoint
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
 from dmoe.wire.channels import STREAM_PART_BYTES
 from dmoe.wire.codec import InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
@@ -280,41 +284,151 @@ def load_state(state: TrainingState, parameters: Sequence[torch.Tensor], optimiz
             mine.copy_(theirs)
 
 
+#: how long one download may take on the server's side by default (``CollaborationConfig.state_timeout``'s default)
+SERVE_TIMEOUT = 60.0
+#: downloads served at once by default, in all and to one machine (an IPv4 address, an IPv6 /64)
+MAX_DOWNLOADS, MAX_DOWNLOADS_PER_HOST = 32, 4
+
+
 class StateServicer(dmoe_pb2_grpc.CollaborationServiceServicer):
-    """Answers ``download_state`` with what ``provide()`` returns (the encoded current state; None: nothing yet)."""
+    """Answers ``download_state`` with what ``provide()`` returns (the encoded current state; None: nothing yet).
 
-    def __init__(self, run_id: str, provide: Callable[[], list[dmoe_pb2.StatePart] | None]):
+    A download ends after ``timeout`` seconds whatever the client reads (DEADLINE_EXCEEDED; :class:`StateServer`
+    also closes the connection soon after, see there). At most ``max_downloads`` downloads are served at once,
+    ``max_per_host`` of them to one machine: the others are refused with RESOURCE_EXHAUSTED, so that a few
+    clients that open downloads and never read them cannot keep every other joiner out. ``provide()`` runs on a
+    thread (it may wait for the training lock and encode the state), one call at a time."""
+
+    def __init__(self, run_id: str, provide: Callable[[], list[dmoe_pb2.StatePart] | None], *,
+                 timeout: float = SERVE_TIMEOUT, max_downloads: int = MAX_DOWNLOADS,
+                 max_per_host: int = MAX_DOWNLOADS_PER_HOST):
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if not 1 <= max_per_host <= max_downloads:
+            raise ValueError(f"need 1 <= max_per_host <= max_downloads, got {max_per_host} and {max_downloads}")
         self.run_id, self.provide = run_id, provide
+        self.timeout, self.max_downloads, self.max_per_host = timeout, max_downloads, max_per_host
+        self._by_host: dict[str, int] = {}  # touched on the server's event loop only
+        self._providing: asyncio.Lock | None = None
 
-    def download_state(self, request: dmoe_pb2.StateRequest, context: grpc.ServicerContext):
+    def in_progress(self) -> dict[str, int]:
+        """The downloads being served now, per client machine."""
+        return dict(self._by_host)
+
+    async def download_state(self, request: dmoe_pb2.StateRequest, context: grpc.aio.ServicerContext) -> None:
         if request.run_id != self.run_id:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"this trainer is in run {self.run_id!r}, not {request.run_id!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"this trainer is in run {self.run_id!r}, not {request.run_id!r}")
+        host = _client_machine(context.peer())
+        if sum(self._by_host.values()) >= self.max_downloads:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this trainer serves {self.max_downloads} "
+                                f"state downloads already, its most at once; try again later")
+        if self._by_host.get(host, 0) >= self.max_per_host:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{host} has {self.max_per_host} state "
+                                f"downloads from this trainer in progress already, the most one machine may have "
+                                f"at once; try again once one ends")
+        self._by_host[host] = self._by_host.get(host, 0) + 1
+        deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            messages = self.provide()
-        except Exception as error:  # noqa: BLE001 - a failure to snapshot must not kill the server thread silently
-            logger.exception("could not capture the state for a download")
-            context.abort(grpc.StatusCode.INTERNAL, f"could not capture the state: {error}")
+            messages = await self._provide(context)
+            try:
+                await asyncio.wait_for(self._send(messages, context),
+                                       max(deadline - asyncio.get_running_loop().time(), 0.0))
+            except asyncio.TimeoutError:
+                logger.info("a state download to %s was cut after %gs unfinished", host, self.timeout)
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the download took more than {self.timeout:g}s, this trainer's limit")
+        finally:
+            self._by_host[host] -= 1
+            if not self._by_host[host]:
+                del self._by_host[host]
+
+    async def _provide(self, context: grpc.aio.ServicerContext) -> list[dmoe_pb2.StatePart]:
+        if self._providing is None:
+            self._providing = asyncio.Lock()
+        async with self._providing:  # one capture at a time: the others then find it encoded
+            try:
+                messages = await asyncio.get_running_loop().run_in_executor(None, self.provide)
+            except Exception as error:  # noqa: BLE001 - a failure to snapshot is the client's to hear of, and logged
+                logger.exception("could not capture the state for a download")
+                await context.abort(grpc.StatusCode.INTERNAL, f"could not capture the state: {error}")
         if messages is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "this trainer has no state to give yet")
-        yield from messages
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this trainer has no state to give yet")
+        return messages
+
+    @staticmethod
+    async def _send(messages: Sequence[dmoe_pb2.StatePart], context: grpc.aio.ServicerContext) -> None:
+        for message in messages:
+            await context.write(message)  # waits while the client does not read (HTTP/2 flow control)
+
+
+def _client_machine(peer: str) -> str:
+    """The machine a gRPC peer string stands for (:func:`dmoe.endpoints.machine_of`), or its host as written."""
+    host = peer_host(peer)
+    try:
+        return machine_of(ipaddress.ip_address(host))
+    except ValueError:
+        return host
 
 
 class StateServer:
-    """A small gRPC server (a thread pool it owns, stopped by :meth:`close`) that serves one trainer's state."""
+    """A small asyncio gRPC server that serves one trainer's state, on an event loop thread of its own (stopped by
+    :meth:`close`): a download stalled by a client that does not read holds no thread, only its place among the
+    servicer's ``max_downloads``.
 
-    def __init__(self, servicer: StateServicer, host: str = "127.0.0.1", port: int = 0, workers: int = 2):
-        self._server = grpc.server(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dmoe-state"),
-                                   options=grpc_options())
-        dmoe_pb2_grpc.add_CollaborationServiceServicer_to_server(servicer, self._server)
-        bound = self._server.add_insecure_port(join_host_port(host, port))
-        if bound == 0:
-            raise OSError(f"could not listen on {join_host_port(host, port)}")
-        self._server.start()
+    A stalled download cannot be ended by the server's own code (its status waits behind the message that does not
+    leave), so the transport ends it: every connection is told to go away after about the servicer's ``timeout``
+    (gRPC's ``max_connection_age``, within 10%) and closed, with whatever it still carries, a fifth of that later.
+    A joiner opens a connection per download and is not hurt: its own deadline passes first."""
+
+    def __init__(self, servicer: StateServicer, host: str = "127.0.0.1", port: int = 0):
+        self._server: grpc.aio.Server | None = None
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="dmoe-state", daemon=True)
+        self._thread.start()
+        try:
+            bound = asyncio.run_coroutine_threadsafe(self._serve(servicer, host, port), self._loop).result(30)
+        except BaseException:
+            self.close()
+            raise
         self.endpoint = reachable_endpoint(host, bound)
 
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_default_executor())
+            self._loop.close()
+
+    async def _serve(self, servicer: StateServicer, host: str, port: int) -> int:
+        age_ms = int(servicer.timeout * 1000)
+        self._server = grpc.aio.server(options=grpc_options() + [
+            ("grpc.max_connection_age_ms", age_ms), ("grpc.max_connection_age_grace_ms", max(age_ms // 5, 1000))])
+        dmoe_pb2_grpc.add_CollaborationServiceServicer_to_server(servicer, self._server)
+        address = join_host_port(host, port)
+        try:
+            bound = self._server.add_insecure_port(address)
+        except RuntimeError:  # what gRPC raises when it cannot bind
+            bound = 0
+        if bound == 0:
+            raise OSError(f"could not listen on {address}")
+        await self._server.start()
+        return bound
+
     def close(self) -> None:
-        self._server.stop(grace=1.0).wait(5)
+        """Stops serving (downloads in progress get a second to finish) and the loop's thread; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._server.stop(grace=1.0), self._loop).result(10)
+            except Exception:  # noqa: BLE001 - stopping regardless
+                logger.warning("the state server did not stop cleanly", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
 
     def __enter__(self) -> "StateServer":
         return self
