@@ -153,8 +153,8 @@ class CollaborativeOptimizer:
         try:
             self.averager = DecentralizedAverager(self._accumulators, dht, f"{self.run_id}.grad", averager_config)
             if not averager_config.client_mode:
-                self.state_server = StateServer(StateServicer(self.run_id, self._encoded_state), config.state_host,
-                                                config.state_port)
+                servicer = StateServicer(self.run_id, self._encoded_state, timeout=config.state_timeout)
+                self.state_server = StateServer(servicer, config.state_host, config.state_port)
             self.tracker = ProgressTracker(dht, self.run_id, config, self.peer_id, Progress(
                 self.local_step, 0, 0.0, time.time(), self.endpoint, ACCUMULATING, self.lineage, 0))
             self.tracker.refresh_now()
