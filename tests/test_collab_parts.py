@@ -4,6 +4,7 @@ and whom to download from, the state's encoding, checks and gRPC service, and th
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -323,6 +324,12 @@ def changed(attribute: str, *keys, value):
     return mutate
 
 
+def only_steps(captured: TrainingState) -> None:
+    """Optimizer entries that hold only Adam's ``step``, not its moments."""
+    captured.optimizer["state"] = {index: {"step": entry["step"]}
+                                   for index, entry in captured.optimizer["state"].items()}
+
+
 @pytest.mark.parametrize("mutate, refused", [
     (changed("optimizer", "state", 0, "exp_avg", value=torch.zeros(1)),
      r"'exp_avg' of parameter 0 has shape \[1\] in the state, the parameter \[3, 4\] here"),
@@ -335,6 +342,9 @@ def changed(attribute: str, *keys, value):
     (changed("optimizer", "state", 0, "step", value=torch.ones(2)), "'step' of parameter 0 is not a real scalar"),
     (changed("optimizer", "state", 1, "step", value=3.0), "'step' of parameter 1 is not a tensor in the state"),
     (changed("optimizer", "state", 1, "extra", value=1), r"parameter 1 holds \['exp_avg', 'exp_avg_sq', 'extra'"),
+    (only_steps, r"parameter 0 holds \['step'\] in the state, \['exp_avg', 'exp_avg_sq', 'step'\] here"),
+    (changed("optimizer", "state", 1, "exp_avg_sq", value=-torch.ones(3)),  # finite: Adam's sqrt makes it NaN
+     "a trial step of this Adam from the state turns parameter 1 into NaN or Inf"),
     (changed("optimizer", "state", 7, value={"foo": 1.0}), "names parameter 7; this model has 2"),
     (changed("optimizer", "param_groups", 0, "params", value=2), r"groups differ: params \[2\] in the state"),
     (changed("optimizer", "param_groups", 0, "params", value=[1, 0]),
@@ -355,6 +365,142 @@ def test_a_state_this_optimizer_could_not_step_with_is_refused_before_anything_i
     assert all(torch.equal(p, q) for p, q in zip(parameters, before))
     for index, entry in opt.state_dict()["state"].items():
         assert all(torch.equal(value, state_before[index][key]) for key, value in entry.items())
+
+
+@pytest.mark.parametrize("mutate, refused", [
+    (only_steps, r"the optimizer's state of parameter 0 holds \['step'\] in the state, \['exp_avg', 'exp_avg_sq', "
+                 r"'step'\] here"),  # once loaded, and the joiner's next step raised KeyError 'exp_avg'
+    (changed("optimizer", "state", 1, "extra", value=1.0),
+     r"parameter 1 holds \['exp_avg', 'exp_avg_sq', 'extra', 'step'\] in the state, \['exp_avg', 'exp_avg_sq', "
+     r"'step'\] here"),
+    (changed("optimizer", "state", 0, "step", value=3.0),
+     "'step' of parameter 0 is not a tensor in the state, one here"),
+    (changed("optimizer", "state", 0, "exp_avg_sq", value=-torch.ones(3, 4)),  # once loaded, and NaN a step later
+     "a trial step of this Adam from the state turns parameter 0 into NaN or Inf"),
+], ids=["only steps", "an extra key", "a number step", "a negative second moment"])
+def test_a_fresh_optimizer_refuses_a_state_it_could_not_step_with_and_holds_none_after(mutate, refused):
+    """A joiner's optimizer holds no state yet: the keys and kinds it would hold come from a step of a fresh copy
+    of it, and a trial step from the state says whether it could step with it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(StateMismatch, match=refused):
+        load_state(sent(mutate), list(model.parameters()), opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+OPTIMIZERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+    "Adam amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
+    "SGD nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "RMSprop centered": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("make", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
+def test_an_honest_state_is_taken_exactly_as_before_the_trial_steps(make):
+    """The checks step copies only: the state loaded, and every step after, are bit for bit what loading it
+    without them gives, into a fresh optimizer and into one with state of its own."""
+    def batch(model: torch.nn.Module, seed: int) -> None:
+        torch.manual_seed(seed)
+        model.zero_grad()
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+
+    torch.manual_seed(0)
+    source = torch.nn.Linear(4, 3)
+    source_opt = make(source.parameters())
+    for seed in range(2):
+        batch(source, seed)
+        source_opt.step()
+    state = decode_state(encode_state(TrainingState.capture(2, "0123abcd", 1, list(source.parameters()),
+                                                            source_opt), "run"), 1 << 20)
+    as_sent = copy.deepcopy(state)
+    for own_state in (False, True):
+        models = [torch.nn.Linear(4, 3) for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        opts = [make(model.parameters()) for model in models]
+        if own_state:
+            for model, opt in zip(models, opts):
+                batch(model, 5)
+                opt.step()
+        checked, plain = copy.deepcopy(state), copy.deepcopy(state)
+        load_state(checked, list(models[0].parameters()), opts[0])
+        assert all(torch.equal(a, b) for a, b in zip(checked.parameters, as_sent.parameters))
+        assert all(torch.equal(value, as_sent.optimizer["state"][index][key]) if torch.is_tensor(value)
+                   else value == as_sent.optimizer["state"][index][key]
+                   for index, entry in checked.optimizer["state"].items() for key, value in entry.items())
+        # what load_state did before it took trial steps
+        opts[1].load_state_dict({"param_groups": opts[1].state_dict()["param_groups"],
+                                 "state": plain.optimizer["state"]})
+        with torch.no_grad():
+            for mine, theirs in zip(models[1].parameters(), plain.parameters):
+                mine.copy_(theirs)
+        for seed in range(10, 13):
+            for model, opt in zip(models, opts):
+                batch(model, seed)
+                opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+        for a, b in zip(opts[0].state_dict()["state"].values(), opts[1].state_dict()["state"].values()):
+            assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) if torch.is_tensor(a[key])
+                                                else a[key] == b[key] for key in a)
+
+
+class Needy(torch.optim.SGD):
+    """An optimizer whose constructor needs an argument torch's do not take: no trial copy of it can be made."""
+
+    def __init__(self, params, secret: str, lr: float = 0.1):
+        super().__init__(params, lr=lr, momentum=0.9)
+        self.secret = secret
+
+
+class Broken(torch.optim.SGD):
+    """An optimizer that cannot step even from fresh state: a failure of a trial is its own, not the state's."""
+
+    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9):
+        super().__init__(params, lr=lr, momentum=momentum)
+
+    def step(self, closure=None):
+        raise RuntimeError("this optimizer fails whatever its state")
+
+
+@pytest.mark.parametrize("make, logged", [
+    (lambda ps: Needy(ps, "s"), r"this Needy: it cannot be copied \(TypeError: .*'secret'\)"),
+    (Broken, "this Broken: a trial step of this Broken from fresh state failed: RuntimeError: this optimizer fails "
+             "whatever its state"),
+], ids=["cannot be copied", "cannot step from fresh state"])
+def test_a_state_for_an_optimizer_without_trial_steps_is_taken_on_the_other_checks_and_that_is_logged(
+        make, logged, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    state = decode_state(encode_state(TrainingState.capture(1, "0123abcd", 1, list(model.parameters()), opt),
+                                      "run"), 1 << 20)
+    joiner = torch.nn.Linear(4, 3)
+    joiner_opt = make(joiner.parameters())
+    with caplog.at_level(logging.WARNING, logger="dmoe.collab"):
+        load_state(state, list(joiner.parameters()), joiner_opt)
+    assert all(torch.equal(a, b) for a, b in zip(joiner.parameters(), model.parameters()))
+    assert torch.equal(joiner_opt.state[joiner.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+    assert re.search(rf"a downloaded state cannot be checked by a trial step of {logged}; it is checked for shapes, "
+                     rf"kinds and finite values only", caplog.text), caplog.text
+
+
+def test_a_failed_trial_is_the_optimizers_own_only_when_a_fresh_step_over_the_trainers_parameters_fails_too():
+    """Finite parameters the sender chose (1e30) overflow even a step from fresh state (Adam's L2 weight decay
+    squares 1e29): the fresh step that tells an optimizer's own failures from the state's uses this trainer's
+    parameters, or the sender could have any state taken unchecked by choosing such parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.1)
+    with pytest.raises(StateMismatch, match="a trial step of this Adam from the state turns its optimizer state "
+                                            "'exp_avg_sq' of parameter 0 into NaN or Inf"):
+        load_state(sent(lambda captured: captured.parameters[0].fill_(1e30)), list(model.parameters()), opt)
+    assert not opt.state
 
 
 @pytest.mark.parametrize("value, refused", [
@@ -678,13 +824,17 @@ def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best
     broken = TrainingState.capture(9, "0123abcd", 3, list(ahead.parameters()), ahead_opt)
     broken.optimizer["param_groups"][0]["params"] = 2  # once a TypeError that killed the joiner
     bad = encode_state(broken, "join")
+    partial = TrainingState.capture(8, "0123abcd", 3, list(ahead.parameters()), ahead_opt)
+    only_steps(partial)  # once loaded by this fresh joiner, whose next step then raised KeyError 'exp_avg'
     with DHT([bootstrap], client_mode=True) as hostile, StateServer(StateServicer("join", lambda: good)) as server, \
-            StateServer(StateServicer("join", lambda: bad)) as bad_server:
+            StateServer(StateServicer("join", lambda: bad)) as bad_server, \
+            StateServer(StateServicer("join", lambda: encode_state(partial, "join"))) as partial_server:
         now = time.time()
         hostile.store_many({progress_key("join"): {pid: (p.encode(), now + 60) for pid, p in {
             901: Progress(10**9, 0, 0.0, now, None, ACCUMULATING, "bbbbbbbb", 1),  # above everyone, serves nothing
             902: Progress(7, 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3),
-            903: Progress(9, 0, 1.0, now, bad_server.endpoint, ACCUMULATING, "0123abcd", 3)}.items()}})
+            903: Progress(9, 0, 1.0, now, bad_server.endpoint, ACCUMULATING, "0123abcd", 3),
+            904: Progress(8, 0, 1.0, now, partial_server.endpoint, ACCUMULATING, "0123abcd", 3)}.items()}})
         torch.manual_seed(1)
         joiner = WithScale()
         with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
@@ -695,4 +845,7 @@ def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best
             assert all(torch.equal(mine, theirs) for mine, theirs in zip(joiner.parameters(), ahead.parameters()))
     assert re.search(r"ignoring trainer 903 .*: its state at \S+ was refused: the optimizer's parameter groups "
                      r"differ: params \[2\] in the state", caplog.text), caplog.text
+    assert re.search(r"ignoring trainer 904 .*: its state at \S+ was refused: the optimizer's state of parameter 0 "
+                     r"holds \['step'\] in the state, \['exp_avg', 'exp_avg_sq', 'step'\] here",
+                     caplog.text), caplog.text
     assert "downloaded the state at step 7 from trainer 902" in caplog.text

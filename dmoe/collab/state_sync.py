@@ -4,8 +4,10 @@ behind, and downloaded from a live trainer over gRPC (``CollaborationService`` i
 The state travels as tensors in the wire codec's format (a large one cut into parts, ``Tensor.parts``) plus one
 JSON text for what the optimizer holds besides tensors (its param groups' settings, per-parameter scalars). The
 receiver refuses a state that does not fit its own model and optimizer exactly (another number of parameters,
-another shape or dtype, non-finite values, other parameter groups, optimizer state of another shape or kind, a
-negative step) or that it could not publish as its own (a malformed lineage) with :class:`StateMismatch`, whose
+another shape or dtype, non-finite values, other parameter groups, optimizer state of another shape or kind or
+with other keys than its optimizer holds, or would hold after a first step, a negative step), that its optimizer
+could not step with (a trial step on copies raises or leaves a NaN or Inf: Adam's moments missing, a negative
+second moment), or that it could not publish as its own (a malformed lineage) with :class:`StateMismatch`, whose
 message names what differs, before anything is written. It keeps its own optimizer settings (:func:`load_state`).
 A download is bounded in bytes and messages (:func:`download_limits`), whatever the sender streams. The server
 (:class:`StateServer`) is bounded too, whatever its clients do: a download ends after about ``state_timeout``
@@ -14,6 +16,7 @@ even when the client stops reading, and a machine may hold only a few downloads 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import ipaddress
 import json
 import logging
@@ -137,13 +140,20 @@ def _shape(t: torch.Tensor | torch.Size) -> list[int]:
 
 def check_state(state: TrainingState, parameters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
     """Raises :class:`StateMismatch` naming the first difference between ``state`` and this trainer's parameters
-    and optimizer, or the first value it could not train on; writes nothing."""
+    and optimizer, or the first value it could not train on (see :func:`_check_optimizer_state`, and a trial step:
+    a throwaway copy of this optimizer, over copies of the state's parameters, loads the state's optimizer values
+    and steps once on zero gradients; the state is refused if that raises or leaves a NaN or Inf anywhere); writes
+    nothing. The trial costs, while it runs, one more copy of the parameters, their gradients and the optimizer
+    state, on the parameters' device."""
     _check_header(state)
     _check_parameters(state.parameters, parameters)
     if not isinstance(state.optimizer, dict):
         raise StateMismatch("the optimizer's state is not a dict")
     _check_param_groups(state.optimizer.get("param_groups"), optimizer)
-    _check_optimizer_state(state.optimizer.get("state"), parameters, optimizer)
+    trial = _Trial(optimizer, parameters, state.parameters)
+    entries = state.optimizer.get("state")
+    _check_optimizer_state(entries, parameters, optimizer, trial)
+    trial.check(entries)
 
 
 def _check_header(state: TrainingState) -> None:
@@ -193,11 +203,12 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_optimizer_state(entries: object, parameters: Sequence[torch.Tensor],
-                           optimizer: torch.optim.Optimizer) -> None:
-    """Every value as this optimizer could step with it: keyed by a parameter's index, the keys this optimizer
-    holds for that parameter (when it holds any yet), tensors of the parameter's exact shape (a scalar ``step``),
-    finite numbers, a ``step`` >= 0."""
+def _check_optimizer_state(entries: object, parameters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+                           trial: "_Trial") -> None:
+    """Every value as this optimizer could step with it: keyed by a parameter's index, finite numbers, tensors of
+    the parameter's exact shape (a scalar ``step``), a ``step`` >= 0, and exactly the keys this optimizer holds for
+    that parameter, each a tensor where it holds one; where it holds nothing yet (a trainer that just started),
+    the keys and kinds a fresh copy of it holds after one step (:meth:`_Trial.fresh_kinds`)."""
     if not isinstance(entries, dict):
         raise StateMismatch("the optimizer's state is not a dict of parameters")
     kinds: dict[str, tuple[str, int]] = {}
@@ -207,22 +218,24 @@ def _check_optimizer_state(entries: object, parameters: Sequence[torch.Tensor],
                                 f"{len(parameters)}")
         if not isinstance(entry, dict) or not all(isinstance(key, str) for key in entry):
             raise StateMismatch(f"the optimizer's state of parameter {index} is not a dict of names")
-        mine = optimizer.state.get(parameters[index]) or {}
-        if mine and set(entry) != set(mine):
-            raise StateMismatch(f"the optimizer's state of parameter {index} holds {sorted(entry)} in the state, "
-                                f"{sorted(mine)} here")
+        mine = optimizer.state.get(parameters[index])
+        expected = {key: torch.is_tensor(value) for key, value in mine.items()} if mine else \
+            trial.fresh_kinds().get(index)
         for key, value in entry.items():
             where = f"optimizer state {key!r} of parameter {index}"
-            _check_state_value(where, key, value, parameters[index], mine.get(key))
+            _check_state_value(where, key, value, parameters[index], None if expected is None else expected.get(key))
             kind, first = kinds.setdefault(key, (_kind(key, value), index))
             if _kind(key, value) != kind:
                 raise StateMismatch(f"{where} is {_kind(key, value)}, that of parameter {first} {kind}")
+        if expected is not None and set(entry) != set(expected):
+            raise StateMismatch(f"the optimizer's state of parameter {index} holds {sorted(entry)} in the state, "
+                                f"{sorted(expected)} here")
 
 
-def _check_state_value(where: str, key: str, value: object, parameter: torch.Tensor, mine: object) -> None:
-    if mine is not None and torch.is_tensor(mine) != torch.is_tensor(value):
-        raise StateMismatch(f"{where} is {'not ' if torch.is_tensor(mine) else ''}a tensor in the state, "
-                            f"{'' if torch.is_tensor(mine) else 'not '}one here")
+def _check_state_value(where: str, key: str, value: object, parameter: torch.Tensor, tensor_here: bool | None) -> None:
+    if tensor_here is not None and tensor_here != torch.is_tensor(value):
+        raise StateMismatch(f"{where} is {'not ' if tensor_here else ''}a tensor in the state, "
+                            f"{'' if tensor_here else 'not '}one here")
     if key == "step":  # a count of steps (Adam's bias correction divides by 1 - beta ** step)
         if torch.is_tensor(value):
             if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
@@ -263,6 +276,144 @@ def _kind(key: str, value: object) -> str:
     if torch.is_tensor(value):
         return f"a {value.dtype} tensor" if key == "step" else "a tensor"
     return f"a {type(value).__name__}"
+
+
+class _NoTrial(Exception):
+    """No trial step can be taken here (the optimizer cannot be copied, or there is no memory for the copy)."""
+
+
+_warned: set[str] = set()
+
+
+class _Trial:
+    """Trial steps of a throwaway copy of ``optimizer``, each once on zero gradients: from a state, over copies of
+    its parameters ``values`` (in the optimizer's order, already checked to fit ``parameters``), or from fresh
+    state over copies of ``parameters`` (the trainer's own: nothing the sender chose). They tell whether this
+    optimizer could step from a state, without writing into anything of the trainer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, parameters: Sequence[torch.Tensor],
+                 values: Sequence[torch.Tensor]):
+        self.optimizer, self.parameters, self.values = optimizer, parameters, values
+        self.name = type(optimizer).__name__
+        self._fresh: tuple[str | None, dict[int, dict[str, bool]]] | None = None
+        self._fresh_done = False
+
+    def check(self, entries: dict) -> None:
+        """Raises :class:`StateMismatch` when a step from the optimizer values ``entries`` raises or leaves a NaN
+        or Inf. A failure that a step from fresh state shares is this optimizer's (or its settings'), not the
+        state's: it is logged once and the state is taken on the other checks alone, as when no trial can be made
+        here."""
+        try:
+            problem, _ = self._step({index: {key: self._copy(index, key, value) for key, value in entry.items()}
+                                     for index, entry in entries.items()})
+        except _NoTrial as error:
+            self._skip(str(error))
+            return
+        if problem is None:
+            return
+        fresh = self._fresh_result()
+        if fresh is None or fresh[0] is not None:  # logged
+            return
+        raise StateMismatch(problem)
+
+    def fresh_kinds(self) -> dict[int, dict[str, bool]]:
+        """The keys this optimizer holds per parameter index after one step from fresh state, each with whether
+        its value is a tensor (empty when no trial step can be taken here)."""
+        fresh = self._fresh_result()
+        return {} if fresh is None or fresh[0] is not None else fresh[1]
+
+    def _fresh_result(self) -> tuple[str | None, dict[int, dict[str, bool]]] | None:
+        if not self._fresh_done:
+            self._fresh_done = True
+            try:
+                self._fresh = self._step(None)
+            except _NoTrial as error:
+                self._skip(str(error))
+            else:
+                if self._fresh[0] is not None:
+                    self._skip(self._fresh[0])
+        return self._fresh
+
+    def _copy(self, index: int, key: str, value: object) -> object:
+        """A copy the trial may step in place (loading would otherwise share the state's tensors), on the device
+        it is stepped on (loading moves it there)."""
+        if not torch.is_tensor(value):
+            return value
+        return value.clone() if key == "step" else value.to(self.parameters[index].device, copy=True)
+
+    def _step(self, entries: dict | None) -> tuple[str | None, dict[int, dict[str, bool]]]:
+        """What went wrong in a step from ``entries`` (None: fresh state), or None; and the keys held after it."""
+        try:
+            with torch.no_grad():
+                trial, copies = self._build(self.values if entries is not None else self.parameters)
+        except (MemoryError, torch.OutOfMemoryError) as error:
+            raise _NoTrial(f"no memory for a copy: {error}") from None
+        except Exception as error:  # noqa: BLE001 - any constructor: one that cannot be called like torch's
+            raise _NoTrial(f"it cannot be copied ({type(error).__name__}: {error})") from None
+        start = f"a trial step of this {self.name} from the state" if entries is not None else \
+            f"a trial step of this {self.name} from fresh state"
+        try:
+            if entries is not None:
+                trial.load_state_dict({"param_groups": trial.state_dict()["param_groups"], "state": entries})
+            for copy in copies:
+                copy.grad = torch.zeros_like(copy)
+            with torch.no_grad():  # as CollaborativeOptimizer steps
+                if _takes_closure(trial):  # LBFGS needs one; the others call it for the loss they return
+                    trial.step(lambda: torch.zeros(()))
+                else:
+                    trial.step()
+        except (MemoryError, torch.OutOfMemoryError) as error:
+            raise _NoTrial(f"no memory for a step: {error}") from None
+        except Exception as error:  # noqa: BLE001 - whatever this optimizer raises on the state is the point
+            return f"{start} failed: {type(error).__name__}: {error}", {}
+        kinds: dict[int, dict[str, bool]] = {}
+        for index, copy in enumerate(copies):
+            if not _all_finite(copy):
+                return f"{start} turns parameter {index} into NaN or Inf", {}
+            held = trial.state.get(copy) or {}
+            for key, value in held.items():
+                if not _all_finite(value):
+                    return f"{start} turns its optimizer state {key!r} of parameter {index} into NaN or Inf", {}
+            if held:
+                kinds[index] = {key: torch.is_tensor(value) for key, value in held.items()}
+        return None, kinds
+
+    def _build(self, values: Sequence[torch.Tensor]) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+        """A new optimizer of this one's class and settings (none of its hooks) over copies of ``values``."""
+        copies, groups, start = [], [], 0
+        for group in self.optimizer.param_groups:
+            count = len(group["params"])
+            group_copies = [value.detach().to(p.device, p.dtype, copy=True).requires_grad_(p.requires_grad)
+                            for p, value in zip(group["params"], values[start:start + count])]
+            groups.append({**group, "params": group_copies})
+            copies += group_copies
+            start += count
+        kind = type(self.optimizer)
+        try:
+            return kind(groups, **self.optimizer.defaults), copies
+        except TypeError:  # a constructor that does not take every default as an argument (AdamW's); the groups
+            return kind(groups), copies  # hold every setting anyway
+
+    def _skip(self, why: str) -> None:
+        text = f"a downloaded state cannot be checked by a trial step of this {self.name}: {why}; it is checked " \
+               f"for shapes, kinds and finite values only"
+        if text not in _warned:
+            _warned.add(text)
+            logger.warning(text)
+
+
+def _takes_closure(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        return bool(inspect.signature(optimizer.step).parameters)
+    except (TypeError, ValueError):
+        return True
+
+
+def _all_finite(value: object) -> bool:
+    if torch.is_tensor(value):
+        return not (value.is_floating_point() or value.is_complex()) or not value.numel() \
+            or bool(torch.isfinite(value).all())
+    return isinstance(value, bool) or not isinstance(value, (int, float)) or _finite(value)
 
 
 def load_state(state: TrainingState, parameters: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
