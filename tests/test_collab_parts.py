@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import re
+import socket
 import threading
 import time
 from typing import Iterator
@@ -804,6 +805,38 @@ def test_a_wait_for_reports_that_the_speeds_promised_in_vain_is_not_repeated_at_
             collab.step(4)
             time.sleep(0.02)
         assert len(waits) == 1 and collab.local_step == 0
+
+
+def test_records_pointing_at_an_address_that_never_answers_cost_one_connection_timeout_not_one_per_record(
+        bootstrap, caplog):
+    """Records are free: many peer ids claiming a step ahead at an endpoint that accepts TCP and never speaks each
+    held the training loop for the whole state timeout (60 s by default), one after another."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    try:
+        with DHT([bootstrap], client_mode=True) as hostile, DHT([bootstrap], client_mode=True) as dht:
+            now = time.time()
+            hostile.store_many({progress_key("silent"): {pid: (Progress(10, 0, 1.0, now, endpoint, ACCUMULATING,
+                                                                        "0123abcd", 3).encode(), now + 60)
+                                                         for pid in range(901, 906)}})
+            started = time.monotonic()
+            with CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "silent", 8,
+                                        refresh_period=0.2, progress_ttl=30.0, state_timeout=30.0,
+                                        client_mode=True) as collab:
+                collab.wait_for_trainers(count=10, timeout=2.0)  # tries to sync all the while
+                assert collab.local_step == 0
+            elapsed = time.monotonic() - started
+    finally:
+        silent.close()
+    refused = re.findall(r"ignoring trainer (90\d) .*no connection within 5s", caplog.text)
+    assert len(refused) == 1, caplog.text  # one try: the endpoint is banned, not only the peer id
+    assert f"no state downloads from {endpoint} for 60 s" in caplog.text
+    assert elapsed < 20, elapsed  # one 5 s connection timeout (and start-up), not 5 x 30 s
 
 
 def test_a_collaboration_refuses_a_minimum_group_above_two():

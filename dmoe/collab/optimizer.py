@@ -25,8 +25,8 @@ Bad input: records with absurd numbers are refused (see :mod:`~dmoe.collab.progr
 its state server cannot back, or serves a state that does not fit this model, is logged and ignored for
 ``ban_time`` while training goes on.
 
-Threads: the progress tracker's (publish and read), the state server's pool, the averager's two; all stop in
-:meth:`CollaborativeOptimizer.shutdown`.
+Threads: the progress tracker's (publish and read), the state server's event loop (and one for captures), the
+averager's two; all stop in :meth:`CollaborativeOptimizer.shutdown`.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import time
 from dataclasses import fields, replace
 from typing import Any, Iterable
 
+import grpc
 import torch
 
 from dmoe.averaging import AveragerConfig, DecentralizedAverager
@@ -65,6 +66,9 @@ from dmoe.collab.state_sync import (
 from dmoe.dht import DHT
 
 logger = logging.getLogger(__name__)
+
+#: seconds a trainer whose state server is busy (RESOURCE_EXHAUSTED: serving its most downloads) is not asked again
+BUSY_BAN = 5.0
 
 
 def _lineage(*parts: Any) -> str:
@@ -377,7 +381,15 @@ class CollaborativeOptimizer:
                 self.local_step, self.lineage, self._left_lineage = downloaded.step, downloaded.lineage, None
                 self.group_size = downloaded.group_size
         except (StateDownloadError, StateMismatch) as error:
+            code = getattr(error, "code", None)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy serving others (its limits): not a fault
+                self.tracker.ban(peer_id, f"its state at {claimed.endpoint} is not served now: {error}",
+                                 seconds=min(BUSY_BAN, self.config.ban_time))
+                return False
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                seconds = self.tracker.ban_endpoint(claimed.endpoint)
+                logger.info("no state downloads from %s for %g s", claimed.endpoint, seconds)
             return False
         self.steps_downloaded += 1
         logger.info("downloaded the state at step %d from trainer %s (%s)", self.local_step, peer_id, claimed.endpoint)

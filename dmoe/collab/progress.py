@@ -281,6 +281,7 @@ class ProgressTracker:
         self._stamps: dict[int, tuple[float, float]] = {}  # peer: (its record's stamp, when first read here)
         self._unpublished = 0  # publishes in a row that no node took
         self._banned: dict[int, float] = {}
+        self._banned_endpoints: dict[str, tuple[float, float]] = {}  # endpoint: (until, the ban's length)
         self._warned: set[tuple[int, str]] = set()
         self._expiration = 0.0
         self._lock = threading.Lock()
@@ -378,19 +379,35 @@ class ProgressTracker:
                                              f"clock far behind this one")
                 continue
             # extrapolated from when it was first read here, on this clock
-            accepted[subkey] = replace(progress, time=first_read[1])
+            progress = replace(progress, time=first_read[1])
+            if progress.endpoint is not None and self._banned_endpoints.get(progress.endpoint, (0.0,))[0] > now:
+                progress = replace(progress, endpoint=None)  # no state to download there, for now
+            accepted[subkey] = progress
         with self._lock:
             self._peers = accepted
             self._stamps = stamps
         self.read_at = now
         return accepted
 
-    def ban(self, peer_id: int, reason: str) -> None:
-        """Ignores ``peer_id``'s records for ``config.ban_time`` seconds."""
-        logger.warning("ignoring trainer %s for %g s: %s", peer_id, self.config.ban_time, reason)
-        self._banned[peer_id] = time.time() + self.config.ban_time
+    def ban(self, peer_id: int, reason: str, seconds: float | None = None) -> None:
+        """Ignores ``peer_id``'s records for ``seconds`` (default ``config.ban_time``)."""
+        seconds = self.config.ban_time if seconds is None else seconds
+        logger.warning("ignoring trainer %s for %g s: %s", peer_id, seconds, reason)
+        self._banned[peer_id] = time.time() + seconds
         with self._lock:
             self._peers.pop(peer_id, None)
+
+    def ban_endpoint(self, endpoint: str) -> float:
+        """Downloads no state from ``endpoint`` (no connection could be made to it) for ``config.ban_time``, twice
+        as long each time it fails again after its ban (at most 16 times as long); returns how long. Any record
+        naming it meanwhile counts as one serving no state: anyone can publish records pointing at an address that
+        drops packets, under as many peer ids as they like, and each try costs the trainer a connection timeout."""
+        now = time.time()
+        until, seconds = self._banned_endpoints.get(endpoint, (0.0, 0.0))
+        if until <= now:
+            seconds = min(2 * seconds, 16 * self.config.ban_time) if seconds else self.config.ban_time
+            self._banned_endpoints[endpoint] = (now + seconds, seconds)
+        return seconds
 
     def _refuse(self, peer_id: int, kind: str, message: str) -> None:
         if (peer_id, kind) not in self._warned:

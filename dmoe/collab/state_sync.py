@@ -42,7 +42,12 @@ class StateMismatch(ValueError):
 
 
 class StateDownloadError(RuntimeError):
-    """A state that could not be downloaded: the peer is unreachable, refused, or sent something malformed."""
+    """A state that could not be downloaded: the peer is unreachable, refused, or sent something malformed.
+    ``code``: the gRPC status that ended the download, if one did (UNAVAILABLE: no connection could be made)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -588,14 +593,23 @@ class StateServer:
         self.close()
 
 
+#: seconds a download waits for a connection to the trainer serving the state (within the download's timeout)
+CONNECT_TIMEOUT = 5.0
+
+
 def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
-                   max_messages: int = 10_000) -> TrainingState:
+                   max_messages: int = 10_000, connect_timeout: float = CONNECT_TIMEOUT) -> TrainingState:
     """The state of the trainer at ``endpoint``; raises :class:`StateDownloadError` when it cannot be had. The
     stream is cut once its messages hold more than ``max_bytes`` in all (every field, not only the tensors: this
     bounds what is kept in memory) or number more than ``max_messages`` (an empty message holds no bytes, but its
-    object costs memory all the same)."""
+    object costs memory all the same). An endpoint that gives no connection within ``connect_timeout`` (an address
+    that drops packets, a port that accepts TCP and never speaks HTTP/2) fails then, not after the whole
+    ``timeout``: anyone can publish a record pointing at one, and the trainer waits in its training loop."""
     messages, received = [], 0
     with grpc.insecure_channel(endpoint, options=grpc_options()) as channel:
+        if not _connects(channel, min(connect_timeout, timeout)):
+            raise StateDownloadError(f"{endpoint}: UNAVAILABLE: no connection within "
+                                     f"{min(connect_timeout, timeout):g}s", grpc.StatusCode.UNAVAILABLE)
         call = dmoe_pb2_grpc.CollaborationServiceStub(channel).download_state(
             dmoe_pb2.StateRequest(run_id=run_id), timeout=timeout)
         try:
@@ -608,8 +622,25 @@ def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
                                              f"optimizer state")
                 messages.append(message)
         except grpc.RpcError as error:
-            raise StateDownloadError(f"{endpoint}: {error.code().name}: {error.details()}") from None
+            raise StateDownloadError(f"{endpoint}: {error.code().name}: {error.details()}", error.code()) from None
     return decode_state(messages, max_bytes)
+
+
+def _connects(channel: grpc.Channel, timeout: float) -> bool:
+    """False when ``channel`` is still trying to connect after ``timeout`` seconds; True once it is connected or
+    its connection failed (a refused port: the call then fails at once, with gRPC's own status)."""
+    settled = threading.Event()
+
+    def watch(state: grpc.ChannelConnectivity) -> None:
+        if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                     grpc.ChannelConnectivity.SHUTDOWN):
+            settled.set()
+
+    channel.subscribe(watch, try_to_connect=True)
+    try:
+        return settled.wait(timeout)
+    finally:
+        channel.unsubscribe(watch)
 
 
 def download_limits(parameters: Sequence[torch.Tensor], part_bytes: int = STREAM_PART_BYTES) -> tuple[int, int]:
