@@ -248,8 +248,8 @@ def moshpit_rows(fail_rate: float, dht: DHT, args: argparse.Namespace) -> list[d
     vectors = [vector(i, args.moshpit_numel) for i in range(total)]
     mean = sum(vectors) / total
     start = sum(float((v - mean).pow(2).sum()) for v in vectors)
-    ids = {line["index"]: line["peer_id"] for line in lines}
-    simulated = simulate_moshpit(vectors, args.moshpit_grid, skip, args.moshpit_rounds, [ids[i] for i in range(total)])
+    ids = {(line["round"], line["index"]): line["peer_id"] for line in lines}  # a peer's id is new each round
+    simulated = simulate_moshpit(vectors, args.moshpit_grid, skip, args.moshpit_rounds, ids)
     rows = []
     for r in range(args.moshpit_rounds):
         done = [line for line in lines if line["round"] == r]
@@ -261,9 +261,10 @@ def moshpit_rows(fail_rate: float, dht: DHT, args: argparse.Namespace) -> list[d
 
 
 def simulate_moshpit(vectors: list[torch.Tensor], grid: list[int], skip: dict[str, list[int]], rounds: int,
-                     ids: list[int]) -> list[float]:
-    """The same plan with perfectly timed rounds: each key's waiting peers in groups of the grid's side (by peer id,
-    as leaders take them), averaged, ranks becoming coordinates. What the algorithm gives without the network."""
+                     ids: dict[tuple[int, int], int]) -> list[float]:
+    """The same plan with perfectly timed rounds: each key's waiting peers in groups of the grid's side (by their
+    peer ids in the round, ``ids[round, index]``, as leaders take them), averaged, ranks becoming coordinates. What
+    the algorithm gives without the network."""
     x = torch.stack(vectors).double()
     mean = x.mean(0)
     start = float((x - mean).pow(2).sum())
@@ -276,7 +277,7 @@ def simulate_moshpit(vectors: list[torch.Tensor], grid: list[int], skip: dict[st
             if i not in skip[str(r)]:
                 keys.setdefault(tuple(c for d, c in enumerate(cell) if d != free), []).append(i)
         for members in keys.values():
-            members.sort(key=lambda i: ids[i])
+            members.sort(key=lambda i: ids[r, i])
             for group in (members[k:k + side] for k in range(0, len(members), side)):
                 if len(group) >= 2:
                     x[group] = x[group].mean(0)

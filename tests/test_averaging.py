@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -23,8 +24,9 @@ import torch
 
 from dmoe import DHT, DecentralizedAverager
 from dmoe.averaging import averager as averager_module
+from dmoe.averaging import matchmaking
 from dmoe.averaging.allreduce import PartReducer
-from dmoe.averaging.matchmaking import Group, Member
+from dmoe.averaging.matchmaking import Group, Member, new_salt, parse_declarations, peer_id_for
 from dmoe.averaging.service import AveragingServicer
 from dmoe.wire import dmoe_pb2_grpc
 from tests.averaging_peers import ATTACKS, MUTE, STALLED, make_tensors, weight_of
@@ -189,10 +191,12 @@ def test_peers_crowded_in_one_cell_spread_over_the_grid_and_reach_the_exact_mean
     so two pairs from one crowded cell of a 2x2 grid pair across in the next round."""
     folder, results = job_results(runs, "crowd")
     assert_holds(folder, [0, 1, 2, 3], weighted_mean([0, 1, 2, 3]), round_number=1, results=results)
-    for result in results.values():
-        first, second = result["infos"]
-        assert len(first["members"]) == len(second["members"]) == 2
-        assert set(first["members"]) & set(second["members"]) == {result["infos"][0]["peer_id"]}
+    # a peer's id is new in every round: members by index
+    index_of = {(r, info["peer_id"]): index for index, result in results.items()
+                for r, info in enumerate(result["infos"])}
+    for index, result in results.items():
+        first, second = ({index_of[r, pid] for pid in info["members"]} for r, info in enumerate(result["infos"]))
+        assert len(first) == len(second) == 2 and first & second == {index}
 
 
 @pytest.mark.parametrize("compression", ["float16", "uint8"])
@@ -248,11 +252,11 @@ def test_a_member_stalling_past_allreduce_timeout_is_dropped_and_keeps_its_own_v
 def test_a_hostile_member_is_refused_with_clear_statuses_and_the_others_average_correctly(runs):
     folder, results = job_results(runs, "hostile")
     assert_holds(folder, [0, 1, 2], weighted_mean([0, 1, 2]), results=results)
-    first = results[0]["infos"][0]
-    (hostile_id,) = set(first["members"]) - set(first["contributors"])
-    for index in range(3):
-        for info in results[index]["infos"]:  # every round averaged, among the honest members only
-            assert info is not None and len(info["contributors"]) == 3 and hostile_id not in info["contributors"]
+    for round_number in range(len(ATTACKS)):  # every round averaged, among the honest members only
+        infos = [results[index]["infos"][round_number] for index in range(3)]
+        assert all(info is not None for info in infos), describe_groups(results)
+        honest = {info["peer_id"] for info in infos}  # ids are drawn afresh each round
+        assert all(len(info["members"]) == 4 and set(info["contributors"]) == honest for info in infos), infos
     statuses: dict[str, list[dict]] = {}
     for status in results[3]["statuses"]:
         statuses.setdefault(status["attack"], []).append(status)
@@ -437,12 +441,13 @@ def test_a_leader_lets_declarations_settle_and_publishes_its_group_before_declar
     is led before a second (the margin) after declaring. A peer that read a leader's declaration before its group
     (stored together) waited for it in vain and went on as if the leader took nobody: the group is stored first."""
     with DHT(initial_peers=[bootstrap]) as first, DHT(initial_peers=[bootstrap]) as second:
-        stores: dict[int, list[set[str]]] = {}
+        stores: list[list[set[str]]] = []
         averagers = []
         for dht in (first, second):
             averager = DecentralizedAverager(make_tensors(len(averagers)), dht, "order", target_group_size=2,
                                              matchmaking_time=30.0)
-            dht.store_many = recording(dht.store_many, stores.setdefault(averager.peer_id, []))
+            stores.append([])
+            dht.store_many = recording(dht.store_many, stores[-1])
             averagers.append(averager)
         try:
             infos = [future.result(timeout=60) for future in [a.step(wait=False) for a in averagers]]
@@ -452,12 +457,12 @@ def test_a_leader_lets_declarations_settle_and_publishes_its_group_before_declar
     assert all(info is not None and len(info.contributors) == 2 for info in infos), infos
     assert all(info.matchmaking_s >= 1.0 for info in infos), infos  # the margin: max(1 s, 3 poll periods)
     group_id = infos[0].group_id
-    leader = int(group_id.split(".")[-2])
+    leader = [info.peer_id for info in infos].index(int(group_id.split(".")[-2]))
     calls = stores[leader]  # its declarations (waiting, then leading) and the group
     published = calls.index({group_id})  # the group alone, then the declaration that it leads
     assert calls[published + 1:] == [{"order.0.*"}] and all(call == {"order.0.*"} for call in calls[:published])
-    (member,) = set(stores) - {leader}
-    assert stores[member] and all(call == {"order.0.*"} for call in stores[member])  # declarations only
+    member = stores[1 - leader]
+    assert member and all(call == {"order.0.*"} for call in member)  # declarations only
 
 
 def averaging_together(stack: contextlib.ExitStack, bootstrap: str, prefix: str, tensors: Sequence[torch.Tensor],
@@ -503,16 +508,27 @@ def test_float16_values_beyond_its_range_average_saturated_and_nobody_is_banned(
         assert averager.tensors[0].tolist() == [65504.0, 2.0, 2.0, 65504.0]
 
 
-def lead_a_broken_group(dht: DHT, key: str, victim: int, victim_entry: str, leader_entry: str) -> None:
-    """Publishes, as leader 12345, a group of itself and ``victim`` (listed as ``victim_entry``), once the victim
-    declared itself: anyone can lead a group in a key, and list whom it likes."""
-    deadline = time.monotonic() + 30
-    while victim not in dht.get(key):
-        assert time.monotonic() < deadline, f"peer {victim} never declared itself in {key}"
+def declared_id(dht: DHT, key: str, owner: bytes, timeout: float = 30) -> int:
+    """The id under which the DHT key ``owner`` declared itself in ``key`` (drawn afresh each round), once it did."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = [pid for pid, declaration in parse_declarations(dht.get(key), key).items() if declaration.owner == owner]
+        if ids:
+            return ids[0]
+        assert time.monotonic() < deadline, f"{owner.hex()[:16]} never declared itself in {key}"
         time.sleep(0.05)
-    nonce, expiration = "0123abcd", time.time() + 30
-    dht.store_many({f"{key}.12345.{nonce}": {victim: (victim_entry, expiration), 12345: (leader_entry, expiration)}})
-    dht.store(key, 12345, f"{leader_entry};L2.{nonce}", expiration)
+
+
+def lead_a_broken_group(dht: DHT, key: str, victim: bytes, victim_entry: str, leader_entry: str) -> int:
+    """Publishes a group of ``dht``'s key and the peer of DHT key ``victim`` (listed as ``victim_entry``), once the
+    victim declared itself: anyone can lead a group in a key, and list whom it likes. Returns the leader's id."""
+    victim_id = declared_id(dht, key, victim)
+    nonce, expiration, salt = "0123abcd", time.time() + 30, new_salt()
+    leader = peer_id_for(dht.identity.public_key, key, salt)
+    dht.store_many({f"{key}.{leader}.{nonce}": {victim_id: (victim_entry, expiration),
+                                                 leader: (leader_entry, expiration)}})
+    dht.store(key, leader, f"{leader_entry};{salt};L2.{nonce}", expiration)
+    return leader
 
 
 def test_a_group_that_cannot_average_is_ignored_and_fails_no_step(bootstrap, caplog):
@@ -523,12 +539,45 @@ def test_a_group_that_cannot_average_is_ignored_and_fails_no_step(bootstrap, cap
             DecentralizedAverager([torch.zeros(3)], dht, "broken0", matchmaking_time=6.0) as served, \
             DecentralizedAverager([torch.zeros(3)], dht, "broken1", matchmaking_time=6.0, client_mode=True) as client:
         futures = [served.step(wait=False), client.step(wait=False)]
-        lead_a_broken_group(hostile, "broken0.0.*", served.peer_id, f"{served.endpoint};0", "127.0.0.1:9;0")
-        lead_a_broken_group(hostile, "broken1.0.*", client.peer_id, "127.0.0.1:8;1", "127.0.0.1:9;1")
+        owner = dht.identity.public_key
+        first = lead_a_broken_group(hostile, "broken0.0.*", owner, f"{served.endpoint};0", "127.0.0.1:9;0")
+        second = lead_a_broken_group(hostile, "broken1.0.*", owner, "127.0.0.1:8;1", "127.0.0.1:9;1")
         assert [future.result(timeout=60) for future in futures] == [None, None]
         assert torch.equal(served.tensors[0], torch.zeros(3)) and torch.equal(client.tensors[0], torch.zeros(3))
-    assert "of peer 12345: no member accepts connections with a positive bandwidth" in caplog.text
-    assert "of peer 12345: it lists this peer at 127.0.0.1:8" in caplog.text
+    assert f"of peer {first}: no member accepts connections with a positive bandwidth" in caplog.text
+    assert f"of peer {second}: it lists this peer at 127.0.0.1:8" in caplog.text
+
+
+def test_a_peer_whose_ids_were_read_and_taken_in_the_rounds_to_come_still_averages(bootstrap, caplog, monkeypatch):
+    """A peer kept one id in every round, and round keys are predictable: a client that read a round's record could
+    store under each peer's id in the next round's key first; the DHT gave it those subkeys, every declaration of
+    theirs was refused (and the refusal ignored), and they never averaged again. Ids are now drawn afresh each
+    round (a hash of the peer's DHT key, the round's key and a random salt); one refused all the same (here: the
+    salt made predictable) is logged and replaced by another."""
+    caplog.set_level(logging.WARNING, logger="dmoe.averaging.matchmaking")
+    with contextlib.ExitStack() as stack:
+        hostile = stack.enter_context(DHT(initial_peers=[bootstrap]))
+        averagers = averaging_together(stack, bootstrap, "squat", [torch.full((3,), float(i)) for i in range(3)],
+                                       [{}] * 3)
+        assert all(info is not None for info in step_together(averagers))
+        ids = [pid for pid in hostile.get("squat.0.*") if isinstance(pid, int)]
+        assert sorted(ids) == sorted(averager.peer_id for averager in averagers)
+        for pid in ids:  # what it read, stored ahead in the next round's key
+            assert hostile.store("squat.1.*", pid, "-;0;x", time.time() + 600)
+        infos = step_together(averagers)
+        assert all(info is not None and len(info.contributors) == 3 for info in infos), infos
+        assert not set(ids) & {info.peer_id for info in infos}
+        # the first salt drawn for round 2 is known ahead: whoever draws it finds its id taken
+        owners = [averager.dht.identity.public_key for averager in averagers]
+        taken = {peer_id_for(owner, "squat.2.*", "00000000") for owner in owners}
+        for pid in taken:
+            assert hostile.store("squat.2.*", pid, "-;0;x", time.time() + 600)
+        salts = iter(["00000000"])
+        monkeypatch.setattr(matchmaking, "new_salt", lambda: next(salts, None) or secrets.token_hex(4))
+        infos = step_together(averagers)
+        assert all(info is not None and len(info.contributors) == 3 for info in infos), infos
+    (refused,) = [record.getMessage() for record in caplog.records if "could not declare" in record.getMessage()]
+    assert "in squat.2.* (w): refused: subkey" in refused and int(refused.split()[4]) in taken
 
 
 def lying_about_the_total_weight(register):

@@ -15,7 +15,8 @@ from dmoe import AveragerConfig
 from dmoe.averaging import grid as moshpit
 from dmoe.averaging.allreduce import (MAX_WEIGHT, Outcome, PartReducer, PartResult, Refused, SendPace, allreduce,
                                       bad_total, encode_piece, partition)
-from dmoe.averaging.matchmaking import Declaration, Group, Matchmaker, Member, parse_declarations, parse_member
+from dmoe.averaging.matchmaking import (MAX_PEER_ID, Declaration, Group, Matchmaker, Member, parse_declarations,
+                                        parse_member, peer_id_for)
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.codec import FLOAT16, deserialize, serialize
 
@@ -267,13 +268,38 @@ class Entry(NamedTuple):  # what DHT.get returns per subkey (only these fields a
 
 
 def test_malformed_declarations_are_skipped():
+    key, salt = "run.0.*", "0123abcd"
+    owners = [bytes([i]) * 32 for i in range(8)]
+    ids = [peer_id_for(owner, key, salt) for owner in owners]
     record = {
-        5: Entry("127.0.0.1:80;1;w", 1e12), 6: Entry("-;0;L3.0123abcd", 1e12), 7: Entry("nohost;1;w", 1e12),
-        8: Entry("127.0.0.1:80;inf;w", 1e12), 9: Entry("127.0.0.1:80;1;sleeping", 1e12), "x": Entry("a;1;w", 1e12),
+        ids[0]: Entry(f"127.0.0.1:80;1;{salt};w", 1e12, owners[0]),
+        ids[1]: Entry(f"-;0;{salt};L3.0123abcd", 1e12, owners[1]),
+        ids[2]: Entry(f"nohost;1;{salt};w", 1e12, owners[2]),
+        ids[3]: Entry(f"127.0.0.1:80;inf;{salt};w", 1e12, owners[3]),
+        ids[4]: Entry(f"127.0.0.1:80;1;{salt};sleeping", 1e12, owners[4]),
+        ids[5]: Entry("127.0.0.1:80;1;w", 1e12, owners[5]),  # no salt
+        ids[6]: Entry(f"127.0.0.1:80;1;{salt}x;w", 1e12, owners[6]),
+        "x": Entry(f"a;1;{salt};w", 1e12, owners[7]),
     }
-    found = parse_declarations(record)
-    assert sorted(found) == [5, 6]
-    assert found[6].member.endpoint is None and found[6].member.bandwidth == 0.0 and found[6].state == "L3.0123abcd"
+    found = parse_declarations(record, key)
+    assert sorted(found) == sorted(ids[:2])
+    assert found[ids[1]].member.endpoint is None and found[ids[1]].member.bandwidth == 0.0
+    assert found[ids[1]].state == "L3.0123abcd" and found[ids[1]].owner == owners[1]
+
+
+def test_a_declaration_counts_only_under_the_id_its_owner_key_makes_in_that_record():
+    """Ids are owned int subkeys, and the first key to store one owns it: an id anyone can store under is an id
+    anyone can take first, in the predictable keys of rounds to come. So an id is a hash of the declarer's key, the
+    record's key and a salt, and an entry under any other id is no declaration."""
+    key, salt, victim, hostile = "run.1.*", "0123abcd", b"v" * 32, b"h" * 32
+    pid = peer_id_for(victim, key, salt)
+    assert 1 <= pid <= MAX_PEER_ID
+    assert len({peer_id_for(victim, key, f"{s:08x}") for s in range(100)}) == 100  # each salt, another id
+    assert peer_id_for(victim, "run.2.*", salt) != pid and peer_id_for(hostile, key, salt) != pid
+    value = f"127.0.0.1:80;1;{salt};w"
+    assert list(parse_declarations({pid: Entry(value, 1e12, victim)}, key)) == [pid]
+    assert parse_declarations({pid: Entry(value, 1e12, hostile)}, key) == {}  # stored first by another key
+    assert parse_declarations({pid: Entry(value, 1e12, victim)}, "run.2.*") == {}  # copied to another round
 
 
 @pytest.mark.parametrize("settings, words", [

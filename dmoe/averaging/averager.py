@@ -23,7 +23,7 @@ import torch
 from dmoe.averaging import grid as moshpit
 from dmoe.averaging.allreduce import MAX_WEIGHT, AllReduceResult, Outcome, SendPace, allreduce, send_and_receive
 from dmoe.averaging.config import AveragerConfig
-from dmoe.averaging.matchmaking import Matchmaker, Member, new_peer_id
+from dmoe.averaging.matchmaking import Matchmaker, Member
 from dmoe.averaging.service import AveragingServicer
 from dmoe.dht import DHT
 from dmoe.endpoints import join_host_port, reachable_endpoint
@@ -42,6 +42,7 @@ MAX_CHANNELS = 64
 class GroupInfo:
     """What a step that averaged did.
 
+    peer_id: this peer's id in the round (drawn afresh for each round, see :mod:`~dmoe.averaging.matchmaking`);
     members: the group as matchmaking formed it (peer ids, sorted); contributors: whose tensors the average is
     over (members that died, stalled or were refused are left out); weight: what the averaged tensors weigh in the
     next round (the contributors' mean weight, so that a full grid gives the exact weighted mean); dropped: members
@@ -100,7 +101,6 @@ class DecentralizedAverager:
         self.coordinates = (moshpit.check_coordinates(cfg.grid, coordinates) if coordinates is not None
                             else moshpit.random_coordinates(cfg.grid))
         self.compression = parse_compression(cfg.compression)
-        self.peer_id = new_peer_id()
         #: the next round's number: peers that call step equally often stay in the same round
         self.round = 0
         #: what this peer's tensors weigh when a step is given no weight (after a step: its group's mean weight)
@@ -125,10 +125,18 @@ class DecentralizedAverager:
         except BaseException:
             self.shutdown()
             raise
-        me = Member(self.peer_id, self.endpoint, 0.0 if cfg.client_mode else cfg.bandwidth)
+        me = Member(0, self.endpoint, 0.0 if cfg.client_mode else cfg.bandwidth)  # its id: drawn each round
         self.matchmaker = Matchmaker(dht, me, cfg, self._stop)
-        logger.info("averager %s of run %r: %d values in %d tensors, %s", self.peer_id, prefix, self.numel,
-                 len(self.tensors), f"serving at {self.endpoint}" if self.endpoint else "client mode")
+        logger.info("averager of run %r (DHT key %s): %d values in %d tensors, %s", prefix,
+                    dht.identity.public_key.hex()[:16], self.numel, len(self.tensors),
+                    f"serving at {self.endpoint}" if self.endpoint else "client mode")
+
+    @property
+    def peer_id(self) -> int:
+        """This peer's id in its current (or latest) round; 0 before the first. Drawn afresh each round from the
+        DHT's key, the round's key and a random salt, so that nobody can store under it first (see
+        :mod:`~dmoe.averaging.matchmaking`)."""
+        return self.matchmaker.me.peer_id
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -215,12 +223,13 @@ class DecentralizedAverager:
                                            group_size, single_group)
         if group is None or self._stop.is_set():  # shut down while matchmaking: no all-reduce starts
             return None
+        me = self.matchmaker.me.peer_id  # this round's
         matched = time.monotonic()
         with self.lock:
             flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in self.tensors])
         out = torch.empty_like(flat)
         running = asyncio.run_coroutine_threadsafe(allreduce(
-            group, self.peer_id, flat, weight, out, stub_for=self._stub,
+            group, me, flat, weight, out, stub_for=self._stub,
             register=self.servicer.register if self.servicer is not None else None,
             compression=self.compression, piece_elements=cfg.piece_bytes // 4, max_abs_value=cfg.max_abs_value,
             allreduce_timeout=cfg.allreduce_timeout, join_timeout=cfg.join_timeout, max_retries=cfg.max_retries,
@@ -247,9 +256,9 @@ class DecentralizedAverager:
                 offset += tensor.numel()
         self.weight = result.total_weight / len(result.contributors)
         self.coordinates = moshpit.coordinates_after(round_number, cfg.grid, self.coordinates,
-                                                     group.peer_ids.index(self.peer_id))
+                                                     group.peer_ids.index(me))
         done = time.monotonic()
-        info = GroupInfo(group.group_id, round_number, self.peer_id, group.peer_ids, result.contributors,
+        info = GroupInfo(group.group_id, round_number, me, group.peer_ids, result.contributors,
                          self.weight, result.total_weight, result.attempts, dict(result.dropped),
                          matched - started, done - matched)
         logger.info("round %d: averaged with %d of %d members in %.2fs (+%.2fs matchmaking)", round_number,

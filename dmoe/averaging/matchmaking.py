@@ -1,10 +1,17 @@
 """Matchmaking: peers that want to average find each other under one DHT key and agree on one member list.
 
-Every peer declares itself in record ``<prefix>.<round>.<group key>`` under its own peer id (an owned int subkey, so
-nobody else can rewrite it), with its endpoint, its bandwidth and a state: ``w`` waiting, ``x`` gone, or
-``L<n>.<nonce>`` leading a group of ``n``. The **leader** is the smallest waiting peer id not yet taken by another
-group: once it sees ``target_group_size`` waiting peers (and ``margin`` after it declared itself), or when its
-``matchmaking_time`` is up and it sees at least ``min_group_size``, it publishes the group in record
+Every peer declares itself in record ``<prefix>.<round>.<group key>`` under its peer id for the round (an owned int
+subkey, so nobody else can rewrite it), with its endpoint, its bandwidth, a salt and a state: ``w`` waiting, ``x``
+gone, or ``L<n>.<nonce>`` leading a group of ``n``. The peer id is drawn afresh each round: a hash of the declarer's
+DHT key (the entry's owner), the record's key and the salt (:func:`peer_id_for`), so nobody can tell it before the
+peer declares, and readers skip entries whose subkey is not that hash of their owner. Round keys are predictable,
+and the first key to store an int subkey owns it: an id kept across rounds (or one made from the DHT key and the
+round's key alone, which anyone can compute) could be taken in the rounds to come by anyone, and that peer could
+never declare again.
+
+The **leader** is the smallest waiting peer id not yet taken by another group: once it sees ``target_group_size``
+waiting peers (and ``margin`` after it declared itself), or when its ``matchmaking_time`` is up and it sees at least
+``min_group_size``, it publishes the group in record
 ``<key>.<leader>.<nonce>`` (the group id): one entry per member, all owned by the leader's key, and once that is
 stored, marks itself as leading. Everyone else polls the key: a peer listed in a leader's group joins it; a peer
 left out of full groups waits for the next smallest waiting peer to lead (or leads itself). All members thus read
@@ -17,6 +24,7 @@ little longer (``margin``), so that those still read the group before giving up.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -24,7 +32,7 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from dmoe.averaging.config import AveragerConfig
@@ -34,13 +42,28 @@ logger = logging.getLogger(__name__)
 
 WAITING, GONE, LEADING = "w", "x", "L"
 _LEADING = re.compile(r"L(\d{1,4})\.([0-9a-f]{8})")
+_SALT = re.compile(r"[0-9a-f]{8}")
 #: largest peer id: ids are owned int subkeys of the DHT, which must lie in [0, 2**31)
 MAX_PEER_ID = 2**31 - 1
+#: declarations tried, each under a new id, when the DHT refuses one (its id taken: only by chance or a lucky guess)
+DECLARE_TRIES = 3
 
 
 def new_peer_id() -> int:
     """A random peer id: the order of ids picks leaders, so it must not favour anyone."""
     return secrets.randbelow(MAX_PEER_ID) + 1
+
+
+def new_salt() -> str:
+    return secrets.token_hex(4)
+
+
+def peer_id_for(owner: bytes, key: str, salt: str) -> int:
+    """The peer id under which the DHT key ``owner`` declares itself in record ``key`` with ``salt``: in
+    [1, MAX_PEER_ID], uniform, so the order of ids (which picks leaders) favours nobody who does not grind salts,
+    and nobody can tell it before the peer declares (the salt is drawn afresh for every round)."""
+    digest = hashlib.blake2b(b"%s\0%s\0%s" % (owner, key.encode(), salt.encode()), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % MAX_PEER_ID + 1
 
 
 @dataclass(frozen=True)
@@ -113,22 +136,34 @@ class Declaration:
     member: Member
     state: str
     expiration: float
-    owner: bytes
+    owner: bytes  # the declarer's DHT key: its peer id is peer_id_for(owner, key, salt)
 
 
-def parse_declarations(record: Mapping) -> dict[int, Declaration]:
-    """The well-formed declarations of a key's record (int subkeys); malformed ones are skipped."""
+def declaration_value(member: Member, salt: str, state: str) -> str:
+    """What a peer stores under its id: ``<endpoint>;<bandwidth>;<salt>;<state>``."""
+    return f"{member.describe()};{salt};{state}"
+
+
+def parse_declarations(record: Mapping, key: str) -> dict[int, Declaration]:
+    """The well-formed declarations of record ``key`` (int subkeys); malformed ones are skipped, and so are those
+    whose subkey is not the id their owner's key makes with their salt (:func:`peer_id_for`): anyone may store
+    under any free int subkey, but only the key that the id was made from declares under it."""
     found = {}
     for subkey, entry in record.items():
         if not isinstance(subkey, int) or isinstance(subkey, bool):
             continue
         try:
-            head, _, state = entry.value.rpartition(";")
+            head, salt, state = entry.value.rsplit(";", 2)
             member = parse_member(subkey, head)
         except ValueError:
             logger.debug("skipping a malformed declaration %r of peer %s", entry.value, subkey)
             continue
-        if state in (WAITING, GONE) or _LEADING.fullmatch(state):
+        if not (state in (WAITING, GONE) or _LEADING.fullmatch(state)) or not _SALT.fullmatch(salt):
+            logger.debug("skipping a malformed declaration %r of peer %s", entry.value, subkey)
+        elif peer_id_for(entry.owner, key, salt) != subkey:
+            logger.debug("skipping the declaration of peer %s by %s: not an id of that key", subkey,
+                         entry.owner.hex()[:16])
+        else:
             found[subkey] = Declaration(member, state, entry.expiration, entry.owner)
     return found
 
@@ -136,22 +171,40 @@ def parse_declarations(record: Mapping) -> dict[int, Declaration]:
 class Matchmaker:
     """Finds this peer's group for one round at a time through ``dht`` (see the module docstring).
 
+    ``me``: this peer as it declares itself (its endpoint and bandwidth). Each search draws this peer's id for its
+    round (:func:`peer_id_for` of the DHT's key, the round's key and a new salt): ``me.peer_id`` is then that id.
     ``stop`` (set by the averager's shutdown) ends a search early. Not thread-safe: one search at a time.
     """
 
     def __init__(self, dht: DHT, me: Member, config: AveragerConfig, stop: threading.Event):
         self.dht, self.me, self.config, self.stop = dht, published(me), config, stop
+        self.salt = new_salt()  # of this peer's id in the current round
         self._expiration = 0.0  # of this peer's latest declaration: a later store must expire later to count
         self._ignored: set[str] = set()  # groups of this search refused as unworkable: said once, not every poll
         self.margin = max(1.0, 3 * config.poll_period)
 
-    def _declare(self, key: str, state: str, expiration: float) -> bool:
+    def _new_id(self, key: str) -> None:
+        """Draws this peer's id in record ``key``: nobody can know it before this peer declares under it."""
+        self.salt = new_salt()
+        self.me = replace(self.me, peer_id=peer_id_for(self.dht.identity.public_key, key, self.salt))
+        self._expiration = 0.0
+
+    def _declare(self, key: str, state: str, expiration: float) -> bool | str:
+        """Stores this peer's declaration in ``key``; True when a DHT node took it, else False (none answered) or
+        the reason a node gave for refusing it (its id owned by another key, a full record). Failures are logged:
+        a peer the others cannot read is in no group."""
         self._expiration = max(expiration, self._expiration + 0.01)
+        pid = self.me.peer_id
         try:
-            return self.dht.store(key, self.me.peer_id, f"{self.me.describe()};{state}", self._expiration)
+            result = self.dht.store_many({key: {pid: (declaration_value(self.me, self.salt, state),
+                                                      self._expiration)}})[key][pid]
         except TimeoutError as error:
-            logger.warning("could not declare in %s: %s", key, error)
+            logger.warning("could not declare peer %s in %s: %s", pid, key, error)
             return False
+        if result is not True:
+            logger.warning("could not declare peer %s in %s (%s): %s", pid, key, state,
+                           result or "no DHT node took it")
+        return result
 
     def find_group(self, round_number: int, key: str, deadline: float,
                    target_group_size: int | None = None, single_group: bool = False) -> Group | None:
@@ -167,7 +220,10 @@ class Matchmaker:
         cfg = self.config
         target = cfg.target_group_size if target_group_size is None else target_group_size
         matchmaking_ends = time.time() + cfg.matchmaking_time
-        self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl)
+        for _ in range(DECLARE_TRIES):  # a refused id (taken by chance, or by a lucky guess) is replaced
+            self._new_id(key)
+            if not isinstance(self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl), str):
+                break
         # no group is led before the peers that declared about when this one did can be read: a leader that formed a
         # full group at once with the waiting peers it saw first could take one that a smaller peer, declared but not
         # yet readable, took too (two groups claiming one peer: one of them fails its all-reduce). A round of one
@@ -178,7 +234,7 @@ class Matchmaker:
         unreadable: dict[int, float] = {}  # leader id -> since when its group could not be read in full
         while not self.stop.is_set() and time.time() < deadline:
             try:
-                declarations = parse_declarations(self.dht.get(key))
+                declarations = parse_declarations(self.dht.get(key), key)
             except TimeoutError as error:
                 logger.debug("matchmaking read of %s failed: %s", key, error)
                 declarations = None
@@ -247,7 +303,7 @@ class Matchmaker:
             results = self.dht.store_many({group_id: {m.peer_id: (m.describe(), expiration) for m in members}})
             if all(result is True for result in results[group_id].values()):
                 results |= self.dht.store_many(
-                    {key: {self.me.peer_id: (f"{self.me.describe()};{state}", self._expiration)}})
+                    {key: {self.me.peer_id: (declaration_value(self.me, self.salt, state), self._expiration)}})
         except TimeoutError as error:
             results = {"error": {0: str(error)}}
         failed = [f"{subkey}: {result}" for record in results.values() for subkey, result in record.items()
