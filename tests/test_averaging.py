@@ -580,6 +580,44 @@ def test_a_peer_whose_ids_were_read_and_taken_in_the_rounds_to_come_still_averag
     assert "in squat.2.* (w): refused: subkey" in refused and int(refused.split()[4]) in taken
 
 
+def store_a_group_ahead(dht: DHT, key: str, size: int = 2) -> None:
+    """Stores in ``key``, as anyone can ahead of a round (its key is predictable), a group of ids of ``dht``'s own
+    key: their declarations, one of them leading, and the group record, all valid and living for 10 minutes."""
+    nonce, expiration = "deadbeef", time.time() + 600
+    salts = [new_salt() for _ in range(size)]
+    ids = [peer_id_for(dht.identity.public_key, key, salt) for salt in salts]
+    assert all(dht.store_many({f"{key}.{ids[0]}.{nonce}": {pid: ("127.0.0.1:9;1", expiration) for pid in ids}})[
+        f"{key}.{ids[0]}.{nonce}"].values())
+    states = [f"L{size}.{nonce}"] + ["w"] * (size - 1)
+    assert all(dht.store_many({key: {pid: (f"127.0.0.1:9;1;{salt};{state}", expiration)
+                                     for pid, salt, state in zip(ids, salts, states)}})[key].values())
+
+
+def test_a_group_stored_ahead_of_a_single_group_round_makes_no_peer_give_up(bootstrap):
+    """In a round of one group of everyone (a collaboration's step), a peer that sees a group formed without it and
+    nobody else waiting gives up at once: it came too late. A group stored ahead of time by anyone made every peer
+    give up, in every round it was stored for: the first to look saw nobody waiting yet, marked itself gone, and the
+    next one saw nobody either. Now only a group led by a peer this one expects counts (``expected_peers``), or
+    without them, one holding a peer this one saw waiting in the round."""
+    with contextlib.ExitStack() as stack:
+        hostile = stack.enter_context(DHT(initial_peers=[bootstrap]))
+        averagers = averaging_together(stack, bootstrap, "ahead", [torch.full((3,), float(i)) for i in range(3)],
+                                       [{}] * 3)
+        for round_number in range(2):
+            store_a_group_ahead(hostile, f"ahead.{round_number}.*")
+        owners = [averager.dht.identity.public_key for averager in averagers]
+        for expecting in (True, False):
+            futures = []
+            for averager, owner in zip(averagers, owners):  # the trainers of a step come a moment apart
+                expected = set(owners) - {owner} if expecting else None
+                futures.append(averager.step(weight=1.0, group_size=3, single_group=True, expected_peers=expected,
+                                             wait=False))
+                time.sleep(0.5)
+            infos = [future.result(timeout=60) for future in futures]
+            assert all(info is not None and len(info.contributors) == 3 for info in infos), (expecting, infos)
+        assert all(torch.equal(averager.tensors[0], torch.ones(3)) for averager in averagers)
+
+
 def lying_about_the_total_weight(register):
     """``AveragingServicer.register``, whose parts answer every member a total weight of -4."""
     def register_lying(group_id: str, reducer: PartReducer) -> None:

@@ -667,15 +667,20 @@ def test_a_config_refuses_settings_that_cannot_work():
 def test_a_peer_too_late_for_a_single_group_gives_up_at_once_instead_of_waiting_out_matchmaking(bootstrap):
     from dmoe import DecentralizedAverager
 
-    with DHT([bootstrap], client_mode=True) as dht:
+    with DHT([bootstrap], client_mode=True) as first, DHT([bootstrap], client_mode=True) as second, \
+            DHT([bootstrap], client_mode=True) as third:
+        dhts = [first, second, third]
         averagers = [DecentralizedAverager([torch.full((3,), float(i))], dht, "late", matchmaking_time=8)
-                     for i in range(3)]
+                     for i, dht in enumerate(dhts)]
+        keys = [dht.identity.public_key for dht in dhts]
         try:
-            early = [a.step(weight=1.0, group_size=2, single_group=True, wait=False) for a in averagers[:2]]
+            early = [a.step(weight=1.0, group_size=2, single_group=True, wait=False, expected_peers={keys[1 - i]})
+                     for i, a in enumerate(averagers[:2])]
             infos = [future.result(60) for future in early]
             assert all(info is not None and len(info.contributors) == 2 for info in infos)
             started = time.monotonic()
-            assert averagers[2].step(weight=1.0, group_size=3, single_group=True) is None
+            # the late one expects the two others (their DHT keys: a collaboration takes them from their records)
+            assert averagers[2].step(weight=1.0, group_size=3, single_group=True, expected_peers=keys[:2]) is None
             # not the 8 s of matchmaking (with room for a loaded machine): the round's group formed without it
             assert time.monotonic() - started < 7
             assert averagers[2].tensors[0].tolist() == [2.0, 2.0, 2.0]

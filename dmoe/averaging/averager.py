@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Collection, Iterator, Mapping, Sequence
 
 import grpc
 import torch
@@ -187,7 +187,7 @@ class DecentralizedAverager:
         return state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     def step(self, weight: float | None = None, timeout: float | None = None, wait: bool = True, *,
-             group_size: int | None = None, single_group: bool = False,
+             group_size: int | None = None, single_group: bool = False, expected_peers: Collection[bytes] | None = None,
              ) -> "GroupInfo | None | concurrent.futures.Future[GroupInfo | None]":
         """One round: find a group and average with it. Returns its :class:`GroupInfo`, or None when the tensors
         were left unchanged (nobody to average with, or the group could not agree in time).
@@ -197,8 +197,15 @@ class DecentralizedAverager:
         wait: False returns a ``concurrent.futures.Future`` at once; steps run one after another.
         group_size: this round's target group size, when the caller knows how many peers will come (default
             ``config.target_group_size``): a leader forms the group as soon as that many are waiting.
+        expected_peers: the DHT keys (``DHT.identity.public_key``, the ``owner`` of their DHT entries) of the peers
+            this round is meant for besides this one (a collaboration's partners). Matchmaking then reads only their
+            declarations and this peer's own: nobody else's records can lead this peer, hold it up, join its group
+            or make it give up. Default: every peer of the round's key.
         single_group: the round is meant to form one group of every peer (a collaboration's step): a peer that finds
-            a group formed without it, and nobody else waiting, returns None at once.
+            a group formed without it, and nobody else waiting, returns None at once. That group must be led by one
+            of ``expected_peers``; without them, it must hold a peer this one saw waiting in the round, so a peer
+            that came after the group formed waits out ``matchmaking_time`` (anyone can store a group of ids it signs
+            itself under a round's key ahead of time: it must not make peers give up).
         """
         if self._closed:
             raise RuntimeError("this averager is shut down")
@@ -206,11 +213,15 @@ class DecentralizedAverager:
             raise ValueError(f"weight must be a finite number in [0, {MAX_WEIGHT:g}], got {weight}")
         if group_size is not None and group_size < self.config.min_group_size:
             raise ValueError(f"group_size {group_size} is below min_group_size {self.config.min_group_size}")
-        future = self._executor.submit(self._step, weight, timeout, group_size, single_group)
+        if expected_peers is not None:
+            expected_peers = frozenset(expected_peers)
+            if not all(isinstance(key, bytes) for key in expected_peers):
+                raise TypeError("expected_peers are DHT public keys (bytes), such as DHT.identity.public_key")
+        future = self._executor.submit(self._step, weight, timeout, group_size, single_group, expected_peers)
         return future.result() if wait else future
 
     def _step(self, weight: float | None, timeout: float | None, group_size: int | None = None,
-              single_group: bool = False) -> GroupInfo | None:
+              single_group: bool = False, expected_peers: frozenset[bytes] | None = None) -> GroupInfo | None:
         cfg = self.config
         started = time.monotonic()
         deadline = started + (cfg.step_timeout if timeout is None else timeout)
@@ -220,7 +231,7 @@ class DecentralizedAverager:
         if self.servicer is not None:
             self._loop.call_soon_threadsafe(self.servicer.begin_round, round_number)
         group = self.matchmaker.find_group(round_number, key, time.time() + (deadline - time.monotonic()),
-                                           group_size, single_group)
+                                           group_size, single_group, expected_peers)
         if group is None or self._stop.is_set():  # shut down while matchmaking: no all-reduce starts
             return None
         me = self.matchmaker.me.peer_id  # this round's

@@ -18,6 +18,11 @@ left out of full groups waits for the next smallest waiting peer to lead (or lea
 the same list, signed by one key. A peer that finds nobody by its deadline marks itself gone and averages with no
 one.
 
+A search may be given the peers it expects (``expected_peers``: their DHT keys, such as a collaboration's
+partners): it then reads only their declarations and its own, so nobody else's records can lead it, hold it up as
+a smaller waiting peer, take a place in its group, or make it give up. Anyone can store records under a round's
+key ahead of time, declarations and groups of ids it signs itself included.
+
 Waiting peers keep their declarations alive with short expirations, so a peer that dies while waiting stops
 holding the others up ``declaration_ttl`` seconds later; leaders take only peers whose declarations will live a
 little longer (``margin``), so that those still read the group before giving up.
@@ -33,7 +38,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from dmoe.averaging.config import AveragerConfig
 from dmoe.dht import DHT
@@ -181,6 +186,8 @@ class Matchmaker:
         self.salt = new_salt()  # of this peer's id in the current round
         self._expiration = 0.0  # of this peer's latest declaration: a later store must expire later to count
         self._ignored: set[str] = set()  # groups of this search refused as unworkable: said once, not every poll
+        self._expected: frozenset[bytes] | None = None  # the DHT keys whose declarations this search reads
+        self._seen_waiting: set[int] = set()  # peers this search saw waiting, in no group
         self.margin = max(1.0, 3 * config.poll_period)
 
     def _new_id(self, key: str) -> None:
@@ -207,15 +214,21 @@ class Matchmaker:
         return result
 
     def find_group(self, round_number: int, key: str, deadline: float,
-                   target_group_size: int | None = None, single_group: bool = False) -> Group | None:
+                   target_group_size: int | None = None, single_group: bool = False,
+                   expected_peers: Collection[bytes] | None = None) -> Group | None:
         """This peer's group for the round, or None when it found nobody before the matchmaking time (plus the
         wait for smaller peers that were still alive) or the wall-clock ``deadline`` (``time.time()``) ran out.
 
         ``target_group_size`` overrides the config's for this round (a caller that knows how many peers will come,
         such as a collaboration that counts its trainers, lets the leader form the group as soon as they are there).
+        ``expected_peers``: the DHT keys of the peers this round is meant for (besides this one): only their
+        declarations are read (see the module docstring).
         ``single_group``: the round is meant to have one group of everyone (a collaboration's step), so a peer that
         finds a group formed without it and nobody else waiting is late and gives up at once, instead of waiting
-        out the matchmaking time for a group of its own that nobody will join.
+        out the matchmaking time for a group of its own that nobody will join. Such a group must be one this peer
+        could have been in: led by an expected peer, or, with no ``expected_peers``, holding a peer this search saw
+        waiting. Anyone can store a "group" of ids it signs itself under a round's key ahead of time; one that
+        made peers give up made every trainer of a collaboration give up at every step.
         """
         cfg = self.config
         target = cfg.target_group_size if target_group_size is None else target_group_size
@@ -224,6 +237,9 @@ class Matchmaker:
             self._new_id(key)
             if not isinstance(self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl), str):
                 break
+        self._expected = None if expected_peers is None else frozenset(expected_peers) | {
+            self.dht.identity.public_key}
+        self._seen_waiting = set()
         # no group is led before the peers that declared about when this one did can be read: a leader that formed a
         # full group at once with the waiting peers it saw first could take one that a smaller peer, declared but not
         # yet readable, took too (two groups claiming one peer: one of them fails its all-reduce). A round of one
@@ -238,6 +254,8 @@ class Matchmaker:
             except TimeoutError as error:
                 logger.debug("matchmaking read of %s failed: %s", key, error)
                 declarations = None
+            if declarations is not None and self._expected is not None:
+                declarations = {pid: d for pid, d in declarations.items() if d.owner in self._expected}
             if declarations is not None:
                 outcome = self._look(round_number, key, declarations, groups, unreadable, matchmaking_ends, target,
                                      single_group, settled)
@@ -270,10 +288,17 @@ class Matchmaker:
         taken = {pid for group in groups.values() for pid in group.peer_ids}
         waiting = {pid: d for pid, d in declarations.items() if d.state == WAITING and pid not in taken}
         waiting.pop(me, None)
-        if single_group and groups and not waiting:
-            logger.info("matchmaking in %s: a group formed without this peer; it came too late", key)
-            self._declare(key, GONE, now + cfg.declaration_ttl)
-            return None
+        if single_group and not waiting:
+            # a group this peer could have been in: led by a peer it expects, or one it saw waiting in this search
+            # (ids are new in every round, so nobody could have put such a peer into a group stored ahead of time)
+            late = [group for group in groups.values() if self._expected is not None
+                    or any(pid in self._seen_waiting for pid in group.peer_ids)]
+            if late:
+                logger.info("matchmaking in %s: group %s formed without this peer; it came too late", key,
+                            late[0].group_id)
+                self._declare(key, GONE, now + cfg.declaration_ttl)
+                return None
+        self._seen_waiting.update(waiting)
         if any(pid < me for pid in waiting):  # a smaller peer leads; stay visible until it does
             if self._expiration - now < self.margin + 2 * cfg.poll_period:
                 self._declare(key, WAITING, now + cfg.declaration_ttl + self.margin)
