@@ -689,6 +689,63 @@ def test_a_peer_too_late_for_a_single_group_gives_up_at_once_instead_of_waiting_
                 averager.shutdown()
 
 
+def test_records_stored_ahead_under_the_keys_of_steps_to_come_keep_no_trainer_from_averaging(bootstrap):
+    """The averaging key of a global step is predictable (``<run>.grad.<step>.*``), and anyone can store there ahead
+    of time: a "group" of ids of its own key made every trainer give up averaging as too late, and a waiting peer
+    of a smaller id than everyone's, which never leads, held every trainer up until its averaging timed out. A
+    trainer's averaging now reads only the declarations of its partners (the DHT keys that signed their progress
+    records), so each step averages the two trainers' samples."""
+    from dmoe.averaging.matchmaking import MAX_PEER_ID, new_salt, peer_id_for
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    with DHT([bootstrap], client_mode=True) as hostile, DHT([bootstrap], client_mode=True) as first, \
+            DHT([bootstrap], client_mode=True) as second:
+        expiration, nonce = time.time() + 600, "deadbeef"
+        for step in range(4):
+            key = f"ahead.grad.{step}.*"
+            salts = [new_salt() for _ in range(2)]
+            ids = [peer_id_for(hostile.identity.public_key, key, salt) for salt in salts]
+            hostile.store_many({f"{key}.{ids[0]}.{nonce}": {pid: ("127.0.0.1:9;1", expiration) for pid in ids}})
+            entries = {pid: (f"127.0.0.1:9;1;{salt};{state}", expiration)
+                       for pid, salt, state in zip(ids, salts, [f"L2.{nonce}", "w"])}
+            while True:  # a salt that makes an id smaller than any trainer's but for 1 in ~10**4
+                salt = new_salt()
+                smallest = peer_id_for(hostile.identity.public_key, key, salt)
+                if smallest < MAX_PEER_ID // 10_000:
+                    break
+            entries[smallest] = (f"127.0.0.1:9;1;{salt};w", expiration)
+            assert all(result is True for result in hostile.store_many({key: entries})[key].values())
+        collabs = [CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "ahead", 8,
+                                          matchmaking_time=2.0, allreduce_timeout=5.0, refresh_period=0.2,
+                                          progress_ttl=2.0) for model, dht in zip(models, (first, second))]
+        try:
+            assert all(collab.wait_for_trainers(2, 20) == 2 for collab in collabs)
+
+            def train(index: int) -> None:
+                while collabs[index].local_step < 3:
+                    models[index](torch.randn(4, 4)).sum().backward()
+                    collabs[index].step(4)
+                    collabs[index].zero_grad()
+                    time.sleep(0.05)
+
+            threads = [threading.Thread(target=train, args=(index,), daemon=True) for index in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert not any(thread.is_alive() for thread in threads)
+            for collab in collabs:  # every step averaged by both: none alone, no download
+                assert (collab.local_step, collab.steps_applied, collab.steps_downloaded, collab.group_size) == (
+                    3, 3, 0, 2)
+            assert collabs[0].lineage == collabs[1].lineage
+            assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+        finally:
+            for collab in collabs:
+                collab.shutdown()
+
+
 def test_a_progress_record_no_node_would_take_is_refused_at_the_start_or_logged_and_the_tracker_goes_on(
         bootstrap, caplog, monkeypatch):
     caplog.set_level(logging.ERROR, logger="dmoe.collab.progress")

@@ -307,7 +307,8 @@ class CollaborativeOptimizer:
         self.tracker.publish_now()  # partners that have not seen the target reached yet join on seeing this
         self.averager.round = step  # trainers meet in the round of their global step
         info = self.averager.step(weight=float(samples), timeout=self.config.averaging_timeout or None,
-                                  group_size=len(partners) + 1, single_group=True)
+                                  group_size=len(partners) + 1, single_group=True,
+                                  expected_peers=self.tracker.owners(partners))
         if info is not None:
             self._apply(_lineage(self.lineage, info.group_id, info.contributors), len(info.contributors))
             logger.info("step %d: averaged %d samples of %d trainers (%.2fs matchmaking, %.2fs all-reduce)",

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from dmoe.collab.config import CollaborationConfig, check_run_id
 from dmoe.dht import DHT
@@ -279,6 +279,7 @@ class ProgressTracker:
         self._progress = progress
         self._peers: dict[int, Progress] = {}
         self._stamps: dict[int, tuple[float, float]] = {}  # peer: (its record's stamp, when first read here)
+        self._owners: dict[int, bytes] = {}  # accepted peer: the DHT key that signed its record
         self._unpublished = 0  # publishes in a row that no node took
         self._banned: dict[int, float] = {}
         self._banned_endpoints: dict[str, tuple[float, float]] = {}  # endpoint: (until, the ban's length)
@@ -386,8 +387,15 @@ class ProgressTracker:
         with self._lock:
             self._peers = accepted
             self._stamps = stamps
+            self._owners = {subkey: record[subkey].owner for subkey in accepted}
         self.read_at = now
         return accepted
+
+    def owners(self, peer_ids: Iterable[int]) -> set[bytes]:
+        """The DHT keys that signed these trainers' records (as of the last read; those no longer accepted are left
+        out). A trainer's averager declares itself with the same key: these are the peers its averaging expects."""
+        with self._lock:
+            return {self._owners[pid] for pid in peer_ids if pid in self._owners}
 
     def ban(self, peer_id: int, reason: str, seconds: float | None = None) -> None:
         """Ignores ``peer_id``'s records for ``seconds`` (default ``config.ban_time``)."""
