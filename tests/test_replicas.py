@@ -26,6 +26,7 @@ from dmoe.replicas import (
     ReplicaError,
     Replication,
     ReplicaStore,
+    SnapshotRefused,
     check_state,
     claim,
     fetch_snapshot,
@@ -39,10 +40,12 @@ from dmoe.replicas.records import holders, host_value, parse_host, replicas_key
 from dmoe.replicas import store as store_module
 from dmoe.replicas.store import read_replica
 from dmoe.server import ExpertServer, ServerConfig
-from dmoe.wire import FLOAT16, dmoe_pb2, serialize
+from dmoe.wire import FLOAT16, NONE, UINT8, dmoe_pb2, serialize
+from dmoe.wire.codec import deserialize
 from tests.procs import Proc, processes
 
 HIDDEN = 8
+UID = "ffn0.1.2"
 EXPIRATION = 4.0
 INTERVAL = 1.0
 # a loaded 2-core CI machine may start a periodic push this late and take this long to finish it
@@ -96,16 +99,65 @@ def test_a_loaded_snapshot_trains_on_exactly_as_the_expert_it_was_taken_from():
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
-def test_a_float16_snapshot_is_smaller_and_keeps_its_step_counts_exact():
+def test_a_float16_snapshot_halves_the_weights_and_keeps_the_optimizer_state_exact():
     source = expert_server(hidden=32).backends["ffn0.1.2"]
     train(source, 2)
     exact, half = take(source), take(source, compression=FLOAT16)
-    assert len(half.SerializeToString()) < 0.6 * len(exact.SerializeToString())
+    sizes = {named.name: len(named.tensor.buffer) for named in exact.tensors}
+    halved = {named.name: len(named.tensor.buffer) for named in half.tensors}
+    weights = {f"module.{name}" for name in source.module.state_dict()}
+    assert weights < set(sizes) and all(halved[name] * (2 if name in weights else 1) == size
+                                        for name, size in sizes.items())
+    assert len(half.SerializeToString()) < len(exact.SerializeToString())
     target = expert_server(hidden=32).backends["ffn0.1.2"]
     load_into(target, half, check_state(half, target))
     assert target.updates == 2 and int(next(iter(target.optimizer.state.values()))["step"]) == 2
     for mine, theirs in zip(source.module.parameters(), target.module.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("compression", [NONE, FLOAT16, UINT8])
+def test_an_expert_loaded_from_a_compressed_snapshot_takes_the_next_adam_step_its_source_would(compression):
+    """Late in training gradients are small (here ~1e-4, and 1000x smaller for half of the inputs): Adam's second
+    moments, their squares, underflowed to 0 in float16 (and uint8 rounded the small ones of a block down), and
+    the loaded expert's first step moved weights by ~1 instead of ~lr."""
+    torch.manual_seed(0)
+    hidden, lr = 32, 1e-3
+
+    def backend():
+        return ExpertServer.create(UID, "ffn", hidden, optimizer="adam", lr=lr,
+                                   config=ServerConfig(device="cpu")).backends[UID]
+
+    scale = torch.ones(hidden)
+    scale[: hidden // 2] = 1e-3
+    source = backend()
+    for _ in range(20):
+        source.backward(torch.randn(16, hidden) * scale, 1e-4 * torch.randn(16, hidden))
+        source.backward_calls += 1
+    snapshot = open_body(sign(take(source, compression=compression), Identity()))
+    target = backend()
+    load_into(target, snapshot, check_state(snapshot, target))
+    x, grad = torch.randn(16, hidden) * scale, 1e-4 * torch.randn(16, hidden)
+    steps = []
+    for expert in (source, target):
+        before = [p.detach().clone() for p in expert.module.parameters()]
+        expert.backward(x, grad)
+        steps.append(max(float((p.detach() - b).abs().max()) for p, b in zip(expert.module.parameters(), before)))
+    reference, loaded = steps
+    assert 0 < reference <= 2 * lr
+    assert reference / 2 <= loaded <= 2 * reference, (compression, steps)
+
+
+def test_a_snapshot_carrying_compressed_optimizer_state_is_refused():
+    """(as an older server's --replica-compression made them): loaded, its second moments wreck the next step"""
+    source = expert_server().backends[UID]
+    train(source, 2)
+    snapshot = take(source)
+    moment = next(named for named in snapshot.tensors if named.name.endswith("exp_avg_sq"))
+    moment.tensor.CopyFrom(serialize(deserialize(moment.tensor), FLOAT16))
+    with pytest.raises(SnapshotRefused, match="exp_avg_sq of parameter 0 is compressed") as refused:
+        check_state(snapshot, expert_server().backends[UID])
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_the_store_survives_a_restart_and_drops_the_replica_received_longest_ago_when_full(tmp_path):

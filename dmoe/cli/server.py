@@ -173,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     replicas.add_argument("--replica-budget-mb", type=positive_float, default=1024.0,
                           help="MiB of other servers' replicas kept in --replica-dir (the oldest go first)")
     replicas.add_argument("--replica-compression", choices=sorted(COMPRESSIONS), default="none",
-                          help="wire compression of the snapshots' weights and optimizer state (none: exact)")
+                          help="wire compression of the snapshots' weights (none: exact); the optimizer's state "
+                               "always goes exact (Adam's second moments would round to 0 and wreck the first step "
+                               "after a restore or an adoption)")
     replicas.add_argument("--adoption-stagger", type=non_negative(float), default=2.0,
                           help="seconds a holder of a replica waits per holder with a newer one before adopting "
                                "its empty cell")

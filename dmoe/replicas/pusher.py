@@ -141,7 +141,8 @@ class ReplicaPusher:
         dht: reads the hosts; ``identity`` (the owner of the experts' declarations) signs the snapshots.
         replicas: hosts per expert (R).
         interval: seconds between rounds.
-        compression: wire compression of the snapshots' floating-point tensors (``dmoe.wire.NONE``: exact).
+        compression: wire compression of the snapshots' weights (``dmoe.wire.NONE``: exact; the optimizer's state
+            always goes exact, see :data:`~dmoe.replicas.snapshots.COMPRESSED_PARTS`).
         repush_every: an unchanged snapshot goes again after this many intervals.
         workers: experts pushed at once.
         machine: this server's machine token (see :class:`~dmoe.replicas.ReplicaConfig`): no replica goes to a host

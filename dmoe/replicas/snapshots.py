@@ -1,8 +1,9 @@
 """Snapshots of an expert's training state (weights, optimizer state, update count), signed by the server that
 owns the expert, and every check a receiver makes before keeping one.
 
-A :class:`~dmoe.wire.dmoe_pb2.Snapshot` holds the expert's state as named tensors (the wire codec's, optionally
-compressed) plus a JSON layout of the nesting around them; its serialized bytes travel and are stored as they are.
+A :class:`~dmoe.wire.dmoe_pb2.Snapshot` holds the expert's state as named tensors (the wire codec's; the weights
+optionally compressed, the optimizer's state always exact) plus a JSON layout of the nesting around them; its
+serialized bytes travel and are stored as they are.
 A :class:`~dmoe.wire.dmoe_pb2.ReplicaHeader` says how many bytes follow, their SHA-256, the update count, and
 carries the owner's Ed25519 signature over all of it. The signature is made by the owner's DHT
 :class:`~dmoe.dht.Identity` over the message of a DHT entry whose record key cannot name any record anyone stores
@@ -42,6 +43,11 @@ from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, dt
 MAX_UPDATES = 10**12
 #: bytes of snapshot per streamed message
 CHUNK_BYTES = 1 << 20
+#: the parts of an expert's state that ``--replica-compression`` packs: the module's weights alone. The optimizer's
+#: state goes exact: Adam's second moments are squares of gradients, mostly below float16's smallest value (6e-8)
+#: late in training, and uint8 blocks round the small ones of a block down to its smallest; loaded as 0 (or far too
+#: small), the next step divides the first moments by about eps and moves the weights by about 1 instead of lr
+COMPRESSED_PARTS = frozenset({"module"})
 _MAX_DEPTH = 16
 _MAX_LAYOUT_BYTES = 4 << 20
 
@@ -82,13 +88,15 @@ class SignedSnapshot:
 def take(backend: ExpertBackend, pause: Callable[[], ContextManager[Any]] | None = None,
          compression: int = NONE) -> dmoe_pb2.Snapshot:
     """The expert's state now, copied while ``pause`` holds (the runtime's: no optimizer step half done), encoded
-    afterwards. ``compression`` packs floating-point tensors of one dimension or more (never the step counts)."""
+    afterwards. ``compression`` packs the module's floating-point tensors of one dimension or more (its weights);
+    the optimizer and scheduler state always go exact (see :data:`COMPRESSED_PARTS`)."""
     with pause() if pause is not None else contextlib.nullcontext():
         state = to_host(backend.state_dict())
         counters = (backend.updates, backend.forward_calls, backend.backward_calls)
         taken_at = time.time()
     tensors: list[dmoe_pb2.NamedTensor] = []
-    layout = _pack(state, "", tensors, compression)
+    layout = {"d": [[part, _pack(value, part, tensors, compression if part in COMPRESSED_PARTS else NONE)]
+                    for part, value in state.items()]}
     return dmoe_pb2.Snapshot(uid=backend.name, expert_cls=backend.expert_cls, hparams_json=backend.hparams_json(),
                              updates=counters[0], forward_calls=counters[1], backward_calls=counters[2],
                              taken_at=taken_at, layout_json=json.dumps(layout), tensors=tensors)
@@ -186,6 +194,7 @@ class TensorRef(NamedTuple):
     name: str
     shape: tuple[int, ...]
     dtype: str
+    compression: int = NONE
 
 
 def layout(snapshot: dmoe_pb2.Snapshot) -> Any:
@@ -196,7 +205,8 @@ def layout(snapshot: dmoe_pb2.Snapshot) -> Any:
         refs = []
         for index, named in enumerate(snapshot.tensors):
             expected_numel(named.tensor, 2**40)
-            refs.append(TensorRef(index, named.name, tuple(named.tensor.shape), named.tensor.dtype))
+            refs.append(TensorRef(index, named.name, tuple(named.tensor.shape), named.tensor.dtype,
+                                  named.tensor.compression))
         return _unpack(tree, refs, 0)
     except (ValueError, RecursionError, TypeError, KeyError, InvalidTensor, TensorTooLarge) as error:
         raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
@@ -289,6 +299,9 @@ def _check_optimizer(optimizer: Any, template: ExpertBackend, mismatch: Callable
         for key, value in per_parameter.items():
             if not isinstance(value, TensorRef):
                 continue
+            if value.compression != NONE:  # (see COMPRESSED_PARTS: loaded, it would wreck the next step)
+                raise mismatch(f"optimizer state {key} of parameter {index} is compressed; replicas carry the "
+                               "optimizer's state exact")
             if key == "step" and value.shape == ():
                 steps.append(value)
             elif value.shape != shapes[index]:
