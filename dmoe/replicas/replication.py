@@ -37,8 +37,8 @@ class ReplicaConfig:
         interval: seconds between pushes of the experts that trained since their last one (and one on a clean
             stop). An expert adopted after a SIGKILL lacks at most the updates of about one interval.
         budget_mb: MiB of replicas kept on disk; beyond it the replicas received longest ago are removed.
-        compression: ``'none'`` (exact), ``'float16'`` or ``'uint8'`` for the snapshots' weights and optimizer
-            moments (never the step counts).
+        compression: ``'none'`` (exact), ``'float16'`` or ``'uint8'`` for the snapshots' weights (the optimizer's
+            state always goes exact).
         check_period: seconds between looks for empty cells and announcements of what is held; None: the
             announcer's refresh period.
         stagger: seconds a holder of a replica waits, per holder ranked before it, before adopting an empty cell.
