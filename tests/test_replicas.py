@@ -428,6 +428,26 @@ def test_a_clean_stop_pushes_the_experts_last_state(tmp_path):
         assert last.updates == 5 and last.backward_calls == 5
 
 
+def test_a_server_with_a_replica_dir_restarted_at_once_serves_its_experts_again(tmp_path):
+    """No --checkpoint-dir and no --identity: the key is kept in --replica-dir. A new key each start found the
+    server's own cells owned by its previous key (declared for --expiration more) and served none of them."""
+    uids = ["ffn0.1.0", "ffn0.1.1"]
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        args = server_args(dht_node.endpoint(), "ffn0.1.[0:2]", tmp_path / "a", "--expiration", "60")
+        procs.append(first := Proc(args))
+        first.endpoint()
+        assert first.stop() == 0
+        procs.append(restarted := Proc(args))
+        endpoint = restarted.endpoint()  # (listening: it has declared its experts and dropped those not its own)
+        for uid in uids:
+            assert expert_info(endpoint, uid, timeout=10)["expert_cls"] == "ffn"
+        with DHT(initial_peers=[dht_node.endpoint()], client_mode=True) as dht:
+            assert get_experts(dht, uids) == [endpoint, endpoint]
+        assert restarted.stop() == 0
+    assert (tmp_path / "a" / run_server.IDENTITY_FILE).exists()
+
+
 def test_simultaneous_claims_of_a_uid_have_exactly_one_winner():
     with processes() as procs:
         procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))

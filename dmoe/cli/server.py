@@ -139,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a declaration outlives its last refresh (default: 3 refresh periods)")
     dht.add_argument("--identity", default=None, metavar="PATH",
                      help="Ed25519 key file that signs the declarations and owns the uids (created if absent; "
-                          "default: dht_identity.key in --checkpoint-dir, else an ephemeral key; with --processes "
-                          "each process has its own: PATH.process-I, or process-I/ in --checkpoint-dir)")
+                          "default: dht_identity.key in --checkpoint-dir, else in --replica-dir, else an ephemeral "
+                          "key; with --processes each process has its own: PATH.process-I, or process-I/ in those "
+                          "directories)")
     faults = parser.add_argument_group("fault injection", "experiments only: every expert call pays a delay, "
                                        "some fail (see dmoe/server/faults.py)")
     faults.add_argument("--inject-latency-ms", type=float, default=0.0,
@@ -195,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-#: the DHT key file a server keeps in its --checkpoint-dir when no --identity is given
+#: the DHT key file a server keeps in its --checkpoint-dir (or --replica-dir) when no --identity is given
 IDENTITY_FILE = "dht_identity.key"
 
 
@@ -263,9 +264,19 @@ def fault_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> F
                        seed=args.fault_seed)
 
 
+def identity_path(args: argparse.Namespace) -> Path | None:
+    """The server's key file: ``--identity``, else one in ``--checkpoint-dir``, else one in ``--replica-dir`` (the
+    replicas are signed by it and the uids owned by it: a restart under a new key finds its own cells owned by its
+    previous one, serves none of them, and can no longer push to holders of its replicas); None: an ephemeral key."""
+    if args.identity:
+        return Path(args.identity)
+    directory = args.checkpoint_dir or args.replica_dir
+    return Path(directory) / IDENTITY_FILE if directory else None
+
+
 def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Announcer:
     """The server's own DHT node, joined through ``--initial-peers``; exits naming the flag if none answers."""
-    path = args.identity or (Path(args.checkpoint_dir) / IDENTITY_FILE if args.checkpoint_dir else None)
+    path = identity_path(args)
     try:
         identity = Identity.load_or_create(path) if path is not None else None
     except (OSError, ValueError) as error:
