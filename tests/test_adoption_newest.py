@@ -5,6 +5,7 @@ addresses (127.0.0.2, 127.0.0.3, ... play distinct machines) serving genuinely s
 nodes."""
 from __future__ import annotations
 
+import hashlib
 import time
 from concurrent import futures
 from contextlib import ExitStack
@@ -20,7 +21,7 @@ from dmoe.replicas import ReplicaChannels, ReplicaStore, newest_replica, restore
 from dmoe.replicas.adoption import MAX_FETCHES, Adopter, expected_signers, most_vouched
 from dmoe.replicas.records import SIGNER_HEX, Holder, replicas_key, server_subkey
 from dmoe.client import expert_info
-from dmoe.replicas.snapshots import SignedSnapshot
+from dmoe.replicas.snapshots import SignedSnapshot, max_snapshot_bytes, signed_fields
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from tests.procs import Proc, processes
@@ -55,6 +56,27 @@ class Holding(dmoe_pb2_grpc.ReplicaServiceServicer):
         yield from self.signed.chunks()
 
 
+class Stalling(dmoe_pb2_grpc.ReplicaServiceServicer):
+    """A holder that sends a replica's first message (its header), then the rest only after ``STALL`` seconds, and
+    only to a fetch still open: a fetch that reads on although the header tells it the replica is of no use takes
+    that long, and gets the rest."""
+
+    STALL = 5.0
+
+    def __init__(self, header: dmoe_pb2.ReplicaHeader, body: bytes):
+        self.header, self.body, self.fetches, self.rest_sent = header, body, 0, 0
+
+    def fetch(self, request: dmoe_pb2.ReplicaQuery, context) -> Iterator[dmoe_pb2.ReplicaChunk]:
+        self.fetches += 1
+        yield dmoe_pb2.ReplicaChunk(header=self.header, data=self.body[:1024])
+        deadline = time.monotonic() + self.STALL
+        while context.is_active() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if context.is_active():
+            self.rest_sent += 1
+            yield dmoe_pb2.ReplicaChunk(data=self.body[1024:])
+
+
 class Swarm:
     """A DHT of in-process nodes and replica holders on 127.0.0.1, each announcing what it likes."""
 
@@ -67,10 +89,11 @@ class Swarm:
         return self.stack.enter_context(DHT([self.first.endpoint], identity=identity))
 
     def holder(self, signed: SignedSnapshot | None, announced: int, signer: Identity,
-               host: str = "127.0.0.1") -> Holding:
-        """Serves ``signed`` at ``host`` and announces, from its own key, a replica with ``announced`` updates."""
+               host: str = "127.0.0.1", holding: dmoe_pb2_grpc.ReplicaServiceServicer | None = None) -> Holding:
+        """Serves ``signed`` at ``host`` (or what ``holding`` serves) and announces, from its own key, a replica
+        signed by ``signer`` with ``announced`` updates."""
         server = grpc.server(futures.ThreadPoolExecutor(2))
-        holding = Holding(signed)
+        holding = holding if holding is not None else Holding(signed)
         dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(holding, server)
         holding.endpoint = f"{host}:{server.add_insecure_port(f'{host}:0')}"
         server.start()
@@ -164,6 +187,63 @@ def test_fetches_stop_after_the_few_best_announced_holders_but_quick_refusals_do
     assert found.snapshot.updates == 8
     assert all(holding.fetches == 1 for holding in empty)
     assert sum(holding.fetches for holding in swarm.holdings.values()) == len(empty) + MAX_FETCHES
+
+
+def signed_header(uid: str, updates: int, body: bytes, signer: Identity, size: int | None = None):
+    """A header genuinely signed by ``signer`` for ``body`` (announcing ``size`` bytes, if given)."""
+    header = dmoe_pb2.ReplicaHeader(uid=uid, updates=updates, size=len(body) if size is None else size,
+                                    sha256=hashlib.sha256(body).digest(), taken_at=time.time(),
+                                    signer=signer.public_key)
+    header.signature = signer.sign(*signed_fields(header))
+    return header
+
+
+def test_a_fetch_is_cancelled_at_the_header_when_it_shows_the_replica_is_of_no_use(swarm, lineage):
+    """Entries of {uid}/replicas name the signer they like: holders naming the owner serve replicas signed by
+    another key, one larger than any snapshot of these experts (signed by the owner), and one no newer than a
+    replica already fetched. Each used to be downloaded whole (up to the replica budget, 1 GiB) and refused only
+    then; its header, the first message, says all of it. None of them counts as a fetch either."""
+    owner, (old, _, newest) = lineage
+    attacker, poisoned = Identity(), expert_server().backends[UID]
+    train(poisoned, 20)
+    foreign = sign(take(poisoned), attacker)
+    rogues = [Stalling(foreign.header, foreign.body) for _ in range(MAX_FETCHES + 1)]
+    for rank, rogue in enumerate(rogues):
+        swarm.holder(None, 10**9 - rank, owner, holding=rogue)  # named as the owner's replica, announced newest
+    huge = bytes(1 << 20)
+    oversized = Stalling(signed_header(UID, 10**7, huge, owner, size=max_snapshot_bytes(expert_server().backends[UID])
+                                       + 1), huge)
+    swarm.holder(None, 10**7, owner, holding=oversized)
+    honest = swarm.holder(newest, 10**6, owner)
+    stale = Stalling(old.header, old.body)  # the owner's own old replica, announced as newer than the honest one
+    swarm.holder(None, 10**5, owner, holding=stale)
+    channels = ReplicaChannels()
+    started = time.monotonic()
+    try:
+        found = newest_replica(swarm.node(), UID, expert_server().backends[UID], channels, max_bytes=MAX_BYTES)
+    finally:
+        channels.close()
+    assert found.snapshot.updates == 8 and honest.fetches == 1
+    assert time.monotonic() - started < Stalling.STALL
+    time.sleep(0.5)  # (a cancelled stream's last check)
+    for rogue in (*rogues, oversized, stale):
+        assert (rogue.fetches, rogue.rest_sent) == (1, 0)
+
+
+def test_fetches_that_downloaded_a_replica_count_however_fast_they_failed(swarm, lineage):
+    """Holders announcing the newest replica serve the owner's header with bytes that do not match it: each costs a
+    whole download, refused only at the end (a fast link: well under QUICK_FAILURE), and used not to count."""
+    owner, (_, _, newest) = lineage
+    corrupt = SignedSnapshot(newest.header, bytes(len(newest.body)))
+    liars = [swarm.holder(corrupt, 10**9 - i, owner) for i in range(MAX_FETCHES + 2)]
+    honest = swarm.holder(newest, 8, owner)
+    channels = ReplicaChannels()
+    try:
+        found = newest_replica(swarm.node(), UID, expert_server().backends[UID], channels, max_bytes=MAX_BYTES)
+    finally:
+        channels.close()
+    assert found is None and honest.fetches == 0
+    assert sum(liar.fetches for liar in liars) == MAX_FETCHES
 
 
 def test_an_adopter_that_restarts_while_it_owns_the_cell_takes_its_own_newer_replicas_not_the_old_owners(swarm,

@@ -35,7 +35,7 @@ import grpc
 from dmoe.dht import DHT
 from dmoe.directory import declare_experts
 from dmoe.replicas.metrics import ReplicaMetrics
-from dmoe.replicas.pusher import ReplicaChannels, ReplicaError, fetch_header, fetch_snapshot
+from dmoe.replicas.pusher import ReplicaChannels, ReplicaError, Transfer, fetch_header, fetch_snapshot
 from dmoe.replicas.records import (
     ADOPTION_MEMORY,
     SIGNER_HEX,
@@ -52,7 +52,14 @@ from dmoe.replicas.records import (
     replicas_key,
     server_subkey,
 )
-from dmoe.replicas.snapshots import SignedSnapshot, SnapshotRefused, check_state, load_into, open_body
+from dmoe.replicas.snapshots import (
+    SignedSnapshot,
+    SnapshotRefused,
+    check_state,
+    load_into,
+    max_snapshot_bytes,
+    open_body,
+)
 from dmoe.replicas.store import HeldReplica, ReplicaStore
 from dmoe.server.backend import ExpertBackend
 from dmoe.uid import split_uid
@@ -94,7 +101,8 @@ def read_holders(dht: DHT, uids: Sequence[str]) -> dict[str, list[Holder]]:
 #: update counts are only a hint (any key may write one), so finding the newest means fetching; each fetch may
 #: cost a whole replica's bytes, so the few best-announced candidates are all that is tried
 MAX_FETCHES = 3
-#: seconds under which a failed fetch (refused, unreachable, none held) is cheap enough not to count as one
+#: seconds under which a failed fetch that downloaded nothing beyond a header (refused at it, unreachable, none
+#: held) is cheap enough not to count as one; every fetch that downloaded part of a snapshot counts
 QUICK_FAILURE = 1.0
 #: seconds a holder has to show its replica's header when holders disagree on the signer, and holders asked at once
 PROBE_TIMEOUT = 5.0
@@ -202,13 +210,17 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
     Any key can announce any count, so announced counts only order the fetches and skip holders that cannot beat
     the best verified so far: ranked by them, a holder announcing a huge count and serving an old snapshot of the
     owner would roll the expert back. The replica held here is always looked at (it costs no fetch), so one with
-    fewer updates is taken only when the held one is unusable. At most ``max_fetches`` replicas are fetched
-    (failures faster than :data:`QUICK_FAILURE` not counted): each may cost a whole replica's bytes. Only replicas
-    signed by a key :func:`expected_signers` names count; ``owner``: the key that owns ``uid`` in the directory now
-    (None: nobody). Holding no replica and finding no owner, this server asks the holders which signer their
-    machines vouch for (:func:`vouched_signer`) when their entries name more than one.
+    fewer updates is taken only when the held one is unusable. At most ``max_fetches`` replicas are fetched: each
+    may cost a whole replica's bytes (a fetch that downloaded nothing beyond the header and failed faster than
+    :data:`QUICK_FAILURE` is not counted). Only replicas signed by a key :func:`expected_signers` names count;
+    ``owner``: the key that owns ``uid`` in the directory now (None: nobody). Holding no replica and finding no
+    owner, this server asks the holders which signer their machines vouch for (:func:`vouched_signer`) when their
+    entries name more than one. An entry names the signer it likes, so a fetch is cancelled at the header, which
+    comes first, when its real signer is not one of those, it is no newer than the best found so far, or it is
+    larger than any snapshot of ``template``'s experts can be (:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`).
     """
     own = store.header(uid) if store is not None else None
+    max_bytes = min(max_bytes, max_snapshot_bytes(template))
     if announced is None:
         announced = read_holders(dht, [uid])[uid]
     me = dht.identity.public_key
@@ -230,7 +242,8 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
             break  # (sorted: nobody after it announced more either)
         if holder is not None and fetches >= max_fetches:
             continue  # looking on for the replica held here, which costs no fetch
-        found, cost = _try(uid, holder, signers, template, channels, store, max_bytes, timeout)
+        found, cost = _try(uid, holder, signers, template, channels, store, max_bytes, timeout,
+                           best.updates if best is not None else None)
         fetches += cost
         if found is not None and (best is None or found.updates > best.updates):
             best = found
@@ -241,16 +254,18 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
 
 
 def _try(uid: str, holder: Holder | None, signers: set[str], template: ExpertBackend, channels: ReplicaChannels,
-         store: ReplicaStore | None, max_bytes: int, timeout: float) -> tuple[Verified | None, int]:
+         store: ReplicaStore | None, max_bytes: int, timeout: float,
+         newer_than: int | None) -> tuple[Verified | None, int]:
     """(the replica of ``uid`` that ``holder`` holds, verified, or None; 1 if the look counts as a fetch, else 0).
-    ``holder`` None: this server's own replica, which costs no fetch."""
-    started = time.monotonic()
+    ``holder`` None: this server's own replica, which costs no fetch; ``newer_than``: the updates of the best
+    replica found so far (a fetched one with no more is cancelled at its header)."""
+    started, transfer = time.monotonic(), Transfer()
     try:
         if holder is None:
             signed = store.get(uid)
             return (check_replica(signed, signers, template) if signed is not None else None), 0
         signed = fetch_snapshot(channels.stub(holder.endpoint), holder.endpoint, uid, max_bytes=max_bytes,
-                                timeout=timeout)
+                                timeout=timeout, signers=signers, newer_than=newer_than, transfer=transfer)
         if signed.header.updates < holder.updates:
             logger.warning("%s announced a replica of %s with %d updates but holds one with %d", holder.endpoint,
                            uid, holder.updates, signed.header.updates)
@@ -258,8 +273,8 @@ def _try(uid: str, holder: Holder | None, signers: set[str], template: ExpertBac
     except (ReplicaError, SnapshotRefused, OSError, ValueError) as error:
         where = "this server's own" if holder is None else f"{holder.endpoint}'s"
         logger.warning("%s replica of %s is of no use: %s", where, uid, error)
-        quick = holder is None or time.monotonic() - started < QUICK_FAILURE
-        return None, 0 if quick else 1
+        cheap = holder is None or (not transfer.received and time.monotonic() - started < QUICK_FAILURE)
+        return None, 0 if cheap else 1
 
 
 def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channels: ReplicaChannels, *,

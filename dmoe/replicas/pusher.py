@@ -20,13 +20,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 import grpc
 
 from dmoe.dht import DHT, Identity
 from dmoe.replicas.metrics import ReplicaMetrics
-from dmoe.replicas.records import Host, distance, hosts_key, parse_host
+from dmoe.replicas.records import SIGNER_HEX, Host, distance, hosts_key, parse_host
 from dmoe.replicas.snapshots import CHUNK_BYTES, SignedSnapshot, SnapshotRefused, check_header, open_body, sign, take
 from dmoe.replicas.store import ReplicaStore
 from dmoe.uid import split_uid
@@ -80,31 +80,66 @@ def push_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, signed:
         raise ReplicaError(endpoint, error.code(), error.details() or "") from None
 
 
+@dataclass
+class Transfer:
+    """What a fetch downloaded: the bytes of the snapshot taken after its header passed every check (0: it was
+    refused at the header, or failed before it, and cost one message at most)."""
+    received: int = 0
+
+
 def fetch_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: str, *, max_bytes: int,
-                   timeout: float | None = 60.0) -> SignedSnapshot:
+                   timeout: float | None = 60.0, signers: Collection[str] | None = None,
+                   newer_than: int | None = None, transfer: Transfer | None = None) -> SignedSnapshot:
     """The replica of ``uid`` the server at ``endpoint`` holds, with its signature and bytes verified (its state is
-    the caller's to check). Raises :class:`ReplicaError` (NOT_FOUND: none held) or :class:`SnapshotRefused`."""
+    the caller's to check). Raises :class:`ReplicaError` (NOT_FOUND: none held) or :class:`SnapshotRefused`.
+
+    The header comes first, and the stream is cancelled as soon as it fails: its size beyond ``max_bytes``, its
+    signer (the first :data:`~dmoe.replicas.records.SIGNER_HEX` hex digits of its key) not among ``signers``
+    (None: any), or its update count not above ``newer_than`` (None: any); the rest of the bytes never come.
+    ``transfer`` counts what was downloaded, failed or not."""
     header, pieces, total = None, [], 0
+    call = stub.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout)
     try:
-        for chunk in stub.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout):
+        for chunk in call:
             if header is None:
                 if not chunk.HasField("header") or chunk.header.uid != uid:
                     raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
                                           f"{endpoint} answered a fetch of {uid} without its header")
                 header = chunk.header
                 check_header(header, max_bytes)
+                _check_wanted(header, endpoint, signers, newer_than)
+            elif chunk.HasField("header"):
+                raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                      f"{endpoint} sent a second header in its replica of {uid}")
             total += len(chunk.data)
+            if transfer is not None:
+                transfer.received = total
             if total > header.size:
                 raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
                                       f"{endpoint} sent more bytes of {uid} than its header says")
             pieces.append(chunk.data)
     except grpc.RpcError as error:
         raise ReplicaError(endpoint, error.code(), error.details() or "") from None
+    finally:
+        call.cancel()  # (a no-op once the stream ended; otherwise the holder stops sending)
     if header is None:
         raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"{endpoint} sent nothing for {uid}")
     signed = SignedSnapshot(header, b"".join(pieces))
     open_body(signed)  # size and digest
     return signed
+
+
+def _check_wanted(header: dmoe_pb2.ReplicaHeader, endpoint: str, signers: Collection[str] | None,
+                  newer_than: int | None) -> None:
+    signer = header.signer.hex()[:SIGNER_HEX]
+    if signers is not None and signer not in signers:
+        raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
+                              f"{endpoint} holds a replica of {header.uid} signed by {signer}, not "
+                              f"{' or '.join(sorted(signers))}")
+    if newer_than is not None and header.updates <= newer_than:
+        raise SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "older",
+                              f"{endpoint} holds a replica of {header.uid} with {header.updates} updates, no more "
+                              f"than the {newer_than} of one found already")
 
 
 def fetch_header(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: str, *, max_bytes: int,

@@ -138,6 +138,23 @@ def sign(snapshot: dmoe_pb2.Snapshot, identity: Identity) -> SignedSnapshot:
 
 # ---- checking ----
 
+#: per-parameter tensors of an optimizer's state a snapshot can carry, at most (Adam: exp_avg and exp_avg_sq, with
+#: amsgrad max_exp_avg_sq too; SGD: momentum_buffer)
+OPTIMIZER_BUFFERS = 3
+#: bytes a snapshot may take beyond its tensors' data: names, shapes, layout, counters, hyperparameters
+SNAPSHOT_SLACK_BYTES = 1 << 20
+
+
+def max_snapshot_bytes(template: ExpertBackend) -> int:
+    """The most bytes a snapshot of ``template``'s experts can take, exact: the module's tensors, as much again for
+    each optimizer buffer (:data:`OPTIMIZER_BUFFERS`), and room for the rest. A replica header announcing more is
+    no snapshot of these experts, whoever signed it: refused before its bytes are read."""
+    tensors = template.module.state_dict()
+    data = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    names = sum(64 + 2 * len(name) for name in tensors) * (2 + OPTIMIZER_BUFFERS)  # each kept as several tensors
+    return data * (1 + OPTIMIZER_BUFFERS) + names + 4 * len(template.hparams_json()) + SNAPSHOT_SLACK_BYTES
+
+
 def check_header(header: dmoe_pb2.ReplicaHeader, max_bytes: int) -> None:
     """Everything that can be checked before the bytes arrive: a valid uid, a sane size and a valid signature."""
     if not is_valid_uid(header.uid):
