@@ -7,6 +7,7 @@ import errno
 import threading
 import time
 import urllib.request
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,7 @@ from dmoe.replicas import (
     ReplicaChannels,
     ReplicaConfig,
     ReplicaError,
+    ReplicaPusher,
     Replication,
     ReplicaStore,
     SnapshotRefused,
@@ -36,7 +38,7 @@ from dmoe.replicas import (
     sign,
     take,
 )
-from dmoe.replicas.records import holders, host_value, parse_host, replicas_key
+from dmoe.replicas.records import distance, holders, host_value, hosts_key, parse_host, replicas_key, server_subkey
 from dmoe.replicas import store as store_module
 from dmoe.replicas.store import read_replica
 from dmoe.server import ExpertServer, ServerConfig
@@ -446,6 +448,73 @@ def test_a_server_with_a_replica_dir_restarted_at_once_serves_its_experts_again(
             assert get_experts(dht, uids) == [endpoint, endpoint]
         assert restarted.stop() == 0
     assert (tmp_path / "a" / run_server.IDENTITY_FILE).exists()
+
+
+def test_replica_hosts_that_take_a_push_and_never_answer_stall_no_round_after_the_first(tmp_path):
+    """Anyone can announce replica hosts, at a free key each, closer to an expert's key than the honest ones. Hosts
+    that read the whole push and never answer, or read none of it, each cost the pusher its whole push timeout (60
+    s by default) in every round, the last one of a clean stop included: a SIGKILL lost far more than an interval."""
+    stall, released = 1.0, threading.Event()
+
+    def reads_all(chunks, context):
+        for _ in chunks:
+            pass
+        released.wait(60)
+
+    def reads_none(chunks, context):
+        released.wait(60)
+
+    fakes = []
+    for handler in (reads_all, reads_none, reads_all):
+        fake = grpc.server(futures.ThreadPoolExecutor(4))
+        fake.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dmoe.ReplicaService", {
+            "push": grpc.stream_unary_rpc_method_handler(handler)}),))
+        fakes.append((fake, f"127.0.0.1:{fake.add_insecure_port('127.0.0.1:0')}", Identity()))
+        fake.start()
+    try:
+        with processes() as procs:
+            procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+            peer = dht_node.endpoint()
+            # (pushing nothing itself: its own pushes would go to the fakes too)
+            procs.append(holder := Proc(server_args(peer, "ffn0.0.0", tmp_path / "holder", "--replicas", "0")))
+            honest = holder.endpoint()
+            owner = Identity()
+            with DHT(initial_peers=[peer], identity=owner) as dht:
+                entries = wait_until(lambda: list(dht.get(hosts_key("ffn0")).values()), 30, "the holder announced")
+                for _, endpoint, key in fakes:
+                    with DHT(initial_peers=[peer], identity=key) as fake_node:
+                        assert fake_node.store(hosts_key("ffn0"), server_subkey(key.public_key), endpoint,
+                                               time.time() + 600)
+                # an expert all three fakes are closer to than the honest holder: they are tried first
+                uid = next(f"ffn0.{i}.{j}" for i in range(1, 100) for j in range(100)
+                           if all(distance(f"ffn0.{i}.{j}", key.public_key) < distance(f"ffn0.{i}.{j}", entries[0].owner)
+                                  for _, _, key in fakes))
+                assert declare_experts(dht, [uid], "127.0.0.1:1", expiration=600) == [True]
+                server = expert_server(uid)
+                backend = server.backends[uid]
+                pusher = ReplicaPusher(server, dht, owner, replicas=1, interval=INTERVAL, stall_timeout=stall)
+                durations = []
+                for _ in range(3):
+                    train(backend, 1)  # trained since: every round pushes it
+                    started = time.monotonic()
+                    assert pusher.push_all() == {uid: [honest]}
+                    durations.append(time.monotonic() - started)
+                assert durations[0] >= len(fakes) * stall  # each fake was tried once, up to its stall
+                assert max(durations[1:]) < stall, durations  # then left out, and the honest holder took it at once
+                pusher.close(push=False)
+
+                # the last round of a clean stop ends within the push timeout, whatever the hosts do
+                train(backend, 1)
+                stopping = ReplicaPusher(server, dht, owner, replicas=1, interval=600, timeout=2 * stall,
+                                         stall_timeout=60)
+                started = time.monotonic()
+                stopping.close()
+                assert time.monotonic() - started < 2 * stall + PUSH_SLACK
+            assert holder.stop() == 0
+    finally:
+        released.set()
+        for fake, _, _ in fakes:
+            fake.stop(0)
 
 
 def test_simultaneous_claims_of_a_uid_have_exactly_one_winner():

@@ -8,6 +8,13 @@ different experts spread over different servers. A host that refuses or cannot b
 closest; a snapshot is pushed again only when the expert trained since, or after ``repush_every`` intervals
 (a host may have restarted with an empty directory).
 
+Anyone can announce hosts, closer to an expert's key than the honest ones, that take a push and never answer: a
+push that makes no progress for :data:`STALL_TIMEOUT` (no message taken, or no answer once all were) is abandoned,
+a host that failed is left out of the next 1, 2, 4, ... rounds (:data:`MAX_BACKOFF_ROUNDS` at most) and then tried
+only after the hosts that did not fail, and a round ends by its deadline (the longer of the interval and the push
+timeout; the last one, on a clean stop, within the push timeout of the stop): what a SIGKILL loses stays about one
+interval.
+
 Experts added to the server after the pusher was built (adopted ones) are in no checkpoint of the server's, so
 each round also keeps their snapshot, signed as pushed, in the server's own replica store whenever they trained
 since: a restarted adopter finds its own training there, where it held the old owner's replica before, and
@@ -20,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Sequence
+from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 
 import grpc
 
@@ -39,6 +46,20 @@ logger = logging.getLogger(__name__)
 
 #: seconds from the start of the pusher to its first round
 FIRST_ROUND_AFTER = 1.0
+#: seconds a push may go without progress, separate from its whole transfer's timeout: the host taking none of its
+#: messages (not connected, not reading), or not answering once it has them all (plus ANSWER_SECONDS_PER_MIB: it
+#: checks and writes them first). A host that takes a push and never answers costs this long, not the timeout
+STALL_TIMEOUT = 10.0
+ANSWER_SECONDS_PER_MIB = 0.05
+#: a host that failed a push (unreachable, stalled, timed out) is left out of the next 1, 2, 4, ... rounds, and one
+#: that refused an expert's snapshot is for that expert; afterwards it is tried after the hosts that did not fail
+#: (so only when they are too few), until a push to it succeeds again
+MAX_BACKOFF_ROUNDS = 32
+#: seconds a push needs at least: a round's deadline closer than this starts no more pushes
+MIN_PUSH_SECONDS = 0.5
+#: the status codes of a push that did not reach a working replica service (the host's fault, for every expert)
+HOST_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                           grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED})
 
 
 class ReplicaError(RuntimeError):
@@ -70,12 +91,57 @@ class ReplicaChannels:
             channel.close()
 
 
+class _Progress:
+    """The messages of a push, noting when the host last took one: gRPC asks for the next once the last is out."""
+
+    def __init__(self, chunks: Iterator[dmoe_pb2.ReplicaChunk]):
+        self._chunks, self.last, self.done = chunks, time.monotonic(), False
+
+    def __iter__(self) -> "_Progress":
+        return self
+
+    def __next__(self) -> dmoe_pb2.ReplicaChunk:
+        self.last = time.monotonic()
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            self.done = True
+            raise
+
+
 def push_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, signed: SignedSnapshot, *,
-                  chunk_bytes: int = CHUNK_BYTES, timeout: float | None = 60.0) -> int:
+                  chunk_bytes: int = CHUNK_BYTES, timeout: float | None = 60.0,
+                  stall_timeout: float | None = None, abandon: threading.Event | None = None) -> int:
     """Streams ``signed`` to the server at ``endpoint``; returns the update count it holds of that expert now.
-    Raises :class:`ReplicaError` with the receiver's status when it refuses or cannot be reached."""
+    Raises :class:`ReplicaError` with the receiver's status when it refuses or cannot be reached.
+
+    ``timeout`` bounds the whole push; ``stall_timeout`` (None: no bound) the time the host may take no message,
+    or give no answer once it has them all (plus :data:`ANSWER_SECONDS_PER_MIB` per MiB), before the push is
+    cancelled as DEADLINE_EXCEEDED; ``abandon`` set cancels it as CANCELLED."""
+    if stall_timeout is None and abandon is None:
+        try:
+            return stub.push(signed.chunks(chunk_bytes), timeout=timeout).updates
+        except grpc.RpcError as error:
+            raise ReplicaError(endpoint, error.code(), error.details() or "") from None
+    progress = _Progress(signed.chunks(chunk_bytes))
+    call = stub.push.future(progress, timeout=timeout)
+    if stall_timeout is None:
+        stall_timeout = float("inf")
+    answer_within = stall_timeout + ANSWER_SECONDS_PER_MIB * len(signed.body) / 2**20
     try:
-        return stub.push(signed.chunks(chunk_bytes), timeout=timeout).updates
+        while True:
+            try:
+                return call.result(timeout=min(0.25, stall_timeout)).updates
+            except grpc.FutureTimeoutError:
+                if abandon is not None and abandon.is_set():
+                    call.cancel()
+                    raise ReplicaError(endpoint, grpc.StatusCode.CANCELLED, "push abandoned") from None
+                waited = time.monotonic() - progress.last
+                if waited > (answer_within if progress.done else stall_timeout):
+                    call.cancel()
+                    what = "no answer after the whole snapshot" if progress.done else "no progress"
+                    raise ReplicaError(endpoint, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"{what} for {waited:.1f} s: push abandoned") from None
     except grpc.RpcError as error:
         raise ReplicaError(endpoint, error.code(), error.details() or "") from None
 
@@ -167,6 +233,12 @@ class _Pushed:
     at: float
 
 
+@dataclass
+class _Failing:
+    failures: int    # in a row
+    until: int       # the first round it may be tried again in
+
+
 class ReplicaPusher:
     """Pushes snapshots of ``server``'s experts to ``replicas`` hosts each, every ``interval`` seconds, from a
     thread it owns; :meth:`close` stops it and (by default) pushes once more.
@@ -179,6 +251,10 @@ class ReplicaPusher:
         compression: wire compression of the snapshots' weights (``dmoe.wire.NONE``: exact; the optimizer's state
             always goes exact, see :data:`~dmoe.replicas.snapshots.COMPRESSED_PARTS`).
         repush_every: an unchanged snapshot goes again after this many intervals.
+        timeout: seconds one push may take in all, and the last round (on a clean stop) too; a periodic round
+            takes at most the longer of this and ``interval``.
+        stall_timeout: seconds a push may make no progress (see :func:`push_snapshot`); a host that failed is left
+            out of the next rounds (see :data:`MAX_BACKOFF_ROUNDS`).
         workers: experts pushed at once.
         machine: this server's machine token (see :class:`~dmoe.replicas.ReplicaConfig`): no replica goes to a host
             of the same machine, and at most one replica of an expert to each machine.
@@ -189,19 +265,24 @@ class ReplicaPusher:
     def __init__(self, server: "ExpertServer", dht: DHT, identity: Identity, *, replicas: int = 2,
                  interval: float = 60.0, compression: int = 0, metrics: ReplicaMetrics | None = None,
                  channels: ReplicaChannels | None = None, chunk_bytes: int = CHUNK_BYTES, repush_every: int = 5,
-                 timeout: float = 60.0, workers: int = 4, machine: str | None = None,
-                 store: ReplicaStore | None = None):
+                 timeout: float = 60.0, stall_timeout: float = STALL_TIMEOUT, workers: int = 4,
+                 machine: str | None = None, store: ReplicaStore | None = None):
         if replicas < 0 or interval <= 0:
             raise ValueError(f"replicas must be >= 0 and interval positive, got {replicas} and {interval}")
         self.server, self.dht, self.identity = server, dht, identity
         self.replicas, self.interval, self.compression = replicas, interval, compression
         self.metrics, self.chunk_bytes, self.repush_every, self.timeout = metrics, chunk_bytes, repush_every, timeout
+        self.stall_timeout = stall_timeout
         self.channels = channels or ReplicaChannels()
         self.machine, self.store = machine, store
         self._built_with = frozenset(server.backends)  # (its checkpoint holds these, when it has one)
         self._unkept: dict[str, int] = {}  # uid -> the updates of an adopted expert whose snapshot the store refused
         self.rounds = 0
         self._pushed: dict[tuple[str, str], _Pushed] = {}  # (uid, host endpoint) -> what it got last
+        # host endpoint (failed: every expert) or (uid, endpoint) (refused that expert) -> its failures in a row
+        self._failing: dict[str | tuple[str, str], _Failing] = {}
+        self._failing_lock = threading.Lock()
+        self._placed_at: dict[str, float] = {}  # uid -> when a round last placed it (the longest ago go first)
         self._stop = threading.Event()
         self._round_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -219,11 +300,16 @@ class ReplicaPusher:
                             and (host.machine is None or host.machine != self.machine)]
         return found
 
-    def push_all(self, *, force: bool = False) -> dict[str, list[str]]:
+    def push_all(self, *, force: bool = False, deadline: float | None = None, interruptible: bool = False,
+                 last: bool = False) -> dict[str, list[str]]:
         """One round: every expert that trained since its last push (all with ``force``) goes to its R closest
         hosts that take it, and an adopted one into this server's own store; returns uid -> the endpoints that hold
-        it now."""
+        it now. No push starts after ``deadline`` (a ``time.monotonic()`` time; None: none), and none runs past
+        it; the experts placed longest ago go first. ``interruptible``: :meth:`close` abandons the round's pushes;
+        ``last`` (the round of a clean stop): no host that failed lately is tried."""
         with self._round_lock:
+            if deadline is None:
+                deadline = float("inf")
             backends = dict(self.server.backends)
             if not backends:
                 return {}
@@ -232,15 +318,23 @@ class ReplicaPusher:
             except Exception as error:  # noqa: BLE001 - a DHT hiccup: the next round tries again
                 logger.warning("could not read the replica hosts from the DHT: %s", error)
                 hosts = {}  # adopted experts are still kept here
-            pushes = {uid: self._pool.submit(self._push_one, uid, backend, hosts.get(split_uid(uid)[0], []), force)
-                      for uid, backend in backends.items()}
+            else:
+                self._forget_failures({host.endpoint for found in hosts.values() for host in found})
+            order = sorted(backends, key=lambda uid: self._placed_at.get(uid, float("-inf")))
+            pushes = {uid: self._pool.submit(self._push_one, uid, backends[uid], hosts.get(split_uid(uid)[0], []),
+                                             force, deadline, interruptible, last)
+                      for uid in order}
             placed = {uid: push.result() for uid, push in pushes.items()}
             self.rounds += 1
             return placed
 
-    def _push_one(self, uid: str, backend, hosts: list[Host], force: bool) -> list[str]:
-        ranked = sorted(hosts, key=lambda host: distance(uid, host.key))
+    def _push_one(self, uid: str, backend, hosts: list[Host], force: bool, deadline: float,
+                  interruptible: bool, last: bool) -> list[str]:
         now = time.monotonic()
+        # closest first; hosts that failed lately left out, those that failed before tried after the others
+        leave_out = self._failed_before if last else self._backing_off
+        ranked = sorted((host for host in hosts if not leave_out(uid, host.endpoint)),
+                        key=lambda host: (self._failed_before(uid, host.endpoint), distance(uid, host.key)))
         signed = self._keep(uid, backend) if uid not in self._built_with else None
         placed: list[str] = []
         machines: set[str | None] = set()  # of the hosts placed: one replica per machine, which may leave whole
@@ -249,32 +343,72 @@ class ReplicaPusher:
                 break
             if machine is not None and machine in machines:
                 continue
-            last = self._pushed.get((uid, endpoint))
-            if not force and last is not None and last.updates == backend.updates \
-                    and now - last.at < self.repush_every * self.interval:
+            held = self._pushed.get((uid, endpoint))
+            if not force and held is not None and held.updates == backend.updates \
+                    and now - held.at < self.repush_every * self.interval:
                 placed.append(endpoint)  # it holds this state already
                 machines.add(machine)
                 continue
+            remaining = deadline - time.monotonic()
+            if remaining < MIN_PUSH_SECONDS or (interruptible and self._stop.is_set()):
+                logger.info("the round's time is up: %s not pushed to %s", uid, endpoint)
+                break
             if signed is None:
                 signed = sign(take(backend, self.server.runtime.paused, self.compression), self.identity)
             try:
                 push_snapshot(self.channels.stub(endpoint), endpoint, signed, chunk_bytes=self.chunk_bytes,
-                              timeout=self.timeout)
+                              timeout=min(self.timeout, remaining), stall_timeout=self.stall_timeout,
+                              abandon=self._stop if interruptible else None)
             except ReplicaError as error:
-                result = "failed" if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                    grpc.StatusCode.UNIMPLEMENTED) else "refused"
-                self._count(result)
+                if interruptible and self._stop.is_set():
+                    break  # (not the host's fault: the last round pushes this expert's state anyway)
+                failed = error.code in HOST_FAILURES
+                self._count("failed" if failed else "refused")
+                skipped = self._failed(endpoint if failed else (uid, endpoint))
                 log = logger.debug if error.code == grpc.StatusCode.FAILED_PRECONDITION else logger.info
-                log("pushing %s to %s: %s", uid, endpoint, error)
+                log("pushing %s to %s: %s (left out of the next %d rounds%s)", uid, endpoint, error, skipped,
+                    "" if failed else " for this expert")
                 self._pushed.pop((uid, endpoint), None)
                 continue
             self._count("ok")
+            self._succeeded(uid, endpoint)
             self._pushed[(uid, endpoint)] = _Pushed(signed.updates, now)
             placed.append(endpoint)
             machines.add(machine)
+        if placed:
+            self._placed_at[uid] = now
         if len(placed) < self.replicas and ranked:
             logger.debug("%s has %d of %d replicas (%d hosts known)", uid, len(placed), self.replicas, len(ranked))
         return placed
+
+    def _backing_off(self, uid: str, endpoint: str) -> bool:
+        with self._failing_lock:
+            return any(entry is not None and entry.until > self.rounds
+                       for entry in (self._failing.get(endpoint), self._failing.get((uid, endpoint))))
+
+    def _failed_before(self, uid: str, endpoint: str) -> bool:
+        with self._failing_lock:
+            return endpoint in self._failing or (uid, endpoint) in self._failing
+
+    def _failed(self, key: str | tuple[str, str]) -> int:
+        """Notes a failure of ``key`` (a host, or a host for one expert); returns the rounds it is left out of."""
+        with self._failing_lock:
+            entry = self._failing.get(key)
+            failures = entry.failures + 1 if entry is not None else 1
+            skipped = min(2 ** (failures - 1), MAX_BACKOFF_ROUNDS)
+            self._failing[key] = _Failing(failures, self.rounds + 1 + skipped)
+            return skipped
+
+    def _succeeded(self, uid: str, endpoint: str) -> None:
+        with self._failing_lock:
+            self._failing.pop(endpoint, None)
+            self._failing.pop((uid, endpoint), None)
+
+    def _forget_failures(self, announced: set[str]) -> None:
+        """Drops what is noted of hosts that announce themselves no more."""
+        with self._failing_lock:
+            for key in [key for key in self._failing if (key if isinstance(key, str) else key[1]) not in announced]:
+                del self._failing[key]
 
     def _keep(self, uid: str, backend) -> SignedSnapshot | None:
         """Writes the snapshot of an adopted expert into this server's own store when it trained since the one kept
@@ -313,19 +447,22 @@ class ReplicaPusher:
         while not self._stop.wait(max(0.0, self.interval - (time.monotonic() - started))):
             started = time.monotonic()  # rounds start every interval, however long one takes: the lag it bounds
             try:
-                self.push_all()
+                self.push_all(deadline=started + max(self.interval, self.timeout), interruptible=True)
             except Exception:  # noqa: BLE001 - the pusher outlives one bad round
                 logger.exception("a round of replica pushes failed")
 
     def close(self, push: bool = True) -> None:
-        """Stops the thread, then (``push``) pushes every expert's last state: a clean stop loses no update."""
+        """Stops the thread, then (``push``) pushes every expert's last state, in at most ``timeout`` seconds: a
+        clean stop loses no update unless its hosts are too slow for that. A round under way is abandoned, and no
+        host that failed lately is tried."""
+        stopping = time.monotonic()
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if push:
             try:
-                placed = self.push_all()
+                placed = self.push_all(deadline=stopping + self.timeout, last=True)
                 logger.info("last replicas pushed: %d experts to %d hosts",
                             sum(1 for endpoints in placed.values() if endpoints), len({endpoint for endpoints in placed.values() for endpoint in endpoints}))
             except Exception:  # noqa: BLE001 - shutting down anyway
