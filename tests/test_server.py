@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import signal
 import socket
 import threading
 import time
+import weakref
 
 import grpc
 import pytest
@@ -16,6 +18,7 @@ from dmoe.cli import server as run_server
 from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forward_future, forward_futures
 from dmoe.experts import TRANSFORMER_SEQ_LEN, create_expert, expert_class, expert_seed
 from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, make_optimizer
+from dmoe.server.runtime import PoolRemoved
 from dmoe.server.transfer import Transfers
 from tests.procs import running
 
@@ -340,6 +343,48 @@ def test_runtime_close_fails_queued_tasks_and_returns_promptly():
         queued.result(1)
     with pytest.raises(RuntimeError, match="shutting down"):
         runtime.submit(blocker, torch.zeros(1)).result(1)
+
+
+def test_a_removed_pool_runs_its_queued_tasks_refuses_new_ones_and_is_no_longer_referenced():
+    with Runtime() as runtime:
+        gate = Gate()
+        pool = runtime.create_pool("gate", gate, 100)
+        running_task = runtime.submit(pool, torch.zeros(1))
+        assert gate.entered.wait(30)
+        queued = runtime.submit(pool, torch.ones(1))
+        runtime.remove_pool(pool)
+        runtime.remove_pool(pool)  # twice: nothing more happens
+        assert pool not in runtime.pools
+        with pytest.raises(PoolRemoved, match="gate was removed"):
+            runtime.submit(pool, torch.zeros(1)).result(1)
+        gate.opened.set()
+        torch.testing.assert_close(running_task.result(30)[0], torch.zeros(1))
+        torch.testing.assert_close(queued.result(30)[0], torch.ones(1))  # queued before: still runs
+        removed = weakref.ref(pool)
+        del pool
+        gc.collect()
+        assert removed() is None
+
+
+def test_experts_removed_from_a_running_server_are_freed():
+    """remove_expert left the expert's task pools in the runtime, whose process is the backend's bound method:
+    every expert ever added (each lost adoption claim) stayed in memory, with its optimizer state."""
+    with ExpertServer.create("ffn0.0.0", "ffn", 16, config=ServerConfig(device="cpu")) as server:
+        pools = len(server.runtime.pools)
+        x = torch.randn(3, 16)
+        removed = []
+        for _ in range(20):
+            backend = server.backend_factory("ffn0.9.9")
+            server.add_expert("ffn0.9.9", backend, announce=False)
+            backward_future(server.endpoint, "ffn0.9.9", [x], [torch.randn(3, 16)]).result(30)  # optimizer state
+            removed.append(weakref.ref(server.remove_expert("ffn0.9.9")))
+            del backend
+        gc.collect()
+        assert [ref for ref in removed if ref() is not None] == []
+        assert len(server.runtime.pools) == pools
+        with pytest.raises(RemoteExpertError, match="NOT_FOUND"):
+            forward_future(server.endpoint, "ffn0.9.9", [x]).result(30)
+        assert forward_future(server.endpoint, "ffn0.0.0", [x]).result(30)[0].shape == x.shape
 
 
 def test_two_workers_run_other_experts_beside_a_busy_one_but_never_one_experts_pools_at_once():

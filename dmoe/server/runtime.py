@@ -31,6 +31,10 @@ class AfterCompute(Exception):
         self.cause = cause
 
 
+class PoolRemoved(RuntimeError):
+    """A task submitted to a pool after :meth:`Runtime.remove_pool` (its expert is no longer served)."""
+
+
 class Runtime:
     """Takes the pool whose oldest task is oldest, joins its queued tasks into one batch, runs it, answers each.
 
@@ -97,8 +101,19 @@ class Runtime:
                     group: Hashable = None) -> TaskPool:
         """A new pool; pools sharing a ``group`` (default: each pool its own) never run concurrently."""
         pool = TaskPool(name, process, max_batch_size, segmented, group)
-        self.pools.append(pool)
+        with self._cond:
+            self.pools.append(pool)
         return pool
+
+    def remove_pool(self, pool: TaskPool) -> None:
+        """Drops ``pool`` (its expert is no longer served), from any thread: the runtime keeps no reference to it
+        once its queued tasks ran (they still do, as they would have; a batch of it running now finishes), so its
+        ``process`` (a backend's bound method: module and optimizer state) can be freed. A task submitted to it
+        later fails with :class:`PoolRemoved`."""
+        with self._cond:
+            pool.removed = True
+            with contextlib.suppress(ValueError):  # removed twice
+                self.pools.remove(pool)
 
     def start(self) -> "Runtime":
         """Starts the workers; returns once each has set its torch threads (see :meth:`_serve`)."""
@@ -123,6 +138,9 @@ class Runtime:
         with self._cond:
             if self._closed:
                 task.future.set_exception(RuntimeError("the server is shutting down"))
+                return task.future
+            if pool.removed:
+                task.future.set_exception(PoolRemoved(f"{pool.name} was removed from this server"))
                 return task.future
             pool.tasks.append(task)
             if len(pool.tasks) == 1:
@@ -200,6 +218,7 @@ class Runtime:
                     self._busy.discard(pool.group)
                     self._running -= 1
                     self._cond.notify_all()  # workers waiting for this group, and paused()
+            work = pool = None  # waiting for the next batch, keep no pool alive (a removed one frees its backend)
 
     def _run(self, pool: TaskPool, batch: list[Task], transfers: Transfers, freed: bool = False) -> None:
         """Runs ``batch`` and answers its tasks; ``freed``: memory was already freed for it once."""

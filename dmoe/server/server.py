@@ -242,11 +242,15 @@ class ExpertServer:
 
     def remove_expert(self, uid: str) -> ExpertBackend:
         """Stops serving ``uid`` (calls get NOT_FOUND; its declaration is no longer refreshed and expires) and
-        returns its backend. Requests already queued for it still run. Raises KeyError if it is not served here."""
+        returns its backend. Requests already queued for it still run; then the server keeps no reference to the
+        backend (its task pools leave the runtime), so it is freed once the caller drops it. Raises KeyError if it
+        is not served here."""
         with self._experts_lock:
             hosted = self.servicer.experts.pop(uid)
             self.backends.pop(uid, None)
             self.metrics.remove_expert(uid)
+            self.runtime.remove_pool(hosted.forward_pool)
+            self.runtime.remove_pool(hosted.backward_pool)
         if self.announcer is not None and self.port is not None:
             self.announcer.remove([uid])
         logger.info("no longer serving %s (%d experts left)", uid, len(self.backends))

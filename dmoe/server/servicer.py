@@ -21,7 +21,7 @@ from dmoe.endpoints import peer_host
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
 from dmoe.server.profile import StageClock
-from dmoe.server.runtime import Runtime
+from dmoe.server.runtime import PoolRemoved, Runtime
 from dmoe.server.task_pool import TaskPool
 from dmoe.server.validation import RequestRejected, check_options, first_bad_values, validate
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
@@ -369,6 +369,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         """The packed outputs of a done runtime future (raises :class:`RequestRejected` for its failure)."""
         try:
             outputs = future.result(timeout=0)
+        except PoolRemoved:  # the expert was removed between the call's look-up and its queueing
+            raise RequestRejected(grpc.StatusCode.NOT_FOUND,
+                                  f"expert {uid!r} is no longer hosted on this server") from None
         except torch.OutOfMemoryError as exc:  # even alone, and after the server freed what it could
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"{kind} of {uid}: the server's device ran out of memory ({exc}); send fewer "

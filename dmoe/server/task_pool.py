@@ -52,6 +52,7 @@ class TaskPool:
         self.tasks: deque[Task] = deque()
         self.batches = 0
         self.rows = 0
+        self.removed = False  # by Runtime.remove_pool: it takes no more tasks
 
     def __len__(self) -> int:
         return len(self.tasks)
