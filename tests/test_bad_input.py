@@ -1,6 +1,8 @@
 """Malformed and oversized requests against a real server: a clear status for each, and the server lives on."""
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -9,8 +11,10 @@ import torch
 
 from dmoe.client import RemoteExpert, RemoteExpertError, backward_future, forward_future
 from dmoe.experts import create_expert, expert_seed
-from dmoe.wire import MAX_BATCH_ITEMS, ChannelPool, deserialize, dmoe_pb2, serialize
-from dmoe.wire.codec import UINT8
+from dmoe.server import ExpertServer, ServerConfig
+from dmoe.server.servicer import STREAMS_SHARE
+from dmoe.wire import MAX_BATCH_ITEMS, ChannelPool, deserialize, dmoe_pb2, dmoe_pb2_grpc, serialize
+from dmoe.wire.codec import UINT8, cut_into_parts
 from tests import custom_experts  # noqa: F401 - registers 'explode' here too, to rebuild the expert locally
 from tests.procs import running
 
@@ -224,3 +228,83 @@ def test_server_answers_correctly_after_every_bad_request(server, stub):
         torch.testing.assert_close(outputs, local(x), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(forward_future(server, "bad.0", [x]).result(timeout=60)[0], local(x),
                                    rtol=1e-4, atol=1e-5)
+
+
+STREAM_HIDDEN = 256
+PART = 64 * 1024  # bytes of payload per streamed message
+
+
+def stalled_stream(stub, uid: str, parts: int, release: threading.Event, method: str = "backward_stream"):
+    """A streamed backward of 512 rows (16 parts of PART bytes) that sends ``parts`` of them, then waits for
+    ``release``; returns the call."""
+    x = serialize(torch.randn(512, STREAM_HIDDEN))
+    groups = list(cut_into_parts([x, x] if method == "backward_stream" else [x], PART))
+
+    def messages():
+        for i, group in enumerate(groups[:parts]):
+            yield dmoe_pb2.ExpertRequest(uid=uid if i == 0 else "", tensors=group)
+        release.wait(60)
+
+    return getattr(stub, method)(messages(), timeout=60)
+
+
+def wait_until(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_streams_count_against_the_queued_bytes_as_they_arrive_and_stalled_ones_cannot_take_the_server():
+    """Streamed calls kept every message until the stream ended, outside --max-queued-mb, with no deadline and no
+    cap on open streams: 16 unfinished backwards took a server from 361 to 906 MiB with --max-queued-mb 16."""
+    config = ServerConfig(device="cpu", max_queued_mb=1.0, max_stream_seconds=60)
+    release = threading.Event()
+    with ExpertServer.create("nop.[0:2]", "nop", STREAM_HIDDEN, config=config) as server, \
+            grpc.insecure_channel(server.endpoint) as channel:
+        servicer, stub = server.servicer, dmoe_pb2_grpc.ExpertServiceStub(channel)
+        share = servicer.max_queued_bytes * STREAMS_SHARE
+        try:
+            # alone on the server, a stream is never refused for its size; it counts as it arrives
+            first = stalled_stream(stub, "nop.0", 6, release)
+            wait_until(lambda: servicer.arriving_bytes >= 6 * PART)
+            assert servicer.arriving_bytes < 7 * PART and servicer.streams == 1
+            # the others are refused once the streams arriving would take more than their share of the budget
+            for _ in range(6):
+                other = stalled_stream(stub, "nop.1", 6, release)
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(other)
+                assert refused.value.code() == Code.RESOURCE_EXHAUSTED, refused.value.details()
+                assert "streams still arriving" in refused.value.details()
+                assert "--max-queued-mb" in refused.value.details()
+                assert servicer.arriving_bytes <= share
+            wait_until(lambda: servicer.streams == 1)
+            # ... while calls go on: a plain one, and a small stream within the streams' share
+            x = torch.randn(64, STREAM_HIDDEN)
+            torch.testing.assert_close(forward_future(server.endpoint, "nop.1", [x]).result(30)[0], x)
+            torch.testing.assert_close(forward_future(server.endpoint, "nop.1", [x], unary_limit=16).result(30)[0], x)
+            # a stream that does not arrive whole in time is refused, and what it held is released
+            servicer.max_stream_seconds = 0.5
+            late = stalled_stream(stub, "nop.1", 1, release)
+            with pytest.raises(grpc.RpcError) as expired:
+                list(late)
+            assert expired.value.code() == Code.DEADLINE_EXCEEDED, expired.value.details()
+            assert "did not arrive whole within 0.5 s" in expired.value.details()
+            servicer.max_stream_seconds = 60
+            # at most max_streams_per_host streamed calls of one machine are open at once
+            servicer.max_streams_per_host = 1
+            with pytest.raises(grpc.RpcError) as capped:
+                list(stalled_stream(stub, "nop.1", 0, release))
+            assert capped.value.code() == Code.RESOURCE_EXHAUSTED, capped.value.details()
+            assert "at most 1 streamed calls of one host" in capped.value.details()
+            servicer.max_streams_per_host = 256
+            first.cancel()
+            wait_until(lambda: servicer.streams == 0)
+            assert servicer.arriving_bytes == servicer.queued_bytes == 0
+            # a whole stream of more than the streams' share, alone: served, counted once as its inputs
+            x, grad = torch.randn(512, STREAM_HIDDEN), torch.randn(512, STREAM_HIDDEN)
+            torch.testing.assert_close(backward_future(server.endpoint, "nop.0", [x], [grad], unary_limit=16)
+                                       .result(30)[0], grad)
+            assert servicer.arriving_bytes == servicer.queued_bytes == servicer.streams == 0
+        finally:
+            release.set()

@@ -52,6 +52,9 @@ class ServerConfig:
         response_compression: ``'none'``, ``'float16'`` or ``'uint8'``, used when a request asks for none.
         max_message_bytes: limit of one gRPC message (larger payloads must be streamed).
         max_stream_bytes: limit of one streamed request in total.
+        max_stream_seconds: a streamed request not received whole this many seconds after its call began is
+            refused (DEADLINE_EXCEEDED): a stalled stream holds its bytes, counted against ``max_queued_mb``, no
+            longer.
         shutdown_grace: seconds in-flight calls get to finish on ``close()``.
         faults: latency and failures to inject into every expert call (experiments only); None: none.
         checkpoint_dir: where experts are checkpointed (see :mod:`dmoe.server.checkpoints`); a server started
@@ -83,7 +86,9 @@ class ServerConfig:
             False: the server refuses, and they call the plain way.
         max_queued_mb: MiB of inputs that the requests waiting for the experts (or computing) may hold in all;
             more are refused with RESOURCE_EXHAUSTED (clients move on to other experts), so that clients sending
-            faster than the experts compute, or on purpose, cannot take all of the server's memory.
+            faster than the experts compute, or on purpose, cannot take all of the server's memory. Streamed
+            requests count as their messages arrive, and while anything else is queued or arriving those still
+            arriving may take at most half of it (see :class:`~dmoe.server.servicer.ExpertServicer`).
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +99,7 @@ class ServerConfig:
     response_compression: str = "none"
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_stream_bytes: int = 1 << 30
+    max_stream_seconds: float = 120.0
     shutdown_grace: float = 1.0
     faults: FaultConfig | None = None
     checkpoint_dir: str | None = None
@@ -176,7 +182,7 @@ class ExpertServer:
         self.servicer = ExpertServicer(
             experts, self.runtime, max_batch_size=self.config.max_batch_size, device=str(self.device),
             default_compression=parse_compression(self.config.response_compression),
-            max_stream_bytes=self.config.max_stream_bytes,
+            max_stream_bytes=self.config.max_stream_bytes, max_stream_seconds=self.config.max_stream_seconds,
             faults=Faults(self.config.faults) if self.config.faults is not None else None,
             reject_nonfinite=self.config.reject_nonfinite, max_abs_value=self.config.max_abs_value or None,
             stages=self.stages,

@@ -116,6 +116,20 @@ def stream_parts_limit(payload_limit: int, n_tensors: int) -> int:
     return n_tensors + payload_limit // MIN_STREAM_PART_BYTES
 
 
+#: the share of ``max_queued_bytes`` that streamed requests still arriving may count while anything else is queued or
+#: arriving: streams that stall (or trickle) hold their bytes until their deadline, and must not refuse every other
+#: call meanwhile
+STREAMS_SHARE = 0.5
+
+
+@dataclass(eq=False)
+class Arrival:
+    """The bytes of one streamed request counted as its messages arrived (:meth:`ExpertServicer._arrive`): counted
+    as its inputs instead once it is queued, or released if it ends otherwise."""
+
+    bytes: int = 0
+
+
 #: bytes a message read in place may hold beyond its tensors' and still be kept whole by a view of them (headers,
 #: alignment padding)
 PIN_SLACK_BYTES = 4096
@@ -187,6 +201,13 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         max_queued_bytes: requests whose inputs would take the bytes of the requests queued or computing beyond this
             are refused (RESOURCE_EXHAUSTED), so that clients sending faster than the experts compute (or on
             purpose) cannot queue up the server's memory; a request alone is never refused for its size here.
+            Streamed requests count their messages as they arrive, and may count at most :data:`STREAMS_SHARE` of it
+            while anything else is queued or arriving.
+        max_streams: streamed calls open at once beyond this are refused (RESOURCE_EXHAUSTED).
+        max_streams_per_host: the same, for the calls of one client machine.
+        max_stream_seconds: a streamed request not received whole this long after its call began is refused
+            (DEADLINE_EXCEEDED), so that a stalled stream does not hold its bytes (and its share of
+            ``max_queued_bytes``) for ever.
     """
 
     def __init__(self, experts: dict[str, HostedExpert], runtime: Runtime, *, max_batch_size: int, device: str,
@@ -195,7 +216,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                  reject_nonfinite: bool = True, max_abs_value: float | None = None,
                  max_batch_items: int = MAX_BATCH_ITEMS, stages: StageClock | None = None,
                  shared_memory: SegmentMaps | None = None, max_holds: int = 4096,
-                 max_holds_per_host: int = 256, max_hold_seconds: float = 60.0, max_queued_bytes: int = 1 << 30):
+                 max_holds_per_host: int = 256, max_hold_seconds: float = 60.0, max_queued_bytes: int = 1 << 30,
+                 max_streams: int = 1024, max_streams_per_host: int = 256, max_stream_seconds: float = 120.0):
         self.experts, self.runtime = experts, runtime
         self.max_batch_size, self.device = max_batch_size, device
         self.default_compression = default_compression
@@ -211,6 +233,11 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         self.holds_by_host: dict[str, int] = {}
         self.max_queued_bytes = max_queued_bytes
         self.queued_bytes = 0  # inputs of the requests queued or computing now
+        self.arriving_bytes = 0  # messages of the streamed requests still arriving
+        self.max_streams, self.max_streams_per_host = max_streams, max_streams_per_host
+        self.max_stream_seconds = max_stream_seconds
+        self.streams = 0  # streamed calls open now (until their request is answered or refused)
+        self.streams_by_host: dict[str, int] = {}
         self._queued_lock = threading.Lock()  # (released by the runtime's workers)
         self._stopping = asyncio.Event()  # set on the server's loop by release_holds()
 
@@ -278,13 +305,14 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             await context.abort(rejected.code, rejected.message)
 
     async def _compute(self, kind: str, uid: str, tensors: Sequence[Any], compression: int,
-                       activation_id: bytes = b"", delay: bool = True, shared: bool = False) -> list[OutgoingTensor]:
+                       activation_id: bytes = b"", delay: bool = True, shared: bool = False,
+                       arrival: Arrival | None = None) -> list[OutgoingTensor]:
         """Validates one expert's request (``dmoe.Tensor`` messages or :mod:`dmoe.wire.zerocopy` views), runs it on
         the runtime and packs the answer (the tensors' memory, written into the response by gRPC's serializer).
 
         Raises :class:`RequestRejected` with the status to answer (a call of its own, or one item of a batch).
         ``delay``: injected faults include the round trip's delay (a batch pays it once for all of its items).
-        ``shared``: see :meth:`_decode`.
+        ``shared``: see :meth:`_decode`. ``arrival``: a streamed request's bytes, counted as they arrived.
         """
         expert, inputs = self._decode(kind, uid, tensors, compression, activation_id, shared)
         if self.faults is not None:
@@ -292,7 +320,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 await self.faults.apply(delay=delay)  # the round trip's delay, then maybe a failure instead
             except InjectedFailure as failure:
                 raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
-        future = self._submit(kind, expert, inputs, activation_id)
+        future = self._submit(kind, expert, inputs, activation_id, arrival=arrival)
         await _all_done([future])
         return self._answer(kind, uid, future, compression)
 
@@ -334,22 +362,54 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         return expert, inputs
 
     def _reserve(self, nbytes: int) -> None:
-        """Counts ``nbytes`` of inputs as queued, or raises :class:`RequestRejected` when the requests queued already
-        hold :attr:`max_queued_bytes` (a call alone on an idle server is never refused for its size)."""
+        """Counts ``nbytes`` of inputs as queued, or raises :class:`RequestRejected` when the requests queued or
+        arriving already hold :attr:`max_queued_bytes` (a call alone on an idle server is never refused for its
+        size)."""
         with self._queued_lock:
-            if self.queued_bytes and self.queued_bytes + nbytes > self.max_queued_bytes:
+            held = self.queued_bytes + self.arriving_bytes
+            if held and held + nbytes > self.max_queued_bytes:
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"this server has {self.queued_bytes / 2**20:.0f} MiB of requests waiting for "
-                                      f"its experts, at most {self.max_queued_bytes / 2**20:.0f} MiB "
+                                      f"this server has {held / 2**20:.0f} MiB of requests waiting for its experts "
+                                      f"or arriving, at most {self.max_queued_bytes / 2**20:.0f} MiB "
                                       "(--max-queued-mb): try again later, or another server")
             self.queued_bytes += nbytes
 
+    def _arrive(self, arrival: Arrival, nbytes: int) -> None:
+        """Counts one more message of ``nbytes`` of a streamed request still arriving, or raises
+        :class:`RequestRejected` when it would take the bytes queued or arriving past :attr:`max_queued_bytes`, or
+        those of the streams arriving past their share (:data:`STREAMS_SHARE`); a stream alone on an idle server is
+        never refused for its size."""
+        with self._queued_lock:
+            held = self.queued_bytes + self.arriving_bytes
+            if held > arrival.bytes and (held + nbytes > self.max_queued_bytes or
+                                         self.arriving_bytes + nbytes > self.max_queued_bytes * STREAMS_SHARE):
+                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"this server has {held / 2**20:.0f} MiB of requests waiting for its experts "
+                                      f"or arriving ({self.arriving_bytes / 2**20:.0f} MiB of them streams still "
+                                      f"arriving), at most {self.max_queued_bytes / 2**20:.0f} MiB (--max-queued-mb)"
+                                      f", of which streams still arriving {STREAMS_SHARE:.0%}: try again later, or "
+                                      "another server")
+            self.arriving_bytes += nbytes
+            arrival.bytes += nbytes
+
+    def _left(self, arrival: Arrival) -> None:
+        """Stops counting what a streamed request counted as it arrived (it ended without being queued)."""
+        with self._queued_lock:
+            self.arriving_bytes -= arrival.bytes
+            arrival.bytes = 0
+
     def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor], activation_id: bytes,
-                reserved: bool = False) -> "Future[list[torch.Tensor]]":
+                reserved: bool = False, arrival: Arrival | None = None) -> "Future[list[torch.Tensor]]":
         """Queues a decoded request on the expert's forward or backward pool: the runtime's future. Its inputs are
-        counted as queued until it is done (:meth:`_reserve`, unless the caller ``reserved`` them)."""
+        counted as queued until it is done (:meth:`_reserve`, unless the caller ``reserved`` them; a streamed
+        request's ``arrival``, admitted as it arrived, is counted as its inputs instead, whatever the budget)."""
         nbytes = sum(x.nbytes for x in inputs)
-        if not reserved:
+        if arrival is not None:
+            with self._queued_lock:
+                self.arriving_bytes -= arrival.bytes
+                arrival.bytes = 0
+                self.queued_bytes += nbytes
+        elif not reserved:
             self._reserve(nbytes)
         if kind == FORWARD:
             expert.backend.forward_calls += 1
@@ -489,6 +549,48 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
                       context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
+        """Receives a request streamed in parts (each message counted as it arrives, :meth:`_arrive`), runs it and
+        streams the answer back in parts."""
+        host = peer_host(context.peer())
+        if self.streams >= self.max_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this server keeps at most {self.max_streams} streamed calls open")
+        if self.streams_by_host.get(host, 0) >= self.max_streams_per_host:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this server keeps at most "
+                                f"{self.max_streams_per_host} streamed calls of one host open")
+        self.streams += 1
+        self.streams_by_host[host] = self.streams_by_host.get(host, 0) + 1
+        arrival, rejection = Arrival(), None
+        try:
+            try:
+                try:
+                    uid, compression, activation_id, tensors = await asyncio.wait_for(
+                        self._receive(kind, requests, arrival), self.max_stream_seconds)
+                except asyncio.TimeoutError:
+                    raise RequestRejected(grpc.StatusCode.DEADLINE_EXCEEDED, "the streamed request did not arrive "
+                                          f"whole within {self.max_stream_seconds:g} s") from None
+                outputs = await self._compute(kind, uid, tensors, compression, activation_id, arrival=arrival)
+            except RequestRejected as rejected:
+                rejection = (rejected.code, rejected.message)
+            if rejection is not None:  # (out of the except clause, whose traceback holds the received messages)
+                self._left(arrival)  # before the abort's wait: the next stream's message may count them
+                await context.abort(*rejection)
+        finally:
+            self._left(arrival)  # (none left once its request was queued: they count as its inputs then)
+            self.streams -= 1
+            self.streams_by_host[host] -= 1
+            if not self.streams_by_host[host]:
+                del self.streams_by_host[host]
+        del tensors
+        for group in cut_into_parts([to_message(y) for y in outputs], self.stream_part_bytes):
+            yield dmoe_pb2.ExpertResponse(tensors=group)
+
+    async def _receive(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
+                       arrival: Arrival) -> tuple[str, int, bytes, list[dmoe_pb2.Tensor]]:
+        """(uid, response compression, activation id, the tensors joined from their parts) of a streamed request;
+        raises :class:`RequestRejected`. Every message is kept until the stream ends, whatever it holds besides
+        tensors (fields of no use, or none at all): its whole size counts (:meth:`_arrive`), and the count of
+        messages is bounded too."""
         uid, compression, groups, limit = None, NONE, [], self.max_stream_bytes
         payload = parts = max_parts = received = messages = 0
         activation_id = b""
@@ -496,41 +598,36 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             if uid is None:
                 uid, compression, activation_id = message.uid, message.response_compression, message.activation_id
                 # refuse an unknown expert, or more bytes than a valid request can have, before buffering them
-                expert = await self._expert(uid, context)
+                expert = self._lookup(uid)
                 limit = min(limit, expert.max_payload_bytes(kind, self.max_batch_size))
                 max_parts = stream_parts_limit(limit, len(expert.schemas(kind)))
+            size = message.ByteSize()
             payload += message_bytes(message.tensors)
             parts += len(message.tensors)
-            # every message is kept until the stream ends, whatever it holds besides tensors (fields of no use,
-            # or none at all): its whole size and the count of messages are bounded too
-            received += message.ByteSize()
+            received += size
             messages += 1
             if payload > limit or received > limit + messages * STREAM_MESSAGE_SLACK_BYTES:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"streamed request exceeds {limit} bytes, more than a valid {kind} of {uid} "
-                                    f"(max_batch_size {self.max_batch_size}) can carry")
+                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"streamed request exceeds {limit} bytes, more than a valid {kind} of {uid} "
+                                      f"(max_batch_size {self.max_batch_size}) can carry")
             if parts > max_parts or messages > max_parts:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"streamed request has more than {max_parts} tensor parts or messages, more "
-                                    f"than a valid {kind} of {uid} needs")
+                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"streamed request has more than {max_parts} tensor parts or messages, more "
+                                      f"than a valid {kind} of {uid} needs")
+            self._arrive(arrival, size)
             groups.append(message.tensors)
         if uid is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
         started = time.perf_counter()
         try:
             tensors = join_parts(groups, limit)
-            rejection = None
-            if self.stages is not None:  # part of this request's decode (counted once, with its validation)
-                self.stages.add("decode", time.perf_counter() - started, count=0)
         except (InvalidTensor, TensorTooLarge) as error:
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, TensorTooLarge)
                     else grpc.StatusCode.INVALID_ARGUMENT)
-            rejection = (code, str(error))
-        if rejection is not None:
-            await context.abort(*rejection)
-        outputs = await self._call(kind, uid, tensors, compression, context, activation_id)
-        for group in cut_into_parts([to_message(y) for y in outputs], self.stream_part_bytes):
-            yield dmoe_pb2.ExpertResponse(tensors=group)
+            raise RequestRejected(code, str(error)) from None
+        if self.stages is not None:  # part of this request's decode (counted once, with its validation)
+            self.stages.add("decode", time.perf_counter() - started, count=0)
+        return uid, compression, activation_id, tensors
 
     async def forward_stream(self, request_iterator, context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
         async for response in self._stream(FORWARD, request_iterator, context):
