@@ -40,7 +40,7 @@ from dmoe.replicas import (
 )
 from dmoe.replicas.records import distance, holders, host_value, hosts_key, parse_host, replicas_key, server_subkey
 from dmoe.replicas import store as store_module
-from dmoe.replicas.store import read_replica
+from dmoe.replicas.store import LOCK_FILENAME, ReplicaDirectoryInUse, read_replica
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import FLOAT16, NONE, UINT8, dmoe_pb2, serialize
 from dmoe.wire.codec import deserialize
@@ -174,14 +174,16 @@ def test_the_store_survives_a_restart_and_drops_the_replica_received_longest_ago
     for signed in replicas.values():
         store.put(signed)
     assert sorted(store.held()) == ["ffn0.0.1", "ffn0.0.2"]  # ffn0.0.0 made room
+    store.close()
     (tmp_path / "ffn0.0.9.replica.123.456.tmp").write_bytes(b"half a write")
     (tmp_path / "ffn0.0.8.replica").write_bytes(b"junk")
-    reopened = ReplicaStore(tmp_path, budget_bytes=int(2.5 * size))
-    assert sorted(reopened.held()) == ["ffn0.0.1", "ffn0.0.2"]
-    assert reopened.get("ffn0.0.2").body == replicas["ffn0.0.2"].body
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["ffn0.0.1.replica", "ffn0.0.2.replica"]
-    smaller = ReplicaStore(tmp_path, budget_bytes=int(1.5 * size))  # --replica-budget-mb lowered since
-    assert sorted(smaller.held()) == ["ffn0.0.2"] and smaller.nbytes <= smaller.budget_bytes
+    with ReplicaStore(tmp_path, budget_bytes=int(2.5 * size)) as reopened:
+        assert sorted(reopened.held()) == ["ffn0.0.1", "ffn0.0.2"]
+        assert reopened.get("ffn0.0.2").body == replicas["ffn0.0.2"].body
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name != LOCK_FILENAME) == [
+        "ffn0.0.1.replica", "ffn0.0.2.replica"]
+    with ReplicaStore(tmp_path, budget_bytes=int(1.5 * size)) as smaller:  # --replica-budget-mb lowered since
+        assert sorted(smaller.held()) == ["ffn0.0.2"] and smaller.nbytes <= smaller.budget_bytes
 
 
 def test_a_replica_that_cannot_be_written_costs_no_replica_held(tmp_path, monkeypatch):
@@ -199,7 +201,8 @@ def test_a_replica_that_cannot_be_written_costs_no_replica_held(tmp_path, monkey
     with pytest.raises(OSError, match="No space left"):
         store.put(replicas[2])
     assert sorted(store.held()) == ["ffn0.1.0", "ffn0.1.1"]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["ffn0.1.0.replica", "ffn0.1.1.replica"]
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name != LOCK_FILENAME) == [
+        "ffn0.1.0.replica", "ffn0.1.1.replica"]
 
 
 def test_an_expert_added_to_a_running_server_is_served_counted_and_can_be_removed_again():
@@ -515,6 +518,31 @@ def test_replica_hosts_that_take_a_push_and_never_answer_stall_no_round_after_th
         released.set()
         for fake, _, _ in fakes:
             fake.stop(0)
+
+
+def test_a_second_server_on_the_same_replica_dir_is_refused_naming_the_flag(tmp_path):
+    """Two servers given one --replica-dir both started, and each deleted files the other still held: its evictions,
+    and at its start the other's writes in progress, as stale."""
+    directory = tmp_path / "replicas"
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        procs.append(first := Proc(server_args(peer, "ffn0.0.0", directory)))
+        endpoint = first.endpoint()
+        in_progress = directory / f"ffn0.1.1.replica.{first.popen.pid}.1{store_module.TMP_SUFFIX}"
+        in_progress.write_bytes(b"the first server receiving a replica")
+        procs.append(second := Proc(server_args(peer, "ffn0.2.0", directory)))
+        assert second.wait_for(r"error:|listening on", 120).group(0) == "error:", "".join(second.output)
+        assert second.popen.wait(60) == 2, "".join(second.output)
+        second._reader.join(10)
+        errors = [line.split("error: ", 1)[1].strip() for line in second.output if "error: " in line]
+        assert errors == [f"argument --replica-dir: {directory} is in use by another server (pid {first.popen.pid}): "
+                          "give each server its own directory"], "".join(second.output)
+        assert in_progress.exists()
+        assert expert_info(endpoint, "ffn0.0.0", timeout=10)["expert_cls"] == "ffn"
+        assert first.stop() == 0
+    with ReplicaStore(directory, 1 << 20), pytest.raises(ReplicaDirectoryInUse, match="in use by another server"):
+        ReplicaStore(directory, 1 << 20)  # (the lock is taken per open store, in one process too)
 
 
 def test_simultaneous_claims_of_a_uid_have_exactly_one_winner():

@@ -136,3 +136,4 @@ class Replication:
             self.adopter.close()
         self.pusher.close(push=push and self.adopter is not None)
         self.channels.close()
+        self.store.close()  # (the directory's lock: the last push above may still write an adopted expert in it)

@@ -9,6 +9,11 @@ The newest replica of each expert is kept (the receiver refuses older ones befor
 budget is full the replicas received longest ago make room: their experts' owners have stopped pushing them
 (moved their replicas to closer servers, or left and were adopted elsewhere) while the newest arrivals are of
 experts that are alive.
+
+One server at a time: a store holds an exclusive lock on ``DIR/.replicas.lock`` (:func:`dmoe.locking.lock_file`)
+until :meth:`ReplicaStore.close` or its process ends. Two servers on one directory would read each other's files,
+evict (delete) replicas the other still announces and serves, and delete each other's writes in progress as stale.
+The lock file is not the checkpoint directory's (``.lock``): one directory may serve a server as both.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
+from dmoe.locking import InUse, lock_file
 from dmoe.replicas.snapshots import SignedSnapshot, SnapshotRefused
 from dmoe.server.checkpoints import TMP_SUFFIX, write_atomically
 from dmoe.uid import is_valid_uid
@@ -32,6 +38,13 @@ logger = logging.getLogger(__name__)
 MAGIC = b"dmoe-replica-v1\n"
 SUFFIX = ".replica"
 _LENGTH_BYTES = 4
+#: the lock file a store holds in its directory
+LOCK_FILENAME = ".replicas.lock"
+
+
+class ReplicaDirectoryInUse(InUse, OSError):
+    """Another live process (a server) holds the replica directory. An OSError too: like a directory that cannot
+    be created, one this server cannot use (``dmoe-server`` reports both as errors of ``--replica-dir``)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +68,8 @@ class ReplicaStore:
     """Replicas in ``directory`` (created if missing), at most ``budget_bytes`` of them in all. Thread-safe.
 
     Files that cannot be read (not written by dmoe, damaged) are removed when the store opens, with a warning, and
-    so are temporary files of writes a crash interrupted.
+    so are temporary files of writes a crash interrupted. The store locks the directory until :meth:`close` (or
+    the process ends): raises :class:`ReplicaDirectoryInUse` naming the pid of another process that holds it.
     """
 
     def __init__(self, directory: str | os.PathLike, budget_bytes: int):
@@ -67,7 +81,26 @@ class ReplicaStore:
         self._held: dict[str, HeldReplica] = {}
         self._lock = threading.Lock()
         self.evicted = 0
-        self._open()
+        # before anything in it is read or deleted: another server's files and writes in progress are its own
+        self._lock_file = lock_file(self.directory / LOCK_FILENAME, str(self.directory), "server",
+                                    "give each server its own directory", ReplicaDirectoryInUse)
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Releases the directory's lock (the files stay); the store must not be used afterwards."""
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def __enter__(self) -> "ReplicaStore":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def _open(self) -> None:
         for stale in self.directory.glob(f"*{SUFFIX}.*{TMP_SUFFIX}"):
