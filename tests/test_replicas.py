@@ -205,6 +205,36 @@ def test_a_replica_that_cannot_be_written_costs_no_replica_held(tmp_path, monkey
         "ffn0.1.0.replica", "ffn0.1.1.replica"]
 
 
+def test_the_budget_is_shared_so_that_many_replicas_of_one_machine_or_key_evict_nobody_elses(tmp_path):
+    """Any key may declare unused uids and push valid snapshots of them: the store used to evict the replicas
+    received longest ago, the honest owners' among them. Room is made in the share (pushing machine, else signer)
+    holding the most now, and keys cost nothing: many keys of one machine share its part."""
+    backend = expert_server().backends["ffn0.1.2"]
+    train(backend, 2)
+
+    def replica(uid: str, key: Identity):
+        snapshot = take(backend)
+        snapshot.uid = uid
+        return sign(snapshot, key)
+
+    honest = replica("ffn0.1.2", Identity())
+    size = len(honest.body) + 1024
+    with ReplicaStore(tmp_path / "pushed", int(4.5 * size)) as store:
+        store.put(honest, "10.0.0.1")
+        store.put(replica("ffn0.1.3", Identity()), "10.0.0.3")
+        for i in range(8):  # a key of its own for each
+            store.put(replica(f"ffn0.7.{i}", Identity()), "10.0.0.2")
+        assert sorted(store.held()) == ["ffn0.1.2", "ffn0.1.3", "ffn0.7.6", "ffn0.7.7"]
+        store.put(replica("ffn0.1.2", Identity()), "10.0.0.1")  # (a new owner's replaces the one held)
+        assert sorted(store.held()) == ["ffn0.1.2", "ffn0.1.3", "ffn0.7.6", "ffn0.7.7"]
+    with ReplicaStore(tmp_path / "here", int(4.5 * size)) as store:  # no machine known: shares by signer
+        store.put(honest)
+        attacker = Identity()
+        for i in range(8):
+            store.put(replica(f"ffn0.7.{i}", attacker))
+        assert sorted(store.held()) == ["ffn0.1.2", "ffn0.7.5", "ffn0.7.6", "ffn0.7.7"]
+
+
 def test_an_expert_added_to_a_running_server_is_served_counted_and_can_be_removed_again():
     with expert_server("ffn0.0.0") as server:
         added = server.backend_factory("ffn0.0.1")
@@ -653,6 +683,46 @@ def test_bad_replicas_are_refused_with_a_clear_status_and_the_held_replica_stays
         assert refused['dmoe_replicas_refused_total{reason="mismatch"}'] == 2
         assert refused['dmoe_replicas_refused_total{reason="not_owner"}'] == 1
         assert receiver.stop() == 0
+
+
+def test_an_attacker_pushing_many_replicas_evicts_no_honest_one_and_none_of_a_layer_not_held(tmp_path):
+    """A holder's whole budget used to be flushed by one key that declared made-up uids (any layer, any coordinates)
+    and pushed valid snapshots of them: the honest owner's replica went, and its pusher never knew."""
+    uid = "ffn0.1.2"
+    backend = expert_server(uid).backends[uid]
+    train(backend, 2)
+    size = len(sign(take(backend), Identity()).body) + 1024
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        procs.append(holder := Proc(server_args(peer, "ffn0.0.0", tmp_path / "held", "--replica-budget-mb",
+                                                f"{4.5 * size / 2**20}", "--metrics-port", "0")))
+        endpoint = holder.endpoint()
+        channels = ReplicaChannels()
+        stub = channels.stub(endpoint)
+        owner, attacker = Identity(), Identity()
+        with DHT(initial_peers=[peer], identity=owner) as honest, DHT(initial_peers=[peer], identity=attacker) as evil:
+            assert declare_experts(honest, [uid], "127.0.0.1:1", expiration=120) == [True]
+            held = sign(take(backend), owner)
+            assert push_snapshot(stub, endpoint, held) == 2
+            made_up = [f"ffn0.9.{i}" for i in range(6)] + ["zz0.0"]
+            assert all(declare_experts(evil, made_up, "127.0.0.1:1", expiration=120))
+            for fake in made_up[:-1]:
+                snapshot = take(backend)
+                snapshot.uid = fake
+                assert push_snapshot(stub, endpoint, sign(snapshot, attacker)) == 2  # taken, in its own share
+            kept = fetch_snapshot(stub, endpoint, uid, max_bytes=1 << 30)
+            assert kept.header.sha256 == held.header.sha256
+            snapshot.uid = "zz0.0"
+            with pytest.raises(ReplicaError) as refused:
+                push_snapshot(stub, endpoint, sign(snapshot, attacker))
+            assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert "holds replicas of layer ffn0 only, not of zz0 (zz0.0)" in refused.value.message
+        channels.close()
+        assert sorted(path.name for path in (tmp_path / "held").glob("*.replica")) == [
+            f"{uid}.replica", "ffn0.9.3.replica", "ffn0.9.4.replica", "ffn0.9.5.replica"]
+        assert metrics_of(holder)['dmoe_replicas_refused_total{reason="layer"}'] == 1
+        assert holder.stop() == 0
 
 
 @pytest.mark.parametrize("endpoint, machine", [("127.0.0.1:5000", None), ("127.0.0.1:5000", "9f3a0c1d2e4b5a6c"),

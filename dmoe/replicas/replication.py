@@ -93,7 +93,10 @@ class Replication:
         self.metrics = ReplicaMetrics(server.metrics.registry, self.store)
         self.template = server.backend_factory(TEMPLATE_UID)
         self.channels = ReplicaChannels()
-        self.servicer = ReplicaServicer(self.store, self.template, lambda uid: owner_of(dht, uid), self.metrics)
+        # the layers this server announces itself a host of, and the only ones whose replicas it takes
+        self.layers = sorted({split_uid(uid)[0] for uid in server.backends} | set(config.layers))
+        self.servicer = ReplicaServicer(self.store, self.template, lambda uid: owner_of(dht, uid), self.metrics,
+                                        layers=self.layers)
         self.pusher = ReplicaPusher(server, dht, dht.identity, replicas=config.replicas, interval=config.interval,
                                     compression=parse_compression(config.compression), metrics=self.metrics,
                                     channels=self.channels, machine=config.machine, store=self.store)
@@ -114,7 +117,7 @@ class Replication:
         announcer = server.announcer
         refresh = announcer.refresh_period if announcer is not None else 10.0
         expiration = announcer.expiration if announcer is not None else 3 * refresh
-        layers = sorted({split_uid(uid)[0] for uid in server.backends} | set(self.config.layers))
+        layers = self.layers
         drop_unowned(server, self.dht)
         adopted = [adoption for uid, adoption in self.restored.items() if uid in server.backends]
         if adopted:  # started from another server's replica, and owned now: an adoption like the adopter's

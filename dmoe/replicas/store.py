@@ -5,10 +5,15 @@
 digest still vouch for them, and :meth:`ReplicaStore.get` can serve them to an adopter unchanged). Writes go through
 :func:`dmoe.server.checkpoints.write_atomically`: a crash leaves the old replica or the new one, never half of one.
 
-The newest replica of each expert is kept (the receiver refuses older ones before they get here), and when the
-budget is full the replicas received longest ago make room: their experts' owners have stopped pushing them
-(moved their replicas to closer servers, or left and were adopted elsewhere) while the newest arrivals are of
-experts that are alive.
+The newest replica of each expert is kept (the receiver refuses older ones before they get here). The budget is
+shared: when it is full, room is made in the share holding the most bytes (the new replica counted in its own),
+so that nobody evicts anyone else's replicas by pushing many of its own (any key may declare unused uids and push
+valid snapshots of them). A share is the machine that pushed the replicas (an IPv4 address or an IPv6 /64, as
+:func:`dmoe.endpoints.machine_of` counts them: keys cost nothing to make, machines do), or, where that is not
+known (written by this server itself, or received before a restart), their signer; within the share, the signer
+holding the most gives way, and of its replicas the one received longest ago: its owner has stopped pushing it
+(moved its replicas to closer servers, or left and was adopted elsewhere) while the newest arrivals are of experts
+that are alive.
 
 One server at a time: a store holds an exclusive lock on ``DIR/.replicas.lock`` (:func:`dmoe.locking.lock_file`)
 until :meth:`ReplicaStore.close` or its process ends. Two servers on one directory would read each other's files,
@@ -18,10 +23,12 @@ The lock file is not the checkpoint directory's (``.lock``): one directory may s
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -54,6 +61,7 @@ class HeldReplica:
     header: dmoe_pb2.ReplicaHeader
     nbytes: int           # on disk
     received_at: float    # time.time() it was written (the file's mtime after a restart)
+    source: str | None = None  # the machine that pushed it; None: written here, or received before a restart
 
     @property
     def updates(self) -> int:
@@ -117,7 +125,7 @@ class ReplicaStore:
                 continue
             stat = path.stat()
             self._held[header.uid] = HeldReplica(header, stat.st_size, stat.st_mtime)
-        over = self._to_evict("", 0)  # a budget lowered since they were written
+        over = self._to_evict("", None)  # a budget lowered since they were written
         if over:
             logger.info("removing %d replicas received longest ago, beyond the budget of %d bytes: %s", len(over),
                         self.budget_bytes, ", ".join(over))
@@ -151,9 +159,10 @@ class ReplicaStore:
                 return None
             return read_replica(self._path(uid))
 
-    def put(self, signed: SignedSnapshot) -> list[str]:
+    def put(self, signed: SignedSnapshot, source: str | None = None) -> list[str]:
         """Writes ``signed`` (already checked) over whatever was held of its expert; returns the uids whose
-        replicas were removed to make room. Raises SnapshotRefused when it alone exceeds the budget."""
+        replicas were removed to make room (see the module doc: ``source`` is the machine that pushed it, None
+        for a replica of this server's own). Raises SnapshotRefused when it alone exceeds the budget."""
         header_bytes = signed.header.SerializeToString()
         data = b"".join((MAGIC, len(header_bytes).to_bytes(_LENGTH_BYTES, "big"), header_bytes, signed.body))
         if len(data) > self.budget_bytes:
@@ -161,28 +170,33 @@ class ReplicaStore:
                                   f"replica of {signed.uid} has {len(data)} bytes, more than this server's replica "
                                   f"budget of {self.budget_bytes}")
         with self._lock:
-            evicted = self._to_evict(signed.uid, len(data))
+            incoming = HeldReplica(signed.header, len(data), time.time(), source)
+            evicted = self._to_evict(signed.uid, incoming)
             # written first: a write that fails (a full disk) must not cost the replicas it would evict; the budget
             # is what bounds the directory, so the disk must have room for it
             write_atomically(self._path(signed.uid), data)
             self._remove(evicted)
-            self._held[signed.uid] = HeldReplica(signed.header, len(data), time.time())
-        self.evicted += len(evicted)
-        if evicted:
-            logger.info("replica budget full: removed the replicas received longest ago (%s) for %s",
-                        ", ".join(evicted), signed.uid)
+            self._held[signed.uid] = incoming
+        self._evicted(evicted, signed.uid)
         return evicted
 
-    def _to_evict(self, uid: str, nbytes: int) -> list[str]:
-        """The replicas received longest ago that must go for ``nbytes`` of ``uid`` to fit the budget."""
+    def _evicted(self, evicted: list[str], uid: str) -> None:
+        self.evicted += len(evicted)
+        if evicted:
+            logger.info("replica budget full: removed %s, of the share of the budget holding the most, for %s",
+                        ", ".join(evicted), uid)
+
+    def _to_evict(self, uid: str, incoming: HeldReplica | None) -> list[str]:
+        """The replicas that must go for ``incoming`` (of ``uid``, replacing what is held of it) to fit the
+        budget, in the order :func:`_victim` picks them."""
+        others = {other: held for other, held in self._held.items() if other != uid}
+        nbytes = incoming.nbytes if incoming is not None else 0
+        used = sum(held.nbytes for held in others.values())
         evicted = []
-        used = sum(held.nbytes for other, held in self._held.items() if other != uid)
-        for other, held in sorted(self._held.items(), key=lambda item: item[1].received_at):
-            if used + nbytes <= self.budget_bytes:
-                break
-            if other != uid:
-                used -= held.nbytes
-                evicted.append(other)
+        while others and used + nbytes > self.budget_bytes:
+            victim = _victim(others, incoming)
+            used -= others.pop(victim).nbytes
+            evicted.append(victim)
         return evicted
 
     def _remove(self, uids: list[str]) -> None:
@@ -197,7 +211,7 @@ class ReplicaStore:
             if held is not None:
                 now = time.time()
                 os.utime(self._path(uid), (now, now))
-                self._held[uid] = HeldReplica(held.header, held.nbytes, now)
+                self._held[uid] = replace(held, received_at=now)
 
     def remove(self, uid: str) -> None:
         with self._lock:
@@ -206,6 +220,35 @@ class ReplicaStore:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def share(held: HeldReplica) -> tuple[str, str]:
+    """Whose share of the budget a replica counts in: the machine that pushed it, or where that is not known (this
+    server's own replicas, and those received before a restart) its signer."""
+    return ("machine", held.source) if held.source is not None else ("signer", held.signer.hex())
+
+
+def _signer(held: HeldReplica) -> bytes:
+    return held.signer
+
+
+def _victim(held: dict[str, HeldReplica], incoming: HeldReplica | None) -> str:
+    """The uid of the replica in ``held`` to evict first: of the share holding the most bytes (``incoming``, which
+    is never evicted, counted in its own), of its signer holding the most, the replica received longest ago. Equal
+    holdings: the one whose oldest replica is older gives way."""
+    counted = [*held.values(), *([incoming] if incoming is not None else [])]
+    candidates = dict(held)
+    for level in (share, _signer):
+        totals: Counter = Counter()
+        for replica in counted:
+            totals[level(replica)] += replica.nbytes
+        oldest: dict = {}
+        for replica in candidates.values():
+            oldest[level(replica)] = min(oldest.get(level(replica), math.inf), replica.received_at)
+        chosen = max(oldest, key=lambda key: (totals[key], -oldest[key]))
+        candidates = {uid: replica for uid, replica in candidates.items() if level(replica) == chosen}
+        counted = [replica for replica in counted if level(replica) == chosen]
+    return min(candidates, key=lambda uid: candidates[uid].received_at)
 
 
 def read_replica(path: str | os.PathLike) -> SignedSnapshot:
