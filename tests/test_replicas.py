@@ -39,10 +39,12 @@ from dmoe.replicas import (
     take,
 )
 from dmoe.replicas.records import distance, holders, host_value, hosts_key, parse_host, replicas_key, server_subkey
+from dmoe.replicas import service as service_module
 from dmoe.replicas import store as store_module
+from dmoe.replicas.snapshots import signed_fields
 from dmoe.replicas.store import LOCK_FILENAME, ReplicaDirectoryInUse, read_replica
 from dmoe.server import ExpertServer, ServerConfig
-from dmoe.wire import FLOAT16, NONE, UINT8, dmoe_pb2, serialize
+from dmoe.wire import FLOAT16, NONE, UINT8, dmoe_pb2, dmoe_pb2_grpc, grpc_options, serialize
 from dmoe.wire.codec import deserialize
 from tests.procs import Proc, processes
 
@@ -265,8 +267,8 @@ def test_replica_flags_without_a_replica_dir_are_refused_naming_the_flag(capsys)
 
 # ---- against real processes ----------------------------------------------------------------------------------
 
-def server_args(peer: str, experts: str, replica_dir: Path, *extra: str) -> list[str]:
-    return ["-m", "dmoe.cli.server", "--experts", experts, "--hidden-dim", str(HIDDEN), "--optimizer", "adam",
+def server_args(peer: str, experts: str, replica_dir: Path, *extra: str, hidden: int = HIDDEN) -> list[str]:
+    return ["-m", "dmoe.cli.server", "--experts", experts, "--hidden-dim", str(hidden), "--optimizer", "adam",
             "--lr", "0.01", "--torch-threads", "1", "--initial-peers", peer, "--refresh-period", "1",
             "--expiration", str(EXPIRATION), "--replica-dir", str(replica_dir), "--replica-interval", str(INTERVAL),
             "--log-level", "WARNING", *extra]
@@ -660,6 +662,12 @@ def test_bad_replicas_are_refused_with_a_clear_status_and_the_held_replica_stays
                 push_bytes(iter([b"\xff\xff not a protobuf"]), timeout=30)  # bytes that are no message at all
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "not a valid message" in refused.value.details()
+            with grpc.insecure_channel(endpoint) as channel, pytest.raises(grpc.RpcError) as refused:
+                fetch_bytes = channel.unary_stream("/dmoe.ReplicaService/fetch", request_serializer=None,
+                                                   response_deserializer=None)
+                list(fetch_bytes(b"\xff\xff not a protobuf", timeout=30))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "/dmoe.ReplicaService/fetch: the request bytes are not a valid message" in refused.value.details()
             with pytest.raises(ReplicaError) as refused:  # an older one from the same owner: the newest is kept
                 push_snapshot(stub, endpoint, sign(take(expert_server(uid).backends[uid]), owner))
             assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION and "newer replica" in str(refused.value)
@@ -723,6 +731,150 @@ def test_an_attacker_pushing_many_replicas_evicts_no_honest_one_and_none_of_a_la
             f"{uid}.replica", "ffn0.9.3.replica", "ffn0.9.4.replica", "ffn0.9.5.replica"]
         assert metrics_of(holder)['dmoe_replicas_refused_total{reason="layer"}'] == 1
         assert holder.stop() == 0
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return 1024 * int(next(line for line in status if line.startswith("VmRSS")).split()[1])
+
+
+def test_open_pushes_and_unread_fetches_hold_no_snapshot_in_the_holders_memory(tmp_path):
+    """The holder used to keep every pushed message in memory until the stream ended (each push announcing up to
+    the whole --replica-budget-mb), and to read a fetched replica whole and keep it while the caller read nothing,
+    with no bound on the calls open at once: N such calls held N snapshots. Pushes are streamed to disk now,
+    fetches read a message at a time, and calls beyond the caps are refused."""
+    hidden, uid, fake = 768, "ffn0.1.2", "ffn0.9.9"
+    backend = expert_server(uid, hidden=hidden).backends[uid]
+    train(backend, 1)
+    owner, attacker = Identity(), Identity()
+    held = sign(take(backend), owner)
+    snapshot = take(backend)
+    snapshot.uid = fake
+    hostile = sign(snapshot, attacker)
+    size = len(held.body)  # ~56 MB: weights and Adam's two moments
+    sent = list(hostile.chunks())[:-1]
+    directory = tmp_path / "held"
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        procs.append(holder := Proc(server_args(peer, "ffn0.0.0", directory, hidden=hidden)))
+        endpoint = holder.endpoint()
+        channels = ReplicaChannels()
+        stub = channels.stub(endpoint)
+        # the calls left open go on connections of their own, whose flow-control windows do not grow: this process
+        # would read their answers into its own memory otherwise (gRPC reads a connection's streams ahead, up to
+        # their windows), and the holder, its part sent, would end them
+        apart = [grpc.insecure_channel(endpoint, options=[*grpc_options(), ("grpc.use_local_subchannel_pool", 1),
+                                                          ("grpc.http2.bdp_probe", 0)]) for _ in range(2)]
+        pushing, fetching = (dmoe_pb2_grpc.ReplicaServiceStub(channel) for channel in apart)
+        release = threading.Event()
+
+        def all_but_the_last_message():
+            yield from sent
+            release.wait(60)
+
+        with DHT(initial_peers=[peer], identity=owner) as honest, DHT(initial_peers=[peer], identity=attacker) as evil:
+            assert declare_experts(honest, [uid], "127.0.0.1:1", expiration=120) == [True]
+            assert declare_experts(evil, [fake], "127.0.0.1:1", expiration=120) == [True]
+            assert push_snapshot(stub, endpoint, held) == 1
+            too_large = dmoe_pb2.ReplicaHeader()
+            too_large.CopyFrom(hostile.header)
+            too_large.size = 4 * size
+            too_large.signature = attacker.sign(*signed_fields(too_large))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.push(iter([dmoe_pb2.ReplicaChunk(header=too_large)]), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "more than a snapshot of this server's experts can take" in refused.value.details()
+
+            before = rss_bytes(holder.popen.pid)
+            count = service_module.MAX_PUSHES_PER_MACHINE - 1  # (the last one for the honest push below)
+            pushes = [pushing.push.future(all_but_the_last_message(), timeout=60) for _ in range(count)]
+            fetches = [fetching.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=60) for _ in range(count)]
+            assert all(next(call).header.sha256 == held.header.sha256 for call in fetches)  # then read nothing
+
+            def spooled() -> int:
+                return sum(path.stat().st_size for path in directory.glob(f"{fake}.replica.*.tmp"))
+            wait_until(lambda: spooled() >= count * (size - 2**20) or rss_bytes(holder.popen.pid) - before
+                       > 3 * size, 60, f"{count} pushes sending all but their last message")
+            time.sleep(1)
+            grown = rss_bytes(holder.popen.pid) - before  # (gRPC's buffers and the allocator's: tens of MB)
+            assert grown < 3 * size, f"{count} open pushes and {count} unread fetches of {size / 2**20:.0f} MiB " \
+                                     f"snapshots grew the holder by {grown / 2**20:.0f} MiB"
+
+            train(backend, 1)  # meanwhile an honest push and fetch go through
+            newer = sign(take(backend), owner)
+            assert push_snapshot(stub, endpoint, newer) == 2
+            assert fetch_snapshot(stub, endpoint, uid, max_bytes=1 << 30).header.sha256 == newer.header.sha256
+            # and beyond the caps, calls are refused rather than held
+            pushes.append(pushing.push.future(all_but_the_last_message(), timeout=60))
+            wait_until(lambda: spooled() >= (count + 1) * (size - 2**20), 60, "one push more")
+            with pytest.raises(ReplicaError) as refused:
+                push_snapshot(stub, endpoint, newer)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at most 8 replica pushes of one machine (127.0.0.1) at once" in refused.value.message
+            fetches.append(fetching.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=60))
+            next(fetches[-1])
+            with pytest.raises(ReplicaError) as refused:
+                fetch_snapshot(stub, endpoint, uid, max_bytes=1 << 30)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at most 8 replica fetches of one machine (127.0.0.1) at once" in refused.value.message
+
+            release.set()
+            for call in fetches:
+                call.cancel()
+            for push in pushes:
+                assert push.exception(60).code() == grpc.StatusCode.INVALID_ARGUMENT  # truncated
+            wait_until(lambda: not list(directory.glob("*.tmp")), 10, "the holder removing what it spooled")
+            assert fetch_snapshot(stub, endpoint, uid, max_bytes=1 << 30).header.sha256 == newer.header.sha256
+        channels.close()
+        for channel in apart:
+            channel.close()
+        assert holder.stop() == 0
+
+
+def test_a_push_or_fetch_that_stalls_is_ended_and_a_repeated_push_costs_no_bytes(tmp_path):
+    """Calls open at once are capped, so one that sends or reads nothing must not hold its place for ever."""
+    uid, hidden = "ffn0.1.2", 256
+    backend = expert_server(uid, hidden=hidden).backends[uid]
+    train(backend, 1)
+    with DHT() as node, DHT(initial_peers=[node.endpoint]) as owner, DHT(initial_peers=[node.endpoint]) as own:
+        server = expert_server("ffn0.0.0", hidden=hidden)
+        replication = Replication(server, ReplicaConfig(str(tmp_path), replicas=0), dht=own)
+        servicer = replication.servicer
+        servicer.stall_seconds = 1.0
+        # (flow-control windows that do not grow: a fetch's answer is not read ahead into this process, see above)
+        options = [*grpc_options(), ("grpc.http2.bdp_probe", 0)]
+        with server, grpc.insecure_channel(server.endpoint, options=options) as channel:
+            stub = dmoe_pb2_grpc.ReplicaServiceStub(channel)
+            assert declare_experts(owner, [uid], "127.0.0.1:1", expiration=120) == [True]
+            held = sign(take(backend), owner.identity)
+            assert push_snapshot(stub, server.endpoint, held) == 1
+            # the same replica again: answered from its header, the bytes are not read (nor sent, past the first)
+            assert stub.push(iter(list(held.chunks())[:1]), timeout=30).updates == 1
+
+            train(backend, 1)
+            release = threading.Event()
+
+            def header_then_nothing():
+                yield next(sign(take(backend), owner.identity).chunks())
+                release.wait(30)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as ended:
+                stub.push(header_then_nothing(), timeout=30)
+            release.set()
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ended.value
+            assert f"the push of {uid} sent nothing for 1 s" in ended.value.details()
+            assert time.monotonic() - started < 10 and not list(tmp_path.glob("*.tmp"))
+
+            call = stub.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=30)
+            assert next(call).header.sha256 == held.header.sha256  # (the header comes alone)
+            wait_until(lambda: not servicer._open["fetch"], 10, "the holder ending the fetch read no further")
+            with pytest.raises(grpc.RpcError) as ended:
+                list(call)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert f"the fetch of {uid} read nothing for 1 s" in ended.value.details()
+            assert not servicer._open["push"]
+            assert fetch_snapshot(stub, server.endpoint, uid, max_bytes=1 << 30).header.sha256 == held.header.sha256
 
 
 @pytest.mark.parametrize("endpoint, machine", [("127.0.0.1:5000", None), ("127.0.0.1:5000", "9f3a0c1d2e4b5a6c"),

@@ -7,7 +7,8 @@ Series:
                                             ok, refused (the receiver answered why) or failed (unreachable, timeout)
     dmoe_replicas_refused_total{reason}     replicas this server refused to keep, by reason (signature, not_owner,
                                             older, too_large, truncated, digest, malformed, mismatch, updates,
-                                            layer: of a layer this server does not hold replicas of)
+                                            layer: of a layer this server does not hold replicas of, busy: too
+                                            many pushes at once, stalled: a push that sent nothing for a minute)
     dmoe_replicas_adopted_total             experts this server adopted from a replica
     dmoe_replicas_started_fresh_total       experts this server started from fresh weights although their cell may
                                             have trained before: no replica of them anywhere (lost training)

@@ -7,13 +7,22 @@ outlive its declaration), unless its bytes are all there and are what the header
 this server's own experts (``template``) with an update count its optimizer state agrees with. A refused push never
 touches what was held: the new replica is written (atomically) only after every check passed. Accepted replicas
 count in the share of the budget of the machine that pushed them (see :mod:`dmoe.replicas.store`).
+
+What a call may cost the server is bounded. A push may announce no more bytes than a snapshot of this server's
+experts can take (:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`); its bytes go to a temporary file as they arrive, not to memory, and the
+state is checked (the one step that holds a whole snapshot in memory) one push at a time. A fetch reads the
+replica's file a message at a time, as the caller reads. Pushes and fetches open at once are capped, in all and
+per calling machine, and so are the bytes that open pushes announce (RESOURCE_EXHAUSTED naming the cap); a call
+that sends or reads nothing for ``stall_seconds`` is ended (DEADLINE_EXCEEDED), so idle calls cannot hold the caps.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
-from typing import AsyncIterator, Callable, Collection
+from collections import Counter
+from typing import AsyncIterator, Callable, Collection, Iterator
 
 import grpc
 
@@ -22,13 +31,13 @@ from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.records import SIGNER_HEX
 from dmoe.replicas.snapshots import (
     CHUNK_BYTES,
-    SignedSnapshot,
     SnapshotRefused,
     check_header,
     check_state,
+    max_snapshot_bytes,
     open_body,
 )
-from dmoe.replicas.store import ReplicaStore
+from dmoe.replicas.store import Incoming, ReplicaStore
 from dmoe.server.backend import ExpertBackend
 from dmoe.uid import split_uid
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
@@ -38,63 +47,136 @@ logger = logging.getLogger(__name__)
 #: reads the directory: the public key that owns a uid now, None when nobody declares it (blocking; run in a thread)
 OwnerLookup = Callable[[str], "bytes | None"]
 
+#: pushes received at once, in all and from one machine (the pushers of a ``--processes`` server share one)
+MAX_PUSHES, MAX_PUSHES_PER_MACHINE = 32, 8
+#: fetches served at once, in all and to one machine
+MAX_FETCHES, MAX_FETCHES_PER_MACHINE = 32, 8
+#: seconds a push may send nothing, or a fetch read nothing, before the server ends it
+STALL_SECONDS = 60.0
+
 
 class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
     """Implements ``ReplicaService`` of proto/dmoe.proto over a :class:`ReplicaStore`.
 
     Args:
         store: where accepted replicas go.
-        template: one expert as this server builds them; replicas must fit it (class, hyperparameters, shapes).
+        template: one expert as this server builds them; replicas must fit it (class, hyperparameters, shapes), and
+            none may be larger than a snapshot of it can be (:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`).
         owner_of: the directory's owner of a uid (see :func:`dmoe.replicas.records.owner_of`).
         metrics: counts refusals by reason.
         chunk_bytes: bytes per message of a fetched replica.
         layers: the layers whose replicas this server receives (announced as their host); None: any.
+        max_pushes, max_fetches: calls open at once, in all and per calling machine (see the module doc).
+        stall_seconds: how long a push may send nothing, or a fetch read nothing, before it is ended.
     """
 
     def __init__(self, store: ReplicaStore, template: ExpertBackend, owner_of: OwnerLookup,
                  metrics: ReplicaMetrics | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 layers: Collection[str] | None = None):
+                 layers: Collection[str] | None = None, *,
+                 max_pushes: tuple[int, int] = (MAX_PUSHES, MAX_PUSHES_PER_MACHINE),
+                 max_fetches: tuple[int, int] = (MAX_FETCHES, MAX_FETCHES_PER_MACHINE),
+                 stall_seconds: float = STALL_SECONDS):
         self.store, self.template, self.owner_of = store, template, owner_of
         self.metrics, self.chunk_bytes = metrics, chunk_bytes
         self.layers = frozenset(layers) if layers is not None else None
+        self.max_bytes = min(max_snapshot_bytes(template), store.budget_bytes)
+        self.stall_seconds = stall_seconds
+        self._limits = {"push": max_pushes, "fetch": max_fetches}
+        self._open: dict[str, Counter] = {"push": Counter(), "fetch": Counter()}  # kind -> machine -> calls open
+        self._announced = 0  # bytes the open pushes announced
+        self._checking = asyncio.Semaphore(1)  # (bound to the gRPC loop at its first use)
         self.accepted = 0
 
-    async def push(self, request_iterator: AsyncIterator[dmoe_pb2.ReplicaChunk], context) -> dmoe_pb2.ReplicaAck:
+    @contextlib.contextmanager
+    def _slot(self, kind: str, machine: str) -> Iterator[None]:
+        """Counts a call open for as long as it runs; SnapshotRefused (RESOURCE_EXHAUSTED) when it would exceed
+        its caps. (Every call runs on the server's one event loop: no lock needed.)"""
+        most, per_machine = self._limits[kind]
+        calls = self._open[kind]
+        if sum(calls.values()) >= most:
+            raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy",
+                                  f"this server serves at most {most} replica {kind}es at once; try again later")
+        if calls[machine] >= per_machine:
+            raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy",
+                                  f"this server serves at most {per_machine} replica {kind}es of one machine "
+                                  f"({machine}) at once; try again later")
+        calls[machine] += 1
         try:
-            updates = await self._receive(request_iterator, peer_machine(context.peer()))
+            yield
+        finally:
+            calls[machine] -= 1
+            if not calls[machine]:
+                del calls[machine]
+
+    def _refused(self, refused: SnapshotRefused, what: str, count: bool = True) -> None:
+        if self.metrics is not None and count:
+            self.metrics.refused.labels(refused.reason).inc()
+        (logger.debug if refused.reason == "busy" else logger.info)("refused %s: %s", what, refused.message)
+
+    async def push(self, request_iterator: AsyncIterator[dmoe_pb2.ReplicaChunk], context) -> dmoe_pb2.ReplicaAck:
+        machine = peer_machine(context.peer())
+        try:
+            with self._slot("push", machine):
+                updates = await self._receive(request_iterator, machine)
         except SnapshotRefused as refused:
-            if self.metrics is not None:
-                self.metrics.refused.labels(refused.reason).inc()
-            logger.info("refused a replica: %s", refused.message)
+            self._refused(refused, "a replica")
             await context.abort(refused.code, refused.message)
         return dmoe_pb2.ReplicaAck(updates=updates)
 
+    async def _next(self, chunks: AsyncIterator[dmoe_pb2.ReplicaChunk], what: str) -> dmoe_pb2.ReplicaChunk | None:
+        try:
+            return await asyncio.wait_for(anext(chunks, None), self.stall_seconds)
+        except asyncio.TimeoutError:
+            raise SnapshotRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "stalled",
+                                  f"the push of {what} sent nothing for {self.stall_seconds:g} s") from None
+
     async def _receive(self, chunks: AsyncIterator[dmoe_pb2.ReplicaChunk], source: str) -> int:
-        first = await anext(chunks, None)
+        first = await self._next(chunks, "a replica")
         if first is None or not first.HasField("header"):
             raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
                                   "a replica stream must start with its header")
         header = first.header
         check_header(header, self.store.budget_bytes)
+        if header.size > self.max_bytes:
+            raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large",
+                                  f"replica of {header.uid} has {header.size} bytes, more than a snapshot of this "
+                                  f"server's experts can take ({self.max_bytes})")
         self._check_layer(header.uid)
         await self._check_signer(header)
-        received, total = [first.data], len(first.data)
-        async for chunk in chunks:
-            if chunk.HasField("header"):
-                raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
-                                      f"the replica stream of {header.uid} carries a second header")
-            total += len(chunk.data)
-            if total > header.size:
-                raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
-                                      f"the replica stream of {header.uid} carries more than the {header.size} bytes "
-                                      "its header announced")
-            received.append(chunk.data)
-        signed = SignedSnapshot(header, b"".join(received))
         held = self.store.header(header.uid)
         if held is not None and held.sha256 == header.sha256 and held.signer == header.signer:
-            await asyncio.to_thread(self.store.touch, header.uid)  # the same replica again: nothing to write
+            # the same replica again (its signature vouches for the size and digest of the bytes held): nothing to
+            # read or write
+            await asyncio.to_thread(self.store.touch, header.uid)
             return held.updates
-        await asyncio.to_thread(self._check_and_store, signed, source)
+        if self._announced + header.size > self.store.budget_bytes:
+            raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy",
+                                  f"the replicas this server receives now take its whole replica budget "
+                                  f"({self.store.budget_bytes} bytes); try again later")
+        self._announced += header.size
+        incoming: Incoming | None = None
+        try:
+            incoming = await asyncio.to_thread(self.store.receive, header)
+            chunk: dmoe_pb2.ReplicaChunk | None = first
+            while chunk is not None:
+                if chunk.data:
+                    if incoming.received + len(chunk.data) > header.size:
+                        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                              f"the replica stream of {header.uid} carries more than the "
+                                              f"{header.size} bytes its header announced")
+                    await asyncio.to_thread(incoming.write, chunk.data)
+                chunk = await self._next(chunks, header.uid)
+                if chunk is not None and chunk.HasField("header"):
+                    raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                          f"the replica stream of {header.uid} carries a second header")
+            incoming.check()
+            await asyncio.to_thread(incoming.finish)  # (synced before the queue: no push waits on another's disk)
+            async with self._checking:  # one at a time: the check holds the whole snapshot in memory
+                await asyncio.to_thread(self._check_and_commit, incoming, source)
+        finally:
+            self._announced -= header.size
+            if incoming is not None:
+                await asyncio.to_thread(incoming.discard)
         self.accepted += 1
         logger.debug("holding a replica of %s with %d updates", header.uid, header.updates)
         return header.updates
@@ -127,19 +209,49 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                                   f"this server holds a newer replica of {header.uid} ({held.updates} updates) "
                                   f"from the same owner than this one ({header.updates})")
 
-    def _check_and_store(self, signed: SignedSnapshot, source: str) -> None:
-        check_state(open_body(signed), self.template)
-        self.store.put(signed, source)
+    def _check_and_commit(self, incoming: Incoming, source: str) -> None:
+        check_state(open_body(incoming.signed()), self.template)
+        incoming.commit(source)
 
-    async def fetch(self, request: dmoe_pb2.ReplicaQuery, context) -> AsyncIterator[dmoe_pb2.ReplicaChunk]:
+    async def fetch(self, request: dmoe_pb2.ReplicaQuery, context) -> None:
+        """Streams the replica of ``request.uid``: its header alone first (a caller that only wants the header,
+        as adoption's votes do, cancels after it and costs no read of the bytes), then the bytes, read from the
+        file a message at a time as the caller reads them."""
         try:
-            signed = await asyncio.to_thread(self.store.get, request.uid)
+            with self._slot("fetch", peer_machine(context.peer())):
+                await self._serve(request.uid, context)
+        except SnapshotRefused as refused:
+            self._refused(refused, f"a fetch of {request.uid}", count=False)
+            await context.abort(refused.code, refused.message)
+
+    async def _serve(self, uid: str, context) -> None:
+        try:
+            opened = await asyncio.to_thread(self.store.open_replica, uid)
         except (OSError, ValueError) as error:
-            await context.abort(grpc.StatusCode.INTERNAL, f"the replica of {request.uid} cannot be read: {error}")
-        if signed is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"this server holds no replica of {request.uid!r}")
-        for chunk in signed.chunks(self.chunk_bytes):
-            yield chunk
+            raise SnapshotRefused(grpc.StatusCode.INTERNAL, "unreadable",
+                                  f"the replica of {uid} cannot be read: {error}") from None
+        if opened is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this server holds no replica of {uid!r}")
+        header, file = opened
+        try:
+            await self._write(context, dmoe_pb2.ReplicaChunk(header=header), uid)
+            remaining = header.size
+            while remaining:
+                data = await asyncio.to_thread(file.read, min(self.chunk_bytes, remaining))
+                if not data:
+                    raise SnapshotRefused(grpc.StatusCode.INTERNAL, "unreadable",
+                                          f"the replica file of {uid} ended {remaining} bytes early")
+                remaining -= len(data)
+                await self._write(context, dmoe_pb2.ReplicaChunk(data=data), uid)
+        finally:
+            file.close()
+
+    async def _write(self, context, chunk: dmoe_pb2.ReplicaChunk, uid: str) -> None:
+        try:
+            await asyncio.wait_for(context.write(chunk), self.stall_seconds)
+        except asyncio.TimeoutError:
+            raise SnapshotRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "stalled",
+                                  f"the fetch of {uid} read nothing for {self.stall_seconds:g} s") from None
 
 
 def peer_machine(peer: str) -> str:

@@ -2,8 +2,11 @@
 
 ``DIR/<uid>.replica`` holds a magic string, the length of the header, the serialized
 :class:`~dmoe.wire.dmoe_pb2.ReplicaHeader` and the snapshot's bytes exactly as they arrived (so the signature and
-digest still vouch for them, and :meth:`ReplicaStore.get` can serve them to an adopter unchanged). Writes go through
-:func:`dmoe.server.checkpoints.write_atomically`: a crash leaves the old replica or the new one, never half of one.
+digest still vouch for them, and :meth:`ReplicaStore.open_replica` can serve them to an adopter unchanged, read a
+chunk at a time). A pushed replica is streamed into a temporary file beside it as it arrives, hashed on the way
+(:meth:`ReplicaStore.receive`), and renamed over the held one once every check passed; this server's own go through
+:func:`dmoe.server.checkpoints.write_atomically`. Either way a crash leaves the old replica or the new one, never
+half of one (and temporary files are removed as stale when the store opens).
 
 The newest replica of each expert is kept (the receiver refuses older ones before they get here). The budget is
 shared: when it is full, room is made in the share holding the most bytes (the new replica counted in its own),
@@ -22,21 +25,24 @@ The lock file is not the checkpoint directory's (``.lock``): one directory may s
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from dmoe.locking import InUse, lock_file
 from dmoe.replicas.snapshots import SignedSnapshot, SnapshotRefused
-from dmoe.server.checkpoints import TMP_SUFFIX, write_atomically
+from dmoe.server.checkpoints import TMP_SUFFIX, _fsync_directory, write_atomically
 from dmoe.uid import is_valid_uid
 from dmoe.wire import dmoe_pb2
 
@@ -159,6 +165,48 @@ class ReplicaStore:
                 return None
             return read_replica(self._path(uid))
 
+    def open_replica(self, uid: str) -> tuple[dmoe_pb2.ReplicaHeader, BinaryIO] | None:
+        """The header of the replica of ``uid`` and its file, positioned at the snapshot's first byte (the caller
+        reads ``header.size`` bytes and closes it; what it reads stays that replica even if a newer one replaces it
+        or it is evicted meanwhile); None when none is held. Raises OSError or ValueError for a damaged file."""
+        with self._lock:
+            if uid not in self._held:
+                return None
+            file = open(self._path(uid), "rb")
+        try:
+            head = file.read(len(MAGIC) + _LENGTH_BYTES)
+            length = _header_length(head)
+            header = dmoe_pb2.ReplicaHeader()
+            header.ParseFromString(file.read(length))
+            if header.uid != uid or os.fstat(file.fileno()).st_size != len(head) + length + header.size:
+                raise ValueError(f"the file does not match its header ({header.uid}, {header.size} bytes)")
+        except BaseException:
+            file.close()
+            raise
+        return header, file
+
+    def receive(self, header: dmoe_pb2.ReplicaHeader) -> "Incoming":
+        """A temporary file for the replica ``header`` announces, to write its bytes into as they arrive (see
+        :class:`Incoming`)."""
+        return Incoming(self, header)
+
+    def _commit(self, incoming: "Incoming", source: str | None) -> list[str]:
+        header = incoming.header
+        nbytes = os.stat(incoming.path).st_size
+        if nbytes > self.budget_bytes:
+            raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large",
+                                  f"replica of {header.uid} has {nbytes} bytes, more than this server's replica "
+                                  f"budget of {self.budget_bytes}")
+        with self._lock:
+            arrived = HeldReplica(header, nbytes, time.time(), source)
+            evicted = self._to_evict(header.uid, arrived)
+            os.replace(incoming.path, self._path(header.uid))  # written and synced: evicting now costs nothing more
+            _fsync_directory(self.directory)
+            self._remove(evicted)
+            self._held[header.uid] = arrived
+        self._evicted(evicted, header.uid)
+        return evicted
+
     def put(self, signed: SignedSnapshot, source: str | None = None) -> list[str]:
         """Writes ``signed`` (already checked) over whatever was held of its expert; returns the uids whose
         replicas were removed to make room (see the module doc: ``source`` is the machine that pushed it, None
@@ -220,6 +268,75 @@ class ReplicaStore:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+class Incoming:
+    """A replica arriving (:meth:`ReplicaStore.receive`): the file it will be, under a temporary name in the store's
+    directory. :meth:`write` its bytes as they come (hashed on the way: memory holds one message, not the replica),
+    :meth:`check` them against the header, :meth:`finish` (synced to disk), :meth:`commit` to hold it (over the
+    replica held of its expert, evicting what must go), or :meth:`discard` (also after a commit: then it does
+    nothing)."""
+
+    def __init__(self, store: ReplicaStore, header: dmoe_pb2.ReplicaHeader):
+        self.store, self.header = store, header
+        final = store._path(header.uid)
+        self.path = final.with_name(f"{final.name}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+        header_bytes = header.SerializeToString()
+        self._start = len(MAGIC) + _LENGTH_BYTES + len(header_bytes)
+        self._file: BinaryIO | None = open(self.path, "wb")
+        self._sha = hashlib.sha256()
+        self.received = 0
+        try:
+            self._file.write(b"".join((MAGIC, len(header_bytes).to_bytes(_LENGTH_BYTES, "big"), header_bytes)))
+        except BaseException:
+            self.discard()
+            raise
+
+    def write(self, data: bytes) -> None:
+        assert self._file is not None, "finished or discarded"
+        self._file.write(data)
+        self._sha.update(data)
+        self.received += len(data)
+
+    def check(self) -> None:
+        """Raises SnapshotRefused unless every byte the header announced arrived, and they match its SHA-256."""
+        header = self.header
+        if self.received != header.size:
+            raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "truncated",
+                                  f"the replica of {header.uid} is truncated: the stream ended after {self.received} "
+                                  f"of {header.size} bytes")
+        if self._sha.digest() != header.sha256:
+            raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "digest",
+                                  f"the bytes of the replica of {header.uid} do not match the SHA-256 of its header")
+
+    def finish(self) -> None:
+        """Every byte arrived: the file is synced to disk and closed (it is renamed as it is by :meth:`commit`)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def signed(self) -> SignedSnapshot:
+        """The replica as received (read back from the file: the whole snapshot in memory)."""
+        self.finish()
+        with open(self.path, "rb") as file:
+            file.seek(self._start)
+            return SignedSnapshot(self.header, file.read())
+
+    def commit(self, source: str | None = None) -> list[str]:
+        """Holds the replica (``source``: the machine that pushed it); returns the uids evicted to make room."""
+        self.finish()
+        try:
+            return self.store._commit(self, source)
+        finally:
+            self.discard()  # (renamed already, unless the commit failed)
+
+    def discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.path.unlink(missing_ok=True)
 
 
 def share(held: HeldReplica) -> tuple[str, str]:

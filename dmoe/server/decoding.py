@@ -6,6 +6,7 @@ value) and answers such a request with INVALID_ARGUMENT naming the message type,
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, AsyncIterator, Callable
 
 import grpc
@@ -65,6 +66,16 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=parse,
                                                        response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None and not inspect.isasyncgenfunction(handler.unary_stream):
+            behavior = handler.unary_stream
+
+            async def unary_stream_writing(request, context):  # a handler that sends with context.write
+                if isinstance(request, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message(method))
+                await behavior(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream_writing, request_deserializer=parse,
+                                                        response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             behavior = handler.unary_stream
 
