@@ -46,7 +46,7 @@ from dmoe.replicas.store import LOCK_FILENAME, ReplicaDirectoryInUse, read_repli
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import FLOAT16, NONE, UINT8, dmoe_pb2, dmoe_pb2_grpc, grpc_options, serialize
 from dmoe.wire.codec import deserialize
-from tests.procs import Proc, processes
+from tests.procs import Proc, processes, running
 
 HIDDEN = 8
 UID = "ffn0.1.2"
@@ -550,6 +550,59 @@ def test_replica_hosts_that_take_a_push_and_never_answer_stall_no_round_after_th
         released.set()
         for fake, _, _ in fakes:
             fake.stop(0)
+
+
+def test_a_host_that_lost_the_replica_pushed_to_it_gets_it_again_and_a_busy_one_is_not_left_out():
+    """A holder whose budget is full evicts replicas, and one that restarted holds none: the pusher took its word
+    from its own notes and pushed again only when the expert trained or after repush_every intervals. A holder busy
+    with other pushes (RESOURCE_EXHAUSTED) was left out of the next rounds as if it had failed."""
+    held: list = []  # the header of the replica the fake host holds (empty: none)
+    pushes, busy = [], threading.Event()
+
+    def push(chunks, context):
+        if busy.is_set():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "8 pushes of this machine in progress already")
+        chunks = list(chunks)
+        pushes.append(1)
+        held[:] = [chunks[0].header]
+        return dmoe_pb2.ReplicaAck(updates=chunks[0].header.updates)
+
+    def fetch(query, context):
+        if not held:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"this server holds no replica of {query.uid!r}")
+        yield dmoe_pb2.ReplicaChunk(header=held[0])
+
+    host = grpc.server(futures.ThreadPoolExecutor(4))
+    host.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dmoe.ReplicaService", {
+        "push": grpc.stream_unary_rpc_method_handler(push, dmoe_pb2.ReplicaChunk.FromString,
+                                                     dmoe_pb2.ReplicaAck.SerializeToString),
+        "fetch": grpc.unary_stream_rpc_method_handler(fetch, dmoe_pb2.ReplicaQuery.FromString,
+                                                      dmoe_pb2.ReplicaChunk.SerializeToString)}),))
+    endpoint = f"127.0.0.1:{host.add_insecure_port('127.0.0.1:0')}"
+    host.start()
+    try:
+        with running("-m", "dmoe.dht", "--port", "0") as node, \
+                DHT(initial_peers=[peer := node.endpoint()], identity=(owner := Identity())) as dht:
+            key = Identity()
+            with DHT(initial_peers=[peer], identity=key) as host_node:
+                assert host_node.store(hosts_key("ffn0"), server_subkey(key.public_key), endpoint, time.time() + 600)
+            server = expert_server(UID)
+            pusher = ReplicaPusher(server, dht, owner, replicas=1, interval=600)
+            try:
+                train(server.backends[UID], 1)
+                assert pusher.push_all() == {UID: [endpoint]} and len(pushes) == 1
+                assert pusher.push_all() == {UID: [endpoint]} and len(pushes) == 1  # held: asked, not pushed
+                held.clear()  # evicted (or the host restarted)
+                assert pusher.push_all() == {UID: [endpoint]} and len(pushes) == 2
+                train(server.backends[UID], 1)
+                busy.set()
+                assert pusher.push_all() == {UID: []}
+                busy.clear()
+                assert pusher.push_all() == {UID: [endpoint]} and len(pushes) == 3  # tried again at once
+            finally:
+                pusher.close(push=False)
+    finally:
+        host.stop(0)
 
 
 def test_a_second_server_on_the_same_replica_dir_is_refused_naming_the_flag(tmp_path):

@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="seconds between pushes (one also goes on shutdown); a SIGKILL loses at most about "
                                "this much training")
     replicas.add_argument("--replica-budget-mb", type=positive_float, default=1024.0,
-                          help="MiB of other servers' replicas kept in --replica-dir (the oldest go first)")
+                          help="MiB of other servers' replicas kept in --replica-dir (when full, the machine whose "
+                               "replicas take the most gives way first)")
     replicas.add_argument("--replica-compression", choices=sorted(COMPRESSIONS), default="none",
                           help="wire compression of the snapshots' weights (none: exact); the optimizer's state "
                                "always goes exact (Adam's second moments would round to 0 and wreck the first step "
@@ -184,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MiB of activations kept from a forward for its backward, which then skips recomputing "
                              "the forward, in the memory of the device the experts compute on (0: always recompute)")
     parser.add_argument("--max-queued-mb", type=positive_float, default=1024.0,
-                        help="MiB of request inputs waiting for (or in) the experts' compute, at most; requests "
-                             "beyond it are refused (RESOURCE_EXHAUSTED: clients move on to other experts)")
+                        help="MiB of request inputs waiting for (or in) the experts' compute, or still arriving in "
+                             "streamed calls, at most; requests beyond it are refused (RESOURCE_EXHAUSTED: clients "
+                             "move on to other experts)")
     parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
     parser.add_argument("--metrics-host", default=None,

@@ -34,7 +34,16 @@ import grpc
 from dmoe.dht import DHT, Identity
 from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.records import SIGNER_HEX, Host, distance, hosts_key, parse_host
-from dmoe.replicas.snapshots import CHUNK_BYTES, SignedSnapshot, SnapshotRefused, check_header, open_body, sign, take
+from dmoe.replicas.snapshots import (
+    CHUNK_BYTES,
+    SignedSnapshot,
+    SnapshotRefused,
+    check_header,
+    max_snapshot_bytes,
+    open_body,
+    sign,
+    take,
+)
 from dmoe.replicas.store import ReplicaStore
 from dmoe.uid import split_uid
 from dmoe.wire import NONE, dmoe_pb2, dmoe_pb2_grpc, grpc_options
@@ -55,6 +64,8 @@ ANSWER_SECONDS_PER_MIB = 0.05
 #: that refused an expert's snapshot is for that expert; afterwards it is tried after the hosts that did not fail
 #: (so only when they are too few), until a push to it succeeds again
 MAX_BACKOFF_ROUNDS = 32
+#: seconds to ask a host for the header of the replica it was pushed last (does it still hold it?)
+PROBE_TIMEOUT = 2.0
 #: seconds a push needs at least: a round's deadline closer than this starts no more pushes
 MIN_PUSH_SECONDS = 0.5
 #: the status codes of a push that did not reach a working replica service (the host's fault, for every expert)
@@ -346,9 +357,11 @@ class ReplicaPusher:
             held = self._pushed.get((uid, endpoint))
             if not force and held is not None and held.updates == backend.updates \
                     and now - held.at < self.repush_every * self.interval:
-                placed.append(endpoint)  # it holds this state already
-                machines.add(machine)
-                continue
+                if self._still_holds(uid, endpoint, held, backend):
+                    placed.append(endpoint)  # it holds this state already
+                    machines.add(machine)
+                    continue
+                self._pushed.pop((uid, endpoint), None)
             remaining = deadline - time.monotonic()
             if remaining < MIN_PUSH_SECONDS or (interruptible and self._stop.is_set()):
                 logger.info("the round's time is up: %s not pushed to %s", uid, endpoint)
@@ -362,6 +375,10 @@ class ReplicaPusher:
             except ReplicaError as error:
                 if interruptible and self._stop.is_set():
                     break  # (not the host's fault: the last round pushes this expert's state anyway)
+                if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy with other pushes: not a failure
+                    self._count("refused")
+                    logger.info("pushing %s to %s: %s (tried again next round)", uid, endpoint, error)
+                    continue
                 failed = error.code in HOST_FAILURES
                 self._count("failed" if failed else "refused")
                 skipped = self._failed(endpoint if failed else (uid, endpoint))
@@ -380,6 +397,23 @@ class ReplicaPusher:
         if len(placed) < self.replicas and ranked:
             logger.debug("%s has %d of %d replicas (%d hosts known)", uid, len(placed), self.replicas, len(ranked))
         return placed
+
+    def _still_holds(self, uid: str, endpoint: str, held: _Pushed, backend) -> bool:
+        """Whether the host still holds what this pusher pushed it last: a holder whose budget is full evicts
+        replicas (of the machine that holds the most first), and one that restarted may hold none. Costs one
+        message, the replica's header; a host that does not answer it is taken at its word (a push would fail
+        too, and its next rounds find out)."""
+        try:
+            header = fetch_header(self.channels.stub(endpoint), endpoint, uid, max_bytes=max_snapshot_bytes(backend),
+                                  timeout=PROBE_TIMEOUT)
+        except ReplicaError as error:
+            return error.code != grpc.StatusCode.NOT_FOUND
+        except SnapshotRefused:
+            return False
+        if header.signer == self.identity.public_key and header.updates == held.updates:
+            return True
+        logger.info("%s no longer holds the replica of %s pushed to it: pushing it again", endpoint, uid)
+        return False
 
     def _backing_off(self, uid: str, endpoint: str) -> bool:
         with self._failing_lock:
