@@ -1,8 +1,9 @@
-"""The UDP transport: requests under their limit, unreachable addresses never close the socket, and replies that
-arrived in time count even when the loop lagged."""
+"""The UDP transport: requests under their limit, unreachable addresses never close the socket, replies that
+arrived in time count even when the loop lagged, and nothing a peer sends raises out of the transport."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ from dmoe.dht.config import DHTConfig
 from dmoe.dht.messages import record_to_wire
 from dmoe.dht.node import DHTNode
 from dmoe.dht.storage import Entry
-from dmoe.dht.transport import HEADER_BYTES, MAX_REQUEST_BYTES, RESPONSE, chunk_entries
+from dmoe.dht.transport import HEADER_BYTES, MAX_REQUEST_BYTES, REQUEST, RESPONSE, chunk_entries
 from tests.dht_nodes import in_process_swarm
 
 
@@ -81,3 +82,65 @@ def test_a_reply_that_arrived_in_time_counts_even_when_the_loop_lagged_past_its_
         for thread, peer in zip(threads, peers):
             thread.join()
             peer.close()
+
+
+#: a request whose RPC name is a list: ``name in rpc_names`` raised TypeError (unhashable) out of the transport
+UNHASHABLE_NAME = REQUEST + bytes(20) + umsgpack.packb([[], []])
+
+
+def test_a_request_whose_name_is_unhashable_is_dropped_with_one_throttled_warning(caplog):
+    """It raised out of ``datagram_received``: asyncio logged a traceback per datagram, past the throttle."""
+    async def scenario() -> None:
+        node = DHTNode(DHTConfig())
+        await node.listen(0)
+        try:
+            map_name = REQUEST + bytes(20) + umsgpack.packb([{"a": 1}, []])
+            for _ in range(50):
+                for datagram in (UNHASHABLE_NAME, map_name):
+                    node.protocol.datagram_received(datagram, ("10.1.2.3", 4000))
+        finally:
+            node.stop()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    assert len([record for record in caplog.records if record.name == "dmoe.dht.transport"]) == 1
+
+
+def test_a_request_times_out_and_frees_its_slot_whatever_the_drain_before_its_timeout_meets():
+    """``_timeout`` drains the socket before it resolves the request; an exception there (garbage waiting in the
+    socket did it) left the request pending for ever and its ``max_concurrent_rpcs`` slot taken."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # a peer that never answers
+    silent.bind(("127.0.0.1", 0))
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        errors: list[dict] = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        node = DHTNode(DHTConfig(rpc_timeout=0.3, max_concurrent_rpcs=4))
+        await node.listen(0)
+        protocol = node.protocol
+        try:
+            # garbage waiting in the socket while the loop lags past the timeout: drain() reads it
+            ask = asyncio.ensure_future(protocol.request(silent.getsockname(), "ping", node.node.id))
+            await asyncio.sleep(0.05)
+            for _ in range(2):
+                attacker.sendto(UNHASHABLE_NAME, node.transport.get_extra_info("sockname"))
+            time.sleep(0.4)
+            assert await asyncio.wait_for(ask, 2) == (False, None)
+            # and whatever else may go wrong in drain(): the request still ends at its timeout
+            def broken_drain() -> int:
+                raise RuntimeError("drain failed")
+            protocol.drain = broken_drain
+            assert await asyncio.wait_for(protocol.request(silent.getsockname(), "ping", node.node.id), 2) == (
+                False, None)
+            assert not protocol._outstanding and protocol._slots._value == 4
+            assert not [e for e in errors if "unhashable" in repr(e.get("exception"))]
+        finally:
+            node.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        silent.close()
+        attacker.close()

@@ -25,8 +25,9 @@ class ThrottledWarnings:
         self._last: dict[tuple[str, str], float] = {}  # (kind, host) -> when it was last logged
         self._window, self._logged, self._left_out = float("-inf"), 0, 0
 
-    def warn(self, kind: str, host: str, message: str, *args: Any) -> bool:
-        """Logs (True) or counts (False) one warning."""
+    def warn(self, kind: str, host: str, message: str, *args: Any, exc_info: bool = False) -> bool:
+        """Logs (True) or counts (False) one warning; ``exc_info``: with the traceback of the exception being
+        handled."""
         now, key = self.clock(), (kind, host)
         if now - self._window >= self.period:
             self._window, self._logged = now, 0
@@ -43,5 +44,5 @@ class ThrottledWarnings:
             message, args = message + " (%d more warnings about peers left out since the last one)", (
                 *args, self._left_out)
             self._left_out = 0
-        self.logger.warning(message, *args)
+        self.logger.warning(message, *args, **({"exc_info": True} if exc_info else {}))
         return True

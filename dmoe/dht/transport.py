@@ -82,6 +82,16 @@ class UDPTransport(RPCProtocol):
 
     # ---- receiving ----------------------------------------------------------------------------------------
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        """Handles one datagram; nothing a peer sends may raise out of here. An exception would reach asyncio's
+        reader, which logs a traceback per datagram past the throttle, or :meth:`drain` inside :meth:`_timeout`,
+        which then left its request unresolved and its slot taken for good."""
+        try:
+            self._receive(data, addr)
+        except Exception:  # a bug handling one datagram must not take the node (or the request timing out) down
+            self.warnings.warn("unhandled", addr[0], "failed to handle a datagram of %d bytes from %s", len(data),
+                               addr, exc_info=True)
+
+    def _receive(self, data: bytes, addr: tuple[str, int]) -> None:
         kind = data[:1]
         if len(data) < HEADER_BYTES + 1 or kind not in (REQUEST, RESPONSE):
             self.warnings.warn("malformed", addr[0], "dropping malformed datagram of %d bytes from %s", len(data),
@@ -120,8 +130,9 @@ class UDPTransport(RPCProtocol):
             pending.future.set_result((True, data))
 
     def _handle_request(self, msg_id: bytes, data: Any, address: tuple[str, int]) -> None:
-        if not (isinstance(data, (list, tuple)) and len(data) == 2 and data[0] in self.rpc_names
-                and isinstance(data[1], (list, tuple))):
+        # (the name's type first: a list or a map is unhashable, and the membership test would raise)
+        if not (isinstance(data, (list, tuple)) and len(data) == 2 and isinstance(data[0], str)
+                and data[0] in self.rpc_names and isinstance(data[1], (list, tuple))):
             self.warnings.warn("malformed", address[0], "dropping malformed request from %s", address)
             return
         name, args = data
@@ -131,8 +142,9 @@ class UDPTransport(RPCProtocol):
             self.warnings.warn("malformed", address[0], "dropping malformed %s request from %s: %s", name, address,
                                error)
             return
-        except Exception:  # a bug serving one request must not take the node down
-            logger.exception("failed to serve %s request from %s", name, address)
+        except Exception:  # a bug serving one request must not take the node down (nor flood the log)
+            self.warnings.warn("failed", address[0], "failed to serve %s request from %s", name, address,
+                               exc_info=True)
             return
         payload = msgpack.packb(response)
         if len(payload) + HEADER_BYTES > MAX_DATAGRAM_BYTES:  # records are capped, so this is a bug, not a peer
@@ -179,11 +191,13 @@ class UDPTransport(RPCProtocol):
         return count
 
     def _timeout(self, msg_id: bytes) -> None:
-        if msg_id in self._outstanding:
-            self.drain()  # its reply may be waiting unread
-        pending = self._outstanding.pop(msg_id, None)
-        if pending is not None and not pending.future.done():
-            pending.future.set_result((False, None))
+        try:
+            if msg_id in self._outstanding:
+                self.drain()  # its reply may be waiting unread
+        finally:  # whatever drain met, the request ends here: else its future and its slot were never given back
+            pending = self._outstanding.pop(msg_id, None)
+            if pending is not None and not pending.future.done():
+                pending.future.set_result((False, None))
 
     # ---- sending ------------------------------------------------------------------------------------------
     def _call(self, address: tuple[str, int], name: str, *args: Any) -> "asyncio.Future[tuple[bool, Any]]":
