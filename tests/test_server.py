@@ -538,6 +538,8 @@ def test_program_remote_transformer_matches_local_block():
     (["--experts", "ffn.0", "--expert-kwargs", "{\"bogus\": 1}"], "--expert-kwargs"),
     (["--hidden-dim", "8"], "--experts"),
     (["--experts", "ffn.0", "--device", "gpu0"], "--device"),
+    (["--experts", "ffn.0", "--expiration", "4000"], "--expiration"),  # beyond max_expiration: nodes refuse it
+    (["--experts", "ffn.0", "--refresh-period", "1500"], "--refresh-period"),  # 3 periods by default: 4500 s
 ])
 def test_program_rejects_bad_flags_naming_the_flag(flags, named, capsys):
     # argparse's own path, run in this process: a subprocess per flag would only add torch's import time

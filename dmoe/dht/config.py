@@ -20,7 +20,9 @@ class DHTConfig:
         so this only needs to be long enough that a live node on a busy machine is not declared dead: a false
         death makes a store skip a replica that reads will ask.
     default_expiration: lifetime (seconds) of an entry when the caller gives none.
-    max_expiration: expirations further in the future than this are capped, so no record outlives its owner by long.
+    max_expiration: the furthest ahead (seconds) an entry may expire, so no record outlives its owner by long. Nodes
+        refuse signed entries expiring later (re-dating one would break its signature; only unsigned ones, which
+        nodes refuse anyway, could be capped), and :meth:`DHT.store_many` raises ValueError for them before sending.
     max_record_subkeys: a record keeps at most this many subkeys, which keeps its reply within one datagram; stores
         beyond it are refused with an error the writer sees.
     max_value_bytes: longest value a record entry may carry. With each entry's 96 bytes of owner key

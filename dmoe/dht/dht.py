@@ -5,6 +5,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from typing import Any, Coroutine, Mapping, Sequence, TypeVar
 
 from kademlia.utils import digest
@@ -13,7 +14,7 @@ from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, listen_host, parse_endpoint
 from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
-from dmoe.dht.storage import Record, Subkey
+from dmoe.dht.storage import Record, Subkey, check_expiration
 from dmoe.endpoints import (
     announced_endpoint,
     bare_host,
@@ -99,7 +100,8 @@ class DHT:
         An int subkey is owned: until it expires only this node's identity may refresh it. A str subkey (at most
         10 characters) is shared: anyone may extend it and the longest-living entry wins (see
         :mod:`dmoe.dht.storage`). Values are printable ASCII without spaces, quotes or backslashes, at most
-        ``config.max_value_bytes`` bytes. Raises ValueError for a value or subkey no node would accept.
+        ``config.max_value_bytes`` bytes. Raises ValueError for a value, subkey or expiration no node would accept
+        (an expiration more than ``config.max_expiration`` seconds ahead).
         """
         return self.store_many({key: {subkey: (value, expiration_time)}})[key][subkey] is True
 
@@ -109,12 +111,15 @@ class DHT:
 
         Returns per key and subkey True when at least one replica accepted the entry, False when none did
         (unreachable or already superseded) or the reason a replica refused it (a full record, another owner).
+        Raises ValueError, before anything is sent, for an entry no node would accept (see :meth:`store`).
         """
         signed: dict[str, Record] = {}
+        now = time.time()
         for key, entries in records.items():
             signed[key] = {}
             for subkey, (value, expiration_time) in entries.items():
                 check_entry(subkey, value, expiration_time, self.config.max_value_bytes)
+                check_expiration(expiration_time, self.config.max_expiration, now)
                 expiration_time = round(float(expiration_time), 3)  # signed exactly as sent
                 signed[key][subkey] = self.node.identity.entry(digest(key), subkey, value, expiration_time)
         replies = self.run_coroutine(self.node.store_records(signed))

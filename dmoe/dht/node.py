@@ -17,7 +17,7 @@ from dmoe.dht.crawling import RecordCrawl
 from dmoe.dht.messages import valid_address
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.signing import Identity
-from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, missing_entries
+from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, check_expiration, missing_entries
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +185,12 @@ class DHTNode(Server):
 
         ``nodes``: the replicas, when the caller already found them (see :meth:`find_nodes`).
         Returns, per entry in order, True when at least one replica accepted it, else False (unreachable or
-        already superseded) or the error string a replica gave (e.g. a full record).
+        already superseded) or the error string a replica gave (e.g. a full record). Raises ValueError for an entry
+        expiring more than ``max_expiration`` seconds ahead, which every node would refuse.
         """
         assert self.protocol is not None
+        for entry in record.values():
+            check_expiration(entry.expiration, self.config.max_expiration)
         key_id = digest(key)
         target = Node(key_id)
         if nodes is None:
@@ -218,7 +221,11 @@ class DHTNode(Server):
         look (:meth:`make_readable`); returns, per key, the result of each entry in order.
 
         ``replicas``: the replicas of each key in ``records``' order, when the caller already found them.
+        Raises ValueError, before anything is stored, for an entry no node would accept (see :meth:`store_record`).
         """
+        for record in records.values():
+            for entry in record.values():
+                check_expiration(entry.expiration, self.config.max_expiration)
         keys = list(records)
         if replicas is None:
             replicas = await asyncio.gather(*(self.find_replicas(digest(key)) for key in keys))

@@ -54,6 +54,15 @@ def sender_group(host: str) -> str:
     return "" if (mapped or address).is_loopback else machine_of(address)
 
 
+def check_expiration(expiration: float, max_expiration: float, now: float | None = None) -> None:
+    """Raises ValueError for an expiration further than ``max_expiration`` seconds ahead: every node refuses such a
+    signed entry (re-dating it would break its signature), so without this the write was lost silently."""
+    ahead = expiration - (time.time() if now is None else now)
+    if ahead > max_expiration:
+        raise ValueError(f"an expiration {ahead:.0f} s ahead is beyond max_expiration ({max_expiration:.0f} s): every "
+                         f"node would refuse the entry")
+
+
 class NotOwner(ValueError):
     """A store to an owned subkey whose live entry belongs to another key."""
 
