@@ -1,4 +1,5 @@
-"""The routing table: neighbour queries return the k closest contacts it knows, also while contacts change."""
+"""The routing table: neighbour queries return the k closest contacts it knows, also while contacts change, and a
+bucket holds at most two contacts of one machine."""
 from __future__ import annotations
 
 import random
@@ -6,7 +7,7 @@ import random
 from kademlia.node import Node
 from kademlia.routing import RoutingTable
 
-from dmoe.dht.routing import DHTRoutingTable
+from dmoe.dht.routing import MAX_PER_MACHINE, DHTRoutingTable, contact_machine
 
 
 def _random_node(rng: random.Random) -> Node:
@@ -58,3 +59,33 @@ def test_neighbours_stay_exact_while_contacts_come_and_go_and_the_asker_is_left_
                               key=key.distance_to)[:k]
             for _ in range(2):  # the second answer comes from the remembered list
                 assert [n.id for n in table.find_neighbors(key, k=k, exclude=exclude)] == [n.id for n in expected]
+
+
+def test_a_bucket_holds_at_most_two_contacts_of_one_machine_however_many_ids_it_claims():
+    """One socket that pinged a node under 8 ids next to a key filled that key's bucket: the node then named it as
+    all of the key's closest nodes to every asker."""
+    rng = random.Random(2)
+    me = _random_node(rng)
+    table = DHTRoutingTable(None, 20, me)
+    key = _random_node(rng)
+    near = lambda i: (key.long_id ^ i).to_bytes(20, "big")  # noqa: E731
+    honest = [_random_node(rng) for _ in range(40)] + [Node(near(1 << 12), "127.0.0.1", 5000)]
+    for node in honest:
+        table.add_contact(node)
+    sybils = [Node(near(i), "127.0.0.1", 6666) for i in range(1, 9)]  # one process on this machine
+    remote = [Node(near(i << 4), "203.0.113.7", 7000 + i) for i in range(1, 9)]  # one machine, a port per id
+    for node in sybils + remote:
+        table.add_contact(node)
+    nearest = table.find_neighbors(key, k=10)
+    assert sum(node.port == 6666 for node in nearest) == MAX_PER_MACHINE
+    assert sum(node.ip == "203.0.113.7" for node in nearest) == MAX_PER_MACHINE
+    for bucket in table.buckets:
+        machines = [contact_machine(n.ip, n.port) for n in [*bucket.nodes.values(), *bucket.replacement_nodes.values()]]
+        assert max(map(machines.count, machines), default=0) <= MAX_PER_MACHINE
+    # nor can it take over an honest contact's id by answering under it from the crowded socket
+    table.add_contact(Node(near(1 << 12), "127.0.0.1", 6666))
+    assert [(n.ip, n.port) for n in table.contacts() if n.id == near(1 << 12)] == [("127.0.0.1", 5000)]
+    # processes of this machine on other ports are other machines (a local swarm, the tests), other hosts too
+    assert len({contact_machine(n.ip, n.port) for n in honest}) == len(honest)
+    assert contact_machine("203.0.113.7", 1) == contact_machine("203.0.113.7", 2) != contact_machine("203.0.113.8", 1)
+    assert contact_machine("2001:db8::1", 1) == contact_machine("2001:db8::2", 2)  # an IPv6 /64 is one machine

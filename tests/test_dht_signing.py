@@ -138,6 +138,22 @@ def test_clients_side_with_the_owner_most_replicas_hold_not_the_latest_expiratio
     assert merge_records([honest, lying], now=200.0)[5].value == "evil:1"  # the honest one expired
 
 
+def test_votes_count_per_machine_so_one_socket_answering_under_many_node_ids_is_one_vote():
+    """Node ids are free: a socket that answered a read under four ids near the key was four votes, and its owner
+    won the uid over the two honest replicas."""
+    honest = {5: ALICE.entry(KEY, 5, "a:1", 150.0)}
+    lying = {5: MALLORY.entry(KEY, 5, "evil:1", 900.0)}
+    voters = ["10.0.0.1", "10.0.0.2"] + ["10.6.6.6"] * 4
+    assert merge_records([honest, honest] + [lying] * 4, now=100.0)[5].value == "evil:1"  # a vote per reply
+    assert merge_records([honest, honest] + [lying] * 4, now=100.0, voters=voters)[5].value == "a:1"
+    # different bytes under each id are still one machine's votes
+    assert merge_records([honest, honest] + [dict(lying) for _ in range(4)], now=100.0, voters=voters)[5].value == \
+        "a:1"
+    # and one honest machine whose replicas sent the same bytes is one vote too: two lying machines win
+    assert merge_records([honest] * 3 + [lying] * 2, now=100.0,
+                         voters=["10.0.0.1"] * 3 + ["10.6.6.6", "10.7.7.7"])[5].value == "evil:1"
+
+
 def test_replies_keep_only_entries_validly_signed_for_their_record():
     record = {1: ALICE.entry(KEY, 1, "a:1", 1e10), 2: ALICE.entry(OTHER_KEY, 2, "a:1", 1e10),
               3: Entry("evil:1", 1e10, ALICE.public_key, os.urandom(64)), 4: Entry("evil:1", 1e10),

@@ -1,18 +1,45 @@
-"""A routing table whose neighbour queries return the k closest contacts it knows, not an early subset.
+"""A routing table whose neighbour queries return the k closest contacts it knows, not an early subset, and
+whose buckets hold few contacts of any one machine.
 
 Stock ``RoutingTable.find_neighbors`` walks buckets outward from the key's bucket and stops as soon as it has
 collected k contacts, so it returns contacts that are not the closest and, when buckets run out on one side,
 fewer than k; and ``get_bucket_for`` misplaces an id equal to a bucket's (inclusive) upper bound.
+
+Node ids cost nothing and nothing binds them to an address: stock tables took any number of ids at one socket, so
+one process that pinged a node under ids near a key filled the bucket of that key's neighbourhood, was named as
+all of the key's closest nodes to every asker, and became the key's replica "majority".
 """
 from __future__ import annotations
 
+import functools
 import heapq
+import ipaddress
+from itertools import chain
 
 from kademlia.node import Node
-from kademlia.routing import RoutingTable
+from kademlia.routing import KBucket, RoutingTable
+
+from dmoe.endpoints import machine_of
 
 #: (key, count) neighbour lists a table remembers until its contacts change
 NEAREST_CACHED = 4096
+#: contacts of one machine (:func:`contact_machine`) that a bucket holds at most, its replacements included
+MAX_PER_MACHINE = 2
+
+
+@functools.lru_cache(maxsize=4096)
+def contact_machine(ip: str, port: int) -> str:
+    """The machine a contact at ``ip:port`` stands for, where contacts and votes are counted per machine (node ids
+    are free to make, machines are not): its IPv4 address or its IPv6 /64 (:func:`~dmoe.endpoints.machine_of`).
+    On loopback, where a local swarm (and every test) runs all its nodes, each ``ip:port`` counts as a machine
+    of its own: one process, however many ids it claims. An unparsable host counts per ``ip:port`` too."""
+    try:
+        address = ipaddress.ip_address(str(ip).split("%", 1)[0])
+    except ValueError:
+        return f"{ip}:{port}"
+    if (getattr(address, "ipv4_mapped", None) or address).is_loopback:
+        return f"{ip}:{port}"
+    return machine_of(address)
 
 
 class DHTRoutingTable(RoutingTable):
@@ -38,9 +65,26 @@ class DHTRoutingTable(RoutingTable):
         self._changed()
 
     def add_contact(self, node: Node) -> None:
+        """Adds ``node`` (or moves its id to its new address), unless its bucket already holds
+        :data:`MAX_PER_MACHINE` other contacts of its machine, live or replacements: then it is left out."""
+        if self.crowded(self.buckets[self.get_bucket_for(node)], node):
+            return
         super().add_contact(node)
         if not self.is_new_node(node):  # it is in the table now, not merely among a full bucket's replacements
             self._changed()
+
+    @staticmethod
+    def crowded(bucket: KBucket, node: Node) -> bool:
+        """True when ``bucket`` holds :data:`MAX_PER_MACHINE` contacts (other than ``node``'s id) of ``node``'s
+        machine. Replacements count too: they take a live contact's place when it is evicted, and a split hands
+        them to the new buckets, so no bucket can get more than its share of one machine that way either."""
+        machine, same = contact_machine(node.ip, node.port), 0
+        for contact in chain(bucket.nodes.values(), bucket.replacement_nodes.values()):
+            if contact.id != node.id and contact_machine(contact.ip, contact.port) == machine:
+                same += 1
+                if same >= MAX_PER_MACHINE:
+                    return True
+        return False
 
     def get_bucket_for(self, node: Node) -> int:
         for index, bucket in enumerate(self.buckets):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import time
 from collections import defaultdict
-from typing import Callable, Iterator, NamedTuple, Union
+from typing import Callable, Hashable, Iterator, NamedTuple, Sequence, Union
 
 from kademlia.storage import IStorage
 
@@ -81,22 +81,29 @@ def merge_entry(record: Record, subkey: Subkey, entry: Entry) -> bool:
     return True
 
 
-def merge_records(records: list[Record], now: float | None = None) -> Record:
+def merge_records(records: list[Record], now: float | None = None, voters: Sequence[Hashable] | None = None
+                  ) -> Record:
     """Per subkey, the latest-expiring live entry among ``records`` (one per responding replica; the same record
     object may appear several times, once per replica that sent identical bytes).
 
     For an owned (int) subkey that replicas give to different owners (a lying replica), the owner held by the most
-    replicas wins, then the one expiring last: one malicious node among a key's replicas cannot hide the true
-    owner's entry by serving its own with a later expiration.
+    voters wins, then the one expiring last. ``voters``: per record, who sent it, where votes are counted per
+    machine (:func:`~dmoe.dht.routing.contact_machine` of the replica's address): one machine answering under
+    several node ids is one vote however many of its replies are merged. Without it, each record is a vote.
+
+    What this protects: a lying machine among the replicas read cannot hide the true owner's entry by serving its
+    own with a later expiration, nor outvote honest machines with ids of its own. What it does not: machines that
+    are the majority of the replicas read win the vote, and one that crowds honest replicas out of a read (ids
+    closer to the key than theirs, when the search takes many contacts of one machine) is the only voter.
     """
     now = time.time() if now is None else now
-    weights: dict[int, int] = {}
+    backers: dict[int, set[Hashable]] = {}  # id(record) -> who sent those very bytes
     unique: list[Record] = []
-    for record in records:
-        if id(record) not in weights:
-            weights[id(record)] = 0
+    for index, record in enumerate(records):
+        if id(record) not in backers:
+            backers[id(record)] = set()
             unique.append(record)
-        weights[id(record)] += 1
+        backers[id(record)].add(index if voters is None else voters[index])
     if len(unique) == 1:  # the usual case: every replica sent the same bytes, parsed once
         return {subkey: entry for subkey, entry in unique[0].items() if entry.expiration > now}
     merged: Record = {}
@@ -114,15 +121,15 @@ def merge_records(records: list[Record], now: float | None = None) -> Record:
             if current.expiration < entry.expiration:
                 merged[subkey] = entry
     for subkey in contested:
-        votes: dict[bytes, int] = defaultdict(int)
+        votes: dict[bytes, set[Hashable]] = defaultdict(set)  # per owner, the voters whose replies hold it
         latest: dict[bytes, Entry] = {}
         for record in unique:
             entry = record.get(subkey)
             if entry is not None and entry.expiration > now:
-                votes[entry.owner] += weights[id(record)]
+                votes[entry.owner] |= backers[id(record)]
                 if entry.owner not in latest or latest[entry.owner].expiration < entry.expiration:
                     latest[entry.owner] = entry
-        winner = max(votes, key=lambda owner: (votes[owner], latest[owner].expiration))
+        winner = max(votes, key=lambda owner: (len(votes[owner]), latest[owner].expiration))
         merged[subkey] = latest[winner]
     return merged
 
