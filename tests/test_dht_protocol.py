@@ -1,13 +1,24 @@
-"""The protocol's handlers: a newcomer closest to a key is handed its record."""
+"""The protocol's handlers: a newcomer closest to a key is handed its record, and only a newcomer that entered the
+routing table and answered us, picked without a neighbour search per key, as often as its machine may."""
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import socket
 import time
 
+import msgpack
+import pytest
+from kademlia.node import Node
 from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode
+from dmoe.dht.protocol import HANDOVER_BURST, HANDOVER_PERIOD, DHTProtocol
+from dmoe.dht.signing import Identity
+from dmoe.dht.storage import RecordStorage
+from dmoe.dht.transport import HEADER_BYTES, REQUEST, RESPONSE
 
 
 def test_a_newcomer_closest_to_a_key_is_handed_its_record():
@@ -42,3 +53,107 @@ def test_a_newcomer_closest_to_a_key_is_handed_its_record():
                 node.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_records_handed_to_a_newcomer_are_picked_in_one_pass_as_a_neighbour_search_per_key_would():
+    """The hand-over ran a neighbour search per held key for every made-up id (1.3 s of the loop at 20,000
+    records): the one-pass pick must choose exactly the keys that search chose."""
+    async def scenario() -> None:
+        rng = random.Random(3)
+        rand_id = lambda: rng.getrandbits(160).to_bytes(20, "big")  # noqa: E731
+        me = Node(rand_id())
+        protocol = DHTProtocol(me, RecordStorage(), DHTConfig(num_replicas=3))
+        contacts = [Node(rand_id(), "127.0.0.1", 1000 + i) for i in range(60)]
+        for contact in contacts:
+            protocol.router.add_contact(contact)
+        known = protocol.router.contacts()
+        keys = [rand_id() for _ in range(3000)]
+        for key in keys:
+            protocol.storage.store(key, 0, "x", time.time() + 600, b"o" * 32, b"s" * 64)  # storage does not verify
+        protocol.router.find_neighbors = None  # no neighbour search at all
+
+        def expected(newcomer: Node) -> set[bytes]:
+            chosen = set()
+            for key in keys:
+                target = Node(key)
+                others = [c for c in known if c.id != newcomer.id]
+                if any(c.distance_to(target) < me.distance_to(target) for c in others):
+                    continue
+                ahead = sum(n.distance_to(target) < newcomer.distance_to(target) for n in [me, *others])
+                if ahead < 3:
+                    chosen.add(key)
+            return chosen
+
+        own_keys = [key for key in keys if all(c.distance_to(Node(key)) > me.distance_to(Node(key)) for c in known)]
+        newcomers = [Node(rand_id(), "127.0.0.1", 9) for _ in range(5)] + [known[0]]
+        newcomers += [Node((int.from_bytes(key, "big") ^ rng.getrandbits(rng.choice([8, 100, 150]))).to_bytes(
+            20, "big"), "127.0.0.1", 9) for key in rng.sample(own_keys, 15)]
+        handed = 0
+        for newcomer in newcomers:
+            picked = {key for key, _ in protocol.records_to_hand_over(newcomer)}
+            assert picked == expected(newcomer)
+            handed += len(picked)
+        assert handed > 15
+
+    asyncio.run(scenario())
+
+
+def test_a_made_up_id_gets_no_records_until_its_address_answers_a_ping_of_ours_under_it():
+    """A request under an id the node did not hold made it store records at the request's source address at once:
+    a spoofed or made-up sender was handed records (and cost the node a scan of its storage per datagram)."""
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        node = DHTNode(DHTConfig(rpc_timeout=0.5))
+        host, port = await node.listen(0)
+        owner = Identity()
+        for i in range(5):
+            key = digest(f"rec{i}")
+            node.storage.store(key, 0, "x", *owner.entry(key, 0, "x", time.time() + 60)[1:])
+        peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        peer.bind(("127.0.0.1", 0))
+        peer.setblocking(False)
+
+        async def requests_within(seconds: float) -> list[tuple[bytes, list]]:
+            got = []
+            deadline = loop.time() + seconds
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    data, _ = await asyncio.wait_for(loop.sock_recvfrom(peer, 65536), left)
+                except asyncio.TimeoutError:
+                    break
+                if data[:1] == REQUEST:
+                    got.append((data[1:HEADER_BYTES], msgpack.unpackb(data[HEADER_BYTES:])))
+            return got
+
+        try:
+            for claimed, answer_as in [(os.urandom(20), os.urandom(20)), (os.urandom(20), None)]:
+                answer_as = answer_as or claimed
+                peer.sendto(REQUEST + os.urandom(20) + msgpack.packb(["ping", [claimed]]), (host, port))
+                got = await requests_within(0.3)
+                assert [name for _, (name, _) in got] == ["ping"], "records before the address answered"
+                msg_id = got[0][0]
+                peer.sendto(RESPONSE + msg_id + msgpack.packb(answer_as), (host, port))
+                stores = [args for _, (name, args) in await requests_within(0.5) if name == "store"]
+                if answer_as != claimed:  # it answered under another id: nothing backs the one it claimed
+                    assert stores == [] and node.protocol.router.contacts() == []
+                else:  # the only contact, so the closest to every key after this node: handed every record
+                    assert sorted(args[1] for args in stores) == sorted(digest(f"rec{i}") for i in range(5))
+        finally:
+            peer.close()
+            node.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("host", ["10.0.0.1", "127.0.0.1"])
+def test_hand_overs_are_rate_limited_per_machine(host):
+    protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+    now = [1000.0]
+    protocol.clock = lambda: now[0]
+    one_machine = [Node(os.urandom(20), host, 7000) for _ in range(HANDOVER_BURST + 3)]
+    assert [protocol._may_hand_over(node) for node in one_machine] == [True] * HANDOVER_BURST + [False] * 3
+    assert protocol._may_hand_over(Node(os.urandom(20), "10.0.0.2", 7000))  # another machine has its own
+    if host == "127.0.0.1":  # on loopback each process (port) is a machine: the tests' and local swarms' nodes
+        assert protocol._may_hand_over(Node(os.urandom(20), host, 7001))
+    now[0] += HANDOVER_PERIOD
+    assert protocol._may_hand_over(one_machine[0]) and not protocol._may_hand_over(one_machine[1])
