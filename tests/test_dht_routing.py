@@ -2,12 +2,22 @@
 bucket holds at most two contacts of one machine."""
 from __future__ import annotations
 
+import asyncio
+import os
 import random
+import time
 
+import msgpack
 from kademlia.node import Node
 from kademlia.routing import RoutingTable
+from kademlia.utils import digest
 
+from dmoe.dht.config import DHTConfig
+from dmoe.dht.messages import VALUES_HEADER, encode_record, find_value_reply
+from dmoe.dht.node import DHTNode
 from dmoe.dht.routing import MAX_PER_MACHINE, DHTRoutingTable, contact_machine
+from dmoe.dht.transport import HEADER_BYTES, REQUEST, RESPONSE
+from tests.dht_nodes import in_process_swarm
 
 
 def _random_node(rng: random.Random) -> Node:
@@ -89,3 +99,65 @@ def test_a_bucket_holds_at_most_two_contacts_of_one_machine_however_many_ids_it_
     assert len({contact_machine(n.ip, n.port) for n in honest}) == len(honest)
     assert contact_machine("203.0.113.7", 1) == contact_machine("203.0.113.7", 2) != contact_machine("203.0.113.8", 1)
     assert contact_machine("2001:db8::1", 1) == contact_machine("2001:db8::2", 2)  # an IPv6 /64 is one machine
+
+
+class SybilSocket(asyncio.DatagramProtocol):
+    """One UDP socket claiming every id of ``ids``: it pings peers under each, and answers every lookup with an
+    empty record and those ids as the closest contacts."""
+
+    def __init__(self, ids: list[bytes]):
+        self.ids, self.empty = ids, encode_record({})
+
+    def connection_made(self, transport: asyncio.DatagramTransport) -> None:
+        self.transport = transport
+        host, port = transport.get_extra_info("sockname")[:2]
+        self.contacts = [Node(node_id, host, port) for node_id in self.ids]
+
+    def ping_all(self, peers: list[tuple[str, int]]) -> None:
+        for peer in peers:
+            for node_id in self.ids:
+                self.transport.sendto(REQUEST + os.urandom(20) + msgpack.packb(["ping", [node_id]]), peer)
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        if data[:1] != REQUEST:
+            return
+        name, args = msgpack.unpackb(data[HEADER_BYTES:])
+        reply = find_value_reply({}, self.contacts, self.empty)
+        if name == "ping":
+            reply = self.ids[0]
+        elif name == "store":
+            reply = [True] * len(args[2])
+        elif name == "find_node":
+            reply = [tuple(node) for node in self.contacts]
+        elif name == "find_values":
+            parts = [reply["record"].encode(), reply["auth"], reply["nodes"].encode()]
+            reply = (VALUES_HEADER.pack(*map(len, parts)) + b"".join(parts)) * len(args[1])
+        self.transport.sendto(RESPONSE + data[1:HEADER_BYTES] + msgpack.packb(reply), addr)
+
+
+def test_one_socket_under_eight_ids_next_to_a_key_no_longer_hides_its_record():
+    """The socket's ids filled the key's bucket in every table, readers asked only them, and merged only the empty
+    record they served: the owner's entry was hidden from every reader, also after its refresh."""
+    async def scenario() -> None:
+        key = "ffn0.3"
+        async with in_process_swarm(6, DHTConfig()) as nodes:
+            owner = nodes[1]
+            assert await owner.set(key, {0: owner.identity.entry(digest(key), 0, "127.0.0.1:7000", time.time() + 60)})
+            ids = [(int.from_bytes(digest(key), "big") ^ i).to_bytes(20, "big") for i in range(1, 9)]
+            transport, sybil = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: SybilSocket(ids), local_addr=("127.0.0.1", 0))
+            reader = DHTNode(DHTConfig(), client_mode=True)  # a trainer
+            try:
+                sybil.ping_all([node.transport.get_extra_info("sockname")[:2] for node in nodes])
+                await asyncio.sleep(0.3)
+                await reader.listen(0)
+                await reader.bootstrap([nodes[0].transport.get_extra_info("sockname")[:2]])
+                for node in [*nodes, reader]:
+                    assert sum(contact.id in ids for contact in node.protocol.router.contacts()) <= MAX_PER_MACHINE
+                record = await reader.get_record(key)
+                assert 0 in record and record[0].value == "127.0.0.1:7000"
+            finally:
+                reader.stop()
+                transport.close()
+
+    asyncio.run(scenario())
