@@ -6,21 +6,78 @@ peer stalls a round for a whole RPC timeout. This crawl keeps asking the closest
 any reply or timeout arrives, until the ``width`` closest *responding* nodes have all answered, and merges every
 record it received per subkey (latest expiration wins; an owned subkey that replicas disagree on goes to the owner
 most replicas hold). Entries not validly signed for the key are dropped as replies are parsed.
+
+Every crawl is bounded, whatever its peers answer. Node ids cost nothing, so one hostile socket answering each
+request with ever closer made-up contacts (at its own address, or at one that never answers) kept the frontier from
+ever being fully answered: reads ended only at ``call_timeout``, joins never, and an announcer's refresh hung until
+its experts expired. So a crawl
+
+- takes at most ``width`` new contacts in all from the replies of one *home*, an address (ip:port: one socket is
+  one node, however many ids it claims) on this host, a machine (:func:`dmoe.endpoints.machine_of`) elsewhere (an
+  honest node answers once per crawl);
+- keeps only the :data:`CANDIDATES_PER_WIDTH` x ``max(ksize, width)`` closest contacts it has not asked, and asks
+  at most :data:`ASKS_PER_WIDTH` x ``max(ksize, width)`` nodes;
+- takes the contacts of a reply only within :data:`MAX_ROUNDS` hops of its starting contacts, and when the reply
+  brings nothing closer than every node that had answered, only within :data:`ROUNDS_WITHOUT_PROGRESS` rounds of
+  the last round that did (Kademlia stops after one last round once a round brings nothing closer);
+- ends :data:`DEADLINE_TIMEOUTS` x ``rpc_timeout`` after it started, with the nodes that answered by then.
+
+An honest lookup reaches none of these: it follows a few hops, each of its nodes answers once, and its frontier
+settles on the closest nodes long before the deadline. (In simulated swarms of up to 400 nodes, with buckets of 3
+to 20, bounded crawls ended on the same nodes as unbounded ones.)
 """
 from __future__ import annotations
 
 import asyncio
 import heapq
+import ipaddress
 import logging
-from typing import Any
+from typing import Any, Hashable
 
 from kademlia.node import Node
 
 from dmoe.dht.messages import MalformedRequest, as_seen_from, parse_nodes
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.storage import Record, merge_records
+from dmoe.endpoints import is_loopback_ip, machine_of
 
 logger = logging.getLogger(__name__)
+
+#: contacts not yet asked that a crawl keeps, times ``max(ksize, width)``: the closest ones
+CANDIDATES_PER_WIDTH = 3
+#: nodes a crawl asks at most, times ``max(ksize, width)``
+ASKS_PER_WIDTH = 8
+#: hops from its starting contacts beyond which a crawl takes no more contacts (an honest lookup needs a few)
+MAX_ROUNDS = 8
+#: rounds after the last one that brought a contact closer than every node that had answered, in which a reply
+#: that brings nothing closer still adds contacts (one more than Kademlia's last round: with one, simulated honest
+#: swarms sometimes ended on other nodes than an unbounded crawl)
+ROUNDS_WITHOUT_PROGRESS = 2
+#: a crawl ends this many ``rpc_timeout`` after it started, with the nodes that answered by then
+DEADLINE_TIMEOUTS = 5
+
+Address = tuple[str, int]
+Home = Hashable  # where a contact lives, as crawls count contacts (see home_of)
+_machines: dict[str, str] = {}  # ip -> its machine, for hosts not on loopback
+
+
+def home_of(address: Address) -> Home:
+    """Where a contact at ``address`` lives, as crawls count contacts: on this host, its address itself (the local
+    processes of a swarm share one machine, and each of them is one node); elsewhere its machine (an IPv4 address,
+    an IPv6 /64: :func:`dmoe.endpoints.machine_of`)."""
+    ip = address[0]
+    if is_loopback_ip(ip):
+        return address
+    machine = _machines.get(ip)
+    if machine is None:
+        try:
+            machine = machine_of(ipaddress.ip_address(ip.split("%", 1)[0]))
+        except ValueError:  # contacts are IP literals; anything else is a machine of its own
+            machine = ip
+        if len(_machines) >= 1 << 14:
+            _machines.clear()
+        _machines[ip] = machine
+    return machine
 
 
 class RecordCrawl:
@@ -63,18 +120,34 @@ class RecordCrawl:
         # while asleep: the frontier's edge and the frontier nodes yet to answer (see _must_wake)
         self._horizon: int | None = None
         self._awaiting: set[bytes] | None = None
-        self._add(peers)
+        # the bounds (see the module's docstring)
+        scale = max(protocol.config.ksize, width)
+        self.max_candidates = CANDIDATES_PER_WIDTH * scale
+        self.max_asks = ASKS_PER_WIDTH * scale
+        self.home: dict[bytes, tuple[Address, Home]] = {}  # candidate id -> (its address, its home)
+        self.round: dict[bytes, int] = {}  # candidate id -> hops from the starting contacts
+        self._order: list[tuple[int, bytes]] = []  # (distance, id) of every candidate; sorted unless _unsorted
+        self._unsorted = False
+        self._brought: dict[Home, int] = {}  # home -> new contacts its replies brought
+        self._best: int | None = None  # distance of the closest node that answered
+        self._progress_round = -1  # latest round a reply of which named a contact closer than any that had answered
+        self._add(peers, 0)
 
-    def _add(self, nodes: list[Node]) -> None:
+    def _add(self, nodes: list[Node], round_: int) -> None:
         candidates, distance, target, self_id = self.candidates, self.distance, self.target.long_id, self.self_id
-        peers = self.protocol.peers
+        peers, order, home, rounds = self.protocol.peers, self._order, self.home, self.round
         # (every reply brings a list of contacts, mostly known already: this loop is the crawl's hottest)
         for node in nodes:
             node_id = node.id
             if node_id in candidates or node_id == self_id:
                 continue
             candidates[node_id] = node
-            distance[node_id] = target ^ node.long_id
+            distance[node_id] = node_distance = target ^ node.long_id
+            order.append((node_distance, node_id))
+            self._unsorted = True
+            address = (node.ip, node.port)
+            home[node_id] = (address, home_of(address))
+            rounds[node_id] = round_
             if not peers.may_be_suspect(node_id):
                 continue
             # Nodes that recently timed out are asked (a busy machine makes live nodes time out, and skipping
@@ -87,11 +160,82 @@ class RecordCrawl:
                 self.dead_suspects.add(node_id)
             elif self.hedge and peers.recently_slow(node_id):
                 self.suspects.add(node_id)
+        if len(candidates) - len(self.contacted) > 2 * self.max_candidates:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forgets all but the ``max_candidates`` closest contacts not asked yet (asked ones are kept: their replies
+        and the result need them)."""
+        self._sort()
+        kept, unasked = [], 0
+        for item in self._order:
+            node_id = item[1]
+            if node_id in self.contacted or unasked < self.max_candidates:
+                unasked += node_id not in self.contacted
+                kept.append(item)
+                continue
+            for table in (self.candidates, self.distance, self.home, self.round):
+                del table[node_id]
+            self.suspects.discard(node_id)
+            self.dead_suspects.discard(node_id)
+        self._order = kept
+
+    def _sort(self) -> list[tuple[int, bytes]]:
+        if self._unsorted:
+            self._order.sort()
+            self._unsorted = False
+        return self._order
+
+    def _may_ask(self, node_id: bytes, asks: int = 0) -> bool:
+        """Whether the crawl may still ask ``node_id``, one it has not asked, after ``asks`` more requests."""
+        return len(self.contacted) + asks < self.max_asks
+
+    def _closest(self, node_ids: Any, skip: set[bytes] | frozenset = frozenset(), askable: bool = False
+                 ) -> list[Node]:
+        """The ``width`` closest of ``node_ids`` (a container of candidate ids) not in ``skip``; with ``askable``,
+        only those asked already or that the crawl may still ask (each counted as asked)."""
+        picked: list[Node] = []
+        asks = 0
+        contacted, candidates, width = self.contacted, self.candidates, self.width
+        for _, node_id in self._sort():
+            if node_id not in node_ids or node_id in skip:
+                continue
+            if askable and node_id not in contacted:
+                if not self._may_ask(node_id, asks):
+                    continue
+                asks += 1
+            picked.append(candidates[node_id])
+            if len(picked) >= width:
+                break
+        return picked
 
     def _frontier(self, slow: set[bytes]) -> list[Node]:
-        distance = self.distance
-        alive = [node_id for node_id in distance if node_id not in self.dead and node_id not in slow]
-        return [self.candidates[node_id] for node_id in heapq.nsmallest(self.width, alive, key=distance.__getitem__)]
+        """The ``width`` closest candidates neither dead nor slow that were asked or may be (see :meth:`_closest`)."""
+        return self._closest(self.candidates, self.dead | slow if slow else self.dead, askable=True)
+
+    def _take(self, responder: Node, nodes: list[Node]) -> None:
+        """Adds the contacts a reply named, within the crawl's bounds on rounds and on what one home may bring."""
+        target, candidates, self_id = self.target.long_id, self.candidates, self.self_id
+        distance = self.distance[responder.id]
+        self._best = best = distance if self._best is None else min(self._best, distance)
+        round_ = self.round[responder.id]
+        if round_ >= MAX_ROUNDS:
+            return  # too far from where the crawl started
+        new = [node for node in nodes if node.id not in candidates and node.id != self_id]
+        if not new:
+            return
+        home = self.home[responder.id][1]
+        left = self.width - self._brought.get(home, 0)
+        if left <= 0:
+            return
+        if len(new) > left:
+            new = heapq.nsmallest(left, new, key=lambda node: target ^ node.long_id)
+        if any(target ^ node.long_id < best for node in new):
+            self._progress_round = max(self._progress_round, round_)
+        elif round_ > self._progress_round + ROUNDS_WITHOUT_PROGRESS:
+            return  # a round after one that brought nothing closer, and this reply brings nothing closer either
+        self._brought[home] = self._brought.get(home, 0) + len(new)
+        self._add(new, round_ + 1)
 
     def _ask(self, node: Node) -> None:
         """Sends the query; its outcome lands in ``self._inbox`` (from a callback: a lookup that waits on many
@@ -179,16 +323,21 @@ class RecordCrawl:
         else:
             nodes = parse_nodes(data)
         self.responded[node.id] = node
-        self._add(as_seen_from(node, nodes))
+        self._take(node, as_seen_from(node, nodes))
 
     async def run(self, local: Record | None = None) -> tuple[list[Node], Record]:
         """The closest responding nodes (closest first) and the merged record they (and ``local``, what this node
         holds) hold, empty if none."""
         loop = asyncio.get_running_loop()
         hedge_after = self.protocol.config.hedge_after if self.hedge else float("inf")
+        deadline = loop.time() + DEADLINE_TIMEOUTS * self.protocol.config.rpc_timeout
         pending: set[bytes] = set()  # ids of nodes asked that have neither answered nor timed out
         while True:
             now = loop.time()
+            if now >= deadline:
+                logger.debug("lookup of %s ended at its deadline: %d nodes asked, %d answered",
+                             self.target.id.hex()[:16], len(self.contacted), len(self.responded))
+                break
             sent = [(node_id, self.sent[node_id]) for node_id in pending if node_id in self.sent]
             late = {node_id for node_id, at in sent if now - at >= hedge_after}
             if late and self.protocol.drain() and self._inbox:
@@ -206,9 +355,10 @@ class RecordCrawl:
                 (node_id not in self.dead_suspects or not found or not self.hedge)
                 and self.distance[node_id] < horizon)]
             for node in to_ask:
-                if node.id not in self.contacted and node.id not in self.dead:
-                    self.contacted.add(node.id)
-                    pending.add(node.id)
+                node_id = node.id
+                if node_id not in self.contacted and node_id not in self.dead and self._may_ask(node_id):
+                    self.contacted.add(node_id)
+                    pending.add(node_id)
                     self._ask(node)
             if not self._inbox:
                 # An empty answer waits for every live node still asked (a busy replica must not make a live record
@@ -229,13 +379,13 @@ class RecordCrawl:
                 self._horizon = horizon
                 self._awaiting = {node.id for node in frontier if node.id not in self.responded
                                   and node.id not in self.suspects}
-                await self._sleep(loop, max(0.0, min(waits)) if waits else None)
+                await self._sleep(loop, max(0.0, min(waits + [deadline - now])))
                 self._awaiting = None
             inbox, self._inbox = self._inbox, []
             for node, reply in inbox:
                 pending.discard(node.id)
                 self._accept(node, reply)
-        nearest = sorted(self.responded.values(), key=lambda node: self.distance[node.id])[:self.width]
+        nearest = self._closest(self.responded)
         held = list(self.held.values()) + ([local] if local else [])
         return nearest, merge_records(held)
 
