@@ -12,9 +12,11 @@ request with ever closer made-up contacts (at its own address, or at one that ne
 ever being fully answered: reads ended only at ``call_timeout``, joins never, and an announcer's refresh hung until
 its experts expired. So a crawl
 
-- takes at most ``width`` new contacts in all from the replies of one *home*, an address (ip:port: one socket is
-  one node, however many ids it claims) on this host, a machine (:func:`dmoe.endpoints.machine_of`) elsewhere (an
-  honest node answers once per crawl);
+- counts contacts per *home*: an address (ip:port: one socket is one node, however many ids it claims) on this
+  host, a machine (:func:`dmoe.endpoints.machine_of`) elsewhere. Its frontier holds at most one id per address and
+  :data:`FRONTIER_PER_MACHINE` per machine, it asks at most one id per address and :data:`ASKS_PER_MACHINE` per
+  machine, and the replies of one home bring it at most ``width`` new contacts in all (an honest node answers once
+  per crawl);
 - keeps only the :data:`CANDIDATES_PER_WIDTH` x ``max(ksize, width)`` closest contacts it has not asked, and asks
   at most :data:`ASKS_PER_WIDTH` x ``max(ksize, width)`` nodes;
 - takes the contacts of a reply only within :data:`MAX_ROUNDS` hops of its starting contacts, and when the reply
@@ -43,6 +45,11 @@ from dmoe.endpoints import is_loopback_ip, machine_of
 
 logger = logging.getLogger(__name__)
 
+#: ids of one machine (not this host) in a crawl's frontier, and so among the closest nodes it returns
+FRONTIER_PER_MACHINE = 2
+#: ids of one machine (not this host) a crawl asks: a machine's nodes that answered late or not at all are replaced
+#: by at most this many in all
+ASKS_PER_MACHINE = 4
 #: contacts not yet asked that a crawl keeps, times ``max(ksize, width)``: the closest ones
 CANDIDATES_PER_WIDTH = 3
 #: nodes a crawl asks at most, times ``max(ksize, width)``
@@ -128,6 +135,8 @@ class RecordCrawl:
         self.round: dict[bytes, int] = {}  # candidate id -> hops from the starting contacts
         self._order: list[tuple[int, bytes]] = []  # (distance, id) of every candidate; sorted unless _unsorted
         self._unsorted = False
+        self._asked_at: set[Address] = set()  # addresses asked (one id each)
+        self._asked_in: dict[Home, int] = {}  # home -> ids asked there
         self._brought: dict[Home, int] = {}  # home -> new contacts its replies brought
         self._best: int | None = None  # distance of the closest node that answered
         self._progress_round = -1  # latest round a reply of which named a contact closer than any that had answered
@@ -186,24 +195,43 @@ class RecordCrawl:
             self._unsorted = False
         return self._order
 
-    def _may_ask(self, node_id: bytes, asks: int = 0) -> bool:
-        """Whether the crawl may still ask ``node_id``, one it has not asked, after ``asks`` more requests."""
-        return len(self.contacted) + asks < self.max_asks
+    def _may_ask(self, node_id: bytes, asks: int = 0, also_in: dict[Home, int] | None = None) -> bool:
+        """Whether the crawl may still ask ``node_id``, one it has not asked, after ``asks`` more requests, of which
+        ``also_in`` counts those per machine (one id per address, :data:`ASKS_PER_MACHINE` per machine)."""
+        address, home = self.home[node_id]
+        if len(self.contacted) + asks >= self.max_asks or address in self._asked_at:
+            return False
+        return home is address or self._asked_in.get(home, 0) + (also_in.get(home, 0) if also_in else 0) < \
+            ASKS_PER_MACHINE
 
     def _closest(self, node_ids: Any, skip: set[bytes] | frozenset = frozenset(), askable: bool = False
                  ) -> list[Node]:
-        """The ``width`` closest of ``node_ids`` (a container of candidate ids) not in ``skip``; with ``askable``,
-        only those asked already or that the crawl may still ask (each counted as asked)."""
+        """The ``width`` closest of ``node_ids`` (a container of candidate ids) not in ``skip``, at most one per
+        address and :data:`FRONTIER_PER_MACHINE` per machine; with ``askable``, only those asked already or that the
+        crawl may still ask (each counted as asked)."""
         picked: list[Node] = []
-        asks = 0
-        contacted, candidates, width = self.contacted, self.candidates, self.width
+        at_address: set[Address] = set()
+        in_machine: dict[Home, int] = {}  # picked per machine (homes that are not an address)
+        asks, also_in = 0, {}
+        home_of_id, contacted, candidates, width = self.home, self.contacted, self.candidates, self.width
         for _, node_id in self._sort():
             if node_id not in node_ids or node_id in skip:
                 continue
+            address, home = home_of_id[node_id]
+            if address in at_address:
+                continue
+            per_machine = home is not address
+            if per_machine and in_machine.get(home, 0) >= FRONTIER_PER_MACHINE:
+                continue
             if askable and node_id not in contacted:
-                if not self._may_ask(node_id, asks):
+                if not self._may_ask(node_id, asks, also_in):
                     continue
                 asks += 1
+                if per_machine:
+                    also_in[home] = also_in.get(home, 0) + 1
+            at_address.add(address)
+            if per_machine:
+                in_machine[home] = in_machine.get(home, 0) + 1
             picked.append(candidates[node_id])
             if len(picked) >= width:
                 break
@@ -357,6 +385,9 @@ class RecordCrawl:
             for node in to_ask:
                 node_id = node.id
                 if node_id not in self.contacted and node_id not in self.dead and self._may_ask(node_id):
+                    address, home = self.home[node_id]
+                    self._asked_at.add(address)
+                    self._asked_in[home] = self._asked_in.get(home, 0) + 1
                     self.contacted.add(node_id)
                     pending.add(node_id)
                     self._ask(node)
