@@ -1,16 +1,18 @@
 """The expert directory in-process: declarations as prefix records, signed, and continuations read back from them."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 import umsgpack
 from kademlia.utils import digest
 
+from dmoe.dht import DHT
 from dmoe.dht.messages import find_value_reply, parse_find_value_reply
 from dmoe.dht.signing import Identity, Verifier, verify
 from dmoe.dht.storage import Entry
-from dmoe.directory import continuations, declaration_records
+from dmoe.directory import announce_forever, announcer, continuations, declaration_records, get_experts
 
 ALICE, MALLORY = Identity(), Identity()
 
@@ -62,3 +64,29 @@ def test_signing_and_verifying_a_64x64_grid_refresh_is_cheap():
           f"{1e6 * warm / count:.1f} us memoized per entry")
     assert count == 4096 + 64
     assert warm < cold
+
+
+def test_an_announcer_refresh_that_never_finishes_is_abandoned_and_the_next_one_runs(monkeypatch):
+    """A refresh that hung (a lookup that never ended) stopped every later one: the experts of a server that kept
+    serving them expired from the directory. A refresh now gets until its entries would expire."""
+    started = []
+    real_declare = announcer.declare
+
+    async def first_one_hangs(node, uids, endpoint, expiration):
+        started.append(time.monotonic())
+        if len(started) == 1:
+            await asyncio.Event().wait()  # never set
+        return await real_declare(node, uids, endpoint, expiration)
+
+    monkeypatch.setattr(announcer, "declare", first_one_hangs)
+    with DHT() as dht:
+        refreshing = asyncio.run_coroutine_threadsafe(
+            announce_forever(dht.node, ["ffn0.0.0"], "127.0.0.1:7000", refresh_period=0.2, expiration=0.6), dht.loop)
+        try:
+            deadline = time.monotonic() + 10
+            while get_experts(dht, ["ffn0.0.0"]) != ["127.0.0.1:7000"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert get_experts(dht, ["ffn0.0.0"]) == ["127.0.0.1:7000"], "the refresh after the hung one never ran"
+            assert started[1] - started[0] >= 0.5  # not before the first one's entries would have expired
+        finally:
+            refreshing.cancel()

@@ -18,18 +18,27 @@ async def announce_forever(node: DHTNode, uids: Sequence[str], endpoint: str, re
 
     declared: the caller has just declared them, so the first declaration waits a refresh period.
     ``uids`` is read again before every declaration: a list the caller changes (:meth:`Announcer.add`) is followed.
+
+    A declaration still running when its entries would have expired (after ``expiration`` seconds, or a refresh
+    period if that is longer) is abandoned and the next one starts at once: one declaration that never finished
+    stopped every later refresh, and the server's experts vanished from the directory while it kept serving them.
     """
     if declared:
         await asyncio.sleep(refresh_period)
+    timeout = max(refresh_period, expiration)
     while True:
         started = time.monotonic()
         try:
-            results = await declare(node, list(uids), endpoint, expiration) if uids else []
+            results = await asyncio.wait_for(declare(node, list(uids), endpoint, expiration), timeout) if uids else []
             failed = len(results) - sum(results)
             if failed:
                 logger.warning("%d of %d experts could not be declared; retrying soon", failed, len(results))
         except asyncio.CancelledError:
             raise
+        except asyncio.TimeoutError:
+            logger.warning("declaring %d experts did not finish in %.1fs; abandoned it, declaring them again",
+                           len(uids), timeout)
+            failed = 1
         except Exception:
             logger.exception("declaring experts failed; retrying soon")
             failed = 1
