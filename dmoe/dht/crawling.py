@@ -131,7 +131,7 @@ class RecordCrawl:
         scale = max(protocol.config.ksize, width)
         self.max_candidates = CANDIDATES_PER_WIDTH * scale
         self.max_asks = ASKS_PER_WIDTH * scale
-        self.home: dict[bytes, tuple[Address, Home]] = {}  # candidate id -> (its address, its home)
+        self.home: dict[bytes, tuple[Address, Home]] = {}  # candidate id -> (its address, its home), once needed
         self.round: dict[bytes, int] = {}  # candidate id -> hops from the starting contacts
         self._order: list[tuple[int, bytes]] = []  # (distance, id) of every candidate; sorted unless _unsorted
         self._unsorted = False
@@ -144,7 +144,7 @@ class RecordCrawl:
 
     def _add(self, nodes: list[Node], round_: int) -> None:
         candidates, distance, target, self_id = self.candidates, self.distance, self.target.long_id, self.self_id
-        peers, order, home, rounds = self.protocol.peers, self._order, self.home, self.round
+        peers, order, rounds = self.protocol.peers, self._order, self.round
         # (every reply brings a list of contacts, mostly known already: this loop is the crawl's hottest)
         for node in nodes:
             node_id = node.id
@@ -154,8 +154,6 @@ class RecordCrawl:
             distance[node_id] = node_distance = target ^ node.long_id
             order.append((node_distance, node_id))
             self._unsorted = True
-            address = (node.ip, node.port)
-            home[node_id] = (address, home_of(address))
             rounds[node_id] = round_
             if not peers.may_be_suspect(node_id):
                 continue
@@ -183,8 +181,9 @@ class RecordCrawl:
                 unasked += node_id not in self.contacted
                 kept.append(item)
                 continue
-            for table in (self.candidates, self.distance, self.home, self.round):
+            for table in (self.candidates, self.distance, self.round):
                 del table[node_id]
+            self.home.pop(node_id, None)
             self.suspects.discard(node_id)
             self.dead_suspects.discard(node_id)
         self._order = kept
@@ -195,43 +194,54 @@ class RecordCrawl:
             self._unsorted = False
         return self._order
 
-    def _may_ask(self, node_id: bytes, asks: int = 0, also_in: dict[Home, int] | None = None) -> bool:
-        """Whether the crawl may still ask ``node_id``, one it has not asked, after ``asks`` more requests, of which
-        ``also_in`` counts those per machine (one id per address, :data:`ASKS_PER_MACHINE` per machine)."""
-        address, home = self.home[node_id]
-        if len(self.contacted) + asks >= self.max_asks or address in self._asked_at:
-            return False
-        return home is address or self._asked_in.get(home, 0) + (also_in.get(home, 0) if also_in else 0) < \
-            ASKS_PER_MACHINE
+    def _home(self, node_id: bytes) -> tuple[Address, Home]:
+        """A candidate's address and home (worked out when first needed: most candidates never are)."""
+        found = self.home.get(node_id)
+        if found is None:
+            node = self.candidates[node_id]
+            address = (node.ip, node.port)
+            found = self.home[node_id] = (address, home_of(address))
+        return found
 
-    def _closest(self, node_ids: Any, skip: set[bytes] | frozenset = frozenset(), askable: bool = False
-                 ) -> list[Node]:
-        """The ``width`` closest of ``node_ids`` (a container of candidate ids) not in ``skip``, at most one per
-        address and :data:`FRONTIER_PER_MACHINE` per machine; with ``askable``, only those asked already or that the
-        crawl may still ask (each counted as asked)."""
+    def _closest(self, order: list[tuple[int, bytes]], skip: set[bytes] | frozenset = frozenset(),
+                 askable: bool = False) -> list[Node]:
+        """The first ``width`` candidates of ``order`` ((distance, id), closest first) not in ``skip``, at most one
+        per address and :data:`FRONTIER_PER_MACHINE` per machine; with ``askable``, only those asked already or that
+        the crawl may still ask (each counted as asked)."""
         picked: list[Node] = []
         at_address: set[Address] = set()
         in_machine: dict[Home, int] = {}  # picked per machine (homes that are not an address)
-        asks, also_in = 0, {}
-        home_of_id, contacted, candidates, width = self.home, self.contacted, self.candidates, self.width
-        for _, node_id in self._sort():
-            if node_id not in node_ids or node_id in skip:
+        room = self.max_asks - len(self.contacted)  # requests the crawl may still make
+        asked_at, asked_in, also_in = self._asked_at, self._asked_in, {}
+        homes, contacted, candidates, width = self.home, self.contacted, self.candidates, self.width
+        for _, node_id in order:
+            if node_id in skip:
                 continue
-            address, home = home_of_id[node_id]
+            found = homes.get(node_id)
+            if found is None:  # (as _home, inline: the frontier is worked out after every reply)
+                node = candidates[node_id]
+                address = (node.ip, node.port)
+                found = homes[node_id] = (address, home_of(address))
+            address, home = found
             if address in at_address:
                 continue
-            per_machine = home is not address
-            if per_machine and in_machine.get(home, 0) >= FRONTIER_PER_MACHINE:
-                continue
-            if askable and node_id not in contacted:
-                if not self._may_ask(node_id, asks, also_in):
+            # as run asks: counting those picked before as asked
+            if home is address:  # on this host: each address is a home of its own
+                if askable and node_id not in contacted:
+                    if room <= 0 or address in asked_at:
+                        continue
+                    room -= 1
+            else:
+                if in_machine.get(home, 0) >= FRONTIER_PER_MACHINE:
                     continue
-                asks += 1
-                if per_machine:
+                if askable and node_id not in contacted:
+                    if room <= 0 or address in asked_at or (
+                            asked_in.get(home, 0) + also_in.get(home, 0) >= ASKS_PER_MACHINE):
+                        continue
+                    room -= 1
                     also_in[home] = also_in.get(home, 0) + 1
-            at_address.add(address)
-            if per_machine:
                 in_machine[home] = in_machine.get(home, 0) + 1
+            at_address.add(address)
             picked.append(candidates[node_id])
             if len(picked) >= width:
                 break
@@ -239,7 +249,7 @@ class RecordCrawl:
 
     def _frontier(self, slow: set[bytes]) -> list[Node]:
         """The ``width`` closest candidates neither dead nor slow that were asked or may be (see :meth:`_closest`)."""
-        return self._closest(self.candidates, self.dead | slow if slow else self.dead, askable=True)
+        return self._closest(self._sort(), self.dead | slow if slow else self.dead, askable=True)
 
     def _take(self, responder: Node, nodes: list[Node]) -> None:
         """Adds the contacts a reply named, within the crawl's bounds on rounds and on what one home may bring."""
@@ -252,7 +262,7 @@ class RecordCrawl:
         new = [node for node in nodes if node.id not in candidates and node.id != self_id]
         if not new:
             return
-        home = self.home[responder.id][1]
+        home = self._home(responder.id)[1]
         left = self.width - self._brought.get(home, 0)
         if left <= 0:
             return
@@ -358,13 +368,15 @@ class RecordCrawl:
         holds) hold, empty if none."""
         loop = asyncio.get_running_loop()
         hedge_after = self.protocol.config.hedge_after if self.hedge else float("inf")
-        deadline = loop.time() + DEADLINE_TIMEOUTS * self.protocol.config.rpc_timeout
+        contacted, asked_at, asked_in = self.contacted, self._asked_at, self._asked_in
         pending: set[bytes] = set()  # ids of nodes asked that have neither answered nor timed out
+        deadline = loop.time() + DEADLINE_TIMEOUTS * self.protocol.config.rpc_timeout
+        nearest: list[Node] | None = None
         while True:
             now = loop.time()
             if now >= deadline:
                 logger.debug("lookup of %s ended at its deadline: %d nodes asked, %d answered",
-                             self.target.id.hex()[:16], len(self.contacted), len(self.responded))
+                             self.target.id.hex()[:16], len(contacted), len(self.responded))
                 break
             sent = [(node_id, self.sent[node_id]) for node_id in pending if node_id in self.sent]
             late = {node_id for node_id, at in sent if now - at >= hedge_after}
@@ -384,13 +396,20 @@ class RecordCrawl:
                 and self.distance[node_id] < horizon)]
             for node in to_ask:
                 node_id = node.id
-                if node_id not in self.contacted and node_id not in self.dead and self._may_ask(node_id):
-                    address, home = self.home[node_id]
-                    self._asked_at.add(address)
-                    self._asked_in[home] = self._asked_in.get(home, 0) + 1
-                    self.contacted.add(node_id)
-                    pending.add(node_id)
-                    self._ask(node)
+                if node_id in contacted or node_id in self.dead:
+                    continue
+                # at most max_asks requests, one id per address, ASKS_PER_MACHINE per machine
+                address, home = self._home(node_id)
+                per_machine = home is not address
+                if len(contacted) >= self.max_asks or address in asked_at or per_machine and (
+                        asked_in.get(home, 0) >= ASKS_PER_MACHINE):
+                    continue
+                asked_at.add(address)
+                if per_machine:
+                    asked_in[home] = asked_in.get(home, 0) + 1
+                contacted.add(node_id)
+                pending.add(node_id)
+                self._ask(node)
             if not self._inbox:
                 # An empty answer waits for every live node still asked (a busy replica must not make a live record
                 # look dead), though not for nodes that timed out before once the frontier is full (else every
@@ -401,6 +420,7 @@ class RecordCrawl:
                     node_id not in self.suspects and node_id not in slow)]
                 if all(node.id in self.responded for node in frontier) and (horizon is not None and found
                                                                             or not must_wait):
+                    nearest = frontier  # the closest that answered: none closer is dead or slow any more
                     break
                 waits = [at + hedge_after - now for node_id, at in sent if node_id not in slow and self.hedge]
                 if self.hedge and len(sent) < len(pending):
@@ -410,13 +430,17 @@ class RecordCrawl:
                 self._horizon = horizon
                 self._awaiting = {node.id for node in frontier if node.id not in self.responded
                                   and node.id not in self.suspects}
-                await self._sleep(loop, max(0.0, min(waits + [deadline - now])))
+                timeout = deadline - now
+                if waits:
+                    timeout = min(timeout, min(waits))
+                await self._sleep(loop, max(0.0, timeout))
                 self._awaiting = None
             inbox, self._inbox = self._inbox, []
             for node, reply in inbox:
                 pending.discard(node.id)
                 self._accept(node, reply)
-        nearest = self._closest(self.responded)
+        if nearest is None:
+            nearest = self._closest(sorted((self.distance[node_id], node_id) for node_id in self.responded))
         held = list(self.held.values()) + ([local] if local else [])
         return nearest, merge_records(held)
 
