@@ -220,3 +220,27 @@ def test_made_up_contacts_at_one_address_that_never_answers_cost_a_lookup_one_re
                 assert hostile.answered >= 2, "the hostile peer was not asked: the scenario is wrong"
 
     asyncio.run(scenario())
+
+
+def test_the_owner_vote_of_a_read_counts_machines_not_replies():
+    """Two ids of one machine among the four closest nodes a read merges, each serving that machine's own signed
+    entry for an owned subkey, against two honest replicas: counted per reply the vote was a tie, which the later
+    expiration (the hijacker's) won; counted per machine the honest owner wins two to one."""
+    host = local_ipv4()
+    if host is None:
+        pytest.skip("this machine has no IPv4 address but loopback")
+
+    async def scenario() -> None:
+        async with in_process_swarm(8, DHTConfig(read_width=4)) as nodes:
+            entry = await declare_on(nodes[1])
+            record = {3: Identity().entry(digest(KEY), 3, "10.66.6.6:666", round(time.time() + 600, 3))}
+            with HostilePeer("sybil", host=host, sockets=6, ids=near_key(6), key=digest(KEY),
+                             record=record) as hostile:
+                await introduce(hostile, nodes)
+                for reader in nodes[2:5]:
+                    crawl = read_crawl(reader)
+                    nearest, got = await asyncio.wait_for(crawl.run(), 10)  # (without this node's own record)
+                    assert len(at(hostile, nearest)) == crawling.FRONTIER_PER_MACHINE == 2
+                    assert len(nearest) == 4 and got[3] == entry
+
+    asyncio.run(scenario())

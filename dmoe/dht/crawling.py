@@ -5,7 +5,8 @@ picks the "most common" of several (which crashes on dict values), and advances 
 peer stalls a round for a whole RPC timeout. This crawl keeps asking the closest not-yet-asked contacts as soon as
 any reply or timeout arrives, until the ``width`` closest *responding* nodes have all answered, and merges every
 record it received per subkey (latest expiration wins; an owned subkey that replicas disagree on goes to the owner
-most replicas hold). Entries not validly signed for the key are dropped as replies are parsed.
+held by the most homes, as counted below: one vote per machine). Entries not validly signed for the key are dropped
+as replies are parsed.
 
 Every crawl is bounded, whatever its peers answer. Node ids cost nothing, so one hostile socket answering each
 request with ever closer made-up contacts (at its own address, or at one that never answers) kept the frontier from
@@ -62,6 +63,9 @@ MAX_ROUNDS = 8
 ROUNDS_WITHOUT_PROGRESS = 2
 #: a crawl ends this many ``rpc_timeout`` after it started, with the nodes that answered by then
 DEADLINE_TIMEOUTS = 5
+
+#: who votes for what this node holds itself (see merge_records)
+LOCAL_VOTER = "this node"
 
 Address = tuple[str, int]
 Home = Hashable  # where a contact lives, as crawls count contacts (see home_of)
@@ -441,8 +445,13 @@ class RecordCrawl:
                 self._accept(node, reply)
         if nearest is None:
             nearest = self._closest(sorted((self.distance[node_id], node_id) for node_id in self.responded))
-        held = list(self.held.values()) + ([local] if local else [])
-        return nearest, merge_records(held)
+        # one vote per home (a machine, an address on this host) however many of its ids answered, this node's own
+        # record one of its own
+        held, voters = list(self.held.values()), [self._home(node_id)[1] for node_id in self.held]
+        if local:
+            held.append(local)
+            voters.append(LOCAL_VOTER)
+        return nearest, merge_records(held, voters=voters)
 
 
 def _resolve(future: asyncio.Future) -> None:
