@@ -33,16 +33,15 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import ipaddress
 import logging
-from typing import Any, Hashable
+from typing import Any
 
 from kademlia.node import Node
 
 from dmoe.dht.messages import MalformedRequest, as_seen_from, parse_nodes
 from dmoe.dht.protocol import DHTProtocol
+from dmoe.dht.routing import contact_machine
 from dmoe.dht.storage import Record, merge_records
-from dmoe.endpoints import is_loopback_ip, machine_of
 
 logger = logging.getLogger(__name__)
 
@@ -68,27 +67,7 @@ DEADLINE_TIMEOUTS = 5
 LOCAL_VOTER = "this node"
 
 Address = tuple[str, int]
-Home = Hashable  # where a contact lives, as crawls count contacts (see home_of)
-_machines: dict[str, str] = {}  # ip -> its machine, for hosts not on loopback
-
-
-def home_of(address: Address) -> Home:
-    """Where a contact at ``address`` lives, as crawls count contacts: on this host, its address itself (the local
-    processes of a swarm share one machine, and each of them is one node); elsewhere its machine (an IPv4 address,
-    an IPv6 /64: :func:`dmoe.endpoints.machine_of`)."""
-    ip = address[0]
-    if is_loopback_ip(ip):
-        return address
-    machine = _machines.get(ip)
-    if machine is None:
-        try:
-            machine = machine_of(ipaddress.ip_address(ip.split("%", 1)[0]))
-        except ValueError:  # contacts are IP literals; anything else is a machine of its own
-            machine = ip
-        if len(_machines) >= 1 << 14:
-            _machines.clear()
-        _machines[ip] = machine
-    return machine
+Home = str  # where a contact lives, as crawls count contacts: its machine (see contact_machine)
 
 
 class RecordCrawl:
@@ -204,7 +183,7 @@ class RecordCrawl:
         if found is None:
             node = self.candidates[node_id]
             address = (node.ip, node.port)
-            found = self.home[node_id] = (address, home_of(address))
+            found = self.home[node_id] = (address, contact_machine(*address))
         return found
 
     def _closest(self, order: list[tuple[int, bytes]], skip: set[bytes] | frozenset = frozenset(),
@@ -225,7 +204,7 @@ class RecordCrawl:
             if found is None:  # (as _home, inline: the frontier is worked out after every reply)
                 node = candidates[node_id]
                 address = (node.ip, node.port)
-                found = homes[node_id] = (address, home_of(address))
+                found = homes[node_id] = (address, contact_machine(*address))
             address, home = found
             if address in at_address:
                 continue

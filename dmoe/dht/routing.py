@@ -28,6 +28,7 @@ MAX_PER_MACHINE = 2
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 14)  # (a crawl asks for every contact it hears of)
 def contact_machine(ip: str, port: int) -> str:
     """The machine a contact at ``ip:port`` stands for, where contacts and votes are counted per machine (node ids
     are free to make, machines are not): its IPv4 address or its IPv6 /64 (:func:`~dmoe.endpoints.machine_of`).
