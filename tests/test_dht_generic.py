@@ -63,7 +63,7 @@ def test_a_value_or_subkey_no_node_would_accept_is_refused_before_sending(peer: 
 def test_an_expiration_beyond_max_expiration_is_refused_before_sending_by_stores_and_declarations(peer: str) -> None:
     """Every node drops such a signed entry: store returned False and declare_experts [False] (an announcer with a
     refresh period over 1200 s declared nothing, ever), while the nodes blamed the machines' clocks."""
-    from dmoe.directory import declare_experts
+    from dmoe.directory import Announcer, declare_experts
 
     with DHT(initial_peers=[peer]) as alice:
         limit = alice.config.max_expiration
@@ -73,5 +73,7 @@ def test_an_expiration_beyond_max_expiration_is_refused_before_sending_by_stores
             alice.store_many({"run4": {"ok": ("v", time.time() + 30), 2: ("v", time.time() + limit + 400)}})
         with pytest.raises(ValueError, match="max_expiration"):
             declare_experts(alice, ["ffn9.1.2"], "127.0.0.1:9000", limit + 400)
+        with pytest.raises(ValueError, match="beyond the DHT's max_expiration"):
+            Announcer(alice, refresh_period=limit / 2)  # its default expiration: 3 refresh periods
         assert alice.get("run4") == {} and alice.get("ffn9.1") == {}  # nothing was stored
         assert alice.store("run4", 1, "v", time.time() + limit - 5)  # up to the limit: stored

@@ -90,3 +90,13 @@ def test_an_announcer_refresh_that_never_finishes_is_abandoned_and_the_next_one_
             assert started[1] - started[0] >= 0.5  # not before the first one's entries would have expired
         finally:
             refreshing.cancel()
+
+
+@pytest.mark.parametrize("flags, named", [(["--expiration", "4000"], "--expiration"),
+                                          (["--refresh-period", "1500"], "--refresh-period")])
+def test_the_directory_program_refuses_declarations_no_node_would_keep_naming_the_flag(flags, named, capsys):
+    from dmoe.directory.__main__ import parse_directory_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_directory_args(["--declare", "ffn0.0.0", "--endpoint", "127.0.0.1:1", *flags])
+    assert exit_info.value.code == 2 and f"argument {named}" in capsys.readouterr().err

@@ -179,3 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def check_declaration_expiration(parser: argparse.ArgumentParser, refresh_period: float,
+                                 expiration: float | None) -> float:
+    """The expiration of a program's expert declarations (``--expiration``, by default 3 ``--refresh-period``s);
+    a usage error naming the flag when it is beyond the DHT's ``max_expiration``: every node would refuse the
+    declarations, and the experts would never be seen."""
+    declared = 3 * refresh_period if expiration is None else expiration
+    if declared > DHTConfig.max_expiration:
+        flag = "--refresh-period (--expiration defaults to 3 periods)" if expiration is None else "--expiration"
+        parser.error(f"argument {flag}: declarations expiring {declared:.0f} s after each refresh exceed the DHT's "
+                     f"max_expiration of {DHTConfig.max_expiration:.0f} s, and every node would refuse them")
+    return declared

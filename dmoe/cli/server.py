@@ -27,8 +27,9 @@ import torch
 
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import add_config_argument, non_negative, parse_args, port_number, positive
+from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
-from dmoe.dht import DHTConfig, Identity, parse_endpoint
+from dmoe.dht import Identity, parse_endpoint
 from dmoe.directory import Announcer, free_experts
 from dmoe.experts import expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
@@ -335,11 +336,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         except ValueError as error:
             parser.error(f"argument --initial-peers: {error}")
     replica_config(args, parser)
-    expiration = 3 * args.refresh_period if args.expiration is None else args.expiration
-    if expiration > DHTConfig.max_expiration:  # every node would refuse the declarations: the server was invisible
-        flag = "--refresh-period (--expiration defaults to 3 periods)" if args.expiration is None else "--expiration"
-        parser.error(f"argument {flag}: declarations expiring {expiration:.0f} s after each refresh exceed the DHT's "
-                     f"max_expiration of {DHTConfig.max_expiration:.0f} s, and every node would refuse them")
+    check_declaration_expiration(parser, args.refresh_period, args.expiration)  # (the server was invisible)
     if args.checkpoint_dir is None and args.checkpoint_interval != 60.0:
         parser.error("argument --checkpoint-interval: needs --checkpoint-dir")
     if not args.checkpoint_interval < float("inf"):

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Sequence
 
-from dmoe.cli.dht import build_parser, parse_args, serve
+from dmoe.cli.dht import build_parser, check_declaration_expiration, parse_args, serve
 from dmoe.dht.node import DHTNode
 from dmoe.directory.announcer import announce_forever
 from dmoe.directory.declarations import declare
@@ -32,7 +32,9 @@ def parse_directory_args(argv: Sequence[str] | None = None) -> argparse.Namespac
     parser.add_argument("--expiration", type=float, default=None,
                         help="seconds a declaration lives (default: 3 refresh periods)")
     parser.add_argument("--no-refresh", action="store_true", help="declare once and never again")
-    return parse_args(argv, parser)
+    args = parse_args(argv, parser)
+    check_declaration_expiration(parser, args.refresh_period, args.expiration)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -66,6 +66,9 @@ class Announcer:
         self.dht, self.owns_dht = dht, owns_dht
         self.refresh_period, self.announce_host = refresh_period, announce_host
         self.expiration = 3 * refresh_period if expiration is None else expiration
+        if self.expiration > dht.config.max_expiration:  # every declaration would be refused: say so now
+            raise ValueError(f"expiration {self.expiration:g} s (by default 3 refresh periods) is beyond the DHT's "
+                             f"max_expiration ({dht.config.max_expiration:g} s): no node would keep the experts")
         if self.expiration <= refresh_period:
             logger.warning("expiration %.1fs <= refresh period %.1fs: experts will blink out between refreshes",
                            self.expiration, refresh_period)

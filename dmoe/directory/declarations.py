@@ -22,7 +22,7 @@ from kademlia.utils import digest
 
 from dmoe.dht import DHT, DHTNode, Identity
 from dmoe.dht.messages import VALUE_PATTERN
-from dmoe.dht.storage import Entry, Record, Subkey
+from dmoe.dht.storage import Entry, Record, Subkey, check_expiration
 from dmoe.uid import check_uid, strict_prefixes
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ async def declare(node: DHTNode, uids: Sequence[str], endpoint: str, expiration:
     expiration = config.default_expiration if expiration is None else float(expiration)
     if expiration <= 0:
         raise ValueError(f"expiration must be positive, got {expiration}")
+    check_expiration(time.time() + expiration, config.max_expiration)  # before the replica search, not after
     declaration_records(uids, endpoint, 0.0, config.max_record_subkeys)  # refuse bad uids before any traffic
     keys = list(dict.fromkeys(prefix for uid in uids for prefix, _ in strict_prefixes(uid)))
     replicas = await asyncio.gather(*(node.find_replicas(digest(key)) for key in keys))
