@@ -847,11 +847,14 @@ def test_open_pushes_and_unread_fetches_hold_no_snapshot_in_the_holders_memory(t
 
             def spooled() -> int:
                 return sum(path.stat().st_size for path in directory.glob(f"{fake}.replica.*.tmp"))
+            # holding them all would take 2 * count snapshots (~700 MiB; measured before the fix); what grows now is
+            # gRPC's receive buffers (flow-control windows of a few MB per stream, more when the holder's loop lags
+            # behind on a loaded machine) and the allocator's: tens of MiB, up to 202 measured
             wait_until(lambda: spooled() >= count * (size - 2**20) or rss_bytes(holder.popen.pid) - before
-                       > 3 * size, 60, f"{count} pushes sending all but their last message")
+                       > 6 * size, 60, f"{count} pushes sending all but their last message")
             time.sleep(1)
-            grown = rss_bytes(holder.popen.pid) - before  # (gRPC's buffers and the allocator's: tens of MB)
-            assert grown < 3 * size, f"{count} open pushes and {count} unread fetches of {size / 2**20:.0f} MiB " \
+            grown = rss_bytes(holder.popen.pid) - before
+            assert grown < 6 * size, f"{count} open pushes and {count} unread fetches of {size / 2**20:.0f} MiB " \
                                      f"snapshots grew the holder by {grown / 2**20:.0f} MiB"
 
             train(backend, 1)  # meanwhile an honest push and fetch go through
