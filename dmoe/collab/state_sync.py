@@ -287,9 +287,6 @@ class _NoTrial(Exception):
     """No trial step can be taken here (the optimizer cannot be copied, or there is no memory for the copy)."""
 
 
-_warned: set[str] = set()
-
-
 class _Trial:
     """Trial steps of a throwaway copy of ``optimizer``, each once on zero gradients: from a state, over copies of
     its parameters ``values`` (in the optimizer's order, already checked to fit ``parameters``), or from fresh
@@ -306,7 +303,7 @@ class _Trial:
     def check(self, entries: dict) -> None:
         """Raises :class:`StateMismatch` when a step from the optimizer values ``entries`` raises or leaves a NaN
         or Inf. A failure that a step from fresh state shares is this optimizer's (or its settings'), not the
-        state's: it is logged once and the state is taken on the other checks alone, as when no trial can be made
+        state's: it is logged and the state is taken on the other checks alone, as when no trial can be made
         here."""
         try:
             problem, _ = self._step({index: {key: self._copy(index, key, value) for key, value in entry.items()}
@@ -400,11 +397,9 @@ class _Trial:
             return kind(groups), copies  # hold every setting anyway
 
     def _skip(self, why: str) -> None:
-        text = f"a downloaded state cannot be checked by a trial step of this {self.name}: {why}; it is checked " \
-               f"for shapes, kinds and finite values only"
-        if text not in _warned:
-            _warned.add(text)
-            logger.warning(text)
+        """Logs why no trial step decides (downloads are rare: no log flood)."""
+        logger.warning("a downloaded state cannot be checked by a trial step of this %s: %s; it is checked for "
+                       "shapes, kinds and finite values only", self.name, why)
 
 
 def _takes_closure(optimizer: torch.optim.Optimizer) -> bool:
