@@ -139,7 +139,7 @@ plan_next() {  # what the GPU has not measured yet, most wanted first: shared me
 
 plan_after() {  # run 2 of 2026-11-27, since then also without the client's hold calls (to compare) and in this
                # order: the layer with 4 server processes, where its step goes (server and client stages), the
-               # CUDA tests, the bf16 layer, 8 processes, throughput, the 1-process layer
+               # CUDA tests, the bf16 layer, 8 processes, throughput (fp32, then bf16), the 1-process layer
     local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10"
     local throughput="python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 0.6 --rounds 1 \
 --server-processes 4 --activation-cache-mb 2048 --clients 4 --inflight 1"
@@ -150,8 +150,8 @@ plan_after() {  # run 2 of 2026-11-27, since then also without the client's hold
     step cuda_tests 80 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
     step layer_bf16.4_processes 60 $layer --server-processes 4 --autocast bf16
     step layer.8_processes 60 $layer --server-processes 8
-    step throughput_bf16.4_processes 100 $throughput --autocast bf16
     step throughput.4_processes 100 $throughput
+    step throughput_bf16.4_processes 100 $throughput --autocast bf16
     step layer.1_process 60 $layer
 }
 
