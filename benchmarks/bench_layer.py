@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the server's --autocast, and the baselines' steps under torch.autocast")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                        help="the server's --cuda-graphs (GPU only: each expert's forward and training step replayed "
+                             "as CUDA graphs)")
     parser.add_argument("--compression", choices=["none", "float16", "uint8"], default="none",
                         help="the remote layer's wire compression (requests, and asked of the answers)")
     parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
@@ -185,6 +188,7 @@ def main(argv=None) -> list[dict]:
                                             "--max-batch-size", str(max(args.batches) * args.k),
                                             *(("--autocast", args.autocast) if args.autocast else ()),
                                             ("--overlap-copies" if args.overlap_copies else "--no-overlap-copies"),
+                                            *(("--cuda-graphs",) if args.cuda_graphs else ()),
                                             ("--shared-memory" if args.shared_memory else "--no-shared-memory"),
                                             *(("--workers", str(args.server_workers)) if args.server_workers else ()),
                                             "--processes", str(args.server_processes),
@@ -236,6 +240,7 @@ def main(argv=None) -> list[dict]:
     args.results.mkdir(parents=True, exist_ok=True)
     suffix = ("" if device.type == "cpu" else f"_{device.type}") + (f"_{args.autocast}" if args.autocast else "")
     suffix += "_overlap_copies" if args.overlap_copies and device.type != "cpu" else ""
+    suffix += "_cuda_graphs" if args.cuda_graphs else ""
     suffix += "" if args.compression == "none" else f"_{args.compression}"
     suffix += "" if args.shared_memory else "_grpc_only"
     suffix += "" if args.hold_calls else "_no_hold_calls"
@@ -255,6 +260,7 @@ def main(argv=None) -> list[dict]:
           f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {server}"
           f"), device {args.device}, autocast {args.autocast or 'off'}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
+          f"{', server on CUDA graphs' if args.cuda_graphs else ''}"
           f"{'' if args.compression == 'none' else f', wire compression {args.compression}'}"
           f", payload through {'shared memory' if args.shared_memory else 'gRPC'}"
           f"{'' if args.hold_calls else ', no hold calls'}, median of {args.steps} steps, "

@@ -325,6 +325,7 @@ def start_server(case: Case, args: argparse.Namespace):
                  "--log-level", "WARNING", "--processes", str(args.server_processes),
                  *(("--autocast", args.autocast) if args.autocast else ()),
                  "--overlap-copies" if args.overlap_copies else "--no-overlap-copies",
+                 *(("--cuda-graphs",) if args.cuda_graphs else ()),
                  "--shared-memory" if args.shared_memory else "--no-shared-memory",
                  *(("--profile",) if args.profile else ())],
                 env={"OMP_NUM_THREADS": str(args.torch_threads)})
@@ -380,6 +381,9 @@ def main() -> None:
                         help="the server's --autocast; the limit runs the same forwards and backwards under it")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="the server's --overlap-copies (GPU only: pinned copies on a copy stream per worker)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                        help="the server's --cuda-graphs (GPU only: each expert's forward and training step replayed "
+                             "as CUDA graphs)")
     parser.add_argument("--compression", choices=["none", "float16", "uint8"], default="none",
                         help="the clients' wire compression of requests, also asked of the answers (the limit has "
                              "no wire: fewer bytes per row is what this measures)")
@@ -417,6 +421,7 @@ def main() -> None:
           f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}, "
           f"autocast {args.autocast or 'off'}, wire compression {args.compression}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
+          f"{', server on CUDA graphs' if args.cuda_graphs else ''}"
           f", payload through {'shared memory' if args.shared_memory else 'gRPC'}"
           f"{f', {args.server_processes} server processes' if args.server_processes > 1 else ''}"
           f", {n_clients} client processes x {max(case.inflight for case in cases)} requests in flight", flush=True)
@@ -482,7 +487,8 @@ def main() -> None:
             limit_rate = sum(limit_rates) / len(limit_rates)
             row = {**asdict(case), "device": args.device, "autocast": args.autocast or "",
                    "compression": args.compression, "shared_memory": args.shared_memory,
-                   "overlap_copies": args.overlap_copies, "server_processes": args.server_processes,
+                   "overlap_copies": args.overlap_copies, "cuda_graphs": args.cuda_graphs,
+                   "server_processes": args.server_processes,
                    "duration_s": duration, "rounds": args.rounds,
                    "torch_threads": args.torch_threads, "optimizer": args.optimizer,
                    "remote_samples_per_s": round(remote_rate, 1),

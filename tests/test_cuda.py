@@ -179,3 +179,101 @@ def test_a_checkpoint_keeps_the_gpu_s_random_state_too(tmp_path):
     torch.cuda.manual_seed(6)
     load_checkpoint(tmp_path / "checkpoint.pt", model, optimizer, config)
     assert torch.equal(torch.rand(8, device="cuda"), expected)
+
+
+def graphed_and_eager_pair(optimizer: str = "adam", **kwargs):
+    """Two backends of one expert on the GPU, the first replaying CUDA graphs, the second eager."""
+    from dmoe.server.activations import ActivationCache
+    from dmoe.server.backend import ExpertBackend, make_optimizer
+
+    pair = []
+    for _ in range(2):
+        module = local_copy("ffn.0", "cuda")
+        # Adam with a large eps: its first steps are about lr times the gradient's sign, and the two paths' sums
+        # (padded batches, other kernels) differ in the last bits, which flips the sign of gradients near zero
+        chosen = (torch.optim.Adam(module.parameters(), lr=0.01, eps=1e-3, fused=True) if optimizer == "adam"
+                  else make_optimizer(optimizer, module.parameters(), 0.01))
+        pair.append(ExpertBackend("ffn.0", module, [torch.randn(2, HIDDEN, device="cuda")], chosen,
+                                  activations=ActivationCache(1 << 26), **kwargs))
+    pair[0].use_cuda_graphs(max_rows=64)
+    return pair
+
+
+def test_cuda_graphs_compute_and_train_as_the_eager_expert_does():
+    """Batches of varied sizes (buckets of 16, 32 and 64 rows, and one past max_rows): the graphed expert answers
+    and steps as the eager one, once its buckets are captured too."""
+    graphed, eager = graphed_and_eager_pair(clip_grad_norm=1.0)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [5, 16, 20, 5, 20, 11, 20, 33, 64, 7, 20, 40, 90, 33, 33, 12]
+    for step, rows in enumerate(sizes):
+        x = torch.randn(rows, HIDDEN, device="cuda", generator=generator)
+        grad = torch.randn(rows, HIDDEN, device="cuda", generator=generator)
+        aid = bytes([step])
+        outputs = [backend.forward(x, segments=[(aid, rows)])[0].clone() for backend in (graphed, eager)]
+        torch.testing.assert_close(outputs[0], outputs[1], atol=2e-4, rtol=2e-4)
+        assert graphed.activations.inputs("ffn.0", aid) is not None  # held for the backward, without a graph
+        grads = [backend.backward(x, grad, segments=[(aid, rows)])[0].clone() for backend in (graphed, eager)]
+        torch.testing.assert_close(grads[0], grads[1], atol=2e-4, rtol=2e-4)
+        assert graphed.activations.inputs("ffn.0", aid) is None
+    graphs = graphed.graphs
+    assert graphs is not None and graphs.captures >= 4 and graphs.replays >= 8, (graphs.captures, graphs.replays)
+    assert graphed.updates == eager.updates == len(sizes) and graphed.skipped_steps == 0
+    for (name, mine), theirs in zip(graphed.module.state_dict().items(), eager.module.state_dict().values()):
+        torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=2e-4, msg=name)
+    assert all(p.grad is None for p in graphed.module.parameters())
+
+
+def test_a_graphed_training_step_skips_a_non_finite_gradient_on_the_device():
+    graphed, _ = graphed_and_eager_pair()
+    x = torch.randn(20, HIDDEN, device="cuda")
+    for _ in range(4):  # two eager runs, then the capture, then a replay
+        graphed.backward(x, torch.randn(20, HIDDEN, device="cuda"))
+    assert graphed.graphs.captures == 1 and graphed.updates == 4
+    before = {k: v.clone() for k, v in graphed.module.state_dict().items()}
+    steps = [graphed.optimizer.state[p]["step"].item() for p in graphed.module.parameters()]
+    bad = torch.randn(20, HIDDEN, device="cuda")
+    bad[3, 5] = float("inf")
+    graphed.backward(x, bad)
+    assert graphed.skipped_steps == 1 and graphed.updates == 4
+    for name, value in graphed.module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert [graphed.optimizer.state[p]["step"].item() for p in graphed.module.parameters()] == steps
+    graphed.backward(x, torch.randn(20, HIDDEN, device="cuda"))
+    assert graphed.updates == 5 and not torch.equal(graphed.module.state_dict()["ffn.0.weight"],
+                                                    before["ffn.0.weight"])
+
+
+def test_cuda_graphs_leave_sgd_s_training_step_eager_and_reset_on_a_loaded_state():
+    graphed, eager = graphed_and_eager_pair("sgd")
+    assert "not fused Adam" in graphed.graphs.train_off
+    x, grad = torch.randn(20, HIDDEN, device="cuda"), torch.randn(20, HIDDEN, device="cuda")
+    for _ in range(4):
+        for backend in (graphed, eager):
+            backend.forward(x)
+            backend.backward(x, grad)
+    assert graphed.graphs.captures == 1  # the forward's bucket alone
+    torch.testing.assert_close(graphed.module.state_dict()["ffn.0.weight"], eager.module.state_dict()["ffn.0.weight"])
+    graphed.load_state_dict(eager.state_dict())
+    assert not graphed.graphs._graphs
+
+
+@pytest.mark.parametrize("autocast", [(), ("--autocast", "bf16")], ids=["fp32", "bf16"])
+def test_a_cuda_graphs_server_trains_with_adam_as_the_cpu_module_does(autocast):
+    # small steps: Adam's first steps are about lr times the gradient's sign, which the GPU's and the CPU's sums
+    # flip for gradients near zero (and bf16's errors are larger)
+    lr, tolerance = (1e-4, 0.05) if autocast else (1e-4, 1e-3)
+    with running(*server_args("--device", "cuda", "--cuda-graphs", "--optimizer", "adam", "--lr", str(lr),
+                              *autocast)) as proc:
+        expert = RemoteExpert("ffn.0", proc.endpoint(), timeout=60)
+        local = local_copy("ffn.0")
+        optimizer = torch.optim.Adam(local.parameters(), lr=lr)
+        for _ in range(6):  # past the eager runs: the last steps replay the graphs
+            x, grad = torch.randn(24, HIDDEN), torch.randn(24, HIDDEN)
+            x_remote, x_local = x.clone().requires_grad_(), x.clone().requires_grad_()
+            output, expected = expert(x_remote), local(x_local)
+            torch.testing.assert_close(output, expected, atol=tolerance, rtol=tolerance)
+            output.backward(grad)
+            expected.backward(grad)
+            torch.testing.assert_close(x_remote.grad, x_local.grad, atol=tolerance, rtol=tolerance)
+            optimizer.step()
+            optimizer.zero_grad()

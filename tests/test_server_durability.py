@@ -92,6 +92,7 @@ def test_a_port_in_use_is_refused_naming_the_flag():
     (("--processes", "2", "--metrics-port", "65535"), "argument --metrics-port"),
     (("--checkpoint-interval", "5"), "argument --checkpoint-interval: needs --checkpoint-dir"),
     (("--checkpoint-interval", "inf", "--checkpoint-dir", "unused"), "argument --checkpoint-interval: must be finite"),
+    (("--cuda-graphs", "--device", "cpu"), "argument --cuda-graphs: needs a CUDA device, and this server computes on cpu"),
 ])
 def test_flags_that_would_fail_later_are_refused_at_once(flags, words, capsys):
     with pytest.raises(SystemExit) as exit_info:

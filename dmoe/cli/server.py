@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="on a GPU, copy through pinned memory on a copy stream per worker and wait once per "
                              "batch (default: plain copies, faster on the GPUs measured; benchmarks/README.md)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                        help="on a GPU, replay each expert's forward and training step (forward again, backward, "
+                             "optimizer step) as CUDA graphs, per bucket of batch sizes: one launch instead of one "
+                             "per kernel (costs device memory per bucket; benchmarks/README.md, \"On a GPU\")")
     parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="let clients on this host pass requests and answers through shared memory instead of "
                              "gRPC's transport (Linux; loopback clients only)")
@@ -329,6 +333,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         parser.error(f"argument --device: {error}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: cuda was asked for but torch sees no CUDA device")
+    if args.cuda_graphs and device.type != "cuda":
+        parser.error(f"argument --cuda-graphs: needs a CUDA device, and this server computes on {device.type}")
     fault_config(args, parser)
     for peer in args.initial_peers:
         try:
@@ -362,6 +368,7 @@ def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                           max_message_bytes=args.max_message_bytes, metrics_port=args.metrics_port,
                           metrics_host=args.metrics_host,
                           workers=args.workers, overlap_copies=args.overlap_copies, profile=args.profile,
+                          cuda_graphs=args.cuda_graphs,
                           shared_memory=args.shared_memory)
     config.faults = fault_config(args, parser)
     config.checkpoint_dir, config.checkpoint_interval = args.checkpoint_dir, args.checkpoint_interval

@@ -177,6 +177,14 @@ class ActivationCache:
                 self.hits += 1
             return kept
 
+    def discard(self, uid: str, activation_id: bytes) -> None:
+        """Removes the forward kept under (uid, activation_id), if any, counting neither a hit nor a miss: a backward
+        that recomputes in any case (an expert run as CUDA graphs) needed only its inputs."""
+        with self._lock:
+            kept = self._entries.pop((uid, activation_id), None)
+            if kept is not None:
+                self._count(kept, -1)
+
     def drop_graphs(self, uid: str) -> None:
         """Keeps only the inputs of ``uid``'s forwards: called after its optimizer step made their graphs stale."""
         with self._lock:

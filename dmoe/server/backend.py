@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dmoe.server.activations import ActivationCache, KeptForward, SavedBytes, parameter_versions
+from dmoe.server.cuda_graphs import ExpertGraphs
 from dmoe.wire.codec import DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class ExpertBackend:
         self.backward_calls = 0
         self.skipped_steps = 0  # optimizer steps refused because the gradients were not finite
         self.updates = 0  # optimizer steps applied: how far the expert has trained (replicas compare it)
+        #: CUDA graphs of the forward and of the training step (:meth:`use_cuda_graphs`); None: eager
+        self.graphs: ExpertGraphs | None = None
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         sample = tuple(x.to(device) for x in sample_input)
         self.inputs_schema = tuple(TensorSchema.of(x) for x in sample)
@@ -141,22 +144,36 @@ class ExpertBackend:
     def _as_tuple(outputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
 
+    def use_cuda_graphs(self, max_rows: int) -> None:
+        """From now on the forward and the training step replay CUDA graphs, per bucket of batch sizes up to
+        ``max_rows`` (:mod:`dmoe.server.cuda_graphs`). Forwards then keep only their inputs for their backward,
+        which recomputes the forward inside the step's graph. An expert without parameters stays eager (its work is
+        not worth a graph's memory). Raises ValueError off a CUDA device."""
+        if next(self.module.parameters(), None) is None:
+            return
+        self.graphs = ExpertGraphs(
+            self.module, self.optimizer, [s.shape for s in self.inputs_schema],
+            [s.torch_dtype for s in self.inputs_schema], [s.torch_dtype for s in self.outputs_schema],
+            clip_grad_norm=self.clip_grad_norm, max_rows=max_rows, scheduler=self.scheduler, name=self.name)
+        if self.graphs.train_off is not None:
+            logger.info("%s: its training step runs eagerly, not as a CUDA graph: %s", self.name, self.graphs.train_off)
+
     def forward(self, *inputs: torch.Tensor, segments: Segments | None = None) -> tuple[torch.Tensor, ...]:
         """The expert's outputs for a batch. ``segments``: (activation id or None, rows) of each request in it.
 
         Requests with an id have their inputs held for their backward; a batch of one such request also keeps
-        its autograd graph. Anything else runs without autograd.
+        its autograd graph (not with CUDA graphs). Anything else runs without autograd.
         """
         cache = self.activations if self.activations is not None and self.activations.enabled else None
+        if self.graphs is not None:
+            if cache is not None and segments is not None:
+                self._keep_inputs(cache, inputs, segments)
+            outputs = self.graphs.forward(inputs)
+            return outputs if outputs is not None else self._forward_no_grad(inputs)
         if cache is None or segments is None or all(aid is None for aid, _ in segments):
             return self._forward_no_grad(inputs)
         if len(segments) > 1:
-            start = 0
-            for activation_id, rows in segments:
-                if activation_id is not None:
-                    cache.put(self.name, activation_id,
-                              KeptForward.inputs_only([_owned(x[start:start + rows]) for x in inputs]))
-                start += rows
+            self._keep_inputs(cache, inputs, segments)
             return self._forward_no_grad(inputs)
         params = list(self.module.parameters())
         leaves = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in inputs)
@@ -168,6 +185,15 @@ class ExpertBackend:
         graph = outputs if any(y.requires_grad for y in outputs) else None
         cache.put(self.name, segments[0][0], KeptForward(leaves, graph, parameter_versions(params), saved.nbytes))
         return self._to_schema(tuple(y.detach() for y in outputs))
+
+    def _keep_inputs(self, cache: ActivationCache, inputs: Sequence[torch.Tensor], segments: Segments) -> None:
+        """Holds the inputs of each request with an activation id, without a graph: its backward recomputes."""
+        start = 0
+        for activation_id, rows in segments:
+            if activation_id is not None:
+                cache.put(self.name, activation_id,
+                          KeptForward.inputs_only([_owned(x[start:start + rows]) for x in inputs]))
+            start += rows
 
     def _forward_no_grad(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         with torch.inference_mode():
@@ -185,6 +211,17 @@ class ExpertBackend:
         """
         n_in = len(self.inputs_schema)
         inputs, grad_outputs = inputs_and_grads[:n_in], inputs_and_grads[n_in:]
+        if self.graphs is not None:
+            if segments is not None and self.activations is not None:
+                for activation_id, _ in segments:
+                    if activation_id:
+                        self.activations.discard(self.name, activation_id)  # held inputs only: nothing to reuse
+            segments = None  # recompute, in the step's graph or eagerly
+            replayed = self.graphs.train_step(inputs, grad_outputs)
+            if replayed is not None:
+                input_grads, stepped = replayed
+                self._count_step(stepped)
+                return input_grads
         try:
             if segments is None or self.activations is None or all(aid is None for aid, _ in segments):
                 input_grads = self._recompute_backward(inputs, grad_outputs)
@@ -263,6 +300,18 @@ class ExpertBackend:
             except Exception:  # noqa: BLE001 - the step is applied: raising would make the runtime apply it again
                 logger.exception("%s: the LR scheduler's step failed after the optimizer's", self.name)
 
+    def _count_step(self, stepped: bool) -> None:
+        """Counts a training step replayed as a CUDA graph, which skipped its update on the device when a gradient
+        was not finite."""
+        if self.optimizer is None:
+            return
+        if stepped:
+            self.updates += 1
+            return
+        self.skipped_steps += 1
+        logger.warning("%s: skipped an optimizer step with non-finite gradients (%d so far)", self.name,
+                       self.skipped_steps)
+
     def _step(self) -> None:
         """``optimizer.step()``; when it raises, warns if it had already changed some weights.
 
@@ -299,6 +348,8 @@ class ExpertBackend:
         self.module.load_state_dict(state["module"])
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.graphs is not None:
+            self.graphs.reset()  # they read the optimizer's old state tensors
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
 

@@ -78,6 +78,11 @@ class ServerConfig:
         overlap_copies: on a GPU, copy through pinned memory on each worker's own copy stream and wait once per
             batch (:mod:`dmoe.server.transfer`); False (the default: faster on the GPUs measured, see
             benchmarks/README.md): plain blocking copies. No effect on a CPU.
+        cuda_graphs: on a GPU, replay each expert's forward and its training step (forward again, backward,
+            optimizer step) as CUDA graphs, one per bucket of batch sizes (:mod:`dmoe.server.cuda_graphs`): one launch
+            instead of one per kernel, where an expert's work at a layer's sizes is bound by launching kernels. Off by
+            default: each bucket's graphs cost device memory, and forwards then keep only their inputs (backward
+            recomputes them inside the graph). Needs a CUDA device.
         profile: time every stage of the server's path (decode, queue, batch, copies, compute, encode; see
             :mod:`dmoe.server.profile`) into ``server.stages`` and the metrics. On a GPU it synchronises the
             device between stages, so leave it off where speed counts.
@@ -112,6 +117,7 @@ class ServerConfig:
     activation_ttl: float = 60.0
     workers: int | None = None
     overlap_copies: bool = False
+    cuda_graphs: bool = False
     profile: bool = False
     shared_memory: bool = True
     max_queued_mb: float = 1024.0
@@ -164,6 +170,8 @@ class ExpertServer:
         self.config = config or ServerConfig()
         self.backends = {check_uid(uid): backend for uid, backend in backends.items()}
         self.device = resolve_device(self.config.device)
+        if self.config.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, not {self.device}")
         self.announcer = announcer
         self.backend_factory = backend_factory
         self.replication: Replication | None = None
@@ -212,6 +220,8 @@ class ExpertServer:
     def _host(self, uid: str, backend: ExpertBackend) -> HostedExpert:
         """``backend`` on the server's device with its two task pools (one group: never run at once)."""
         backend.module.to(self.device)
+        if self.config.cuda_graphs and backend.graphs is None:
+            backend.use_cuda_graphs(self.config.max_batch_size)
         return HostedExpert(
             backend,
             self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size, segmented=True,
