@@ -308,3 +308,26 @@ def test_streams_count_against_the_queued_bytes_as_they_arrive_and_stalled_ones_
             assert servicer.arriving_bytes == servicer.queued_bytes == servicer.streams == 0
         finally:
             release.set()
+
+
+def test_the_limits_of_streamed_requests_are_flags_of_dmoe_server():
+    """--max-stream-seconds and --max-stream-mb reach a server started as users start it."""
+    release = threading.Event()
+    with running("-m", "dmoe.cli.server", "--experts", "nop.[0:1]", "--expert-cls", "nop", "--hidden-dim",
+                 str(STREAM_HIDDEN), "--device", "cpu", "--max-stream-seconds", "0.5", "--max-stream-mb", "0.5") as proc, \
+            grpc.insecure_channel(proc.endpoint()) as channel:
+        stub = dmoe_pb2_grpc.ExpertServiceStub(channel)
+        try:
+            with pytest.raises(grpc.RpcError) as expired:
+                list(stalled_stream(stub, "nop.0", 1, release))
+            assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, expired.value.details()
+            assert "did not arrive whole within 0.5 s" in expired.value.details()
+            whole = stalled_stream(stub, "nop.0", 16, release)  # 1 MiB of payload, more than 0.5 MiB
+            release.set()
+            with pytest.raises(grpc.RpcError) as too_big:
+                list(whole)
+            assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, too_big.value.details()
+            assert f"streamed request exceeds {2**19} bytes, the server's limit per streamed request (--max-stream-mb)" \
+                in too_big.value.details()
+        finally:
+            release.set()

@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MiB of request inputs waiting for (or in) the experts' compute, or still arriving in "
                              "streamed calls, at most; requests beyond it are refused (RESOURCE_EXHAUSTED: clients "
                              "move on to other experts)")
+    parser.add_argument("--max-stream-mb", type=positive_float, default=1024.0,
+                        help="MiB one streamed request (a payload above --max-message-bytes, sent in parts) may carry "
+                             "in all; a larger one is refused as its parts arrive")
+    parser.add_argument("--max-stream-seconds", type=positive_float, default=120.0,
+                        help="seconds a streamed request has to arrive whole from its call's start; a slower one is "
+                             "refused (DEADLINE_EXCEEDED) and the bytes it held are let go")
     parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
     parser.add_argument("--metrics-host", default=None,
@@ -376,6 +382,8 @@ def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     config.max_abs_value = args.max_abs_value
     config.activation_cache_mb = args.activation_cache_mb
     config.max_queued_mb = args.max_queued_mb
+    config.max_stream_bytes = int(args.max_stream_mb * 2**20)
+    config.max_stream_seconds = args.max_stream_seconds
     return config
 
 

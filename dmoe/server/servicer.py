@@ -607,9 +607,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             received += size
             messages += 1
             if payload > limit or received > limit + messages * STREAM_MESSAGE_SLACK_BYTES:
+                why = ("the server's limit per streamed request (--max-stream-mb)" if limit == self.max_stream_bytes
+                       else f"more than a valid {kind} of {uid} (max_batch_size {self.max_batch_size}) can carry")
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"streamed request exceeds {limit} bytes, more than a valid {kind} of {uid} "
-                                      f"(max_batch_size {self.max_batch_size}) can carry")
+                                      f"streamed request exceeds {limit} bytes, {why}")
             if parts > max_parts or messages > max_parts:
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"streamed request has more than {max_parts} tensor parts or messages, more "
