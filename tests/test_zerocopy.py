@@ -6,6 +6,7 @@ import time
 import tracemalloc
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from google.protobuf.message import DecodeError
@@ -304,3 +305,23 @@ def test_a_cpu_server_keeps_no_view_of_a_message_shared_by_several_items():
                                 response_deserializer=bytes)(request, timeout=30)
         (kept,) = server.activations.inputs("ffn.0", padded)
         assert kept.untyped_storage().resizable() and torch.equal(kept, x[:1])  # a copy of its row, not a view
+
+
+@pytest.mark.parametrize("compression", [NONE, FLOAT16, UINT8])
+@pytest.mark.parametrize("width", [3, 1024])  # rows of 12 bytes (written as they are) and of 4 KiB (padded)
+def test_rows_gathered_into_a_message_are_written_as_the_gathered_tensor_would_be(compression, width):
+    from dmoe.client.moe import _bits
+    from dmoe.wire.codec import GatheredRows
+    source = torch.randn(10, width)
+    index = np.array([7, 0, 3, 3, 9])
+    rows = GatheredRows(_bits(source), index, torch.float32)
+    assert rows.shape == (5, width) and len(rows) == rows.nbytes == 5 * width * 4
+    assert torch.equal(rows.tensor(), source[index])
+    items = [("a", [pack(source[index], compression)], b"id"), ("b", [pack(source[:2], compression)], None)]
+    expected = zc.batch_request_message(items, compression).join()
+    message = zc.batch_request_message([("a", [pack(rows, compression)], b"id"), items[1]], compression)
+    assert message.join() == expected
+    target = bytearray(message.size + 8)
+    assert message.write_into(memoryview(target)[:message.size]) == message.size
+    assert bytes(target[:message.size]) == expected
+    assert serialize(rows, compression) == serialize(source[index], compression)  # a streamed call's tensors

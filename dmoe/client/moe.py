@@ -22,7 +22,7 @@ from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backwar
                                        loss_scale, new_activation_id)
 from dmoe.timing import NO_LAPS, Laps, NoLaps
 from dmoe.wire import NONE, ChannelPool
-from dmoe.wire.codec import parse_compression
+from dmoe.wire.codec import GatheredRows, parse_compression
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class AnsweredCall(NamedTuple):
     rows: np.ndarray
     slots: np.ndarray
     activation_id: bytes | None
-    rows_in: torch.Tensor
+    rows_in: GatheredRows
 
 
 #: integer types by byte width, to move elements of any torch dtype as raw bits (numpy lacks bfloat16)
@@ -93,17 +93,21 @@ class _RemoteExperts(torch.autograd.Function):
         # mixed outputs cross back once, instead of one small copy per expert each way
         host = inputs.cpu().to(WIRE_DTYPE).contiguous()
         host_bits = _bits(host)
+        if will_backward and host.data_ptr() == inputs.data_ptr():
+            # the rows are kept to send again in backward: a copy of the caller's tensor, which may change meanwhile
+            host_bits = host_bits.copy()
         laps.lap("to_host")
         # a backward will follow: the servers keep each forward's inputs (and activations) under its id until then
         ids = [new_activation_id() if will_backward else None for _ in plan]
-        sent = [_from_bits(host_bits[call.rows], host.dtype) for call in plan]
+        # each expert's rows are gathered straight into its request (GatheredRows), not into a tensor first
+        sent = [GatheredRows(host_bits, call.rows, WIRE_DTYPE) for call in plan]
         # one call per server carries all of its experts' requests; each expert still answers (or fails) alone
         # experts map rows of in_features to rows of in_features (the layer's output is their mixture): any other
         # answer fails undecoded, and a streamed one as soon as it exceeds those rows' bytes
         futures = forward_futures([(uid, endpoint, [rows_in], activation_id)
                                    for (uid, endpoint, _, _), rows_in, activation_id in zip(plan, sent, ids)],
                                   timeout=timeout, compression=policy.compression, channels=policy.channels,
-                                  expect=[[(tuple(rows_in.shape), WIRE_DTYPE)] for rows_in in sent])
+                                  expect=[[(rows_in.shape, WIRE_DTYPE)] for rows_in in sent])
         laps.lap("send")
         wait_for_experts(futures, [call.rows for call in plan], len(inputs), policy.k_min, timeout,
                          policy.timeout_after_k_min)
@@ -162,8 +166,10 @@ class _RemoteExperts(torch.autograd.Function):
         scale = loss_scale(policy.grad_scaler)
         if scale != 1.0:  # the experts step on what they get: unscaled (into a new array: grad_host may be grad_out)
             grad_host = torch.from_numpy(np.multiply(grad_host.numpy(), np.float32(1.0 / scale)))
-        grad_bits = _bits(grad_host)
-        futures = backward_futures([(uid, endpoint, [rows_in], [_from_bits(grad_bits[rows, slots], grad_host.dtype)],
+        # each expert's (row, slot) gradients, gathered straight into its request
+        grad_bits = _bits(grad_host).reshape(-1, grad_host.shape[-1])                 # [n * k, d]
+        k = grad_host.shape[1]
+        futures = backward_futures([(uid, endpoint, [rows_in], [GatheredRows(grad_bits, rows * k + slots, WIRE_DTYPE)],
                                      activation_id) for uid, endpoint, rows, slots, activation_id, rows_in in answered],
                                    timeout=policy.backward_timeout, compression=policy.compression,
                                    channels=policy.channels)

@@ -63,13 +63,62 @@ def parse_compression(name: str | int) -> int:
         raise ValueError(f"unknown compression {name!r}; choose one of {', '.join(COMPRESSIONS)}") from None
 
 
+class GatheredRows:
+    """Rows ``index`` of a 2-D host array, sent as a tensor of ``dtype`` without first being gathered into one.
+
+    ``source`` holds the elements as same-width integers (numpy lacks bfloat16; see ``dmoe.client.moe``). A layer
+    sends each expert its rows of the batch: gathered into a tensor of their own and then copied into the message,
+    every row was copied twice. :mod:`dmoe.wire.zerocopy`'s writers gather these straight into the message's
+    memory (with shared memory, into the segment the server reads), one copy. Anything else that takes a tensor
+    here (:func:`pack` with compression, :func:`serialize` for a streamed call) gathers them first, as before.
+    Keep ``source`` unchanged until the message is written.
+    """
+
+    __slots__ = ("source", "index", "dtype", "shape", "nbytes")
+
+    def __init__(self, source: np.ndarray, index: np.ndarray, dtype: torch.dtype):
+        if source.ndim != 2 or not source.flags.c_contiguous or source.itemsize != dtype.itemsize:
+            raise ValueError(f"rows are gathered from a C-contiguous 2-D array of {dtype}'s width, got "
+                             f"{source.shape} {source.dtype}")
+        self.source, self.index, self.dtype = source, np.asarray(index, dtype=np.intp), dtype
+        self.shape: tuple[int, ...] = (len(self.index), source.shape[1])
+        self.nbytes = len(self.index) * source.shape[1] * source.itemsize
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def __len__(self) -> int:
+        """Its bytes, as a chunk of a message."""
+        return self.nbytes
+
+    def write_into(self, target: memoryview) -> None:
+        """Gathers the rows into ``target``, a writable view of exactly :attr:`nbytes` bytes."""
+        out = np.frombuffer(target, dtype=self.source.dtype).reshape(self.shape)
+        # mode="clip": with "raise" numpy gathers into a buffer of its own and copies that (the rows are valid)
+        np.take(self.source, self.index, axis=0, out=out, mode="clip")
+
+    def array(self) -> np.ndarray:
+        """The rows gathered into a new array (of ``source``'s integer type)."""
+        return np.take(self.source, self.index, axis=0)
+
+    def tensor(self) -> torch.Tensor:
+        """The rows gathered into a new tensor of ``dtype``."""
+        return torch.from_numpy(self.array()).view(self.dtype)
+
+    def __bytes__(self) -> bytes:
+        return self.array().tobytes()
+
+
 @dataclass(eq=False)
 class OutgoingTensor:
     """A tensor packed as a ``dmoe.Tensor`` carries it, its buffer still the tensor's memory (or that of its
     compressed copy): :func:`serialize` copies it into a message, :mod:`dmoe.wire.zerocopy`'s writers straight into
     the bytes they send. Keep the tensor unchanged until then."""
 
-    buffer: memoryview | bytes
+    buffer: memoryview | bytes | GatheredRows
     shape: tuple[int, ...]
     dtype: str
     compression: int = NONE
@@ -106,12 +155,16 @@ def _to_float16(tensor: torch.Tensor) -> torch.Tensor:
     return half
 
 
-def pack(tensor: torch.Tensor, compression: int = NONE) -> OutgoingTensor:
+def pack(tensor: torch.Tensor | GatheredRows, compression: int = NONE) -> OutgoingTensor:
     """What is sent of ``tensor`` (any device), not yet copied into bytes; compression applies to floating-point
-    tensors only."""
+    tensors only. :class:`GatheredRows` sent as they are stay ungathered until written."""
     name = dtype_name(tensor.dtype)
     if not tensor.is_floating_point() or tensor.numel() == 0:
         compression = NONE
+    if isinstance(tensor, GatheredRows):
+        if compression == NONE:
+            return OutgoingTensor(tensor, tensor.shape, name)
+        tensor = tensor.tensor()  # compressed from a tensor of their own, as any other
     if compression == FLOAT16 and tensor.dtype != torch.float16:
         return OutgoingTensor(_memory(_to_float16(tensor)), tuple(tensor.shape), name, FLOAT16)
     if compression == UINT8:
@@ -194,7 +247,7 @@ def _payload_bytes(numel: int, dtype: torch.dtype, compression: int) -> tuple[in
     return numel * dtype.itemsize, 0
 
 
-def encoded_bytes(tensor: torch.Tensor, compression: int = NONE) -> int:
+def encoded_bytes(tensor: torch.Tensor | GatheredRows, compression: int = NONE) -> int:
     """The buffer bytes (and aux) that :func:`serialize` would make of ``tensor``, without making them."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         compression = NONE  # as serialize sends them
