@@ -305,3 +305,17 @@ def test_the_layer_drops_and_bans_an_expert_answering_nan_gradients(pool):
         out.sum().backward()
     assert policy.stats.backward_failures == 1 and policy.bans.is_banned("ffn0.0.0", endpoint)
     assert torch.equal(flat.grad, torch.zeros_like(flat.grad))  # no gradient came from it: none, not NaN
+
+
+def test_the_slots_of_a_dropped_expert_are_zeros_beside_the_answered_ones(pool):
+    y = torch.randn(ROWS, HIDDEN)
+    with hostile_server(forward_batch=batch_answer(Result([pack(y)]), nan_rows())) as endpoint:
+        policy = CallPolicy(channels=pool)
+        rows = np.arange(ROWS)
+        plan = [PlannedCall("ffn0.0.0", endpoint, rows, np.zeros(ROWS, dtype=np.int64)),
+                PlannedCall("ffn0.0.1", endpoint, rows, np.ones(ROWS, dtype=np.int64))]
+        out, alive = _RemoteExperts.apply(torch.empty(0, requires_grad=True), torch.randn(ROWS, HIDDEN), policy, plan,
+                                          2, False)
+    assert alive[:, 0].all() and not alive[:, 1].any()
+    assert torch.equal(out[:, 0], y) and torch.equal(out[:, 1], torch.zeros(ROWS, HIDDEN))
+    assert policy.stats.experts_dropped == 1

@@ -112,26 +112,34 @@ class _RemoteExperts(torch.autograd.Function):
         wait_for_experts(futures, [call.rows for call in plan], len(inputs), policy.k_min, timeout,
                          policy.timeout_after_k_min)
         laps.lap("wait")
-        out: torch.Tensor | None = None
-        out_bits = None
-        alive = np.zeros((len(inputs), k), dtype=bool)
+        n, d = len(inputs), inputs.shape[-1]
+        # answers land in [n * k, d] at row * k + slot; left uninitialised, as only the pairs nobody answered (often
+        # none) need zeros: zeroing all of it first cost a pass over the whole output
+        out_bits: np.ndarray | None = None
+        alive = np.zeros(n * k, dtype=bool)
         answered, refused = [], []
         for (uid, endpoint, rows, slots), future, activation_id, rows_in in zip(plan, futures, ids, sent):
             # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
-            result = policy.outcome(uid, endpoint, future, shape=(len(rows), inputs.shape[-1]), dtype=WIRE_DTYPE)
+            result = policy.outcome(uid, endpoint, future, shape=(len(rows), d), dtype=WIRE_DTYPE)
             if result is None:
                 if uid in policy.refusing:
                     refused.append((uid, endpoint))
                 continue
-            if out is None:
-                out = _zeros((len(inputs), k, inputs.shape[-1]), WIRE_DTYPE)
-                out_bits = _bits(out)
-            out_bits[rows, slots] = _bits(result[0])
-            alive[rows, slots] = True
+            if out_bits is None:
+                out_bits = np.empty((n * k, d), dtype=_BITS[WIRE_DTYPE.itemsize][1])
+            pairs = rows * k + slots
+            out_bits[pairs] = _bits(result[0])
+            alive[pairs] = True
             # the rows sent are kept only to send again if the server lost them (a backward sends gradients alone)
             answered.append(AnsweredCall(uid, endpoint, rows, slots, activation_id, rows_in))
-        if out is None:
-            out = _zeros((len(inputs), k, inputs.shape[-1]), WIRE_DTYPE)
+        if out_bits is None:
+            out = _zeros((n, k, d), WIRE_DTYPE)
+        else:
+            missing = ~alive
+            if missing.any():
+                out_bits[missing] = 0
+            out = _from_bits(out_bits.reshape(n, k, d), WIRE_DTYPE)
+        alive = alive.reshape(n, k)
         if refused:
             policy.weigh_refusals(refused, bool(answered))
         policy.stats.experts_chosen += len(plan)
