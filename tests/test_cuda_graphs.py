@@ -9,7 +9,8 @@ import torch
 from dmoe.experts import create_expert
 from dmoe.server.activations import ActivationCache, KeptForward
 from dmoe.server.backend import ExpertBackend, make_optimizer
-from dmoe.server.cuda_graphs import MIN_ROWS, ExpertGraphs, bucket_rows, training_step_support
+from dmoe.server.cuda_graphs import (MIN_ROWS, ExpertGraphs, bucket_rows, finiteness_flag, training_step,
+                                     training_step_support)
 from dmoe.server.server import ExpertServer, ServerConfig
 
 
@@ -50,3 +51,67 @@ def test_discarding_a_kept_forward_frees_its_bytes_and_counts_no_hit_nor_miss():
     cache.discard("e", b"a")
     cache.discard("e", b"never kept")
     assert cache.nbytes == 0 and len(cache) == 0 and cache.hits == cache.misses == 0
+
+
+def twin_experts(hidden: int = 16):
+    """Two equal ffn experts with fused Adam (which takes found_inf), eps large enough that the sign of a gradient
+    near zero, which the two paths' sums may flip in its last bit, does not decide a first step."""
+    twins = []
+    for _ in range(2):
+        module = create_expert("ffn", hidden, seed=1)
+        twins.append((module, torch.optim.Adam(module.parameters(), lr=0.01, eps=1e-3, fused=True)))
+    return twins
+
+
+def test_the_recorded_training_step_run_eagerly_trains_as_the_eager_backward_does():
+    """What a graph records (the forward again, the backward, the finiteness check into found_inf, clipping and
+    fused Adam's step) is the eager path's step: it runs on a CPU as well, where no graph can check it."""
+    (module, adam), (reference, reference_adam) = twin_experts()
+    backend = ExpertBackend("e", reference, [torch.randn(2, 16)], reference_adam, clip_grad_norm=0.5)
+    found_inf = finiteness_flag("cpu")
+    generator = torch.Generator().manual_seed(0)
+    for rows in (3, 8, 5, 8):
+        x, grad = torch.randn(rows, 16, generator=generator), torch.randn(rows, 16, generator=generator)
+        (mine,) = training_step(module, adam, [x], [grad], found_inf, clip_grad_norm=0.5)
+        (theirs,) = backend.backward(x, grad)
+        assert found_inf.item() == 0
+        torch.testing.assert_close(mine, theirs)
+    assert backend.updates == 4
+    for (name, a), b in zip(module.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    for p, q in zip(module.parameters(), reference.parameters()):
+        assert adam.state[p]["step"].item() == reference_adam.state[q]["step"].item() == 4
+
+
+def test_a_non_finite_gradient_sets_found_inf_and_leaves_weights_and_adam_state_alone():
+    (module, adam), _ = twin_experts()
+    found_inf = finiteness_flag("cpu")
+    x = torch.randn(4, 16)
+    training_step(module, adam, [x], [torch.randn(4, 16)], found_inf)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    state = {name: {k: v.clone() for k, v in adam.state[p].items()} for name, p in module.named_parameters()}
+    bad = torch.randn(4, 16)
+    bad[1, 2] = float("nan")
+    training_step(module, adam, [x], [bad], found_inf)
+    assert found_inf.item() == 1
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    for name, p in module.named_parameters():
+        for key, value in adam.state[p].items():
+            assert torch.equal(value, state[name][key]), (name, key)
+    training_step(module, adam, [x], [torch.randn(4, 16)], found_inf)  # found_inf is reset by each step
+    assert found_inf.item() == 0 and not torch.equal(module.state_dict()["ffn.0.weight"], before["ffn.0.weight"])
+
+
+def test_padding_rows_with_zero_gradients_changes_neither_the_real_rows_nor_the_step():
+    """A graph computes a bucket's rows: the batch, then rows of earlier batches whose output gradients are zero."""
+    (padded, padded_adam), (plain, plain_adam) = twin_experts()
+    x, grad = torch.randn(5, 16), torch.randn(5, 16)
+    stale = torch.randn(11, 16) * 3
+    (padded_grads,) = training_step(padded, padded_adam, [torch.cat([x, stale])],
+                                    [torch.cat([grad, torch.zeros(11, 16)])], finiteness_flag("cpu"),
+                                    clip_grad_norm=1.0)
+    (plain_grads,) = training_step(plain, plain_adam, [x], [grad], finiteness_flag("cpu"), clip_grad_norm=1.0)
+    torch.testing.assert_close(padded_grads[:5], plain_grads)
+    for (name, a), b in zip(padded.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)

@@ -146,8 +146,10 @@ class ExpertBackend:
 
     def use_cuda_graphs(self, max_rows: int) -> None:
         """From now on the forward and the training step replay CUDA graphs, per bucket of batch sizes up to
-        ``max_rows`` (:mod:`dmoe.server.cuda_graphs`). Forwards then keep only their inputs for their backward,
-        which recomputes the forward inside the step's graph. An expert without parameters stays eager (its work is
+        ``max_rows`` (:mod:`dmoe.server.cuda_graphs`). Where the training step is a graph too, forwards keep only
+        their inputs for their backward, which recomputes the forward inside the step's graph; where it is not (an
+        optimizer other than fused Adam, a scheduler, a failed capture), forwards that a backward will follow run
+        eagerly as before, keeping their autograd graph. An expert without parameters stays eager (its work is
         not worth a graph's memory). Raises ValueError off a CUDA device."""
         if next(self.module.parameters(), None) is None:
             return
@@ -162,16 +164,21 @@ class ExpertBackend:
         """The expert's outputs for a batch. ``segments``: (activation id or None, rows) of each request in it.
 
         Requests with an id have their inputs held for their backward; a batch of one such request also keeps
-        its autograd graph (not with CUDA graphs). Anything else runs without autograd.
+        its autograd graph (not when the training step is a CUDA graph). Anything else runs without autograd.
         """
         cache = self.activations if self.activations is not None and self.activations.enabled else None
-        if self.graphs is not None:
-            if cache is not None and segments is not None:
+        keep = cache is not None and segments is not None and any(aid is not None for aid, _ in segments)
+        # a graph's forward keeps no autograd graph: worth it when no backward follows, or when the backward's step
+        # is a graph too (it recomputes the forward); else the kept graph saves the eager backward a forward
+        if self.graphs is not None and (not keep or self.graphs.train_off is None):
+            if keep:
+                assert cache is not None and segments is not None
                 self._keep_inputs(cache, inputs, segments)
             outputs = self.graphs.forward(inputs)
             return outputs if outputs is not None else self._forward_no_grad(inputs)
-        if cache is None or segments is None or all(aid is None for aid, _ in segments):
+        if not keep:
             return self._forward_no_grad(inputs)
+        assert cache is not None and segments is not None
         if len(segments) > 1:
             self._keep_inputs(cache, inputs, segments)
             return self._forward_no_grad(inputs)
@@ -211,7 +218,7 @@ class ExpertBackend:
         """
         n_in = len(self.inputs_schema)
         inputs, grad_outputs = inputs_and_grads[:n_in], inputs_and_grads[n_in:]
-        if self.graphs is not None:
+        if self.graphs is not None and self.graphs.train_off is None:
             if segments is not None and self.activations is not None:
                 for activation_id, _ in segments:
                     if activation_id:

@@ -20,7 +20,9 @@ How:
 * The optimizer must be fused Adam (the server's default): it takes the finiteness check's flag (``found_inf``,
   as AMP's gradient scaler gives it) and skips a step on the device, without waiting for the host, as the eager
   path's check does. Other optimizers, and an LR scheduler (a graph keeps the learning rate it was captured with),
-  leave the training step eager; the forward is still graphed.
+  leave the training step eager; then only forwards that no backward follows are graphed (the others keep their
+  autograd graph for the eager backward, as without graphs). What a step's graph records,
+  :func:`training_step`, also runs eagerly on any device: the CPU tests check it against the eager path.
 * One memory pool per expert: its graphs never run at once (an expert's batches run one at a time) and each
   replay's outputs are copied to the host before the next, so each graph may reuse what another freed.
 * A capture that fails is logged once and that graph kind stays eager for the expert.
@@ -213,40 +215,17 @@ class ExpertGraphs:
         inputs = self._static_inputs(rows)
         grad_outputs = [torch.zeros((rows, *shape), dtype=dtype, device=self.device)
                         for shape, dtype in self._output_shapes(inputs)]
-        found_inf = torch.zeros(1, device=self.device) if self.optimizer is not None else None
-        one = torch.ones(1, device=self.device)
-
-        def gradients() -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-            leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
-            with torch.enable_grad(), _uncached_autocast():
-                outputs = self.module(*leaves)
-            outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-            pairs = [(y, g) for y, g in zip(outputs, grad_outputs) if y.requires_grad]
-            wrt = [x for x in leaves if x.requires_grad] + params
-            grads = list(torch.autograd.grad([y for y, _ in pairs], wrt, [g.to(y.dtype) for y, g in pairs],
-                                             allow_unused=True)) if pairs and wrt else [None] * len(wrt)
-            it = iter(grads)
-            input_grads = [next(it) if x.requires_grad else None for x in leaves]
-            input_grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(input_grads, leaves)]
-            return input_grads, list(it)
+        found_inf = finiteness_flag(self.device) if self.optimizer is not None else None
 
         def record() -> list[torch.Tensor]:
-            input_grads, param_grads = gradients()
-            if self.optimizer is not None:
-                assert found_inf is not None
-                present = [(p, g) for p, g in zip(params, param_grads) if g is not None]
-                found_inf.zero_()
-                if present:
-                    torch._amp_foreach_non_finite_check_and_unscale_([g for _, g in present], found_inf, one)
-                for p, g in present:
-                    p.grad = g
-                if self.clip_grad_norm is not None:
-                    nn.utils.clip_grad_norm_([p for p, _ in present], self.clip_grad_norm, foreach=True)
-                self._step_captured(found_inf)
-            return [g.to(x.dtype) for g, x in zip(input_grads, inputs)]
+            return training_step(self.module, self.optimizer, inputs, grad_outputs, found_inf, self.clip_grad_norm)
+
+        def warm_up() -> None:
+            with _uncached_autocast():
+                gradients(self.module, params, inputs, grad_outputs)
 
         try:
-            graph, outputs = self._capture(record, gradients)
+            graph, outputs = self._capture(record, warm_up)
         finally:
             for p in params:
                 p.grad = None  # the graph's own gradients; an eager step must start from none
@@ -258,22 +237,77 @@ class ExpertGraphs:
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         return [(tuple(y.shape[1:]), dtype) for y, dtype in zip(outputs, self.output_dtypes)]
 
-    def _step_captured(self, found_inf: torch.Tensor) -> None:
-        """``optimizer.step()`` recorded, skipping itself where ``found_inf`` is set. Capture asks the param groups
-        to be ``capturable``; fused Adam computes alike either way, and outside capture the flag would only make
-        torch warn, so it is set for the capture alone."""
-        assert self.optimizer is not None
-        groups = self.optimizer.param_groups
-        before = [group["capturable"] for group in groups]
-        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by Adam.step, as GradScaler does
-        try:
+
+def finiteness_flag(device: torch.device | str) -> torch.Tensor:
+    """The flag :func:`training_step` sets when a gradient is not finite: 0-dim, as fused Adam subtracts it from
+    each parameter's 0-dim step count (a 1-element flag of shape [1] made every capture of a step fail)."""
+    return torch.zeros((), device=device)
+
+
+def gradients(module: nn.Module, params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+              grad_outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """(input gradients, parameter gradients) of ``module`` at ``inputs`` for ``grad_outputs``, by its forward
+    with autograd and ``torch.autograd.grad``: nothing is accumulated into ``.grad``. Inputs that are not floating
+    point get zeros; parameters that got no gradient, None."""
+    leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    with torch.enable_grad():
+        outputs = module(*leaves)
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    pairs = [(y, g) for y, g in zip(outputs, grad_outputs) if y.requires_grad]
+    wrt = [x for x in leaves if x.requires_grad] + list(params)
+    grads = (list(torch.autograd.grad([y for y, _ in pairs], wrt, [g.to(y.dtype) for y, g in pairs],
+                                      allow_unused=True)) if pairs and wrt else [None] * len(wrt))
+    found = iter(grads)
+    input_grads = [next(found) if x.requires_grad else None for x in leaves]
+    return ([g if g is not None else torch.zeros_like(x) for g, x in zip(input_grads, leaves)], list(found))
+
+
+def training_step(module: nn.Module, optimizer: torch.optim.Optimizer | None, inputs: Sequence[torch.Tensor],
+                  grad_outputs: Sequence[torch.Tensor], found_inf: torch.Tensor | None,
+                  clip_grad_norm: float | None = None) -> list[torch.Tensor]:
+    """What a training step's graph records: the forward again, the backward, then (with an optimizer) the check
+    that every parameter's gradient is finite into ``found_inf`` (a 0-dim float tensor), clipping, and one step of
+    ``optimizer`` (fused Adam) that leaves the weights and its state alone where ``found_inf`` is set. Returns the
+    input gradients (in the inputs' dtypes). Nothing here waits for the device, so it can be recorded; it also runs
+    eagerly on any device, which is how the CPU tests check it against the eager path's
+    :meth:`~dmoe.server.backend.ExpertBackend.backward`. Leaves ``.grad`` set to this step's gradients."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    with _uncached_autocast():
+        input_grads, param_grads = gradients(module, params, inputs, grad_outputs)
+    if optimizer is not None:
+        assert found_inf is not None
+        present = [(p, g) for p, g in zip(params, param_grads) if g is not None]
+        found_inf.zero_()
+        if present:  # AMP's fused check, with a scale of 1 (each gradient rewritten as itself)
+            torch._amp_foreach_non_finite_check_and_unscale_([g for _, g in present], found_inf,
+                                                             torch.ones((), device=found_inf.device))
+        for p, g in present:
+            p.grad = g
+        if clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_([p for p, _ in present], clip_grad_norm, foreach=True)
+        step_unless_found_inf(optimizer, found_inf)
+    return [g.to(x.dtype) for g, x in zip(input_grads, inputs)]
+
+
+def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()`` given ``found_inf``, as AMP's gradient scaler gives it to fused optimizers: where it is
+    set, the step leaves the weights and the state (its step count too) as they were. Capturing it asks the param
+    groups to be ``capturable``; fused Adam computes alike either way, and outside a capture (or on a CPU, where
+    capturable is refused) the flag would only make torch warn, so it is set for a capture alone."""
+    capturing = found_inf.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    groups = optimizer.param_groups
+    before = [group.get("capturable", False) for group in groups]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by Adam.step, as GradScaler does
+    try:
+        if capturing:
             for group in groups:
                 group["capturable"] = True
-            self.optimizer.step()
-        finally:
+        optimizer.step()
+    finally:
+        if capturing:
             for group, flag in zip(groups, before):
                 group["capturable"] = flag
-            del self.optimizer.found_inf  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def _autocast_dtype() -> torch.dtype | None:
