@@ -277,3 +277,38 @@ def test_a_cuda_graphs_server_trains_with_adam_as_the_cpu_module_does(autocast):
             torch.testing.assert_close(x_remote.grad, x_local.grad, atol=tolerance, rtol=tolerance)
             optimizer.step()
             optimizer.zero_grad()
+
+
+class _ReadsOnTheHost(torch.nn.Module):
+    """An expert that reads a value on the host in its forward: something a CUDA graph cannot record."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.linear(x) * (1.0 if x.abs().max().item() < 1e6 else 0.0)
+
+
+def test_a_failed_capture_turns_graphs_off_for_the_process_and_leaves_the_stream_as_it_was():
+    from dmoe.server.backend import ExpertBackend, make_optimizer
+    from dmoe.server.cuda_graphs import GraphSwitch
+
+    switch = GraphSwitch()
+    module = _ReadsOnTheHost().cuda()
+    backend = ExpertBackend("host", module, [torch.randn(2, HIDDEN, device="cuda")],
+                            make_optimizer("adam", module.parameters(), 0.01))
+    backend.use_cuda_graphs(64, switch)
+    other, _ = graphed_and_eager_pair()
+    other.graphs.switch = switch
+    stream = torch.cuda.current_stream()
+    x = torch.randn(20, HIDDEN, device="cuda")
+    for _ in range(4):
+        with torch.no_grad():
+            torch.testing.assert_close(backend.forward(x)[0], module(x))
+    assert switch.off is not None and "host" in switch.off
+    assert torch.cuda.current_stream() == stream
+    assert backend.graphs.captures == 0 and not other.graphs.trains
+    for _ in range(4):
+        other.forward(x)
+    assert other.graphs.captures == 0  # off for every expert of the process

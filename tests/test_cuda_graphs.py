@@ -9,8 +9,9 @@ import torch
 from dmoe.experts import create_expert
 from dmoe.server.activations import ActivationCache, KeptForward
 from dmoe.server.backend import ExpertBackend, make_optimizer
-from dmoe.server.cuda_graphs import (MIN_ROWS, ExpertGraphs, bucket_rows, finiteness_flag, training_step,
-                                     training_step_support)
+from dmoe.server.cuda_graphs import (MIN_ROWS, ExpertGraphs, bucket_rows, fill_padded, finiteness_flag,
+                                     training_step, training_step_support)
+from dmoe.server.runtime import Runtime
 from dmoe.server.server import ExpertServer, ServerConfig
 
 
@@ -42,6 +43,8 @@ def test_graphs_are_refused_off_a_gpu_and_a_parameter_free_expert_stays_eager():
     assert nop.graphs is None
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
         ExpertServer.create("a.0", "ffn", 8, config=ServerConfig(device="cpu", cuda_graphs=True))
+    with pytest.raises(ValueError, match="cuda_graphs needs one compute worker"):
+        ExpertServer.create("a.0", "ffn", 8, config=ServerConfig(device="cpu", cuda_graphs=True, workers=2))
 
 
 def test_discarding_a_kept_forward_frees_its_bytes_and_counts_no_hit_nor_miss():
@@ -115,3 +118,62 @@ def test_padding_rows_with_zero_gradients_changes_neither_the_real_rows_nor_the_
     torch.testing.assert_close(padded_grads[:5], plain_grads)
     for (name, a), b in zip(padded.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_padding_repeats_the_batch_s_first_row_and_gradients_pad_with_zeros():
+    buffer = torch.full((8, 3), 7.0)
+    rows = torch.arange(9.0).reshape(3, 3)
+    fill_padded(buffer, rows)
+    assert torch.equal(buffer[:3], rows) and torch.equal(buffer[3:], rows[:1].expand(5, 3))
+    fill_padded(buffer, rows[:2] + 1, zeros=True)
+    assert torch.equal(buffer[:2], rows[:2] + 1) and not buffer[2:].any()
+    fill_padded(buffer, torch.ones(8, 3))  # a full bucket: nothing to pad
+    assert torch.equal(buffer, torch.ones(8, 3))
+
+
+def test_a_row_that_overflows_in_the_expert_spoils_its_own_batch_and_not_the_next_ones_in_its_bucket():
+    """Review 45: with earlier batches' rows left in the padding, a finite row that overflows inside the expert
+    made every later, smaller batch of its bucket skip its step (0 * inf in the padding's backward)."""
+    (module, adam), _ = twin_experts()
+    inputs, grads, found_inf = torch.zeros(16, 16), torch.zeros(16, 16), finiteness_flag("cpu")
+    bad = torch.randn(16, 16)
+    bad[15, 3] = 1e30  # finite, and accepted by a server with --max-abs-value 0; its squares overflow in LayerNorm
+    fill_padded(inputs, bad)
+    fill_padded(grads, torch.randn(16, 16), zeros=True)
+    training_step(module, adam, [inputs], [grads], found_inf)
+    assert found_inf.item() == 1  # as eagerly: this batch's step is skipped
+    for _ in range(3):
+        fill_padded(inputs, torch.randn(8, 16))
+        fill_padded(grads, torch.randn(8, 16), zeros=True)
+        training_step(module, adam, [inputs], [grads], found_inf)
+        assert found_inf.item() == 0
+
+
+class _FailingLaps:
+    def lap(self, stage: str) -> None:
+        if stage == "compute":
+            raise RuntimeError("the device failed while we waited for it")
+
+
+class _FailingClock:
+    def laps(self, device) -> _FailingLaps:
+        return _FailingLaps()
+
+
+def test_an_error_while_timing_a_computed_batch_does_not_run_the_batch_again():
+    """Review 45: the profile's wait for the device sat outside the guard that keeps a computed batch (a backward
+    whose optimizer step is applied) from running again, task by task."""
+    calls = []
+
+    def process(x: torch.Tensor) -> list[torch.Tensor]:
+        calls.append(len(x))
+        return [x * 2]
+
+    with Runtime(workers=1, stages=_FailingClock()) as runtime:
+        pool = runtime.create_pool("e.backward", process, max_batch_size=8)
+        with runtime.paused():
+            futures = [runtime.submit(pool, torch.ones(2, 3)), runtime.submit(pool, torch.ones(1, 3))]
+        for future in futures:
+            with pytest.raises(RuntimeError, match="the device failed"):
+                future.result(10)
+    assert calls == [3]  # once, as one batch: not again for each task

@@ -93,6 +93,10 @@ def test_a_port_in_use_is_refused_naming_the_flag():
     (("--checkpoint-interval", "5"), "argument --checkpoint-interval: needs --checkpoint-dir"),
     (("--checkpoint-interval", "inf", "--checkpoint-dir", "unused"), "argument --checkpoint-interval: must be finite"),
     (("--cuda-graphs", "--device", "cpu"), "argument --cuda-graphs: needs a CUDA device, and this server computes on cpu"),
+    (("--cuda-graphs", "--workers", "2"), "argument --cuda-graphs: needs one compute worker per process"),
+    (("--max-stream-mb", "inf"), "argument --max-stream-mb: must be finite"),
+    (("--max-stream-seconds", "inf"), "argument --max-stream-seconds: must be finite"),
+    (("--max-stream-mb", "1e-9"), "argument --max-stream-mb: 1e-09 MiB is less than 1 KiB"),
 ])
 def test_flags_that_would_fail_later_are_refused_at_once(flags, words, capsys):
     with pytest.raises(SystemExit) as exit_info:

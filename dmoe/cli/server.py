@@ -339,8 +339,17 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         parser.error(f"argument --device: {error}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: cuda was asked for but torch sees no CUDA device")
+    if args.cuda_graphs and (args.workers or 1) > 1:
+        parser.error(f"argument --cuda-graphs: needs one compute worker per process, got --workers {args.workers} "
+                     "(more processes with --processes instead)")
     if args.cuda_graphs and device.type != "cuda":
         parser.error(f"argument --cuda-graphs: needs a CUDA device, and this server computes on {device.type}")
+    for flag in ("max_stream_mb", "max_stream_seconds"):
+        if not getattr(args, flag) < float("inf"):
+            parser.error(f"argument --{flag.replace('_', '-')}: must be finite, got {getattr(args, flag)}")
+    if args.max_stream_mb * 2**20 < 1024:
+        parser.error(f"argument --max-stream-mb: {args.max_stream_mb} MiB is less than 1 KiB, which no streamed "
+                     "request fits in")
     fault_config(args, parser)
     for peer in args.initial_peers:
         try:

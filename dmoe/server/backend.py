@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dmoe.server.activations import ActivationCache, KeptForward, SavedBytes, parameter_versions
-from dmoe.server.cuda_graphs import ExpertGraphs
+from dmoe.server.cuda_graphs import ExpertGraphs, GraphSwitch
 from dmoe.wire.codec import DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -144,19 +144,21 @@ class ExpertBackend:
     def _as_tuple(outputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
 
-    def use_cuda_graphs(self, max_rows: int) -> None:
+    def use_cuda_graphs(self, max_rows: int, switch: GraphSwitch | None = None) -> None:
         """From now on the forward and the training step replay CUDA graphs, per bucket of batch sizes up to
         ``max_rows`` (:mod:`dmoe.server.cuda_graphs`). Where the training step is a graph too, forwards keep only
         their inputs for their backward, which recomputes the forward inside the step's graph; where it is not (an
         optimizer other than fused Adam, a scheduler, a failed capture), forwards that a backward will follow run
         eagerly as before, keeping their autograd graph. An expert without parameters stays eager (its work is
-        not worth a graph's memory). Raises ValueError off a CUDA device."""
+        not worth a graph's memory). ``switch``: the server process's, which one failed capture turns off for all
+        of its experts. Raises ValueError off a CUDA device."""
         if next(self.module.parameters(), None) is None:
             return
         self.graphs = ExpertGraphs(
             self.module, self.optimizer, [s.shape for s in self.inputs_schema],
             [s.torch_dtype for s in self.inputs_schema], [s.torch_dtype for s in self.outputs_schema],
-            clip_grad_norm=self.clip_grad_norm, max_rows=max_rows, scheduler=self.scheduler, name=self.name)
+            clip_grad_norm=self.clip_grad_norm, max_rows=max_rows, scheduler=self.scheduler, name=self.name,
+            switch=switch)
         if self.graphs.train_off is not None:
             logger.info("%s: its training step runs eagerly, not as a CUDA graph: %s", self.name, self.graphs.train_off)
 
@@ -170,7 +172,7 @@ class ExpertBackend:
         keep = cache is not None and segments is not None and any(aid is not None for aid, _ in segments)
         # a graph's forward keeps no autograd graph: worth it when no backward follows, or when the backward's step
         # is a graph too (it recomputes the forward); else the kept graph saves the eager backward a forward
-        if self.graphs is not None and (not keep or self.graphs.train_off is None):
+        if self.graphs is not None and (not keep or self.graphs.trains):
             if keep:
                 assert cache is not None and segments is not None
                 self._keep_inputs(cache, inputs, segments)
@@ -218,7 +220,7 @@ class ExpertBackend:
         """
         n_in = len(self.inputs_schema)
         inputs, grad_outputs = inputs_and_grads[:n_in], inputs_and_grads[n_in:]
-        if self.graphs is not None and self.graphs.train_off is None:
+        if self.graphs is not None and self.graphs.trains:
             if segments is not None and self.activations is not None:
                 for activation_id, _ in segments:
                     if activation_id:

@@ -10,9 +10,13 @@ How:
 
 * Rows are padded up to a bucket (a power of two, at least :data:`MIN_ROWS`): a graph's shapes are fixed. Rows
   are independent for every expert a server hosts (the runtime already joins different callers' requests into one
-  batch), so padding rows change nothing for the real ones; in the training step their output gradients are zero,
-  so they add nothing to the parameters' gradients. The padding holds rows of earlier batches (finite: the server
-  refuses non-finite inputs), or zeros at first.
+  batch; an expert mixing rows, such as one with BatchNorm, is not served correctly either way), so padding rows
+  change nothing for the real ones. The padding repeats the batch's first row, with output gradients of zero in the
+  training step, so it adds nothing to the parameters' gradients, and a row that overflows inside the expert
+  spoils only the batch that holds it, as it would eagerly (rows of earlier batches left in the padding would
+  keep spoiling later ones: review 45).
+* The training step's recomputed forward draws new random numbers: an expert with dropout gets gradients for
+  another mask than the one its forward answered with, as the eager path does whenever it recomputes.
 * A bucket is captured once it has run :data:`EAGER_RUNS` times eagerly: sizes seen once cost no graph's memory,
   and the eager runs warm up what a capture must not do (cuBLAS's set-up, the optimizer's state).
 * The training step recomputes the forward inside its graph: a forward's autograd graph cannot be kept across
@@ -25,7 +29,12 @@ How:
   :func:`training_step`, also runs eagerly on any device: the CPU tests check it against the eager path.
 * One memory pool per expert: its graphs never run at once (an expert's batches run one at a time) and each
   replay's outputs are copied to the host before the next, so each graph may reuse what another freed.
-* A capture that fails is logged once and that graph kind stays eager for the expert.
+* A server runs graphs with one compute worker per process (``--workers 1``, the default on a GPU; more processes
+  with ``--processes``): a capture must not meet another thread's device synchronisation, which breaks it in any
+  capture mode.
+* A capture that fails (an expert doing what a graph cannot record, such as reading a value on the host) is logged,
+  and turns graphs off for every expert of the process (:class:`GraphSwitch`): on torch before 2.12 a failed capture
+  leaves the allocator believing a capture is still under way. The current stream is restored either way.
 """
 from __future__ import annotations
 
@@ -33,12 +42,14 @@ import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: the smallest bucket: requests of a few rows share one graph
 MIN_ROWS = 16
@@ -60,6 +71,20 @@ def training_step_support(optimizer: torch.optim.Optimizer | None, scheduler: ob
     if type(optimizer) is not torch.optim.Adam or not all(group.get("fused") for group in optimizer.param_groups):
         return f"the optimizer is {type(optimizer).__name__}, not fused Adam"
     return None
+
+
+class GraphSwitch:
+    """Whether the experts of one server process may still capture graphs: one failed capture turns them all off.
+    Owned by the server, shared by its experts' :class:`ExpertGraphs`."""
+
+    def __init__(self) -> None:
+        self.off: str | None = None
+
+    def turn_off(self, why: str) -> None:
+        if self.off is None:
+            logger.warning("CUDA graphs are off for this server process from now on, its experts compute eagerly: %s",
+                           why)
+        self.off = why
 
 
 @dataclass
@@ -85,11 +110,13 @@ class ExpertGraphs:
         clip_grad_norm: clip the gradients' norm to this before each step, inside the graph.
         max_rows: batches of more rows run eagerly.
         scheduler: the expert's LR scheduler (with one, the training step runs eagerly).
+        switch: the process's :class:`GraphSwitch` (shared by the server's experts); None: one of its own.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, input_shapes: Sequence[tuple],
                  input_dtypes: Sequence[torch.dtype], output_dtypes: Sequence[torch.dtype], *,
-                 clip_grad_norm: float | None = None, max_rows: int = 4096, scheduler: object = None, name: str = ""):
+                 clip_grad_norm: float | None = None, max_rows: int = 4096, scheduler: object = None, name: str = "",
+                 switch: GraphSwitch | None = None):
         first = next(module.parameters(), None)
         if first is None or first.device.type != "cuda":
             raise ValueError("CUDA graphs need an expert with parameters on a CUDA device")
@@ -101,11 +128,17 @@ class ExpertGraphs:
         #: why the training step runs eagerly (None: it is captured); the forward is captured regardless
         self.train_off: str | None = training_step_support(optimizer, scheduler)
         self.forward_off: str | None = None
+        self.switch = switch if switch is not None else GraphSwitch()
         self._seen: Counter[tuple[str, int, torch.dtype | None]] = Counter()
         self._graphs: dict[tuple[str, int, torch.dtype | None], _Captured] = {}
         self._stream = torch.cuda.Stream(self.device)
         self._pool = torch.cuda.graph_pool_handle()
         self.captures = self.replays = 0
+
+    @property
+    def trains(self) -> bool:
+        """Whether training steps may still run as graphs (then forwards keep no autograd graph for them)."""
+        return self.train_off is None and self.switch.off is None
 
     def reset(self) -> None:
         """Drops every graph: the optimizer's state was replaced (``load_state_dict``), and the graphs read the old
@@ -116,7 +149,7 @@ class ExpertGraphs:
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
         """The outputs for ``inputs`` by a graph's replay, or None: run it eagerly (bucket not captured yet)."""
-        if self.forward_off is not None:
+        if self.forward_off is not None or self.switch.off is not None:
             return None
         captured = self._ready("forward", inputs, self._capture_forward)
         if captured is None:
@@ -133,19 +166,16 @@ class ExpertGraphs:
                    grad_outputs: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], bool] | None:
         """(input gradients, whether the optimizer stepped) by a graph's replay, or None: run it eagerly. The step
         is skipped, on the device, when a parameter's gradient is not finite."""
-        if self.train_off is not None:
+        if self.train_off is not None or self.switch.off is not None:
             return None
         captured = self._ready("train", inputs, self._capture_train)
         if captured is None:
             return None
         rows = inputs[0].shape[0]
-        with torch.no_grad():
-            for buffer, x in zip(captured.inputs, inputs):
-                buffer[:rows].copy_(x)
-            for buffer, g in zip(captured.grad_outputs, grad_outputs):
-                buffer[:rows].copy_(g)
-                if rows < buffer.shape[0]:
-                    buffer[rows:].zero_()  # the padding's gradients: nothing for the parameters
+        for buffer, x in zip(captured.inputs, inputs):
+            fill_padded(buffer, x)
+        for buffer, g in zip(captured.grad_outputs, grad_outputs):
+            fill_padded(buffer, g, zeros=True)  # the padding's gradients: nothing for the parameters
         captured.graph.replay()
         self.replays += 1
         stepped = captured.found_inf is None or not bool(captured.found_inf.item())
@@ -164,14 +194,15 @@ class ExpertGraphs:
         if self._seen[key] <= EAGER_RUNS:
             return None
         try:
-            captured = self._graphs[key] = capture(key[1])
-        except Exception as exc:  # noqa: BLE001 - the expert still computes, eagerly
-            logger.warning("%s: capturing its %s as a CUDA graph failed, it runs eagerly: %r", self.name, kind, exc)
-            if kind == "forward":
-                self.forward_off = f"capture failed: {exc!r}"
-            else:
-                self.train_off = f"capture failed: {exc!r}"
+            captured = capture(key[1])
+        except NotReady as why:  # tried again after as many eager runs
+            logger.info("%s: its %s is not captured yet: %s", self.name, kind, why)
+            self._seen[key] = 0
             return None
+        except Exception as exc:  # noqa: BLE001 - the experts still compute, eagerly
+            self.switch.turn_off(f"capturing the {kind} of {self.name} failed: {exc!r}")
+            return None
+        self._graphs[key] = captured
         self.captures += 1
         return captured
 
@@ -179,19 +210,28 @@ class ExpertGraphs:
         return [torch.zeros((rows, *shape), dtype=dtype, device=self.device)
                 for shape, dtype in zip(self.input_shapes, self.input_dtypes)]
 
-    def _capture(self, record: Callable[[], list[torch.Tensor]], warm_up: Callable[[], object]) -> tuple[
-            torch.cuda.CUDAGraph, list[torch.Tensor]]:
-        """Records ``record`` on this expert's side stream, after one run of ``warm_up`` there (lazy set-up such as
-        cuBLAS's workspace for that stream must not happen during capture)."""
+    def _warm_up(self, run: Callable[[], T]) -> T:
+        """``run`` once on this expert's side stream, where it will be captured: lazy set-up such as cuBLAS's
+        workspace for that stream must not happen during capture."""
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
-            warm_up()
+            result = run()
         current.wait_stream(self._stream)
+        return result
+
+    def _capture(self, record: Callable[[], list[torch.Tensor]]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+        """Records ``record`` on this expert's side stream (after :meth:`_warm_up`)."""
+        current = torch.cuda.current_stream(self.device)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another compute worker of this process may use the device meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            outputs = record()
+        try:
+            # thread_local: only this thread's unsafe calls (none, if the expert records cleanly) break the capture
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                outputs = record()
+        finally:
+            # a capture that CUDA refused raises from torch's exit before it restores the stream: the worker would
+            # compute everything after on the side stream
+            torch.cuda.set_stream(current)
         return graph, outputs
 
     def _outputs_as_answered(self, outputs: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -205,27 +245,32 @@ class ExpertGraphs:
             with torch.no_grad(), _uncached_autocast():
                 return self._outputs_as_answered(self.module(*inputs))
 
-        graph, outputs = self._capture(run, run)
+        self._warm_up(run)
+        graph, outputs = self._capture(run)
         return _Captured(graph, inputs, outputs, [])
 
     def _capture_train(self, rows: int) -> _Captured:
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if self.optimizer is not None and not all(self.optimizer.state.get(p) for p in params):
-            raise RuntimeError("the optimizer has no state for some parameters yet")
         inputs = self._static_inputs(rows)
         grad_outputs = [torch.zeros((rows, *shape), dtype=dtype, device=self.device)
                         for shape, dtype in self._output_shapes(inputs)]
         found_inf = finiteness_flag(self.device) if self.optimizer is not None else None
 
+        def warm_up() -> list[torch.Tensor | None]:
+            with _uncached_autocast():
+                return gradients(self.module, params, inputs, grad_outputs)[1]
+
+        stepped = [p for p, g in zip(params, self._warm_up(warm_up)) if g is not None]
+        if self.optimizer is not None and not all(self.optimizer.state.get(p) for p in stepped):
+            # made inside a capture, the state would be zeroed again by every replay: the eager steps make it first
+            # (none yet, where every step so far was skipped for non-finite gradients)
+            raise NotReady("the optimizer has no state yet for parameters it would step")
+
         def record() -> list[torch.Tensor]:
             return training_step(self.module, self.optimizer, inputs, grad_outputs, found_inf, self.clip_grad_norm)
 
-        def warm_up() -> None:
-            with _uncached_autocast():
-                gradients(self.module, params, inputs, grad_outputs)
-
         try:
-            graph, outputs = self._capture(record, warm_up)
+            graph, outputs = self._capture(record)
         finally:
             for p in params:
                 p.grad = None  # the graph's own gradients; an eager step must start from none
@@ -236,6 +281,23 @@ class ExpertGraphs:
             outputs = self.module(*inputs)
         outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
         return [(tuple(y.shape[1:]), dtype) for y, dtype in zip(outputs, self.output_dtypes)]
+
+
+class NotReady(Exception):
+    """A capture cannot be made yet, and may be later (after more eager runs)."""
+
+
+def fill_padded(buffer: torch.Tensor, rows: torch.Tensor, zeros: bool = False) -> None:
+    """``rows`` into the first rows of ``buffer`` (a graph's static input), and the rest of it filled with zeros
+    (``zeros``: output gradients) or with ``rows``' first row, whose values the batch computes anyway."""
+    count = rows.shape[0]
+    with torch.no_grad():
+        buffer[:count].copy_(rows)
+        if count < buffer.shape[0]:
+            if zeros:
+                buffer[count:].zero_()
+            else:
+                buffer[count:].copy_(rows[:1].expand_as(buffer[count:]))
 
 
 def finiteness_flag(device: torch.device | str) -> torch.Tensor:

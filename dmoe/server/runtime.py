@@ -268,7 +268,10 @@ class Runtime:
             except Exception:  # noqa: BLE001 - the batch still runs again
                 logger.exception("freeing memory after an out-of-memory error failed")
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - the batch still runs again (torch < 2.12 refuses after a failed capture)
+                logger.exception("giving torch's cached device memory back failed")
         return released
 
     def _observe(self, pool: TaskPool, batch: Sequence[Task], started: float, error: BaseException | None) -> None:
@@ -288,10 +291,10 @@ class Runtime:
                 outputs = pool.process(*inputs, segments=[(task.activation_id, task.rows) for task in batch])
             else:
                 outputs = pool.process(*inputs)
-        if timer is not None:
-            timer.lap("compute")
         rows = sum(task.rows for task in batch)
         try:
+            if timer is not None:  # it waits for the device: an error there comes after the computation
+                timer.lap("compute")
             outputs = self._copy_back(outputs, transfers)
             if timer is not None:
                 timer.lap("to_host")

@@ -14,6 +14,7 @@ from dmoe.endpoints import join_host_port, reachable_endpoint
 from dmoe.experts import create_expert, expert_class, expert_seed
 from dmoe.server.activations import ActivationCache
 from dmoe.server.backend import ExpertBackend, make_optimizer
+from dmoe.server.cuda_graphs import GraphSwitch
 from dmoe.server.checkpoints import Checkpoints
 from dmoe.server.decoding import RejectUndecodable
 from dmoe.server.faults import FaultConfig, Faults
@@ -82,7 +83,7 @@ class ServerConfig:
             optimizer step) as CUDA graphs, one per bucket of batch sizes (:mod:`dmoe.server.cuda_graphs`): one launch
             instead of one per kernel, where an expert's work at a layer's sizes is bound by launching kernels. Off by
             default: each bucket's graphs cost device memory, and forwards then keep only their inputs (backward
-            recomputes them inside the graph). Needs a CUDA device.
+            recomputes them inside the graph). Needs a CUDA device and one compute worker (``workers`` 1 or None).
         profile: time every stage of the server's path (decode, queue, batch, copies, compute, encode; see
             :mod:`dmoe.server.profile`) into ``server.stages`` and the metrics. On a GPU it synchronises the
             device between stages, so leave it off where speed counts.
@@ -170,8 +171,13 @@ class ExpertServer:
         self.config = config or ServerConfig()
         self.backends = {check_uid(uid): backend for uid, backend in backends.items()}
         self.device = resolve_device(self.config.device)
+        if self.config.cuda_graphs and (self.config.workers or 1) > 1:
+            raise ValueError("cuda_graphs needs one compute worker (a capture must not meet another worker's device "
+                             f"synchronisation), got workers={self.config.workers}; run more processes instead")
         if self.config.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, not {self.device}")
+        #: one failed CUDA graph capture turns graphs off for every expert here (dmoe.server.cuda_graphs)
+        self.graph_switch = GraphSwitch()
         self.announcer = announcer
         self.backend_factory = backend_factory
         self.replication: Replication | None = None
@@ -221,7 +227,7 @@ class ExpertServer:
         """``backend`` on the server's device with its two task pools (one group: never run at once)."""
         backend.module.to(self.device)
         if self.config.cuda_graphs and backend.graphs is None:
-            backend.use_cuda_graphs(self.config.max_batch_size)
+            backend.use_cuda_graphs(self.config.max_batch_size, self.graph_switch)
         return HostedExpert(
             backend,
             self.runtime.create_pool(f"{uid}.forward", backend.forward, self.config.max_batch_size, segmented=True,
