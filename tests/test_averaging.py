@@ -535,13 +535,18 @@ def test_a_group_that_cannot_average_is_ignored_and_fails_no_step(bootstrap, cap
     """Every bandwidth 0 made the victim's step raise ValueError (nobody can own a part); a part given to a victim
     in client mode, RuntimeError. Both victims ignore such groups, and, alone, average with nobody."""
     caplog.set_level(logging.WARNING, logger="dmoe.averaging.matchmaking")
+    # the two groups are led at once, each as soon as its victim declared itself: one after the other, a loaded
+    # machine once published the second after the client's matchmaking time had ended (it never saw the group)
     with DHT(initial_peers=[bootstrap]) as hostile, DHT(initial_peers=[bootstrap]) as dht, \
-            DecentralizedAverager([torch.zeros(3)], dht, "broken0", matchmaking_time=6.0) as served, \
-            DecentralizedAverager([torch.zeros(3)], dht, "broken1", matchmaking_time=6.0, client_mode=True) as client:
+            DecentralizedAverager([torch.zeros(3)], dht, "broken0", matchmaking_time=10.0) as served, \
+            DecentralizedAverager([torch.zeros(3)], dht, "broken1", matchmaking_time=10.0, client_mode=True) as client, \
+            concurrent.futures.ThreadPoolExecutor(2) as leaders:
         futures = [served.step(wait=False), client.step(wait=False)]
         owner = dht.identity.public_key
-        first = lead_a_broken_group(hostile, "broken0.0.*", owner, f"{served.endpoint};0", "127.0.0.1:9;0")
-        second = lead_a_broken_group(hostile, "broken1.0.*", owner, "127.0.0.1:8;1", "127.0.0.1:9;1")
+        led = [leaders.submit(lead_a_broken_group, hostile, "broken0.0.*", owner, f"{served.endpoint};0",
+                              "127.0.0.1:9;0"),
+               leaders.submit(lead_a_broken_group, hostile, "broken1.0.*", owner, "127.0.0.1:8;1", "127.0.0.1:9;1")]
+        first, second = (future.result(timeout=60) for future in led)
         assert [future.result(timeout=60) for future in futures] == [None, None]
         assert torch.equal(served.tensors[0], torch.zeros(3)) and torch.equal(client.tensors[0], torch.zeros(3))
     assert f"of peer {first}: no member accepts connections with a positive bandwidth" in caplog.text
