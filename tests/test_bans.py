@@ -80,3 +80,46 @@ def test_only_an_expert_refusing_in_a_row_what_other_experts_answered_is_banned(
     policy.weigh_refusals(refused, others_answered=True)
     assert policy.bans.is_banned("ffn0.1.2") and not policy.bans.is_banned("ffn0.1.3", "a:1")
     assert not policy.refusal_streaks
+
+
+def test_a_forward_answer_does_not_clear_a_backward_failure_so_its_backoff_grows():
+    """Review 46: a server answering forwards at once and no backward in time had its ban record cleared by every
+    forward, and cost the caller its backward timeout every other step with a backoff stuck at the first one."""
+    clock = Clock()
+    bans = Bans(BanConfig(initial_backoff=1.0, max_backoff=60.0), clock=clock)
+    for expected in (1.0, 2.0, 4.0):
+        assert bans.fail(endpoint="a:1", backward=True) == expected
+        assert bans.is_banned("ffn0.0.0", "a:1")
+        clock.now += expected + 0.1
+        assert not bans.is_banned("ffn0.0.0", "a:1")
+        bans.succeed("ffn0.0.0", "a:1")  # its next forward answers
+    bans.fail(endpoint="a:1")  # a forward failure is its own record, cleared by a forward's answer
+    bans.succeed("ffn0.0.0", "a:1")
+    assert not bans.is_banned("ffn0.0.0", "a:1") and bans.fail(endpoint="a:1", backward=True) == 8.0
+    clock.now += 100
+    bans.succeed("ffn0.0.0", "a:1", backward=True)  # a backward's answer clears both
+    assert bans.fail(endpoint="a:1", backward=True) == 1.0
+
+
+def test_records_of_long_expired_bans_are_forgotten_once_there_are_many(monkeypatch):
+    from dmoe.client import bans as bans_module
+
+    monkeypatch.setattr(bans_module, "MAX_RECORDS", 10)
+    clock = Clock()
+    bans = Bans(BanConfig(initial_backoff=1.0, max_backoff=5.0), clock=clock)
+    for i in range(11):
+        bans.fail(uid=f"gone.{i}")
+    clock.now += 10  # every ban ran out longer ago than the longest backoff
+    bans.fail(uid="new")
+    assert len(bans._bans) == 1 and bans.is_banned("new")
+
+
+def test_backward_refusals_in_a_row_that_others_answer_ban_the_expert_apart_from_forward_ones():
+    policy = CallPolicy(bans=Bans(clock=Clock()))
+    refused = [("ffn0.0.1", "b:2")]
+    for _ in range(REFUSALS_TO_BAN - 1):
+        policy.weigh_refusals(refused, others_answered=True, backward=True)
+        policy.weigh_refusals(refused, others_answered=True)
+    assert len(policy.bans) == 0
+    policy.weigh_refusals(refused, others_answered=True, backward=True)
+    assert policy.bans.is_banned("ffn0.0.1") and "forward ffn0.0.1" in policy.refusal_streaks

@@ -29,7 +29,7 @@ LR = 0.1
 
 @pytest.fixture(scope="module")
 def server():
-    with running("-m", "dmoe.cli.server", "--experts", "ffn.[0:10]", "--expert-cls", "ffn",
+    with running("-m", "dmoe.cli.server", "--experts", "ffn.[0:12]", "--expert-cls", "ffn",
                  "--hidden-dim", str(HIDDEN), "--optimizer", "sgd", "--lr", str(LR), "--seed", "7",
                  "--max-batch-size", "65536", "--torch-threads", "1") as proc:
         yield proc.endpoint()
@@ -242,3 +242,49 @@ def test_a_remote_expert_given_the_grad_scaler_steps_on_unscaled_gradients(serve
     probe = torch.randn(3, HIDDEN)
     with torch.no_grad():
         torch.testing.assert_close(remote(probe), local(probe))  # the server stepped as the local copy did
+
+
+def test_a_remote_expert_on_data_that_requires_no_grad_still_trains_its_weights(server):
+    """Review 46: as the first module (data straight in) its output had no grad_fn, so backward raised and the
+    remote weights could never train."""
+    x, weights = torch.randn(5, HIDDEN), torch.randn(5, HIDDEN)
+    expert = RemoteExpert("ffn.10", server)
+    output = expert(x)
+    assert output.requires_grad
+    (output * weights).sum().backward()
+    local = local_copy("ffn.10")
+    (local(x) * weights).sum().backward()
+    torch.optim.SGD(local.parameters(), lr=LR).step()
+    with torch.no_grad():
+        torch.testing.assert_close(expert(x), local(x))
+
+
+class _Scaler:
+    """What a ``torch.amp.GradScaler`` shows the layer: enabled, and its scale."""
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return 65536.0
+
+
+def test_float16_inputs_under_a_grad_scaler_get_their_scaled_gradients_not_zeros(server):
+    """Review 46: the experts' unscaled input gradients were cast to float16 before the scale was put back, and
+    underflowed to zero; the scaled gradients fit float16, which is what loss scaling is for."""
+    import numpy as np
+
+    from dmoe.client.failures import CallPolicy
+    from dmoe.client.moe import PlannedCall, _RemoteExperts
+
+    grads = {}
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+        policy = CallPolicy(grad_scaler=_Scaler(), backward_k_min=1)
+        plan = [PlannedCall("ffn.11", server, np.arange(4), np.zeros(4, dtype=np.int64))]
+        out, _ = _RemoteExperts.apply(torch.empty(0, requires_grad=True), x, policy, plan, 1, True)
+        # the scaled gradient AMP delivers: about 6.5e-5, which float16 holds (unscaled, about 1e-9, it does not)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).mul(1e-9 * 65536).to(dtype))
+        grads[dtype] = x.grad.float()
+    assert grads[torch.float16].abs().min() > 0
+    torch.testing.assert_close(grads[torch.float16], grads[torch.float32], rtol=2e-3, atol=1e-7)

@@ -15,7 +15,7 @@ import queue
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -28,8 +28,10 @@ from dmoe.wire import NONE, ChannelPool
 
 logger = logging.getLogger(__name__)
 
-#: forwards in a row an expert may refuse as invalid while other experts answer the same call, before it is banned
+#: calls in a row an expert may refuse as invalid while other experts answer the same call, before it is banned
 REFUSALS_TO_BAN = 3
+#: :meth:`CallPolicy.outcome`'s default ``problem``: the answer is checked there
+UNCHECKED = object()
 
 
 @dataclass
@@ -63,12 +65,32 @@ class CallPolicy:
     refusing: set[str] = field(default_factory=set)
     #: the ``torch.amp.GradScaler`` of the loss whose gradients backward sends (None: unscaled gradients)
     grad_scaler: Any = None
-    #: forwards in a row that an expert refused as invalid while other experts answered the same call
+    #: calls in a row that an expert refused as invalid while other experts answered the same call, by
+    #: ``"forward uid"`` / ``"backward uid"``
     refusal_streaks: dict[str, int] = field(default_factory=dict)
 
+    @contextlib.contextmanager
+    def settling(self) -> Iterator["Settlement"]:
+        """One pass over a call's outcomes (give what it yields to :meth:`outcome`): a server's failure is banned
+        at the end of the pass, and as the expert's alone when another expert of the same server answered in it.
+        Settled one by one, a sibling's answer after the failure re-admitted the server, and the failed expert was
+        not avoided at all (review 46): a server that answers one expert's request cannot be down, while that
+        expert's request failed."""
+        settlement = Settlement()
+        try:
+            yield settlement
+        finally:
+            for uid, endpoint, backward, why in settlement.deferred:
+                alone = endpoint in settlement.answered
+                backoff = self.bans.fail(uid=uid if alone else None, endpoint=None if alone else endpoint,
+                                         backward=backward)
+                logger.info("%s %s dropped (%s); %s banned for %.1fs", "backward" if backward else "forward", uid,
+                            why, f"expert {uid}" if alone else f"server {endpoint}", backoff)
+
     def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
-                 shape: tuple[int, ...] | None = None,
-                 dtype: torch.dtype | None = None) -> list[torch.Tensor] | None:
+                 shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+                 problem: str | None | object = UNCHECKED,
+                 settlement: "Settlement | None" = None) -> list[torch.Tensor] | None:
         """The future's result, or None after dropping the expert: banning whatever failed (the expert, or its whole
         server), unless the server refused the request as invalid.
 
@@ -89,20 +111,28 @@ class CallPolicy:
         takes its experts out of every call it refuses, and anything it could cost a caller by refusing (a slot of
         the mixture, a wait until the refusal comes) it can already cost by answering, slowly, with well-formed
         nonsense that no check catches.
+
+        ``problem``: what :func:`malformed` said of this answer already (the wait checks answers as they come,
+        :func:`wait_for_experts`), so that it is not checked twice. Backward failures are banned apart from forward
+        ones (:mod:`dmoe.client.bans`). With ``settlement`` (:meth:`settling`), a server's failure is banned at the pass's
+        end.
         """
+        direction = "backward" if backward else "forward"
         error = None if not future.done() or future.cancelled() else future.exception()
         if future.done() and not future.cancelled() and error is None:
             result = future.result()
-            problem = malformed(result, shape, dtype)
+            if problem is UNCHECKED:
+                problem = malformed(result, shape, dtype)
             if problem is None:
-                self.bans.succeed(uid, endpoint)
+                self.bans.succeed(uid, endpoint, backward=backward)
+                if settlement is not None:
+                    settlement.answered.add(endpoint)
                 if self.refusal_streaks:
-                    self.refusal_streaks.pop(uid, None)
+                    self.refusal_streaks.pop(f"{direction} {uid}", None)
                 return result
             error = RuntimeError(f"malformed answer: {problem}")
         if backward:
             self.stats.backward_failures += 1
-        direction = "backward" if backward else "forward"
         code = getattr(error, "code", None)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             self.refused = f"{uid} at {endpoint}: {getattr(error, 'message', error)}"
@@ -112,17 +142,24 @@ class CallPolicy:
                            "invalid (%s)", direction, uid, error)
             return None
         server_down = error is None or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        self.refusal_streaks.pop(uid, None)  # (a failure of another kind: its own ban, from here)
-        backoff = self.bans.fail(uid=None if server_down else uid, endpoint=endpoint if server_down else None)
+        self.refusal_streaks.pop(f"{direction} {uid}", None)  # (a failure of another kind: its own ban, from here)
+        why = str(error) if error is not None else "no answer in time"
+        if server_down and settlement is not None:
+            settlement.deferred.append((uid, endpoint, backward, why))
+            return None
+        backoff = self.bans.fail(uid=None if server_down else uid, endpoint=endpoint if server_down else None,
+                                 backward=backward)
         what = f"server {endpoint}" if server_down else f"expert {uid}"
-        logger.info("%s %s dropped (%s); %s banned for %.1fs", direction, uid,
-                    error if error is not None else "no answer in time", what, backoff)
+        logger.info("%s %s dropped (%s); %s banned for %.1fs", direction, uid, why, what, backoff)
         return None
 
 
-    def weigh_refusals(self, refused: Sequence[tuple[str, str]], others_answered: bool) -> None:
-        """Bans the experts (``(uid, endpoint)``) that refused a forward as invalid :data:`REFUSALS_TO_BAN` times
-        in a row while other experts answered the same call, rows of the same inputs. Then the refusals are the
+    def weigh_refusals(self, refused: Sequence[tuple[str, str]], others_answered: bool,
+                       backward: bool = False) -> None:
+        """Bans the experts (``(uid, endpoint)``) that refused a forward (``backward``: a backward, counted apart)
+        as invalid :data:`REFUSALS_TO_BAN` times in a row while other experts answered the same call, rows of the
+        same inputs (or gradients of the same outputs: a server that answers forwards and refuses every backward
+        never trains, and a row whose only expert it was gets no gradient). Then the refusals are the
         server's own, not the caller's mistake: a server whose limits are far stricter than the others'
         (``--max-abs-value``), or one serving other shapes under these uids. Unbanned, the gate would pick its
         experts every step, wait for their refusals and lose their slots of the mixture for good; banned, the next
@@ -130,20 +167,34 @@ class CallPolicy:
         own mistake (rows of the wrong width, non-finite values) is refused by every expert: no streak grows."""
         if not others_answered:
             return
+        direction = "backward" if backward else "forward"
         for uid, endpoint in refused:
-            streak = self.refusal_streaks[uid] = self.refusal_streaks.get(uid, 0) + 1
+            key = f"{direction} {uid}"
+            streak = self.refusal_streaks[key] = self.refusal_streaks.get(key, 0) + 1
             if streak >= REFUSALS_TO_BAN:
-                del self.refusal_streaks[uid]
-                backoff = self.bans.fail(uid=uid)
-                logger.warning("expert %s at %s refused %d forwards in a row that other experts answered: banned "
-                               "for %.1fs", uid, endpoint, streak, backoff)
+                del self.refusal_streaks[key]
+                backoff = self.bans.fail(uid=uid, backward=backward)
+                logger.warning("expert %s at %s refused %d %ss in a row that other experts answered: banned "
+                               "for %.1fs", uid, endpoint, streak, direction, backoff)
+
+
+@dataclass
+class Settlement:
+    """One pass over a call's outcomes (:meth:`CallPolicy.settling`): the server failures banned at its end, and
+    the endpoints that answered in it. Local to the pass, so that layers or threads sharing a policy do not mix."""
+
+    deferred: list[tuple[str, str, bool, str]] = field(default_factory=list)
+    answered: set[str] = field(default_factory=set)
 
 
 def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,
-                      timeout: float | None, timeout_after_k_min: float | None) -> None:
+                      timeout: float | None, timeout_after_k_min: float | None,
+                      accept: Callable[[int], bool] | None = None) -> None:
     """Waits until every row has ``k_min`` answers (or nothing left to wait for), then at most
     ``timeout_after_k_min`` more for stragglers; never past ``timeout`` in total. Futures left pending are
-    cancelled and count as dropped. ``rows[i]``: the rows future ``i`` answers (distinct).
+    cancelled and count as dropped. ``rows[i]``: the rows future ``i`` answers (distinct). ``accept(i)``: whether
+    future ``i``'s result counts as an answer (the layer's checks: an answer it will drop, NaN say, must not end
+    the wait for the others, or a fast expert answering nonsense cuts off the honest ones; review 46).
 
     Answers arrive through one queue fed by done-callbacks: ``concurrent.futures.wait(FIRST_COMPLETED)`` would
     install and remove a waiter on every pending future after each answer, and wake once per answer even when a
@@ -186,11 +237,18 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
             pending[i] = False
             n_pending -= 1
             pending_per_row[rows[i]] -= 1
-            if not futures[i].cancelled() and futures[i].exception() is None:
+            if not futures[i].cancelled() and futures[i].exception() is None and (accept is None or accept(i)):
                 answered[rows[i]] += 1
     for i, still in enumerate(pending):
         if still:
             futures[i].cancel()
+
+
+def refusal(future: Future) -> bool:
+    """Whether the call ended in the server's refusal of the request as invalid (INVALID_ARGUMENT)."""
+    if not future.done() or future.cancelled():
+        return False
+    return getattr(future.exception(), "code", None) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None,

@@ -113,7 +113,8 @@ class MixtureBase(nn.Module):
             if len(lost) == 0 or (left is not None and left <= 0):
                 break
             rechosen = self._choose([s[lost] for s in detached])
-            if not any(rechosen):
+            left = self._time_left(started)  # the search itself may have taken DHT round trips
+            if not any(rechosen) or (left is not None and left <= 0):
                 break
             coords[lost], valid[lost] = self._coords_tensor(rechosen, len(lost))
             retry_out, alive[lost] = self._run_experts(flat[lost], rechosen, timeout=left)

@@ -16,7 +16,7 @@ import torch
 
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
-from dmoe.client.failures import CallPolicy, wait_for_experts
+from dmoe.client.failures import UNCHECKED, CallPolicy, malformed, refusal, wait_for_experts
 from dmoe.client.gating import MixtureBase
 from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
                                        loss_scale, new_activation_id)
@@ -72,8 +72,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return _from_bits(np.zeros(shape, dtype=_BITS[dtype.itemsize][1]), dtype)
 
 
-#: dtypes whose input gradients are summed with numpy (others with torch's index_add_)
-_NUMPY_SUMS = (torch.float32, torch.float64)
 #: what rows and gradients travel as: the experts' schema (every built-in class takes float32 rows; a server's
 #: --autocast decides the precision it computes in). Inputs of other float dtypes (under autocast, a .half() or
 #: .double() model) are cast for the wire and the mixture comes back in their dtype.
@@ -109,29 +107,41 @@ class _RemoteExperts(torch.autograd.Function):
                                   timeout=timeout, compression=policy.compression, channels=policy.channels,
                                   expect=[[(rows_in.shape, WIRE_DTYPE)] for rows_in in sent])
         laps.lap("send")
-        wait_for_experts(futures, [call.rows for call in plan], len(inputs), policy.k_min, timeout,
-                         policy.timeout_after_k_min)
-        laps.lap("wait")
         n, d = len(inputs), inputs.shape[-1]
+        # answers are checked as they come: one the layer will drop (NaN, a wrong shape) must not count towards
+        # k_min, or a fast expert answering nonsense cuts the wait for the honest ones short
+        problems: dict[int, str | None] = {}
+
+        def accept(i: int) -> bool:
+            problems[i] = malformed(futures[i].result(), (len(plan[i].rows), d), WIRE_DTYPE)
+            return problems[i] is None
+
+        wait_for_experts(futures, [call.rows for call in plan], n, policy.k_min, timeout,
+                         policy.timeout_after_k_min, accept)
+        laps.lap("wait")
         # answers land in [n * k, d] at row * k + slot; left uninitialised, as only the pairs nobody answered (often
         # none) need zeros: zeroing all of it first cost a pass over the whole output
         out_bits: np.ndarray | None = None
         alive = np.zeros(n * k, dtype=bool)
         answered, refused = [], []
-        for (uid, endpoint, rows, slots), future, activation_id, rows_in in zip(plan, futures, ids, sent):
-            # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
-            result = policy.outcome(uid, endpoint, future, shape=(len(rows), d), dtype=WIRE_DTYPE)
-            if result is None:
-                if uid in policy.refusing:
-                    refused.append((uid, endpoint))
-                continue
-            if out_bits is None:
-                out_bits = np.empty((n * k, d), dtype=_BITS[WIRE_DTYPE.itemsize][1])
-            pairs = rows * k + slots
-            out_bits[pairs] = _bits(result[0])
-            alive[pairs] = True
-            # the rows sent are kept only to send again if the server lost them (a backward sends gradients alone)
-            answered.append(AnsweredCall(uid, endpoint, rows, slots, activation_id, rows_in))
+        with policy.settling() as settlement:
+            for i, ((uid, endpoint, rows, slots), future, activation_id, rows_in) in enumerate(
+                    zip(plan, futures, ids, sent)):
+                # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
+                result = policy.outcome(uid, endpoint, future, shape=(len(rows), d), dtype=WIRE_DTYPE,
+                                        problem=problems.get(i, UNCHECKED), settlement=settlement)
+                if result is None:
+                    if uid in policy.refusing:
+                        refused.append((uid, endpoint))
+                    continue
+                if out_bits is None:
+                    out_bits = np.empty((n * k, d), dtype=_BITS[WIRE_DTYPE.itemsize][1])
+                pairs = rows * k + slots
+                out_bits[pairs] = _bits(result[0])
+                alive[pairs] = True
+                # the rows sent are kept only to send again if the server lost them (a backward sends gradients
+                # alone)
+                answered.append(AnsweredCall(uid, endpoint, rows, slots, activation_id, rows_in))
         if out_bits is None:
             out = _zeros((n, k, d), WIRE_DTYPE)
         else:
@@ -182,23 +192,30 @@ class _RemoteExperts(torch.autograd.Function):
                                    timeout=policy.backward_timeout, compression=policy.compression,
                                    channels=policy.channels)
         laps.lap("bwd_send")
-        wait_futures(futures, timeout=policy.backward_timeout)
+        _, late = wait_futures(futures, timeout=policy.backward_timeout)
+        for future in late:  # dropped: a server that has not begun it need not step on gradients nobody waits for
+            future.cancel()
         laps.lap("bwd_wait")
-        grad_inputs = _zeros(tuple(shape), dtype)
-        # rows are distinct within one expert's request, so a plain indexed add accumulates them
-        grad_sum = grad_inputs.numpy() if dtype in _NUMPY_SUMS else None
+        # summed in float32 (float64 for float64 inputs), scaled again, and only then cast to the inputs' dtype:
+        # float16 inputs under a GradScaler held the unscaled gradients, which underflowed to zero (review 46)
+        grad_sum = np.zeros((shape[0], *shape[1:]), dtype=np.float64 if dtype == torch.float64 else np.float32)
         got = np.zeros(shape[0], dtype=np.int64)
         wanted = np.zeros(shape[0], dtype=np.int64)
-        for (uid, endpoint, rows, _, _, rows_in), future in zip(answered, futures):
-            wanted[rows] += 1
-            result = policy.outcome(uid, endpoint, future, backward=True, shape=tuple(rows_in.shape), dtype=WIRE_DTYPE)
-            if result is None:
-                continue
-            if grad_sum is not None:
-                grad_sum[rows] += result[0].to(dtype).numpy()
-            else:
-                grad_inputs.index_add_(0, torch.from_numpy(rows), result[0].to(dtype))
-            got[rows] += 1
+        refused = []
+        with policy.settling() as settlement:
+            for (uid, endpoint, rows, _, _, rows_in), future in zip(answered, futures):
+                wanted[rows] += 1
+                result = policy.outcome(uid, endpoint, future, backward=True, shape=tuple(rows_in.shape),
+                                        dtype=WIRE_DTYPE, settlement=settlement)
+                if result is None:
+                    if refusal(future):
+                        refused.append((uid, endpoint))
+                    continue
+                # rows are distinct within one expert's request, so a plain indexed add accumulates them
+                grad_sum[rows] += result[0].numpy()
+                got[rows] += 1
+        if refused:
+            policy.weigh_refusals(refused, bool(got.any()), backward=True)
         policy.stats.backward_calls += len(answered)
         short = got < np.minimum(wanted, policy.backward_k_min)
         if bool(short.any()):
@@ -207,12 +224,9 @@ class _RemoteExperts(torch.autograd.Function):
                 f"in {policy.layer_name!r}"
             )
         if scale != 1.0:  # scaled again, as the caller's scaler expects of every gradient
-            if grad_sum is not None:
-                grad_sum *= scale
-            else:
-                grad_inputs.mul_(scale)
+            grad_sum *= scale
         laps.lap("bwd_sum")
-        grad_inputs = grad_inputs.to(device)
+        grad_inputs = torch.from_numpy(grad_sum).to(device, dtype=dtype)
         laps.lap("bwd_to_device")
         return None, grad_inputs, None, None, None, None, None, None
 

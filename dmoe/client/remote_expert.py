@@ -512,7 +512,7 @@ class _RemoteCall(torch.autograd.Function):
     """Forward sends the inputs; backward sends inputs + output gradients and receives input gradients."""
 
     @staticmethod
-    def forward(ctx, expert: "RemoteExpert", activation_id: bytes | None,
+    def forward(ctx, expert: "RemoteExpert", activation_id: bytes | None, dummy: torch.Tensor,
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.expert, ctx.activation_id = expert, activation_id
         ctx.save_for_backward(*inputs)
@@ -528,14 +528,15 @@ class _RemoteCall(torch.autograd.Function):
             # the server would refuse them (and must never step on them); NaN input gradients make a GradScaler
             # skip the step, as it would for a local module
             logger.warning("expert %s at %s: %s", expert.uid, expert.endpoint, NON_FINITE_GRADIENTS)
-            return (None, None, *(torch.full_like(x, float("nan")) if needed else None
-                                  for x, needed in zip(inputs, ctx.needs_input_grad[2:])))
+            return (None, None, None, *(torch.full_like(x, float("nan")) if needed else None
+                                        for x, needed in zip(inputs, ctx.needs_input_grad[3:])))
         scale = loss_scale(expert.grad_scaler)
         if scale != 1.0:  # the server steps on them at once: unscaled; the input gradients are scaled again
             grad_outputs = tuple(g / scale for g in grad_outputs)
         grads = expert._call_backward(inputs, grad_outputs, ctx.activation_id).result()
-        return (None, None, *((g.to(x.device, copy=True) * scale if scale != 1.0 else g.to(x.device, copy=True))
-                              if needed else None for x, g, needed in zip(inputs, grads, ctx.needs_input_grad[2:])))
+        return (None, None, None,
+                *((g.to(x.device, copy=True) * scale if scale != 1.0 else g.to(x.device, copy=True))
+                  if needed else None for x, g, needed in zip(inputs, grads, ctx.needs_input_grad[3:])))
 
 
 class RemoteExpert(nn.Module):
@@ -558,6 +559,7 @@ class RemoteExpert(nn.Module):
                  channels: ChannelPool | None = None, grad_scaler: Any = None):
         super().__init__()
         self.uid, self.endpoint, self.timeout = uid, endpoint, timeout
+        self._dummy = torch.empty(0, requires_grad=True)  # see forward
         self.grad_scaler = grad_scaler
         self.compression = parse_compression(compression)
         self.channels = channels
@@ -593,9 +595,11 @@ class RemoteExpert(nn.Module):
                                compression=self.compression, channels=self.channels, activation_id=activation_id)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        # a backward can only follow when autograd records this call: only then ask the server to keep activations
-        will_backward = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-        outputs = _RemoteCall.apply(self, new_activation_id() if will_backward else None, *inputs)
+        # a backward can only follow when autograd records this call: only then ask the server to keep activations.
+        # The dummy requires grad, so autograd records it whenever grad is on, also where no input requires grad
+        # (the first module, on data): the remote weights train as a local module's would (review 46).
+        will_backward = torch.is_grad_enabled()
+        outputs = _RemoteCall.apply(self, new_activation_id() if will_backward else None, self._dummy, *inputs)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def extra_repr(self) -> str:
