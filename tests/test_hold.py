@@ -14,6 +14,7 @@ import torch
 from dmoe.client import forward_future
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import ChannelPool, dmoe_pb2, dmoe_pb2_grpc
+from dmoe.wire.channels import HeldCall
 from tests.procs import running
 
 HIDDEN = 8
@@ -152,3 +153,15 @@ def test_one_host_cannot_take_every_hold_of_a_server():
         wait_until(lambda: server.servicer.holds == 0 and server.servicer.holds_by_host == {})
     finally:
         server.close()
+
+
+def test_a_hold_that_cannot_begin_is_tried_again_not_counted_open():
+    """Review 46: ``open`` was set before the call began, so a call that raised as it began left the channel
+    counted as held, and never held again."""
+    channel = grpc.insecure_channel("127.0.0.1:9")
+    held = HeldCall(channel, "127.0.0.1:9")
+    channel.close()
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            held.ensure()
+        assert not held.open and held.opened == 0

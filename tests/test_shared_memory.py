@@ -393,3 +393,19 @@ def test_only_loopback_peers_and_endpoints_count_as_this_host():
     assert shm.is_local_endpoint("127.0.0.1:5000") and shm.is_local_endpoint("localhost:1")
     assert shm.is_local_endpoint("[::1]:5000")
     assert not shm.is_local_endpoint("10.1.2.3:5000") and not shm.is_local_endpoint("example.org:5000")
+
+
+def test_a_call_that_cannot_begin_leaves_no_segment_open():
+    """Review 46: a shared-memory call whose gRPC call raised as it began (its channel closed meanwhile) kept its
+    segment's memfd open."""
+    channel = grpc.insecure_channel("127.0.0.1:9")
+    segments = shm.SegmentPool()
+    calls = shm.SharedMemoryCalls(channel, "127.0.0.1:9", TensorCalls.on(channel), segments, min_bytes=0)
+    channel.close()
+    message = request_message("sh.0", [pack(torch.randn(4, HIDDEN))])
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(ValueError, match="Channel closed"):
+            calls.forward.future(message, timeout=5)
+    assert len(os.listdir("/proc/self/fd")) == before and segments.idle() == 0
+    segments.close()

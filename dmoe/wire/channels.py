@@ -103,9 +103,9 @@ class HeldCall:
         with self._lock:
             if self.open or self._closed or not self.supported or time.monotonic() < self._retry_at:
                 return
-            self.open = True
-            self.opened += 1
             call = self._method.future(dmoe_pb2.Hold(seconds=self.seconds), timeout=self.seconds + 30.0)
+            self.open = True  # (after the call began: a call that failed to begin left the channel never held)
+            self.opened += 1
             self._call = call
         call.add_done_callback(self._ended)
 

@@ -248,7 +248,11 @@ class SharedMethod:
             method=self.method, pid=os.getpid(), fd=segment.fd, key=segment.key, request_offset=HEADER_BYTES,
             request_length=message.size, answer_offset=answer_offset, answer_capacity=segment.size - answer_offset)
         outer = SharedCallFuture()
-        inner = calls.call_shared.future(request, timeout=timeout)
+        try:
+            inner = calls.call_shared.future(request, timeout=timeout)
+        except BaseException:  # (the channel closed meanwhile, say): the segment and its memfd are not kept
+            calls.segments.discard(segment)
+            raise
         outer._track(inner)
 
         def plain_instead() -> None:
