@@ -395,17 +395,33 @@ def test_only_loopback_peers_and_endpoints_count_as_this_host():
     assert not shm.is_local_endpoint("10.1.2.3:5000") and not shm.is_local_endpoint("example.org:5000")
 
 
+def memfds() -> int:
+    """This process's open memfds (segments), counted by their links in /proc."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        except OSError:  # closed meanwhile
+            pass
+    return count
+
+
 def test_a_call_that_cannot_begin_leaves_no_segment_open():
-    """Review 46: a shared-memory call whose gRPC call raised as it began (its channel closed meanwhile) kept its
-    segment's memfd open."""
-    channel = grpc.insecure_channel("127.0.0.1:9")
-    segments = shm.SegmentPool()
-    calls = shm.SharedMemoryCalls(channel, "127.0.0.1:9", TensorCalls.on(channel), segments, min_bytes=0)
-    channel.close()
-    message = request_message("sh.0", [pack(torch.randn(4, HIDDEN))])
-    before = len(os.listdir("/proc/self/fd"))
-    for _ in range(3):
-        with pytest.raises(ValueError, match="Channel closed"):
-            calls.forward.future(message, timeout=5)
-    assert len(os.listdir("/proc/self/fd")) == before and segments.idle() == 0
-    segments.close()
+    """Review 46: a shared-memory call whose gRPC call raised as it began (its channel closed meanwhile, say) kept its
+    segment's memfd open. (The failing start is stood in for: a closed channel left for the garbage collector hung
+    a later test in gRPC's teardown.)"""
+    class NoStart:
+        def future(self, request, timeout=None):
+            raise ValueError("Cannot invoke RPC: Channel closed!")
+
+    with grpc.insecure_channel("127.0.0.1:9") as channel:
+        segments = shm.SegmentPool()
+        calls = shm.SharedMemoryCalls(channel, "127.0.0.1:9", TensorCalls.on(channel), segments, min_bytes=0)
+        calls.call_shared = NoStart()
+        message = request_message("sh.0", [pack(torch.randn(4, HIDDEN))])
+        before = memfds()
+        for _ in range(3):
+            with pytest.raises(ValueError, match="Channel closed"):
+                calls.forward.future(message, timeout=5)
+        assert memfds() == before and segments.idle() == 0
+        segments.close()
