@@ -226,3 +226,44 @@ def test_kills_at_random_moments_never_leave_a_half_written_checkpoint(tmp_path)
         # the file holds the last save that completed (printed) or the one after it, if its rename happened
         assert printed <= version <= printed + 1 and version > last_version
         last_version = version
+
+
+def in_process_backend(optimizer: str, lr: float) -> ExpertBackend:
+    """An expert built as a library user (or the trainer's in-process experts) builds it: its hyperparameters do not
+    name its optimizer."""
+    from dmoe.experts import expert_class
+    from dmoe.server.in_process import ExpertOptimizerConfig
+
+    module = create_expert("ffn", HIDDEN, seed=0)
+    return ExpertOptimizerConfig(optimizer, lr).backend("ck.0", module, tuple(expert_class("ffn").sample(2, HIDDEN)),
+                                                        expert_cls="ffn")
+
+
+def trained_checkpoint(directory) -> None:
+    backend = in_process_backend("adam", 1e-3)
+    backend.backward(torch.randn(3, HIDDEN), torch.randn(3, HIDDEN))
+    Checkpoints(directory, {"ck.0": backend}, interval=None).close()
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_the_flag_and_both_kinds(tmp_path):
+    """An Adam state loaded into SGD used to restore "fine", then fail every backward with KeyError 'momentum'."""
+    trained_checkpoint(tmp_path)
+    checkpoints = Checkpoints(tmp_path, {"ck.0": in_process_backend("sgd", 1e-3)}, interval=None)
+    with pytest.raises(CheckpointMismatch, match=r"optimizer \(--optimizer\) was 'adam', now 'sgd'"):
+        checkpoints.restore()
+    checkpoints.close(save=False)
+    with pytest.raises(ValueError, match="saved optimizer state is 'adam''s, this expert's optimizer is 'sgd'"):
+        in_process_backend("sgd", 1e-3).load_state_dict(Checkpoints(tmp_path, {}).read()["experts"]["ck.0"]["state"])
+
+
+def test_a_learning_rate_changed_on_restart_is_the_one_used_and_the_change_is_logged(tmp_path, caplog):
+    """The saved optimizer state carries the old learning rate, which used to replace the one given now."""
+    trained_checkpoint(tmp_path)
+    backend = in_process_backend("adam", 0.1)
+    checkpoints = Checkpoints(tmp_path, {"ck.0": backend}, interval=None)
+    with caplog.at_level("INFO", logger="dmoe.server.checkpoints"):
+        assert checkpoints.restore()
+    checkpoints.close(save=False)
+    assert [group["lr"] for group in backend.optimizer.param_groups] == [0.1]
+    assert int(next(iter(backend.optimizer.state.values()))["step"]) == 1  # the rest of the state is restored
+    assert "optimizers now use lr 0.1 (the checkpoint was trained with 0.001)" in caplog.text

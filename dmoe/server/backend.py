@@ -21,6 +21,26 @@ Segments = Sequence[tuple["bytes | None", int]]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
+#: a setting that only this optimizer's param groups hold: tells which of :data:`OPTIMIZERS` saved a state
+_OPTIMIZER_SIGNATURES = {"adam": "betas", "sgd": "momentum"}
+
+#: settings of a restored optimizer that keep the value given now (``--lr``; the trainer's ``--weight-decay``), not
+#: the saved one: the saved state carries them, and would otherwise silently undo a change made on restart
+GIVEN_NOW = ("lr", "weight_decay")
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """The :data:`OPTIMIZERS` name of ``optimizer``'s class; None for None or another class."""
+    return next((name for name, cls in OPTIMIZERS.items() if type(optimizer) is cls), None)
+
+
+def saved_optimizer_name(state: dict[str, Any] | None) -> str | None:
+    """Which of :data:`OPTIMIZERS` saved ``state`` (an ``optimizer.state_dict()``), None if it cannot be told."""
+    groups = (state or {}).get("param_groups") or []
+    found = [name for name, key in _OPTIMIZER_SIGNATURES.items()
+             if groups and all(isinstance(g, dict) and key in g for g in groups)]
+    return found[0] if len(found) == 1 else None
+
 
 #: the most elements a CPU checks in one fused pass (:func:`all_finite`); more are summed, which only reads them
 FUSED_CHECK_MAX_CPU_NUMEL = 1 << 20
@@ -353,14 +373,35 @@ class ExpertBackend:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Restores :meth:`state_dict`'s output. The optimizer keeps the settings of :data:`GIVEN_NOW` it was built
+        with (the learning rate, unless a scheduler sets it; weight decay): returns those that differ from the
+        saved ones, as ``{name: (saved, now)}``. Raises ValueError for the state of another kind of optimizer (its
+        per-parameter state would fail the first step with a KeyError)."""
+        saved_optimizer = state.get("optimizer") if self.optimizer is not None else None
+        saved_kind, kind = saved_optimizer_name(saved_optimizer), optimizer_name(self.optimizer)
+        if saved_kind is not None and kind is not None and saved_kind != kind:
+            raise ValueError(f"{self.name}: the saved optimizer state is {saved_kind!r}'s, this expert's optimizer "
+                             f"is {kind!r}")
         self.module.load_state_dict(state["module"])
-        if self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        changed: dict[str, tuple[Any, Any]] = {}
+        if saved_optimizer is not None:
+            given = [{key: group[key] for key in GIVEN_NOW if key in group
+                      and not (key == "lr" and self.scheduler is not None)} for group in self.optimizer.param_groups]
+            self.optimizer.load_state_dict(saved_optimizer)
+            for group, values in zip(self.optimizer.param_groups, given):
+                for key, value in values.items():
+                    if group.get(key) != value:
+                        changed.setdefault(key, (group.get(key), value))
+                        group[key] = value
+            if changed:
+                logger.debug("%s: restored with %s", self.name,
+                             ", ".join(f"{key} {now} (saved: {was})" for key, (was, now) in changed.items()))
         if self.graphs is not None:
             self.graphs.reset()  # they read the optimizer's old state tensors
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        return changed
 
 
 #: devices whose fused optimizer kernels torch provides

@@ -28,7 +28,7 @@ from typing import IO, Any, Callable, ContextManager, Mapping
 import torch
 
 from dmoe.locking import InUse, lock_file
-from dmoe.server.backend import ExpertBackend
+from dmoe.server.backend import ExpertBackend, optimizer_name, saved_optimizer_name
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +218,13 @@ class Checkpoints:
             for key in DESCRIBED:
                 if want[key] != have[key]:
                     by_difference.setdefault(_difference(key, have[key], want[key]), []).append(uid)
+            # the optimizer's kind, where the hyperparameters do not say it (backends built outside dmoe-server):
+            # another kind's state would fail every backward with a KeyError
+            saved_kind = saved_optimizer_name(saved[uid]["state"].get("optimizer"))
+            kind = optimizer_name(self.backends[uid].optimizer)
+            if saved_kind is not None and kind is not None and saved_kind != kind and \
+                    "optimizer" not in json.loads(have["hparams_json"]):
+                by_difference.setdefault(f"optimizer (--optimizer) was {saved_kind!r}, now {kind!r}", []).append(uid)
         for difference, uids in by_difference.items():
             who = f"all {len(uids)} experts" if len(uids) == len(shared) else _some(uids)
             problems.append(f"{difference} ({who})")
@@ -234,15 +241,19 @@ class Checkpoints:
             logger.info("no checkpoint in %s yet: experts start from their initial weights", self.directory)
             return False
         self.check(state)
+        changed: dict[str, tuple[Any, Any]] = {}
         for uid, backend in self.backends.items():
             saved = state["experts"][uid]
             device = next((p.device for p in backend.module.parameters()), torch.device("cpu"))
-            backend.load_state_dict(_to_device(saved["state"], device))
+            for key, values in backend.load_state_dict(_to_device(saved["state"], device)).items():
+                changed.setdefault(key, values)
             backend.forward_calls = saved.get("forward_calls", 0)
             backend.backward_calls = saved.get("backward_calls", 0)
             backend.updates = saved.get("updates", optimizer_steps(saved["state"].get("optimizer")))
         logger.info("restored %d experts from %s (saved %.1f s ago)", len(self.backends), self.path,
                     time.time() - state["saved_at"])
+        for key, (was, now) in changed.items():  # the optimizers keep the settings given now
+            logger.info("the experts' optimizers now use %s %s (the checkpoint was trained with %s)", key, now, was)
         return True
 
     def _remove_stale_temp_files(self) -> None:
