@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import random
 import re
 import signal
@@ -174,6 +175,13 @@ def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file,
     (["--device", "nosuch"], "--device"),
     (["--initial-peers", "127.0.0.1:5000"], "--initial-peers is only used with --experts remote"),
     (["--experts", "remote", "--initial-peers", "garbage"], "--initial-peers"),
+    (["--backward-k-min", "3", "--k-best", "2"], "--backward-k-min 3 is more than --k-best 2"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--expert-lr", "inf"], "--expert-lr must be a finite number"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number"),
+    (["--balance-coef", "inf"], "--balance-coef must be a finite number"),
+    (["--lr", "nan"], "--lr"),
+    (["--threads", "100000"], "--threads 100000 is absurd"),
 ])
 def test_bad_flag_values_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -489,3 +497,232 @@ def test_sigterm_stops_dmoe_train_after_its_step_with_the_checkpoint_saved_and_s
     assert "SIGTERM: stopping after the step in flight" in output and "interrupted at step" in output, output
     step = int(re.search(r"interrupted at step (\d+)", output).group(1))
     assert step >= 2 and torch.load(out_dir / "checkpoint.pt", weights_only=False)["step"] == step
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_a_usage_error_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--device", "cuda"])
+    assert exit_info.value.code == 2 and "--device cuda: cuda was asked for" in capsys.readouterr().err
+
+
+def test_resume_with_another_expert_optimizer_is_refused_naming_the_flag(text_file, tmp_path):
+    """Its experts' Adam states used to be loaded into SGD, and the first backward died with KeyError 'momentum'."""
+    train(local_config(text_file, tmp_path, "run", steps=2))
+    with pytest.raises(trainer.ResumeMismatch, match="--expert-optimizer was 'adam', now 'sgd'"):
+        train(local_config(text_file, tmp_path, "run", steps=4, resume=True, expert_optimizer="sgd"))
+
+
+def test_settings_changed_on_resume_take_effect(text_file, tmp_path, capsys):
+    """The saved optimizer states used to bring back the old weight decay and the experts' old learning rate."""
+    train(local_config(text_file, tmp_path, "run", steps=2))
+    seen = []
+
+    def look(step, model):
+        expert = next(iter(model.blocks[0].moe.experts.values())).backend
+        seen.append(({g["weight_decay"] for g in optimizer.param_groups}, expert.optimizer.param_groups[0]["lr"]))
+
+    optimizer = None
+    real_adamw = torch.optim.AdamW
+
+    def keep(*args, **kwargs):
+        nonlocal optimizer
+        optimizer = real_adamw(*args, **kwargs)
+        return optimizer
+
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.optim, "AdamW", keep)
+        train(local_config(text_file, tmp_path, "run", steps=4, resume=True, weight_decay=0.5, expert_lr=0.1),
+              on_step=look)
+    assert seen == [({0.5}, 0.1), ({0.5}, 0.1)]
+    out = capsys.readouterr().out
+    assert "resuming with --weight-decay 0.5 (the checkpoint was trained with 0.0)" in out
+    assert "resuming with --expert-lr 0.1 (the checkpoint was trained with 0.003)" in out
+
+
+class Killed(Exception):
+    """What the default action of SIGTERM would do to the test process."""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_signal_during_the_final_validation_saves_the_last_steps_and_says_stopped(text_file, tmp_path,
+                                                                                          monkeypatch, signum):
+    """Only the loop deferred the stop signals: SIGTERM or SIGHUP in the final validation (or the wait for the other
+    trainers) killed the trainer without its last steps, and Ctrl-C there ended it as if it had finished."""
+    real = trainer.report_validation
+
+    def signal_in_the_final_validation(model, data, config, step, *rest):
+        if step == config.steps:
+            signal.raise_signal(signum)
+        return real(model, data, config, step, *rest)
+
+    monkeypatch.setattr(trainer, "report_validation", signal_in_the_final_validation)
+    previous = {s: signal.signal(s, lambda *_: (_ for _ in ()).throw(Killed())) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = train(local_config(text_file, tmp_path, "run", steps=6, checkpoint_interval=4))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert result["interrupted"] and result["step"] == 6
+    assert torch.load(result["checkpoint"], weights_only=True)["step"] == 6
+
+
+def test_ctrl_c_during_the_final_save_keeps_the_last_checkpoint_and_says_so(text_file, tmp_path, monkeypatch,
+                                                                             capsys):
+    real = trainer.save_checkpoint
+
+    def interrupted_at_the_end(path, model, optimizer, config, progress, rng=None):
+        if progress.step == config.steps:
+            raise KeyboardInterrupt  # a second Ctrl-C in the write
+        return real(path, model, optimizer, config, progress, rng)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", interrupted_at_the_end)
+    out_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train_program.main(["--data", str(text_file), "--out-dir", str(out_dir), "--seq-len", "32", "--hidden", "32",
+                            "--layers", "1", "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--batch-size", "8",
+                            "--steps", "4", "--checkpoint-interval", "2", "--eval-batches", "1", "--sample-bytes", "0",
+                            "--threads", "1"])
+    assert exit_info.value.code == 130
+    out = capsys.readouterr()
+    assert "before training began" not in out.err
+    assert "interrupted while saving step 4: the checkpoint is left as it was (step 2)" in out.out
+    assert torch.load(out_dir / "checkpoint.pt", weights_only=True)["step"] == 2
+
+
+ORPHANING_LAUNCHER = """
+import os, sys
+from dmoe.launch import Proc
+trainer = Proc(["-m", "dmoe.cli.train", *sys.argv[1:]], env={"TQDM_DISABLE": "1"})
+trainer.wait_for("step 3: validation loss", 120)
+print(trainer.popen.pid, flush=True)
+os._exit(0)  # dies without stopping it, as dmoe-demo killed by SIGKILL (or a SIGTERM it does not handle)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_dmoe_train_stops_and_saves_when_the_program_that_launched_it_dies(text_file, tmp_path):
+    """It used to go on training unwatched, holding the checkpoint's lock, and write over its checkpoint."""
+    import subprocess
+    import sys
+    import time
+
+    out_dir = tmp_path / "run"
+    launcher = subprocess.run(
+        [sys.executable, "-c", ORPHANING_LAUNCHER, "--data", str(text_file), "--out-dir", str(out_dir),
+         "--seq-len", "32", "--hidden", "32", "--layers", "1", "--heads", "2", "--grid", "2", "2", "--k-best", "2",
+         "--batch-size", "8", "--steps", "1000000", "--eval-interval", "3", "--eval-batches", "1",
+         "--checkpoint-interval", "1000000", "--sample-bytes", "0", "--threads", "1"],
+        capture_output=True, text=True, timeout=180, cwd=str(trainer.Path(__file__).parents[1]))
+    pid = int(launcher.stdout.split()[0])
+    try:
+        deadline = time.monotonic() + 60
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), "the orphaned trainer went on training"
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert torch.load(out_dir / "checkpoint.pt", weights_only=True)["step"] >= 3  # saved where it stopped
+    lock = trainer.lock_checkpoint(out_dir / "checkpoint.pt")  # and let go of it
+    if lock is not None:
+        lock.close()
+
+
+def test_a_validation_loss_too_big_for_exp_has_an_infinite_perplexity(monkeypatch, capsys):
+    """math.exp(loss) raised OverflowError above about 709, ending a diverging run in a traceback."""
+    monkeypatch.setattr(trainer, "evaluate", lambda *_: 800.0)
+    history = {"val": []}
+    trainer.report_validation(None, None, None, 3, history, 0.0)
+    assert history["val"] == [(3, 800.0)] and "perplexity inf" in capsys.readouterr().out
+
+
+class NaNFrom(StandInMixture):
+    """A stand-in whose training outputs are NaN in the calls of ``calls`` (counted over training forwards)."""
+
+    def __init__(self, *args, calls=range(0), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nan_calls, self.training_calls = calls, 0
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.training:
+            self.training_calls += 1
+            if self.training_calls in self.nan_calls:
+                return out * math.nan
+        return out
+
+
+def test_steps_with_a_nan_loss_are_skipped_and_the_weights_stay_finite(text_file, tmp_path, capsys):
+    config = tiny(text_file, tmp_path, steps=8, eval_interval=100, checkpoint_interval=4)
+    result = train(config, lambda i: NaNFrom(config.hidden, config.grid, f"ffn{i}", config.k_best, calls=range(3, 5)))
+    assert result["step"] == 8 and math.isfinite(result["final_val_loss"])
+    assert "step 3: the loss or its gradient is not finite; step skipped (1 in a row)" in capsys.readouterr().out
+    saved = torch.load(result["checkpoint"], weights_only=True)["model"]
+    assert all(torch.isfinite(t).all() for t in saved.values())
+
+
+def test_a_run_whose_loss_stays_nan_stops_with_an_error_and_keeps_the_last_good_checkpoint(text_file, tmp_path,
+                                                                                           monkeypatch):
+    config = tiny(text_file, tmp_path, steps=40, eval_interval=100, checkpoint_interval=4)
+    factory = lambda i: NaNFrom(config.hidden, config.grid, f"ffn{i}", config.k_best, calls=range(7, 10**6))  # noqa
+    with pytest.raises(trainer.Diverged, match=rf"not finite for {trainer.MAX_NONFINITE_STEPS} steps in a row .*"
+                                               r"left as it was \(step 4\)"):
+        train(config, factory)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == 4 and all(torch.isfinite(t).all() for t in saved["model"].values())
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: factory)
+    with pytest.raises(SystemExit, match="dmoe-train: the loss or its gradient was not finite"):
+        train_program.main(["--data", str(text_file), "--out-dir", str(tmp_path / "cli"), "--seq-len", "32",
+                            "--hidden", "32", "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--steps", "40",
+                            "--eval-batches", "1", "--sample-bytes", "0", "--threads", "1"])
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "foreign"])
+def test_a_damaged_checkpoint_on_resume_is_one_line_naming_the_file(text_file, tmp_path, monkeypatch, damage):
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: stand_in_factory(config))
+    flags = ["--data", str(text_file), "--out-dir", str(tmp_path), "--seq-len", "32", "--hidden", "32", "--heads", "2",
+             "--grid", "2", "2", "--k-best", "2", "--steps", "2", "--eval-batches", "1", "--sample-bytes", "0",
+             "--threads", "1"]
+    train_program.main(flags)
+    path = tmp_path / "checkpoint.pt"
+    if damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # e.g. a server's experts.pt given as --checkpoint
+        torch.save({"format": "dmoe-experts-checkpoint", "experts": {}}, path)
+    with pytest.raises(SystemExit) as exit_info:
+        train_program.main([*flags, "--steps", "4", "--resume"])
+    message = str(exit_info.value.code)
+    assert message.startswith(f"dmoe-train: --resume: {path} ") and "\n" not in message
+    assert "move it away to start afresh" in message
+
+
+def test_a_checkpoint_write_is_fsynced_and_a_failed_one_leaves_no_temp_file(text_file, tmp_path, monkeypatch):
+    config = tiny(text_file, tmp_path, steps=2, sample_bytes=0)
+    model = GatedTransformerLM(config.model_config(), stand_in_factory(config))
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = tmp_path / "checkpoint.pt"
+    synced = []
+    real_fsync = trainer.os.fsync
+    monkeypatch.setattr(trainer.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    trainer.save_checkpoint(path, model, optimizer, config, trainer.Progress(step=1))
+    assert len(synced) >= 2  # the file, then its directory
+    before = path.read_bytes()
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.save_checkpoint(path, model, optimizer, config, trainer.Progress(step=2))
+    assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))

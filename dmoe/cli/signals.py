@@ -116,3 +116,14 @@ class DeferredInterrupt:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+
+
+class InterruptingSignals(DeferredInterrupt):
+    """Every stop signal (SIGINT, SIGTERM, or SIGHUP unless ignored) raises KeyboardInterrupt at once in the main
+    thread, as Ctrl-C does by default: SIGTERM and SIGHUP would otherwise kill the process where it stands. For work
+    a stop may cut short, after which the caller still saves; a :class:`DeferredInterrupt` entered inside it defers
+    them again (and gives these handlers back when it exits)."""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested, self.signum = True, signum
+        raise KeyboardInterrupt

@@ -20,7 +20,7 @@ from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import add_config_argument, parse_args
 from dmoe.collab.progress import RecordTooLong
 from dmoe.trainer.data import DataError, DownloadError
-from dmoe.trainer.loop import CheckpointInUse, ResumeMismatch, TrainConfig, train
+from dmoe.trainer.loop import CheckpointInUse, CorruptCheckpoint, Diverged, ResumeMismatch, TrainConfig, train
 
 
 EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
@@ -68,15 +68,18 @@ def parse_config(argv: list[str] | None = None, defaults: dict | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Exits 0 when the run ended, 130 when a stop signal (Ctrl-C, SIGTERM, SIGHUP) ended it early (after saving
-    the checkpoint, which ``--resume`` continues): a scheduler must not take a stopped run for a finished one."""
+    """Exits 0 when the run ended, 130 when a stop signal (Ctrl-C, SIGTERM, SIGHUP; or the death of the program
+    that launched it, see :func:`dmoe.cli.signals.orphaned`) ended it early (after saving the checkpoint, which
+    ``--resume`` continues): a scheduler must not take a stopped run for a finished one; 1 when it diverged (the
+    loss stayed NaN or infinite; the last good checkpoint is kept)."""
     keep_freed_memory()
     config = parse_config(argv)
     try:
         result = train(config)
-    # no corpus (or one too short), no DHT peer, a checkpoint of another model or in use by another trainer, or a
-    # state endpoint too long to publish: no traceback
-    except (DownloadError, DataError, OSError, ResumeMismatch, CheckpointInUse, RecordTooLong) as e:
+    # no corpus (or one too short), no DHT peer, a checkpoint of another model, damaged or in use by another
+    # trainer, a state endpoint too long to publish, or a run that diverged: no traceback
+    except (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,
+            Diverged) as e:
         raise SystemExit(f"dmoe-train: {e}")
     except KeyboardInterrupt:  # before the loop (which saves and returns): joining, waiting for trainers
         print("dmoe-train: interrupted before training began", file=sys.stderr)

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,17 +35,26 @@ import torch
 from tqdm import tqdm
 
 from dmoe.cli.config import non_negative, port_number, positive
-from dmoe.cli.signals import DeferredInterrupt
+from dmoe.cli.signals import DeferredInterrupt, InterruptingSignals, orphaned
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
 from dmoe.endpoints import is_loopback_ip
 from dmoe.experts import expert_class_names
 from dmoe.locking import InUse, lock_file
-from dmoe.server.backend import OPTIMIZERS
+from dmoe.server.backend import OPTIMIZERS, all_finite
+from dmoe.server.checkpoints import _fsync_directory as fsync_directory
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
 from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
 from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
 
+
+#: said, after the signal's name, at a stop signal during a checkpoint's write after the loop
+SAVE_NOTICE = "stopping once the checkpoint is written (Ctrl-C again: stop at once, leaving the last one as it was)"
+#: steps in a row whose loss or gradient is not finite (each skipped) after which the run stops as diverged
+MAX_NONFINITE_STEPS = 10
+
+#: the most torch threads --threads may ask for (torch crashed on 100000)
+MAX_THREADS = 1024
 
 #: said, after the signal's name, at the loop's first stop signal (:class:`~dmoe.cli.signals.DeferredInterrupt`)
 STOP_NOTICE = "stopping after the step in flight, then saving the checkpoint (Ctrl-C again: stop at once)"
@@ -145,6 +155,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the flag when options do not fit together."""
+        for f in dataclasses.fields(self):  # inf or nan would train NaN to the end, or wait for ever
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
+        if self.threads > MAX_THREADS:
+            raise ValueError(f"--threads {self.threads} is absurd (at most {MAX_THREADS}; this machine has "
+                             f"{os.cpu_count()} cores, and 0 lets torch choose)")
         if not self.dropout < 1:
             raise ValueError(f"--dropout must be below 1, got {self.dropout}")
         if not 0 <= self.seed < 2**32:
@@ -155,9 +172,11 @@ class TrainConfig:
             raise ValueError(f"--expert-cls: unknown class {self.expert_cls!r}; registered: "
                              f"{', '.join(expert_class_names())}")
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except (RuntimeError, ValueError) as error:
             raise ValueError(f"--device: {error}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: cuda was asked for but torch sees no CUDA device")
         if self.initial_peers and self.experts != "remote":
             raise ValueError("--initial-peers is only used with --experts remote (these experts are in-process)")
         for peer in self.initial_peers:
@@ -171,6 +190,8 @@ class TrainConfig:
             raise ValueError(f"--k-best {self.k_best} is more than the {math.prod(self.grid)} experts of --grid")
         if self.k_min > self.k_best:
             raise ValueError(f"--k-min {self.k_min} is more than --k-best {self.k_best}")
+        if self.backward_k_min > self.k_best:
+            raise ValueError(f"--backward-k-min {self.backward_k_min} is more than --k-best {self.k_best}")
         if self.experts == "remote" and not self.initial_peers:
             raise ValueError("--initial-peers HOST:PORT is required with --experts remote")
         if self.val_fraction >= 1:
@@ -289,94 +310,190 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         # until its step is counted: a checkpoint written in between would be labelled with one step and hold part
         # of the next, so none is
         half_done = False
+        nonfinite = 0  # steps skipped in a row for a loss or gradient that is not finite
 
         def save() -> None:
             nonlocal saved
+            if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+                tqdm.write(f"warning: the model's weights are not finite at step {step}: the checkpoint is left as it "
+                           "was (" + (f"step {saved}" if saved is not None else "none written") + ")")
+                return
             save_checkpoint(checkpoint_path, model, optimizer, config,
                             Progress(step, history, time.monotonic() - origin, minibatch), rng)
             saved = step
 
-        bar = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
-        with DeferredInterrupt(STOP_NOTICE) as stop:  # a first Ctrl-C/SIGTERM/SIGHUP ends the step, then stops
-            try:
-                if step == 0:
-                    report_validation(model, data, config, step, history, origin)
-                meter = IntervalMeter(model)
-                while step < config.steps and not over_time(started, config) and not stop.requested:
-                    for group in optimizer.param_groups:
-                        group["lr"] = learning_rate(step, config)
-                    # alone, step s's batch depends only on (seed, s), so a resumed run sees the batches it would
-                    # have seen; in a collaboration a step takes a varying number of this trainer's batches
-                    generator = batch_generator(config.seed, step) if collab is None else \
-                        batch_generator(config.seed + 7919 * (1 + config.data_shard), minibatch)
-                    batch = data.batch("train", config.batch_size, config.seq_len, generator)
-                    inputs, targets = (t.to(config.device) for t in batch)
-                    _, loss = model(inputs, targets)
-                    balance = model.balance_loss() if config.switch else None
-                    optimizer.zero_grad(set_to_none=True)
-                    half_done = True
-                    (loss + config.balance_coef * balance if balance is not None else loss).backward()
-                    if collab is None:
-                        if config.grad_clip:
-                            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                        optimizer.step()
-                        new_step = step + 1
-                    else:  # clipping and the step happen on the collaboration's averaged gradient
-                        collab.step(inputs.shape[0])
-                        new_step = collab.local_step
-                    history["train"].append((new_step, loss.item()))
-                    previous, step, minibatch = step, new_step, minibatch + 1
-                    rng = rng_state(config.device)
-                    half_done = False
-                    meter.add(model, loss.item(), inputs.numel(), balance.item() if balance is not None else None)
-                    bar.update(step - previous)
-                    postfix = meter.postfix()
-                    if collab is not None:
-                        postfix.update(collaboration_postfix(collab))
-                    bar.set_postfix(postfix, refresh=False)
-                    if step == previous:
-                        continue
-                    if on_step is not None:
-                        on_step(step, model)
-                    if crossed(previous, step, config.eval_interval) and step < config.steps:
+        # SIGTERM and SIGHUP are stops as Ctrl-C is: the loop defers them to the end of its step, a checkpoint's
+        # write to its end, and anything else ends at once (KeyboardInterrupt)
+        with InterruptingSignals():
+            bar = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
+            with DeferredInterrupt(STOP_NOTICE) as stop:  # a first Ctrl-C/SIGTERM/SIGHUP ends the step, then stops
+                try:
+                    if step == 0:
                         report_validation(model, data, config, step, history, origin)
-                        meter.restart(model)  # validation time is not training throughput
-                    if crossed(previous, step, config.checkpoint_interval):
+                    meter = IntervalMeter(model)
+                    while step < config.steps and not over_time(started, config) and not stop.requested:
+                        if orphaned():  # the launcher (dmoe-demo) died: stop as on SIGHUP rather than train unwatched
+                            silence_output()
+                            stop.requested, stop.signum = True, signal.SIGHUP
+                            break
+                        for group in optimizer.param_groups:
+                            group["lr"] = learning_rate(step, config)
+                        # alone, step s's batch depends only on (seed, s), so a resumed run sees the batches it would
+                        # have seen; in a collaboration a step takes a varying number of this trainer's batches
+                        generator = batch_generator(config.seed, step) if collab is None else \
+                            batch_generator(config.seed + 7919 * (1 + config.data_shard), minibatch)
+                        batch = data.batch("train", config.batch_size, config.seq_len, generator)
+                        inputs, targets = (t.to(config.device) for t in batch)
+                        _, loss = model(inputs, targets)
+                        balance = model.balance_loss() if config.switch else None
+                        optimizer.zero_grad(set_to_none=True)
+                        half_done = True
+                        (loss + config.balance_coef * balance if balance is not None else loss).backward()
+                        # a step of a loss or gradient that is not finite would make the weights NaN (in-process experts
+                        # skip such steps themselves): it is skipped, and too many in a row stop the run
+                        finite = bool(torch.isfinite(loss)) and (balance is None or bool(torch.isfinite(balance)))
+                        if finite and collab is None and config.grad_clip:
+                            finite = bool(torch.isfinite(
+                                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)))
+                        elif finite:  # (a collaboration clips the averaged gradient)
+                            finite = all_finite([p.grad for p in model.parameters() if p.grad is not None])
+                        if not finite:
+                            optimizer.zero_grad(set_to_none=True)
+                            nonfinite += 1
+                            tqdm.write(f"warning: step {step + 1}: the loss or its gradient is not finite; step skipped "
+                                       f"({nonfinite} in a row)")
+                            if nonfinite >= MAX_NONFINITE_STEPS:
+                                raise Diverged(f"the loss or its gradient was not finite for {nonfinite} steps in a "
+                                               f"row (to step {step + 1}): the run diverged; the checkpoint is left as "
+                                               "it was (" + (f"step {saved}" if saved is not None else "none written")
+                                               + "); resume with a lower --lr or --expert-lr")
+                            if collab is None:  # the batch is spent: the next step draws the next one
+                                step, minibatch = step + 1, minibatch + 1
+                                bar.update(1)
+                            else:
+                                minibatch += 1
+                            rng = rng_state(config.device)
+                            half_done = False
+                            continue
+                        nonfinite = 0
+                        if collab is None:  # (clipped above, with --grad-clip)
+                            optimizer.step()
+                            new_step = step + 1
+                        else:  # clipping and the step happen on the collaboration's averaged gradient
+                            collab.step(inputs.shape[0])
+                            new_step = collab.local_step
+                        history["train"].append((new_step, loss.item()))
+                        previous, step, minibatch = step, new_step, minibatch + 1
+                        rng = rng_state(config.device)
+                        half_done = False
+                        meter.add(model, loss.item(), inputs.numel(), balance.item() if balance is not None else None)
+                        bar.update(step - previous)
+                        postfix = meter.postfix()
+                        if collab is not None:
+                            postfix.update(collaboration_postfix(collab))
+                        bar.set_postfix(postfix, refresh=False)
+                        if step == previous:
+                            continue
+                        if on_step is not None:
+                            on_step(step, model)
+                        if crossed(previous, step, config.eval_interval) and step < config.steps:
+                            report_validation(model, data, config, step, history, origin)
+                            meter.restart(model)  # validation time is not training throughput
+                        if crossed(previous, step, config.checkpoint_interval):
+                            save()
+                except KeyboardInterrupt:  # a second Ctrl-C, or one where DeferredInterrupt could not take it
+                    interrupted = True
+                except BrokenPipeError:  # the output's reader is gone: only a stop if the launcher died
+                    if not orphaned():
+                        raise
+                    silence_output()
+                    interrupted = True
+                except Diverged:
+                    bar.close()
+                    raise
+            interrupted = interrupted or stop.requested
+            bar.close()
+            # ---- the end: checkpoint, final validation, curve, sample ----
+            if half_done:
+                tqdm.write(f"interrupted in the middle of step {step + 1}: the checkpoint is left as it was ("
+                           + (f"step {saved}" if saved is not None else "none written") + ")")
+                plot_path = plot_losses(history, out_dir / "loss.png")
+                return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
+                        "history": history, "interrupted": True, "checkpoint": checkpoint_path, "plot": plot_path}
+
+            def save_to_the_end() -> bool:
+                """save() that a first stop signal does not cut (it marks the run stopped); a second one abandons the
+                write, leaving the file as it was. False then."""
+                nonlocal interrupted
+                with DeferredInterrupt(SAVE_NOTICE) as during:
+                    try:
                         save()
-            except KeyboardInterrupt:  # a second Ctrl-C, or one where DeferredInterrupt could not take it
+                    except KeyboardInterrupt:
+                        tqdm.write(f"interrupted while saving step {step}: the checkpoint is left as it was ("
+                                   + (f"step {saved}" if saved is not None else "none written") + ")")
+                        interrupted = True
+                        return False
+                interrupted = interrupted or during.requested
+                return True
+
+            # from here a stop signal cuts short what is left (the final validation, the wait for the other
+            # trainers, the sample), except a checkpoint's write
+            val_loss, plot_path = math.nan, out_dir / "loss.png"
+            try:
+                if interrupted:  # save before anything else, in case a second Ctrl-C follows
+                    tqdm.write(f"interrupted at step {step}: saving the checkpoint and the loss curve")
+                    if not save_to_the_end():
+                        plot_path = plot_losses(history, plot_path)
+                        return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
+                                "history": history, "interrupted": True, "checkpoint": checkpoint_path,
+                                "plot": plot_path}
+                try:
+                    if collab is not None and not interrupted:
+                        # no trainer still training the experts: every trainer then validates the same model
+                        collab.finish()
+                        tqdm.write(f"collaboration {config.collaborate!r}: {collab.steps_applied} steps applied "
+                                   f"here, {collab.steps_downloaded} states downloaded")
+                    if not history["val"] or history["val"][-1][0] != step:
+                        report_validation(model, data, config, step, history, origin)
+                    val_loss = history["val"][-1][1]
+                except KeyboardInterrupt:
+                    if not interrupted:
+                        tqdm.write(f"interrupted at step {step}, after the training: saving the checkpoint")
+                    interrupted = True
+                save_to_the_end()
+                plot_path = plot_losses(history, plot_path)
+                print(f"final validation loss {val_loss:.3f} perplexity {perplexity(val_loss):.2f} "
+                      f"(step {step}, {(time.monotonic() - origin) / 60:.1f} min)")
+                print(f"loss curve: {plot_path}; checkpoint: {checkpoint_path}"
+                      + ("; resume with --resume" if interrupted else ""))
+                if config.sample_bytes and not interrupted:
+                    print("sample:\n" + sample(model, config))
+            except KeyboardInterrupt:  # after the checkpoint: the curve or the sample cut short
                 interrupted = True
-        interrupted = interrupted or stop.requested
-        bar.close()
-        # ---- the end: checkpoint, final validation, curve, sample ----
-        if half_done:
-            tqdm.write(f"interrupted in the middle of step {step + 1}: the checkpoint is left as it was ("
-                       + (f"step {saved}" if saved is not None else "none written") + ")")
-            plot_path = plot_losses(history, out_dir / "loss.png")
-            return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
-                    "history": history, "interrupted": True, "checkpoint": checkpoint_path, "plot": plot_path}
-        if interrupted:  # save before anything else, in case a second Ctrl-C follows
-            tqdm.write(f"interrupted at step {step}: saving the checkpoint and the loss curve")
-            save()
-        val_loss = math.nan
-        with contextlib.suppress(KeyboardInterrupt):
-            if collab is not None and not interrupted:
-                # no trainer still training the experts: every trainer then validates the same model
-                collab.finish()
-                tqdm.write(f"collaboration {config.collaborate!r}: {collab.steps_applied} steps applied here, "
-                           f"{collab.steps_downloaded} states downloaded")
-            if not history["val"] or history["val"][-1][0] != step:
-                report_validation(model, data, config, step, history, origin)
-            val_loss = history["val"][-1][1]
-        save()
-        plot_path = plot_losses(history, out_dir / "loss.png")
-        print(f"final validation loss {val_loss:.3f} perplexity {math.exp(val_loss):.2f} "
-              f"(step {step}, {(time.monotonic() - origin) / 60:.1f} min)")
-        print(f"loss curve: {plot_path}; checkpoint: {checkpoint_path}" + ("; resume with --resume" if interrupted else ""))
-        if config.sample_bytes and not interrupted:
-            with contextlib.suppress(KeyboardInterrupt):
-                print("sample:\n" + sample(model, config))
-    return {"final_val_loss": val_loss, "final_val_perplexity": math.exp(val_loss), "step": step, "history": history,
-            "interrupted": interrupted, "checkpoint": checkpoint_path, "plot": plot_path}
+            except BrokenPipeError:
+                if not orphaned():
+                    raise
+                interrupted = True
+    return {"final_val_loss": val_loss, "final_val_perplexity": perplexity(val_loss), "step": step,
+            "history": history, "interrupted": interrupted, "checkpoint": checkpoint_path, "plot": plot_path}
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``; inf where that overflows (a diverging run's loss above about 709)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def silence_output() -> None:
+    """Points stdout and stderr at /dev/null: once the launcher is gone, nobody reads them, and a write to the
+    pipe it held would raise BrokenPipeError in the middle of saving."""
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(null, fd)
+        os.close(null)
 
 
 def crossed(previous: int, step: int, interval: int) -> bool:
@@ -520,7 +637,7 @@ def report_validation(model, data, config, step: int, history: dict, origin: flo
     loss = evaluate(model, data, config)
     history["val"].append((step, loss))
     history.setdefault("val_seconds", []).append((step, time.monotonic() - origin))
-    tqdm.write(f"step {step}: validation loss {loss:.3f} perplexity {math.exp(loss):.2f}")
+    tqdm.write(f"step {step}: validation loss {loss:.3f} perplexity {perplexity(loss):.2f}")
 
 
 @dataclass
@@ -557,19 +674,42 @@ def rng_state(device: str) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(path: Path, model, optimizer, config: TrainConfig, progress: Progress,
                     rng: dict[str, torch.Tensor] | None = None) -> None:
-    """Written to a temporary file and renamed, so a crash never leaves a half-written checkpoint. ``rng``: torch's
+    """Written to a temporary file, fsynced and renamed (and the directory fsynced), so a crash or a power loss
+    never leaves a half-written checkpoint. ``rng``: torch's
     RNG states at the step boundary the checkpoint is labelled with (:func:`rng_state`; default: now)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": progress.step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "history": progress.history, "seconds": progress.seconds, "minibatches": progress.minibatches,
              **(rng_state(config.device) if rng is None else rng), "config": dataclasses.asdict(config)}
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:  # fsynced before the rename, as the servers' checkpoints are: a power loss leaves the old file or the new
+        with open(tmp, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, or a second Ctrl-C: no partial temp file left behind
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
 
 
 class ResumeMismatch(ValueError):
     """The checkpoint to resume from was saved for another model than the one the flags describe."""
+
+
+class Diverged(RuntimeError):
+    """The loss or its gradients stayed non-finite for :data:`MAX_NONFINITE_STEPS` steps in a row."""
+
+
+class CorruptCheckpoint(ValueError):
+    """The checkpoint to resume from cannot be read (empty, truncated, or not a dmoe-train checkpoint)."""
+
+
+#: what a dmoe-train checkpoint holds, at least
+CHECKPOINT_KEYS = ("step", "model", "optimizer", "history", "torch_rng", "config")
+#: settings that may change on resume and take effect (each step sets the client's learning rate anyway)
+CHANGEABLE = ("lr", "weight_decay", "expert_lr", "expert_clip_grad_norm", "grad_clip")
 
 
 def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progress:
@@ -578,16 +718,35 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progre
     if not path.exists():
         tqdm.write(f"no checkpoint at {path}: starting from step 0")
         return Progress()
-    state = torch.load(path, map_location=config.device, weights_only=True)
+    try:
+        state = torch.load(path, map_location=config.device, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - empty, truncated, or some other file: torch raises many kinds
+        raise CorruptCheckpoint(f"--resume: {path} cannot be read ({type(error).__name__}: "
+                                f"{str(error).splitlines()[0] if str(error) else 'no details'}); move it away to start "
+                                "afresh, or give another --checkpoint / --out-dir") from None
+    if not isinstance(state, dict) or not all(key in state for key in CHECKPOINT_KEYS) \
+            or not isinstance(state["config"], dict):
+        raise CorruptCheckpoint(f"--resume: {path} is not a dmoe-train checkpoint; move it away to start afresh, or "
+                                "give another --checkpoint / --out-dir")
     saved = state["config"]
+    compared = ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "experts", "expert_cls")
+    if config.experts == "local":  # the checkpoint holds the in-process experts' optimizer states
+        compared += ("expert_optimizer",)
     changed = [f"--{name.replace('_', '-')} was {saved[name]!r}, now {getattr(config, name)!r}"
-               for name in ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "experts", "expert_cls")
+               for name in compared
                if name in saved and _as_tuple(saved[name]) != _as_tuple(getattr(config, name))]
     if changed:
         raise ResumeMismatch(f"--resume: {path} was saved with a different model: " + "; ".join(changed)
                              + " (resume with those flags, or give another --out-dir / --checkpoint)")
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"])  # in-process experts keep the --expert-lr given now (ExpertBackend)
     optimizer.load_state_dict(state["optimizer"])
+    for group in optimizer.param_groups:  # the saved state carries the old settings: the flags given now win
+        group["weight_decay"] = config.weight_decay
+        group["lr"] = learning_rate(state["step"], config)
+    for name in CHANGEABLE:
+        if name in saved and saved[name] != getattr(config, name):
+            tqdm.write(f"resuming with --{name.replace('_', '-')} {getattr(config, name)!r} (the checkpoint was "
+                       f"trained with {saved[name]!r})")
     torch.set_rng_state(state["torch_rng"].cpu())
     if "cuda_rng" in state and torch.device(config.device).type == "cuda" and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng"].cpu(), torch.device(config.device))
