@@ -16,7 +16,7 @@ from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_class
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import ExpertBackend
-from dmoe.server.activations import ActivationCache, KeptForward
+from dmoe.server.activations import ENTRY_OVERHEAD_BYTES, MIN_ENTRIES, ActivationCache, KeptForward
 from dmoe.uid import grid_uids
 from tests.procs import running
 from tests.test_metrics import scrape, scrape_once, value
@@ -29,6 +29,34 @@ def kept(nbytes: int, versions=(0,), age: float = 0.0) -> KeptForward:
 
 
 # ---- the cache's bookkeeping ----------------------------------------------------------------------------------
+
+def test_the_cache_holds_at_most_one_entry_per_kib_of_its_budget():
+    """Review 48: a forward of one small row costs ~0.9 KB of objects beyond its bytes; with no bound on entries a
+    32 MiB budget of h=16 forwards made the server grow by 465 MiB."""
+    cache = ActivationCache(max_bytes=1 << 20)
+    assert cache.max_entries == (1 << 20) // ENTRY_OVERHEAD_BYTES
+    for i in range(cache.max_entries + 500):
+        assert cache.put("e.0", i.to_bytes(4, "big"), KeptForward.inputs_only([torch.zeros(1)]))
+    assert len(cache) == cache.max_entries and cache.evicted == 500
+    assert cache.inputs("e.0", (499).to_bytes(4, "big")) is None  # the oldest went first
+    assert ActivationCache(max_bytes=100).max_entries == MIN_ENTRIES
+
+
+def test_graphs_made_stale_by_a_step_are_found_through_their_expert_s_index_whatever_left_before():
+    cache = ActivationCache(max_bytes=1000)
+    for aid in (b"a", b"b", b"c", b"d"):
+        cache.put("e.0", aid, kept(10))
+    cache.put("e.1", b"a", kept(10))
+    cache.put("e.0", b"i", KeptForward.inputs_only([torch.zeros(1)]))
+    assert cache.take("e.0", b"a", (0,), [torch.zeros(1)]) is not None
+    cache.discard("e.0", b"b")
+    cache.put("e.0", b"c", KeptForward.inputs_only([torch.zeros(1)]))  # replaced by one without a graph
+    cache.drop_graphs("e.0")
+    assert cache.invalidated == 1  # only d: a was taken, b discarded, c replaced, i never had a graph
+    assert cache.take("e.0", b"d", (0,), [torch.zeros(1)]) is None  # its inputs only, now
+    assert cache.take("e.1", b"a", (0,), [torch.zeros(1)]) is not None  # another expert's graph stays
+    cache.drop_graphs("e.0")
+    assert cache.invalidated == 1
 
 def test_a_kept_forward_is_taken_once_and_only_with_the_same_parameter_versions():
     cache = ActivationCache(max_bytes=1000)

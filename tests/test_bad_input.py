@@ -305,7 +305,8 @@ def test_streams_count_against_the_queued_bytes_as_they_arrive_and_stalled_ones_
             x, grad = torch.randn(512, STREAM_HIDDEN), torch.randn(512, STREAM_HIDDEN)
             torch.testing.assert_close(backward_future(server.endpoint, "nop.0", [x], [grad], unary_limit=16)
                                        .result(30)[0], grad)
-            assert servicer.arriving_bytes == servicer.queued_bytes == servicer.streams == 0
+            # (a stream counts until its call has ended on the server too, a moment after the client has the answer)
+            wait_until(lambda: servicer.arriving_bytes == servicer.queued_bytes == servicer.streams == 0)
         finally:
             release.set()
 
@@ -331,3 +332,54 @@ def test_the_limits_of_streamed_requests_are_flags_of_dmoe_server():
                 in too_big.value.details()
         finally:
             release.set()
+
+
+def test_a_stream_of_payload_free_messages_cannot_count_many_times_a_valid_request():
+    """Review 48: each streamed message could carry 4 KiB beyond its payload, so one stream of empty messages with
+    long uids counted ~64 times the largest valid request against --max-queued-mb (and held it) and locked every
+    other caller out until its deadline. Now the slack is 4 KiB once and 64 bytes per message or part."""
+    config = ServerConfig(device="cpu", max_batch_size=64, max_queued_mb=0.5, max_stream_seconds=60)
+    with ExpertServer.create("nop.[0:1]", "nop", 64, config=config) as server, \
+            grpc.insecure_channel(server.endpoint) as channel:
+        servicer, stub = server.servicer, dmoe_pb2_grpc.ExpertServiceStub(channel)
+        limit = 64 * 64 * 4  # the most a valid forward of nop.0 carries: 64 rows of 64 float32
+        most = [0]
+
+        def messages():
+            yield dmoe_pb2.ExpertRequest(uid="nop.0", tensors=cut_into_parts([serialize(torch.randn(1, 64))], 16)
+                                         .__next__())
+            for _ in range(300):
+                most[0] = max(most[0], servicer.arriving_bytes)
+                yield dmoe_pb2.ExpertRequest(uid="x" * 4000)  # no payload, 4 KB of slack each
+
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.forward_stream(messages(), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+        assert "streamed request exceeds" in refused.value.details()
+        assert most[0] < 2 * limit, most[0]
+        wait_until(lambda: servicer.arriving_bytes == servicer.streams == 0)
+
+
+def test_a_streamed_answer_nobody_reads_counts_as_an_open_stream_until_its_call_ends():
+    """Review 48: a call stopped counting once its answer was computed, so answers no client read were held in the
+    server's memory outside every limit (24 of 16 MiB took 1.1 GiB)."""
+    config = ServerConfig(device="cpu", max_batch_size=4096, max_stream_seconds=1.5)
+    with ExpertServer.create("nop.[0:1]", "nop", 1024, config=config) as server, \
+            grpc.insecure_channel(server.endpoint) as channel:
+        servicer, stub = server.servicer, dmoe_pb2_grpc.ExpertServiceStub(channel)
+        x = serialize(torch.randn(4096, 1024))  # 16 MiB each way
+        requests = [dmoe_pb2.ExpertRequest(uid="nop.0" if i == 0 else "", tensors=group)
+                    for i, group in enumerate(cut_into_parts([x], 1 << 20))]
+        answer = stub.forward_stream(iter(requests), timeout=60)  # never read
+        # computed (its inputs no longer queued), and still an open stream while its answer waits to be taken ...
+        wait_until(lambda: servicer.streams == 1 and servicer.queued_bytes == 0 and servicer.arriving_bytes == 0
+                   and server.runtime.pools[0].batches == 1)
+        servicer.max_streams_per_host = 1
+        with pytest.raises(grpc.RpcError) as capped:
+            list(stub.forward_stream(iter(requests[:1]), timeout=30))
+        assert capped.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, capped.value.details()
+        assert servicer.streams == 1
+        answer.cancel()  # ... until the call ends
+        wait_until(lambda: servicer.streams == 0)
+        x = torch.randn(8, 1024)  # and the server serves on
+        torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)

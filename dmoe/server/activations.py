@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 
 #: Longest ``activation_id`` a server accepts (clients use 16 random bytes).
 MAX_ACTIVATION_ID_BYTES = 64
+#: about what a kept forward costs beyond its tensors' bytes (its key, entry and tensor objects: 0.9 KB measured).
+#: The cache holds at most one entry per this many bytes of its budget (and at least :data:`MIN_ENTRIES`), so that a
+#: client keeping forwards of one small row each cannot make the server hold many times its budget: 14 times with
+#: h=16 before (review 48)
+ENTRY_OVERHEAD_BYTES = 1024
+MIN_ENTRIES = 64
 
 
 @dataclass(eq=False)
@@ -48,6 +54,7 @@ class KeptForward:
     @classmethod
     def inputs_only(cls, inputs: Sequence[torch.Tensor]) -> "KeptForward":
         return cls(tuple(x.detach() for x in inputs), None, (), sum(x.nbytes for x in inputs))
+
 
     @property
     def device(self) -> str:
@@ -101,7 +108,12 @@ class ActivationCache:
         if max_bytes < 0 or ttl <= 0:
             raise ValueError(f"max_bytes must be >= 0 and ttl > 0, got {max_bytes} and {ttl}")
         self.max_bytes, self.ttl = max_bytes, ttl
+        #: the most entries held at once (see :data:`ENTRY_OVERHEAD_BYTES`)
+        self.max_entries = max(MIN_ENTRIES, max_bytes // ENTRY_OVERHEAD_BYTES)
         self._entries: OrderedDict[tuple[str, bytes], KeptForward] = OrderedDict()
+        #: uid -> ids of its entries that hold a graph: what an optimizer step of that expert makes stale, found
+        #: without walking every entry of every expert (a 512 MiB cache of small forwards holds ~100k)
+        self._graphs: dict[str, set[bytes]] = {}
         self._lock = threading.Lock()
         self.held: dict[str, int] = {}  # device -> bytes kept there now
         self.peak: dict[str, int] = {}  # device -> the most bytes kept there at once
@@ -124,20 +136,35 @@ class ActivationCache:
         return sum(self.held.values())
 
     def put(self, uid: str, activation_id: bytes, kept: KeptForward) -> bool:
-        """Holds ``kept`` unless it alone exceeds the budget; evicts expired, then oldest entries to make room."""
+        """Holds ``kept`` unless it alone exceeds the budget; evicts expired, then oldest entries to make room, in
+        bytes and in entries (:attr:`max_entries`)."""
         if kept.nbytes > self.max_bytes:
             return False
         with self._lock:
             self._drop_expired(time.monotonic())
-            while self._entries and self.nbytes + kept.nbytes > self.max_bytes:
+            self._pop((uid, activation_id))
+            while self._entries and (self.nbytes + kept.nbytes > self.max_bytes
+                                     or len(self._entries) >= self.max_entries):
                 self._remove(next(iter(self._entries)))
                 self.evicted += 1
-            old = self._entries.pop((uid, activation_id), None)
-            if old is not None:
-                self._count(old, -1)
             self._entries[(uid, activation_id)] = kept
             self._count(kept, 1)
+            if kept.outputs is not None:
+                self._graphs.setdefault(uid, set()).add(activation_id)
         return True
+
+    def _pop(self, entry_key: tuple[str, bytes]) -> KeptForward | None:
+        """Removes an entry, uncounted and out of the graphs' index; None if there was none."""
+        kept = self._entries.pop(entry_key, None)
+        if kept is not None:
+            self._count(kept, -1)
+            if kept.outputs is not None:
+                ids = self._graphs.get(entry_key[0])
+                if ids is not None:
+                    ids.discard(entry_key[1])
+                    if not ids:
+                        del self._graphs[entry_key[0]]
+        return kept
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """device -> (bytes kept there now, the most kept there at once), read consistently."""
@@ -162,9 +189,7 @@ class ActivationCache:
         ``versions`` and it was computed from exactly ``inputs``, else None (recompute)."""
         with self._lock:
             self._drop_expired(time.monotonic())
-            kept = self._entries.pop((uid, activation_id), None)
-            if kept is not None:
-                self._count(kept, -1)
+            kept = self._pop((uid, activation_id))
             if kept is not None and kept.outputs is not None and kept.versions != versions:
                 self.invalidated += 1
                 kept = None
@@ -181,20 +206,20 @@ class ActivationCache:
         """Removes the forward kept under (uid, activation_id), if any, counting neither a hit nor a miss: a backward
         that recomputes in any case (an expert run as CUDA graphs) needed only its inputs."""
         with self._lock:
-            kept = self._entries.pop((uid, activation_id), None)
-            if kept is not None:
-                self._count(kept, -1)
+            self._pop((uid, activation_id))
 
     def drop_graphs(self, uid: str) -> None:
-        """Keeps only the inputs of ``uid``'s forwards: called after its optimizer step made their graphs stale."""
+        """Keeps only the inputs of ``uid``'s forwards: called after its optimizer step made their graphs stale.
+        Visits only that expert's entries with a graph (an index, not a walk over the whole cache)."""
         with self._lock:
-            for entry_key, kept in self._entries.items():
-                if entry_key[0] == uid and kept.outputs is not None:
-                    stale = self._entries[entry_key] = KeptForward.inputs_only(kept.inputs)
-                    stale.created = kept.created
-                    self._count(kept, -1)
-                    self._count(stale, 1)
-                    self.invalidated += 1
+            for activation_id in self._graphs.pop(uid, ()):
+                entry_key = (uid, activation_id)
+                kept = self._entries[entry_key]
+                stale = self._entries[entry_key] = KeptForward.inputs_only(kept.inputs)
+                stale.created = kept.created
+                self._count(kept, -1)
+                self._count(stale, 1)
+                self.invalidated += 1
 
     def _drop_expired(self, now: float) -> None:
         while self._entries:
@@ -205,7 +230,7 @@ class ActivationCache:
             self.evicted += 1
 
     def _remove(self, entry_key: tuple[str, bytes]) -> None:
-        self._count(self._entries.pop(entry_key), -1)
+        self._pop(entry_key)
 
     def clear(self) -> int:
         """Drops every kept forward; returns the bytes freed."""
@@ -222,6 +247,7 @@ class ActivationCache:
     def _drop_all(self) -> int:
         freed = self.nbytes
         self._entries.clear()
+        self._graphs.clear()
         self.held = {device: 0 for device in self.held}
         return freed
 

@@ -96,6 +96,14 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
                     yield request
             return parsed()
 
+        if handler.stream_stream is not None and not inspect.isasyncgenfunction(handler.stream_stream):
+            behavior = handler.stream_stream
+
+            async def stream_stream_writing(requests: AsyncIterator, context):  # sends with context.write
+                await behavior(checked(requests, context), context)
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream_writing, request_deserializer=parse,
+                                                         response_serializer=handler.response_serializer)
         if handler.stream_stream is not None:
             behavior = handler.stream_stream
 

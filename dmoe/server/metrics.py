@@ -30,6 +30,7 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -288,18 +289,36 @@ class ServerMetrics:
         return counted
 
     def _wrap_stream(self, handler: Callable, method: str) -> Callable:
-        @functools.wraps(handler)
-        async def counted(request_iterator, context) -> AsyncIterator:
-            self.grpc_calls.labels(f"{method}_stream").inc()
-            started, error, uid = time.monotonic(), None, [""]
-
+        """``handler`` counted: an async generator of answers, or a coroutine sending them with ``context.write``
+        (as the servicer's streamed calls do), wrapped as the same kind."""
+        def remembering(request_iterator, uid: list[str]) -> AsyncIterator:
             async def remember_uid():
                 async for message in request_iterator:
                     if not uid[0]:
                         uid[0] = message.uid
                     yield message
+            return remember_uid()
+
+        if not inspect.isasyncgenfunction(handler):
+            @functools.wraps(handler)
+            async def counted_writing(request_iterator, context) -> None:
+                self.grpc_calls.labels(f"{method}_stream").inc()
+                started, error, uid = time.monotonic(), None, [""]
+                try:
+                    await handler(remembering(request_iterator, uid), context)
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    self._record(uid[0], method, context, started, error)
+            return counted_writing
+
+        @functools.wraps(handler)
+        async def counted(request_iterator, context) -> AsyncIterator:
+            self.grpc_calls.labels(f"{method}_stream").inc()
+            started, error, uid = time.monotonic(), None, [""]
             try:
-                async for response in handler(remember_uid(), context):
+                async for response in handler(remembering(request_iterator, uid), context):
                     yield response
             except BaseException as exc:
                 error = exc

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -32,6 +33,8 @@ from dmoe.wire.shared_memory import BadCall, MappedSegment, Refused, SegmentMaps
 from dmoe.wire.zerocopy import (BatchResponse, Message, Response, Result, batch_response_bytes,
                                 batch_response_message, parse_batch_request, parse_request, response_bytes,
                                 response_message)
+
+logger = logging.getLogger(__name__)
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -102,8 +105,12 @@ class HostedExpert:
 MIN_STREAM_PART_BYTES = 64
 
 
-#: bytes a streamed message may hold beyond its tensors' buffers (its uid, shapes, dtypes, field headers)
+#: bytes a streamed request may hold beyond its tensors' buffers once (its uid, activation id, field headers)
 STREAM_MESSAGE_SLACK_BYTES = 4096
+#: and beyond that, per message and per tensor part (a part's shape, dtype and field headers take a few dozen):
+#: with 4 KiB per message, a stream of payload-free messages could count 64 times the largest valid request
+#: (review 48)
+STREAM_PART_SLACK_BYTES = 64
 
 
 def stream_parts_limit(payload_limit: int, n_tensors: int) -> int:
@@ -547,10 +554,12 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             message = response_message(answer)
         return SharedAnswer(answer, message, segment, call.answer_offset, call.answer_capacity)
 
-    async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
-                      context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
+    async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest], context) -> None:
         """Receives a request streamed in parts (each message counted as it arrives, :meth:`_arrive`), runs it and
-        streams the answer back in parts."""
+        streams the answer back in parts (``context.write``). The call counts among the open streams (and its
+        host's) until it ends, not when its answer is computed: a client that never reads its answers holds them in
+        the server's memory, so they are bounded as the requests' streams are (review 48). An answer not taken
+        within ``max_stream_seconds`` ends this handler; gRPC lets the call go at the client's deadline or cancel."""
         host = peer_host(context.peer())
         if self.streams >= self.max_streams:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -560,6 +569,9 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                 f"{self.max_streams_per_host} streamed calls of one host open")
         self.streams += 1
         self.streams_by_host[host] = self.streams_by_host.get(host, 0) + 1
+        # counted until the call itself ends (read whole, cancelled, or past its deadline), not when this handler
+        # returns: an answer nobody reads is held by gRPC until then
+        context.add_done_callback(lambda _: self._stream_ended(host))
         arrival, rejection = Arrival(), None
         try:
             try:
@@ -575,15 +587,27 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             if rejection is not None:  # (out of the except clause, whose traceback holds the received messages)
                 self._left(arrival)  # before the abort's wait: the next stream's message may count them
                 await context.abort(*rejection)
-        finally:
             self._left(arrival)  # (none left once its request was queued: they count as its inputs then)
-            self.streams -= 1
-            self.streams_by_host[host] -= 1
-            if not self.streams_by_host[host]:
-                del self.streams_by_host[host]
-        del tensors
-        for group in cut_into_parts([to_message(y) for y in outputs], self.stream_part_bytes):
-            yield dmoe_pb2.ExpertResponse(tensors=group)
+            del tensors
+            deadline = time.monotonic() + self.max_stream_seconds
+            for group in cut_into_parts([to_message(y) for y in outputs], self.stream_part_bytes):
+                try:
+                    await asyncio.wait_for(context.write(dmoe_pb2.ExpertResponse(tensors=group)),
+                                           max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    # ended, not aborted: an abort's status would queue behind the unread answer, which would stay
+                    # in memory as long; a cancelled handler resets the stream, and gRPC drops what it holds
+                    logger.info("a streamed answer to %s was not read whole within %g s: its call is cancelled",
+                                host, self.max_stream_seconds)
+                    raise asyncio.CancelledError from None
+        finally:
+            self._left(arrival)
+
+    def _stream_ended(self, host: str) -> None:
+        self.streams -= 1
+        self.streams_by_host[host] -= 1
+        if not self.streams_by_host[host]:
+            del self.streams_by_host[host]
 
     async def _receive(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest],
                        arrival: Arrival) -> tuple[str, int, bytes, list[dmoe_pb2.Tensor]]:
@@ -606,7 +630,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             parts += len(message.tensors)
             received += size
             messages += 1
-            if payload > limit or received > limit + messages * STREAM_MESSAGE_SLACK_BYTES:
+            if payload > limit or received > (limit + STREAM_MESSAGE_SLACK_BYTES
+                                               + (messages + parts) * STREAM_PART_SLACK_BYTES):
                 why = ("the server's limit per streamed request (--max-stream-mb)" if limit == self.max_stream_bytes
                        else f"more than a valid {kind} of {uid} (max_batch_size {self.max_batch_size}) can carry")
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -630,13 +655,11 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             self.stages.add("decode", time.perf_counter() - started, count=0)
         return uid, compression, activation_id, tensors
 
-    async def forward_stream(self, request_iterator, context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
-        async for response in self._stream(FORWARD, request_iterator, context):
-            yield response
+    async def forward_stream(self, request_iterator, context) -> None:
+        await self._stream(FORWARD, request_iterator, context)
 
-    async def backward_stream(self, request_iterator, context) -> AsyncIterator[dmoe_pb2.ExpertResponse]:
-        async for response in self._stream(BACKWARD, request_iterator, context):
-            yield response
+    async def backward_stream(self, request_iterator, context) -> None:
+        await self._stream(BACKWARD, request_iterator, context)
 
 
 def add_to_server(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
