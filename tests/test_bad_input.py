@@ -383,3 +383,26 @@ def test_a_streamed_answer_nobody_reads_counts_as_an_open_stream_until_its_call_
         wait_until(lambda: servicer.streams == 0)
         x = torch.randn(8, 1024)  # and the server serves on
         torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)
+
+
+def test_one_host_may_take_the_whole_queue_alone_but_only_its_share_while_others_wait():
+    """Review 48: --max-queued-mb was one budget for all callers, so one client keeping enough requests in flight had
+    every other caller refused. (Hosts are the callers' addresses: named here, as every test client is 127.0.0.1.)"""
+    from dmoe.server.servicer import HOST_SHARE
+    from dmoe.server.validation import RequestRejected
+
+    mib = 2**20
+    config = ServerConfig(device="cpu", max_queued_mb=1.0)
+    with ExpertServer.create("nop.[0:1]", "nop", 8, config=config) as server:
+        servicer = server.servicer
+        servicer._reserve(int(0.6 * mib), "a")  # alone: more than its share
+        servicer._reserve(int(0.2 * mib), "b")
+        with pytest.raises(RequestRejected, match="of this host waiting for its experts while other hosts' wait"):
+            servicer._reserve(int(0.1 * mib), "a")  # past its share while b's wait
+        servicer._reserve(int(0.1 * mib), "b")
+        servicer._dequeued(int(0.6 * mib), "a")
+        servicer._reserve(int(0.3 * mib), "a")  # within its share again
+        assert servicer.queued_by_host == {"a": int(0.3 * mib), "b": int(0.3 * mib)}
+        for host in ("a", "b"):
+            servicer._dequeued(int(0.3 * mib), host)
+        assert servicer.queued_bytes == 0 and servicer.queued_by_host == {} and HOST_SHARE == 0.5

@@ -127,6 +127,10 @@ def stream_parts_limit(payload_limit: int, n_tensors: int) -> int:
 #: arriving: streams that stall (or trickle) hold their bytes until their deadline, and must not refuse every other
 #: call meanwhile
 STREAMS_SHARE = 0.5
+#: the share of ``max_queued_bytes`` the requests of one host may take while another host's are queued or arriving:
+#: one client keeping enough requests in flight would otherwise have every other caller refused (review 48). A host
+#: alone may take all of it; a newcomer then waits for one drain of its queue at most.
+HOST_SHARE = 0.5
 
 
 @dataclass(eq=False)
@@ -240,6 +244,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         self.holds_by_host: dict[str, int] = {}
         self.max_queued_bytes = max_queued_bytes
         self.queued_bytes = 0  # inputs of the requests queued or computing now
+        self.queued_by_host: dict[str, int] = {}  # the same, by the host they came from
         self.arriving_bytes = 0  # messages of the streamed requests still arriving
         self.max_streams, self.max_streams_per_host = max_streams, max_streams_per_host
         self.max_stream_seconds = max_stream_seconds
@@ -307,19 +312,21 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
     async def _call(self, kind: str, uid: str, tensors: Sequence[Any], compression: int,
                     context: grpc.aio.ServicerContext, activation_id: bytes = b"") -> list[OutgoingTensor]:
         try:
-            return await self._compute(kind, uid, tensors, compression, activation_id)
+            return await self._compute(kind, uid, tensors, compression, activation_id,
+                                       host=peer_host(context.peer()))
         except RequestRejected as rejected:
             await context.abort(rejected.code, rejected.message)
 
     async def _compute(self, kind: str, uid: str, tensors: Sequence[Any], compression: int,
                        activation_id: bytes = b"", delay: bool = True, shared: bool = False,
-                       arrival: Arrival | None = None) -> list[OutgoingTensor]:
+                       arrival: Arrival | None = None, host: str = "") -> list[OutgoingTensor]:
         """Validates one expert's request (``dmoe.Tensor`` messages or :mod:`dmoe.wire.zerocopy` views), runs it on
         the runtime and packs the answer (the tensors' memory, written into the response by gRPC's serializer).
 
         Raises :class:`RequestRejected` with the status to answer (a call of its own, or one item of a batch).
         ``delay``: injected faults include the round trip's delay (a batch pays it once for all of its items).
         ``shared``: see :meth:`_decode`. ``arrival``: a streamed request's bytes, counted as they arrived.
+        ``host``: the caller's, whose queued bytes are counted apart (:data:`HOST_SHARE`).
         """
         expert, inputs = self._decode(kind, uid, tensors, compression, activation_id, shared)
         if self.faults is not None:
@@ -327,7 +334,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 await self.faults.apply(delay=delay)  # the round trip's delay, then maybe a failure instead
             except InjectedFailure as failure:
                 raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
-        future = self._submit(kind, expert, inputs, activation_id, arrival=arrival)
+        future = self._submit(kind, expert, inputs, activation_id, arrival=arrival, host=host)
         await _all_done([future])
         return self._answer(kind, uid, future, compression)
 
@@ -368,10 +375,11 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             self.stages.add("decode", time.perf_counter() - started)
         return expert, inputs
 
-    def _reserve(self, nbytes: int) -> None:
-        """Counts ``nbytes`` of inputs as queued, or raises :class:`RequestRejected` when the requests queued or
-        arriving already hold :attr:`max_queued_bytes` (a call alone on an idle server is never refused for its
-        size)."""
+    def _reserve(self, nbytes: int, host: str = "") -> None:
+        """Counts ``nbytes`` of inputs of ``host``'s as queued, or raises :class:`RequestRejected` when the requests
+        queued or arriving already hold :attr:`max_queued_bytes` (a call alone on an idle server is never refused
+        for its size), or when ``host``'s would take more than :data:`HOST_SHARE` of it while another host's are
+        queued or arriving."""
         with self._queued_lock:
             held = self.queued_bytes + self.arriving_bytes
             if held and held + nbytes > self.max_queued_bytes:
@@ -379,7 +387,14 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                       f"this server has {held / 2**20:.0f} MiB of requests waiting for its experts "
                                       f"or arriving, at most {self.max_queued_bytes / 2**20:.0f} MiB "
                                       "(--max-queued-mb): try again later, or another server")
+            mine = self.queued_by_host.get(host, 0)
+            if held > mine and mine + nbytes > self.max_queued_bytes * HOST_SHARE:
+                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"this server has {mine / 2**20:.0f} MiB of requests of this host waiting for "
+                                      f"its experts while other hosts' wait too, at most {HOST_SHARE:.0%} of "
+                                      f"{self.max_queued_bytes / 2**20:.0f} MiB (--max-queued-mb): try again later")
             self.queued_bytes += nbytes
+            self.queued_by_host[host] = mine + nbytes
 
     def _arrive(self, arrival: Arrival, nbytes: int) -> None:
         """Counts one more message of ``nbytes`` of a streamed request still arriving, or raises
@@ -406,7 +421,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             arrival.bytes = 0
 
     def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor], activation_id: bytes,
-                reserved: bool = False, arrival: Arrival | None = None) -> "Future[list[torch.Tensor]]":
+                reserved: bool = False, arrival: Arrival | None = None,
+                host: str = "") -> "Future[list[torch.Tensor]]":
         """Queues a decoded request on the expert's forward or backward pool: the runtime's future. Its inputs are
         counted as queued until it is done (:meth:`_reserve`, unless the caller ``reserved`` them; a streamed
         request's ``arrival``, admitted as it arrived, is counted as its inputs instead, whatever the budget)."""
@@ -416,20 +432,24 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 self.arriving_bytes -= arrival.bytes
                 arrival.bytes = 0
                 self.queued_bytes += nbytes
+                self.queued_by_host[host] = self.queued_by_host.get(host, 0) + nbytes
         elif not reserved:
-            self._reserve(nbytes)
+            self._reserve(nbytes, host)
         if kind == FORWARD:
             expert.backend.forward_calls += 1
             future = self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
         else:
             expert.backend.backward_calls += 1
             future = self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
-        future.add_done_callback(lambda _: self._dequeued(nbytes))
+        future.add_done_callback(lambda _: self._dequeued(nbytes, host))
         return future
 
-    def _dequeued(self, nbytes: int) -> None:
+    def _dequeued(self, nbytes: int, host: str = "") -> None:
         with self._queued_lock:
             self.queued_bytes -= nbytes
+            left = self.queued_by_host[host] = self.queued_by_host.get(host, 0) - nbytes
+            if not left:
+                del self.queued_by_host[host]
 
     def _answer(self, kind: str, uid: str, future: "Future[list[torch.Tensor]]",
                 compression: int) -> list[OutgoingTensor]:
@@ -467,10 +487,11 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         if len(items) > self.max_batch_items:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{kind}_batch: {len(items)} items, at most "
                                 f"{self.max_batch_items} per call are allowed")
-        shared = len(items) > 1
+        shared, host = len(items) > 1, peer_host(context.peer())
         if self.faults is not None:
             await self.faults.wait()  # one round trip for the whole call
-            return BatchResponse(list(await asyncio.gather(*(self._item(kind, item, shared) for item in items))))
+            return BatchResponse(list(await asyncio.gather(*(self._item(kind, item, shared, host)
+                                                             for item in items))))
         decoded: list[Result | tuple[HostedExpert, list[torch.Tensor]]] = []
         for item in items:
             try:
@@ -479,13 +500,14 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             except RequestRejected as rejected:
                 decoded.append(Result(code=rejected.code.value[0], message=rejected.message))
         try:  # the call's items are queued together: one check of their bytes, as for a call of its own
-            self._reserve(sum(x.nbytes for entry in decoded if isinstance(entry, tuple) for x in entry[1]))
+            self._reserve(sum(x.nbytes for entry in decoded if isinstance(entry, tuple) for x in entry[1]), host)
         except RequestRejected as rejected:
             refused = Result(code=rejected.code.value[0], message=rejected.message)
             return BatchResponse([entry if isinstance(entry, Result) else refused for entry in decoded])
         queued: list[Result | tuple[str, Future, int]] = [
             entry if isinstance(entry, Result) else
-            (item.uid, self._submit(kind, *entry, item.activation_id, reserved=True), item.response_compression)
+            (item.uid, self._submit(kind, *entry, item.activation_id, reserved=True, host=host),
+             item.response_compression)
             for item, entry in zip(items, decoded)]
         await _all_done([entry[1] for entry in queued if isinstance(entry, tuple)])
         results = []
@@ -498,10 +520,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             results.append(entry)
         return BatchResponse(results)  # in the items' order
 
-    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest, shared: bool) -> Result:
+    async def _item(self, kind: str, item: dmoe_pb2.ExpertRequest, shared: bool, host: str = "") -> Result:
         try:
             return Result(await self._compute(kind, item.uid, item.tensors, item.response_compression,
-                                                  item.activation_id, delay=False, shared=shared))
+                                                  item.activation_id, delay=False, shared=shared, host=host))
         except RequestRejected as rejected:
             return Result(code=rejected.code.value[0], message=rejected.message)
 
@@ -581,7 +603,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 except asyncio.TimeoutError:
                     raise RequestRejected(grpc.StatusCode.DEADLINE_EXCEEDED, "the streamed request did not arrive "
                                           f"whole within {self.max_stream_seconds:g} s") from None
-                outputs = await self._compute(kind, uid, tensors, compression, activation_id, arrival=arrival)
+                outputs = await self._compute(kind, uid, tensors, compression, activation_id, arrival=arrival,
+                                              host=host)
             except RequestRejected as rejected:
                 rejection = (rejected.code, rejected.message)
             if rejection is not None:  # (out of the except clause, whose traceback holds the received messages)
