@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 import grpc
 import pytest
 import torch
+from kademlia.utils import digest
 
 from dmoe import DHT, DecentralizedAverager
 from dmoe.averaging import averager as averager_module
@@ -577,6 +578,20 @@ def test_a_peer_whose_ids_were_read_and_taken_in_the_rounds_to_come_still_averag
         taken = {peer_id_for(owner, "squat.2.*", "00000000") for owner in owners}
         for pid in taken:
             assert hostile.store("squat.2.*", pid, "-;0;x", time.time() + 600)
+        # held by every peer's node first (each is a replica: there are fewer nodes than num_replicas): once, a node
+        # the squatter's store had missed accepted a peer's declaration under its taken id (a store that any replica
+        # accepts counts as accepted), and that peer led a group that could not agree
+        key_id = digest("squat.2.*")
+
+        async def held(node) -> set:
+            return set(node.storage.get(key_id) or {})
+
+        deadline = time.monotonic() + 30
+        while not all(taken <= averager.dht.run_coroutine(held(averager.dht.node)) for averager in averagers):
+            assert time.monotonic() < deadline, "the squatter's entries never reached every peer's node"
+            for pid in taken:  # stored again: now through the routes its earlier searches found
+                hostile.store("squat.2.*", pid, "-;0;x", time.time() + 600)
+            time.sleep(0.1)
         salts = iter(["00000000"])
         monkeypatch.setattr(matchmaking, "new_salt", lambda: next(salts, None) or secrets.token_hex(4))
         infos = step_together(averagers)
