@@ -610,17 +610,16 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             if rejection is not None:  # (out of the except clause, whose traceback holds the received messages)
                 self._left(arrival)  # before the abort's wait: the next stream's message may count them
                 await context.abort(*rejection)
-            self._left(arrival)  # (none left once its request was queued: they count as its inputs then)
-            del tensors
+            del tensors  # (its arrival's bytes count as its queued inputs now, until it is computed)
             deadline = time.monotonic() + self.max_stream_seconds
             for group in cut_into_parts([to_message(y) for y in outputs], self.stream_part_bytes):
                 try:
                     await asyncio.wait_for(context.write(dmoe_pb2.ExpertResponse(tensors=group)),
                                            max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
-                    # ended, not aborted: an abort's status would queue behind the unread answer, which would stay
-                    # in memory as long; a cancelled handler resets the stream, and gRPC drops what it holds
-                    logger.info("a streamed answer to %s was not read whole within %g s: its call is cancelled",
+                    # ended, not aborted: an abort's status would wait behind the unread answer. The call itself
+                    # lasts until the client's deadline or cancel, and counts as an open stream until then
+                    logger.info("a streamed answer to %s was not read whole within %g s: its handler ends",
                                 host, self.max_stream_seconds)
                     raise asyncio.CancelledError from None
         finally:
