@@ -1,6 +1,7 @@
 """Expert checkpoints: a server killed with SIGKILL comes back with its experts as last saved, never half-written."""
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -266,4 +267,35 @@ def test_a_learning_rate_changed_on_restart_is_the_one_used_and_the_change_is_lo
     checkpoints.close(save=False)
     assert [group["lr"] for group in backend.optimizer.param_groups] == [0.1]
     assert int(next(iter(backend.optimizer.state.values()))["step"]) == 1  # the rest of the state is restored
-    assert "optimizers now use lr 0.1 (the checkpoint was trained with 0.001)" in caplog.text
+    assert "experts now use lr 0.1 (the checkpoint was trained with 0.001)" in caplog.text
+
+
+@pytest.mark.parametrize("old_description", [False, True])
+def test_dmoe_servers_restarted_with_another_learning_rate_and_clipping_restore_and_use_them(
+        tmp_path, caplog, old_description):
+    """A restarted dmoe-server with another --lr or --clip-grad-norm was refused (both were compared with the
+    checkpoint's hyperparameters, like --hidden-dim): a volunteer could not lower its learning rate without
+    losing its experts' training. Checkpoints written before kept both (and not the seed) in their description."""
+    save_checkpoint(tmp_path, lr=1e-3)
+    if old_description:
+        path = tmp_path / FILENAME
+        state = torch.load(path, weights_only=True)
+        for saved in state["experts"].values():
+            hparams = json.loads(saved["description"]["hparams_json"])
+            del hparams["seed"]
+            saved["description"]["hparams_json"] = json.dumps(hparams, sort_keys=True)
+        torch.save(state, path)
+    with caplog.at_level("INFO", logger="dmoe.server.checkpoints"):
+        server = ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, lr=1e-4, clip_grad_norm=0.5,
+                                     config=ServerConfig(device="cpu", checkpoint_dir=str(tmp_path)))
+    backend = server.backends["ck.1"]
+    assert [group["lr"] for group in backend.optimizer.param_groups] == [1e-4]
+    assert backend.clip_grad_norm == 0.5
+    saved = Checkpoints(tmp_path, {}).read()
+    torch.testing.assert_close(backend.module.state_dict(), saved["experts"]["ck.1"]["state"]["module"])
+    assert "experts now use lr 0.0001 (the checkpoint was trained with 0.001)" in caplog.text
+    assert "experts now use clip_grad_norm 0.5 (the checkpoint was trained with None)" in caplog.text
+    server.checkpoints.close(save=False)
+    with pytest.raises(CheckpointMismatch, match="hidden_dim was 8, now 16"):  # the shape still may not change
+        ExpertServer.create("ck.[0:2]", "ffn", 16, lr=1e-4,
+                            config=ServerConfig(device="cpu", checkpoint_dir=str(tmp_path)))

@@ -88,6 +88,20 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.2):
 
 # ---- snapshots, store, adding experts (in process) -------------------------------------------------------------
 
+def test_a_replica_trained_with_another_learning_rate_and_clipping_fits_and_keeps_the_holders_settings():
+    """Like a restart from a checkpoint: a replica differing only in its learning rate or clipping is held and
+    adopted, and the adopting server's settings apply from then on (it was refused as "hyperparameters differ")."""
+    source = expert_server().backends["ffn0.1.2"]
+    train(source, 2)
+    target = ExpertServer.create("ffn0.1.2", "ffn", HIDDEN, optimizer="adam", lr=0.003, clip_grad_norm=1.0,
+                                 seed=5, config=ServerConfig(device="cpu")).backends["ffn0.1.2"]
+    snapshot = open_body(sign(take(source), Identity()))
+    load_into(target, snapshot, check_state(snapshot, target))
+    assert target.updates == 2 and [group["lr"] for group in target.optimizer.param_groups] == [0.003]
+    assert target.clip_grad_norm == 1.0
+    torch.testing.assert_close(target.module.state_dict(), source.module.state_dict())
+
+
 def test_a_loaded_snapshot_trains_on_exactly_as_the_expert_it_was_taken_from():
     source = expert_server().backends["ffn0.1.2"]
     train(source, 3)

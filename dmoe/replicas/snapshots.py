@@ -34,7 +34,7 @@ from dmoe.dht import Identity
 from dmoe.dht.signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, verify
 from dmoe.replicas.records import SIGNER_HEX
 from dmoe.server.backend import ExpertBackend
-from dmoe.server.checkpoints import describe, to_host
+from dmoe.server.checkpoints import describe, fixed_hparams, to_host
 from dmoe.uid import is_valid_uid
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, dtype_name, expected_numel, serialize
@@ -266,10 +266,10 @@ def check_state(snapshot: dmoe_pb2.Snapshot, template: ExpertBackend) -> Any:
     if snapshot.expert_cls != want["expert_cls"]:
         raise mismatch(f"expert class {snapshot.expert_cls!r}, here {want['expert_cls']!r}")
     try:
-        hparams = {k: v for k, v in json.loads(snapshot.hparams_json).items() if k != "seed"}
-    except (ValueError, AttributeError):
+        hparams = fixed_hparams(snapshot.hparams_json)
+    except ValueError:
         raise mismatch("its hyperparameters are not a JSON object") from None
-    here = json.loads(want["hparams_json"])  # the seed only chose initial weights: it may differ
+    here = fixed_hparams(want["hparams_json"])  # the seed, learning rate and clipping may differ (MAY_CHANGE)
     if hparams != here:
         changed = [f"{k} {hparams.get(k)!r} (here {here.get(k)!r})" for k in sorted(set(hparams) | set(here))
                    if hparams.get(k) != here.get(k)]

@@ -81,13 +81,17 @@ def saved_uids(directory: str | os.PathLike) -> list[str] | None:
 DESCRIBED = ("expert_cls", "hparams_json", "inputs", "outputs", "parameters")
 
 
+#: hyperparameters a restart may change: the seed only chose the initial weights, which the checkpoint replaces;
+#: the learning rate and clipping are training settings, applied from now on (a restarted volunteer lowering its
+#: learning rate was refused)
+MAY_CHANGE = frozenset({"seed", "lr", "clip_grad_norm"})
+
+
 def describe(backend: ExpertBackend) -> dict[str, Any]:
     """What must be equal between a checkpoint and a server for the checkpoint to be loaded into it."""
     return {
         "expert_cls": backend.expert_cls,
-        # the seed only chose the initial weights, which the checkpoint replaces: it may differ
-        "hparams_json": json.dumps({k: v for k, v in backend.hparams.items() if k != "seed"}, sort_keys=True,
-                                   default=str),
+        "hparams_json": json.dumps(backend.hparams, sort_keys=True, default=str),
         "inputs": [[list(s.shape), s.dtype] for s in backend.inputs_schema],
         "outputs": [[list(s.shape), s.dtype] for s in backend.outputs_schema],
         "parameters": {name: list(t.shape) for name, t in backend.module.state_dict().items()},
@@ -216,7 +220,7 @@ class Checkpoints:
         for uid in shared:
             want, have = describe(self.backends[uid]), saved[uid]["description"]
             for key in DESCRIBED:
-                if want[key] != have[key]:
+                if _compared(key, want[key]) != _compared(key, have[key]):
                     by_difference.setdefault(_difference(key, have[key], want[key]), []).append(uid)
             # the optimizer's kind, where the hyperparameters do not say it (backends built outside dmoe-server):
             # another kind's state would fail every backward with a KeyError
@@ -247,13 +251,17 @@ class Checkpoints:
             device = next((p.device for p in backend.module.parameters()), torch.device("cpu"))
             for key, values in backend.load_state_dict(_to_device(saved["state"], device)).items():
                 changed.setdefault(key, values)
+            was = json.loads(saved["description"]["hparams_json"])
+            if "clip_grad_norm" in was and "clip_grad_norm" in backend.hparams and \
+                    was["clip_grad_norm"] != backend.hparams["clip_grad_norm"]:
+                changed.setdefault("clip_grad_norm", (was["clip_grad_norm"], backend.hparams["clip_grad_norm"]))
             backend.forward_calls = saved.get("forward_calls", 0)
             backend.backward_calls = saved.get("backward_calls", 0)
             backend.updates = saved.get("updates", optimizer_steps(saved["state"].get("optimizer")))
         logger.info("restored %d experts from %s (saved %.1f s ago)", len(self.backends), self.path,
                     time.time() - state["saved_at"])
         for key, (was, now) in changed.items():  # the optimizers keep the settings given now
-            logger.info("the experts' optimizers now use %s %s (the checkpoint was trained with %s)", key, now, was)
+            logger.info("the experts now use %s %s (the checkpoint was trained with %s)", key, now, was)
         return True
 
     def _remove_stale_temp_files(self) -> None:
@@ -338,6 +346,21 @@ def _pattern(backends: Mapping[str, ExpertBackend]) -> str:
     return f"1 expert {uids[0]}" if len(uids) == 1 else f"{len(uids)} experts {uids[0]} .. {uids[-1]}"
 
 
+def fixed_hparams(hparams_json: str) -> dict[str, Any]:
+    """The hyperparameters that must match for saved experts to be loaded: those not in :data:`MAY_CHANGE`
+    (checkpoints written before kept the learning rate and clipping in their description, not the seed). Raises
+    ValueError for JSON that is not an object."""
+    hparams = json.loads(hparams_json)
+    if not isinstance(hparams, dict):
+        raise ValueError("the hyperparameters are not a JSON object")
+    return {name: setting for name, setting in hparams.items() if name not in MAY_CHANGE}
+
+
+def _compared(key: str, value: Any) -> Any:
+    """A description's part as compared (see :func:`fixed_hparams`)."""
+    return fixed_hparams(value) if key == "hparams_json" else value
+
+
 def _difference(key: str, saved: Any, wanted: Any) -> str:
     if key == "parameters":
         changed = [f"{name} {saved.get(name, 'absent')} -> {wanted.get(name, 'absent')}"
@@ -345,7 +368,7 @@ def _difference(key: str, saved: Any, wanted: Any) -> str:
         return "parameter shapes differ (checkpoint -> requested): " + ", ".join(changed[:4]) + (
             f" and {len(changed) - 4} more" if len(changed) > 4 else "")
     if key == "hparams_json":
-        old, new = json.loads(saved), json.loads(wanted)
+        old, new = _compared(key, saved), _compared(key, wanted)
         changed = [f"{name} was {old.get(name)!r}, now {new.get(name)!r}"
                    for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
         return "hyperparameters differ: " + ", ".join(changed)
