@@ -16,7 +16,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import grpc
 import pytest
@@ -579,30 +579,57 @@ def test_a_peer_whose_ids_were_read_and_taken_in_the_rounds_to_come_still_averag
         taken = {peer_id_for(owner, "squat.2.*", "00000000") for owner in owners}
         for pid in taken:
             assert hostile.store("squat.2.*", pid, "-;0;x", time.time() + 600)
-        # held by every peer's node first (each is a replica: there are fewer nodes than num_replicas): once, a node
-        # the squatter's store had missed accepted a peer's declaration under its taken id (a store that any replica
-        # accepts counts as accepted), and that peer led a group that could not agree. Stored again there directly,
-        # as any node may send a store to any other: retrying through the DHT once left a node missed for 30 s in CI
-        key_id = digest("squat.2.*")
-        expiration = round(time.time() + 600, 3)
-        squatted = {pid: hostile.node.identity.entry(key_id, pid, "-;0;x", expiration) for pid in taken}
-
-        async def held(node) -> set:
-            return set(node.storage.get(key_id) or {})
-
-        for averager in averagers:
-            host, port = averager.dht.endpoint.rsplit(":", 1)
-            contact = Node(averager.dht.node.node.id, host, int(port))
-            deadline, replies = time.monotonic() + 30, None
-            while not taken <= averager.dht.run_coroutine(held(averager.dht.node)):
-                assert time.monotonic() < deadline, f"{contact} never held the squatter's entries: {replies}"
-                replies = hostile.run_coroutine(hostile.node.protocol.call_store(contact, key_id, squatted))
+        # held by every peer's node first (each is a replica: there are fewer nodes than num_replicas), so that each
+        # peer's store is refused (a store that any replica accepts counts as accepted: see the next test)
+        squat(hostile, "squat.2.*", taken, averagers)
         salts = iter(["00000000"])
         monkeypatch.setattr(matchmaking, "new_salt", lambda: next(salts, None) or secrets.token_hex(4))
         infos = step_together(averagers)
         assert all(info is not None and len(info.contributors) == 3 for info in infos), infos
     (refused,) = [record.getMessage() for record in caplog.records if "could not declare" in record.getMessage()]
     assert "in squat.2.* (w): refused: subkey" in refused and int(refused.split()[4]) in taken
+
+
+def squat(hostile: DHT, key: str, ids: Collection[int], averagers: Sequence[DecentralizedAverager]) -> None:
+    """Stores an entry of ``hostile``'s key under each of ``ids`` in record ``key`` straight on each averager's DHT
+    node (a store RPC, as any node may send to any other) and only there, until each holds them."""
+    key_id = digest(key)
+    expiration = round(time.time() + 600, 3)
+    entries = {pid: hostile.node.identity.entry(key_id, pid, "-;0;x", expiration) for pid in ids}
+
+    async def held(node) -> set:
+        return set(node.storage.get(key_id) or {})
+
+    for averager in averagers:
+        host, port = averager.dht.endpoint.rsplit(":", 1)
+        contact = Node(averager.dht.node.node.id, host, int(port))
+        deadline, replies = time.monotonic() + 30, None
+        while not set(ids) <= averager.dht.run_coroutine(held(averager.dht.node)):
+            assert time.monotonic() < deadline, f"{contact} never held the squatter's entries: {replies}"
+            replies = hostile.run_coroutine(hostile.node.protocol.call_store(contact, key_id, entries))
+
+
+def test_a_peer_whose_id_most_nodes_give_to_another_key_declares_under_a_new_one(bootstrap, caplog, monkeypatch):
+    """A store counts as accepted when any replica takes it. A peer whose predicted id most replicas held for
+    another key (stored ahead there) had its declaration taken by the others, went on, and was read by everyone
+    (itself too) as that other key's entry, which readers skip: nobody saw it, and it waited out the round alone.
+    It now reads its id back and declares under a new one."""
+    caplog.set_level(logging.WARNING, logger="dmoe.averaging.matchmaking")
+    with contextlib.ExitStack() as stack:
+        hostile = stack.enter_context(DHT(initial_peers=[bootstrap]))
+        averagers = averaging_together(stack, bootstrap, "most", [torch.full((3,), float(i)) for i in range(3)],
+                                       [{}] * 3)
+        salts = iter(["00000000"] * 3)  # each peer's first id in the round is known ahead
+        monkeypatch.setattr(matchmaking, "new_salt", lambda: next(salts, None) or secrets.token_hex(4))
+        taken = {peer_id_for(averager.dht.identity.public_key, "most.0.*", "00000000") for averager in averagers}
+        squat(hostile, "most.0.*", taken, averagers)  # not on the bootstrap node nor the squatter's own
+        infos = step_together(averagers)
+        assert all(info is not None and len(info.contributors) == 3 for info in infos), infos
+        assert not taken & {info.peer_id for info in infos}
+        assert all(torch.allclose(averager.tensors[0], torch.full((3,), 1.0)) for averager in averagers)
+    redrawn = [record.getMessage() for record in caplog.records if "give its id to another key" in record.getMessage()]
+    assert sorted(int(message.split()[1]) for message in redrawn) == sorted(taken), redrawn
+    assert not [record for record in caplog.records if "could not declare" in record.getMessage()]
 
 
 def store_a_group_ahead(dht: DHT, key: str, size: int = 2) -> None:

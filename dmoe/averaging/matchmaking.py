@@ -46,7 +46,7 @@ from dmoe.dht import DHT
 logger = logging.getLogger(__name__)
 
 WAITING, GONE, LEADING = "w", "x", "L"
-_LEADING = re.compile(r"L(\d{1,4})\.([0-9a-f]{8})")
+_LEADING = re.compile(r"L([0-9]{1,4})\.([0-9a-f]{8})")
 _SALT = re.compile(r"[0-9a-f]{8}")
 #: largest peer id: ids are owned int subkeys of the DHT, which must lie in [0, 2**31)
 MAX_PEER_ID = 2**31 - 1
@@ -248,12 +248,26 @@ class Matchmaker:
         self._ignored.clear()
         groups: dict[int, Group] = {}  # leader id -> group read completely
         unreadable: dict[int, float] = {}  # leader id -> since when its group could not be read in full
+        redraws = 0
         while not self.stop.is_set() and time.time() < deadline:
             try:
-                declarations = parse_declarations(self.dht.get(key), key)
+                record = self.dht.get(key)
+                declarations = parse_declarations(record, key)
             except TimeoutError as error:
                 logger.debug("matchmaking read of %s failed: %s", key, error)
                 declarations = None
+            else:
+                mine = record.get(self.me.peer_id)
+                if mine is not None and mine.owner != self.dht.identity.public_key and redraws < DECLARE_TRIES:
+                    # a store counts as accepted when any replica takes it: one that some replicas took while most
+                    # held another key's entry under this id (stored ahead, by chance or a lucky guess) is read as
+                    # that entry, and skipped, by everyone; a peer nobody sees would wait out the round alone
+                    redraws += 1
+                    logger.warning("peer %s in %s: the DHT nodes read give its id to another key; declaring under a "
+                                   "new id", self.me.peer_id, key)
+                    self._new_id(key)
+                    self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl)
+                    continue
             if declarations is not None and self._expected is not None:
                 declarations = {pid: d for pid, d in declarations.items() if d.owner in self._expected}
             if declarations is not None:
