@@ -35,7 +35,7 @@ class Records:
             for prefix, coord in strict_prefixes(join_uid(layer, coords)):
                 self.records.setdefault(prefix, {})[coord] = f"127.0.0.1:{8000 + coords[0]}"
 
-    def get_alive_continuations(self, prefixes):
+    def get_alive_continuations(self, prefixes, experts_under=()):
         return {prefix: dict(self.records.get(prefix, {})) for prefix in prefixes}
 
 

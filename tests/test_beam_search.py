@@ -23,7 +23,8 @@ class FakeDHT:
                 self.records.setdefault(prefix, {})[coord] = endpoint
         self.calls: list[list[str]] = []
 
-    def get_alive_continuations(self, prefixes: Sequence[str]) -> dict[str, dict[int, str]]:
+    def get_alive_continuations(self, prefixes: Sequence[str], experts_under: Sequence[str] = ()
+                                ) -> dict[str, dict[int, str]]:
         self.calls.append(list(prefixes))
         return {prefix: dict(self.records.get(prefix, {})) for prefix in prefixes}
 

@@ -151,7 +151,7 @@ class FakeDHT:
         self.endpoints = endpoints
         self.calls = 0
 
-    def get_alive_continuations(self, prefixes):
+    def get_alive_continuations(self, prefixes, experts_under=()):
         self.calls += 1
         result = {}
         for prefix in prefixes:

@@ -359,7 +359,7 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
                         break
         if not wanted:
             break
-        _fetch(source, list(wanted), known, cache)
+        _fetch(source, list(wanted), known, cache, ndims)
     return results
 
 
@@ -403,7 +403,7 @@ def _read_tree(source: ContinuationSource, layer: str, grid: Sequence[int], know
                 below.extend(f"{name}.{coord}" for coord in children)
         level = below
     if wanted:
-        _fetch(source, wanted, known, cache)
+        _fetch(source, wanted, known, cache, len(grid))
 
 
 def _dense_top_k(layer: str, grid: Sequence[int], scores: Sequence[torch.Tensor], k: int,
@@ -441,7 +441,8 @@ def _dense_top_k(layer: str, grid: Sequence[int], scores: Sequence[torch.Tensor]
 
 
 def _fetch(source: ContinuationSource, prefixes: list[str], known: dict[str, Continuations],
-           cache: PrefixCache | None) -> None:
+           cache: PrefixCache | None, ndims: int) -> None:
+    """Looks up the prefixes neither known nor cached (those with ``ndims - 1`` coordinates list experts)."""
     missing = []
     for prefix in prefixes:
         cached = cache.get(prefix) if cache is not None else None
@@ -450,7 +451,8 @@ def _fetch(source: ContinuationSource, prefixes: list[str], known: dict[str, Con
         else:
             known[prefix] = cached
     if missing:
-        fetched = source.get_alive_continuations(missing)
+        # (layer names hold no dots: a prefix's dots count its coordinates)
+        fetched = source.get_alive_continuations(missing, [p for p in missing if p.count(DELIMITER) == ndims - 1])
         for prefix in missing:
             continuations = fetched.get(prefix) or {}
             # a copy with int coordinates; when they are ints already (as the DHT returns them), a plain copy

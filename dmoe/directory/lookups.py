@@ -7,7 +7,7 @@ their record reach here: the DHT drops the rest as replies arrive.
 """
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence, Union
+from typing import Collection, Mapping, Protocol, Sequence, Union
 
 from dmoe.dht import DHT
 from dmoe.dht.storage import Record
@@ -18,29 +18,41 @@ Continuations = dict[int, str]
 
 class ContinuationSource(Protocol):
     """What walking a grid needs: for each prefix (``'ffn0'``, ``'ffn0.3'``), its alive next coordinates ->
-    endpoint. A :class:`DirectoryReader` over a DHT, or a test's stand-in."""
+    endpoint; for those of ``experts_under`` (a grid's last dimension), its alive experts only. A
+    :class:`DirectoryReader` over a DHT, or a test's stand-in."""
 
-    def get_alive_continuations(self, prefixes: Sequence[str]) -> Mapping[str, Mapping[int, str]]: ...
+    def get_alive_continuations(self, prefixes: Sequence[str], experts_under: Collection[str] = ()
+                                ) -> Mapping[str, Mapping[int, str]]: ...
 
 
-def continuations(record: Record) -> Continuations:
+def continuations(record: Record, experts_only: bool = False) -> Continuations:
     """Alive coordinates of a (verified) prefix record -> endpoint: a uid's owned entry, else a shared prefix claim
-    (whose endpoint is merely that of one server hosting something under it)."""
+    (whose endpoint is merely that of one server hosting something under it).
+
+    ``experts_only``: the record is that of a grid's last dimension, whose coordinates are experts: only their
+    owned entries count, as in :func:`get_experts`. Shared claims are anyone's to write (a server of a deeper grid
+    under the same layer name, or anyone at all): read as experts, they sent a beam search's rows to an expert that
+    nobody declared, at whatever endpoint their writer chose."""
     found = {subkey: entry.value for subkey, entry in record.items() if isinstance(subkey, int)}
+    if experts_only:
+        return found
     for subkey, entry in record.items():
         if isinstance(subkey, str) and subkey.isdigit() and len(subkey) < 10:
             found.setdefault(int(subkey), entry.value)
     return found
 
 
-def get_alive_continuations(dht: DHT, prefixes: Sequence[str]) -> dict[str, Continuations]:
-    """For each grid prefix, its alive continuations: coordinate -> endpoint (at the last grid dimension the
-    expert's own, so beam search needs no second look-up). Raises ValueError for an invalid prefix."""
+def get_alive_continuations(dht: DHT, prefixes: Sequence[str], experts_under: Collection[str] = ()
+                            ) -> dict[str, Continuations]:
+    """For each grid prefix, its alive continuations: coordinate -> endpoint. ``experts_under``: the prefixes of
+    ``prefixes`` at a grid's last dimension, whose continuations are experts: only the declared ones, each with its
+    own endpoint (so beam search needs no second look-up). Raises ValueError for an invalid prefix."""
     for prefix in prefixes:
         if not is_valid_prefix(prefix):
             raise ValueError(f"invalid grid prefix {prefix!r}")
+    experts_under = frozenset(experts_under)
     records = dht.get_many(prefixes)
-    return {prefix: continuations(record) for prefix, record in records.items()}
+    return {prefix: continuations(record, prefix in experts_under) for prefix, record in records.items()}
 
 
 def get_experts(dht: DHT, uids: Sequence[str]) -> list[str | None]:
@@ -57,8 +69,9 @@ class DirectoryReader:
     def __init__(self, dht: DHT):
         self.dht = dht
 
-    def get_alive_continuations(self, prefixes: Sequence[str]) -> dict[str, Continuations]:
-        return get_alive_continuations(self.dht, prefixes)
+    def get_alive_continuations(self, prefixes: Sequence[str], experts_under: Collection[str] = ()
+                                ) -> dict[str, Continuations]:
+        return get_alive_continuations(self.dht, prefixes, experts_under)
 
 
 def continuation_source(dht: Union[DHT, ContinuationSource]) -> ContinuationSource:
@@ -76,8 +89,8 @@ def alive_experts(dht: Union[DHT, ContinuationSource], layer: str, grid: Sequenc
     prefixes = [layer]
     found: dict[str, str] = {}
     for axis, size in enumerate(grid):
-        alive = source.get_alive_continuations(prefixes) if prefixes else {}
         last = axis == len(grid) - 1
+        alive = source.get_alive_continuations(prefixes, prefixes if last else ()) if prefixes else {}
         next_prefixes = []
         for prefix in prefixes:
             for coord, endpoint in sorted((alive.get(prefix) or {}).items()):
