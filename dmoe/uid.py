@@ -8,15 +8,20 @@ what beam search walks dimension by dimension.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from typing import Iterable, Sequence
 
 DELIMITER = "."
+#: The largest grid coordinate (at most 9 digits)
+MAX_COORDINATE = 999_999_999
 #: A layer name: starts with a letter or underscore, no dots (dots separate grid coordinates).
 _LAYER = r"[A-Za-z_][A-Za-z0-9_\-]{0,63}"
-_UID_RE = re.compile(rf"^{_LAYER}(\.(0|[1-9][0-9]{{0,8}}))+$")
-_PREFIX_RE = re.compile(rf"^{_LAYER}(\.(0|[1-9][0-9]{{0,8}}))*$")
-_PATTERN_PART = re.compile(r"^(?:(\d+)|\[(\d+):(\d+)\]|\*)$")
+_UID_RE = re.compile(rf"{_LAYER}(\.(0|[1-9][0-9]{{0,8}}))+")
+_PREFIX_RE = re.compile(rf"{_LAYER}(\.(0|[1-9][0-9]{{0,8}}))*")
+_PATTERN_PART = re.compile(r"([0-9]+)|\[([0-9]+):([0-9]+)\]|\*")
+#: The most uids one pattern may name: a typo such as ``[0:100000000]`` must not exhaust memory
+MAX_PATTERN_UIDS = 1 << 20
 
 
 class UIDError(ValueError):
@@ -25,12 +30,12 @@ class UIDError(ValueError):
 
 def is_valid_uid(uid: str) -> bool:
     """True for ``layer.i.j...`` with at least one non-negative integer coordinate."""
-    return isinstance(uid, str) and _UID_RE.match(uid) is not None
+    return isinstance(uid, str) and _UID_RE.fullmatch(uid) is not None
 
 
 def is_valid_prefix(prefix: str) -> bool:
     """True for a layer name optionally followed by coordinates (``ffn0``, ``ffn0.3``)."""
-    return isinstance(prefix, str) and _PREFIX_RE.match(prefix) is not None
+    return isinstance(prefix, str) and _PREFIX_RE.fullmatch(prefix) is not None
 
 
 def check_uid(uid: str) -> str:
@@ -84,7 +89,7 @@ def expand_pattern(pattern: str, grid: Sequence[int] | None = None) -> list[str]
             raise UIDError(f"invalid expert pattern {part!r}: expected e.g. 'ffn0.[0:8].[0:8]'")
         ranges = []
         for axis, dim in enumerate(dims):
-            match = _PATTERN_PART.match(dim)
+            match = _PATTERN_PART.fullmatch(dim)
             if match is None:
                 raise UIDError(f"invalid expert pattern {part!r}: coordinate {dim!r} is not N, [A:B] or *")
             single, start, stop = match.groups()
@@ -98,6 +103,12 @@ def expand_pattern(pattern: str, grid: Sequence[int] | None = None) -> list[str]
                 if grid is None or axis >= len(grid):
                     raise UIDError(f"expert pattern {part!r} uses '*' but no grid size was given for axis {axis}")
                 ranges.append(range(int(grid[axis])))
+        if math.prod(map(len, ranges)) + len(uids) > MAX_PATTERN_UIDS:
+            raise UIDError(f"expert pattern {pattern!r} names more than {MAX_PATTERN_UIDS} experts")
+        for axis, values in enumerate(ranges):
+            if values[-1] > MAX_COORDINATE:
+                raise UIDError(f"invalid expert pattern {part!r}: coordinate {values[-1]} of axis {axis} is above "
+                               f"{MAX_COORDINATE}")
         for coords in itertools.product(*ranges):
             uids[join_uid(layer, coords)] = None
     if not uids:
