@@ -71,7 +71,9 @@ def create_expert(name: str, hidden_dim: int, *, seed: int | None = None, **kwar
     if seed is None:
         return cls(hidden_dim, **kwargs)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        # the CPU generator only (what initialisation draws from, and all fork_rng restores): torch.manual_seed
+        # seeds every CUDA device too, which left a GPU process's dropout following the last expert's seed
+        torch.random.default_generator.manual_seed(seed)
         return cls(hidden_dim, **kwargs)
 
 
