@@ -1,4 +1,5 @@
 """Gating maths of the DMoE layer: structured scores, renormalisation over survivors, gradients into the gate."""
+import logging
 import time
 
 import numpy as np
@@ -202,6 +203,20 @@ def test_the_in_process_layer_charges_its_experts_compute_to_wait_when_given_a_s
     seconds = {stage: total for stage, (total, _) in layer.stage_clock.snapshot().items()}
     assert seconds["wait"] >= 0.05 * 2  # at least two experts were called, one after the other
     assert seconds["reroute"] < 0.05 and seconds["combine"] < 0.05
+
+
+def test_one_expert_per_row_without_switch_gives_the_gate_no_gradient_and_says_so(caplog):
+    """Renormalised over one expert, a row's weight is always 1: the gate never learns (switch=True is the way)."""
+    with caplog.at_level(logging.WARNING, logger="dmoe.client.gating"):
+        layer = LocalMixtureOfExperts(8, (4, 4), "ffn", k_best=1)
+    assert "k_best=1 without switch=True" in caplog.text
+    layer(torch.randn(6, 8)).pow(2).sum().backward()
+    assert layer.proj.weight.grad.abs().max() == 0  # what the warning is about
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dmoe.client.gating"):
+        switched = LocalMixtureOfExperts(8, (4, 4), "ffn", k_best=1, switch=True)
+    switched(torch.randn(6, 8)).pow(2).sum().backward()
+    assert switched.proj.weight.grad.abs().max() > 0 and not caplog.text
 
 
 @pytest.mark.parametrize("kwargs, words", [

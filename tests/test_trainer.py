@@ -176,6 +176,7 @@ def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file,
     (["--initial-peers", "127.0.0.1:5000"], "--initial-peers is only used with --experts remote"),
     (["--experts", "remote", "--initial-peers", "garbage"], "--initial-peers"),
     (["--backward-k-min", "3", "--k-best", "2"], "--backward-k-min 3 is more than --k-best 2"),
+    (["--k-best", "1"], "--k-best 1 needs --switch"),  # the gate got no gradient
     (["--lr", "inf"], "--lr must be a finite number"),
     (["--expert-lr", "inf"], "--expert-lr must be a finite number"),
     (["--weight-decay", "inf"], "--weight-decay must be a finite number"),

@@ -8,6 +8,7 @@ extra dimensions (``[batch, seq, hidden]``) are routed **per token**: every posi
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from torch import nn
 from dmoe.experts import create_expert
 from dmoe.timing import NO_LAPS, Laps, NoLaps, StageClock
 from dmoe.uid import DELIMITER, is_valid_prefix, join_uid, split_uid
+
+logger = logging.getLogger(__name__)
 
 #: where a layer's forward and the backward of its experts' calls spend their time, in order (``stage_clock``):
 #: the gate's scores, the search for experts, grouping rows per expert, the rows' copy to host memory, building and
@@ -79,6 +82,9 @@ class MixtureBase(nn.Module):
         self.k_best = k_best
         self.allow_zero_outputs = allow_zero_outputs
         self.switch = switch
+        if k_best == 1 and not switch and math.prod(self.grid) > 1:
+            logger.warning("layer %s: k_best=1 without switch=True: the one expert's weight is always 1, so the "
+                           "gate gets no gradient and never learns", layer)
         #: set by each forward when ``switch``: 1 when tokens and router probability spread evenly over every grid
         #: dimension's coordinates, up to the dimension's size when all go to one coordinate. Differentiable
         #: w.r.t. the gate.

@@ -188,6 +188,9 @@ class TrainConfig:
             raise ValueError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
         if self.k_best > math.prod(self.grid):
             raise ValueError(f"--k-best {self.k_best} is more than the {math.prod(self.grid)} experts of --grid")
+        if self.k_best == 1 and not self.switch:
+            raise ValueError("--k-best 1 needs --switch: with one expert per token its renormalised weight is always "
+                             "1, and the gate would never learn")
         if self.k_min > self.k_best:
             raise ValueError(f"--k-min {self.k_min} is more than --k-best {self.k_best}")
         if self.backward_k_min > self.k_best:
