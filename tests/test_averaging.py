@@ -612,8 +612,8 @@ def squat(hostile: DHT, key: str, ids: Collection[int], averagers: Sequence[Dece
 def test_a_peer_whose_id_most_nodes_give_to_another_key_declares_under_a_new_one(bootstrap, caplog, monkeypatch):
     """A store counts as accepted when any replica takes it. A peer whose predicted id most replicas held for
     another key (stored ahead there) had its declaration taken by the others, went on, and was read by everyone
-    (itself too) as that other key's entry, which readers skip: nobody saw it, and it waited out the round alone.
-    It now reads its id back and declares under a new one."""
+    (itself too) as that other key's entry, which readers skip: nobody saw it, and it waited out the round alone
+    (on the old code, no peer averaged). It now reads its id back and declares under a new one."""
     caplog.set_level(logging.WARNING, logger="dmoe.averaging.matchmaking")
     with contextlib.ExitStack() as stack:
         hostile = stack.enter_context(DHT(initial_peers=[bootstrap]))
@@ -627,9 +627,13 @@ def test_a_peer_whose_id_most_nodes_give_to_another_key_declares_under_a_new_one
         assert all(info is not None and len(info.contributors) == 3 for info in infos), infos
         assert not taken & {info.peer_id for info in infos}
         assert all(torch.allclose(averager.tensors[0], torch.full((3,), 1.0)) for averager in averagers)
-    redrawn = [record.getMessage() for record in caplog.records if "give its id to another key" in record.getMessage()]
-    assert sorted(int(message.split()[1]) for message in redrawn) == sorted(taken), redrawn
-    assert not [record for record in caplog.records if "could not declare" in record.getMessage()]
+    # each taken id was replaced: read back under the squatter's key (its store taken by the nodes the squatter
+    # left out), or refused by every node that answered (on a loaded machine, those left out may not answer in time;
+    # the read back alone is tested in test_averaging_parts)
+    messages = [record.getMessage() for record in caplog.records]
+    read_back = [int(m.split()[1]) for m in messages if "give its id to another key" in m]
+    refused = [int(m.split()[4]) for m in messages if "could not declare" in m and "refused: subkey" in m]
+    assert sorted(read_back + refused) == sorted(taken), messages
 
 
 def store_a_group_ahead(dht: DHT, key: str, size: int = 2) -> None:

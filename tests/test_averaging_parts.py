@@ -3,6 +3,7 @@ Moshpit grid keys and coordinates, matchmaking records, settings."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 import time
 from typing import NamedTuple
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from dmoe import AveragerConfig
+from dmoe.dht import Identity
 from dmoe.averaging import grid as moshpit
+from dmoe.averaging import matchmaking
 from dmoe.averaging.allreduce import (MAX_WEIGHT, Outcome, PartReducer, PartResult, Refused, SendPace, allreduce,
                                       bad_total, encode_piece, partition)
 from dmoe.averaging.matchmaking import (MAX_PEER_ID, Declaration, Group, Matchmaker, Member, parse_declarations,
@@ -163,6 +166,43 @@ class FakeDHT:
 
     def get_many(self, keys):
         return {key: self.records.get(key, {}) for key in keys}
+
+
+class SquattedDHT(FakeDHT):
+    """A DHT whose replicas mostly hold another key's entries where ``records`` has them: a store there counts as
+    accepted (a minority of replicas took it), and reads still give the other key's entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.identity = Identity()
+
+    def store_many(self, records):
+        for key, entries in records.items():
+            for subkey, (value, expiration) in entries.items():
+                held = self.records.setdefault(key, {})
+                if subkey not in held or held[subkey].owner == self.identity.public_key:
+                    held[subkey] = Entry(value, expiration, self.identity.public_key)
+        return {key: {subkey: True for subkey in entries} for key, entries in records.items()}
+
+    def get(self, key):
+        return dict(self.records.get(key, {}))
+
+
+def test_a_declaration_read_back_under_another_key_is_made_again_under_a_new_id(caplog, monkeypatch):
+    """A store counts as accepted when any replica takes it: a peer whose id most replicas held for another key was
+    read (by everyone, itself too) as that key's entry, skipped, and never seen."""
+    dht = SquattedDHT()
+    matchmaker = Matchmaker(dht, Member(0, "127.0.0.1:1000", 1.0), AveragerConfig(matchmaking_time=0.3,
+                                                                                 poll_period=0.05), threading.Event())
+    taken = peer_id_for(dht.identity.public_key, "run.0.*", "00000000")
+    dht.records["run.0.*"] = {taken: Entry("127.0.0.1:9;0;00000000;w", 1e12, b"squatter")}
+    salts = iter(["00000000"])
+    monkeypatch.setattr(matchmaking, "new_salt", lambda: next(salts, None) or secrets.token_hex(4))
+    assert matchmaker.find_group(0, "run.0.*", time.time() + 5) is None  # alone: nobody to average with
+    assert matchmaker.me.peer_id != taken
+    assert "the DHT nodes read give its id to another key" in caplog.text
+    mine = parse_declarations(dht.records["run.0.*"], "run.0.*")
+    assert set(mine) == {matchmaker.me.peer_id} and mine[matchmaker.me.peer_id].state == "x"  # gone, at the end
 
 
 def test_a_leader_cuts_the_parts_from_the_bandwidths_its_members_read_from_the_group_record():

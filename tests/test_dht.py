@@ -112,25 +112,25 @@ def test_beam_search_over_the_swarm_equals_brute_force_with_random_alive_subsets
 
 def test_a_shared_claim_at_the_last_dimension_is_no_expert_to_beam_search(swarm):
     """At a grid's last dimension only the owned entries are experts (as for get_experts): a shared claim that
-    anyone may write there ("1" in record ffn2.0) made beam search return ffn2.0.1, which nobody declared, at the
+    anyone may write there ("1" in record ffn9.0) made beam search return ffn9.0.1, which nobody declared, at the
     endpoint its writer chose. Inner dimensions still read shared claims."""
     client: DHT = swarm["client"]
     honest = "127.0.0.1:9101"
     with processes() as procs, DHT([swarm["peer"]]) as anyone:
-        declarer_proc(procs, "--initial-peers", swarm["peer"], "--declare", "ffn2.0.0,ffn2.1.1",
+        declarer_proc(procs, "--initial-peers", swarm["peer"], "--declare", "ffn9.0.0,ffn9.1.1",
                       "--endpoint", honest, "--no-refresh", "--expiration", "120").endpoint()
-        assert anyone.store("ffn2.0", "1", "127.0.0.1:9", time.time() + 120)  # shared: anyone's to write
-        assert anyone.store("ffn2", "2", "127.0.0.1:9", time.time() + 120)  # an inner claim: ffn2.2.* to look at
-        alive = {"ffn2.0.0": honest, "ffn2.1.1": honest}
-        assert get_experts(client, ["ffn2.0.1"]) == [None]
-        assert get_alive_continuations(client, ["ffn2", "ffn2.0"], ["ffn2.0"]) == {
-            "ffn2": {0: honest, 1: honest, 2: "127.0.0.1:9"}, "ffn2.0": {0: honest}}
-        assert alive_experts(client, "ffn2", (3, 2)) == alive
+        assert anyone.store("ffn9.0", "1", "127.0.0.1:9", time.time() + 120)  # shared: anyone's to write
+        assert anyone.store("ffn9", "2", "127.0.0.1:9", time.time() + 120)  # an inner claim: ffn9.2.* to look at
+        alive = {"ffn9.0.0": honest, "ffn9.1.1": honest}
+        assert get_experts(client, ["ffn9.0.1"]) == [None]
+        assert get_alive_continuations(client, ["ffn9", "ffn9.0"], ["ffn9.0"]) == {
+            "ffn9": {0: honest, 1: honest, 2: "127.0.0.1:9"}, "ffn9.0": {0: honest}}
+        assert alive_experts(client, "ffn9", (3, 2)) == alive
         for k, dense in [(1, False), (2, False), (3, True), (3, False)]:
             cache = PrefixCache() if dense else None
-            scores = [torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[0.0, 5.0]])]  # ffn2.0.1 would score best
-            found = beam_search(client, "ffn2", scores, k, cache=cache, dense=dense)
-            assert found == brute_force_top_k(alive, "ffn2", scores, k), (k, dense, found)
+            scores = [torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[0.0, 5.0]])]  # ffn9.0.1 would score best
+            found = beam_search(client, "ffn9", scores, k, cache=cache, dense=dense)
+            assert found == brute_force_top_k(alive, "ffn9", scores, k), (k, dense, found)
 
 
 def test_lookups_merge_what_the_closest_nodes_hold(swarm):
