@@ -36,7 +36,7 @@ import random
 import threading
 import time
 from dataclasses import fields, replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import grpc
 import torch
@@ -409,16 +409,17 @@ class CollaborativeOptimizer:
         self._served = (key, messages)
         return messages
 
-    def wait_for_trainers(self, count: int, timeout: float) -> int:
+    def wait_for_trainers(self, count: int, timeout: float, stop: Callable[[], bool] | None = None) -> int:
         """Blocks until ``count`` trainers (this one included) are in the collaboration, so that trainers started
         together also begin together (a run compared with another, a test); returns how many there are, which is
-        fewer when ``timeout`` seconds passed first. Downloads the state if one of them is ahead."""
+        fewer when ``timeout`` seconds passed first or ``stop()`` became true (checked every poll: a trainer whose
+        launcher died waited out the whole timeout). Downloads the state if one of them is ahead."""
         deadline = time.monotonic() + timeout
         while True:
             self.tracker.refresh_now()
             self._sync_if_needed()  # a peer that claims a step it cannot back is banned here, not counted
             seen = len(self.tracker.state().peers) + 1
-            if seen >= count or time.monotonic() > deadline:
+            if seen >= count or time.monotonic() > deadline or (stop is not None and stop()):
                 return seen
             time.sleep(0.05)
 

@@ -296,7 +296,9 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
             resources.callback(collab.shutdown)
             if config.wait_for_trainers > 1:
                 tqdm.write(f"waiting for {config.wait_for_trainers} trainers of {config.collaborate!r} ...")
-                collab.wait_for_trainers(config.wait_for_trainers, timeout=600)
+                collab.wait_for_trainers(config.wait_for_trainers, timeout=600, stop=orphaned)
+            if orphaned():  # the launcher died meanwhile: the loop stops at once and saves; nobody reads the output
+                silence_output()
             if collab.local_step != step:
                 step = collab.local_step
                 if on_step is not None:
