@@ -109,3 +109,37 @@ def test_two_in_process_servers_keep_separate_registries_and_batch_errors_are_co
         time.sleep(0.05)
     else:
         pytest.fail("the metrics endpoint kept answering after close()")
+
+
+def test_idle_connections_to_the_metrics_endpoint_cannot_pile_up_threads():
+    """prometheus_client's server gave every connection a thread for as long as the client kept it open: 300
+    connections that sent half a request grew a dmoe-server from 15 to 315 threads, still 315 a minute later. Now
+    at most max_connections are served at once (more are closed at once) and each is closed when idle."""
+    import socket
+    import threading
+
+    from dmoe.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics({})
+    endpoint = metrics.serve("127.0.0.1", 0, max_connections=4, idle_timeout=1.0)
+    host, port = endpoint.rsplit(":", 1)
+    before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(12):
+            connection = socket.create_connection((host, int(port)), timeout=10)
+            connection.sendall(b"GET /metrics HTTP/1.1\r\n")  # and nothing more
+            idle.append(connection)
+        assert threading.active_count() <= before + 4
+        closed = []
+        for connection in idle:  # the 8 beyond the limit were closed at once, the 4 others when idle for 1 s
+            connection.settimeout(10)
+            started = time.monotonic()
+            assert connection.recv(1) == b""
+            closed.append(time.monotonic() - started)
+        assert sum(seconds < 0.5 for seconds in closed) >= 8, closed
+        assert scrape(endpoint) is not None  # served again
+    finally:
+        for connection in idle:
+            connection.close()
+        metrics.close()

@@ -12,18 +12,17 @@ import concurrent.futures
 import json
 import logging
 import math
-import socket
 import threading
 import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any, Sequence
 
 from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
 from dmoe.directory import alive_experts
-from dmoe.endpoints import bare_host, reachable_endpoint
+from dmoe.endpoints import reachable_endpoint
+from dmoe.httpd import MAX_CONNECTIONS, BoundedHTTPServer, HTTPThread, quiet_handler
 from dmoe.replicas.records import ADOPTION_MEMORY, adopted_key, adoptions, holders, replicas_key
 from dmoe.uid import grid_uids
 
@@ -214,10 +213,6 @@ def page() -> bytes:
     return resources.files(__package__).joinpath("index.html").read_bytes()
 
 
-class _IPv6HTTPServer(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
-
-
 class MonitorServer:
     """Serves the page at ``/`` and ``monitor.snapshot()`` as JSON at ``/api/swarm``, from a daemon thread.
 
@@ -226,52 +221,35 @@ class MonitorServer:
         host, port: where to listen (port 0: a free one; see :attr:`endpoint` once started).
         idle_timeout: seconds a connection may send nothing before it is closed (each open connection holds a
             thread: idle ones would pile up).
+        max_connections: connections served at once; more are closed at once (see :mod:`dmoe.httpd`).
     """
 
-    def __init__(self, monitor: SwarmMonitor, host: str = "127.0.0.1", port: int = 0, idle_timeout: float = 30.0):
+    def __init__(self, monitor: SwarmMonitor, host: str = "127.0.0.1", port: int = 0, idle_timeout: float = 30.0,
+                 max_connections: int = MAX_CONNECTIONS):
         self.monitor = monitor
         html = page()
 
-        class Handler(BaseHTTPRequestHandler):
-            timeout = idle_timeout  # http.server closes a connection whose next request does not come in time
-
+        class Handler(quiet_handler(idle_timeout)):
             def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
                 path = self.path.split("?", 1)[0]
                 if path in ("/", "/index.html"):
-                    self._send(html, "text/html; charset=utf-8")
+                    self.send_body(html, "text/html; charset=utf-8")
                 elif path == "/api/swarm":
-                    self._send(json.dumps(monitor.snapshot()).encode(), "application/json")
+                    self.send_body(json.dumps(monitor.snapshot()).encode(), "application/json")
                 else:
                     self.send_error(HTTPStatus.NOT_FOUND)
 
-            def _send(self, body: bytes, content_type: str) -> None:
-                self.send_response(HTTPStatus.OK)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Cache-Control", "no-store")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-                logger.debug("%s %s", self.address_string(), format % args)
-
-        # http.server's servers are IPv4 unless told otherwise
-        server_class = _IPv6HTTPServer if ":" in bare_host(host) else ThreadingHTTPServer
-        self._httpd = server_class((bare_host(host), port), Handler)
-        self._httpd.daemon_threads = True
-        self.endpoint = reachable_endpoint(host, self._httpd.server_address[1])
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="dmoe-monitor-http", daemon=True)
+        self._http = HTTPThread(BoundedHTTPServer(host, port, Handler, max_connections), "dmoe-monitor-http")
+        self.endpoint = reachable_endpoint(host, self._http.port)
 
     def start(self) -> "MonitorServer":
         """Starts answering requests."""
-        self._thread.start()
+        self._http.start()
         return self
 
     def close(self) -> None:
         """Stops answering and releases the port."""
-        if self._thread.is_alive():
-            self._httpd.shutdown()
-        self._httpd.server_close()
+        self._http.close()
 
     def __enter__(self) -> "MonitorServer":
         return self.start()

@@ -32,19 +32,19 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import threading
 import time
 import urllib.request
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
-from dmoe.endpoints import bare_host, reachable_endpoint
+from dmoe.endpoints import reachable_endpoint
+from dmoe.httpd import IDLE_TIMEOUT, MAX_CONNECTIONS, BoundedHTTPServer, HTTPThread, quiet_handler
 from dmoe.wire import status_code
 from dmoe.wire.shared_memory import METHODS as SHARED_METHODS
 
@@ -159,8 +159,7 @@ class ServerMetrics:
         self.stages = stages
         if stages is not None:
             self.registry.register(_StageTimes(stages))
-        self._http = None
-        self._http_thread: threading.Thread | None = None
+        self._http: HTTPThread | None = None
         self.endpoint: str | None = None
 
     def add_expert(self, uid: str, expert: "HostedExpert") -> None:
@@ -328,22 +327,32 @@ class ServerMetrics:
         return counted
 
     # ---- HTTP endpoint ----
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serves ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; returns ``HOST:PORT``."""
+    def serve(self, host: str = "127.0.0.1", port: int = 0, max_connections: int = MAX_CONNECTIONS,
+              idle_timeout: float = IDLE_TIMEOUT) -> str:
+        """Serves ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; returns ``HOST:PORT``. At most
+        ``max_connections`` at once, each closed after ``idle_timeout`` seconds without a byte (:mod:`dmoe.httpd`:
+        prometheus_client's own server gave every connection a thread for as long as the client kept it open).
+        Raises OSError when ``host:port`` cannot be listened on."""
         if self._http is not None:
             raise RuntimeError("the metrics endpoint is running already")
-        self._http, self._http_thread = start_http_server(port, addr=bare_host(host), registry=self.registry)
-        self.endpoint = reachable_endpoint(host, self._http.server_address[1])
+        registry = self.registry
+
+        class Handler(quiet_handler(idle_timeout)):
+            def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+                if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+                    self.send_error(404)
+                    return
+                self.send_body(generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        self._http = HTTPThread(BoundedHTTPServer(host, port, Handler, max_connections), "dmoe-metrics-http").start()
+        self.endpoint = reachable_endpoint(host, self._http.port)
         logger.info("metrics on http://%s/metrics", self.endpoint)
         return self.endpoint
 
     def close(self) -> None:
         """Stops the HTTP endpoint (if serving); safe to call twice."""
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            if self._http_thread is not None:
-                self._http_thread.join(5)
+            self._http.close()
             self._http = None
 
 
