@@ -198,3 +198,71 @@ def test_the_page_is_served_while_the_first_poll_still_runs_and_shows_it_never_u
             release.set()
     finally:
         release.set()
+
+
+class StandInDirectory:
+    """A DHT as the monitor reads it: every cell of ``layer`` alive at ``endpoint``; ``records`` for the rest."""
+
+    def __init__(self, endpoint: str, records: dict | None = None):
+        self.endpoint, self.records = endpoint, records or {}
+
+    def get_alive_continuations(self, prefixes, experts_under=()):
+        return {prefix: {coord: self.endpoint for coord in range(GRID[0])} for prefix in prefixes}
+
+    def get_many(self, keys):
+        return {key: self.records.get(key, {}) for key in keys}
+
+
+def test_closing_the_monitor_does_not_wait_for_a_poll_of_experts_that_do_not_answer():
+    """Each expert's info call waits info_timeout: a poll of many experts that accept connections and never answer
+    held a Ctrl-C up for about 20 s (close() joined the poll before cancelling its calls)."""
+    import socket
+    import threading
+
+    from dmoe.monitor import SwarmMonitor
+
+    with socket.socket() as silent:  # connections are accepted by the kernel, and nothing is ever answered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(256)
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0", "ffn1"], GRID, dht=StandInDirectory(endpoint),
+                               info_timeout=3.0, workers=2).start()
+        try:
+            deadline = time.monotonic() + 10
+            while not any(t.name.startswith("dmoe-monitor-info") for t in threading.enumerate()):
+                assert time.monotonic() < deadline, "the poll never called an expert"
+                time.sleep(0.05)
+        finally:
+            started = time.monotonic()
+            monitor.close()
+            closed_in = time.monotonic() - started
+    assert closed_in < 5.0, f"close() took {closed_in:.1f} s"  # the poll had 32 calls of 3 s on 2 workers ahead
+
+
+def test_a_layer_named_twice_is_refused_it_counted_every_expert_twice(capsys):
+    from dmoe.cli.monitor import main
+    from dmoe.monitor import SwarmMonitor
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--initial-peers", "127.0.0.1:1", "--layers", "ffn0", "ffn1", "ffn0"])
+    assert exit_info.value.code == 2 and "argument --layers: ffn0 given more than once" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="more than once"):
+        SwarmMonitor(["127.0.0.1:1"], ["ffn0", "ffn0"], GRID, dht=StandInDirectory("127.0.0.1:1"))
+
+
+def test_an_adoption_dated_ahead_of_this_clock_is_not_shown_as_recent():
+    """Anyone may write a cell's adoption (a shared entry): one dated in the future stayed "adopted in the last
+    hour" for as long as the DHT kept it."""
+    from dmoe.dht.storage import Entry
+    from dmoe.monitor import SwarmMonitor
+    from dmoe.replicas.records import adopted_key
+
+    now = time.time()
+    record = {"0.1": Entry(f"{now - 60:.0f}/3/3", now + 600), "1.2": Entry(f"{now + 30:.0f}/3/3", now + 600),
+              "2.3": Entry(f"{now + 86400:.0f}/3/3", now + 600), "3.0": Entry(f"{now - 7200:.0f}/3/3", now + 600)}
+    monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], GRID, dht=StandInDirectory("127.0.0.1:1", {
+        adopted_key("ffn0"): record}))
+    snapshot = monitor._empty()
+    monitor._replication(snapshot)
+    monitor.close()
+    assert sorted(snapshot["layers"][0]["adopted"]) == ["ffn0.0.1", "ffn0.1.2"]  # not a day ahead, nor 2 h ago

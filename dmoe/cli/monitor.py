@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the monitor until SIGINT/SIGTERM; returns the exit status."""
     parser = build_parser()
     args = parse_args(parser, argv)
+    repeated = sorted({layer for layer in args.layers if args.layers.count(layer) > 1})
+    if repeated:  # each copy counted every expert again
+        parser.error(f"argument --layers: {', '.join(repeated)} given more than once")
     cells = math.prod(args.grid) * len(args.layers)
     if cells > MAX_CELLS:
         parser.error(f"argument --grid: {cells} cells to show, at most {MAX_CELLS} (the page reads every one each "

@@ -31,6 +31,14 @@ logger = logging.getLogger(__name__)
 GOLDEN_ANGLE = 137.508  # degrees: consecutive hues stay far apart however many servers there are
 
 
+#: seconds an adoption's time may lie ahead of this clock (clocks differ) and still count as recent
+MAX_CLOCK_SKEW = 60.0
+
+
+class _Closing(Exception):
+    """Raised inside a poll when the monitor is closing."""
+
+
 class SwarmMonitor:
     """Polls the DHT and the alive experts in a background thread; :meth:`snapshot` returns the latest view.
 
@@ -53,6 +61,8 @@ class SwarmMonitor:
                  period: float = 2.0, info_timeout: float = 1.0, workers: int = 8, dht: DHT | None = None):
         if not layers:
             raise ValueError("at least one layer is needed")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers given more than once: {list(layers)}")
         if not grid or any(size < 1 for size in grid):
             raise ValueError(f"grid sizes must be positive, got {tuple(grid)}")
         self.layers, self.grid = list(layers), tuple(int(size) for size in grid)
@@ -120,7 +130,7 @@ class SwarmMonitor:
         for layer in snapshot["layers"]:
             for uid, expert in layer["experts"].items():
                 endpoint = expert["endpoint"]
-                info, seconds = futures[uid].result()
+                info, seconds = self._result(futures[uid])
                 server = servers.setdefault(endpoint, {"endpoint": endpoint, "color": self.color(endpoint),
                                                        "experts": 0, "reachable": 0, "load": 0.0})
                 server["experts"] += 1
@@ -152,6 +162,18 @@ class SwarmMonitor:
             self._snapshot = snapshot
         return snapshot
 
+    def _result(self, future: concurrent.futures.Future) -> Any:
+        """``future``'s result, unless the monitor is closing: then :class:`_Closing` at once. A poll waiting on the
+        ``info`` calls of many unreachable experts held a Ctrl-C up for 20 s."""
+        while not self._stop.is_set():
+            try:
+                return future.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                continue
+            except concurrent.futures.CancelledError:
+                break
+        raise _Closing
+
     def _replication(self, snapshot: dict[str, Any]) -> None:
         """Per layer: how many servers announce a replica of each cell's expert (``replicas``: uid -> count, cells
         with none left out) and the cells adopted in the last hour (``adopted``: uid -> time.time() of it)."""
@@ -159,14 +181,17 @@ class SwarmMonitor:
         keys = [replicas_key(uid) for uids in cells.values() for uid in uids]
         keys += [adopted_key(layer) for layer in self.layers]
         records = self.dht.get_many(keys)
-        recent_after = time.time() - ADOPTION_MEMORY
+        now = time.time()
+        recent_after = now - ADOPTION_MEMORY
         for layer in snapshot["layers"]:
             name = layer["name"]
             counts = {uid: len(holders(records[replicas_key(uid)])) for uid in cells[name]}
             layer["replicas"] = {uid: count for uid, count in counts.items() if count}
             in_grid = set(cells[name])
+            # (a time ahead of this clock is no recent adoption: anyone may write one, and it stayed "recent" for
+            # as long as the DHT kept it)
             layer["adopted"] = {a.uid: a.at for a in adoptions(name, records[adopted_key(name)])
-                                if a.uid in in_grid and a.at >= recent_after}
+                                if a.uid in in_grid and recent_after <= a.at <= now + MAX_CLOCK_SKEW}
             layer["adopted_last_hour"] = len(layer["adopted"])
 
     def snapshot(self) -> dict[str, Any]:
@@ -188,16 +213,19 @@ class SwarmMonitor:
         while not self._stop.is_set():
             try:
                 self.poll()
+            except _Closing:
+                return
             except Exception:  # noqa: BLE001 - the monitor outlives a bad poll
                 logger.exception("poll failed")
             self._stop.wait(self.period)
 
     def close(self) -> None:
-        """Stops polling and closes the DHT node it made; safe to call twice."""
+        """Stops polling and closes the DHT node it made; safe to call twice. A poll in progress ends without
+        waiting for the experts' answers (calls already made end with their ``info_timeout``, on their own)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.period + 5 * self.info_timeout + 10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._thread is not None:
+            self._thread.join(30)  # a DHT look-up in progress ends with its own timeout
         if self._own_dht:
             self.dht.close()
 
