@@ -217,6 +217,8 @@ def test_cuda_graphs_compute_and_train_as_the_eager_expert_does():
         assert graphed.activations.inputs("ffn.0", aid) is None
     graphs = graphed.graphs
     assert graphs is not None and graphs.captures >= 4 and graphs.replays >= 8, (graphs.captures, graphs.replays)
+    assert graphs.replays_by_kind["train"] >= 4 and graphs.switch.off is None, (graphs.replays_by_kind,
+                                                                                graphs.switch.off)
     assert graphed.updates == eager.updates == len(sizes) and graphed.skipped_steps == 0
     for (name, mine), theirs in zip(graphed.module.state_dict().items(), eager.module.state_dict().values()):
         torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=2e-4, msg=name)

@@ -143,3 +143,31 @@ def test_idle_connections_to_the_metrics_endpoint_cannot_pile_up_threads():
         for connection in idle:
             connection.close()
         metrics.close()
+
+
+def test_cuda_graph_counters_are_exported_so_a_run_can_tell_graphs_from_a_silent_fallback():
+    """A server asked for --cuda-graphs whose captures all failed computed eagerly while the benchmarks said
+    "server on CUDA graphs": nothing counted captures or replays."""
+    from collections import Counter as Counts
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from dmoe.server.metrics import ServerMetrics
+
+    def hosted(graphs):
+        return SimpleNamespace(backend=SimpleNamespace(graphs=graphs, optimizer=None), forward_pool=[],
+                               backward_pool=[])
+
+    replaying = SimpleNamespace(captures=3, replays_by_kind=Counts(forward=5, train=7), switch=SimpleNamespace(off=None))
+    failed = SimpleNamespace(captures=0, replays_by_kind=Counts(), switch=SimpleNamespace(off="capture failed"))
+    metrics = ServerMetrics({"g.0": hosted(replaying), "g.1": hosted(failed), "e.0": hosted(None)})
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               for sample in family.samples}
+    assert samples[("dmoe_cuda_graph_captures_total", (("expert", "g.0"),))] == 3
+    assert samples[("dmoe_cuda_graph_replays_total", (("expert", "g.0"), ("kind", "train")))] == 7
+    assert samples[("dmoe_cuda_graph_replays_total", (("expert", "g.0"), ("kind", "forward")))] == 5
+    assert samples[("dmoe_cuda_graphs_off", (("expert", "g.1"),))] == 1
+    assert samples[("dmoe_cuda_graphs_off", (("expert", "g.0"),))] == 0
+    assert not any(labels == (("expert", "e.0"),) for _, labels in samples)  # eager by choice: nothing to count

@@ -134,6 +134,7 @@ class ExpertGraphs:
         self._stream = torch.cuda.Stream(self.device)
         self._pool = torch.cuda.graph_pool_handle()
         self.captures = self.replays = 0
+        self.replays_by_kind: Counter[str] = Counter()  # "forward", "train": what dmoe_cuda_graph_replays counts
 
     @property
     def trains(self) -> bool:
@@ -160,6 +161,7 @@ class ExpertGraphs:
                 buffer[:rows].copy_(x)
         captured.graph.replay()
         self.replays += 1
+        self.replays_by_kind["forward"] += 1
         return tuple(y[:rows] for y in captured.outputs)
 
     def train_step(self, inputs: Sequence[torch.Tensor],
@@ -178,6 +180,7 @@ class ExpertGraphs:
             fill_padded(buffer, g, zeros=True)  # the padding's gradients: nothing for the parameters
         captured.graph.replay()
         self.replays += 1
+        self.replays_by_kind["train"] += 1
         stepped = captured.found_inf is None or not bool(captured.found_inf.item())
         return tuple(g[:rows] for g in captured.outputs), stepped
 

@@ -98,6 +98,33 @@ class _ActivationCacheStats(Collector):
         yield peak
 
 
+class _CudaGraphStats(Collector):
+    """Reads the experts' CUDA graph counters when scraped (``--cuda-graphs``): a benchmark or an operator can tell
+    graphs that replay from a server that asked for them and computes eagerly (a failed capture turns them off)."""
+
+    def __init__(self, experts: Callable[[], Iterable[tuple[str, "HostedExpert"]]]):
+        self._experts = experts
+
+    def collect(self):
+        captures = CounterMetricFamily("dmoe_cuda_graph_captures", "CUDA graphs captured (one per expert, kind and "
+                                       "bucket of batch sizes)", labels=["expert"])
+        replays = CounterMetricFamily("dmoe_cuda_graph_replays", "forwards and training steps computed by replaying "
+                                      "a CUDA graph", labels=["expert", "kind"])
+        off = GaugeMetricFamily("dmoe_cuda_graphs_off", "1 when the server asked for CUDA graphs and they were "
+                                "turned off (a capture failed: its experts compute eagerly)", labels=["expert"])
+        for uid, expert in self._experts():
+            graphs = expert.backend.graphs
+            if graphs is None:
+                continue
+            captures.add_metric([uid], graphs.captures)
+            for kind in ("forward", "train"):
+                replays.add_metric([uid, kind], graphs.replays_by_kind[kind])
+            off.add_metric([uid], float(graphs.switch.off is not None))
+        yield captures
+        yield replays
+        yield off
+
+
 class _StageTimes(Collector):
     """Reads the server's stage clock when scraped."""
 
@@ -154,6 +181,7 @@ class ServerMetrics:
         self.optimizer_steps = Counter("dmoe_optimizer_steps", "optimizer steps applied to an expert", ["expert"],
                                        registry=self.registry)
         self.registry.register(_QueueLengths(self._pools))
+        self.registry.register(_CudaGraphStats(lambda: list(self.experts.items())))
         if activations is not None:
             self.registry.register(_ActivationCacheStats(activations))
         self.stages = stages
