@@ -197,6 +197,22 @@ def test_dht_program_rejects_bad_flags_naming_them(flags, named, capsys):
     assert named in usage_error(dht_program.main, flags, capsys)
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--socket-buffer-bytes", "3000000000"], "socket_buffer_bytes must be at most 2147483647"),  # was a TypeError
+    (["--max-expiration", "nan"], "max_expiration must be positive"),  # nan started a node that stored nothing
+    (["--default-expiration", "nan"], "default_expiration must be positive"),
+    (["--max-expiration", "inf"], "max_expiration must be finite"),
+])
+def test_dht_settings_out_of_a_c_int_or_nan_are_refused(flags, words, capsys):
+    from dmoe.cli import dht as dht_program
+
+    with pytest.raises(SystemExit) as exit_info:
+        dht_program.parse_args(flags)
+    assert exit_info.value.code == 2
+    *_, line = capsys.readouterr().err.rstrip("\n").split("\n")
+    assert line.startswith("dmoe-dht: error: DHT settings: ") and words in line, line
+
+
 def test_dht_program_stops_at_once_while_joining_a_silent_peer_and_fails_with_status_1():
     silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never answers
     silent.bind(("127.0.0.1", 0))

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: the largest socket_buffer_bytes: the kernel takes it as a C int
+MAX_SOCKET_BUFFER_BYTES = 2**31 - 1
+
 
 @dataclass
 class DHTConfig:
@@ -76,9 +79,12 @@ class DHTConfig:
     def __post_init__(self) -> None:
         if self.ksize < 1 or self.num_replicas < 1 or self.read_width < 1 or self.alpha < 1:
             raise ValueError("ksize, num_replicas, read_width and alpha must be positive")
-        if self.rpc_timeout <= 0 or self.default_expiration <= 0 or self.max_expiration <= 0:
-            raise ValueError("rpc_timeout, default_expiration and max_expiration must be positive")
-        finite = ("rpc_timeout", "hedge_after", "dead_node_ttl", "routing_refresh_period", "call_timeout")
+        # (not x > 0: NaN compares False both ways, and a node with NaN expirations started and stored nothing)
+        bad = [name for name in ("rpc_timeout", "default_expiration", "max_expiration") if not getattr(self, name) > 0]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} must be positive")
+        finite = ("rpc_timeout", "hedge_after", "dead_node_ttl", "routing_refresh_period", "call_timeout",
+                  "default_expiration", "max_expiration")
         bad = [name for name in finite if not 0 <= getattr(self, name) < float("inf")]
         if bad:
             raise ValueError(f"{', '.join(bad)} must be finite and >= 0")
@@ -90,3 +96,6 @@ class DHTConfig:
         bad = [name for name in at_least_one if getattr(self, name) < 1]
         if bad or self.socket_buffer_bytes < 0:
             raise ValueError(f"{', '.join(bad) or 'socket_buffer_bytes'} must be at least {1 if bad else 0}")
+        if self.socket_buffer_bytes > MAX_SOCKET_BUFFER_BYTES:  # setsockopt takes a C int (a bigger one: TypeError)
+            raise ValueError(f"socket_buffer_bytes must be at most {MAX_SOCKET_BUFFER_BYTES}, got "
+                             f"{self.socket_buffer_bytes}")
