@@ -57,6 +57,9 @@ optimizer = "sgd"
     ("port = [1, 2]", "'port'", "a single value"),
     ("experts =", "not valid TOML", "line 1"),
     ("hidden-dim = 8\nhidden_dim = 16", "'hidden-dim' and 'hidden_dim'", "set the same flag"),
+    # a date inside a table: the error's own message failed (review 49: a TypeError traceback)
+    ("expert-kwargs = { when = 1979-05-27 }", "'expert-kwargs'", "expected a table of JSON values"),
+    ("experts = { when = 1979-05-27 }", "'experts'", "expected a single value"),
 ])
 def test_bad_config_keys_and_values_fail_with_one_line_naming_the_key(tmp_path, capsys, text, named, allowed):
     path = write(tmp_path, text + "\n")

@@ -84,30 +84,46 @@ def _allowed_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]
 
 
 def _as_text(value: Any) -> str:
-    """What a user would have typed after the flag for this TOML value."""
+    """What a user would have typed after the flag for this TOML value. Raises :class:`ConfigError` for a table
+    holding what JSON has no form of (a TOML date or time)."""
     if isinstance(value, dict):
-        return json.dumps(value)
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"expected a table of JSON values (no dates or times), got {value!r}") from None
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
 
 
+def _shown(value: Any) -> str:
+    """``value`` as :func:`_as_text` writes it, for a message: never fails."""
+    try:
+        return _as_text(value)
+    except ConfigError:
+        return repr(value)
+
+
 def _convert_one(action: argparse.Action, key: str, value: Any) -> Any:
     if isinstance(value, (list, dict)) and not (isinstance(value, dict) and action.type is not None):
-        raise ConfigError(f"key {key!r}: expected a single value, got {_as_text(value)}")
+        raise ConfigError(f"key {key!r}: expected a single value, got {_shown(value)}")
+    try:
+        text = _as_text(value)
+    except ConfigError as error:  # (it raised a TypeError, in the except clause below too: a traceback)
+        raise ConfigError(f"key {key!r}: {error}") from None
     if action.type is None:
-        result = _as_text(value)
+        result = text
     else:
         try:
-            result = action.type(_as_text(value))
+            result = action.type(text)
         except (argparse.ArgumentTypeError, ValueError, TypeError) as error:
             if isinstance(error, argparse.ArgumentTypeError):  # its message says what is allowed and what came
                 raise ConfigError(f"key {key!r}: {error}") from None
             kind = getattr(action.type, "__name__", "value")
-            raise ConfigError(f"key {key!r}: expected {kind}, got {_as_text(value)!r}") from None
+            raise ConfigError(f"key {key!r}: expected {kind}, got {text!r}") from None
     if action.choices is not None and result not in action.choices:
         allowed = ", ".join(map(str, action.choices))
-        raise ConfigError(f"key {key!r}: {_as_text(value)!r} is not one of {allowed}")
+        raise ConfigError(f"key {key!r}: {text!r} is not one of {allowed}")
     return result
 
 
@@ -115,7 +131,7 @@ def convert_value(action: argparse.Action, key: str, value: Any) -> Any:
     """Checks and converts one TOML value as ``action``'s flag would; raises :class:`ConfigError` naming ``key``."""
     if action.nargs == 0:  # --flag / --no-flag / store_true
         if not isinstance(value, bool):
-            raise ConfigError(f"key {key!r}: expected true or false, got {_as_text(value)!r}")
+            raise ConfigError(f"key {key!r}: expected true or false, got {_shown(value)!r}")
         return value
     many = action.nargs in ("*", "+") or isinstance(action.nargs, int) or isinstance(action, argparse._AppendAction)
     if not many:
