@@ -118,6 +118,44 @@ def test_server_rejects_bad_placement_and_operator_flags_naming_them(flags, name
     assert named in usage_error(run_server.main, flags, capsys)
 
 
+SERVER = ["--experts", "ffn.0", "--hidden-dim", "8", "--device", "cpu", "--log-level", "WARNING"]
+
+
+def one_error_line(err: str) -> str:
+    """The error line of a usage error, checked to be the last line and no traceback."""
+    assert "Traceback" not in err, err
+    *_, line = err.rstrip("\n").split("\n")
+    assert line.startswith("dmoe-server: error: argument --"), err
+    return line
+
+
+@pytest.mark.parametrize("flags, words", [
+    # inf went through to an int() where it was used (OverflowError), or trained the weights into inf
+    (["--max-queued-mb", "inf"], "argument --max-queued-mb: must be finite, got inf"),
+    (["--activation-cache-mb", "inf"], "argument --activation-cache-mb: must be finite, got inf"),
+    (["--replica-dir", "unused", "--replica-budget-mb", "inf"], "argument --replica-budget-mb: must be finite"),
+    (["--lr", "inf"], "argument --lr: must be finite, got inf"),
+    (["--max-abs-value", "inf"], "argument --max-abs-value: must be finite, got inf"),
+    (["--lr", "nan"], "argument --lr: must be positive, got nan"),
+    # gRPC takes its limits as C ints
+    (["--max-message-bytes", str(2**31)], "argument --max-message-bytes: must be at most 2147483647, got 2147483648"),
+    # no DHT node would store these as the experts' endpoint: found once the experts were built and the port bound
+    (["--announce-host", "my host"], "argument --announce-host: 'my host' cannot be announced"),
+    (["--announce-host", 'x"y'], "argument --announce-host: 'x\"y' cannot be announced"),
+    (["--announce-host", "h" * 91], "of at most 96 bytes"),
+])
+def test_server_flag_values_that_failed_with_a_traceback_are_refused_at_once(flags, words, capsys):
+    assert words in one_error_line(usage_error(run_server.main, [*SERVER, *flags], capsys))
+
+
+def test_the_largest_values_those_checks_allow_pass_them():
+    parser = run_server.build_parser()
+    args = parser.parse_args([*SERVER, "--max-message-bytes", str(2**31 - 1), "--announce-host", "h" * 90])
+    assert run_server.check_args(args, parser) == ["ffn.0"]
+    args = parser.parse_args([*SERVER, "--announce-host", "2001:db8::1"])  # announced as [2001:db8::1]:PORT
+    assert run_server.check_args(args, parser) == ["ffn.0"]
+
+
 def test_every_server_and_trainer_flag_has_help():
     for parser in (run_server.build_parser(), train.build_parser(), monitor_program.build_parser()):
         missing = [a.option_strings for a in parser._actions if a.option_strings and not a.help]

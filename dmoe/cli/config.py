@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -30,23 +31,33 @@ class ConfigError(ValueError):
     """A config file that cannot be read, or a key or value in it that the program does not accept."""
 
 
+def _finite(value: Any, text: str) -> None:
+    """Refuses inf (nan fails the callers' comparisons): an infinite size, rate or period of time ended in an
+    OverflowError where it was first turned into an int, or trained weights into inf, long after the flags were
+    read."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+
+
 def positive(kind: type) -> Callable[[str], Any]:
-    """An argparse type: ``kind(text)`` that must be > 0 (the error names the value)."""
+    """An argparse type: ``kind(text)`` that must be > 0 and finite (the error names the value)."""
     def parse(text: str):
         value = kind(text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        _finite(value, text)
         return value
     parse.__name__ = f"positive {kind.__name__}"  # argparse shows it in "invalid positive int value"
     return parse
 
 
 def non_negative(kind: type) -> Callable[[str], Any]:
-    """An argparse type: ``kind(text)`` that must be >= 0."""
+    """An argparse type: ``kind(text)`` that must be >= 0 and finite."""
     def parse(text: str):
         value = kind(text)
         if not value >= 0:
             raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        _finite(value, text)
         return value
     parse.__name__ = f"non-negative {kind.__name__}"
     return parse

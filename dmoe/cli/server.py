@@ -29,8 +29,10 @@ from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import add_config_argument, non_negative, parse_args, port_number, positive
 from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
-from dmoe.dht import Identity, parse_endpoint
+from dmoe.dht import DHTConfig, Identity, parse_endpoint
+from dmoe.dht.messages import VALUE_PATTERN
 from dmoe.directory import Announcer, free_experts
+from dmoe.endpoints import join_host_port
 from dmoe.experts import expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.server import ExpertServer, ServerConfig
@@ -46,6 +48,8 @@ from dmoe.wire.codec import COMPRESSIONS
 
 logger = logging.getLogger("dmoe.cli.server")  # not __name__: that is __main__ when run as a program
 positive_int, positive_float = positive(int), positive(float)
+#: the largest --max-message-bytes: gRPC's message limits are C ints
+MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 
 
 
@@ -99,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-size", type=positive_int, default=4096,
                         help="most rows in one request and in one batch the runtime forms")
     parser.add_argument("--max-message-bytes", type=positive_int, default=MAX_MESSAGE_BYTES,
-                        help="largest single gRPC message; bigger payloads are streamed in parts")
+                        help="largest single gRPC message (at most 2**31-1 bytes); bigger payloads are streamed "
+                             "in parts")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="each expert's optimizer")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="the experts' learning rate")
     parser.add_argument("--clip-grad-norm", type=positive_float, default=None,
@@ -325,6 +330,18 @@ def import_custom_modules(args: argparse.Namespace, parser: argparse.ArgumentPar
             parser.error(f"argument --custom-module: cannot import {spec!r}: {error}")
 
 
+def check_announce_host(host: str | None, parser: argparse.ArgumentParser) -> None:
+    """Refuses an ``--announce-host`` that no DHT node would store as the experts' endpoint (with any port): the
+    server found out only once it had built its experts and bound its port, with a traceback."""
+    if not host:  # (empty: not given)
+        return
+    endpoint = join_host_port(host, 65535)
+    limit = DHTConfig.max_value_bytes
+    if len(endpoint.encode()) > limit or VALUE_PATTERN.fullmatch(endpoint) is None:
+        parser.error(f"argument --announce-host: {host!r} cannot be announced: HOST:PORT must be printable ASCII "
+                     f"without spaces, quotes or backslashes, of at most {limit} bytes")
+
+
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str] | None:
     """Every check of the flags that needs no DHT and builds nothing: exits naming the flag on the first bad one.
     Imports ``--custom-module``s. Returns the uids of ``--experts`` (None with ``--num-experts``)."""
@@ -344,9 +361,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
                      "(more processes with --processes instead)")
     if args.cuda_graphs and device.type != "cuda":
         parser.error(f"argument --cuda-graphs: needs a CUDA device, and this server computes on {device.type}")
-    for flag in ("max_stream_mb", "max_stream_seconds"):
-        if not getattr(args, flag) < float("inf"):
-            parser.error(f"argument --{flag.replace('_', '-')}: must be finite, got {getattr(args, flag)}")
+    if args.max_message_bytes > MAX_GRPC_MESSAGE_BYTES:  # gRPC takes its limits as C ints
+        parser.error(f"argument --max-message-bytes: must be at most {MAX_GRPC_MESSAGE_BYTES}, got "
+                     f"{args.max_message_bytes}")
     if args.max_stream_mb * 2**20 < 1024:
         parser.error(f"argument --max-stream-mb: {args.max_stream_mb} MiB is less than 1 KiB, which no streamed "
                      "request fits in")
@@ -356,12 +373,11 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
             parse_endpoint(peer)
         except ValueError as error:
             parser.error(f"argument --initial-peers: {error}")
+    check_announce_host(args.announce_host, parser)
     replica_config(args, parser)
     check_declaration_expiration(parser, args.refresh_period, args.expiration)  # (the server was invisible)
     if args.checkpoint_dir is None and args.checkpoint_interval != 60.0:
         parser.error("argument --checkpoint-interval: needs --checkpoint-dir")
-    if not args.checkpoint_interval < float("inf"):
-        parser.error(f"argument --checkpoint-interval: must be finite, got {args.checkpoint_interval}")
     count = len(uids) if uids is not None else args.num_experts * len(args.layer)
     if args.processes > count:
         parser.error(f"argument --processes: {args.processes} processes need at least as many experts, got {count}")
