@@ -156,6 +156,52 @@ def test_the_largest_values_those_checks_allow_pass_them():
     assert run_server.check_args(args, parser) == ["ffn.0"]
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    ('{"num_heads": 3}', "AssertionError: embed_dim must be divisible by num_heads"),
+    ('{"dropout": 2}', "ValueError: dropout probability has to be between 0 and 1"),
+    ('{"expansion": -1}', "RuntimeError: Trying to create tensor with negative dimension"),
+    ('{"colour": "red"}', "TypeError"),
+])
+def test_expert_kwargs_the_class_refuses_are_a_usage_error_naming_the_flag(kwargs, words, capsys):
+    cls = "transformer" if "num_heads" in kwargs else "ffn"
+    line = one_error_line(usage_error(run_server.main, [*SERVER, "--expert-cls", cls, "--expert-kwargs", kwargs],
+                                      capsys))
+    assert line.startswith(f"dmoe-server: error: argument --expert-kwargs: {kwargs} "), line
+    assert f"--expert-cls {cls} --hidden-dim 8" in line and words in line, line
+
+
+def test_ports_taken_at_start_are_usage_errors_naming_the_flag(capsys):
+    """A taken --metrics-port ended in an OSError traceback, and a taken --dht-port was reported as a bad
+    --initial-peers (review 49), with --processes too."""
+    with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
+        udp.bind(("127.0.0.1", 0))
+        taken_tcp, taken_udp = tcp.getsockname()[1], udp.getsockname()[1]
+        line = one_error_line(usage_error(run_server.main, [*SERVER, "--metrics-port", str(taken_tcp)], capsys))
+        assert line.startswith(f"dmoe-server: error: argument --metrics-port: the metrics endpoint cannot listen on "
+                               f"127.0.0.1:{taken_tcp}: "), line
+        for more in ([], ["--experts", "ffn.[0:2]", "--processes", "2"]):
+            line = one_error_line(usage_error(run_server.main, [*SERVER, "--dht-port", str(taken_udp), *more],
+                                              capsys))
+            assert line.startswith(f"dmoe-server: error: argument --dht-port: the DHT node cannot listen on "
+                                   f"127.0.0.1:{taken_udp} (UDP): "), line
+    line = one_error_line(usage_error(run_server.main, [*SERVER, "--metrics-port", "0", "--metrics-host",
+                                                        "no-such-host.invalid"], capsys))
+    assert line.startswith("dmoe-server: error: argument --metrics-host: the metrics endpoint cannot listen on "
+                           "no-such-host.invalid:0: "), line
+
+
+def test_a_join_that_fails_still_names_the_initial_peers():
+    error = run_server.dht_node_error(ConnectionError("none of the initial DHT peers answered"), "127.0.0.1", 0)
+    assert error == "argument --initial-peers: none of the initial DHT peers answered"
+    taken = OSError(98, "Address already in use")
+    assert run_server.dht_node_error(taken, "::1", 7).startswith("argument --dht-port: the DHT node cannot listen "
+                                                                  "on [::1]:7 (UDP): ")
+    assert run_server.dht_node_error(OSError(99, "Cannot assign requested address"), "10.9.9.9", 0) \
+        .startswith("argument --host: ")
+
+
 def test_every_server_and_trainer_flag_has_help():
     for parser in (run_server.build_parser(), train.build_parser(), monitor_program.build_parser()):
         missing = [a.option_strings for a in parser._actions if a.option_strings and not a.help]

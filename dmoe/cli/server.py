@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
 import importlib.util
 import json
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Callable
@@ -303,8 +305,19 @@ def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Annou
         return Announcer.join(args.initial_peers, host=args.host, port=args.dht_port, identity=identity,
                               refresh_period=args.refresh_period, expiration=args.expiration,
                               announce_host=args.announce_host)
-    except (ConnectionError, OSError) as error:
-        parser.error(f"argument --initial-peers: {error}")
+    except OSError as error:
+        parser.error(dht_node_error(error, args.host, args.dht_port))
+
+
+def dht_node_error(error: OSError, host: str, port: int) -> str:
+    """The usage error for a DHT node that could not start, naming the flag at fault: ``--initial-peers`` when none
+    of them answered (or joining timed out), ``--host`` for an address that is not this machine's (or no address),
+    else ``--dht-port`` (taken, or not ours to bind); a taken port was reported as a bad ``--initial-peers``."""
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return f"argument --initial-peers: {error}"
+    at_host = isinstance(error, socket.gaierror) or error.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+    flag = "--host" if at_host else "--dht-port"
+    return f"argument {flag}: the DHT node cannot listen on {join_host_port(host, port)} (UDP): {error}"
 
 
 def replica_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ReplicaConfig | None:
@@ -412,6 +425,15 @@ def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return config
 
 
+def metrics_error(error: OSError, args: argparse.Namespace) -> str:
+    """The usage error for a metrics endpoint that could not listen (the port taken, the host unknown), which
+    ended in a traceback."""
+    host = args.metrics_host or args.host
+    at_host = isinstance(error, socket.gaierror) or error.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+    flag = "--metrics-host" if at_host else "--metrics-port"
+    return f"argument {flag}: the metrics endpoint cannot listen on {join_host_port(host, args.metrics_port)}: {error}"
+
+
 def print_line(line: str) -> None:
     print(line, flush=True)
 
@@ -445,8 +467,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
                                      seed=args.seed, config=config)
     except (CheckpointMismatch, CorruptCheckpoint, CheckpointDirectoryInUse, OSError) as error:  # in the constructor
         parser.error(f"argument --checkpoint-dir: {error}")
-    except TypeError as error:  # constructor arguments the class does not take
-        parser.error(f"argument --expert-kwargs: {error}")
+    except (MemoryError, torch.cuda.OutOfMemoryError):  # the device's size, not a flag's value
+        raise
+    except Exception as error:  # noqa: BLE001 - arguments the class does not take, or values it refuses
+        parser.error(f"argument --expert-kwargs: {json.dumps(args.expert_kwargs)} (with --expert-cls "
+                     f"{args.expert_cls} --hidden-dim {args.hidden_dim}) builds no expert: {type(error).__name__}: "
+                     f"{error}")
     server.announcer = announcer or join_dht(args, parser)
     dht = server.announcer.dht
     report(f"dmoe-server DHT node at {dht.announced(dht.endpoint)} (others may pass it as --initial-peers)")
@@ -460,6 +486,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
         server.start()
     except PortUnavailable as error:  # (start() closed what it had started)
         parser.error(f"argument --port: {error}")
+    except OSError as error:
+        if args.metrics_port is None or server.metrics.endpoint is not None:
+            raise
+        parser.error(metrics_error(error, args))
     with StopSignals() as stop, server:
         if server.metrics.endpoint is not None:
             report(f"dmoe-server metrics on {server.metrics.endpoint}")

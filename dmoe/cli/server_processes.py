@@ -41,7 +41,7 @@ from typing import IO
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.server import build_parser, import_custom_modules, saved_cells, serve
+from dmoe.cli.server import build_parser, dht_node_error, import_custom_modules, saved_cells, serve
 from dmoe.cli.signals import PARENT_ENV, StopSignals
 from dmoe.dht import DHT
 from dmoe.directory import free_experts
@@ -200,8 +200,8 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
     machine = secrets.token_hex(8)  # the children's replicas go to other machines, one per machine
     try:
         dht = DHT(initial_peers=args.initial_peers, host=args.host, port=args.dht_port)
-    except (ConnectionError, OSError) as error:
-        parser.error(f"argument --initial-peers: {error}")
+    except OSError as error:
+        parser.error(dht_node_error(error, args.host, args.dht_port))
     context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
     status = 0
