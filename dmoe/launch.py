@@ -42,6 +42,28 @@ def announced(output: Sequence[str], kind: str = "listening on") -> list[str]:
     raise ValueError(f"no line says {kind!r}")
 
 
+def _do_nothing(signum: int, frame: object) -> None:
+    """A handler that stands in for SIG_IGN (see :func:`sigint_default_in_children`)."""
+
+
+@contextlib.contextmanager
+def sigint_default_in_children() -> Iterator[None]:
+    """Children started meanwhile take SIGINT as they would by default, also where this process ignores it (a
+    launcher started in the background of a script, which ignores SIGINT): :meth:`Proc.interrupt` stops programs
+    with SIGINT, and dmoe's programs leave an ignored SIGINT ignored. exec resets a signal that has a handler to the
+    default action, so a handler that does nothing stands in for SIG_IGN meanwhile; only from the main thread
+    (elsewhere the children inherit what this process does)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, _do_nothing)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Proc:
     """A child Python process whose stdout is read by a thread, so readiness lines can be awaited.
 
@@ -55,10 +77,11 @@ class Proc:
         full_env[PARENT_ENV] = str(os.getpid())  # dmoe programs stop when this process dies without stopping them
         self.args = list(args)
         self.echo = echo
-        self.popen = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
-        )
+        with sigint_default_in_children():
+            self.popen = subprocess.Popen(
+                [sys.executable, *args], cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+            )
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.output: list[str] = []
         self._endpoint: str | None = None

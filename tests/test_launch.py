@@ -76,3 +76,21 @@ def test_a_second_ctrl_c_while_the_servers_stop_kills_them_and_still_stops_the_d
         timer.cancel()
         for proc in (swarm.dht, *swarm.servers):
             proc.kill()
+
+
+def test_a_launcher_that_ignores_ctrl_c_starts_programs_that_a_sigint_still_stops():
+    """Proc stops programs with SIGINT, and dmoe's programs leave an ignored SIGINT ignored (the children of
+    dmoe-server --processes are started so): a launcher started in a script's background, which ignores SIGINT,
+    passed that on to them, and its swarm's servers were killed after their stop timeout instead of stopping."""
+    launcher = textwrap.dedent("""
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from dmoe.launch import Proc
+        child = Proc(["-c", "import signal; print('child ignores', signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"])
+        print(child.wait_for("child ignores .*").group(0), flush=True)
+        print("launcher ignores", signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
+    """)
+    with running("-c", launcher) as proc:
+        proc.wait_for("launcher ignores", timeout=60)
+        assert proc.popen.wait(30) == 0
+    assert "child ignores False\n" in proc.output and "launcher ignores True\n" in proc.output, proc.output

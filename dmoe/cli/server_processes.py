@@ -25,6 +25,7 @@ dies without stopping it (:func:`dmoe.cli.signals.orphaned`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
 
 import torch
 
@@ -168,11 +169,28 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
     return child
 
 
+@contextlib.contextmanager
+def terminal_signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGHUP ignored in this process meanwhile, so that a child started then (spawn: a fresh
+    interpreter, which inherits ignored signals through exec) ignores them from its first instruction. Ctrl-C and a
+    closed terminal reach the whole process group, and the parent stops the children: a child that took Ctrl-C for
+    its own raised KeyboardInterrupt, a traceback, while it imported torch. (A signal in that moment is lost to the
+    parent too: the user presses Ctrl-C again.)"""
+    signums = [signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run_child(args: argparse.Namespace, uids: list[str], parent_pid: int, lines: Connection, machine: str) -> None:
     """A child's whole life (the target of its process): a server of ``uids`` whose announcement lines go to the
     parent, which prints them once every child serves; ``machine``: the token its replicas' hosts are told apart by."""
     keep_freed_memory()
-    # Ctrl-C and a closed terminal reach the whole group: the parent stops the children
+    # Ctrl-C and a closed terminal reach the whole group: the parent stops the children (with SIGTERM). Ignored
+    # since the child's start (terminal_signals_ignored), and so left alone by StopSignals in serve()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     os.environ[PARENT_ENV] = str(parent_pid)  # stop if the parent dies without stopping this process
@@ -216,7 +234,8 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
                     child = context.Process(target=run_child, name=f"dmoe-server-{index}",
                                             args=(child_args(args, index, dht.endpoint), dealt[index],
                                                   os.getpid(), sender, machine))
-                    child.start()
+                    with terminal_signals_ignored():
+                        child.start()
                     sender.close()
                     children.append((child, receiver))
                 status = wait_ready(children, stop)

@@ -25,7 +25,8 @@ def orphaned() -> bool:
 
 class StopSignals:
     """Waits in the main thread for SIGINT, SIGTERM or SIGHUP (a closed terminal or SSH session), whichever thread
-    of the process the kernel hands it to. SIGHUP is left alone where it is ignored (``nohup``).
+    of the process the kernel hands it to. A signal ignored when it enters is left ignored: SIGHUP under ``nohup``,
+    SIGINT in the children of ``dmoe-server --processes``, which their parent stops.
 
     An Event set from a Python signal handler is not enough: when the signal lands on a gRPC or torch thread, the
     main thread blocked in ``Event.wait()`` is never interrupted, so the handler never runs. The C-level handler
@@ -44,10 +45,9 @@ class StopSignals:
         self._writer.setblocking(False)
         self.received: list[int] = []
         self._old_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
-        ignored_hangup = {s for s in self.SIGNALS
-                          if s == getattr(signal, "SIGHUP", None) and signal.getsignal(s) == signal.SIG_IGN}
+        ignored = {s for s in self.SIGNALS if signal.getsignal(s) == signal.SIG_IGN}
         self._old_handlers = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
-                              for s in self.SIGNALS if s not in ignored_hangup}
+                              for s in self.SIGNALS if s not in ignored}
         return self
 
     def wait(self, timeout: float | None = None) -> int | None:
