@@ -98,3 +98,36 @@ def test_ctrl_c_on_a_collaborative_demo_lets_every_trainer_save_its_checkpoint(t
         assert proc.popen.wait(timeout=150) == 130, "".join(proc.output)
     steps = [torch.load(out_dir / f"trainer{i}" / "checkpoint.pt", weights_only=True)["step"] for i in range(2)]
     assert min(steps) >= 2, steps  # saved as they stopped: none was killed before it could
+
+
+def help_lines(capsys, *flags: str) -> dict[str, str]:
+    """``dmoe-demo --help``: each flag's entry as one line, by the flag (and the usage, as "usage")."""
+    assert demo.main([*flags, "--help"]) == 0
+    text = capsys.readouterr().out
+    entries, flag = {"usage": " ".join(text.split("\n\n")[0].split())}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):  # an entry: "  --flag METAVAR  help", the help perhaps on the next lines
+            flag = line.split()[0].rstrip(",")
+            entries[flag] = line.strip()
+        elif flag is not None and line.startswith("   "):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return entries
+
+
+def test_help_shows_the_demos_own_defaults_and_the_flags_it_sets(capsys):
+    """Review 49: --help printed dmoe-train's parser as it is: dmoe-train's name and defaults (runs/train, 400 steps,
+    no time limit, local experts), where the demo writes to runs/demo and trains for 4 minutes."""
+    lines = help_lines(capsys)
+    assert lines["usage"].startswith("usage: dmoe-demo ") and "--servers" in lines["usage"], lines["usage"]
+    assert lines["--out-dir"].endswith("(default: runs/demo)"), lines["--out-dir"]
+    assert lines["--max-minutes"].endswith("(default: 4.0)") and lines["--steps"].endswith("(default: 400)")
+    for flag in ("--experts", "--initial-peers"):
+        assert "[set by the demo: " in lines[flag] and "(default:" not in lines[flag], lines[flag]
+    assert lines["--servers"].endswith("(default: 2)") and lines["--trainers"].endswith("(default: 1)")
+    lines = help_lines(capsys, "--trainers", "3")  # a collaboration's
+    assert lines["--steps"].endswith("(default: 150)") and lines["--max-minutes"].endswith("(default: 0.0)")
+    assert lines["--collaborate"].endswith("(default: demo)"), lines["--collaborate"]
+    for flag in ("--data-shard", "--data-shards", "--wait-for-trainers", "--target-batch-size"):
+        assert "[set by the demo: " in lines[flag], lines[flag]

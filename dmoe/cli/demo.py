@@ -47,6 +47,7 @@ from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory
 from dmoe.trainer.data import DataError, DownloadError, shakespeare
 from dmoe.trainer.loop import CheckpointInUse, ResumeMismatch, TrainConfig, train
 
+PROG = "dmoe-demo"
 MAX_TRAINERS = 16
 RUN_ID = "demo"
 FINAL = re.compile(r"final validation loss (\S+) perplexity (\S+) \(step (\d+)")
@@ -59,28 +60,58 @@ DESCRIPTION = ("Checkpoints: the trainer's in --out-dir, each expert server's in
                "--out-dir.")
 
 
+def add_demo_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The demo's own flags (the rest are dmoe-train's)."""
+    parser.add_argument("--servers", type=int, default=2, help="expert servers to start (each hosts a slice)")
+    parser.add_argument("--server-threads", type=int, default=1, help="torch threads per expert server")
+    parser.add_argument("--verbose", action="store_true", help="show the servers' and DHT node's logs")
+    parser.add_argument("--trainers", type=int, default=1,
+                        help=f"trainer processes training one model together (--collaborate; 1 to {MAX_TRAINERS}); "
+                             "1: train in this process")
+
+
+def demo_defaults(trainers: int) -> dict[str, object]:
+    """The demo's own defaults of dmoe-train's flags, which a --config file and the command line override."""
+    return {**({"steps": 150} if trainers > 1 else {"max_minutes": 4.0}), "out_dir": "runs/demo"}
+
+
+def help_parser(trainers: int) -> argparse.ArgumentParser:
+    """What ``dmoe-demo --help`` prints: dmoe-train's flags with the demo's defaults (for this many ``--trainers``)
+    and the demo's own flags, with the flags the demo sets marked so. It printed dmoe-train's parser as it is, with
+    dmoe-train's defaults (runs/train, 400 steps, local experts), where users looked for the demo's checkpoint."""
+    parser = build_parser()
+    summary = __doc__.split("\n\n")[0].replace("``", "")
+    parser.prog, parser.description, parser.epilog = PROG, f"{summary} {DESCRIPTION}", None
+    parser.set_defaults(**demo_defaults(trainers), **({"collaborate": RUN_ID} if trainers > 1 else {}))
+    add_demo_arguments(parser.add_argument_group("the demo's own flags"))
+    set_by_demo = {"experts": "remote, the demo's servers' experts", "initial_peers": "the demo's DHT node"}
+    if trainers > 1:
+        set_by_demo.update({"data_shard": "trainer i trains on slice i", "data_shards": "--trainers",
+                            "wait_for_trainers": "--trainers",
+                            "target_batch_size": "--trainers batches of --batch-size, unless given"})
+    for action in parser._actions:
+        if action.dest in set_by_demo:
+            action.help = f"{action.help} [set by the demo: {set_by_demo[action.dest]}]"
+            action.default = argparse.SUPPRESS  # (what the demo gives is in the help)
+        elif action.dest == "out_dir" and trainers > 1:
+            action.help = f"{action.help} [trainer i's in OUT_DIR/trainer{{i}}]"
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
-    demo = argparse.ArgumentParser(add_help=False, description=DESCRIPTION)
-    demo.add_argument("--servers", type=int, default=2, help="expert servers to start (each hosts a slice)")
-    demo.add_argument("--server-threads", type=int, default=1, help="torch threads per expert server")
-    demo.add_argument("--verbose", action="store_true", help="show the servers' and DHT node's logs")
-    demo.add_argument("--trainers", type=int, default=1,
-                      help=f"trainer processes training one model together (--collaborate; 1 to {MAX_TRAINERS}); 1: "
-                           "train in this process")
+    demo = argparse.ArgumentParser(prog=PROG, add_help=False, description=DESCRIPTION)
+    add_demo_arguments(demo)
     args, rest = demo.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
-        demo.print_help()
-        build_parser().print_help()
+        help_parser(args.trainers).print_help()
         return 0
     if not 1 <= args.trainers <= MAX_TRAINERS:
         demo.error(f"argument --trainers: must be between 1 and {MAX_TRAINERS}, got {args.trainers}")
     if args.server_threads < 1:
         demo.error(f"argument --server-threads: must be at least 1, got {args.server_threads}")
     collaborative = args.trainers > 1
-    # the demo's own defaults, which a --config file and the command line override
-    defaults = {"steps": 150} if collaborative else {"max_minutes": 4.0}
-    config = parse_config(rest, defaults={**defaults, "out_dir": "runs/demo"})
+    config = parse_config(rest, defaults=demo_defaults(args.trainers))
     config.experts = "remote"  # with the swarm's DHT node as the initial peer, once it is up
     if not 1 <= args.servers <= config.grid[0]:
         demo.error(f"argument --servers: must be between 1 and the first grid dimension ({config.grid[0]})")
