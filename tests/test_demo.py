@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import random
 import signal
+import textwrap
+import time
 
 import pytest
 import torch
 
 from dmoe.cli import demo
 from dmoe.server.checkpoints import lock_directory
-from tests.procs import running
+from dmoe.trainer.loop import TrainConfig
+from tests.procs import Proc, running
 
 torch.set_num_threads(1)
 
@@ -131,3 +134,47 @@ def test_help_shows_the_demos_own_defaults_and_the_flags_it_sets(capsys):
     assert lines["--collaborate"].endswith("(default: demo)"), lines["--collaborate"]
     for flag in ("--data-shard", "--data-shards", "--wait-for-trainers", "--target-batch-size"):
         assert "[set by the demo: " in lines[flag], lines[flag]
+
+
+def test_a_trainer_that_fails_stops_the_others_and_the_demo_says_which(tmp_path, monkeypatch, capsys):
+    """Review 49: the demo went on waiting for the others, which waited for the failed one (up to 10 minutes with
+    --wait-for-trainers), then trained without it. Stand-in trainers: one fails as the other waits for it."""
+    ready = tmp_path / "waiting"
+    waiting = textwrap.dedent(f"""
+        import pathlib, signal, sys, time
+        def stop(signum, frame):
+            print("stopped by the demo", flush=True)
+            sys.exit(130)
+        signal.signal(signal.SIGINT, stop)
+        print("waiting for 2 trainers", flush=True)
+        pathlib.Path({str(ready)!r}).touch()
+        time.sleep(30)  # (a real trainer waits up to 600 s)
+    """)
+    failing = textwrap.dedent(f"""
+        import pathlib, sys, time
+        deadline = time.monotonic() + 60
+        while not pathlib.Path({str(ready)!r}).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        print("dmoe-train: the averaging port is taken", flush=True)
+        sys.exit(3)
+    """)
+    started: list[Proc] = []
+
+    def stand_in(args, env=None):
+        started.append(Proc(["-c", failing if args[args.index("--data-shard") + 1] == "0" else waiting], env))
+        return started[-1]
+
+    def trainer_args(i: int, initial_peers: str) -> list[str]:
+        return ["--target-batch-size", "8", "--data-shard", str(i)]
+
+    monkeypatch.setattr(demo, "Proc", stand_in)
+    with running("-m", "dmoe.dht", "--port", "0") as dht:
+        peer = dht.endpoint()
+        begun = time.monotonic()
+        assert demo.run_trainers(peer, trainer_args, 2, TrainConfig(steps=10)) == 1
+        assert time.monotonic() - begun < 20  # not the 30 s the other waits
+    assert started[1].popen.returncode == 130 and "stopped by the demo\n" in started[1].output, started[1].output
+    out, err = capsys.readouterr()
+    assert "[trainer 0] dmoe-train: the averaging port is taken" in out, out
+    assert "swarm_demo: trainer 0 exited with status 3 before it finished" in err, err
+    assert "swarm_demo: trainer 0 failed (exit status 3); the others were stopped" in err, err

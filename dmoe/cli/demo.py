@@ -19,7 +19,8 @@ process, each on its own slice of the text (``--data-shard i --data-shards N``),
 target batch of N batches (``--target-batch-size`` overrides it). It shows one bar for the collaboration (read from
 the trainers' progress records in the DHT) and each trainer's validation lines, then every trainer's final
 validation perplexity: the same, since they hold the same model. A collaboration runs a fixed ``--steps`` (150
-unless given; ``--max-minutes`` would stop each trainer at its own step).
+unless given; ``--max-minutes`` would stop each trainer at its own step). A trainer that fails (exits with an error
+before its final validation) stops the others and the demo (status 1), which says which one it was.
 
 ``--resume`` resumes the whole model: the trainer (or each trainer) from its checkpoint in ``--out-dir``, and the
 experts from their servers' checkpoints, which each server keeps in ``OUT_DIR/experts/server{i}`` and writes when
@@ -245,14 +246,35 @@ def absolute_config(argv: list[str]) -> list[str]:
     return out
 
 
+def stop_trainers(procs: list[Proc]) -> None:
+    """SIGINT, not the SIGKILL of processes(): each trainer finishes its step in flight and saves its checkpoint."""
+    for proc in procs:
+        proc.interrupt()
+    for proc in procs:
+        proc.stop(TRAINER_STOP_SECONDS)
+
+
+def failed_trainer(procs: list[Proc], ended: set[int], finals: dict[int, re.Match]) -> tuple[int, int] | None:
+    """(index, exit status) of a trainer that exited with an error before its final validation, whose output has
+    all been read (``ended``); None if none did."""
+    for i in sorted(ended):
+        status = procs[i].popen.poll()
+        if status not in (None, 0) and i not in finals:
+            return i, status
+    return None
+
+
 def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainConfig) -> int:
     """Runs the collaboration's trainers to the end: one bar for the collaboration, their validation lines, then
-    each one's final validation perplexity."""
+    each one's final validation perplexity. A trainer that fails stops the others (which would wait for it, up to
+    --wait-for-trainers' 10 minutes, then train without it) and the demo, which says which one failed."""
     from dmoe.collab import CollaborationConfig, ProgressTracker
     from dmoe.dht import DHT
 
     run_id = config.collaborate or RUN_ID
     finals: dict[int, re.Match] = {}
+    ended: set[int] = set()  # the trainers whose output has all been read
+    failure: tuple[int, int] | None = None
     with processes() as procs, DHT([initial_peers], client_mode=True) as dht:
         for i in range(trainers):
             procs.append(Proc(["-m", "dmoe.cli.train", *trainer_args(i, initial_peers)], env={"TQDM_DISABLE": "1"}))
@@ -268,6 +290,7 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
                         except queue.Empty:
                             break
                         if line is None:
+                            ended.add(i)
                             continue
                         found = FINAL.search(line)
                         if found:
@@ -282,22 +305,29 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
                 bar.set_postfix({"trainers": view.num_trainers,
                                  "batch": f"{view.samples_accumulated}/{target}",
                                  "next": f"{eta:.0f}s" if math.isfinite(eta) else "?"}, refresh=False)
+                failure = failed_trainer(procs, ended, finals)
+                if failure is not None:
+                    break
                 time.sleep(0.2)
         except KeyboardInterrupt:  # (the trainers run in sessions of their own: the terminal's Ctrl-C is ours only)
-            # SIGINT, not the SIGKILL of processes(): each trainer finishes its step in flight and saves its checkpoint
-            for proc in procs:
-                proc.interrupt()
-            for proc in procs:
-                proc.stop(TRAINER_STOP_SECONDS)
+            stop_trainers(procs)
             raise
         finally:
             bar.close()
             observer.close()
-    failed = [i for i, proc in enumerate(procs) if proc.popen.returncode != 0 or i not in finals]
+        if failure is not None:  # (a Ctrl-C meanwhile: processes() kills them)
+            print(f"swarm_demo: trainer {failure[0]} exited with status {failure[1]} before it finished (its last "
+                  "lines are above): stopping the other trainers", file=sys.stderr, flush=True)
+            stop_trainers(procs)
     for i in range(trainers):
         if i in finals:
             loss, perplexity, step = finals[i].groups()
             print(f"trainer {i}: validation perplexity {float(perplexity):.2f} (loss {float(loss):.4f}) at step {step}")
+    if failure is not None:
+        print(f"swarm_demo: trainer {failure[0]} failed (exit status {failure[1]}); the others were stopped",
+              file=sys.stderr)
+        return 1
+    failed = [i for i, proc in enumerate(procs) if proc.popen.returncode != 0 or i not in finals]
     if failed:
         print(f"swarm_demo: trainers {failed} did not finish", file=sys.stderr)
         return 1
