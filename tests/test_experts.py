@@ -21,3 +21,21 @@ def test_a_seeded_expert_is_reproducible_and_leaves_every_generator_as_it_was(mo
     second = create_expert("ffn", 8, seed=5)
     torch.testing.assert_close(first.state_dict(), second.state_dict())
     assert seeded == [123, 123]  # the test's own seeds only
+
+
+def test_arguments_an_expert_class_refuses_raise_one_error_that_names_them():
+    """Programs report it as a bad --expert-kwargs; any other failure while a server is built is not that flag's."""
+    import pytest
+
+    from dmoe.experts import ExpertBuildError
+
+    for kwargs in ({"expansion": -1}, {"dropout": 2.0}, {"no_such_argument": 1}):
+        with pytest.raises(ExpertBuildError, match="expert class 'ffn' with hidden_dim=8") as error:
+            create_expert("ffn", 8, **kwargs)
+        assert error.value.__cause__ is not None
+    assert isinstance(ExpertBuildError("x"), ValueError)
+
+
+def test_unseeded_experts_draw_from_the_process_generator_and_differ():
+    first, second = create_expert("ffn", 8), create_expert("ffn", 8)
+    assert not torch.equal(first.state_dict()["ffn.0.weight"], second.state_dict()["ffn.0.weight"])

@@ -35,7 +35,7 @@ from dmoe.dht import DHTConfig, Identity, parse_endpoint
 from dmoe.dht.messages import VALUE_PATTERN
 from dmoe.directory import Announcer, free_experts
 from dmoe.endpoints import join_host_port
-from dmoe.experts import expert_class_names
+from dmoe.experts import ExpertBuildError, expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
@@ -467,12 +467,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
                                      seed=args.seed, config=config)
     except (CheckpointMismatch, CorruptCheckpoint, CheckpointDirectoryInUse, OSError) as error:  # in the constructor
         parser.error(f"argument --checkpoint-dir: {error}")
-    except (MemoryError, torch.cuda.OutOfMemoryError):  # the device's size, not a flag's value
-        raise
-    except Exception as error:  # noqa: BLE001 - arguments the class does not take, or values it refuses
+    except ExpertBuildError as error:  # arguments the class does not take, or values it refuses
+        cause = error.__cause__
         parser.error(f"argument --expert-kwargs: {json.dumps(args.expert_kwargs)} (with --expert-cls "
-                     f"{args.expert_cls} --hidden-dim {args.hidden_dim}) builds no expert: {type(error).__name__}: "
-                     f"{error}")
+                     f"{args.expert_cls} --hidden-dim {args.hidden_dim}) builds no expert: {type(cause).__name__}: "
+                     f"{cause}")
     server.announcer = announcer or join_dht(args, parser)
     dht = server.announcer.dht
     report(f"dmoe-server DHT node at {dht.announced(dht.endpoint)} (others may pass it as --initial-peers)")

@@ -1,5 +1,6 @@
 """The expert zoo and the registry through which users add their own expert classes."""
 from dmoe.experts.registry import (
+    ExpertBuildError,
     ExpertClass,
     create_expert,
     expert_class,
@@ -10,6 +11,6 @@ from dmoe.experts.registry import (
 from dmoe.experts.zoo import TRANSFORMER_SEQ_LEN, FeedforwardExpert, NopExpert, TransformerExpert
 
 __all__ = [
-    "ExpertClass", "FeedforwardExpert", "NopExpert", "TRANSFORMER_SEQ_LEN", "TransformerExpert", "create_expert",
+    "ExpertBuildError", "ExpertClass", "FeedforwardExpert", "NopExpert", "TRANSFORMER_SEQ_LEN", "TransformerExpert", "create_expert",
     "expert_class", "expert_class_names", "expert_seed", "register_expert_class",
 ]

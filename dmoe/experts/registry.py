@@ -6,6 +6,7 @@ their own classes with :func:`register_expert_class`; constructor arguments are 
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -65,16 +66,30 @@ def expert_class_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+class ExpertBuildError(ValueError):
+    """An expert class refused its arguments (``hidden_dim`` and the keyword arguments): what a program reports as
+    a bad flag, told apart from any other failure while it builds a server."""
+
+
 def create_expert(name: str, hidden_dim: int, *, seed: int | None = None, **kwargs: Any) -> nn.Module:
-    """Builds expert ``name``; with ``seed`` its initial weights are reproducible (e.g. to compare with a server)."""
+    """Builds expert ``name``; with ``seed`` its initial weights are reproducible (e.g. to compare with a server).
+    Raises :class:`ExpertBuildError` for arguments the class does not take or refuses (any exception its
+    constructor raises, but running out of memory)."""
     cls = expert_class(name).cls
-    if seed is None:
-        return cls(hidden_dim, **kwargs)
-    with torch.random.fork_rng(devices=[]):
-        # the CPU generator only (what initialisation draws from, and all fork_rng restores): torch.manual_seed
-        # seeds every CUDA device too, which left a GPU process's dropout following the last expert's seed
-        torch.random.default_generator.manual_seed(seed)
-        return cls(hidden_dim, **kwargs)
+    # unseeded, from the process's generator (and advancing it: experts built one after another differ)
+    seeded = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
+    with seeded:
+        if seed is not None:
+            # the CPU generator only (what initialisation draws from, and all fork_rng restores): torch.manual_seed
+            # seeds every CUDA device too, which left a GPU process's dropout following the last expert's seed
+            torch.random.default_generator.manual_seed(seed)
+        try:
+            return cls(hidden_dim, **kwargs)
+        except (MemoryError, torch.cuda.OutOfMemoryError):
+            raise
+        except Exception as error:  # noqa: BLE001 - a user's class may raise anything for a bad argument
+            raise ExpertBuildError(f"expert class {name!r} with hidden_dim={hidden_dim} and {kwargs} builds no "
+                                   f"expert: {type(error).__name__}: {error}") from error
 
 
 def expert_seed(seed: int, uid: str) -> int:
