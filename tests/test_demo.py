@@ -178,3 +178,18 @@ def test_a_trainer_that_fails_stops_the_others_and_the_demo_says_which(tmp_path,
     assert "[trainer 0] dmoe-train: the averaging port is taken" in out, out
     assert "swarm_demo: trainer 0 exited with status 3 before it finished" in err, err
     assert "swarm_demo: trainer 0 failed (exit status 3); the others were stopped" in err, err
+
+
+def test_sigterm_stops_the_demo_as_ctrl_c_does(text_file, tmp_path):
+    """SIGTERM (a scheduler's or a supervisor's stop) killed the demo where it stood: exit status -15, nothing said,
+    its servers and trainers left to notice on their own. Now it stops as on Ctrl-C."""
+    out_dir = tmp_path / "demo"
+    flags = ["-m", "dmoe.cli.demo", "--servers", "1", "--data", str(text_file), "--out-dir", str(out_dir),
+             "--steps", "100000", "--layers", "1", "--grid", "2", "2", "--k-best", "2", "--hidden", "16", "--heads",
+             "2", "--seq-len", "16", "--batch-size", "4", "--eval-batches", "1", "--eval-interval", "1000",
+             "--checkpoint-interval", "1000", "--sample-bytes", "0", "--threads", "1"]
+    with running(*flags) as proc:
+        proc.wait_for("swarm up in", timeout=120)
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(timeout=120) == 130, "".join(proc.output)
+    assert "interrupted; the swarm has been shut down" in "".join(proc.output)

@@ -41,6 +41,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dmoe.cli.allocator import keep_freed_memory
+from dmoe.cli.signals import InterruptingSignals
 from dmoe.cli.train import build_parser, parse_config
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
 from dmoe.server.checkpoints import FILENAME as EXPERTS_FILE
@@ -144,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                      "--log-level", "INFO" if args.verbose else "WARNING"),
     )
     try:
-        return run_swarm(swarm_config, config, trainer_args if collaborative else None, args.trainers)
+        # SIGTERM and SIGHUP stop the demo as Ctrl-C does (its swarm and trainers stopped, their checkpoints
+        # written); by default they killed it where it stood, and its children stopped on their own, unreported
+        with InterruptingSignals():
+            return run_swarm(swarm_config, config, trainer_args if collaborative else None, args.trainers)
     except KeyboardInterrupt:
         print("interrupted; the swarm has been shut down", file=sys.stderr)
         return 130
