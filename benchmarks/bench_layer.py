@@ -52,6 +52,14 @@ step within a round, so a round's figures are paired. Printed per batch size: th
 (with an even number of rounds, the mean of the middle two: ``--rounds 2`` prints the mean of the two rounds), their
 lowest and highest, and every round's ratio; the seconds printed are each variant's median over the rounds, taken
 separately, so they need not divide exactly to the ratio.
+
+What the server did is read from its metrics (it always runs with ``--metrics-port 0``), not from the flags:
+``via shm`` is the share of its calls in the timed steps that came through shared memory (requests under 64 KiB go
+through gRPC; a warning names the batch sizes where shared memory was asked for and no call used it); with
+``--cuda-graphs`` a line gives the graphs captured, the forward and training-step replays per batch size and the
+experts whose graphs were turned off, with a warning when no training step replayed (the server then trained
+eagerly). The in-process layers never use CUDA graphs: with ``--cuda-graphs`` the speeds compare a server with
+graphs against eager in-process layers.
 """
 from __future__ import annotations
 
@@ -80,6 +88,8 @@ from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
 from dmoe.wire import ChannelPool
 from dmoe.wire.codec import parse_compression
+from server_counts import (add, difference, format_share, graphs_summary, graphs_warning, read_counts,  # benchmarks/
+                           shared_memory_warning, shared_share)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -240,7 +250,8 @@ def main(argv=None) -> list[dict]:
                                             ("--shared-memory" if args.shared_memory else "--no-shared-memory"),
                                             *(("--workers", str(args.server_workers)) if args.server_workers else ()),
                                             "--processes", str(args.server_processes),
-                                            *(("--profile", "--metrics-port", "0") if args.profile else ())))
+                                            "--metrics-port", "0",  # what it did: graphs, calls through shared memory
+                                            *(("--profile",) if args.profile else ())))
     with LocalSwarm(swarm_config) as swarm, DHT(initial_peers=[swarm.initial_peers]) as dht, \
             ChannelPool(shared_memory=args.shared_memory, hold_calls=args.hold_calls) as channels:
         swarm.wait_declared()
@@ -265,22 +276,33 @@ def main(argv=None) -> list[dict]:
             variants["local_fp32"] = local_step
         stages = ServerStages(swarm, args.steps) if args.profile else None
         client_stages = ClientStages(remote, args.steps) if args.client_profile else None
+        metrics = announced(swarm.servers[0].output, "metrics on")  # of every server process
+        window: dict[str, dict[str, float]] = {}
 
         def after_warmup() -> None:
+            window["start"] = read_counts(metrics)
             for profile in (stages, client_stages):
                 if profile is not None:
                     profile.start()
         rounds: dict[int, list[dict[str, float]]] = {batch: [] for batch in args.batches}
+        served: dict[int, dict[str, float]] = {}  # per batch size: what the server did in the timed steps
         for _ in range(args.rounds):
             for batch in args.batches:
                 rounds[batch].append(time_steps(variants, batch, args.hidden, args.steps, args.warmup, device,
                                                 args.autocast, after_warmup=after_warmup,
                                                 under_autocast={"local", "recompute"}))
+                served[batch] = add(served.get(batch, {}), difference(read_counts(metrics), window["start"]))
                 for profile in (stages, client_stages):
                     if profile is not None:
                         profile.stop(batch)
+        over_run = read_counts(metrics)  # since the server started: its captures, warm-up included
         for batch, timed in rounds.items():
-            rows.append({"batch": batch, **summarise_rounds(timed), "dropped": remote.stats.experts_dropped})
+            share = shared_share(served[batch])
+            rows.append({"batch": batch, **summarise_rounds(timed), "dropped": remote.stats.experts_dropped,
+                         "shared_memory_share": "" if share is None else round(share, 4),
+                         **({"graph_forward_replays": int(served[batch]["graph_forward_replays"]),
+                             "graph_train_replays": int(served[batch]["graph_train_replays"])}
+                            if args.cuda_graphs else {})})
     args.results.mkdir(parents=True, exist_ok=True)
     suffix = ("" if device.type == "cpu" else f"_{device.type}") + (f"_{args.autocast}" if args.autocast else "")
     suffix += "_overlap_copies" if args.overlap_copies and device.type != "cpu" else ""
@@ -304,15 +326,16 @@ def main(argv=None) -> list[dict]:
           f"{args.threads} torch threads (remote client: {args.client_threads or args.threads}; server: {server}"
           f"), device {args.device}, autocast {args.autocast or 'off'}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
-          f"{', server on CUDA graphs' if args.cuda_graphs else ''}"
+          f"{', server asked for CUDA graphs (the in-process layers compute eagerly)' if args.cuda_graphs else ''}"
           f"{'' if args.compression == 'none' else f', wire compression {args.compression}'}"
-          f", payload through {'shared memory' if args.shared_memory else 'gRPC'}"
+          f", {'shared memory asked for (the share used: via shm)' if args.shared_memory else 'payload through gRPC'}"
           f"{'' if args.hold_calls else ', no hold calls'}, median of {args.steps} steps, "
           f"{args.rounds} round(s)")
     fp32 = bool(args.autocast)  # the in-process layer was timed without autocast too
     print(f"{'batch':>6} {'remote s':>10} {'in-proc s':>10} " + (f"{'in-proc fp32 s':>15} " if fp32 else "")
           + f"{'in-proc+recompute s':>20} {'speed vs in-proc':>17} {'(rounds: low-high)':>19} {'vs recompute':>13}"
-          + (f" {'vs best in-proc':>16} {'(rounds: low-high)':>19}" if fp32 else "") + "  rounds' speeds vs in-proc")
+          + (f" {'vs best in-proc':>16} {'(rounds: low-high)':>19}" if fp32 else "") + f" {'via shm':>7}"
+          + "  rounds' speeds vs in-proc")
     for r in rows:
         print(f"{r['batch']:>6} {r['remote_s']:>10.4f} {r['inprocess_s']:>10.4f} "
               + (f"{r['inprocess_fp32_s']:>15.4f} " if fp32 else "")
@@ -320,13 +343,27 @@ def main(argv=None) -> list[dict]:
               f"{r['ratio_vs_recompute']:>13.2f}"
               + (f" {r['ratio_vs_best']:>16.2f} {r['ratio_vs_best_min']:>14.2f}-{r['ratio_vs_best_max']:.2f}"
                  if fp32 else "")
+              + f" {format_share(shared_share(served[r['batch']])):>7}"
               + "  " + " ".join(f"{float(x):.2f}" for x in r["ratios_per_round"].split()))
-    middle = "the mean of the middle two" if args.rounds % 2 == 0 else "one round's"
-    print(f"speed = in-process s / remote s, per round (a round's variants take turns step by step); printed: the "
-          f"median of the {args.rounds} rounds' speeds ({middle}), their range and each; the seconds are medians "
-          "over the rounds, taken separately"
+    summarised = ("one round's speed" if args.rounds == 1 else f"the median of the {args.rounds} rounds' speeds ("
+                  + ("for an even count, the mean of the middle two)" if args.rounds % 2 == 0 else "the middle round's)"))
+    print(f"speed = in-process s / remote s, per round (a round's variants take turns step by step); printed: "
+          f"{summarised}{', their range and each' if args.rounds > 1 else ''}; the seconds are medians over the "
+          "rounds, taken separately"
           + ("; vs best in-proc: against the faster of in-proc under autocast and in-proc fp32, per round"
-             if fp32 else ""))
+             if fp32 else "")
+          + "; via shm: the share of the server's calls in the timed steps that came through shared memory")
+    warning = shared_memory_warning({f"batch {b}": shared_share(c) for b, c in served.items()}, args.shared_memory)
+    if warning:
+        print(warning)
+    if args.cuda_graphs:
+        print("server with CUDA graphs vs eager in-process layers: the server's graphs over the run: "
+              + graphs_summary(over_run) + "; replays in the timed steps: "
+              + ", ".join(f"batch {b} {c['graph_forward_replays']:.0f} forward / {c['graph_train_replays']:.0f} "
+                          "training-step" for b, c in served.items()))
+        warning = graphs_warning(over_run, asked=True)
+        if warning:
+            print(warning)
     verdicts = goal_verdicts(rows)
     if verdicts:
         print("goals (issue #24's, set for a GPU) against the fastest in-process layer"

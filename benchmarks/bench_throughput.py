@@ -19,6 +19,13 @@ CPU-second, where the remote side pays for the server process *and* the client p
 its own process. ``server cpu``: the same with the server process alone (all of them with ``--server-processes``),
 i.e. what a dedicated server pays when its clients run elsewhere.
 
+What the server did is read from its metrics, not from the flags: ``via shm`` is the share of its calls in the
+measured rounds that came through shared memory (requests under 64 KiB go through gRPC: a warning names the cases
+where shared memory was asked for and none did); with ``--cuda-graphs`` each case prints the graphs captured, the
+forward and training-step replays and the experts whose graphs were turned off, and warns when a case with
+backwards replayed no training step (the server then trained eagerly). The limit never uses graphs: with
+``--cuda-graphs`` the ratios compare the server with CUDA graphs against an eager limit.
+
     python benchmarks/bench_throughput.py --preset quick        # a few minutes on a shared 2-core machine
     python benchmarks/bench_throughput.py --preset compute      # ffn h=1024, batches 64..2048, all modes
     python benchmarks/bench_throughput.py --preset overhead     # nop, batch 1, many clients: requests/s
@@ -58,6 +65,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from server_counts import (count_samples, difference, format_share, graphs_summary,  # noqa: E402 (benchmarks/)
+                           graphs_warning, shared_memory_warning, shared_share)
 
 CACHED = "fwd+bwd cached"  # forward with an activation id, backward with the id: the server reuses the kept graph
 MODES = ("fwd+bwd", CACHED, "fwd")
@@ -333,11 +343,12 @@ def start_server(case: Case, args: argparse.Namespace):
 
 def server_counters(metrics_endpoints: list[str]) -> dict[str, float]:
     """Rows and batches the server's runtime ran per method, and activation-cache hits, from its metrics (those of
-    all its processes)."""
+    all its processes); and its CUDA graphs' and gRPC calls' counters (benchmarks/server_counts.py)."""
     from dmoe.server.metrics import read_metrics
 
-    counters: dict[str, float] = {}
-    for sample in (sample for endpoint in metrics_endpoints for sample in read_metrics(endpoint, timeout=10)):
+    samples = [sample for endpoint in metrics_endpoints for sample in read_metrics(endpoint, timeout=10)]
+    counters = count_samples(samples)
+    for sample in samples:
         if sample.name in ("dmoe_batch_rows_sum", "dmoe_batch_rows_count"):
             name = f"{sample.labels.get('method', '?')}_{sample.name.rsplit('_', 1)[1]}"
             counters[name] = counters.get(name, 0.0) + sample.value
@@ -421,19 +432,21 @@ def main() -> None:
           f"{args.torch_threads}, {args.optimizer}, {os.cpu_count()} cores, device {args.device}, "
           f"autocast {args.autocast or 'off'}, wire compression {args.compression}"
           f"{', server copies pinned on copy streams' if args.overlap_copies else ''}"
-          f"{', server on CUDA graphs' if args.cuda_graphs else ''}"
-          f", payload through {'shared memory' if args.shared_memory else 'gRPC'}"
+          f"{', server asked for CUDA graphs (the limit computes eagerly)' if args.cuda_graphs else ''}"
+          f", {'shared memory asked for (the share used: via shm)' if args.shared_memory else 'payload through gRPC'}"
           f"{f', {args.server_processes} server processes' if args.server_processes > 1 else ''}"
           f", {n_clients} client processes x {max(case.inflight for case in cases)} requests in flight", flush=True)
     clients = [Worker("client", 1) for _ in range(n_clients)]
     limit = Worker("limit", args.torch_threads)
     rows = []
+    shares: dict[str, float | None] = {}  # per case: the share of the server's calls through shared memory
+    graph_warnings: list[str] = []
     server, server_key = None, None
     try:
         for worker in [*clients, limit]:
             worker.receive()
         header = (f"{'expert':>10} {'mode':>14} {'batch':>6} {'clients':>7} {'remote/s':>10} {'limit/s':>10} "
-                  f"{'range':>12} {'ratio':>6} {'cpu ratio':>9} {'server cpu':>10}  server formed")
+                  f"{'range':>12} {'ratio':>6} {'cpu ratio':>9} {'server cpu':>10} {'via shm':>7}  server formed")
         print(header, flush=True)
         for case in cases:
             key = (case.expert_cls, case.hidden_dim, case.batch, case.experts)
@@ -482,7 +495,10 @@ def main() -> None:
                 remote_rates.append(sum(r["samples"] for r in remote) / span)
                 remote_requests.append(sum(r["requests"] for r in remote) / span)
                 measured_requests += sum(r["requests"] for r in remote)
-            formed = formed_batches(counters_before, server_counters(metrics))
+            counters_after = server_counters(metrics)
+            formed = formed_batches(counters_before, counters_after)
+            served = difference(counters_after, counters_before)  # in the measured rounds
+            share = shared_share(served)
             remote_rate = sum(remote_rates) / len(remote_rates)
             limit_rate = sum(limit_rates) / len(limit_rates)
             row = {**asdict(case), "device": args.device, "autocast": args.autocast or "",
@@ -500,14 +516,29 @@ def main() -> None:
                    "remote_samples_per_cpu_s": round(remote_work[0] / remote_work[1], 1),
                    "limit_samples_per_cpu_s": round(limit_work[0] / limit_work[1], 1),
                    "cpu_ratio": round((remote_work[0] / remote_work[1]) / (limit_work[0] / limit_work[1]), 3),
+                   "server_samples_per_cpu_s": round(remote_work[0] / server_work, 1),
                    "server_cpu_ratio": round((remote_work[0] / server_work) / (limit_work[0] / limit_work[1]), 3),
+                   "shared_memory_share": "" if share is None else round(share, 4),
                    "server_formed": formed}
+            graphs = {**served, "graph_captures": counters_after["graph_captures"]}  # captures since it started
+            if args.cuda_graphs:
+                row.update(graph_captures=int(graphs["graph_captures"]),
+                           graph_forward_replays=int(graphs["graph_forward_replays"]),
+                           graph_train_replays=int(graphs["graph_train_replays"]), graphs_off=int(graphs["graphs_off"]))
             rows.append(row)
             name = f"{case.expert_cls}{case.hidden_dim}"
             spread = f"{min(remote_rates) / max(limit_rates):.2f}-{max(remote_rates) / min(limit_rates):.2f}"
+            shares[f"{name} {case.mode} batch {case.batch}"] = share
             print(f"{name:>10} {case.mode:>14} {case.batch:>6} {case.clients:>7} {remote_rate:>10.1f} "
                   f"{limit_rate:>10.1f} {spread:>12} {remote_rate / limit_rate:>6.2f} {row['cpu_ratio']:>9.2f} "
-                  f"{row['server_cpu_ratio']:>10.2f}  {formed}", flush=True)
+                  f"{row['server_cpu_ratio']:>10.2f} {format_share(share):>7}  {formed}", flush=True)
+            if args.cuda_graphs:
+                print(f"{'':>10} the server's CUDA graphs (captures since it started, replays in the measured "
+                      f"rounds): {graphs_summary(graphs)}", flush=True)
+                warning = graphs_warning(graphs, asked=True, trained=case.mode != "fwd")
+                if warning:
+                    graph_warnings.append(f"{name} {case.mode} batch {case.batch}")
+                    print(warning, flush=True)
             if stages_before is not None:
                 print(format_stages(stage_difference(read_all_stages(metrics), stages_before), per=measured_requests,
                                     unit="request"), flush=True)
@@ -516,6 +547,16 @@ def main() -> None:
             worker.close()
         if server is not None:
             server.stop()
+    print("via shm: the share of the server's calls in the measured rounds that came through shared memory")
+    if args.cuda_graphs:
+        print("ratios above: the server with CUDA graphs against the limit computing eagerly (the same ExpertBackend "
+              "without graphs)")
+        if graph_warnings:
+            print(f"WARNING: --cuda-graphs was asked for, but not all of the server's graphs replayed in "
+                  f"{len(graph_warnings)} case(s): {', '.join(graph_warnings)} (see the warnings above)")
+    warning = shared_memory_warning(shares, args.shared_memory)
+    if warning:
+        print(warning)
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"throughput_{args.preset}_{args.device}_{time.strftime('%Y%m%d-%H%M%S')}.csv"
     with path.open("w", newline="") as file:
