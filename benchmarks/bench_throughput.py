@@ -17,7 +17,9 @@ Three ratios are printed. ``ratio``: samples per wall-clock second, remote over 
 measurement noise: the remote side does the limit's work plus the network's). ``cpu ratio``: samples per
 CPU-second, where the remote side pays for the server process *and* the client processes, and the limit for
 its own process. ``server cpu``: the same with the server process alone (all of them with ``--server-processes``),
-i.e. what a dedicated server pays when its clients run elsewhere.
+i.e. what a dedicated server pays when its clients run elsewhere. ``range``: the lowest and highest of the
+rounds' ratios, each round's remote rate over the same round's limit (the rounds are paired; ``ratio`` is the ratio
+of the rounds' mean rates).
 
 What the server did is read from its metrics, not from the flags: ``via shm`` is the share of its calls in the
 measured rounds that came through shared memory (requests under 64 KiB go through gRPC: a warning names the cases
@@ -371,6 +373,12 @@ def formed_batches(before: dict[str, float], after: dict[str, float]) -> str:
     return " ".join(parts)
 
 
+def paired_ratios(remote_rates: list[float], limit_rates: list[float]) -> list[float]:
+    """Each round's remote rate over the same round's limit (a round measures the limit, then the remote side)."""
+    assert len(remote_rates) == len(limit_rates), "the rounds are paired"
+    return [remote / limit for remote, limit in zip(remote_rates, limit_rates)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="quick",
@@ -499,6 +507,7 @@ def main() -> None:
             formed = formed_batches(counters_before, counters_after)
             served = difference(counters_after, counters_before)  # in the measured rounds
             share = shared_share(served)
+            ratios = paired_ratios(remote_rates, limit_rates)
             remote_rate = sum(remote_rates) / len(remote_rates)
             limit_rate = sum(limit_rates) / len(limit_rates)
             row = {**asdict(case), "device": args.device, "autocast": args.autocast or "",
@@ -513,6 +522,7 @@ def main() -> None:
                    "limit_per_round": " ".join(f"{r:.0f}" for r in limit_rates),
                    "remote_per_round": " ".join(f"{r:.0f}" for r in remote_rates),
                    "ratio": round(remote_rate / limit_rate, 3),
+                   "ratio_per_round": " ".join(f"{r:.3f}" for r in ratios),
                    "remote_samples_per_cpu_s": round(remote_work[0] / remote_work[1], 1),
                    "limit_samples_per_cpu_s": round(limit_work[0] / limit_work[1], 1),
                    "cpu_ratio": round((remote_work[0] / remote_work[1]) / (limit_work[0] / limit_work[1]), 3),
@@ -527,7 +537,7 @@ def main() -> None:
                            graph_train_replays=int(graphs["graph_train_replays"]), graphs_off=int(graphs["graphs_off"]))
             rows.append(row)
             name = f"{case.expert_cls}{case.hidden_dim}"
-            spread = f"{min(remote_rates) / max(limit_rates):.2f}-{max(remote_rates) / min(limit_rates):.2f}"
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}"  # the rounds' own ratios, each round paired
             shares[f"{name} {case.mode} batch {case.batch}"] = share
             print(f"{name:>10} {case.mode:>14} {case.batch:>6} {case.clients:>7} {remote_rate:>10.1f} "
                   f"{limit_rate:>10.1f} {spread:>12} {remote_rate / limit_rate:>6.2f} {row['cpu_ratio']:>9.2f} "
@@ -547,7 +557,8 @@ def main() -> None:
             worker.close()
         if server is not None:
             server.stop()
-    print("via shm: the share of the server's calls in the measured rounds that came through shared memory")
+    print("range: the lowest and highest of the rounds' ratios (each round's remote rate over the same round's "
+          "limit); via shm: the share of the server's calls in the measured rounds that came through shared memory")
     if args.cuda_graphs:
         print("ratios above: the server with CUDA graphs against the limit computing eagerly (the same ExpertBackend "
               "without graphs)")
