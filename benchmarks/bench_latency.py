@@ -22,7 +22,8 @@ dmoe/server/faults.py), and three ways of training the same experts run one afte
 Throughput is samples per second of forward+backward (each backward makes the experts take an optimizer step)
 counted over a window after a warm-up. Samples are not the same work in every mode: a DMoE sample is computed by
 ``--k`` experts per layer, a pipeline sample by one expert per stage, so ``expert rows/s`` (samples/s times
-expert evaluations per sample) compares the work done; ``client ms/sample`` is the CPU the client process spent
+expert evaluations per sample) compares the work done (every mode's calls carry activation ids, so the servers
+reuse each forward in its backward instead of recomputing it); ``client ms/sample`` is the CPU the client process spent
 per sample (gating, beam search, serialisation, autograd). The headline is each mode's throughput at 200 ms as a
 fraction of its own throughput at 0 ms, measured in the same run on the same machine.
 
@@ -43,7 +44,7 @@ import torch
 
 from dmoe.client.bans import Bans
 from dmoe.client.moe import RemoteMixtureOfExperts
-from dmoe.client.remote_expert import backward_future, forward_future
+from dmoe.client.remote_expert import backward_future, forward_future, new_activation_id
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig, split_grid
 from dmoe.uid import expand_pattern
@@ -184,17 +185,22 @@ def pipeline_stages(args, swarm: LocalSwarm, shallow: bool = False) -> list[tupl
 
 
 def pipeline_step_fn(args, stages: list[tuple[str, str]], latency_s: float) -> Callable[[], int]:
+    """One micro-batch through the stages and back. Each stage's forward carries an activation id that its backward
+    names, as the DMoE layer's calls do (dmoe/client/moe.py): the server keeps the forward for the backward instead
+    of recomputing it, so a pipeline's expert row costs the compute of a DMoE one."""
     timeout = 30 + 20 * latency_s
 
     def step() -> int:
         h = torch.randn(args.batch, args.hidden)
         inputs = []
         for uid, endpoint in stages:
-            inputs.append(h)
-            h = forward_future(endpoint, uid, [h], timeout=timeout).result()[0]
+            activation_id = new_activation_id()
+            inputs.append((h, activation_id))
+            h = forward_future(endpoint, uid, [h], timeout=timeout, activation_id=activation_id).result()[0]
         grad = 2 * h / h.numel()
-        for (uid, endpoint), x in zip(reversed(stages), reversed(inputs)):
-            grad = backward_future(endpoint, uid, [x], [grad], timeout=timeout).result()[0]
+        for (uid, endpoint), (x, activation_id) in zip(reversed(stages), reversed(inputs)):
+            grad = backward_future(endpoint, uid, [x], [grad], timeout=timeout,
+                                   activation_id=activation_id).result()[0]
         return args.batch
 
     return step
