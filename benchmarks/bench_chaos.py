@@ -152,6 +152,18 @@ def run(args, with_chaos: bool, data: str, workdir: Path) -> dict:
             "dht_kills": sum(e["event"].startswith("kill dht") for e in events), "events": events}
 
 
+def verdict(calm: dict, chaotic: dict, max_loss_ratio: float) -> tuple[float, list[str]]:
+    """The chaos run's final validation loss over the calm run's, and what fails PASS: a run that raised, no
+    expert server killed during training, a loss ratio above ``max_loss_ratio`` (NaN fails too)."""
+    ratio = chaotic["final_val_loss"] / calm["final_val_loss"]
+    failures = [f"the {row['run']} run raised" for row in (calm, chaotic) if row["raised"]]
+    if chaotic["server_kills"] < 1:
+        failures.append("no expert server was killed during training (longer --steps or shorter --mean-gap)")
+    if not ratio <= max_loss_ratio:  # NaN fails too
+        failures.append(f"chaos/calm validation loss {ratio:.3f} > {max_loss_ratio}")
+    return ratio, failures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--servers", type=int, default=4)
@@ -190,7 +202,7 @@ def main() -> None:
     for event in rows[1]["events"]:
         print(f"  t={event['t']:>6}s {event['event']}")
     calm, chaotic = rows
-    ratio = chaotic["final_val_loss"] / calm["final_val_loss"]
+    ratio, failures = verdict(calm, chaotic, args.max_loss_ratio)
     print(f"final loss with chaos / without: {ratio:.3f} (at most {args.max_loss_ratio} to pass)")
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"chaos_{time.strftime('%Y%m%d-%H%M%S')}.csv"
@@ -199,11 +211,6 @@ def main() -> None:
         writer.writeheader()
         writer.writerows({k: v for k, v in row.items() if k != "events"} for row in rows)
     print(f"wrote {path}")
-    failures = [f"the {row['run']} run raised" for row in rows if row["raised"]]
-    if chaotic["server_kills"] < 1:
-        failures.append("no expert server was killed during training (longer --steps or shorter --mean-gap)")
-    if not ratio <= args.max_loss_ratio:  # NaN fails too
-        failures.append(f"chaos/calm validation loss {ratio:.3f} > {args.max_loss_ratio}")
     ok = not failures
     print("PASS" if ok else "FAIL: " + "; ".join(failures))
     sys.exit(0 if ok else 1)

@@ -323,6 +323,24 @@ def run(args, data: TextData, workdir: Path, churn: bool, steps: int | None) -> 
     return result, swarm
 
 
+def goal_failures(kills: int, fresh: int, unresolved: int, worth: list[float], longest_empty: float,
+                  expiration: float, ratio: float) -> list[str]:
+    """The goals missed: ``kills`` servers killed (none: nothing was tested), ``fresh`` experts back with no replica
+    and ``unresolved`` ones, ``worth``: each adopted expert's lost updates in push intervals' worth (at most 1),
+    ``longest_empty``: the longest spell of an empty cell in seconds (at most ``expiration`` + 10), ``ratio``: the
+    churn run's final validation loss over the calm run's (at most 1.05; NaN misses)."""
+    failures = []
+    if not kills:
+        failures.append("no server was killed")
+    if fresh or unresolved or max(worth, default=0) > 1:
+        failures.append("training lost beyond one push interval")
+    if longest_empty > expiration + 10:
+        failures.append("a cell stayed empty too long")
+    if not ratio <= 1.05:
+        failures.append("loss ratio above 1.05")
+    return failures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of training under churn")
@@ -388,15 +406,8 @@ def main() -> None:
     print(f"empty cells: {len(swarm.empty_spells)} spells, longest {swarm.longest_empty:.1f}s (goal <= "
           f"{args.expiration + 10:.0f}s = expiration + 10 s)")
     print(f"final validation loss churn/calm: {ratio:.3f} (goal <= 1.05)")
-    failures = []
-    if not swarm.kills:
-        failures.append("no server was killed")
-    if fresh or unresolved or max(worth, default=0) > 1:
-        failures.append("training lost beyond one push interval")
-    if swarm.longest_empty > args.expiration + 10:
-        failures.append("a cell stayed empty too long")
-    if not ratio <= 1.05:
-        failures.append("loss ratio above 1.05")
+    failures = goal_failures(len(swarm.kills), len(fresh), unresolved, worth, swarm.longest_empty, args.expiration,
+                             ratio)
     print("goals met" if not failures else "goals missed: " + "; ".join(failures))
     print(f"max_updates_lost={max_lost} longest_empty_cell_s={swarm.longest_empty:.1f} loss_ratio={ratio:.3f}")
     sys.exit(1 if failures and not args.smoke else 0)

@@ -1,0 +1,200 @@
+"""The benchmarks' verdicts and summaries, given inputs that must pass and inputs that must fail (review 51).
+
+The smoke runs (tests/test_benchmarks_smoke.py) only report their goals, on figures too short to mean anything;
+here each verdict function is called directly: bench_quality's summarise, the goals of bench_collab, bench_churn
+and bench_chaos, bench_latency's add_ratios, bench_layer's rounds and goals, bench_throughput's paired rounds and
+what benchmarks/server_counts.py reads from a server's metrics.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from tests.procs import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_chaos  # noqa: E402
+import bench_churn  # noqa: E402
+import bench_collab  # noqa: E402
+import bench_latency  # noqa: E402
+import bench_layer  # noqa: E402
+import bench_quality  # noqa: E402
+import bench_throughput  # noqa: E402
+import server_counts  # noqa: E402
+
+
+# ---- bench_quality ---------------------------------------------------------------------------------------------
+
+def quality_rows(losses: dict[str, list[float]]) -> list[dict]:
+    return [{"variant": variant, "seed": seed, "val_loss": loss, "minutes": 1.0}
+            for variant, values in losses.items() for seed, loss in enumerate(values)]
+
+
+def test_quality_summary_passes_close_runs_and_a_control_clearly_worse():
+    losses = {"local": [2.0, 2.1], "remote": [2.05, 2.1], "remote-faulty": [2.2, 2.2], "no-experts": [2.5, 2.6]}
+    summary = {s["variant"]: s for s in bench_quality.summarise(quality_rows(losses), list(losses))}
+    assert summary["local"]["met"] is None  # the reference has no goal
+    assert math.isclose(summary["remote"]["ratio"], 2.075 / 2.05)  # the ratio of the means, over local's
+    assert math.isclose(summary["remote-faulty"]["ratio"], 2.2 / 2.05)
+    assert summary["remote"]["met"] and summary["remote-faulty"]["met"] and summary["no-experts"]["met"]
+
+
+@pytest.mark.parametrize("variant, values", [
+    ("remote", [2.12, 2.12]),          # 2.12 / 2.05 = 1.034 > 1.03
+    ("remote-faulty", [2.25, 2.25]),   # 1.098 > 1.08
+    ("no-experts", [2.1, 2.1]),        # not worse than local by more than local's spread (0.1)
+])
+def test_quality_summary_fails_a_variant_beyond_its_goal(variant, values):
+    losses = {"local": [2.0, 2.1], variant: values}
+    summary = {s["variant"]: s for s in bench_quality.summarise(quality_rows(losses), list(losses))}
+    assert summary[variant]["met"] is False
+
+
+# ---- bench_collab, bench_churn, bench_chaos ------------------------------------------------------------------
+
+def test_collab_goals_pass_at_or_below_the_goals_and_fail_above():
+    passing = {"single_val_loss": 2.0, "collab_val_loss": 2.06, "ratio": 1.03, "killed_ratio": 0.9,
+               "max_param_gap": 9e-6}
+    assert bench_collab.missed_goals(passing) == []
+    assert bench_collab.missed_goals({**passing, "ratio": 1.031}) == ["ratio"]
+    assert bench_collab.missed_goals({**passing, "killed_ratio": 1.06}) == ["killed_ratio"]
+    assert bench_collab.missed_goals({**passing, "max_param_gap": 1e-5}) == ["max_param_gap"]  # below, not at
+    assert bench_collab.missed_goals({**passing, "ratio": math.nan, "killed_ratio": math.nan}) == [
+        "ratio", "killed_ratio"]
+
+
+def test_churn_goals_pass_a_good_run_and_fail_each_miss():
+    good = dict(kills=2, fresh=0, unresolved=0, worth=[0.4, 1.0], longest_empty=15.0, expiration=6.0, ratio=1.05)
+    assert bench_churn.goal_failures(**good) == []
+    for change, failure in [({"kills": 0}, "no server was killed"),
+                            ({"fresh": 1}, "training lost beyond one push interval"),
+                            ({"unresolved": 1}, "training lost beyond one push interval"),
+                            ({"worth": [1.01]}, "training lost beyond one push interval"),
+                            ({"longest_empty": 16.1}, "a cell stayed empty too long"),
+                            ({"ratio": 1.051}, "loss ratio above 1.05"),
+                            ({"ratio": math.nan}, "loss ratio above 1.05")]:
+        assert bench_churn.goal_failures(**{**good, **change}) == [failure], change
+
+
+def test_chaos_verdict_passes_a_good_run_and_fails_each_miss():
+    calm = {"run": "calm", "raised": "", "final_val_loss": 2.0, "server_kills": 0}
+    chaotic = {"run": "chaos", "raised": "", "final_val_loss": 2.1, "server_kills": 1}
+    ratio, failures = bench_chaos.verdict(calm, chaotic, 1.05)
+    assert math.isclose(ratio, 1.05) and failures == []
+    assert bench_chaos.verdict(calm, {**chaotic, "raised": "RuntimeError"}, 1.05)[1] == ["the chaos run raised"]
+    assert "no expert server was killed" in bench_chaos.verdict(calm, {**chaotic, "server_kills": 0}, 1.05)[1][0]
+    assert bench_chaos.verdict(calm, {**chaotic, "final_val_loss": 2.2}, 1.05)[1] == [
+        "chaos/calm validation loss 1.100 > 1.05"]
+    assert len(bench_chaos.verdict(calm, {**chaotic, "final_val_loss": math.nan}, 1.05)[1]) == 1
+
+
+# ---- bench_latency -----------------------------------------------------------------------------------------------
+
+def test_latency_ratios_are_each_modes_throughput_over_its_own_at_0_ms():
+    rows = [{"latency_ms": 0, "mode": "dmoe", "samples_per_s": 100.0},
+            {"latency_ms": 0, "mode": "pipeline", "samples_per_s": 50.0},
+            {"latency_ms": 0, "mode": "shallow", "samples_per_s": 0.0},  # measured nothing: no ratio
+            {"latency_ms": 200, "mode": "dmoe", "samples_per_s": 95.0},
+            {"latency_ms": 200, "mode": "pipeline", "samples_per_s": 5.0},
+            {"latency_ms": 200, "mode": "shallow", "samples_per_s": 4.0}]
+    bench_latency.add_ratios(rows)
+    assert [r["ratio_to_0ms"] for r in rows] == [1.0, 1.0, "", 0.95, 0.1, ""]
+    assert "dmoe 0.950, pipeline 0.100, shallow -" in bench_latency.summary(
+        [{**r, "in_flight": 1, "hops": 2, "expert_rows_per_s": 1.0, "client_ms_per_sample": 1.0} for r in rows])
+
+
+# ---- bench_layer -------------------------------------------------------------------------------------------------
+
+def test_layer_rounds_are_paired_and_an_even_count_takes_the_mean_of_the_middle_two():
+    # the review's rounds: ratios 0.2401 and 0.3781 (in-process seconds over remote seconds, per round)
+    timed = [{"remote": 1.0, "local": 0.2401, "recompute": 0.5}, {"remote": 0.5, "local": 0.18905, "recompute": 0.3}]
+    row = bench_layer.summarise_rounds(timed)
+    assert row["ratios_per_round"] == "0.2401 0.3781"
+    assert math.isclose(row["ratio"], (0.2401 + 0.3781) / 2)
+    assert (row["ratio_min"], row["ratio_max"]) == (0.2401, pytest.approx(0.3781))
+    assert row["ratio_vs_best"] == row["ratio"] and row["inprocess_fp32_s"] == ""  # no autocast: one in-process layer
+    three = bench_layer.summarise_rounds(timed + [{"remote": 1.0, "local": 0.3, "recompute": 0.5}])
+    assert three["ratio"] == 0.3 and three["rounds"] == 3  # odd: the middle round's own ratio
+
+
+def test_layer_goal_is_judged_against_the_fastest_in_process_layer_not_the_autocast_one():
+    # under autocast the in-process layer got slower (0.0228 s) than in fp32 (0.0169 s): the review's H100 figures
+    timed = [{"remote": 0.0354, "local": 0.0228, "recompute": 0.03, "local_fp32": 0.0169}]
+    row = {"batch": 64, **bench_layer.summarise_rounds(timed)}
+    assert row["ratio"] == pytest.approx(0.644, abs=1e-3)  # >= 0.6 against the slower baseline ...
+    assert row["ratio_vs_best"] == pytest.approx(0.477, abs=1e-3)  # ... but not against the faster one
+    assert bench_layer.goal_verdicts([row]) == [(64, 0.6, row["ratio_vs_best"], False)]
+    fast = {"batch": 256, **bench_layer.summarise_rounds([{"remote": 0.02, "local": 0.03, "recompute": 0.04,
+                                                           "local_fp32": 0.017}])}
+    assert bench_layer.goal_verdicts([fast]) == [(256, 0.8, pytest.approx(0.85), True)]
+    assert bench_layer.goal_verdicts([{**fast, "batch": 16}]) == []  # no goal at 16
+
+
+# ---- bench_throughput --------------------------------------------------------------------------------------------
+
+def test_throughput_range_pairs_each_round_with_its_own_limit():
+    # the review's smoke rounds: the old range paired min remote with max limit (0.15-0.17)
+    ratios = bench_throughput.paired_ratios([7905, 8192, 8661], [50655, 51467, 51225])
+    assert [round(r, 3) for r in ratios] == [0.156, 0.159, 0.169]
+    with pytest.raises(AssertionError):
+        bench_throughput.paired_ratios([1.0, 2.0], [1.0])
+
+
+# ---- benchmarks/server_counts.py -----------------------------------------------------------------------------------
+
+def server_samples(experts: dict, calls: dict[str, int]):
+    """The samples a real ServerMetrics page gives for these hosted experts and gRPC calls."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dmoe.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics({uid: SimpleNamespace(backend=SimpleNamespace(graphs=graphs, optimizer=None),
+                                                  forward_pool=[], backward_pool=[])
+                             for uid, graphs in experts.items()})
+    for rpc, count in calls.items():
+        metrics.grpc_calls.labels(rpc).inc(count)
+    return [sample for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+            for sample in family.samples]
+
+
+def graphs(captures=0, forward=0, train=0, off=None):
+    return SimpleNamespace(captures=captures, replays_by_kind=Counter(forward=forward, train=train),
+                           switch=SimpleNamespace(off=off))
+
+
+def test_server_counts_read_graph_replays_and_the_share_of_calls_through_shared_memory():
+    counts = server_counts.count_samples(server_samples(
+        {"g.0": graphs(2, forward=5, train=7), "g.1": graphs(1, forward=1, train=3), "e.0": None},
+        {"forward_batch": 3, "backward_batch": 3, "forward_batch_shared": 1, "backward_batch_shared": 1}))
+    assert counts == {"graph_experts": 2, "graphs_off": 0, "graph_captures": 3, "graph_forward_replays": 6,
+                      "graph_train_replays": 10, "calls": 8, "shared_calls": 2}
+    assert server_counts.shared_share(counts) == 0.25
+    assert server_counts.graphs_warning(counts, asked=True) is None
+    later = {**counts, "graph_train_replays": 10, "graph_forward_replays": 9, "calls": 10, "shared_calls": 4}
+    window = server_counts.difference(later, counts)
+    assert window["graph_forward_replays"] == 3 and window["graph_train_replays"] == 0
+    assert window["graph_experts"] == 2 and server_counts.shared_share(window) == 1.0
+    assert "no training step replayed" in server_counts.graphs_warning(window, asked=True)
+    assert server_counts.graphs_warning(window, asked=True, trained=False) is None  # forwards only: none expected
+    assert server_counts.graphs_warning(window, asked=False) is None
+
+
+def test_server_counts_warn_when_graphs_turned_off_or_absent_and_when_no_call_used_shared_memory():
+    failed = server_counts.count_samples(server_samples({"g.0": graphs(0, off="capture failed")},
+                                                        {"forward": 4, "backward": 4}))
+    assert failed["graphs_off"] == 1 and server_counts.shared_share(failed) == 0
+    warning = server_counts.graphs_warning(failed, asked=True)
+    assert warning.startswith("WARNING") and "turned off on 1 of 1" in warning and "trained eagerly" in warning
+    eager = server_counts.count_samples(server_samples({"e.0": None}, {}))
+    assert "no expert of the server uses CUDA graphs" in server_counts.graphs_warning(eager, asked=True, trained=False)
+    assert server_counts.shared_share(eager) is None  # no call at all: no share
+    shares = {"batch 8": 0.0, "batch 256": 1.0, "batch 9": None}
+    assert "at batch 8 (" in server_counts.shared_memory_warning(shares, asked=True)
+    assert server_counts.shared_memory_warning(shares, asked=False) is None
+    assert server_counts.shared_memory_warning({"batch 256": 0.5}, asked=True) is None
