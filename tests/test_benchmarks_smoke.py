@@ -10,6 +10,7 @@ import csv
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -131,6 +132,10 @@ def test_latency_benchmark_quick_writes_sane_csv_and_png(tmp_path):
     assert len(rows) == len(latencies) * len(modes) and latencies[0] == 0 and len(latencies) >= 2
     assert all(float(r["samples_per_s"]) > 0 and float(r["expert_rows_per_s"]) > 0 for r in rows), stdout
     assert all(float(r["ratio_to_0ms"]) == 1 for r in rows if float(r["latency_ms"]) == 0)
+    at_0ms = {r["mode"]: float(r["samples_per_s"]) for r in rows if float(r["latency_ms"]) == 0}
+    for r in rows:  # each mode's throughput over its own at 0 ms, not the other way round or another mode's
+        assert math.isclose(float(r["ratio_to_0ms"]), float(r["samples_per_s"]) / at_0ms[r["mode"]], rel_tol=1e-3,
+                            abs_tol=1e-4), r
     in_flight = {r["mode"]: int(r["in_flight"]) for r in rows}
     assert in_flight["pipeline"] == in_flight["shallow"] == 1
     assert in_flight["pipeline-async"] == in_flight["shallow-async"] == in_flight["dmoe"]  # same total in flight
@@ -149,6 +154,18 @@ def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
     assert int(rows[0]["expert_calls"]) > 0 and int(rows[1]["expert_calls"]) > 0  # the mixtures used experts
     assert int(rows[2]["expert_calls"]) == 0  # the control has none
     assert "remote-faulty" in stdout and ("all goals met" in stdout or "goals missed" in stdout)
+    # the summary's "/ local" is the variant's mean loss over local's, from the same runs' CSV rows
+    means = {variant: statistics.mean(float(r["val_loss"]) for r in rows if r["variant"] == variant)
+             for variant in ("local", "remote-faulty", "no-experts")}
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "mean loss" in line and "/ local" in line)
+    table = {line.split()[0]: line.split() for line in lines[header + 1:header + 1 + len(means)]}
+    assert set(table) == set(means), lines[header:]
+    for variant, mean in means.items():  # variant, mean, min-max, ppl, / local, goal..., met, minutes
+        assert math.isclose(float(table[variant][1]), mean, abs_tol=1e-4), table[variant]
+        assert math.isclose(float(table[variant][4]), mean / means["local"], abs_tol=1e-4), table[variant]
+    faulty = table["remote-faulty"]
+    assert faulty[-2] == ("yes" if float(faulty[4]) <= 1.08 else "NO"), faulty  # the verdict follows the ratio
     assert (tmp_path / "quality_tiny.png").read_bytes().startswith(PNG_MAGIC)
 
 
@@ -171,6 +188,19 @@ def test_layer_benchmark_quick_writes_sane_csv(tmp_path):
         assert int(r["rounds"]) == 2 and int(r["dropped"]) == 0  # a calm local swarm answers every call
         assert 0 < float(r["ratio_min"]) <= float(r["ratio"]) <= float(r["ratio_max"])
         assert math.isclose(float(r["ratio"]), float(r["inprocess_s"]) / float(r["remote_s"]), rel_tol=0.5)
+        # the ratio is the median of the rounds' own ratios (2 rounds: their mean), and those are printed
+        rounds = [float(x) for x in r["ratios_per_round"].split()]
+        assert len(rounds) == 2 and math.isclose(float(r["ratio"]), statistics.median(rounds), abs_tol=1e-4)
+        assert math.isclose(float(r["ratio_min"]), min(rounds), abs_tol=1e-4)
+        assert math.isclose(float(r["ratio_max"]), max(rounds), abs_tol=1e-4)
+        printed = next(line.split() for line in stdout.splitlines() if line.split()[:1] == [r["batch"]])
+        assert [float(x) for x in printed[-2:]] == [round(x, 2) for x in rounds], printed
+        # no --autocast: the best in-process layer is the only one
+        assert r["inprocess_fp32_s"] == "" and r["ratio_vs_best"] == r["ratio"]
+        # what the server did, read from its metrics: h=64 requests are far under 64 KiB, so none used shared memory
+        assert float(r["shared_memory_share"]) == 0, r
+    assert "WARNING: shared memory was asked for, but no call went through it at batch 8, batch 32" in stdout
+    assert "goals" not in stdout  # no goal at batches 8 and 32
 
 
 def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path):
@@ -203,8 +233,11 @@ def test_grpc_echo_benchmark_times_a_round_trip_and_a_copy(tmp_path):
 
 
 def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):
-    run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "1", "--clients", "2", "--inflight", "1",
-                  "--results", str(tmp_path))
+    from dmoe.wire.shared_memory import AVAILABLE
+
+    # every request through shared memory, however small (the smoke's are 2 KiB): the share is read from the server
+    stdout = run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "2", "--clients", "2",
+                           "--inflight", "1", "--shared-memory-min-bytes", "0", "--results", str(tmp_path))
     (path,) = tmp_path.glob("throughput_smoke_cpu_*.csv")
     rows = {r["mode"]: r for r in read_csv(path)}
     assert set(rows) == {"fwd", "fwd+bwd", "fwd+bwd cached"}
@@ -217,6 +250,23 @@ def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):
         assert f"forward {batch}x" in r["server_formed"]
         assert (f"backward {batch}x" in r["server_formed"]) == (mode != "fwd")
         assert ("cache hits" in r["server_formed"]) == (mode == "fwd+bwd cached")
+        # the ratios are remote over limit (per wall-clock second, per CPU second, per server CPU second)
+        assert math.isclose(float(r["ratio"]), float(r["remote_samples_per_s"]) / float(r["limit_samples_per_s"]),
+                            rel_tol=2e-3, abs_tol=1e-3), r
+        assert math.isclose(float(r["cpu_ratio"]),
+                            float(r["remote_samples_per_cpu_s"]) / float(r["limit_samples_per_cpu_s"]),
+                            rel_tol=2e-3, abs_tol=1e-3), r
+        assert math.isclose(float(r["server_cpu_ratio"]),
+                            float(r["server_samples_per_cpu_s"]) / float(r["limit_samples_per_cpu_s"]),
+                            rel_tol=2e-3, abs_tol=1e-3), r
+        # each round's ratio pairs that round's remote rate with that round's limit, and the range is theirs
+        remote, limit = ([float(x) for x in r[column].split()] for column in ("remote_per_round", "limit_per_round"))
+        per_round = [float(x) for x in r["ratio_per_round"].split()]
+        assert len(per_round) == 2 and all(math.isclose(ratio, rem / lim, rel_tol=1e-2, abs_tol=2e-3)
+                                           for ratio, rem, lim in zip(per_round, remote, limit)), r
+        printed = next(line for line in stdout.splitlines() if re.match(rf"\s*ffn32\s+{re.escape(mode)}\s+16\s", line))
+        assert f"{min(per_round):.2f}-{max(per_round):.2f}" in printed, printed
+        assert float(r["shared_memory_share"]) == (1.0 if AVAILABLE else 0.0), r
 
 
 def test_averaging_benchmark_small_runs_and_a_full_grid_is_exact(tmp_path):
