@@ -15,9 +15,9 @@
 #                                      # without hold calls, its server and client stages, the CUDA tests, the
 #                                      # bf16 layer, 8 processes, throughput, the 1-process layer (GPU_BUDGET_S=330
 #                                      # fits what it can into a 15-minute lease, skipping the rest)
-#   benchmarks/gpu_check.sh graphs     # there too: the CUDA tests, then the layer with and without --cuda-graphs (and
-#                                      # with the code in .before/ if carried), its profile, 8 processes, bf16, 1
-#                                      # process, throughput
+#   benchmarks/gpu_check.sh graphs     # there too, the one to run next: the CUDA tests, then the layer with and
+#                                      # without --cuda-graphs, 1 process with them, its profile, (the code in
+#                                      # .before/ if carried), bf16, 8 processes, throughput
 #
 # The GPU image has Python 3.12 with torch, numpy, tqdm, matplotlib, pytest and prometheus-client, but not the DHT's
 # packages (kademlia, rpcudp, u-msgpack-python), cryptography, nor necessarily the grpcio/protobuf versions the
@@ -158,24 +158,26 @@ plan_after() {  # run 2 of 2026-11-27, since then also without the client's hold
     step layer.1_process 60 $layer
 }
 
-plan_graphs() {  # run 4 of 2026-11-27: the experts on CUDA graphs (dmoe-server --cuda-graphs) against without, after
-                # the CUDA tests that check them against the eager expert; with .before/ (a copy of the code before,
-                # `git archive REV dmoe benchmarks | tar -x -C .before`, carried) the layer with that code too
-    local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 2 --steps 10 --warmup 6"
+plan_graphs() {  # run 4 of 2026-11-27 (then 2 rounds, another order): the experts on CUDA graphs (dmoe-server
+                # --cuda-graphs) against without, after the CUDA tests that check them against the eager expert; with
+                # .before/ (a copy of the code before, `git archive REV dmoe benchmarks | tar -x -C .before`, carried)
+                # the layer with that code too. 3 rounds, so that a median is one round's (review 51); the one-process
+                # layer early: with training steps as graphs, does one process still need company?
+    local layer="python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 3 --steps 10 --warmup 6"
     local throughput="python3 benchmarks/bench_throughput.py --preset compute --device cuda --duration 0.6 --rounds 1 \
 --server-processes 4 --activation-cache-mb 2048 --clients 4 --inflight 1"
     step cuda_tests 100 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_cuda.py
-    step layer.4_processes 60 $layer --server-processes 4
-    step layer.4_processes_graphs 60 $layer --server-processes 4 --cuda-graphs
-    if [[ -d .before ]]; then
-        step layer.4_processes_before 60 env PYTHONPATH="/tmp/site:$PWD/.before" python3 .before/benchmarks/bench_layer.py \
-            --device cuda --threads 4 --rounds 2 --steps 10 --warmup 6 --server-processes 4
-    fi
+    step layer.4_processes_graphs 80 $layer --server-processes 4 --cuda-graphs
+    step layer.4_processes 80 $layer --server-processes 4
+    step layer.1_process_graphs 80 $layer --cuda-graphs
     step profile.layer_4_processes_graphs 60 python3 benchmarks/bench_layer.py --device cuda --threads 4 --rounds 1 \
         --steps 10 --warmup 6 --server-processes 4 --cuda-graphs --profile --client-profile
-    step layer.8_processes_graphs 60 $layer --server-processes 8 --cuda-graphs
-    step layer_bf16.4_processes_graphs 60 $layer --server-processes 4 --autocast bf16 --cuda-graphs
-    step layer.1_process_graphs 60 $layer --cuda-graphs
+    if [[ -d .before ]]; then
+        step layer.4_processes_before 80 env PYTHONPATH="/tmp/site:$PWD/.before" python3 .before/benchmarks/bench_layer.py \
+            --device cuda --threads 4 --rounds 3 --steps 10 --warmup 6 --server-processes 4
+    fi
+    step layer_bf16.4_processes_graphs 90 $layer --server-processes 4 --autocast bf16 --cuda-graphs
+    step layer.8_processes_graphs 80 $layer --server-processes 8 --cuda-graphs
     step throughput.4_processes_graphs 100 $throughput --cuda-graphs
 }
 
