@@ -204,39 +204,13 @@ def test_bad_progress_records_and_a_state_of_another_model_are_refused_and_train
 
 
 
-ORPHANING_LAUNCHER = """
-import os, sys
-from dmoe.launch import Proc
-trainer = Proc(["-m", "dmoe.cli.train", *sys.argv[1:]], env={"TQDM_DISABLE": "1"})
-trainer.wait_for("waiting for 2 trainers", 120)
-print(trainer.popen.pid, flush=True)
-os._exit(0)  # dies without stopping it, as dmoe-demo killed by SIGKILL (or a SIGTERM it does not handle)
-"""
-
-
 def test_a_trainer_waiting_for_the_others_stops_when_its_launcher_dies(swarm, text_file, tmp_path):
     """Only the training loop checked for a dead launcher: a trainer of dmoe-demo --trainers N whose demo died
     while it waited for the others (--wait-for-trainers) waited out its 10 minutes first."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    from tests.test_trainer import assert_an_orphan_stops
 
-    from tests.test_trainer import alive
-
-    launcher = subprocess.run([sys.executable, "-c", ORPHANING_LAUNCHER, *trainer_flags(
-        swarm, text_file, "orphan", 0, 1, 4), "--wait-for-trainers", "2", "--out-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=180, cwd=str(Path(__file__).parents[1]))
-    pid = int(launcher.stdout.split()[0])
-    try:
-        deadline = time.monotonic() + 60
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(pid), "the orphaned trainer went on waiting"
-    finally:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    assert_an_orphan_stops([*trainer_flags(swarm, text_file, "orphan", 0, 1, 4), "--wait-for-trainers", "2",
+                            "--out-dir", str(tmp_path / "run")], "waiting for 2 trainers", "went on waiting")
 
 
 @pytest.mark.parametrize("value", ["0", "17", "three"])

@@ -14,6 +14,7 @@ import os
 import random
 import re
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -595,8 +596,8 @@ def test_ctrl_c_during_the_final_save_keeps_the_last_checkpoint_and_says_so(text
 ORPHANING_LAUNCHER = """
 import os, sys
 from dmoe.launch import Proc
-trainer = Proc(["-m", "dmoe.cli.train", *sys.argv[1:]], env={"TQDM_DISABLE": "1"})
-trainer.wait_for("step 3: validation loss", 120)
+trainer = Proc(["-m", "dmoe.cli.train", *sys.argv[2:]], env={"TQDM_DISABLE": "1"})
+trainer.wait_for(sys.argv[1], 120)
 print(trainer.popen.pid, flush=True)
 os._exit(0)  # dies without stopping it, as dmoe-demo killed by SIGKILL (or a SIGTERM it does not handle)
 """
@@ -610,28 +611,35 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_dmoe_train_stops_and_saves_when_the_program_that_launched_it_dies(text_file, tmp_path):
-    """It used to go on training unwatched, holding the checkpoint's lock, and write over its checkpoint."""
+def assert_an_orphan_stops(flags: list[str], ready: str, what: str, timeout: float = 60.0) -> None:
+    """Starts dmoe-train with ``flags`` from a launcher (:class:`dmoe.launch.Proc`, as dmoe-demo starts trainers)
+    that dies once the trainer printed a line matching ``ready``; fails, saying it ``what``, unless the trainer
+    stops within ``timeout`` seconds. The trainer is killed in any case."""
     import subprocess
     import sys
     import time
 
-    out_dir = tmp_path / "run"
-    launcher = subprocess.run(
-        [sys.executable, "-c", ORPHANING_LAUNCHER, "--data", str(text_file), "--out-dir", str(out_dir),
-         "--seq-len", "32", "--hidden", "32", "--layers", "1", "--heads", "2", "--grid", "2", "2", "--k-best", "2",
-         "--batch-size", "8", "--steps", "1000000", "--eval-interval", "3", "--eval-batches", "1",
-         "--checkpoint-interval", "1000000", "--sample-bytes", "0", "--threads", "1"],
-        capture_output=True, text=True, timeout=180, cwd=str(trainer.Path(__file__).parents[1]))
+    launcher = subprocess.run([sys.executable, "-c", ORPHANING_LAUNCHER, ready, *flags], capture_output=True,
+                              text=True, timeout=180, cwd=str(Path(__file__).parents[1]))
     pid = int(launcher.stdout.split()[0])
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not alive(pid), "the orphaned trainer went on training"
+        assert not alive(pid), f"the orphaned trainer {what}"
     finally:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_dmoe_train_stops_and_saves_when_the_program_that_launched_it_dies(text_file, tmp_path):
+    """It used to go on training unwatched, holding the checkpoint's lock, and write over its checkpoint."""
+    out_dir = tmp_path / "run"
+    assert_an_orphan_stops(
+        ["--data", str(text_file), "--out-dir", str(out_dir), "--seq-len", "32", "--hidden", "32", "--layers", "1",
+         "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--batch-size", "8", "--steps", "1000000",
+         "--eval-interval", "3", "--eval-batches", "1", "--checkpoint-interval", "1000000", "--sample-bytes", "0",
+         "--threads", "1"], "step 3: validation loss", "went on training")
     assert torch.load(out_dir / "checkpoint.pt", weights_only=True)["step"] >= 3  # saved where it stopped
     lock = trainer.lock_checkpoint(out_dir / "checkpoint.pt")  # and let go of it
     if lock is not None:
