@@ -216,6 +216,8 @@ class SwarmMonitor:
             except _Closing:
                 return
             except Exception:  # noqa: BLE001 - the monitor outlives a bad poll
+                if self._stop.is_set():  # e.g. its info calls refused by the pool close() shut down
+                    return
                 logger.exception("poll failed")
             self._stop.wait(self.period)
 
