@@ -99,3 +99,31 @@ def test_initial_peers_may_be_host_names():
             assert second.node.protocol.router.contacts()[0].ip == "127.0.0.1"
         with pytest.raises(ConnectionError, match="none of the initial DHT peers"):
             DHT(["no-such-host.invalid:9"])
+
+
+def test_an_owned_entry_some_replicas_hold_for_another_key_is_logged_where_written_and_read(caplog):
+    """A store counted as stored when any replica took it, and readers settled a contested subkey silently, a tie
+    going to the later expiration (which a hijacker always signs far ahead): the owner of a uid redirected by a
+    hostile node and the replicas it had poisoned saw nothing. Now both sides log it, and a tie reads as absent."""
+    from dmoe.dht import Identity
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=4, read_width=4)
+        async with in_process_swarm(4, config) as nodes:
+            key = "ffn0.3"
+            key_id = digest(key)
+            owner, reader = nodes[0], nodes[3]
+            hijacker = Identity()
+            taken = hijacker.entry(key_id, 17, "10.6.6.6:666", round(time.time() + 3000, 3))
+            for node in nodes[1:3]:  # two replicas hold the hijacker's entry first (a hand-over, say)
+                node.storage.store(key_id, 17, *taken)
+            entry = owner.identity.entry(key_id, 17, "127.0.0.1:1", round(time.time() + 60, 3))
+            with caplog.at_level("WARNING", logger="dmoe.dht"):
+                assert await owner.store_record(key, {17: entry}) == [True]  # the owner's own node and the reader
+                assert "ffn0.3[17]: stored, but 2 replica(s) refused it" in caplog.text
+                record = await reader.get_record(key)  # two machines for each owner: a tie
+            assert 17 not in record, record
+            assert "disagree on the owner of subkey 17 (2 votes to 2" in caplog.text and "a tie: read as absent" in \
+                caplog.text
+
+    asyncio.run(scenario())

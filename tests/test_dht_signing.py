@@ -266,3 +266,18 @@ def test_a_flood_of_garbage_datagrams_is_one_warning():
 
     logged = asyncio.run(scenario())
     assert len(logged) == 1 and "malformed datagram" in logged[0][0]
+
+
+def test_a_tie_between_owners_reads_as_absent_and_is_reported():
+    """The later expiration won a tie, and a hijacker signs the longest one allowed: one hostile machine and one
+    replica it had poisoned beat two honest ones."""
+    honest = {5: ALICE.entry(KEY, 5, "a:1", 150.0)}
+    lying = {5: MALLORY.entry(KEY, 5, "evil:1", 900.0)}
+    disputes: dict = {}
+    merged = merge_records([honest, dict(honest), lying, dict(lying)], now=100.0,
+                           voters=["10.0.0.1", "10.0.0.2", "10.6.6.6", "10.7.7.7"], disputes=disputes)
+    assert 5 not in merged and disputes[5].startswith("2 votes to 2")
+    disputes.clear()
+    merged = merge_records([honest, dict(honest), lying], now=100.0, voters=["10.0.0.1", "10.0.0.2", "10.6.6.6"],
+                           disputes=disputes)
+    assert merged[5].value == "a:1" and disputes[5].startswith("2 votes to 1")

@@ -430,7 +430,13 @@ class RecordCrawl:
         if local:
             held.append(local)
             voters.append(LOCAL_VOTER)
-        return nearest, merge_records(held, voters=voters)
+        disputes: dict = {}
+        merged = merge_records(held, voters=voters, disputes=disputes)
+        for subkey, how in disputes.items():  # a hijack (or the rare overlap of an expired owner and its successor)
+            self.protocol.refusals.warn("contested", self.target.id.hex(), "replicas of record %s disagree on the "
+                                        "owner of subkey %s (%s)%s", self.target.id.hex()[:16], subkey, how,
+                                        "" if subkey in merged else "; a tie: read as absent")
+        return nearest, merged
 
 
 def _resolve(future: asyncio.Future) -> None:

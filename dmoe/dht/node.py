@@ -186,7 +186,9 @@ class DHTNode(Server):
         ``nodes``: the replicas, when the caller already found them (see :meth:`find_nodes`).
         Returns, per entry in order, True when at least one replica accepted it, else False (unreachable or
         already superseded) or the error string a replica gave (e.g. a full record). Raises ValueError for an entry
-        expiring more than ``max_expiration`` seconds ahead, which every node would refuse.
+        expiring more than ``max_expiration`` seconds ahead, which every node would refuse. An owned entry counted as
+        stored that other replicas refused as another key's is logged (once a minute per record): readers that ask
+        those replicas may find the other key's entry, or none.
         """
         assert self.protocol is not None
         for entry in record.values():
@@ -207,12 +209,25 @@ class DHTNode(Server):
                 except NotOwner as error:
                     results[index] = f"refused: {error}"
         replies = await asyncio.gather(*(self.protocol.call_store(node, key_id, record) for node in nodes))
+        refused: dict[int, list[str]] = {}  # index -> refusals of an owned entry as another key's
+        if store_here:
+            refused.update({i: [r] for i, r in enumerate(results) if isinstance(r, str) and "owned by" in r})
         for reply in replies:
             for index, result in enumerate(reply):
                 if result is True:
                     results[index] = True
-                elif results[index] is False and isinstance(result, str):
-                    results[index] = result
+                elif isinstance(result, str):
+                    if results[index] is False:
+                        results[index] = result
+                    if "owned by" in result:
+                        refused.setdefault(index, []).append(result)
+        subkeys = list(record)
+        for index, reasons in refused.items():
+            if results[index] is True:  # counted as stored, yet some replicas hold another key's entry there
+                self.protocol.refusals.warn(
+                    "contested store", key,
+                    "%s[%s]: stored, but %d replica(s) refused it: %s; readers may find that key's entry instead",
+                    key, subkeys[index], len(reasons), reasons[0])
         return results
 
     async def store_records(self, records: dict[str, Record], replicas: Sequence[list[Node]] | None = None

@@ -81,13 +81,14 @@ def merge_entry(record: Record, subkey: Subkey, entry: Entry) -> bool:
     return True
 
 
-def merge_records(records: list[Record], now: float | None = None, voters: Sequence[Hashable] | None = None
-                  ) -> Record:
+def merge_records(records: list[Record], now: float | None = None, voters: Sequence[Hashable] | None = None,
+                  disputes: dict[Subkey, str] | None = None) -> Record:
     """Per subkey, the latest-expiring live entry among ``records`` (one per responding replica; the same record
     object may appear several times, once per replica that sent identical bytes).
 
     For an owned (int) subkey that replicas give to different owners (a lying replica), the owner held by the most
-    voters wins, then the one expiring last. ``voters``: per record, who sent it, where votes are counted per
+    voters wins; a tie between owners gives no entry (it went to the one expiring last, which a hijacker always
+    signs far ahead). ``disputes``: filled with each such subkey and who held it (to log). ``voters``: per record, who sent it, where votes are counted per
     machine (:func:`~dmoe.dht.routing.contact_machine` of the replica's address): one machine answering under
     several node ids is one vote however many of its replies are merged. Without it, each record is a vote.
 
@@ -129,8 +130,17 @@ def merge_records(records: list[Record], now: float | None = None, voters: Seque
                 votes[entry.owner] |= backers[id(record)]
                 if entry.owner not in latest or latest[entry.owner].expiration < entry.expiration:
                     latest[entry.owner] = entry
-        winner = max(votes, key=lambda owner: (len(votes[owner]), latest[owner].expiration))
-        merged[subkey] = latest[winner]
+        ranked = sorted(votes, key=lambda owner: len(votes[owner]), reverse=True)
+        tied = len(votes[ranked[0]]) == len(votes[ranked[1]])
+        if disputes is not None:
+            disputes[subkey] = (f"{len(votes[ranked[0]])} votes to {len(votes[ranked[1]])}: "
+                                 + ", ".join(f"{owner.hex()[:16]} at {latest[owner].value}" for owner in ranked[:2]))
+        if tied:
+            # no entry: a tie went to the later expiration, which a hijacker always signs (an hour ahead), so one
+            # hostile machine and one replica it had poisoned (by a hand-over) beat the owner's two
+            merged.pop(subkey, None)
+        else:
+            merged[subkey] = latest[ranked[0]]
     return merged
 
 
