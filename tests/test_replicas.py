@@ -980,3 +980,35 @@ def test_an_adopter_restarted_resumes_the_training_it_did_since_the_adoption(tmp
             wait_until(lambda: get_experts(dht, [uid]) == [second], 60, f"the restarted B serving {uid} again")
             assert expert_info(second, uid, timeout=10)["updates"] == 5
         assert restarted.stop() == 0
+
+
+def test_an_entry_at_another_servers_subkey_of_a_replication_record_is_not_that_server():
+    """Anyone may store first under any free int subkey: a key that took a server's subkey in {layer}/replica-hosts
+    was read as that server, and the pushes meant for it went to the taker's endpoint (review 53)."""
+    from dmoe.dht.storage import Entry
+
+    victim, taker = Identity(), Identity()
+    expires = time.time() + 60
+    squatted = {server_subkey(victim.public_key): Entry("10.6.6.6:666/9/abcd", expires, taker.public_key)}
+    assert holders(squatted) == []
+    own = {server_subkey(taker.public_key): Entry("10.6.6.6:666/9/abcd", expires, taker.public_key)}
+    assert [holder.endpoint for holder in holders(own)] == ["10.6.6.6:666"]
+
+
+def test_pushers_skip_hosts_at_another_keys_subkey(tmp_path):
+    from dmoe.replicas.pusher import ReplicaPusher
+
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        victim, taker = Identity(), Identity()
+        with DHT(initial_peers=[peer], identity=taker) as dht:
+            expires = time.time() + 60
+            assert dht.store(hosts_key("ffn0"), server_subkey(victim.public_key), host_value("10.6.6.6:666", "m1"),
+                             expires)  # the victim's subkey, taken first
+            pusher = ReplicaPusher.__new__(ReplicaPusher)  # only hosts() is called: what it reads
+            pusher.dht, pusher.identity, pusher.machine = dht, Identity(), "this"
+            assert pusher.hosts(["ffn0"]) == {"ffn0": []}
+            assert dht.store(hosts_key("ffn0"), server_subkey(taker.public_key), host_value("10.6.6.7:667", "m2"),
+                             expires)
+            assert [host.endpoint for host in pusher.hosts(["ffn0"])["ffn0"]] == ["10.6.6.7:667"]

@@ -398,7 +398,11 @@ class Adopter:
             records[replicas_key(uid)] = {self.subkey: (value, expires)}
         results = self.dht.store_many(records)
         failed = [key for key, result in results.items() if result[self.subkey] is not True]
-        if failed:
+        taken = [key for key in failed if "owned by" in str(results[key][self.subkey])]
+        if taken:  # another key stored there first: until it lets go, this server receives and announces nothing
+            logger.warning("this server's subkey %d is another key's in %d replica record(s), e.g. %s: %s",
+                           self.subkey, len(taken), taken[0], results[taken[0]][self.subkey])
+        elif failed:
             logger.info("%d of %d replica records were not stored: %s", len(failed), len(records), failed[:3])
 
     def rank(self, uid: str, announced: Sequence[Holder]) -> int:

@@ -33,7 +33,7 @@ import grpc
 
 from dmoe.dht import DHT, Identity
 from dmoe.replicas.metrics import ReplicaMetrics
-from dmoe.replicas.records import SIGNER_HEX, Host, distance, hosts_key, parse_host
+from dmoe.replicas.records import SIGNER_HEX, Host, distance, hosts_key, own_subkey, parse_host
 from dmoe.replicas.snapshots import (
     CHUNK_BYTES,
     SignedSnapshot,
@@ -306,7 +306,8 @@ class ReplicaPusher:
         records = self.dht.get_many([hosts_key(layer) for layer in layers])
         found: dict[str, list[Host]] = {}
         for layer in layers:
-            hosts = [Host(entry.owner, *parse_host(entry.value)) for entry in records[hosts_key(layer)].values()]
+            hosts = [Host(entry.owner, *parse_host(entry.value)) for subkey, entry in records[hosts_key(layer)].items()
+                     if own_subkey(subkey, entry.owner)]
             found[layer] = [host for host in hosts if host.key != self.identity.public_key
                             and (host.machine is None or host.machine != self.machine)]
         return found

@@ -107,12 +107,20 @@ def holder_machine(endpoint: str) -> str | None:
     return machine_of(address)
 
 
+def own_subkey(subkey: object, owner: bytes) -> bool:
+    """Whether an entry of a replication record sits at its owner's :func:`server_subkey`: anyone may store first
+    under any free int subkey, so a key that took another server's subkey was read as that server (pushes went to
+    it; review 53). Readers skip the rest."""
+    return isinstance(subkey, int) and not isinstance(subkey, bool) and subkey == server_subkey(owner)
+
+
 def holders(record: Record) -> list[Holder]:
-    """The holders a ``{uid}/replicas`` record names, most updates first; entries that do not parse are skipped."""
+    """The holders a ``{uid}/replicas`` record names, most updates first; entries that do not parse, or that sit
+    at another key's subkey (:func:`own_subkey`), are skipped."""
     found = []
     for subkey, entry in record.items():
         parts = entry.value.rsplit("/", 2)
-        if not isinstance(subkey, int) or len(parts) != 3 or not parts[1].isdigit():
+        if not own_subkey(subkey, entry.owner) or len(parts) != 3 or not parts[1].isdigit():
             continue
         found.append(Holder(parts[0], int(parts[1]), parts[2], entry.owner))
     return sorted(found, key=lambda h: -h.updates)
