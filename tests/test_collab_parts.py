@@ -944,3 +944,26 @@ def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best
                      r"holds \['step'\] in the state, \['exp_avg', 'exp_avg_sq', 'step'\] here",
                      caplog.text), caplog.text
     assert "downloaded the state at step 7 from trainer 902" in caplog.text
+
+
+def test_a_state_source_that_cannot_be_reached_is_banned_by_machine_not_by_port(bootstrap):
+    """Records pointing at a new port of one address each time got past a ban of the last HOST:PORT, and every
+    try cost a trainer a connection timeout (review 53); on loopback each ip:port stays a machine of its own."""
+    from dmoe.collab.progress import endpoint_machine
+
+    assert endpoint_machine("10.6.6.6:1000") == endpoint_machine("10.6.6.6:2000") != endpoint_machine("10.6.6.7:1000")
+    assert endpoint_machine("[2001:db8::1]:1") == endpoint_machine("[2001:db8::2]:2")  # one /64
+    assert endpoint_machine("127.0.0.1:1000") != endpoint_machine("127.0.0.1:2000")
+    with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as hostile:
+        reader = ProgressTracker(dht, "rotate", CONFIG)
+        try:
+            expiration = time.time() + 30
+            for peer_id, port in ((71, 1000), (72, 2000)):
+                hostile.store(progress_key("rotate"), peer_id, progress(step=9, endpoint=f"10.6.6.6:{port}").encode(),
+                              expiration)
+            wait_until(lambda: {71, 72} <= set(reader.state().peers))
+            assert reader.ban_endpoint("10.6.6.6:1000") == CONFIG.ban_time
+            reader.refresh_now()
+            assert {reader.state().peers[pid].endpoint for pid in (71, 72)} == {None}  # the other port too
+        finally:
+            reader.close()

@@ -36,6 +36,8 @@ from typing import Iterable, Mapping
 from dmoe.collab.config import CollaborationConfig, check_run_id
 from dmoe.dht import DHT
 from dmoe.dht.messages import check_entry
+from dmoe.dht.routing import contact_machine
+from dmoe.endpoints import bare_host
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +263,12 @@ class CollaborationState:
         return (rng or random).choice(candidates) if candidates else None
 
 
+def endpoint_machine(endpoint: str) -> str:
+    """The machine a ``HOST:PORT`` is on, as the DHT counts contacts (:func:`dmoe.dht.routing.contact_machine`)."""
+    host, _, port = endpoint.rpartition(":")
+    return contact_machine(bare_host(host), int(port) if port.isdigit() else 0)
+
+
 class ProgressTracker:
     """Publishes this trainer's :class:`Progress` and reads the others', every ``refresh_period``, in a background
     thread it owns (stopped by :meth:`close`). ``peer_id`` None makes an observer that publishes nothing.
@@ -282,7 +290,7 @@ class ProgressTracker:
         self._owners: dict[int, bytes] = {}  # accepted peer: the DHT key that signed its record
         self._unpublished = 0  # publishes in a row that no node took
         self._banned: dict[int, float] = {}
-        self._banned_endpoints: dict[str, tuple[float, float]] = {}  # endpoint: (until, the ban's length)
+        self._banned_endpoints: dict[str, tuple[float, float]] = {}  # machine: (until, the ban's length)
         self._warned: set[tuple[int, str]] = set()
         self._expiration = 0.0
         self._lock = threading.Lock()
@@ -381,7 +389,8 @@ class ProgressTracker:
                 continue
             # extrapolated from when it was first read here, on this clock
             progress = replace(progress, time=first_read[1])
-            if progress.endpoint is not None and self._banned_endpoints.get(progress.endpoint, (0.0,))[0] > now:
+            if progress.endpoint is not None and \
+                    self._banned_endpoints.get(endpoint_machine(progress.endpoint), (0.0,))[0] > now:
                 progress = replace(progress, endpoint=None)  # no state to download there, for now
             accepted[subkey] = progress
         with self._lock:
@@ -406,15 +415,18 @@ class ProgressTracker:
             self._peers.pop(peer_id, None)
 
     def ban_endpoint(self, endpoint: str) -> float:
-        """Downloads no state from ``endpoint`` (no connection could be made to it) for ``config.ban_time``, twice
-        as long each time it fails again after its ban (at most 16 times as long); returns how long. Any record
-        naming it meanwhile counts as one serving no state: anyone can publish records pointing at an address that
-        drops packets, under as many peer ids as they like, and each try costs the trainer a connection timeout."""
+        """Downloads no state from ``endpoint``'s machine (no connection could be made to it) for
+        ``config.ban_time``, twice as long each time it fails again after its ban (at most 16 times as long);
+        returns how long. Any record naming that machine meanwhile counts as one serving no state: anyone can
+        publish records pointing at an address that drops packets, under as many peer ids as they like, and each try
+        costs the trainer a connection timeout. By machine (an IPv4 address, an IPv6 /64; on loopback each
+        ip:port), not by ``HOST:PORT``: a new port for every record got past a ban of the last one (review 53)."""
         now = time.time()
-        until, seconds = self._banned_endpoints.get(endpoint, (0.0, 0.0))
+        machine = endpoint_machine(endpoint)
+        until, seconds = self._banned_endpoints.get(machine, (0.0, 0.0))
         if until <= now:
             seconds = min(2 * seconds, 16 * self.config.ban_time) if seconds else self.config.ban_time
-            self._banned_endpoints[endpoint] = (now + seconds, seconds)
+            self._banned_endpoints[machine] = (now + seconds, seconds)
         return seconds
 
     def _refuse(self, peer_id: int, kind: str, message: str) -> None:
