@@ -127,3 +127,34 @@ def test_an_owned_entry_some_replicas_hold_for_another_key_is_logged_where_writt
                 caplog.text
 
     asyncio.run(scenario())
+
+
+def test_a_server_whose_uid_readers_find_under_another_key_says_so(caplog):
+    """A declaration counts as stored when any replica takes it: a server whose uid most replicas held for another
+    key (stored there first) went on announcing, and clients were sent to that key's endpoint unnoticed."""
+    from dmoe.dht import Identity
+    from dmoe.directory import announce_forever
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=4, read_width=4)
+        async with in_process_swarm(4, config) as nodes:
+            key_id = digest("ffn0.3")
+            taken = Identity().entry(key_id, 17, "10.6.6.6:666", round(time.time() + 3000, 3))
+            for node in nodes[1:4]:  # three of the four replicas: a majority of every read
+                node.storage.store(key_id, 17, *taken)
+            with caplog.at_level("INFO", logger="dmoe.directory"):
+                announcing = asyncio.ensure_future(announce_forever(nodes[0], ["ffn0.3.17", "ffn0.3.16"],
+                                                                    "127.0.0.1:1", refresh_period=0.2,
+                                                                    expiration=5.0))
+                try:
+                    deadline = time.monotonic() + 10
+                    while "readers find it declared by another key" not in caplog.text:
+                        assert time.monotonic() < deadline, caplog.text
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.5)  # two refreshes more
+                finally:
+                    announcing.cancel()
+            warnings = [r.getMessage() for r in caplog.records if "readers find it declared" in r.getMessage()]
+            assert len(warnings) == 1 and warnings[0].startswith("ffn0.3.17: ") and "at 10.6.6.6:666" in warnings[0]
+
+    asyncio.run(scenario())

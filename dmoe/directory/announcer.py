@@ -7,16 +7,19 @@ import time
 from typing import Sequence
 
 from dmoe.dht import DHT, DHTConfig, DHTNode, Identity
-from dmoe.directory.declarations import declare
+from dmoe.directory.declarations import declare, taken_by_others
 
 logger = logging.getLogger(__name__)
 
 
 async def announce_forever(node: DHTNode, uids: Sequence[str], endpoint: str, refresh_period: float,
-                           expiration: float, *, declared: bool = False) -> None:
+                           expiration: float, *, declared: bool = False,
+                           reported: dict[str, bytes] | None = None) -> None:
     """Declares ``uids`` every ``refresh_period`` seconds until cancelled; failures are retried sooner.
 
     declared: the caller has just declared them, so the first declaration waits a refresh period.
+    reported: what the caller's read-back reported as taken by other keys (see :func:`report_taken`), which is
+    read back after every declaration.
     ``uids`` is read again before every declaration: a list the caller changes (:meth:`Announcer.add`) is followed.
 
     A declaration still running when its entries would have expired (after ``expiration`` seconds, or a refresh
@@ -26,6 +29,7 @@ async def announce_forever(node: DHTNode, uids: Sequence[str], endpoint: str, re
     if declared:
         await asyncio.sleep(refresh_period)
     timeout = max(refresh_period, expiration)
+    reported = dict(reported or {})  # uid -> the other key readers found, as last reported
     while True:
         started = time.monotonic()
         try:
@@ -33,6 +37,7 @@ async def announce_forever(node: DHTNode, uids: Sequence[str], endpoint: str, re
             failed = len(results) - sum(results)
             if failed:
                 logger.warning("%d of %d experts could not be declared; retrying soon", failed, len(results))
+            reported = await report_taken(node, list(uids), endpoint, reported, timeout)
         except asyncio.CancelledError:
             raise
         except asyncio.TimeoutError:
@@ -44,6 +49,26 @@ async def announce_forever(node: DHTNode, uids: Sequence[str], endpoint: str, re
             failed = 1
         period = refresh_period / 4 if failed else refresh_period
         await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
+
+
+async def report_taken(node: DHTNode, uids: Sequence[str], endpoint: str, reported: dict[str, bytes],
+                       timeout: float) -> dict[str, bytes]:
+    """Reads ``uids`` back as clients would and warns of each that readers find declared by another key (once,
+    until that changes); returns what it reported (uid -> that key). A read that fails is skipped."""
+    if not uids:
+        return {}
+    try:
+        taken = await asyncio.wait_for(taken_by_others(node, uids), timeout)
+    except (asyncio.TimeoutError, OSError) as error:
+        logger.debug("reading back %d declared experts failed: %s", len(uids), error)
+        return reported
+    for uid, entry in taken.items():
+        if reported.get(uid) != entry.owner:
+            logger.warning("%s: readers find it declared by another key (%s) at %s, not at %s: clients are sent "
+                           "there until that key lets go of it", uid, entry.owner.hex()[:16], entry.value, endpoint)
+    for uid in set(reported) - set(taken):
+        logger.info("%s: readers find this server's declaration again", uid)
+    return {uid: entry.owner for uid, entry in taken.items()}
 
 
 class Announcer:
@@ -106,9 +131,10 @@ class Announcer:
                                                             self.expiration))
         logger.info("declared %d of %d experts at %s in the DHT (node %s)", sum(self.first_results), len(self.uids),
                     endpoint, self.dht.endpoint)
+        reported = self.dht.run_coroutine(report_taken(self.dht.node, list(self.uids), endpoint, {}, self.expiration))
         self._future = asyncio.run_coroutine_threadsafe(
             announce_forever(self.dht.node, self.uids, endpoint, self.refresh_period, self.expiration,
-                             declared=True),
+                             declared=True, reported=reported),
             self.dht.loop)
         return self.first_results
 

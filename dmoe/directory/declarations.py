@@ -90,6 +90,20 @@ async def declare(node: DHTNode, uids: Sequence[str], endpoint: str, expiration:
     return [all(stored[place] is True for place in uid_places) for uid_places in places]
 
 
+async def taken_by_others(node: DHTNode, uids: Sequence[str]) -> dict[str, Entry]:
+    """The uids of ``uids`` that readers find declared by another key than ``node``'s: uid -> that key's entry
+    (whose value is where clients are sent). A declaration counts as stored when any replica takes it, so one that
+    most replicas refused (another key held the uid there first, or got there by a hand-over) went unnoticed."""
+    parents = {uid: strict_prefixes(uid)[-1] for uid in uids}
+    records = await node.get_records(list(dict.fromkeys(prefix for prefix, _ in parents.values())))
+    taken = {}
+    for uid, (prefix, coordinate) in parents.items():
+        entry = records[prefix].get(coordinate)
+        if entry is not None and entry.owner != node.identity.public_key:
+            taken[uid] = entry
+    return taken
+
+
 def declare_experts(dht: DHT, uids: Sequence[str], endpoint: str, expiration: float | None = None) -> list[bool]:
     """Declares ``uids`` served at ``endpoint`` for ``expiration`` seconds through ``dht`` (see :func:`declare`):
     every record concurrently, signed by the node's identity. Raises ValueError for a uid or endpoint no node would
