@@ -29,12 +29,13 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import time
 import urllib.request
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -326,32 +327,31 @@ class ServerMetrics:
                     yield message
             return remember_uid()
 
-        if not inspect.isasyncgenfunction(handler):
-            @functools.wraps(handler)
-            async def counted_writing(request_iterator, context) -> None:
-                self.grpc_calls.labels(f"{method}_stream").inc()
-                started, error, uid = time.monotonic(), None, [""]
-                try:
-                    await handler(remembering(request_iterator, uid), context)
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    self._record(uid[0], method, context, started, error)
-            return counted_writing
-
-        @functools.wraps(handler)
-        async def counted(request_iterator, context) -> AsyncIterator:
+        @contextlib.contextmanager
+        def counting(context) -> Iterator[list[str]]:
+            """One streamed call counted, as the expert its first message names (the list it yields)."""
             self.grpc_calls.labels(f"{method}_stream").inc()
             started, error, uid = time.monotonic(), None, [""]
             try:
-                async for response in handler(remembering(request_iterator, uid), context):
-                    yield response
+                yield uid
             except BaseException as exc:
                 error = exc
                 raise
             finally:
                 self._record(uid[0], method, context, started, error)
+
+        if not inspect.isasyncgenfunction(handler):
+            @functools.wraps(handler)
+            async def counted_writing(request_iterator, context) -> None:
+                with counting(context) as uid:
+                    await handler(remembering(request_iterator, uid), context)
+            return counted_writing
+
+        @functools.wraps(handler)
+        async def counted(request_iterator, context) -> AsyncIterator:
+            with counting(context) as uid:
+                async for response in handler(remembering(request_iterator, uid), context):
+                    yield response
         return counted
 
     # ---- HTTP endpoint ----
