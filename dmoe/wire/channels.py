@@ -1,6 +1,7 @@
 """gRPC options shared by both ends, and a pool of client channels reused per endpoint."""
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -140,6 +141,7 @@ class _Entry(NamedTuple):
     calls: TensorCalls
     shared: SharedMemoryCalls | None
     hold: HeldCall | None
+    used: list[float]  # [the monotonic time of its last use], updated in place under the pool's lock
 
 
 class ChannelPool:
@@ -155,6 +157,11 @@ class ChannelPool:
     ``hold_calls``: keep a ``hold`` call open on each channel in use (:class:`HeldCall`: gRPC then keeps the
     channel's polling thread instead of starting one per call), each for ``hold_seconds`` (servers cap it at 60).
     A pool dropped without ``close()`` keeps its threads and the servers' holds until its holds end.
+
+    ``idle_seconds``: a channel nobody asked for in that long is let go (None: kept until ``close()``). A trainer
+    meets servers as volunteers come and go, and each channel kept to a live server held a connection (a file
+    descriptor, ~170 KB) for good. A let-go channel is not closed: calls still in flight on it (a long snapshot
+    push, say) finish, and gRPC closes it once they have; the next use of its endpoint opens a new one.
     """
 
     _default: "ChannelPool | None" = None
@@ -162,10 +169,15 @@ class ChannelPool:
 
     def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES, shared_memory: bool = True,
                  shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES, hold_calls: bool = True,
-                 hold_seconds: float = 30.0):
+                 hold_seconds: float = 30.0, idle_seconds: float | None = 600.0):
         self.max_message_bytes = max_message_bytes
         if not 0 < hold_seconds < float("inf"):
             raise ValueError(f"hold_seconds must be finite and > 0, got {hold_seconds}")
+        if idle_seconds is not None and not 0 < idle_seconds < float("inf"):
+            raise ValueError(f"idle_seconds must be finite and > 0 (or None), got {idle_seconds}")
+        self.idle_seconds = idle_seconds
+        self._next_sweep = time.monotonic() + (idle_seconds or 0.0)
+        self.let_go = 0  # channels let go for being idle so far
         self.hold_calls, self.hold_seconds = hold_calls, hold_seconds
         self.shared_memory, self.shared_memory_min_bytes = shared_memory and AVAILABLE, shared_memory_min_bytes
         self.segments = SegmentPool()  # bounded over all endpoints; a segment is reused only for its own endpoint
@@ -181,7 +193,16 @@ class ChannelPool:
             return cls._default
 
     def _entry(self, endpoint: str) -> _Entry:
+        now = time.monotonic()
+        idle: list[tuple[str, _Entry]] = []
         with self._lock:
+            if self.idle_seconds is not None and now >= self._next_sweep:
+                # At most every idle_seconds / 4, so a let-go channel outlives its last use by 1.25 x at most.
+                self._next_sweep = now + self.idle_seconds / 4
+                idle = [(name, old) for name, old in self._entries.items() if now - old.used[0] > self.idle_seconds]
+                for name, _ in idle:
+                    del self._entries[name]
+                self.let_go += len(idle)
             entry = self._entries.get(endpoint)
             if entry is None:
                 channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes))
@@ -190,10 +211,33 @@ class ChannelPool:
                           if self.shared_memory and is_local_endpoint(endpoint) else None)
                 entry = self._entries[endpoint] = _Entry(channel, dmoe_pb2_grpc.ExpertServiceStub(channel), calls,
                                                          shared, HeldCall(channel, endpoint, self.hold_seconds)
-                                                         if self.hold_calls else None)
+                                                         if self.hold_calls else None, [now])
+            else:
+                entry.used[0] = now
+        if idle:
+            self._let_go(idle)
         if entry.hold is not None:
             entry.hold.ensure()
         return entry
+
+    def _let_go(self, idle: list[tuple[str, _Entry]]) -> None:
+        """Lets go of ``idle``'s channels (and empties it, so that no frame keeps them)."""
+        names = [name for name, _ in idle]
+        for name, entry in idle:
+            if entry.hold is not None:
+                entry.hold.close()
+            self.segments.forget(name)
+        idle.clear()
+        del entry
+        logger.debug("let go of %d idle channel(s): %s", len(names), ", ".join(names))
+        # A channel is closed when its last reference goes, but gRPC's objects refer to each other, so that is
+        # at the next full collection, which a trainer may not reach for a long while: its connection with it.
+        gc.collect()
+
+    def endpoints(self) -> list[str]:
+        """The endpoints this pool has a channel to now."""
+        with self._lock:
+            return list(self._entries)
 
     def held(self, endpoint: str) -> HeldCall | None:
         """The hold kept on ``endpoint``'s channel (None: no channel yet, or ``hold_calls`` is off)."""

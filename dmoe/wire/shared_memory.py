@@ -155,6 +155,14 @@ class SegmentPool:
         """Closes a segment the server may still write into (its call failed, was cancelled or was refused)."""
         segment.close()
 
+    def forget(self, endpoint: str) -> None:
+        """Closes the idle segments kept for ``endpoint`` (the pool let its channel go)."""
+        with self._lock:
+            gone = [segment for owner, segment in self._free if owner == endpoint]
+            self._free = [(owner, segment) for owner, segment in self._free if owner != endpoint]
+        for segment in gone:
+            segment.close()
+
     def idle(self, endpoint: str | None = None) -> int:
         """The idle segments kept (for ``endpoint``; None: for any)."""
         with self._lock:
