@@ -449,11 +449,19 @@ class SegmentMaps:
         try:
             # only a memfd: never open a device or a pipe a client might name
             if not os.readlink(path).startswith("/memfd:") or not stat.S_ISREG(os.stat(path).st_mode):
-                raise Refused(f"fd {call.fd} of process {call.pid} is not a memfd")
+                raise OSError(0, "not a memfd")
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
         except OSError as error:
-            raise Refused(f"cannot open fd {call.fd} of process {call.pid}: {os.strerror(error.errno or 0)}") from None
+            # One answer whatever the cause: which one it was would tell any client on this host which descriptors
+            # exist in the processes this server's user may look into (review 55). The cause goes to the log.
+            logger.debug("cannot open fd %d of process %d: %s", call.fd, call.pid,
+                         error.strerror or os.strerror(error.errno or 0))
+            raise Refused(f"fd {call.fd} of process {call.pid} is no memfd this server can open") from None
         try:
+            if os.fstat(fd).st_blksize != mmap.PAGESIZE:
+                # huge pages (MFD_HUGETLB): a page its owner punched out after the mapping faults a new one on read,
+                # and with the pool empty that is SIGBUS, which would kill this server
+                raise Refused("the segment is not of ordinary pages (huge pages are refused)")
             try:
                 seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             except OSError:
