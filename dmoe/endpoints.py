@@ -47,6 +47,17 @@ def peer_host(peer: str) -> str:
     return address.rpartition(":")[0].replace("%5B", "[").replace("%5D", "]").strip("[]").lower()
 
 
+def peer_machine(peer: str) -> str:
+    """The machine a gRPC peer string is on, as :func:`machine_of` counts machines (an IPv4 address, an IPv6 /64):
+    what per-client limits key on, since one machine may use any address of its /64; a peer that is no IP address
+    (a unix socket) as its host."""
+    host = peer_host(peer)
+    try:
+        return machine_of(ipaddress.ip_address(host.split("%", 1)[0]))
+    except ValueError:
+        return host
+
+
 def reachable_endpoint(host: str, port: int | str) -> str:
     """Where a server bound to ``host`` is reached from this machine: a wildcard host at 127.0.0.1."""
     return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)

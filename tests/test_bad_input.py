@@ -406,3 +406,65 @@ def test_one_host_may_take_the_whole_queue_alone_but_only_its_share_while_others
         for host in ("a", "b"):
             servicer._dequeued(int(0.3 * mib), host)
         assert servicer.queued_bytes == 0 and servicer.queued_by_host == {} and HOST_SHARE == 0.5
+
+
+def test_answers_a_client_does_not_read_count_against_the_queued_bytes_until_their_calls_end():
+    """Review 55: a client giving the server no flow-control window had every answer kept in the server's memory
+    (~47 MiB per 16 MiB answer) until it closed the connection, counted nowhere: 32 such calls took a server from
+    0.4 to 2 GiB with --max-queued-mb 64, and with --processes 2 the whole server down."""
+    from dmoe.server.servicer import HOST_SHARE, UNARY_ANSWER_COPIES
+    from tests.raw_h2 import RawConnection
+
+    hidden, rows = 256, 512
+    answer = rows * hidden * 4
+    config = ServerConfig(device="cpu", max_queued_mb=4.0)
+    request = dmoe_pb2.ExpertRequest(uid="nop.0", tensors=[serialize(torch.randn(rows, hidden))]).SerializeToString()
+    x = torch.randn(rows, hidden)
+    with ExpertServer.create("nop.[0:1]", "nop", hidden, config=config) as server:
+        servicer = server.servicer
+        # ~2 answers take this host's share: then its calls are refused, however its connections differ
+        calls = int(servicer.max_queued_bytes * HOST_SHARE // (UNARY_ANSWER_COPIES * answer)) + 1
+        with RawConnection(server.endpoint, window=0) as unread:
+            for _ in range(calls):
+                unread.call("/dmoe.ExpertService/forward", request)
+            wait_until(lambda: servicer.answer_bytes == calls * UNARY_ANSWER_COPIES * answer)
+            with pytest.raises(RemoteExpertError) as refused:
+                forward_future(server.endpoint, "nop.0", [x], channels=ChannelPool(shared_memory=False)).result(30)
+            assert refused.value.code == Code.RESOURCE_EXHAUSTED, refused.value
+            assert "answers to this host that it has not taken" in str(refused.value)
+            assert servicer.answer_bytes == calls * UNARY_ANSWER_COPIES * answer  # (the refused call's not kept)
+        # the connection gone, its calls end and what they held is released
+        wait_until(lambda: servicer.answer_bytes == 0 and servicer.answers_by_host == {})
+        torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)
+        assert servicer.answer_bytes == 0 and servicer.queued_bytes == 0
+
+
+def test_a_small_request_padded_into_a_large_message_counts_as_the_message():
+    """Review 55: --max-queued-mb counted a request's tensor bytes while its inputs, views of the message, kept the
+    whole message alive: one-row requests padded to 60 MiB counted 4 KiB each (40 of them: 1.3 GiB uncounted)."""
+    hidden = 64
+    config = ServerConfig(device="cpu", max_queued_mb=64.0)
+    with ExpertServer.create("nop.[0:1]", "nop", hidden, config=config) as server:
+        servicer = server.servicer
+        seen: list[int] = []
+        submit = servicer._submit
+
+        def counting(*args, **kwargs):
+            future = submit(*args, **kwargs)
+            seen.append(servicer.queued_bytes)
+            return future
+        servicer._submit = counting
+        x = torch.randn(1, hidden)
+        plain = dmoe_pb2.ExpertRequest(uid="nop.0", tensors=[serialize(x)])
+        padded = dmoe_pb2.ExpertRequest()
+        padded.CopyFrom(plain)
+        padded.tensors[0].pad = b"\0" * (4 << 20)  # (a field readers skip: the tensor is read in place around it)
+        with grpc.insecure_channel(server.endpoint) as channel:
+            stub = dmoe_pb2_grpc.ExpertServiceStub(channel)
+            for message in (plain, padded):
+                torch.testing.assert_close(deserialize(stub.forward(message, timeout=30).tensors[0]), x)
+            batch = dmoe_pb2.BatchRequest(items=[padded, plain])
+            assert [r.code for r in stub.forward_batch(batch, timeout=30).results] == [0, 0]
+        assert seen[0] < 4096 and seen[1] >= 4 << 20  # the plain request's bytes, then the padded message's
+        assert max(seen[2:]) >= 4 << 20  # the batch's message, counted once for its items
+        assert servicer.queued_bytes == 0 and servicer.queued_by_host == {}

@@ -19,6 +19,7 @@ from dmoe.endpoints import (
     machine_address,
     outbound_host,
     peer_host,
+    peer_machine,
     reachable_endpoint,
 )
 from dmoe.monitor import MonitorServer
@@ -53,6 +54,16 @@ def test_a_grpc_peer_names_its_host_in_every_form_grpc_writes():
     assert peer_host("ipv6:[::1]:5000") == peer_host("ipv6:%5B::1%5D:5000") == "::1"
     assert peer_host("ipv6:[2001:DB8::7]:1") == "2001:db8::7"
     assert peer_host("unix:/tmp/socket") == "unix"
+
+
+def test_per_client_limits_count_a_machine_not_an_address():
+    """Review 55: an expert server's per-host limits went by address, so any addresses of one IPv6 /64 counted as
+    that many machines (four of them took every streamed-call slot of a server)."""
+    assert peer_machine("ipv6:[2001:db8::7]:1") == peer_machine("ipv6:%5B2001:db8::ffff:1%5D:9") == "2001:db8::/64"
+    assert peer_machine("ipv6:[2001:db8:0:1::7]:1") == "2001:db8:0:1::/64"
+    assert peer_machine("ipv4:10.0.0.1:5000") == peer_machine("ipv6:[::ffff:10.0.0.1]:7") == "10.0.0.1"
+    assert peer_machine("ipv4:10.0.0.2:5000") == "10.0.0.2"
+    assert peer_machine("unix:/tmp/socket") == "unix"
 
 
 def test_a_node_given_no_host_listens_on_loopback_only_for_a_swarm_on_this_host():

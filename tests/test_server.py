@@ -568,8 +568,8 @@ def test_autocast_server_answers_in_the_schema_dtype_close_to_full_precision():
 def test_a_server_refuses_requests_beyond_its_queued_memory_and_takes_them_again_once_it_drained():
     """Clients sending faster than the experts compute (or on purpose) queued up the server's memory without a
     bound; the refused ones go to other experts (RESOURCE_EXHAUSTED)."""
-    x = torch.randn(64, 1024)  # 256 KiB of inputs per request
-    config = ServerConfig(device="cpu", max_queued_mb=1.0)
+    x = torch.randn(64, 1024)  # 256 KiB of inputs per request, in a message a little larger (which is what counts)
+    config = ServerConfig(device="cpu", max_queued_mb=1.02)
     with ExpertServer.create("nop.[0:8]", "nop", 1024, config=config) as server:
         release = threading.Event()
 
@@ -580,7 +580,7 @@ def test_a_server_refuses_requests_beyond_its_queued_memory_and_takes_them_again
         pauser = threading.Thread(target=pause)
         pauser.start()
         try:
-            queued = [forward_future(server.endpoint, f"nop.{i}", [x]) for i in range(4)]  # 1 MiB: all taken
+            queued = [forward_future(server.endpoint, f"nop.{i}", [x]) for i in range(4)]  # ~1 MiB: all taken
             deadline = time.monotonic() + 30
             while server.servicer.queued_bytes < 4 * x.nbytes and time.monotonic() < deadline:
                 time.sleep(0.01)

@@ -198,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the forward, in the memory of the device the experts compute on (0: always recompute)")
     parser.add_argument("--max-queued-mb", type=positive_float, default=1024.0,
                         help="MiB of request inputs waiting for (or in) the experts' compute, or still arriving in "
-                             "streamed calls, at most; requests beyond it are refused (RESOURCE_EXHAUSTED: clients "
-                             "move on to other experts)")
+                             "streamed calls, and of answers not yet taken by their clients, at most; requests "
+                             "beyond it are refused (RESOURCE_EXHAUSTED: clients move on to other experts)")
     parser.add_argument("--max-stream-mb", type=positive_float, default=1024.0,
                         help="MiB one streamed request (a payload above --max-message-bytes, sent in parts) may carry "
                              "in all; a larger one is refused as its parts arrive")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import ipaddress
 import json
 import logging
 import math
@@ -29,7 +28,7 @@ import grpc
 import torch
 
 from dmoe.collab.progress import MAX_GROUP_SIZE, RECORD_MAX_STEP, check_lineage
-from dmoe.endpoints import join_host_port, machine_of, peer_host, reachable_endpoint
+from dmoe.endpoints import join_host_port, peer_machine, reachable_endpoint
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
 from dmoe.wire.channels import STREAM_PART_BYTES
 from dmoe.wire.codec import InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
@@ -470,7 +469,7 @@ class StateServicer(dmoe_pb2_grpc.CollaborationServiceServicer):
         if request.run_id != self.run_id:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"this trainer is in run {self.run_id!r}, not {request.run_id!r}")
-        host = _client_machine(context.peer())
+        host = peer_machine(context.peer())
         if sum(self._by_host.values()) >= self.max_downloads:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this trainer serves {self.max_downloads} "
                                 f"state downloads already, its most at once; try again later")
@@ -513,13 +512,6 @@ class StateServicer(dmoe_pb2_grpc.CollaborationServiceServicer):
             await context.write(message)  # waits while the client does not read (HTTP/2 flow control)
 
 
-def _client_machine(peer: str) -> str:
-    """The machine a gRPC peer string stands for (:func:`dmoe.endpoints.machine_of`), or its host as written."""
-    host = peer_host(peer)
-    try:
-        return machine_of(ipaddress.ip_address(host))
-    except ValueError:
-        return host
 
 
 class StateServer:

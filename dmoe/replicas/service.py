@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 from collections import Counter
 from typing import AsyncIterator, Callable, Collection, Iterator
 
 import grpc
 
-from dmoe.endpoints import machine_of, peer_host
+from dmoe.endpoints import peer_machine
 from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.records import SIGNER_HEX
 from dmoe.replicas.snapshots import (
@@ -254,11 +253,3 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                                   f"the fetch of {uid} read nothing for {self.stall_seconds:g} s") from None
 
 
-def peer_machine(peer: str) -> str:
-    """The machine a gRPC peer string is on, as :func:`dmoe.endpoints.machine_of` counts machines (an IPv4 address,
-    an IPv6 /64); a peer that is no IP address (a unix socket) as its host."""
-    host = peer_host(peer)
-    try:
-        return machine_of(ipaddress.ip_address(host.split("%", 1)[0]))
-    except ValueError:
-        return host

@@ -94,7 +94,8 @@ class ServerConfig:
             more are refused with RESOURCE_EXHAUSTED (clients move on to other experts), so that clients sending
             faster than the experts compute, or on purpose, cannot take all of the server's memory. Streamed
             requests count as their messages arrive, and while anything else is queued or arriving those still
-            arriving may take at most half of it (see :class:`~dmoe.server.servicer.ExpertServicer`).
+            arriving may take at most half of it; answers count until their clients have taken them (see
+            :class:`~dmoe.server.servicer.ExpertServicer`).
     """
 
     host: str = "127.0.0.1"

@@ -18,7 +18,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from dmoe.endpoints import peer_host
+from dmoe.endpoints import peer_machine
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
 from dmoe.server.profile import StageClock
@@ -131,6 +131,10 @@ STREAMS_SHARE = 0.5
 #: one client keeping enough requests in flight would otherwise have every other caller refused (review 48). A host
 #: alone may take all of it; a newcomer then waits for one drain of its queue at most.
 HOST_SHARE = 0.5
+#: what an answer of a unary call holds in the server's memory, in multiples of its tensors' bytes, from its
+#: computation until the call ends: the tensors, their serialized message and gRPC's copy of it (measured: a 16 MiB
+#: answer nobody read held ~47 MiB, review 55)
+UNARY_ANSWER_COPIES = 3
 
 
 @dataclass(eq=False)
@@ -144,6 +148,20 @@ class Arrival:
 #: bytes a message read in place may hold beyond its tensors' and still be kept whole by a view of them (headers,
 #: alignment padding)
 PIN_SLACK_BYTES = 4096
+
+
+def _message_bytes(tensors: Sequence[Any]) -> int:
+    """The size of the message that views of these tensors (read in place: :class:`dmoe.wire.zerocopy.TensorView`)
+    keep alive, 0 if none is such a view."""
+    for tensor in tensors:
+        buffer = getattr(tensor, "buffer", None)
+        if isinstance(buffer, memoryview) and buffer.obj is not None:
+            return len(buffer.obj)
+    return 0
+
+
+def _answer_bytes(tensors: Sequence[OutgoingTensor]) -> int:
+    return sum(len(t.buffer) if isinstance(t.buffer, bytes) else t.buffer.nbytes for t in tensors)
 
 
 def _pins_more(tensors: Sequence[Any]) -> bool:
@@ -213,7 +231,11 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             are refused (RESOURCE_EXHAUSTED), so that clients sending faster than the experts compute (or on
             purpose) cannot queue up the server's memory; a request alone is never refused for its size here.
             Streamed requests count their messages as they arrive, and may count at most :data:`STREAMS_SHARE` of it
-            while anything else is queued or arriving.
+            while anything else is queued or arriving. A request read in place counts the whole message its inputs
+            keep alive (padding a small request does not make it count less), and answers count from their
+            computation until their call ends (:data:`UNARY_ANSWER_COPIES`): a client that never reads its answers
+            would otherwise hold them in memory uncounted; one host's answers not taken beyond
+            :data:`HOST_SHARE` of this refuse that host's requests.
         max_streams: streamed calls open at once beyond this are refused (RESOURCE_EXHAUSTED).
         max_streams_per_host: the same, for the calls of one client machine.
         max_stream_seconds: a streamed request not received whole this long after its call began is refused
@@ -246,6 +268,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         self.queued_bytes = 0  # inputs of the requests queued or computing now
         self.queued_by_host: dict[str, int] = {}  # the same, by the host they came from
         self.arriving_bytes = 0  # messages of the streamed requests still arriving
+        self.answer_bytes = 0  # answers computed whose call has not ended (read whole, cancelled or past deadline)
+        self.answers_by_host: dict[str, int] = {}  # the same, by the host they go to
         self.max_streams, self.max_streams_per_host = max_streams, max_streams_per_host
         self.max_stream_seconds = max_stream_seconds
         self.streams = 0  # streamed calls open now (until their request is answered or refused)
@@ -286,7 +310,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         if self.holds >= self.max_holds:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this server keeps at most {self.max_holds} hold calls open")
-        host = peer_host(context.peer())
+        host = peer_machine(context.peer())
         if self.holds_by_host.get(host, 0) >= self.max_holds_per_host:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this server keeps at most "
                                 f"{self.max_holds_per_host} hold calls of one host open")
@@ -313,7 +337,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                     context: grpc.aio.ServicerContext, activation_id: bytes = b"") -> list[OutgoingTensor]:
         try:
             return await self._compute(kind, uid, tensors, compression, activation_id,
-                                       host=peer_host(context.peer()))
+                                       host=peer_machine(context.peer()))
         except RequestRejected as rejected:
             await context.abort(rejected.code, rejected.message)
 
@@ -334,7 +358,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 await self.faults.apply(delay=delay)  # the round trip's delay, then maybe a failure instead
             except InjectedFailure as failure:
                 raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
-        future = self._submit(kind, expert, inputs, activation_id, arrival=arrival, host=host)
+        future = self._submit(kind, expert, inputs, activation_id, arrival=arrival, host=host,
+                              message_bytes=0 if shared or arrival is not None else _message_bytes(tensors))
         await _all_done([future])
         return self._answer(kind, uid, future, compression)
 
@@ -381,13 +406,20 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         for its size), or when ``host``'s would take more than :data:`HOST_SHARE` of it while another host's are
         queued or arriving."""
         with self._queued_lock:
-            held = self.queued_bytes + self.arriving_bytes
+            unread = self.answers_by_host.get(host, 0)
+            if unread > self.max_queued_bytes * HOST_SHARE:
+                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"this server holds {unread / 2**20:.0f} MiB of answers to this host that it "
+                                      f"has not taken, at most {HOST_SHARE:.0%} of "
+                                      f"{self.max_queued_bytes / 2**20:.0f} MiB (--max-queued-mb): read them first")
+            held = self.queued_bytes + self.arriving_bytes + self.answer_bytes
             if held and held + nbytes > self.max_queued_bytes:
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"this server has {held / 2**20:.0f} MiB of requests waiting for its experts "
-                                      f"or arriving, at most {self.max_queued_bytes / 2**20:.0f} MiB "
-                                      "(--max-queued-mb): try again later, or another server")
-            mine = self.queued_by_host.get(host, 0)
+                                      f"or arriving and of answers not yet taken, at most "
+                                      f"{self.max_queued_bytes / 2**20:.0f} MiB (--max-queued-mb): try again later, "
+                                      "or another server")
+            mine = self.queued_by_host.get(host, 0) + unread
             if held > mine and mine + nbytes > self.max_queued_bytes * HOST_SHARE:
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"this server has {mine / 2**20:.0f} MiB of requests of this host waiting for "
@@ -402,7 +434,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         those of the streams arriving past their share (:data:`STREAMS_SHARE`); a stream alone on an idle server is
         never refused for its size."""
         with self._queued_lock:
-            held = self.queued_bytes + self.arriving_bytes
+            held = self.queued_bytes + self.arriving_bytes + self.answer_bytes
             if held > arrival.bytes and (held + nbytes > self.max_queued_bytes or
                                          self.arriving_bytes + nbytes > self.max_queued_bytes * STREAMS_SHARE):
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -421,12 +453,13 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             arrival.bytes = 0
 
     def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor], activation_id: bytes,
-                reserved: bool = False, arrival: Arrival | None = None,
-                host: str = "") -> "Future[list[torch.Tensor]]":
+                reserved: bool = False, arrival: Arrival | None = None, host: str = "",
+                message_bytes: int = 0) -> "Future[list[torch.Tensor]]":
         """Queues a decoded request on the expert's forward or backward pool: the runtime's future. Its inputs are
         counted as queued until it is done (:meth:`_reserve`, unless the caller ``reserved`` them; a streamed
-        request's ``arrival``, admitted as it arrived, is counted as its inputs instead, whatever the budget)."""
-        nbytes = sum(x.nbytes for x in inputs)
+        request's ``arrival``, admitted as it arrived, is counted as its inputs instead, whatever the budget), or
+        ``message_bytes`` if more: the message its inputs are views of."""
+        nbytes = max(sum(x.nbytes for x in inputs), message_bytes)
         if arrival is not None:
             with self._queued_lock:
                 self.arriving_bytes -= arrival.bytes
@@ -487,8 +520,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         if len(items) > self.max_batch_items:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{kind}_batch: {len(items)} items, at most "
                                 f"{self.max_batch_items} per call are allowed")
-        shared, host = len(items) > 1, peer_host(context.peer())
-        if self.faults is not None:
+        shared, host = len(items) > 1, peer_machine(context.peer())
+        if self.faults is not None:  # (an experiment's: each item counts its own inputs alone)
             await self.faults.wait()  # one round trip for the whole call
             return BatchResponse(list(await asyncio.gather(*(self._item(kind, item, shared, host)
                                                              for item in items))))
@@ -499,17 +532,24 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                             item.activation_id, shared))
             except RequestRejected as rejected:
                 decoded.append(Result(code=rejected.code.value[0], message=rejected.message))
+        inputs_bytes = sum(x.nbytes for entry in decoded if isinstance(entry, tuple) for x in entry[1])
+        # the items' inputs are views of one message, which the call keeps alive: what it holds beyond their bytes
+        # counts too, until they are all done (small inputs in a padded message count as the whole message)
+        extra = max(0, _message_bytes([t for item in items for t in item.tensors]) - inputs_bytes)
         try:  # the call's items are queued together: one check of their bytes, as for a call of its own
-            self._reserve(sum(x.nbytes for entry in decoded if isinstance(entry, tuple) for x in entry[1]), host)
+            self._reserve(inputs_bytes + extra, host)
         except RequestRejected as rejected:
             refused = Result(code=rejected.code.value[0], message=rejected.message)
             return BatchResponse([entry if isinstance(entry, Result) else refused for entry in decoded])
-        queued: list[Result | tuple[str, Future, int]] = [
-            entry if isinstance(entry, Result) else
-            (item.uid, self._submit(kind, *entry, item.activation_id, reserved=True, host=host),
-             item.response_compression)
-            for item, entry in zip(items, decoded)]
-        await _all_done([entry[1] for entry in queued if isinstance(entry, tuple)])
+        try:
+            queued: list[Result | tuple[str, Future, int]] = [
+                entry if isinstance(entry, Result) else
+                (item.uid, self._submit(kind, *entry, item.activation_id, reserved=True, host=host),
+                 item.response_compression)
+                for item, entry in zip(items, decoded)]
+            await _all_done([entry[1] for entry in queued if isinstance(entry, tuple)])
+        finally:
+            self._dequeued(extra, host)
         results = []
         for entry in queued:
             if isinstance(entry, tuple):
@@ -528,18 +568,47 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             return Result(code=rejected.code.value[0], message=rejected.message)
 
     async def forward(self, request: dmoe_pb2.ExpertRequest, context) -> Response:
-        return Response(await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
-                                       request.activation_id))
+        outputs = await self._call(FORWARD, request.uid, request.tensors, request.response_compression, context,
+                                   request.activation_id)
+        self._answer_held(context, outputs, UNARY_ANSWER_COPIES)
+        return Response(outputs)
 
     async def backward(self, request: dmoe_pb2.ExpertRequest, context) -> Response:
-        return Response(await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
-                                       request.activation_id))
+        outputs = await self._call(BACKWARD, request.uid, request.tensors, request.response_compression, context,
+                                   request.activation_id)
+        self._answer_held(context, outputs, UNARY_ANSWER_COPIES)
+        return Response(outputs)
 
     async def forward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchResponse:
-        return await self._batch(FORWARD, request, context)
+        answer = await self._batch(FORWARD, request, context)
+        self._answer_held(context, [t for result in answer.results for t in result.tensors], UNARY_ANSWER_COPIES)
+        return answer
 
     async def backward_batch(self, request: dmoe_pb2.BatchRequest, context) -> BatchResponse:
-        return await self._batch(BACKWARD, request, context)
+        answer = await self._batch(BACKWARD, request, context)
+        self._answer_held(context, [t for result in answer.results for t in result.tensors], UNARY_ANSWER_COPIES)
+        return answer
+
+    def _answer_held(self, context: grpc.aio.ServicerContext, outputs: Sequence[OutgoingTensor],
+                     copies: int) -> None:
+        """Counts an answer about to be sent (``copies`` times its tensors' bytes) among the bytes this server holds
+        (:meth:`_reserve`) until its call ends: read whole, cancelled or past its deadline. gRPC keeps an answer the
+        client does not read (HTTP/2 flow control) until then, and nothing else counted it (review 55)."""
+        nbytes = copies * _answer_bytes(outputs)
+        if not nbytes:
+            return
+        host = peer_machine(context.peer())
+        with self._queued_lock:
+            self.answer_bytes += nbytes
+            self.answers_by_host[host] = self.answers_by_host.get(host, 0) + nbytes
+        context.add_done_callback(lambda _: self._answer_ended(nbytes, host))
+
+    def _answer_ended(self, nbytes: int, host: str) -> None:
+        with self._queued_lock:
+            self.answer_bytes -= nbytes
+            left = self.answers_by_host[host] = self.answers_by_host[host] - nbytes
+            if not left:
+                del self.answers_by_host[host]
 
     async def call_shared(self, request: SharedCall, context) -> SharedAnswer:
         """forward, backward or a batch of either, its request and answer in the client's segment."""
@@ -582,7 +651,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         host's) until it ends, not when its answer is computed: a client that never reads its answers holds them in
         the server's memory, so they are bounded as the requests' streams are (review 48). An answer not taken
         within ``max_stream_seconds`` ends this handler; gRPC lets the call go at the client's deadline or cancel."""
-        host = peer_host(context.peer())
+        host = peer_machine(context.peer())
         if self.streams >= self.max_streams:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"this server keeps at most {self.max_streams} streamed calls open")
@@ -611,6 +680,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                 self._left(arrival)  # before the abort's wait: the next stream's message may count them
                 await context.abort(*rejection)
             del tensors  # (its arrival's bytes count as its queued inputs now, until it is computed)
+            self._answer_held(context, outputs, 1)  # (sent in parts: the tensors, and a part at a time besides)
             deadline = time.monotonic() + self.max_stream_seconds
             for group in cut_into_parts([to_message(y) for y in outputs], self.stream_part_bytes):
                 try:
