@@ -599,3 +599,24 @@ def test_a_server_refuses_requests_beyond_its_queued_memory_and_takes_them_again
         for answer in answers:
             torch.testing.assert_close(answer.result(30)[0], big)
         assert server.servicer.queued_bytes == 0
+
+
+@pytest.mark.parametrize("clip_grad_norm", [None, 1.0])
+def test_an_sgd_expert_survives_large_allowed_gradients_only_clipped_and_the_server_says_so(clip_grad_norm, caplog):
+    """Review 55: --max-abs-value bounds each value, not a step; two backwards of 4096 rows at 1e6 (allowed) wrecked
+    an unclipped SGD expert for good, and the docs said values up to the default left it finite."""
+    hidden = 64
+    x, big = torch.randn(16, hidden), torch.full((4096, hidden), 1e6)
+    with caplog.at_level("WARNING", logger="dmoe.server.server"), \
+            ExpertServer.create("ffn.0", "ffn", hidden, optimizer="sgd", clip_grad_norm=clip_grad_norm,
+                                config=ServerConfig(device="cpu", max_batch_size=4096)) as server:
+        before = forward_future(server.endpoint, "ffn.0", [x]).result(60)[0]
+        for _ in range(2):
+            backward_future(server.endpoint, "ffn.0", [big], [big]).result(120)
+        after = forward_future(server.endpoint, "ffn.0", [x]).result(60)[0]
+    warned = "SGD experts without clip_grad_norm" in caplog.text
+    change = (after - before).abs().max().item()
+    if clip_grad_norm is None:
+        assert warned and not change < 1e3  # (NaN or huge: what the warning is about)
+    else:
+        assert not warned and change < 0.1

@@ -65,7 +65,9 @@ class ServerConfig:
             they reach an expert. On by default: one bad client must not spoil a batch shared with others.
         max_abs_value: refuse (INVALID_ARGUMENT) requests holding values of a larger magnitude (0: no limit). A
             finite but huge gradient (2e19 from one flipped bit) would push an expert's weights past what float32
-            outputs survive in one SGD step; values up to the default leave them finite.
+            outputs survive in one SGD step. It bounds each value, not a step: two backwards of 4096 rows of 1e6
+            (inputs and gradients) still wreck an SGD expert without ``clip_grad_norm`` (review 55); Adam's step
+            is bounded by its learning rate whatever the gradient.
         metrics_port: serve Prometheus metrics (:mod:`dmoe.server.metrics`) on this port, 0 for a free one;
             None: collect them (``server.metrics``) but serve no endpoint.
         metrics_host: interface of the metrics endpoint; None: the same as ``host``.
@@ -301,6 +303,10 @@ class ExpertServer:
         """
         config = config or ServerConfig()
         device = resolve_device(config.device)
+        if optimizer == "sgd" and clip_grad_norm is None:
+            logger.warning("SGD experts without clip_grad_norm (--clip-grad-norm): a client's large but allowed "
+                           "gradients (within --max-abs-value) can push their weights past what float32 survives "
+                           "in two steps; clip them where clients are not all trusted")
         uids = expand_pattern(uids) if isinstance(uids, str) else list(uids)
         cls_kwargs = dict(cls_kwargs or {})
         registered = expert_class(expert_cls)
