@@ -68,7 +68,7 @@ def state(pid: int) -> str:
         return "Z"
 
 
-def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_server(tmp_path):
+def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_is_started_again_while_the_others_serve(tmp_path):
     uids = expand_pattern("ffn.[0:2].[0:2]")
     replica_flags = ("--replica-interval", "0.5", "--refresh-period", "0.5")
     with processes() as procs:
@@ -81,7 +81,8 @@ def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_serv
         peer = re.search(r"DHT node at (\S+)", "".join(elsewhere.output)).group(1)
         procs.append(proc := Proc(server_args("--experts", "ffn.[0:2].[0:2]", "--processes", "2",
                                               "--metrics-port", "0", "--replica-dir", str(tmp_path / "here"),
-                                              "--initial-peers", peer, *replica_flags)))
+                                              "--initial-peers", peer, "--process-restarts", "1",
+                                              *replica_flags)))
         endpoint = proc.endpoint(timeout=120)
         endpoints = announced(proc, "listening on")
         assert endpoints[0] == endpoint and len(set(endpoints)) == 2
@@ -114,10 +115,28 @@ def test_experts_are_dealt_out_among_the_processes_and_a_dead_one_stops_the_serv
         assert held("elsewhere") == uids, held("elsewhere")
         children = server_children(proc.popen.pid)
         assert len(children) == 2
-        os.kill(children[1], signal.SIGKILL)  # a crash of one: the whole server stops, for a supervisor to restart
+        trained = {uid: forward_future(at, uid, [x]).result(30)[0] for uid, at in zip(uids[1::2], found[1::2])}
+        # a crash of one (the OOM killer, say): it is started again with its experts while the other serves on
+        os.kill(children[1], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not any("serves again" in line for line in proc.output):
+            assert proc.popen.poll() is None and time.monotonic() < deadline, proc.output[-5:]
+            time.sleep(0.1)
+        again = server_children(proc.popen.pid)
+        assert len(again) == 2 and again[0] == children[0] and children[1] not in again
+        assert forward_future(found[0], uids[0], [x]).result(30)[0].shape == x.shape  # the other's, meanwhile
+        with DHT(initial_peers=[dht_node], client_mode=True) as dht:
+            deadline = time.monotonic() + 60
+            while (now := get_experts(dht, uids[1::2])) == found[1::2] or None in now:  # declared at the new port
+                assert time.monotonic() < deadline, now
+                time.sleep(0.1)
+        for uid, at in zip(uids[1::2], now):  # as trained: restored from their replicas on the other server
+            torch.testing.assert_close(forward_future(at, uid, [x]).result(30)[0], trained[uid])
+        # beyond --process-restarts (1) in 10 minutes, the next death stops the whole server, for a supervisor
+        os.kill(again[1], signal.SIGKILL)
         assert proc.popen.wait(60) == 1
-        wait_gone(children)
-        assert any("exited" in line and "stopping the others" in line for line in proc.output)
+        wait_gone(again)
+        assert any("after 1 restarts" in line and "stopping the others" in line for line in proc.output)
 
 
 def test_a_restart_resumes_each_process_from_its_checkpoint_and_another_count_is_refused(tmp_path, capsys):

@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(--port, --dht-port and --metrics-port, if not 0, count up from the given one; "
                              "--torch-threads (by default the cores) and --replica-budget-mb are shared out among "
                              "the processes, and --activation-cache-mb among those on one device)")
+    parser.add_argument("--process-restarts", type=non_negative(int), default=3,
+                        help="with --processes: how many times one process that dies (out of memory, say) is started "
+                             "again within 10 minutes, from its last checkpoint, while the others serve on; one more "
+                             "death stops the whole server with status 1 (0: the first does)")
     parser.add_argument("--overlap-copies", action=argparse.BooleanOptionalAction, default=False,
                         help="on a GPU, copy through pinned memory on a copy stream per worker and wait once per "
                              "batch (default: plain copies, faster on the GPUs measured; benchmarks/README.md)")

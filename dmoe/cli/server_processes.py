@@ -18,9 +18,13 @@ and ``--replica-budget-mb``, and those on one device share its ``--activation-ca
 program's usual lines once every child serves: ``dmoe-server listening on A (and N-1 more processes: B C ...)``.
 
 The parent owns the children: SIGINT/SIGTERM (or the death of its own launcher) stops them cleanly (each writes its
-last checkpoint and pushes its replicas), and a child that dies stops the others and the parent with status 1, so
-a supervisor restarting the program restarts a whole server. A child outlives no parent: it stops when the parent
-dies without stopping it (:func:`dmoe.cli.signals.orphaned`).
+last checkpoint and pushes its replicas). A child that dies after it served (the kernel's out-of-memory killer, an
+abort in gRPC's core) is started again with the same flags and experts, from its last checkpoint under
+``--checkpoint-dir`` (or from the seeds without one), while the others serve on: volunteers seldom run a
+supervisor, and stopping every process for one would stop experts that never failed. Beyond
+``--process-restarts`` restarts of one child in :data:`RESTART_WINDOW` seconds, its next death stops the others and
+the parent with status 1, for a supervisor to restart the whole server. A child outlives no parent: it stops when
+the parent dies without stopping it (:func:`dmoe.cli.signals.orphaned`).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 import torch
 
@@ -57,6 +61,8 @@ SUBDIRECTORY = "process-{}"
 STOP_TIMEOUT = 120.0
 #: seconds between the parent's checks that every child still runs
 CHECK_PERIOD = 0.5
+#: seconds over which a child's restarts are counted against --process-restarts
+RESTART_WINDOW = 600.0
 #: where a server of several processes records their count in --checkpoint-dir
 LAYOUT_FILE = "processes.json"
 
@@ -227,20 +233,23 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
         dealt = deal_cells(args, parser, dht) if uids is None else [uids[index::count] for index in range(count)]
         shared = dht.announced(dht.endpoint)
         print(f"dmoe-server DHT node at {shared} (others may pass it as --initial-peers)", flush=True)
+        def start(index: int) -> tuple[multiprocessing.process.BaseProcess, Connection]:
+            receiver, sender = context.Pipe(duplex=False)
+            child = context.Process(target=run_child, name=f"dmoe-server-{index}",
+                                    args=(child_args(args, index, dht.endpoint), dealt[index], os.getpid(), sender,
+                                          machine))
+            with terminal_signals_ignored():
+                child.start()
+            sender.close()
+            return child, receiver
+
         with StopSignals() as stop:
             try:
                 for index in range(count):
-                    receiver, sender = context.Pipe(duplex=False)
-                    child = context.Process(target=run_child, name=f"dmoe-server-{index}",
-                                            args=(child_args(args, index, dht.endpoint), dealt[index],
-                                                  os.getpid(), sender, machine))
-                    with terminal_signals_ignored():
-                        child.start()
-                    sender.close()
-                    children.append((child, receiver))
+                    children.append(start(index))
                 status = wait_ready(children, stop)
                 if status is None:
-                    status = watch(children, stop)
+                    status = watch(children, stop, start, args.process_restarts)
             finally:  # still under StopSignals: a second Ctrl-C does not kill the parent while the children stop
                 stop_children([child for child, _ in children])
     finally:
@@ -272,18 +281,41 @@ def wait_ready(children: list[tuple[multiprocessing.process.BaseProcess, Connect
     return None
 
 
-def watch(children: list[tuple[multiprocessing.process.BaseProcess, Connection]], stop: StopSignals) -> int:
-    """Waits for a stop signal (status 0) or a child's death (status 1)."""
+def watch(children: list[tuple[multiprocessing.process.BaseProcess, Connection]], stop: StopSignals,
+          start: Callable[[int], tuple[multiprocessing.process.BaseProcess, Connection]] | None = None,
+          restarts: int = 0) -> int:
+    """Waits for a stop signal (status 0), starting a child that died again (``start(index)``) up to ``restarts``
+    times in :data:`RESTART_WINDOW` s; one more death ends the wait with status 1. ``children`` is updated in place,
+    so that the caller stops the children running at the end."""
+    started: list[list[float]] = [[] for _ in children]  # the times each child was started again
     while True:
         signum = stop.wait(timeout=CHECK_PERIOD)
         if signum is not None:
             logger.info("%s received, stopping %d server processes", signal.Signals(signum).name, len(children))
             return 0
-        for child, _ in children:
-            if not child.is_alive():
-                logger.error("server process %s exited (status %s): stopping the others", child.name,
-                             child.exitcode)
+        for index, (child, receiver) in enumerate(children):
+            while receiver.poll():  # a child started again says where it serves now
+                try:
+                    line = receiver.recv()
+                except EOFError:
+                    break
+                if " listening on " in line and started[index]:
+                    logger.warning("server process %s serves again: %s", child.name, line.strip())
+            if child.is_alive():
+                continue
+            now = time.monotonic()
+            started[index] = [at for at in started[index] if now - at < RESTART_WINDOW]
+            if start is None or len(started[index]) >= restarts:
+                logger.error("server process %s exited (status %s)%s: stopping the others", child.name,
+                             child.exitcode, f" after {len(started[index])} restarts in {RESTART_WINDOW:.0f} s"
+                             if started[index] else "")
                 return 1
+            started[index].append(now)
+            logger.error("server process %s exited (status %s): starting it again with its experts, from their last "
+                         "checkpoint if any (%d of %d restarts in %.0f s); the others serve on", child.name,
+                         child.exitcode, len(started[index]), restarts, RESTART_WINDOW)
+            receiver.close()
+            children[index] = start(index)
 
 
 def stop_children(children: list[multiprocessing.process.BaseProcess]) -> None:
