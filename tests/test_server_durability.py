@@ -86,6 +86,20 @@ def test_a_port_in_use_is_refused_naming_the_flag():
         assert first.alive
 
 
+def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid():
+    """Review 56: with no cell free, --num-experts took served ones, whose uids their servers own: the server served
+    an expert nobody was sent to and logged an error every refresh."""
+    with processes() as procs:
+        procs.append(full := Proc(server_args("--experts", "ffn7.[0:2].[0:2]")))
+        full.endpoint(timeout=120)
+        peer = re.search(r"DHT node at (\S+)", "".join(full.output)).group(1)
+        grid = ("--grid", "2", "2", "--layer", "ffn7", "--initial-peers", peer)
+        for flags in (("--num-experts", "1"), ("--num-experts", "2", "--processes", "2")):
+            output = refused(*flags, *grid)
+            assert "argument --num-experts: every cell of the 2 x 2 grid of --layer ffn7 is served" in output, output
+        assert full.alive
+
+
 @pytest.mark.parametrize("flags, words", [
     (("--processes", "2", "--port", "65535"), "argument --port: 2 processes count their ports up from 65535"),
     (("--processes", "2", "--dht-port", "65534"), "argument --dht-port"),

@@ -429,6 +429,21 @@ def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return config
 
 
+def check_free_cells(uids: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
+                     wanted: int | None = None) -> None:
+    """Logs the cells ``--num-experts`` chose (``wanted`` of them, by default that many per layer), warns when fewer
+    were free, and refuses none."""
+    wanted = wanted or args.num_experts * len(args.layer)
+    grids = f"the {' x '.join(map(str, args.grid))} grid{'s' * (len(args.layer) > 1)} of --layer {' '.join(args.layer)}"
+    if not uids:
+        parser.error(f"argument --num-experts: every cell of {grids} is served already (a served cell's uid is "
+                     "its server's; this one could serve it to nobody): a larger --grid, or another --layer")
+    if len(uids) < wanted:
+        logger.warning("only %d free cells of %s for --num-experts (%d wanted): serving those", len(uids), grids,
+                       wanted)
+    logger.info("chose %d experts, free grid cells: %s", len(uids), ", ".join(uids))
+
+
 def metrics_error(error: OSError, args: argparse.Namespace) -> str:
     """The usage error for a metrics endpoint that could not listen (the port taken, the host unknown), which
     ended in a traceback."""
@@ -464,7 +479,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
                         ", ".join(uids))
     if uids is None:
         uids = free_experts(announcer.dht, args.layer, args.grid, args.num_experts)
-        logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
+        check_free_cells(uids, args, parser)
     try:
         server = ExpertServer.create(uids, args.expert_cls, args.hidden_dim, cls_kwargs=args.expert_kwargs,
                                      optimizer=args.optimizer, lr=args.lr, clip_grad_norm=args.clip_grad_norm,

@@ -46,7 +46,8 @@ from typing import IO, Callable, Iterator
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.server import build_parser, dht_node_error, import_custom_modules, saved_cells, serve
+from dmoe.cli.server import (build_parser, check_free_cells, dht_node_error, import_custom_modules, saved_cells,
+                             serve)
 from dmoe.cli.signals import PARENT_ENV, StopSignals
 from dmoe.dht import DHT
 from dmoe.directory import free_experts
@@ -131,16 +132,23 @@ def deal_cells(args: argparse.Namespace, parser: argparse.ArgumentParser, dht: D
         return saved  # type: ignore[return-value]
     if not kept:  # every layer's experts spread over the processes
         uids = free_experts(dht, args.layer, args.grid, args.num_experts)
-        logger.info("chose %d experts, free grid cells first: %s", len(uids), ", ".join(uids))
+        check_free_cells(uids, args, parser)
+        if len(uids) < count:
+            parser.error(f"argument --processes: {count} processes need as many free cells, and only {len(uids)} "
+                         f"of the grids of --layer {' '.join(args.layer)} are free")
         return [uids[index::count] for index in range(count)]
     per_layer = min(math.prod(args.grid), args.num_experts + len(kept))  # room for the kept cells, left out below
     fresh = [uid for uid in free_experts(dht, args.layer, args.grid, per_layer) if uid not in set(kept)]
     fresh = fresh[:total - len(kept)]
-    logger.info("chose %d more experts, free grid cells first: %s", len(fresh), ", ".join(fresh))
+    if fresh:
+        logger.info("chose %d more experts, free grid cells: %s", len(fresh), ", ".join(fresh))
     dealt = []
     for index, uids in enumerate(saved):
         if uids is None:
             uids, fresh = fresh[:sizes[index]], fresh[sizes[index]:]
+            if not uids:
+                parser.error(f"argument --num-experts: process {index} holds no checkpoint, and no cell of the "
+                             f"grids of --layer {' '.join(args.layer)} is left free for it")
         dealt.append(uids)
     return dealt
 

@@ -1,4 +1,4 @@
-"""Where a new server places its experts: grid cells nobody serves yet first."""
+"""Where a new server places its experts: grid cells nobody serves yet."""
 from __future__ import annotations
 
 import math
@@ -12,10 +12,11 @@ from dmoe.uid import grid_uids
 
 def choose_experts(layers: Sequence[str], grid: Sequence[int], count: int, taken: Collection[str] = (),
                    rng: random.Random | None = None) -> list[str]:
-    """``count`` uids per layer of ``grid``, cells nobody serves (not in ``taken``) first, in random order.
+    """Up to ``count`` uids per layer of ``grid`` among the cells nobody serves (not in ``taken``), in random order
+    (which keeps servers that join at the same moment apart); fewer where fewer are free.
 
-    When a layer has fewer free cells than ``count``, the rest are drawn from served cells (more replicas of
-    those experts is better than idling). Random order keeps servers that join at the same moment apart.
+    A served cell is never chosen: its uid is owned (a signed DHT subkey), so a second server could not declare it,
+    and would serve it to nobody (the served cells were once drawn from when free ones ran out, review 56).
     """
     if count > math.prod(grid):
         raise ValueError(f"{count} experts do not fit a grid of {' x '.join(map(str, grid))} = {math.prod(grid)} cells")
@@ -25,10 +26,8 @@ def choose_experts(layers: Sequence[str], grid: Sequence[int], count: int, taken
     for layer in layers:
         cells = grid_uids(layer, grid)
         free = [uid for uid in cells if uid not in taken]
-        served = [uid for uid in cells if uid in taken]
         rng.shuffle(free)
-        rng.shuffle(served)
-        chosen.extend((free + served)[:count])
+        chosen.extend(free[:count])
     return chosen
 
 
