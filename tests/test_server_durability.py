@@ -86,7 +86,7 @@ def test_a_port_in_use_is_refused_naming_the_flag():
         assert first.alive
 
 
-def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid():
+def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid_but_to_a_replica_holder(tmp_path):
     """Review 56: with no cell free, --num-experts took served ones, whose uids their servers own: the server served
     an expert nobody was sent to and logged an error every refresh."""
     with processes() as procs:
@@ -97,6 +97,11 @@ def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid():
         for flags in (("--num-experts", "1"), ("--num-experts", "2", "--processes", "2")):
             output = refused(*flags, *grid)
             assert "argument --num-experts: every cell of the 2 x 2 grid of --layer ffn7 is served" in output, output
+        # with --replica-dir it starts as a standby: it holds replicas and adopts the cells that empty
+        procs.append(standby := Proc(server_args("--num-experts", "1", *grid, "--replica-dir", str(tmp_path))))
+        standby.endpoint(timeout=120)
+        output = stopped(standby)
+        assert "every cell of --layer ffn7 is served already: this server holds their replicas" in output, output
         assert full.alive
 
 

@@ -33,7 +33,7 @@ from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
 from dmoe.dht import DHTConfig, Identity, parse_endpoint
 from dmoe.dht.messages import VALUE_PATTERN
-from dmoe.directory import Announcer, free_experts
+from dmoe.directory import Announcer, choose_experts, free_experts
 from dmoe.endpoints import join_host_port
 from dmoe.experts import ExpertBuildError, expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
@@ -437,7 +437,8 @@ def check_free_cells(uids: list[str], args: argparse.Namespace, parser: argparse
     grids = f"the {' x '.join(map(str, args.grid))} grid{'s' * (len(args.layer) > 1)} of --layer {' '.join(args.layer)}"
     if not uids:
         parser.error(f"argument --num-experts: every cell of {grids} is served already (a served cell's uid is "
-                     "its server's; this one could serve it to nobody): a larger --grid, or another --layer")
+                     "its server's; this one could serve it to nobody): a larger --grid, another --layer, or "
+                     "--replica-dir to hold the experts' replicas and adopt the cells that empty")
     if len(uids) < wanted:
         logger.warning("only %d free cells of %s for --num-experts (%d wanted): serving those", len(uids), grids,
                        wanted)
@@ -479,7 +480,13 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
                         ", ".join(uids))
     if uids is None:
         uids = free_experts(announcer.dht, args.layer, args.grid, args.num_experts)
-        check_free_cells(uids, args, parser)
+        if not uids and replicas is not None:  # a standby: it holds replicas, and adopts the cells that empty
+            uids = choose_experts(args.layer, args.grid, args.num_experts)
+            logger.warning("every cell of --layer %s is served already: this server holds their replicas and "
+                           "adopts the cells that empty (it serves none that another server owns)",
+                           " ".join(args.layer))
+        else:
+            check_free_cells(uids, args, parser)
     try:
         server = ExpertServer.create(uids, args.expert_cls, args.hidden_dim, cls_kwargs=args.expert_kwargs,
                                      optimizer=args.optimizer, lr=args.lr, clip_grad_norm=args.clip_grad_norm,
