@@ -177,12 +177,14 @@ def result_of(proc: Proc, timeout: float) -> dict:
     return json.loads(found.string[len("result "):])
 
 
-def run_single(args: argparse.Namespace, data: str) -> Run:
+def run_single(args: argparse.Namespace, data: str, work: Path) -> Run:
     started = time.monotonic()
     with LocalSwarm(swarm_config(args)) as swarm, processes() as procs:
         swarm.wait_declared()
+        # (its own --out-dir: the default, runs/train/, may hold a user's checkpoint, which it would overwrite)
         proc = Proc([str(Path(__file__).resolve()), "--child", *model_flags(args, data), "--batch-size",
-                     str(args.batch), "--initial-peers", swarm.initial_peers], env={"TQDM_DISABLE": "1"})
+                     str(args.batch), "--initial-peers", swarm.initial_peers, "--out-dir", str(work / "single")],
+                    env={"TQDM_DISABLE": "1"})
         procs.append(proc)
         result = result_of(proc, args.timeout)
     return Run("single", result["final_val_loss"], result["step"], args.steps * args.batch,
@@ -300,11 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.smoke:  # its figures mean nothing: the three runs go at once, to keep the test suite short
             with ThreadPoolExecutor(3) as pool:
-                started = [pool.submit(run_single, args, data)]
+                started = [pool.submit(run_single, args, data, work)]
                 started += [pool.submit(run_collab, args, data, work, kill) for kill in (False, True)]
                 runs = [future.result() for future in started]
         else:
-            runs = [run_single(args, data)]
+            runs = [run_single(args, data, work)]
             print(f"  single: done in {runs[-1].seconds:.0f}s", flush=True)
             for kill in (False, True):
                 runs.append(run_collab(args, data, work, kill))

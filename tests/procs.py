@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 from typing import Iterator, Sequence
 
 from dmoe import launch
@@ -20,6 +22,49 @@ def _test_env(env: dict[str, str] | None) -> dict[str, str]:
 class Proc(launch.Proc):
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None):
         super().__init__(args, _test_env(env))
+
+
+def exit_output(args: Sequence[str], status: int = 2, timeout: float = 120) -> str:
+    """Runs ``python *args`` to its end and returns its whole output, failing (with that output) unless it exited
+    with ``status`` within ``timeout`` seconds; a program that does not exit is killed all the same."""
+    with processes() as procs:
+        procs.append(proc := Proc(args))
+        try:
+            code = proc.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        proc._reader.join(timeout=10)
+        output = "".join(proc.output)
+        assert code == status, f"exit status {code} (not {status}) of {' '.join(args)}:\n{output[-3000:]}"
+        return output
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs, from /proc (those in sessions of their own too)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILLs ``pid`` and every process it started (gone ones are skipped)."""
+    for victim in [*descendants(pid), pid]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @contextlib.contextmanager

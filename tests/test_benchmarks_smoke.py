@@ -24,7 +24,7 @@ from dmoe.cli import server as run_server
 from dmoe.client import forward_future, forward_futures
 from dmoe.client.remote_expert import RemoteExpertError
 from dmoe.server.faults import INJECTED_FAILURE, FaultConfig, Faults, InjectedFailure
-from tests.procs import ROOT, running
+from tests.procs import ROOT, kill_tree, running
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -109,12 +109,18 @@ def test_bad_fault_flags_are_refused_naming_the_flag(flags, named, capsys):
     assert named in capsys.readouterr().err
 
 
-def run_benchmark(script: str, *args: str) -> str:
-    """Runs a benchmark as its own program (as a user would) and returns its stdout."""
-    done = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, env={"OMP_NUM_THREADS": "1", **os.environ})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+def run_benchmark(script: str, *args: str, timeout: float = 240) -> str:
+    """Runs a benchmark as its own program (as a user would) and returns its stdout. One that overruns ``timeout``
+    is killed with every process it started (they run in sessions of their own, out of its process group)."""
+    with subprocess.Popen([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": "1", **os.environ}) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:
+            kill_tree(proc.pid)
+            raise
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout
 
 
 def read_csv(path):
@@ -298,12 +304,16 @@ def test_churn_benchmark_smoke_kills_a_server_and_adopts_its_experts():
     assert kills >= 1 and adopted >= 1, stdout  # the killed server's experts came back from replicas
     last = dict(item.split("=") for item in stdout.strip().splitlines()[-1].split())
     assert set(last) == {"max_updates_lost", "longest_empty_cell_s", "loss_ratio"}
-    assert int(last["max_updates_lost"]) >= 0 and float(last["longest_empty_cell_s"]) > 0, stdout
+    assert float(last["longest_empty_cell_s"]) > 0, stdout  # (max_updates_lost: >= 0 by construction)
     assert 0.5 < float(last["loss_ratio"]) < 2, stdout  # both runs trained to finite, comparable losses
 
 
 def test_collab_benchmark_smoke_compares_one_trainer_with_a_collaboration_and_one_killed():
+    default_run = ROOT / "runs" / "train"  # a user's dmoe-train output, which the benchmark must leave alone
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in default_run.iterdir()) if default_run.exists() else None
     stdout = run_benchmark("bench_collab.py", "--smoke")
+    after = sorted((p.name, p.stat().st_mtime_ns) for p in default_run.iterdir()) if default_run.exists() else None
+    assert after == before, "bench_collab wrote into runs/train/ (review 54: its single trainer had no --out-dir)"
     # the smoke collaboration has 2 trainers; the second is killed at step 2, or at the first step it saved from
     # there if it fell behind and downloaded the state
     assert re.search(r"killed trainer 1 at step [2-5]\b", stdout), stdout
@@ -312,3 +322,25 @@ def test_collab_benchmark_smoke_compares_one_trainer_with_a_collaboration_and_on
     assert all(math.isfinite(float(v)) for v in last.values()), last
     assert 0.5 < float(last["ratio"]) < 2 and 0.5 < float(last["killed_ratio"]) < 2, stdout  # trained comparably
     assert float(last["max_param_gap"]) < 1e-5, stdout  # the trainers held the same parameters after every step
+
+
+def test_a_killed_benchmark_takes_every_process_it_started_along(tmp_path):
+    """Review 54: a smoke test that timed out killed the benchmark alone, and the processes it had started, in
+    sessions of their own, ran on (a bench_averaging sink for over a minute)."""
+    pids = tmp_path / "pids"
+    tree = ("import os, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+            f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+            "time.sleep(600)\n")
+    with subprocess.Popen([sys.executable, "-c", tree]) as top:
+        deadline = time.monotonic() + 60
+        while not pids.exists() or len(pids.read_text().split()) < 2:
+            assert time.monotonic() < deadline and top.poll() is None
+            time.sleep(0.05)
+        child = int(pids.read_text().split()[1])
+        kill_tree(top.pid)
+        assert top.wait(30) == -9
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{child}") and "Z" not in open(f"/proc/{child}/stat").read().rsplit(")", 1)[1][:3]:
+        assert time.monotonic() < deadline, "the grandchild in its own session still runs"
+        time.sleep(0.05)

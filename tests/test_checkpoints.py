@@ -15,7 +15,7 @@ from dmoe.directory import get_experts
 from dmoe.experts import create_expert
 from dmoe.server import ExpertBackend, ExpertServer, ServerConfig
 from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint
-from tests.procs import Proc, processes
+from tests.procs import Proc, exit_output, processes
 
 HIDDEN = 8
 INTERVAL = 0.5
@@ -132,10 +132,7 @@ def test_same_experts_with_another_seed_are_restored(tmp_path):
 
 def test_dmoe_server_refuses_a_mismatching_checkpoint_with_an_argparse_error(tmp_path):
     save_checkpoint(tmp_path)
-    proc = Proc(server_args(tmp_path, "--hidden-dim", "16"))
-    assert proc.popen.wait(timeout=120) == 2
-    proc._reader.join(timeout=10)
-    output = "".join(proc.output)
+    output = exit_output(server_args(tmp_path, "--hidden-dim", "16"))
     assert "argument --checkpoint-dir" in output and "hidden_dim was 8, now 16" in output, output
 
 
@@ -146,10 +143,8 @@ def test_a_checkpoint_altered_by_hand_is_refused_as_corrupt_not_with_a_traceback
     torch.save(state, tmp_path / FILENAME)
     with pytest.raises(CorruptCheckpoint, match="lacks parts"):
         save_checkpoint(tmp_path)
-    proc = Proc(server_args(tmp_path))
-    assert proc.popen.wait(timeout=120) == 2
-    proc._reader.join(timeout=10)
-    assert "argument --checkpoint-dir" in "".join(proc.output) and "lacks parts" in "".join(proc.output)
+    output = exit_output(server_args(tmp_path))
+    assert "argument --checkpoint-dir" in output and "lacks parts" in output, output
 
 
 def test_damaged_checkpoint_is_refused_not_loaded(tmp_path):

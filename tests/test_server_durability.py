@@ -11,7 +11,7 @@ import pytest
 from dmoe.cli import server as server_program
 from dmoe.cli.server_processes import LAYOUT_FILE, check_checkpoint_layout
 from dmoe.server.checkpoints import saved_uids
-from tests.procs import Proc, processes
+from tests.procs import Proc, exit_output, processes
 
 HIDDEN = 8
 
@@ -29,11 +29,8 @@ def stopped(proc: Proc, signum: int = signal.SIGTERM, timeout: float = 60) -> st
 
 
 def refused(*flags: str, timeout: float = 120) -> str:
-    """The output of a server program that must exit with status 2 (an argparse error)."""
-    proc = Proc(server_args(*flags))
-    assert proc.popen.wait(timeout) == 2, "".join(proc.output)
-    proc._reader.join(timeout=10)
-    return "".join(proc.output)
+    """The output of a server program that must exit with status 2 (an argparse error); killed if it does not."""
+    return exit_output(server_args(*flags), 2, timeout)
 
 
 @pytest.mark.parametrize("processes_flag", [(), ("--processes", "2")])
