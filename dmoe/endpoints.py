@@ -15,6 +15,21 @@ from typing import Sequence
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
+class PortUnavailable(OSError):
+    """A gRPC server of the project cannot listen on its address: another process listens there, or the host is not
+    an address of this machine (gRPC tells no more). ``service`` says which server it was (e.g. "averager", "state
+    server"), so that a program can name its flag; a traceback was all a trainer said of its --averaging-port."""
+
+    service = ""
+
+    @classmethod
+    def at(cls, service: str, address: str) -> "PortUnavailable":
+        error = cls(f"the {service} could not listen on {address}: another process listens there, or the host is "
+                    "not an address of this machine")
+        error.service = service
+        return error
+
+
 def join_host_port(host: str, port: int | str) -> str:
     """``host:port``, an IPv6 host in brackets (one given in brackets stays as it is)."""
     if ":" in host and not host.startswith("["):

@@ -253,3 +253,89 @@ def test_the_demo_gives_each_trainer_its_own_ports_and_checkpoint_and_reads_its_
     assert [(c.averaging_port, c.state_port) for c in configs] == [(5100, 5200), (5101, 5201)]
     assert [c.checkpoint for c in configs] == [str(tmp_path / "ck.trainer0.pt"), str(tmp_path / "ck.trainer1.pt")]
     assert {(c.batch_size, c.steps) for c in configs} == {(4, 7)}
+
+
+@pytest.mark.parametrize("ports, words", [
+    # trainer 1's averager took trainer 0's state port: it died with a traceback (RuntimeError: Failed to bind)
+    (("--averaging-port", "45200", "--state-port", "45201"), "argument --state-port: trainer i listens on "
+     "--averaging-port + i and --state-port + i, so --averaging-port and --state-port must be at least --trainers "
+     "(3) apart, got 45200 and 45201"),
+    (("--averaging-port", "45202", "--state-port", "45200"), "must be at least --trainers (3) apart"),
+    (("--state-port", "65534"), "argument --state-port: 3 trainers count their ports up from 65534 to 65536, "
+                                "beyond 65535"),
+])
+def test_the_demo_refuses_fixed_trainer_ports_that_overlap_before_starting_anything(ports, words, capsys):
+    from dmoe.cli.demo import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--trainers", "3", *ports])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    line = err.rstrip().split("\n")[-1]
+    assert "Traceback" not in err and line.startswith("dmoe-demo: error: argument --") and words in line, err
+
+
+def test_fixed_trainer_ports_far_enough_apart_pass_the_demos_check():
+    import argparse
+
+    from dmoe.cli.demo import check_trainer_ports
+    from dmoe.cli.train import parse_config
+
+    class Refuses(argparse.ArgumentParser):
+        def error(self, message):
+            raise AssertionError(message)
+
+    base = ["--experts", "remote", "--initial-peers", "127.0.0.1:1", "--collaborate", "r", "--target-batch-size", "8"]
+    for ports in (["--averaging-port", "45200", "--state-port", "45203"], ["--averaging-port", "45203",
+                  "--state-port", "45200"], ["--averaging-port", "45200"], ["--averaging-port", "65533"],
+                  ["--averaging-port", "45200", "--state-port", "45201", "--averaging-client-mode"]):
+        check_trainer_ports(Refuses(), parse_config([*base, *ports]), 3)
+
+
+def test_a_trainer_whose_port_is_taken_says_which_flag_in_one_line(text_file, tmp_path, capsys):
+    """A taken --averaging-port ended dmoe-train in a traceback (RuntimeError: Failed to bind to address ...), and a
+    taken --state-port in a line that named no flag; now both are usage errors naming the flag and the address, as
+    dmoe-server's --port is. The same port for both is refused before anything starts."""
+    import socket
+
+    from dmoe.cli import train
+    from tests.procs import running
+
+    flags = ["--data", str(text_file), "--experts", "remote", "--collaborate", "taken", "--target-batch-size", "8",
+             "--seq-len", "16", "--hidden", "16", "--heads", "2", "--layers", "1", "--grid", "2", "2", "--k-best", "2",
+             "--threads", "1", "--out-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exited:
+        train.main([*flags, "--initial-peers", "127.0.0.1:1", "--averaging-port", "45200", "--state-port", "45200"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(
+        "dmoe-train: error: --averaging-port and --state-port must differ (the averager and the state server each "
+        "listen on their own port), both are 45200")
+    with running("-m", "dmoe.dht", "--port", "0") as dht, socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        for flag, service in (("--averaging-port", "averager"), ("--state-port", "state server")):
+            with pytest.raises(SystemExit) as exited:
+                train.main([*flags, "--initial-peers", dht.endpoint(), flag, str(port)])
+            assert exited.value.code == 2
+            err = capsys.readouterr().err
+            assert "Traceback" not in err, err
+            assert err.rstrip().split("\n")[-1] == (
+                f"dmoe-train: error: argument {flag}: the {service} could not listen on 127.0.0.1:{port}: another "
+                "process listens there, or the host is not an address of this machine"), err
+
+
+def test_a_demo_training_in_process_whose_averaging_port_is_taken_names_the_flag(tmp_path, monkeypatch, capsys):
+    """--trainers 1 --collaborate: the trainer is the demo's own process, whose OSError line named no flag."""
+    from dmoe.cli import demo
+    from dmoe.endpoints import PortUnavailable
+
+    def taken(*args):
+        raise PortUnavailable.at("averager", "127.0.0.1:45200")
+
+    monkeypatch.setattr(demo, "run_swarm", taken)
+    assert demo.main(["--out-dir", str(tmp_path), "--collaborate", "r", "--target-batch-size", "8",
+                      "--experts", "remote", "--initial-peers", "127.0.0.1:1", "--averaging-port", "45200"]) == 2
+    assert capsys.readouterr().err.rstrip() == (
+        "dmoe-demo: error: argument --averaging-port: the averager could not listen on 127.0.0.1:45200: another "
+        "process listens there, or the host is not an address of this machine")

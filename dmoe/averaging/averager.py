@@ -26,7 +26,7 @@ from dmoe.averaging.config import AveragerConfig
 from dmoe.averaging.matchmaking import Matchmaker, Member
 from dmoe.averaging.service import AveragingServicer
 from dmoe.dht import DHT
-from dmoe.endpoints import join_host_port, reachable_endpoint
+from dmoe.endpoints import PortUnavailable, join_host_port, reachable_endpoint
 from dmoe.wire import dmoe_pb2_grpc, grpc_options
 from dmoe.wire.codec import parse_compression
 
@@ -146,9 +146,13 @@ class DecentralizedAverager:
         self.servicer = AveragingServicer(self.prefix, cfg.join_timeout, self._pace)
         self._server = grpc.aio.server(options=grpc_options())
         dmoe_pb2_grpc.add_AveragingServiceServicer_to_server(self.servicer, self._server)
-        port = self._server.add_insecure_port(join_host_port(cfg.host, cfg.port))
+        address = join_host_port(cfg.host, cfg.port)
+        try:
+            port = self._server.add_insecure_port(address)
+        except RuntimeError:  # what gRPC raises when it cannot bind (older versions returned 0)
+            port = 0
         if port == 0:
-            raise OSError(f"could not listen on {join_host_port(cfg.host, cfg.port)}")
+            raise PortUnavailable.at("averager", address)
         await self._server.start()
         return reachable_endpoint(cfg.host, port)
 

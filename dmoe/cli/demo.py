@@ -42,7 +42,8 @@ from tqdm import tqdm
 
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.signals import InterruptingSignals
-from dmoe.cli.train import build_parser, parse_config
+from dmoe.cli.train import build_parser, parse_config, port_error
+from dmoe.endpoints import PortUnavailable
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
 from dmoe.server.checkpoints import FILENAME as EXPERTS_FILE
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.servers <= config.grid[0]:
         demo.error(f"argument --servers: must be between 1 and the first grid dimension ({config.grid[0]})")
     if collaborative:
+        check_trainer_ports(demo, config, args.trainers)
         try:
             trainer_args = collaborative_args(rest, config, args.trainers)
         except (DownloadError, OSError) as error:
@@ -152,12 +154,34 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; the swarm has been shut down", file=sys.stderr)
         return 130
+    except PortUnavailable as error:  # (--trainers 1 --collaborate: the trainer is this process)
+        message = port_error(error)
+        print(f"{PROG}: {'error: ' + message if message else error}", file=sys.stderr)
+        return 2 if message else 1
     except (DownloadError, DataError, OSError, ResumeMismatch, CheckpointInUse) as error:
         print(f"swarm_demo: {error}", file=sys.stderr)
         return 1
     finally:
         if run_lock is not None:
             run_lock.close()
+
+
+def check_trainer_ports(parser: argparse.ArgumentParser, config: TrainConfig, trainers: int) -> None:
+    """Trainer i listens on --averaging-port + i and --state-port + i where they are not 0: exits naming the flags
+    if those ranges overlap (a trainer's averager would take another's state port: it died with a traceback) or
+    run past 65535. (The demo's DHT node and servers take free ports: they collide with none.)"""
+    if config.averaging_client_mode:  # the trainers listen on nothing
+        return
+    ports = {"--averaging-port": config.averaging_port, "--state-port": config.state_port}
+    for flag, first in ports.items():
+        if first and first + trainers - 1 > 65535:
+            parser.error(f"argument {flag}: {trainers} trainers count their ports up from {first} to "
+                         f"{first + trainers - 1}, beyond 65535")
+    averaging, state = ports.values()
+    if averaging and state and abs(averaging - state) < trainers:
+        parser.error(f"argument --state-port: trainer i listens on --averaging-port + i and --state-port + i, so "
+                     f"--averaging-port and --state-port must be at least --trainers ({trainers}) apart, got "
+                     f"{averaging} and {state}")
 
 
 def forget_experts(root: Path) -> None:

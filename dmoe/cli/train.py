@@ -19,6 +19,7 @@ import typing
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import add_config_argument, parse_args
 from dmoe.collab.progress import RecordTooLong
+from dmoe.endpoints import PortUnavailable
 from dmoe.trainer.data import DataError, DownloadError
 from dmoe.trainer.loop import CheckpointInUse, CorruptCheckpoint, Diverged, ResumeMismatch, TrainConfig, train
 
@@ -67,6 +68,17 @@ def parse_config(argv: list[str] | None = None, defaults: dict | None = None) ->
     return config
 
 
+#: the flag that sets the port of each server a trainer listens with (:attr:`PortUnavailable.service`)
+PORT_FLAGS = {"averager": "--averaging-port", "state server": "--state-port"}
+
+
+def port_error(error: PortUnavailable) -> str | None:
+    """The usage error for a trainer's averager or state server that could not listen, naming the flag of its port
+    (it ended in a traceback, or in a line that named no flag); None for another server."""
+    flag = PORT_FLAGS.get(error.service)
+    return None if flag is None else f"argument {flag}: {error}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Exits 0 when the run ended, 130 when a stop signal (Ctrl-C, SIGTERM, SIGHUP; or the death of the program
     that launched it, see :func:`dmoe.cli.signals.orphaned`) ended it early (after saving the checkpoint, which
@@ -76,6 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     try:
         result = train(config)
+    except PortUnavailable as e:  # an --averaging-port or --state-port taken: a usage error, as dmoe-server's --port
+        message = port_error(e)
+        if message is None:
+            raise SystemExit(f"dmoe-train: {e}") from None
+        build_parser().error(message)
     # no corpus (or one too short), no DHT peer, a checkpoint of another model, damaged or in use by another
     # trainer, a state endpoint too long to publish, or a run that diverged: no traceback
     except (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,

@@ -28,7 +28,7 @@ import grpc
 import torch
 
 from dmoe.collab.progress import MAX_GROUP_SIZE, RECORD_MAX_STEP, check_lineage
-from dmoe.endpoints import join_host_port, peer_machine, reachable_endpoint
+from dmoe.endpoints import PortUnavailable, join_host_port, peer_machine, reachable_endpoint
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
 from dmoe.wire.channels import STREAM_PART_BYTES
 from dmoe.wire.codec import InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
@@ -556,7 +556,7 @@ class StateServer:
         except RuntimeError:  # what gRPC raises when it cannot bind
             bound = 0
         if bound == 0:
-            raise OSError(f"could not listen on {address}")
+            raise PortUnavailable.at("state server", address)
         await self._server.start()
         return bound
 

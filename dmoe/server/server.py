@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import grpc
 import torch
 
-from dmoe.endpoints import join_host_port, reachable_endpoint
+from dmoe.endpoints import PortUnavailable, join_host_port, reachable_endpoint
 from dmoe.experts import create_expert, expert_class, expert_seed
 from dmoe.server.activations import ActivationCache
 from dmoe.server.backend import ExpertBackend, make_optimizer
@@ -34,10 +34,6 @@ logger = logging.getLogger(__name__)
 
 #: builds the backend of one more expert like the server's others (``ExpertServer.create`` makes one)
 BackendFactory = Callable[[str], ExpertBackend]
-
-
-class PortUnavailable(OSError):
-    """The server's gRPC port cannot be bound (another process listens on it, or the host is not this machine's)."""
 
 
 @dataclass

@@ -208,6 +208,9 @@ class TrainConfig:
             if not self.target_batch_size:
                 raise ValueError("--target-batch-size is required with --collaborate")
             check_run_id(self.collaborate)
+            if self.averaging_port and self.averaging_port == self.state_port and not self.averaging_client_mode:
+                raise ValueError(f"--averaging-port and --state-port must differ (the averager and the state server "
+                                 f"each listen on their own port), both are {self.state_port}")
             self._check_averaging_host()
 
     def _check_averaging_host(self) -> None:
