@@ -82,7 +82,7 @@ def test_a_second_demo_in_the_same_directory_is_refused_naming_the_flag(text_fil
     with lock_directory(out_dir):  # what a running demo holds
         assert run_demo(text_file, out_dir, "--steps", "1") == 1
     error = capsys.readouterr().err
-    assert "--out-dir" in error and "in use by another demo" in error, error
+    assert error.startswith("dmoe-demo: --out-dir: ") and "in use by another demo" in error, error  # (was swarm_demo:)
     assert not (out_dir / "experts").exists()  # refused before any server started
 
 
@@ -176,8 +176,8 @@ def test_a_trainer_that_fails_stops_the_others_and_the_demo_says_which(tmp_path,
     assert started[1].popen.returncode == 130 and "stopped by the demo\n" in started[1].output, started[1].output
     out, err = capsys.readouterr()
     assert "[trainer 0] dmoe-train: the averaging port is taken" in out, out
-    assert "swarm_demo: trainer 0 exited with status 3 before it finished" in err, err
-    assert "swarm_demo: trainer 0 failed (exit status 3); the others were stopped" in err, err
+    assert "dmoe-demo: trainer 0 exited with status 3 before it finished" in err, err
+    assert "dmoe-demo: trainer 0 failed (exit status 3); the others were stopped" in err, err
 
 
 def test_sigterm_stops_the_demo_as_ctrl_c_does(text_file, tmp_path):

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             trainer_args = collaborative_args(rest, config, args.trainers)
         except (DownloadError, OSError) as error:
-            print(f"swarm_demo: {error}", file=sys.stderr)
+            print(f"{PROG}: {error}", file=sys.stderr)
             return 1
         parse_config(trainer_args(0, "127.0.0.1:1"))  # a flag that does not fit fails here, before the swarm starts
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if not config.resume:
             forget_experts(experts_root)
     except (CheckpointDirectoryInUse, OSError) as error:
-        print(f"swarm_demo: --out-dir: {error}", file=sys.stderr)
+        print(f"{PROG}: --out-dir: {error}", file=sys.stderr)
         return 1
     swarm_config = SwarmConfig(
         layers=tuple(f"ffn{i}" for i in range(config.layers)), grid=tuple(config.grid), n_servers=args.servers,
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {'error: ' + message if message else error}", file=sys.stderr)
         return 2 if message else 1
     except (DownloadError, DataError, OSError, ResumeMismatch, CheckpointInUse) as error:
-        print(f"swarm_demo: {error}", file=sys.stderr)
+        print(f"{PROG}: {error}", file=sys.stderr)
         return 1
     finally:
         if run_lock is not None:
@@ -208,7 +208,7 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
     try:
         swarm.start()
     except (RuntimeError, TimeoutError) as error:  # e.g. a server whose checkpoint holds other experts
-        print(f"swarm_demo: the swarm did not start: {error}", file=sys.stderr)
+        print(f"{PROG}: the swarm did not start: {error}", file=sys.stderr)
         return 1
     try:
         with swarm:
@@ -228,7 +228,7 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
         for i, status in enumerate(swarm.server_statuses):
             if status != 0:  # with what it said last: the demo shows no server output unless --verbose
                 last = "".join(swarm.servers[i].output[-5:]).rstrip() or "(nothing)"
-                print(f"swarm_demo: server {i} did not stop cleanly (exit status {status}): its experts' checkpoint "
+                print(f"{PROG}: server {i} did not stop cleanly (exit status {status}): its experts' checkpoint "
                       f"in {swarm_config.checkpoint_root} may be older than the trainer's; its last lines:\n{last}",
                       file=sys.stderr)
     return 0
@@ -344,7 +344,7 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
             bar.close()
             observer.close()
         if failure is not None:  # (a Ctrl-C meanwhile: processes() kills them)
-            print(f"swarm_demo: trainer {failure[0]} exited with status {failure[1]} before it finished (its last "
+            print(f"{PROG}: trainer {failure[0]} exited with status {failure[1]} before it finished (its last "
                   "lines are above): stopping the other trainers", file=sys.stderr, flush=True)
             stop_trainers(procs)
     for i in range(trainers):
@@ -352,12 +352,12 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
             loss, perplexity, step = finals[i].groups()
             print(f"trainer {i}: validation perplexity {float(perplexity):.2f} (loss {float(loss):.4f}) at step {step}")
     if failure is not None:
-        print(f"swarm_demo: trainer {failure[0]} failed (exit status {failure[1]}); the others were stopped",
+        print(f"{PROG}: trainer {failure[0]} failed (exit status {failure[1]}); the others were stopped",
               file=sys.stderr)
         return 1
     failed = [i for i, proc in enumerate(procs) if proc.popen.returncode != 0 or i not in finals]
     if failed:
-        print(f"swarm_demo: trainers {failed} did not finish", file=sys.stderr)
+        print(f"{PROG}: trainers {failed} did not finish", file=sys.stderr)
         return 1
     print(f"demo done: {trainers} trainers, one model; shutting the swarm down", flush=True)
     return 0
