@@ -1,6 +1,7 @@
 """Config files for dmoe programs, choosing experts by count on a grid, and the programs' flag errors."""
 from __future__ import annotations
 
+import functools
 import random
 import signal
 import socket
@@ -8,10 +9,11 @@ import time
 
 import pytest
 
+from dmoe.cli import dht as dht_program
 from dmoe.cli import monitor as monitor_program
 from dmoe.cli import server as run_server
 from dmoe.cli import train
-from dmoe.cli.config import parse_args
+from dmoe.cli.config import default_shown, parse_args
 from dmoe.directory import alive_experts, choose_experts
 from tests.procs import running
 
@@ -203,9 +205,60 @@ def test_a_join_that_fails_still_names_the_initial_peers():
 
 
 def test_every_server_and_trainer_flag_has_help():
-    for parser in (run_server.build_parser(), train.build_parser(), monitor_program.build_parser()):
+    for parser in (run_server.build_parser(), train.build_parser(), monitor_program.build_parser(),
+                   dht_program.build_parser()):
         missing = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
         assert not missing, f"{parser.prog}: flags without help: {missing}"
+
+
+def help_entries(parser) -> dict[str, str]:
+    """``parser``'s --help as one line per flag (the help wrapped at 1000 columns): flag -> its entry."""
+    parser.formatter_class = functools.partial(parser.formatter_class, width=1000, max_help_position=60)
+    entries, flag = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            entries[flag] = line.strip()
+        elif flag is not None and line.startswith("   "):  # a help below a long flag
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return entries
+
+
+def test_every_programs_help_shows_each_meaningful_default_once():
+    """Review 57: dmoe-server --help showed almost no defaults (--lr, --hidden-dim, --host, ...), dmoe-dht's --host
+    none, and dmoe-train's --checkpoint two: "(default: OUT_DIR/checkpoint.pt) (default: None)"."""
+    from dmoe.cli import demo
+
+    parsers = [run_server.build_parser(), train.build_parser(), monitor_program.build_parser(),
+               dht_program.build_parser(), demo.help_parser(1), demo.help_parser(3)]
+    for parser in parsers:
+        entries = help_entries(parser)
+        for action in parser._actions:
+            if not action.option_strings or action.help is None or action.dest == "help":
+                continue
+            entry = entries[action.option_strings[0]]
+            assert "(default: None)" not in entry and "(default: ())" not in entry, (parser.prog, entry)
+            assert entry.lower().count("default:") <= 1, (parser.prog, entry)  # one default, hand-written or not
+            shown = default_shown(action)
+            if shown is not None:
+                assert "default:" in entry, (parser.prog, entry)
+    server = help_entries(run_server.build_parser())
+    for flag, default in (("--lr", "0.001"), ("--hidden-dim", "1024"), ("--host", "127.0.0.1"),
+                          ("--max-batch-size", "4096"), ("--refresh-period", "10.0"),
+                          ("--checkpoint-interval", "60.0"), ("--replicas", "2"), ("--log-level", "INFO")):
+        assert server[flag].endswith(f"(default: {default})"), server[flag]
+    assert server["--overlap-copies"].endswith("(default: plain copies, faster on the GPUs measured; "
+                                               "benchmarks/README.md)"), server["--overlap-copies"]
+    assert "default: --host, or for 0.0.0.0 this machine's address toward its DHT peers" in server["--announce-host"]
+    for parser in (train.build_parser(), demo.help_parser(1)):
+        entry = help_entries(parser)["--checkpoint"]
+        assert entry.endswith("checkpoint file (default: OUT_DIR/checkpoint.pt)"), entry
+    trainer = help_entries(train.build_parser())
+    assert trainer["--grid"].endswith("(default: 4 4)") and trainer["--initial-peers"].endswith("(with --experts remote)")
+    dht = help_entries(dht_program.build_parser())
+    assert dht["--host"].endswith("(default: 127.0.0.1)") and dht["--ksize"].endswith("DHTConfig.ksize (default: 20)")
 
 
 @pytest.mark.parametrize("flags, named", [

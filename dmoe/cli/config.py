@@ -71,6 +71,40 @@ def port_number(text: str) -> int:
     return value
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """The help formatter of every dmoe program: each flag's help ends with its default, "(default: X)", where the
+    default means something. None shows nothing (such a flag's help says in words what leaving it out does, e.g.
+    "default: --host"), nor do an empty list, an on/off flag's False, or a help that already states its default
+    ("default: ..."): argparse's ArgumentDefaultsHelpFormatter wrote "(default: None)" beside those, so that some
+    flags showed two defaults. A list shows as it is typed: "4 4", not "[4, 4]"."""
+
+    #: what argparse's BooleanOptionalAction (Python < 3.14) appends to its help itself
+    _APPENDED = " (default: %(default)s)"
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if text.endswith(self._APPENDED):
+            text = text[:-len(self._APPENDED)]
+        shown = default_shown(action)
+        if shown is None or "default:" in text.lower() or "%(default)" in text:
+            return text
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def default_shown(action: argparse.Action) -> str | None:
+    """How ``--help`` shows ``action``'s default; None where it is not shown (see :class:`DefaultsHelpFormatter`)."""
+    default = action.default
+    if default is None or default is argparse.SUPPRESS or not action.option_strings:
+        return None
+    if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):  # store_true & co: off
+        return None
+    if isinstance(default, (list, tuple, dict, set)):
+        if not default:
+            return None
+        return json.dumps(default) if isinstance(default, dict) else " ".join(map(str, default))
+    return str(default)
+
+
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
     """Adds ``--config FILE.toml`` to ``parser`` (call :func:`parse_args` instead of ``parser.parse_args``)."""
     parser.add_argument("--config", metavar="FILE.toml", default=None,

@@ -19,7 +19,7 @@ import signal
 import sys
 from typing import Awaitable, Callable, Sequence
 
-from dmoe.cli.config import add_config_argument, port_number
+from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, port_number
 from dmoe.cli.config import parse_args as parse_with_config
 from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
 from dmoe.dht.config import DHTConfig
@@ -46,7 +46,7 @@ def _flag_bool(text: str) -> bool:
 
 def build_parser(prog: str = "dmoe-dht", description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
     """The node flags: where to listen, whom to join, the identity, and one flag per :class:`DHTConfig` field."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=DefaultsHelpFormatter)
     add_config_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (UDP)")
     parser.add_argument("--port", type=port_number, default=0, help="UDP port (0: any free port)")
@@ -56,11 +56,11 @@ def build_parser(prog: str = "dmoe-dht", description: str = __doc__.split("\n\n"
     parser.add_argument("--identity", default=None, metavar="PATH",
                         help="Ed25519 key file signing what the first node stores (created if absent; default: "
                              "ephemeral key)")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="logging level")
     for field in FLAG_FIELDS:
         kind = _flag_bool if isinstance(field.default, bool) else type(field.default)
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default,
-                            help=f"DHTConfig.{field.name} (default {field.default})")
+                            help=f"DHTConfig.{field.name}")
     return parser
 
 

@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Sequence
 
-from dmoe.cli.config import add_config_argument, parse_args, port_number, positive
+from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, parse_args, port_number, positive
 from dmoe.cli.signals import StopSignals
 from dmoe.dht import parse_endpoint
 from dmoe.monitor import MonitorServer, SwarmMonitor
@@ -46,7 +46,7 @@ def _peer(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``dmoe-monitor`` (each also a key of a ``--config`` TOML file)."""
     parser = argparse.ArgumentParser(prog="dmoe-monitor", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     add_config_argument(parser)
     parser.add_argument("--initial-peers", nargs="+", required=True, type=_peer, metavar="HOST:PORT",
                         help="any DHT node of the swarm (printed by dmoe-dht or dmoe-server)")

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.config import add_config_argument, non_negative, parse_args, port_number, positive
+from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, non_negative, parse_args, port_number, positive
 from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
 from dmoe.dht import DHTConfig, Identity, parse_endpoint
@@ -81,7 +81,8 @@ def import_custom_module(spec: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dmoe-server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="dmoe-server", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     add_config_argument(parser)
     parser.add_argument("--experts", default=None,
                         help="uids or a pattern, e.g. 'ffn0.[0:4].[0:4]' (or choose them with --num-experts)")
@@ -148,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="HOST:PORT of any DHT node (printed by dmoe-dht); none: this server starts a new DHT")
     dht.add_argument("--dht-port", type=port_number, default=0, help="UDP port of the server's own DHT node")
     dht.add_argument("--announce-host", default=None,
-                     help="host others should call (e.g. a public address behind NAT); default: --host")
+                     help="host that clients and other servers are told to call this server's experts at, where "
+                          "it is not --host (behind NAT, e.g. a cloud VM's public address; default: --host, or for "
+                          "0.0.0.0 this machine's address toward its DHT peers)")
     dht.add_argument("--refresh-period", type=positive_float, default=10.0,
                      help="seconds between re-declarations of the experts")
     dht.add_argument("--expiration", type=positive_float, default=None,

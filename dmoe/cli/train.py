@@ -17,7 +17,7 @@ import sys
 import typing
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.config import add_config_argument, parse_args
+from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, parse_args
 from dmoe.collab.progress import RecordTooLong
 from dmoe.endpoints import PortUnavailable
 from dmoe.trainer.data import DataError, DownloadError
@@ -35,7 +35,7 @@ EPILOG = ("Collaborative training (one model, many volunteer trainers): every tr
 def build_parser() -> argparse.ArgumentParser:
     """One flag per TrainConfig field; booleans get --flag / --no-flag, tuples take several values."""
     parser = argparse.ArgumentParser(prog="dmoe-train", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     formatter_class=DefaultsHelpFormatter,
                                      epilog=EPILOG)
     add_config_argument(parser)
     hints = typing.get_type_hints(TrainConfig)
