@@ -256,7 +256,8 @@ def test_every_programs_help_shows_each_meaningful_default_once():
         entry = help_entries(parser)["--checkpoint"]
         assert entry.endswith("checkpoint file (default: OUT_DIR/checkpoint.pt)"), entry
     trainer = help_entries(train.build_parser())
-    assert trainer["--grid"].endswith("(default: 4 4)") and trainer["--initial-peers"].endswith("(with --experts remote)")
+    assert trainer["--grid"].endswith("(default: 4 4)"), trainer["--grid"]
+    assert trainer["--initial-peers"].endswith("(with --experts remote)"), trainer["--initial-peers"]
     dht = help_entries(dht_program.build_parser())
     assert dht["--host"].endswith("(default: 127.0.0.1)") and dht["--ksize"].endswith("DHTConfig.ksize (default: 20)")
 
