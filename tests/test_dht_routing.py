@@ -149,7 +149,11 @@ def test_one_socket_under_eight_ids_next_to_a_key_no_longer_hides_its_record():
             reader = DHTNode(DHTConfig(), client_mode=True)  # a trainer
             try:
                 sybil.ping_all([node.transport.get_extra_info("sockname")[:2] for node in nodes])
-                await asyncio.sleep(0.3)
+                # the scenario: its ids reached the tables (a starved loop would pass the bound below unseen)
+                deadline = time.monotonic() + 30
+                while not all(any(contact.id in ids for contact in node.protocol.router.contacts()) for node in nodes):
+                    assert time.monotonic() < deadline, "the sybil's ids never reached the routing tables"
+                    await asyncio.sleep(0.05)
                 await reader.listen(0)
                 await reader.bootstrap([nodes[0].transport.get_extra_info("sockname")[:2]])
                 for node in [*nodes, reader]:

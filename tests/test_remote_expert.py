@@ -147,14 +147,15 @@ def test_batched_backward_resends_the_inputs_of_experts_whose_server_no_longer_h
 
 
 def test_batched_calls_to_a_dead_server_fail_every_item_unavailable():
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{free.getsockname()[1]}"  # nothing listens: connection refused
-    futures = forward_futures([(f"ffn.{i}", endpoint, [torch.randn(2, HIDDEN)], None) for i in range(3)], timeout=10)
-    for future in futures:
-        with pytest.raises(RemoteExpertError) as error:
-            future.result(timeout=60)
-        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    with socket.socket() as bound:  # bound, never listening, for the whole test: connections are refused, and no
+        bound.bind(("127.0.0.1", 0))  # other test's server can take the port meanwhile (review 54)
+        endpoint = f"127.0.0.1:{bound.getsockname()[1]}"
+        futures = forward_futures([(f"ffn.{i}", endpoint, [torch.randn(2, HIDDEN)], None) for i in range(3)],
+                                  timeout=10)
+        for future in futures:
+            with pytest.raises(RemoteExpertError) as error:
+                future.result(timeout=60)
+            assert error.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_info_reports_schema_and_counts_one_request_per_call(server):

@@ -597,8 +597,9 @@ ORPHANING_LAUNCHER = """
 import os, sys
 from dmoe.launch import Proc
 trainer = Proc(["-m", "dmoe.cli.train", *sys.argv[2:]], env={"TQDM_DISABLE": "1"})
+print(trainer.popen.pid, flush=True)  # first: the test kills it whatever happens next
 trainer.wait_for(sys.argv[1], 120)
-print(trainer.popen.pid, flush=True)
+print("ready", flush=True)
 os._exit(0)  # dies without stopping it, as dmoe-demo killed by SIGKILL (or a SIGTERM it does not handle)
 """
 
@@ -619,16 +620,22 @@ def assert_an_orphan_stops(flags: list[str], ready: str, what: str, timeout: flo
     import sys
     import time
 
-    launcher = subprocess.run([sys.executable, "-c", ORPHANING_LAUNCHER, ready, *flags], capture_output=True,
-                              text=True, timeout=180, cwd=str(Path(__file__).parents[1]))
-    pid = int(launcher.stdout.split()[0])
+    launcher = subprocess.Popen([sys.executable, "-c", ORPHANING_LAUNCHER, ready, *flags], stdout=subprocess.PIPE,
+                                text=True, cwd=str(Path(__file__).parents[1]))
+    pid = None
     try:
+        pid = int(launcher.stdout.readline())
+        assert launcher.stdout.readline().strip() == "ready", "the trainer never printed " + repr(ready)
+        launcher.wait(60)
         deadline = time.monotonic() + timeout
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(pid), f"the orphaned trainer {what}"
     finally:
-        if alive(pid):
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+        if pid is not None and alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
