@@ -135,6 +135,10 @@ HOST_SHARE = 0.5
 #: computation until the call ends: the tensors, their serialized message and gRPC's copy of it (measured: a 16 MiB
 #: answer nobody read held ~47 MiB, review 55)
 UNARY_ANSWER_COPIES = 3
+#: what a call whose answer waits holds in the server's memory at least, whatever its answer's size (measured: 20000
+#: one-row calls nobody read took a server from 249 to 351 MiB, ~5 KiB each): counted for every answered call, so
+#: that many small answers nobody reads are bounded too
+ANSWERED_CALL_BYTES = 8 * 1024
 
 
 @dataclass(eq=False)
@@ -591,12 +595,11 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
     def _answer_held(self, context: grpc.aio.ServicerContext, outputs: Sequence[OutgoingTensor],
                      copies: int) -> None:
-        """Counts an answer about to be sent (``copies`` times its tensors' bytes) among the bytes this server holds
-        (:meth:`_reserve`) until its call ends: read whole, cancelled or past its deadline. gRPC keeps an answer the
-        client does not read (HTTP/2 flow control) until then, and nothing else counted it (review 55)."""
-        nbytes = copies * _answer_bytes(outputs)
-        if not nbytes:
-            return
+        """Counts an answer about to be sent (``copies`` times its tensors' bytes, at least
+        :data:`ANSWERED_CALL_BYTES`) among the bytes this server holds (:meth:`_reserve`) until its call ends: read
+        whole, cancelled or past its deadline. gRPC keeps an answer the client does not read (HTTP/2 flow control)
+        until then, and nothing else counted it (review 55)."""
+        nbytes = max(copies * _answer_bytes(outputs), ANSWERED_CALL_BYTES)
         host = peer_machine(context.peer())
         with self._queued_lock:
             self.answer_bytes += nbytes
@@ -643,6 +646,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             answer = Response(await self._call(kind, parsed.uid, parsed.tensors, parsed.response_compression,
                                                context, parsed.activation_id))
             message = response_message(answer)
+        self._answer_held(context, (), 1)  # (the answer goes into the client's segment: the call itself is counted)
         return SharedAnswer(answer, message, segment, call.answer_offset, call.answer_capacity)
 
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest], context) -> None:
