@@ -433,6 +433,9 @@ def test_answers_a_client_does_not_read_count_against_the_queued_bytes_until_the
             assert refused.value.code == Code.RESOURCE_EXHAUSTED, refused.value
             assert "answers to this host that it has not taken" in str(refused.value)
             assert servicer.answer_bytes == calls * UNARY_ANSWER_COPIES * answer  # (the refused call's not kept)
+            registry = server.metrics.registry  # what an operator sees
+            assert registry.get_sample_value("dmoe_held_bytes", {"kind": "answers"}) == servicer.answer_bytes
+            assert registry.get_sample_value("dmoe_held_bytes_limit") == servicer.max_queued_bytes
         # the connection gone, its calls end and what they held is released
         wait_until(lambda: servicer.answer_bytes == 0 and servicer.answers_by_host == {})
         torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)

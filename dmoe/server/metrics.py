@@ -23,6 +23,9 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
                                                     released (memory given to a batch that ran out of it)
     dmoe_activation_cache_bytes{device}             bytes of activations kept now, where they are (cpu, cuda:0)
     dmoe_activation_cache_peak_bytes{device}        the most bytes kept there at once (to size the budget by)
+    dmoe_held_bytes{kind}                           bytes counted against --max-queued-mb now: ``queued`` (inputs
+                                                    waiting or computing), ``arriving`` (streams), ``answers`` (not
+                                                    yet taken by their clients); ``dmoe_held_bytes_limit`` the budget
     dmoe_stage_seconds_total{stage}                 with ``--profile`` only: seconds spent in each stage of the
     dmoe_stage_events_total{stage}                  server's path, and how many calls, requests or batches they
                                                     sum over (:mod:`dmoe.server.profile`)
@@ -52,7 +55,7 @@ from dmoe.wire.shared_memory import METHODS as SHARED_METHODS
 if TYPE_CHECKING:
     from dmoe.server.activations import ActivationCache
     from dmoe.server.profile import StageClock
-    from dmoe.server.servicer import HostedExpert
+    from dmoe.server.servicer import ExpertServicer, HostedExpert
     from dmoe.server.task_pool import Task, TaskPool
 
 logger = logging.getLogger(__name__)
@@ -97,6 +100,23 @@ class _ActivationCacheStats(Collector):
             peak.add_metric([device], most)
         yield held
         yield peak
+
+
+class _HeldBytes(Collector):
+    """Reads what the servicer counts against its memory budget when scraped (:meth:`ServerMetrics.watch_budget`):
+    an operator sees clients that queue faster than the experts compute, or never read their answers."""
+
+    def __init__(self, servicer: "ExpertServicer"):
+        self._servicer = servicer
+
+    def collect(self):
+        servicer = self._servicer
+        held = GaugeMetricFamily("dmoe_held_bytes", "bytes counted against --max-queued-mb now", labels=["kind"])
+        for kind, value in (("queued", servicer.queued_bytes), ("arriving", servicer.arriving_bytes),
+                            ("answers", servicer.answer_bytes)):
+            held.add_metric([kind], value)
+        yield held
+        yield GaugeMetricFamily("dmoe_held_bytes_limit", "--max-queued-mb, in bytes", value=servicer.max_queued_bytes)
 
 
 class _CudaGraphStats(Collector):
@@ -190,6 +210,10 @@ class ServerMetrics:
             self.registry.register(_StageTimes(stages))
         self._http: HTTPThread | None = None
         self.endpoint: str | None = None
+
+    def watch_budget(self, servicer: "ExpertServicer") -> None:
+        """Serves what ``servicer`` counts against its memory budget (``dmoe_held_bytes{kind}``)."""
+        self.registry.register(_HeldBytes(servicer))
 
     def add_expert(self, uid: str, expert: "HostedExpert") -> None:
         """Labels the batches of an expert added to the running server (the server adds it to ``experts``)."""

@@ -203,6 +203,7 @@ class ExpertServer:
             max_queued_bytes=int(self.config.max_queued_mb * 2**20),
         )
         self.metrics = ServerMetrics(experts, self.activations, self.stages)
+        self.metrics.watch_budget(self.servicer)
         self.runtime.on_batch = self.metrics.observe_batch
         if self.activations is not None:  # kept forwards live on the experts' device: first to go when it is full
             self.runtime.on_out_of_memory = self.activations.release
