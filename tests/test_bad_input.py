@@ -493,3 +493,21 @@ def test_many_small_answers_nobody_reads_are_bounded_too():
                 forward_future(server.endpoint, "nop.0", [x]).result(30)
         wait_until(lambda: servicer.answer_bytes == 0)
         torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)
+
+
+def test_the_bytes_counted_per_host_return_to_zero_after_many_concurrent_calls():
+    """Review 58: a new request's count per host was written back with the host's unread answers added in, so a
+    client with calls in flight pushed it up for good (137 MiB after 400 calls with nothing queued): hosts were
+    refused with nothing queued, and past the budget the per-host share no longer held."""
+    hidden = 256
+    with ExpertServer.create("nop.[0:4]", "nop", hidden, config=ServerConfig(device="cpu")) as server:
+        servicer = server.servicer
+        x = torch.randn(64, hidden)
+
+        def calls(first: int) -> None:
+            for i in range(first, first + 40):
+                forward_future(server.endpoint, f"nop.{i % 4}", [x], channels=pool).result(30)
+        with ChannelPool(shared_memory=False) as pool, ThreadPoolExecutor(8) as threads:
+            list(threads.map(calls, range(8)))
+        wait_until(lambda: servicer.answer_bytes == 0)
+        assert servicer.queued_bytes == 0 and servicer.queued_by_host == {} and servicer.answers_by_host == {}

@@ -430,7 +430,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                       f"its experts while other hosts' wait too, at most {HOST_SHARE:.0%} of "
                                       f"{self.max_queued_bytes / 2**20:.0f} MiB (--max-queued-mb): try again later")
             self.queued_bytes += nbytes
-            self.queued_by_host[host] = mine + nbytes
+            self.queued_by_host[host] = self.queued_by_host.get(host, 0) + nbytes  # (mine counts answers too)
 
     def _arrive(self, arrival: Arrival, nbytes: int) -> None:
         """Counts one more message of ``nbytes`` of a streamed request still arriving, or raises
