@@ -94,11 +94,14 @@ def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid_but_to_a_repl
         for flags in (("--num-experts", "1"), ("--num-experts", "2", "--processes", "2")):
             output = refused(*flags, *grid)
             assert "argument --num-experts: every cell of the 2 x 2 grid of --layer ffn7 is served" in output, output
-        # with --replica-dir it starts as a standby: it holds replicas and adopts the cells that empty
-        procs.append(standby := Proc(server_args("--num-experts", "1", *grid, "--replica-dir", str(tmp_path))))
-        standby.endpoint(timeout=120)
-        output = stopped(standby)
-        assert "every cell of --layer ffn7 is served already: this server holds their replicas" in output, output
+        # with --replica-dir it starts as a standby: it holds replicas and adopts the cells that empty (review 58:
+        # with --processes it was refused, telling the user to give the --replica-dir given)
+        for flags, says in ((("--num-experts", "1"), "this server holds"), (("--num-experts", "2", "--processes",
+                                                                              "2"), "these processes hold")):
+            procs.append(standby := Proc(server_args(*flags, *grid, "--replica-dir", str(tmp_path / flags[-1]))))
+            standby.endpoint(timeout=120)
+            output = stopped(standby)
+            assert f"every cell of --layer ffn7 is served already: {says} their replicas" in output, output
         assert full.alive
 
 

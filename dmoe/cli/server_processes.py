@@ -50,7 +50,7 @@ from dmoe.cli.server import (build_parser, check_free_cells, dht_node_error, imp
                              serve)
 from dmoe.cli.signals import PARENT_ENV, StopSignals
 from dmoe.dht import DHT
-from dmoe.directory import free_experts
+from dmoe.directory import choose_experts, free_experts
 from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory, write_atomically
 
@@ -132,7 +132,13 @@ def deal_cells(args: argparse.Namespace, parser: argparse.ArgumentParser, dht: D
         return saved  # type: ignore[return-value]
     if not kept:  # every layer's experts spread over the processes
         uids = free_experts(dht, args.layer, args.grid, args.num_experts)
-        check_free_cells(uids, args, parser)
+        if not uids and args.replica_dir is not None:  # standbys, as one process would be (cli.server.serve)
+            uids = choose_experts(args.layer, args.grid, args.num_experts)
+            logger.warning("every cell of --layer %s is served already: these processes hold their replicas and "
+                           "adopt the cells that empty (they serve none that another server owns)",
+                           " ".join(args.layer))
+        else:
+            check_free_cells(uids, args, parser)
         if len(uids) < count:
             parser.error(f"argument --processes: {count} processes need as many free cells, and only {len(uids)} "
                          f"of the grids of --layer {' '.join(args.layer)} are free")
