@@ -45,6 +45,7 @@ def test_idle_channels_are_let_go_and_their_connections_closed(port):
     with ChannelPool() as warm_up:  # (the first call of a process takes a second: not within idle_seconds)
         call(f"127.0.0.22:{port}", warm_up)
     with ChannelPool(idle_seconds=2.0) as channels:
+        channels.collect_after = 16  # (32 by default): 21 are let go at once below
         call(first, channels, rows=4096)  # 128 KiB: through shared memory, which leaves an idle segment kept
         for endpoint in others:
             call(endpoint, channels)
@@ -56,14 +57,19 @@ def test_idle_channels_are_let_go_and_their_connections_closed(port):
         assert channels.endpoints() == [others[0]]
         assert channels.let_go == 21
         assert channels.segments.idle(first) == 0
-        # Closed with no collection by the caller (gRPC's objects form cycles, so that takes the pool's): 21
-        # connections and the segment's memfd, less others[0]'s new connection.
+        # Closed with no collection by the caller (gRPC's objects form cycles, so that takes the pool's, once 16
+        # or more were let go): 21 connections and the segment's memfd, less others[0]'s new connection.
         assert open_fds() <= with_all - 21
         call(first, channels)  # a let-go endpoint is served as before, on a new channel
         assert sorted(channels.endpoints()) == sorted([first, others[0]])
 
 
-def test_a_call_in_flight_on_a_channel_let_go_finishes(port):
+def test_a_call_in_flight_on_a_channel_let_go_finishes_and_one_channel_costs_no_collection(port, monkeypatch):
+    """(A full collection paused every thread of a big process ~0.5 s, review 58: the pool runs one only after
+    ``collect_after`` channels were let go.)"""
+    from dmoe.wire import channels as channels_module
+    collections = []
+    monkeypatch.setattr(channels_module.gc, "collect", lambda *args: collections.append(args))
     endpoint = f"127.0.0.1:{port}"
     with ChannelPool(idle_seconds=0.5, hold_calls=False) as channels:
         long_call = channels.stub(endpoint).hold.future(dmoe_pb2.Hold(seconds=2.0), timeout=30)
@@ -72,6 +78,7 @@ def test_a_call_in_flight_on_a_channel_let_go_finishes(port):
         assert channels.endpoints() == [f"127.0.0.2:{port}"]  # `endpoint`'s channel was let go mid-call
         assert not long_call.result(timeout=30).stopping  # ended by its time, not cancelled
         call(endpoint, channels)
+        assert channels.let_go == 2 and collections == []  # (127.0.0.2 idle too by then)
 
 
 def test_without_idle_seconds_channels_stay_and_bad_values_are_refused(port):

@@ -161,8 +161,14 @@ class ChannelPool:
     ``idle_seconds``: a channel nobody asked for in that long is let go (None: kept until ``close()``). A trainer
     meets servers as volunteers come and go, and each channel kept to a live server held a connection (a file
     descriptor, ~170 KB) for good. A let-go channel is not closed: calls still in flight on it (a long snapshot
-    push, say) finish, and gRPC closes it once they have; the next use of its endpoint opens a new one.
+    push, say) finish, and it closes once they have and Python collects it (gRPC's objects refer to each other:
+    it takes a full collection). The pool runs one once ``collect_after`` channels were let go since the last, so
+    that at most that many connections linger; a full collection pauses every thread of a big process for a
+    moment (~0.5 s measured), which one per let-go channel would cost far too often.
     """
+
+    #: channels let go between two full collections the pool runs (see the class's doc)
+    collect_after = 32
 
     _default: "ChannelPool | None" = None
     _default_lock = threading.Lock()
@@ -178,6 +184,7 @@ class ChannelPool:
         self.idle_seconds = idle_seconds
         self._next_sweep = time.monotonic() + (idle_seconds or 0.0)
         self.let_go = 0  # channels let go for being idle so far
+        self._uncollected = 0  # of them, let go since the last collection the pool ran
         self.hold_calls, self.hold_seconds = hold_calls, hold_seconds
         self.shared_memory, self.shared_memory_min_bytes = shared_memory and AVAILABLE, shared_memory_min_bytes
         self.segments = SegmentPool()  # bounded over all endpoints; a segment is reused only for its own endpoint
@@ -230,9 +237,15 @@ class ChannelPool:
         idle.clear()
         del entry
         logger.debug("let go of %d idle channel(s): %s", len(names), ", ".join(names))
-        # A channel is closed when its last reference goes, but gRPC's objects refer to each other, so that is
-        # at the next full collection, which a trainer may not reach for a long while: its connection with it.
-        gc.collect()
+        with self._lock:
+            self._uncollected += len(names)
+            collect = self._uncollected >= self.collect_after
+            if collect:
+                self._uncollected = 0
+        if collect:
+            # A channel is closed when its last reference goes, but gRPC's objects refer to each other, so that is
+            # at the next full collection, which a trainer may not reach for a long while: its connection with it.
+            gc.collect()
 
     def endpoints(self) -> list[str]:
         """The endpoints this pool has a channel to now."""
