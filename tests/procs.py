@@ -59,8 +59,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILLs ``pid`` and every process it started (gone ones are skipped)."""
-    for victim in [*descendants(pid), pid]:
+    """SIGKILLs ``pid`` and every process it started (gone ones are skipped): the parent first, so that it cannot
+    start another meanwhile (``dmoe-server --processes`` restarts a child that dies)."""
+    for victim in [pid, *descendants(pid)]:
         try:
             os.kill(victim, signal.SIGKILL)
         except ProcessLookupError:

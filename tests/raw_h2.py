@@ -32,6 +32,7 @@ class RawConnection:
     def __init__(self, endpoint: str, window: int = 0):
         host, _, port = endpoint.rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.sock.settimeout(None)  # (the connect's timeout would end the reader after 30 s of silence)
         self._lock = threading.Lock()
         self._windows = threading.Condition()
         self._connection_window, self._initial_window = DEFAULT_WINDOW, DEFAULT_WINDOW
