@@ -303,3 +303,25 @@ def test_stop_signals_leave_an_ignored_signal_ignored():
     with StopSignals(), terminal_signals_ignored():
         pass
     assert signal.getsignal(signal.SIGINT) is previous and signal.getsignal(signal.SIGHUP) == hangup
+
+
+def test_a_process_started_again_without_key_files_keeps_its_key_and_declares_at_once():
+    """Review 58: with no --identity, --checkpoint-dir or --replica-dir, a child started again drew a new key, and
+    its uids stayed the dead child's (pointing at its dead endpoint) until those declarations expired."""
+    uids = expand_pattern("ffn.[0:4]")
+    with processes() as procs:
+        procs.append(proc := Proc(server_args("--experts", "ffn.[0:4]", "--processes", "2", "--refresh-period", "1",
+                                              "--expiration", "300")))
+        proc.endpoint(timeout=120)
+        dht_node = re.search(r"DHT node at (\S+)", "".join(proc.output)).group(1)
+        with DHT(initial_peers=[dht_node], client_mode=True) as dht:
+            deadline = time.monotonic() + 30
+            while not all(before := get_experts(dht, uids)):
+                assert time.monotonic() < deadline, before
+                time.sleep(0.1)
+            os.kill(server_children(proc.popen.pid)[1], signal.SIGKILL)
+            deadline = time.monotonic() + 60  # far less than the dead child's declarations last (300 s)
+            while (now := get_experts(dht, uids[1::2])) == before[1::2] or None in now:
+                assert time.monotonic() < deadline, (now, proc.output[-5:])
+                time.sleep(0.2)
+        assert now[0] != before[1] and forward_future(now[0], uids[1], [torch.randn(2, HIDDEN)]).result(30) is not None

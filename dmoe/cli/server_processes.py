@@ -38,6 +38,7 @@ import os
 import secrets
 import signal
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -159,8 +160,12 @@ def deal_cells(args: argparse.Namespace, parser: argparse.ArgumentParser, dht: D
     return dealt
 
 
-def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argparse.Namespace:
-    """The flags of child ``index``: ports counted up, the parent's DHT node as its peer, its own subdirectories."""
+def child_args(args: argparse.Namespace, index: int, dht_endpoint: str,
+               keys: Path | None = None) -> argparse.Namespace:
+    """The flags of child ``index``: ports counted up, the parent's DHT node as its peer, its own subdirectories.
+    ``keys``: where a child with no identity file otherwise (no --identity, --checkpoint-dir or --replica-dir) keeps
+    one for the parent's lifetime, so that a child started again owns its uids at once (under a new key it would
+    wait out the dead child's declarations, review 58)."""
     child = argparse.Namespace(**vars(args))
     child.processes, child.experts, child.num_experts = 1, None, None
     for flag in ("port", "dht_port", "metrics_port"):
@@ -174,6 +179,8 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str) -> argpa
             setattr(child, flag, str(Path(getattr(args, flag)) / SUBDIRECTORY.format(index)))
     if args.identity is not None:  # one each: an identity owns entries its siblings would overwrite (replicas)
         child.identity = f"{args.identity}.process-{index}"
+    elif keys is not None and args.checkpoint_dir is None and args.replica_dir is None:
+        child.identity = str(keys / f"process-{index}.key")
     # --torch-threads (by default the cores) is the server's in all, as for one process: shared out, at least one each
     child.torch_threads = max(1, (args.torch_threads or torch.get_num_threads()) // args.processes)
     gpus = torch.cuda.device_count() if args.device in (None, "auto", "cuda") and torch.cuda.is_available() else 0
@@ -243,15 +250,18 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
     context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
     status = 0
+    stack = contextlib.ExitStack()  # the children's key files, when they have none of their own
     try:
         dealt = deal_cells(args, parser, dht) if uids is None else [uids[index::count] for index in range(count)]
         shared = dht.announced(dht.endpoint)
         print(f"dmoe-server DHT node at {shared} (others may pass it as --initial-peers)", flush=True)
+        keys = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dmoe-server-keys-")))
+
         def start(index: int) -> tuple[multiprocessing.process.BaseProcess, Connection]:
             receiver, sender = context.Pipe(duplex=False)
             child = context.Process(target=run_child, name=f"dmoe-server-{index}",
-                                    args=(child_args(args, index, dht.endpoint), dealt[index], os.getpid(), sender,
-                                          machine))
+                                    args=(child_args(args, index, dht.endpoint, keys), dealt[index], os.getpid(),
+                                          sender, machine))
             with terminal_signals_ignored():
                 child.start()
             sender.close()
@@ -267,6 +277,7 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
             finally:  # still under StopSignals: a second Ctrl-C does not kill the parent while the children stop
                 stop_children([child for child, _ in children])
     finally:
+        stack.close()
         dht.close()
     return status
 
