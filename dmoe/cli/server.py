@@ -31,7 +31,7 @@ from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, non_negative, parse_args, port_number, positive
 from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
-from dmoe.dht import DHTConfig, Identity, parse_endpoint
+from dmoe.dht import DHT, DHTConfig, Identity, parse_endpoint
 from dmoe.dht.messages import VALUE_PATTERN
 from dmoe.directory import Announcer, choose_experts, free_experts
 from dmoe.endpoints import join_host_port
@@ -432,6 +432,20 @@ def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return config
 
 
+def pick_cells(dht: DHT, args: argparse.Namespace, parser: argparse.ArgumentParser,
+               who: str = "this server holds") -> list[str]:
+    """The cells of ``--num-experts``: free ones (:func:`check_free_cells`); on a full grid, with ``--replica-dir``,
+    served ones, for a standby that holds their replicas and adopts the cells that empty (it serves none that
+    another server owns)."""
+    uids = free_experts(dht, args.layer, args.grid, args.num_experts)
+    if uids or args.replica_dir is None:
+        check_free_cells(uids, args, parser)
+        return uids
+    logger.warning("every cell of --layer %s is served already: %s their replicas, adopting the cells that empty "
+                   "(serving none that another server owns)", " ".join(args.layer), who)
+    return choose_experts(args.layer, args.grid, args.num_experts)
+
+
 def check_free_cells(uids: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
                      wanted: int | None = None) -> None:
     """Logs the cells ``--num-experts`` chose (``wanted`` of them, by default that many per layer), warns when fewer
@@ -482,14 +496,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
             logger.info("resuming the %d experts checkpointed in %s: %s", len(uids), args.checkpoint_dir,
                         ", ".join(uids))
     if uids is None:
-        uids = free_experts(announcer.dht, args.layer, args.grid, args.num_experts)
-        if not uids and replicas is not None:  # a standby: it holds replicas, and adopts the cells that empty
-            uids = choose_experts(args.layer, args.grid, args.num_experts)
-            logger.warning("every cell of --layer %s is served already: this server holds their replicas and "
-                           "adopts the cells that empty (it serves none that another server owns)",
-                           " ".join(args.layer))
-        else:
-            check_free_cells(uids, args, parser)
+        uids = pick_cells(announcer.dht, args, parser)
     try:
         server = ExpertServer.create(uids, args.expert_cls, args.hidden_dim, cls_kwargs=args.expert_kwargs,
                                      optimizer=args.optimizer, lr=args.lr, clip_grad_norm=args.clip_grad_norm,

@@ -47,11 +47,11 @@ from typing import IO, Callable, Iterator
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.server import (build_parser, check_free_cells, dht_node_error, import_custom_modules, saved_cells,
+from dmoe.cli.server import (build_parser, dht_node_error, import_custom_modules, pick_cells, saved_cells,
                              serve)
 from dmoe.cli.signals import PARENT_ENV, StopSignals
 from dmoe.dht import DHT
-from dmoe.directory import choose_experts, free_experts
+from dmoe.directory import free_experts
 from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory, write_atomically
 
@@ -132,14 +132,7 @@ def deal_cells(args: argparse.Namespace, parser: argparse.ArgumentParser, dht: D
     if all(uids is not None for uids in saved):
         return saved  # type: ignore[return-value]
     if not kept:  # every layer's experts spread over the processes
-        uids = free_experts(dht, args.layer, args.grid, args.num_experts)
-        if not uids and args.replica_dir is not None:  # standbys, as one process would be (cli.server.serve)
-            uids = choose_experts(args.layer, args.grid, args.num_experts)
-            logger.warning("every cell of --layer %s is served already: these processes hold their replicas and "
-                           "adopt the cells that empty (they serve none that another server owns)",
-                           " ".join(args.layer))
-        else:
-            check_free_cells(uids, args, parser)
+        uids = pick_cells(dht, args, parser, "these processes hold")
         if len(uids) < count:
             parser.error(f"argument --processes: {count} processes need as many free cells, and only {len(uids)} "
                          f"of the grids of --layer {' '.join(args.layer)} are free")
