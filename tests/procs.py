@@ -39,8 +39,8 @@ def exit_output(args: Sequence[str], status: int = 2, timeout: float = 120) -> s
         return output
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes ``pid`` started, and theirs, from /proc (those in sessions of their own too)."""
+def children_by_parent() -> dict[int, list[int]]:
+    """Every running process's children, by parent pid, from /proc (those in sessions of their own too)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if entry.isdigit():
@@ -50,7 +50,12 @@ def descendants(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs."""
+    children, found, todo = children_by_parent(), [], [pid]
     while todo:
         for child in children.get(todo.pop(), ()):
             found.append(child)

@@ -20,7 +20,7 @@ from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_seed
 from dmoe.server.checkpoints import Checkpoints
 from dmoe.uid import expand_pattern
-from tests.procs import Proc, processes
+from tests.procs import Proc, children_by_parent, processes
 
 HIDDEN = 8
 
@@ -41,16 +41,13 @@ def announced(proc: Proc, kind: str) -> list[str]:
 def server_children(pid: int) -> list[int]:
     """The server processes a parent started (not multiprocessing's resource tracker), from /proc."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for child in children_by_parent().get(pid, ()):
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-        except (OSError, IndexError, ValueError):
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
             continue
-        if ppid == pid and b"resource_tracker" not in command:
-            found.append(int(entry.name))
+        if b"resource_tracker" not in command:
+            found.append(child)
     return sorted(found)
 
 
