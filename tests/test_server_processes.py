@@ -302,13 +302,15 @@ def test_stop_signals_leave_an_ignored_signal_ignored():
     assert signal.getsignal(signal.SIGINT) is previous and signal.getsignal(signal.SIGHUP) == hangup
 
 
-def test_a_process_started_again_without_key_files_keeps_its_key_and_declares_at_once():
+def test_a_process_started_again_without_key_files_keeps_its_key_and_declares_at_once(tmp_path):
     """Review 58: with no --identity, --checkpoint-dir or --replica-dir, a child started again drew a new key, and
-    its uids stayed the dead child's (pointing at its dead endpoint) until those declarations expired."""
+    its uids stayed the dead child's (pointing at its dead endpoint) until those declarations expired. The parent
+    keeps those keys in memory: key files in a temporary directory stayed on disk when the parent was killed."""
     uids = expand_pattern("ffn.[0:4]")
+    (temporary := tmp_path / "tmp").mkdir()
     with processes() as procs:
         procs.append(proc := Proc(server_args("--experts", "ffn.[0:4]", "--processes", "2", "--refresh-period", "1",
-                                              "--expiration", "300")))
+                                              "--expiration", "300"), env={"TMPDIR": str(temporary)}))
         proc.endpoint(timeout=120)
         dht_node = re.search(r"DHT node at (\S+)", "".join(proc.output)).group(1)
         with DHT(initial_peers=[dht_node], client_mode=True) as dht:
@@ -322,3 +324,8 @@ def test_a_process_started_again_without_key_files_keeps_its_key_and_declares_at
                 assert time.monotonic() < deadline, (now, proc.output[-5:])
                 time.sleep(0.2)
         assert now[0] != before[1] and forward_future(now[0], uids[1], [torch.randn(2, HIDDEN)]).result(30) is not None
+        children = server_children(proc.popen.pid)
+        proc.popen.kill()  # the OOM killer, say: no clean-up of the parent's runs
+        proc.popen.wait(30)
+        wait_gone(children)  # they stop when their parent dies
+    assert not [path for path in temporary.rglob("*") if path.is_file() and path.stat().st_size == 32]

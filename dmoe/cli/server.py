@@ -305,7 +305,10 @@ def join_dht(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Annou
     """The server's own DHT node, joined through ``--initial-peers``; exits naming the flag if none answers."""
     path = identity_path(args)
     try:
-        identity = Identity.load_or_create(path) if path is not None else None
+        if getattr(args, "identity_seed", None) is not None:  # a --processes child's, given by its parent
+            identity = Identity.from_seed(args.identity_seed)
+        else:
+            identity = Identity.load_or_create(path) if path is not None else None
     except (OSError, ValueError) as error:
         parser.error(f"argument --identity: {error}")
     try:

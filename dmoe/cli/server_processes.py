@@ -38,7 +38,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -50,7 +49,7 @@ from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.server import (build_parser, dht_node_error, import_custom_modules, pick_cells, saved_cells,
                              serve)
 from dmoe.cli.signals import PARENT_ENV, StopSignals
-from dmoe.dht import DHT
+from dmoe.dht import DHT, Identity
 from dmoe.directory import free_experts
 from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory, write_atomically
@@ -154,11 +153,12 @@ def deal_cells(args: argparse.Namespace, parser: argparse.ArgumentParser, dht: D
 
 
 def child_args(args: argparse.Namespace, index: int, dht_endpoint: str,
-               keys: Path | None = None) -> argparse.Namespace:
+               key: Identity | None = None) -> argparse.Namespace:
     """The flags of child ``index``: ports counted up, the parent's DHT node as its peer, its own subdirectories.
-    ``keys``: where a child with no identity file otherwise (no --identity, --checkpoint-dir or --replica-dir) keeps
-    one for the parent's lifetime, so that a child started again owns its uids at once (under a new key it would
-    wait out the dead child's declarations, review 58)."""
+    ``key``: the identity of a child with no identity file otherwise (no --identity, --checkpoint-dir or
+    --replica-dir), the parent's for its lifetime, so that a child started again owns its uids at once (under a new
+    key it would wait out the dead child's declarations, review 58). It reaches the child in its arguments, through
+    the spawn pipe: a key file on disk would outlive a parent that is killed."""
     child = argparse.Namespace(**vars(args))
     child.processes, child.experts, child.num_experts = 1, None, None
     for flag in ("port", "dht_port", "metrics_port"):
@@ -172,8 +172,8 @@ def child_args(args: argparse.Namespace, index: int, dht_endpoint: str,
             setattr(child, flag, str(Path(getattr(args, flag)) / SUBDIRECTORY.format(index)))
     if args.identity is not None:  # one each: an identity owns entries its siblings would overwrite (replicas)
         child.identity = f"{args.identity}.process-{index}"
-    elif keys is not None and args.checkpoint_dir is None and args.replica_dir is None:
-        child.identity = str(keys / f"process-{index}.key")
+    elif key is not None and args.checkpoint_dir is None and args.replica_dir is None:
+        child.identity_seed = key.seed
     # --torch-threads (by default the cores) is the server's in all, as for one process: shared out, at least one each
     child.torch_threads = max(1, (args.torch_threads or torch.get_num_threads()) // args.processes)
     gpus = torch.cuda.device_count() if args.device in (None, "auto", "cuda") and torch.cuda.is_available() else 0
@@ -243,17 +243,16 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
     context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
     status = 0
-    stack = contextlib.ExitStack()  # the children's key files, when they have none of their own
+    keys = [Identity() for _ in range(count)]  # the children's, when they have no key file of their own
     try:
         dealt = deal_cells(args, parser, dht) if uids is None else [uids[index::count] for index in range(count)]
         shared = dht.announced(dht.endpoint)
         print(f"dmoe-server DHT node at {shared} (others may pass it as --initial-peers)", flush=True)
-        keys = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dmoe-server-keys-")))
 
         def start(index: int) -> tuple[multiprocessing.process.BaseProcess, Connection]:
             receiver, sender = context.Pipe(duplex=False)
             child = context.Process(target=run_child, name=f"dmoe-server-{index}",
-                                    args=(child_args(args, index, dht.endpoint, keys), dealt[index], os.getpid(),
+                                    args=(child_args(args, index, dht.endpoint, keys[index]), dealt[index], os.getpid(),
                                           sender, machine))
             with terminal_signals_ignored():
                 child.start()
@@ -270,7 +269,6 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
             finally:  # still under StopSignals: a second Ctrl-C does not kill the parent while the children stop
                 stop_children([child for child, _ in children])
     finally:
-        stack.close()
         dht.close()
     return status
 

@@ -48,6 +48,19 @@ class Identity:
             serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
     @classmethod
+    def from_seed(cls, seed: bytes) -> "Identity":
+        """The identity of a raw 32-byte Ed25519 seed (:attr:`seed`)."""
+        if len(seed) != 32:
+            raise ValueError(f"an Ed25519 seed has 32 bytes, not {len(seed)}")
+        return cls(Ed25519PrivateKey.from_private_bytes(seed))
+
+    @property
+    def seed(self) -> bytes:
+        """The private key's raw 32 bytes: what :meth:`load_or_create` stores, :meth:`from_seed` reads."""
+        return self._private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                               serialization.NoEncryption())
+
+    @classmethod
     def load_or_create(cls, path: str | os.PathLike) -> "Identity":
         """The key stored at ``path`` (raw 32-byte Ed25519 seed), created there (mode 0600, atomically) if absent."""
         path = Path(path)
@@ -55,13 +68,12 @@ class Identity:
             seed = path.read_bytes()
             if len(seed) != 32:
                 raise ValueError(f"identity file {path} is not a 32-byte Ed25519 key ({len(seed)} bytes)")
-            identity = cls(Ed25519PrivateKey.from_private_bytes(seed))
+            identity = cls.from_seed(seed)
             logger.info("loaded DHT identity %s from %s", identity.public_key.hex()[:16], path)
             return identity
         identity = cls()
         path.parent.mkdir(parents=True, exist_ok=True)
-        seed = identity._private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                                                   serialization.NoEncryption())
+        seed = identity.seed
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as file:
