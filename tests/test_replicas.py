@@ -4,6 +4,8 @@ and bad replicas refused with the held one untouched."""
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import threading
 import time
 import urllib.request
@@ -980,6 +982,92 @@ def test_an_adopter_restarted_resumes_the_training_it_did_since_the_adoption(tmp
             wait_until(lambda: get_experts(dht, [uid]) == [second], 60, f"the restarted B serving {uid} again")
             assert expert_info(second, uid, timeout=10)["updates"] == 5
         assert restarted.stop() == 0
+
+
+def standby_args(peer: str, layer: str, replica_dir: Path, *extra: str) -> list[str]:
+    """A standby's flags: ``--num-experts 1`` on the 1x1 grid of ``layer`` (served already), with replicas."""
+    args = server_args(peer, f"{layer}.0.0", replica_dir, *extra)
+    at = args.index("--experts")
+    args[at:at + 2] = ["--num-experts", "1", "--grid", "1", "1", "--layer", layer]
+    return args
+
+
+def test_a_standby_restarted_resumes_the_training_it_did_since_it_adopted_its_cell(tmp_path):
+    """Review 59: a standby is built with the cells it chose and stops serving them (others own them); once it had
+    adopted one, its checkpoint went on saving the copy it had dropped, and its restart served the expert as it
+    was when the standby was built, losing every update since the adoption."""
+    uid = "ffn0.0.0"
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        procs.append(leaving := Proc(server_args(peer, uid, tmp_path / "a")))
+        leaving_endpoint = leaving.endpoint()
+        with DHT(initial_peers=[peer], client_mode=True) as dht:
+            wait_until(lambda: get_experts(dht, [uid]) == [leaving_endpoint], 30, f"A declaring {uid}")
+            b_args = standby_args(peer, "ffn0", tmp_path / "b", "--checkpoint-dir", str(tmp_path / "b-checkpoint"))
+            procs.append(standby := Proc(b_args))
+            first = standby.endpoint()
+            wait_until((tmp_path / "b" / f"{uid}.replica").exists, 60, f"A's first push of {uid} to B")
+            leaving.kill()
+            wait_until(lambda: get_experts(dht, [uid]) == [first], 60, f"B adopting {uid}")
+            before = expert_info(first, uid, timeout=10)["updates"]
+            for _ in range(5):
+                backward_future(first, uid, [torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)]).result(30)
+            assert standby.stop() == 0
+            procs.append(restarted := Proc(b_args))
+            second = restarted.endpoint()
+            wait_until(lambda: get_experts(dht, [uid]) == [second], 60, f"the restarted B serving {uid} again")
+            assert expert_info(second, uid, timeout=10)["updates"] == before + 5
+        assert restarted.stop() == 0
+
+
+def test_a_server_paused_past_its_expiration_stops_serving_its_stale_copy_and_adopts_the_newer_one(tmp_path):
+    """Review 59: a server paused for longer than its declarations last (a laptop asleep) came back serving its
+    expert, which another server had adopted and trained meanwhile; when that adopter left, the stale copy took the
+    uid back and every update since was lost. It stops serving it now, and adopts the newer lineage in turn."""
+    uid = "ffn0.1.0"
+    flags = ("--replicas", "1", "--adoption-stagger", "0")
+    with processes() as procs:
+        procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = dht_node.endpoint()
+        procs.append(sleeper := Proc(server_args(peer, uid, tmp_path / "a", *flags)))
+        procs.append(adopter := Proc(server_args(peer, "ffn0.0.0", tmp_path / "b", *flags)))
+        asleep, awake = sleeper.endpoint(), adopter.endpoint()
+
+        def held(where: str) -> int | None:
+            path = tmp_path / where / f"{uid}.replica"
+            return read_replica(path).updates if path.exists() else None
+
+        def train(endpoint: str, steps: int) -> None:
+            for _ in range(steps):
+                backward_future(endpoint, uid, [torch.randn(4, HIDDEN)], [torch.randn(4, HIDDEN)]).result(30)
+
+        with DHT(initial_peers=[peer], client_mode=True) as dht:
+            wait_until(lambda: get_experts(dht, [uid]) == [asleep], 30, f"A declaring {uid}")
+            train(asleep, 3)
+            wait_until(lambda: held("b") == 3, 60, "A's replica (3 updates) at B")
+            os.kill(sleeper.popen.pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: get_experts(dht, [uid]) == [awake], 60, f"B adopting {uid}")
+            finally:
+                os.kill(sleeper.popen.pid, signal.SIGCONT)
+            train(awake, 5)
+
+            def stopped_serving() -> bool:
+                try:
+                    expert_info(asleep, uid, timeout=10)
+                except RemoteExpertError as error:
+                    return "NOT_FOUND" in str(error)
+                return False
+
+            wait_until(stopped_serving, 30, f"A stopping serving its stale copy of {uid}")
+            wait_until(lambda: held("a") == 8, 30, "B's replica (8 updates) at A")
+            adopter.kill()
+            # (a claim may lose to the adopter's last entries, and is made again: its own entry is no proof)
+            wait_until(lambda: get_experts(dht, [uid]) == [asleep] and not stopped_serving(), 60,
+                       f"A adopting {uid} back")
+            assert expert_info(asleep, uid, timeout=10)["updates"] == 8
+        assert any("stops serving its stale copy" in line for line in sleeper.output)
 
 
 def test_an_entry_at_another_servers_subkey_of_a_replication_record_is_not_that_server():

@@ -376,6 +376,7 @@ class Adopter:
         self.subkey = server_subkey(dht.identity.public_key)
         self.adopted: list[Adoption] = []
         self._empty: dict[str, tuple[float, int]] = {}  # uid -> (monotonic time first seen empty, rank)
+        self._taken: set[str] = set()  # served uids the last look found owned by another key
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -412,6 +413,29 @@ class Adopter:
         me = self.dht.identity.public_key
         mine = (-(held.updates if held is not None else 0), distance(uid, me))
         return sum((-h.updates, distance(uid, h.holder)) < mine for h in announced if h.holder != me)
+
+    def drop_taken(self) -> list[str]:
+        """Stops serving the experts whose uid another key owns in the directory at two looks in a row (one may
+        catch a store on its way); returns them. Owning a uid lasts while its declarations do, so this server lost
+        it: it was paused or cut off for longer (a laptop asleep), and another server adopted the expert and trains
+        it. Served on, the stale copy also took the uid back when that adopter left, and the adopter's training
+        was lost. Dropped, the uid is a replica this server may hold like any other, adopted from the newest
+        replica when its cell empties (review 59)."""
+        served = list(self.server.backends)
+        if not served:
+            self._taken.clear()
+            return []
+        me = self.dht.identity.public_key
+        entries = directory_entries(self.dht, served)
+        taken = {uid for uid in served if entries[uid] is not None and entries[uid].owner != me}
+        dropped = sorted(taken & self._taken)
+        self._taken = taken - set(dropped)
+        for uid in dropped:
+            self.server.remove_expert(uid)
+            logger.warning("%s is another server's now (%s, at %s): this one lost it (paused or cut off for longer "
+                           "than its declarations last) and stops serving its stale copy", uid,
+                           entries[uid].owner.hex()[:SIGNER_HEX], entries[uid].value)
+        return dropped
 
     def watch(self) -> list[str]:
         """Looks at the cells of the replicas held; adopts those empty long enough. Returns the uids adopted."""
@@ -500,7 +524,7 @@ class Adopter:
     def _run(self) -> None:
         while True:
             started = time.monotonic()
-            for step in (self.announce, self.watch):
+            for step in (self.drop_taken, self.announce, self.watch):
                 if self._stop.is_set():
                     return
                 try:

@@ -157,13 +157,20 @@ class Checkpoints:
             batch runs meanwhile, so a snapshot never sees half of an optimizer step. None when nothing computes
             concurrently.
         interval: seconds between periodic saves; None or 0 saves only on ``close()``.
+        serving: the server's live uid -> backend table (:attr:`ExpertServer.backends`). The checkpoint keeps the
+            uids of ``backends`` (a restart with the same flags must find them), and saves for each the backend
+            serving it now: a uid the server stopped serving and later adopted back (a standby's cell) is served by
+            a new backend, and saving the one built first wrote the dropped, stale copy (review 59). A uid no longer
+            served keeps the backend it had.
     """
 
     def __init__(self, directory: str | os.PathLike, backends: Mapping[str, ExpertBackend], *,
-                 pause: Callable[[], ContextManager[Any]] | None = None, interval: float | None = 60.0):
+                 pause: Callable[[], ContextManager[Any]] | None = None, interval: float | None = 60.0,
+                 serving: Mapping[str, ExpertBackend] | None = None):
         self.directory = Path(directory)
         self.path = self.directory / FILENAME
         self.backends = dict(backends)
+        self.serving = serving
         self.pause = pause
         self.interval = interval
         self.saves = 0
@@ -271,11 +278,21 @@ class Checkpoints:
             stale.unlink(missing_ok=True)
 
     # ---- saving ----
+    def current(self) -> dict[str, ExpertBackend]:
+        """uid -> the backend saved for it: the one serving it now, else the one it had (see ``serving``)."""
+        if self.serving is None:
+            return dict(self.backends)
+        for uid, backend in self.backends.items():
+            now = self.serving.get(uid)
+            if now is not None and now is not backend:
+                self.backends[uid] = now  # kept if it stops being served again
+        return dict(self.backends)
+
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of every expert's state in host memory."""
         experts = {}
         with self.pause() if self.pause is not None else contextlib.nullcontext():
-            for uid, backend in self.backends.items():
+            for uid, backend in self.current().items():
                 experts[uid] = {"state": to_host(backend.state_dict()), "description": describe(backend),
                                 "forward_calls": backend.forward_calls, "backward_calls": backend.backward_calls,
                                 "updates": backend.updates}

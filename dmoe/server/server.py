@@ -216,7 +216,7 @@ class ExpertServer:
         if self.config.checkpoint_dir is not None:  # restored now: a mismatch fails construction, before serving
             self.checkpoints = Checkpoints(self.config.checkpoint_dir, self.backends,
                                            pause=self.runtime.paused,
-                                           interval=self.config.checkpoint_interval)
+                                           interval=self.config.checkpoint_interval, serving=self.backends)
             try:
                 self.checkpoints.restore()
             except BaseException:
@@ -243,6 +243,8 @@ class ExpertServer:
         Used to adopt the expert of a server that left (:mod:`dmoe.replicas`). An added expert is not in the
         server's checkpoint (a restart with the same flags must find the checkpoint it wrote): its replicas on other
         servers keep it, and so does this server's own replica directory (:class:`~dmoe.replicas.ReplicaPusher`).
+        One whose uid the checkpoint holds (a standby's cell, adopted back after it was dropped) is saved there in
+        place of the dropped one.
         Raises ValueError if ``uid`` is served here already or ``backend`` keeps its activations in another cache
         than the server's.
         """
