@@ -150,3 +150,34 @@ def test_a_process_count_under_which_nothing_was_checkpointed_binds_nothing(tmp_
     lock = layout("3")
     assert lock is not None
     lock.close()
+
+
+def test_num_experts_without_replicas_leaves_cells_whose_experts_others_hold_to_them(caplog):
+    """Review 59: a cell whose server just left looks free while its replicas' holders wait to adopt it; a server
+    without --replica-dir that took it started the expert fresh, and the holders, finding it served, never adopted
+    it: its training was lost. Such cells go last now."""
+    import time
+
+    from dmoe.dht import DHT, Identity
+    from dmoe.replicas.records import Holder, replicas_key, server_subkey
+
+    cells = [f"ffn8.{i}.{j}" for i in range(2) for j in range(2)]
+    with processes() as procs:
+        procs.append(node := Proc(["-m", "dmoe.dht", "--port", "0"]))
+        peer = node.endpoint()
+        with DHT(initial_peers=[peer], identity=(holder := Identity())) as dht:
+            def announce(uids):  # as a holder's Adopter announces its replicas
+                subkey, expires = server_subkey(holder.public_key), time.time() + 300
+                assert all(all(stored.values()) for stored in dht.store_many({
+                    replicas_key(uid): {subkey: (Holder("127.0.0.1:9", 5, "ab" * 4, b"").value(), expires)}
+                    for uid in uids}).values())
+
+            announce(cells[:3])
+            parser = server_program.build_parser()
+            args = parser.parse_args(["--num-experts", "1", "--grid", "2", "2", "--layer", "ffn8"])
+            # random among the free cells: the one nobody holds, every time (a 4^-8 chance on the old code)
+            assert [server_program.pick_cells(dht, args, parser) for _ in range(8)] == [[cells[3]]] * 8
+            announce(cells[3:])
+            with caplog.at_level("WARNING", logger="dmoe.cli.server"):
+                (chosen,) = server_program.pick_cells(dht, args, parser)  # no other cell: one of them all the same
+            assert chosen in cells and "other servers hold replicas of their experts" in caplog.text

@@ -22,6 +22,7 @@ import logging
 import signal
 import socket
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +38,7 @@ from dmoe.directory import Announcer, choose_experts, free_experts
 from dmoe.endpoints import join_host_port
 from dmoe.experts import ExpertBuildError, expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
+from dmoe.replicas.adoption import read_holders
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, CheckpointMismatch, CorruptCheckpoint, saved_uids
@@ -440,13 +442,30 @@ def pick_cells(dht: DHT, args: argparse.Namespace, parser: argparse.ArgumentPars
     """The cells of ``--num-experts``: free ones (:func:`check_free_cells`); on a full grid, with ``--replica-dir``,
     served ones, for a standby that holds their replicas and adopts the cells that empty (it serves none that
     another server owns)."""
-    uids = free_experts(dht, args.layer, args.grid, args.num_experts)
+    # without --replica-dir, a cell whose expert others hold replicas of is left to them where others are free
+    uids = free_experts(dht, args.layer, args.grid, args.num_experts,
+                        avoid=partial(replicated, dht) if args.replica_dir is None else None)
+    if args.replica_dir is None:
+        held = replicated(dht, uids)
+        if held:
+            logger.warning("%d of the cells chosen are empty, but other servers hold replicas of their experts "
+                           "(%s): no other cell is free, so these start fresh, and the training held in the "
+                           "replicas is lost (--replica-dir would start them from the replicas)", len(held),
+                           ", ".join(held[:8]))
     if uids or args.replica_dir is None:
         check_free_cells(uids, args, parser)
         return uids
     logger.warning("every cell of --layer %s is served already: %s their replicas, adopting the cells that empty "
                    "(serving none that another server owns)", " ".join(args.layer), who)
     return choose_experts(args.layer, args.grid, args.num_experts)
+
+
+def replicated(dht: DHT, uids: list[str]) -> list[str]:
+    """Those of ``uids`` whose experts some server announces a replica of. Such a cell's server just left (its
+    declaration expired) and a holder is about to adopt the expert from its newest replica; a server without
+    --replica-dir that took the cell started it fresh, and the holders, finding it served, never adopted: its
+    training was lost (review 59)."""
+    return [uid for uid, found in read_holders(dht, uids).items() if found] if uids else []
 
 
 def check_free_cells(uids: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
