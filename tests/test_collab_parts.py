@@ -946,6 +946,64 @@ def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best
     assert "downloaded the state at step 7 from trainer 902" in caplog.text
 
 
+def hostile_states(run_id: str) -> dict[str, list[dmoe_pb2.StatePart]]:
+    """Encoded AdamW states of :class:`WithScale`, each poisoned one way that once crashed the trainer that
+    downloaded it (review 60): a deeply nested optimizer JSON (RecursionError), a parameter index "²" as a JSON
+    key and in a tensor's name (``str.isdigit`` takes it, ``int`` raises ValueError)."""
+    model = WithScale()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    states = {}
+    for poison in ("nested", "json index", "tensor index"):
+        messages = encode_state(TrainingState.capture(9, "0123abcd", 3, list(model.parameters()), opt), run_id)
+        if poison == "nested":
+            messages[0].optimizer_json = '{"param_groups": [], "state": ' + "[" * 100_000 + "]" * 100_000 + "}"
+        elif poison == "json index":
+            extra = json.loads(messages[0].optimizer_json)
+            extra["state"]["\u00b2"] = {}
+            messages[0].optimizer_json = json.dumps(extra)
+        else:
+            (named,) = [m for m in messages if m.name.startswith("opt.0.")][:1]
+            named.name = named.name.replace("opt.0.", "opt.\u00b2.", 1)
+        states[poison] = messages
+    return states
+
+
+def test_a_hostile_state_server_gets_banned_and_the_trainer_keeps_training(bootstrap, caplog):
+    """Payloads that broke decoding past its checks raised out of the joiner's constructor, wait_for_trainers and
+    step(), and the server was never banned, so a restart crashed again (review 60): each is now a refused state."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    torch.manual_seed(0)
+    states = hostile_states("poison")
+    for messages in states.values():
+        with pytest.raises(StateDownloadError, match="malformed state"):
+            decode_state(messages, 1 << 30)
+    servers = [StateServer(StateServicer("poison", lambda m=m: m)) for m in states.values()]
+    try:
+        with DHT([bootstrap], client_mode=True) as hostile:
+            now = time.time()
+            ids = {921 + i: server for i, server in enumerate(servers)}
+            hostile.store_many({progress_key("poison"): {pid: (Progress(
+                9 - (pid - 921), 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60)
+                for pid, server in ids.items()}})
+            joiner = WithScale()
+            with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                    torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "poison", 100, refresh_period=0.2,
+                    progress_ttl=30.0, client_mode=True) as collab:
+                collab.wait_for_trainers(count=10, timeout=1.0)
+                wait_until(lambda: all(f"ignoring trainer {pid} " in caplog.text for pid in ids))
+                joiner(torch.randn(3, 4)).sum().backward()
+                assert collab.step(3) is False  # accumulated, not crashed
+                assert (collab.local_step, collab.steps_downloaded, collab.samples) == (0, 0, 3)
+    finally:
+        for server in servers:
+            server.close()
+    for pid in ids:
+        assert re.search(rf"ignoring trainer {pid} .*: its state at \S+ was refused: malformed state",
+                         caplog.text), caplog.text
+
+
 def test_a_state_source_that_cannot_be_reached_is_banned_by_machine_not_by_port(bootstrap):
     """Records pointing at a new port of one address each time got past a ban of the last HOST:PORT, and every
     try cost a trainer a connection timeout (review 53); on loopback each ip:port stays a machine of its own."""

@@ -392,6 +392,13 @@ class CollaborativeOptimizer:
                 seconds = self.tracker.ban_endpoint(claimed.endpoint)
                 logger.info("no state downloads from %s for %g s", claimed.endpoint, seconds)
             return False
+        except Exception as error:  # noqa: BLE001 - the checks missed something: still that peer's state, not a crash
+            # anyone who publishes a record one step ahead is downloaded from: what its payload breaks must not end
+            # this trainer's step(), its constructor or wait_for_trainers (and come back at every restart)
+            logger.debug("the state of trainer %s broke its download", peer_id, exc_info=True)
+            self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: it broke the download "
+                                      f"({type(error).__name__}: {str(error)[:200]})")
+            return False
         self.steps_downloaded += 1
         logger.info("downloaded the state at step %d from trainer %s (%s)", self.local_step, peer_id, claimed.endpoint)
         self._reset()

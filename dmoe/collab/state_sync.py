@@ -20,6 +20,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -99,8 +100,28 @@ def encode_state(state: TrainingState, run_id: str, part_bytes: int = STREAM_PAR
     return messages
 
 
+#: an index of a parameter as a state names it: ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses)
+_INDEX = re.compile(r"[0-9]{1,9}")
+
+
+def _index(text: str) -> int | None:
+    """``text`` as a parameter index, or None when it is not one."""
+    return int(text) if _INDEX.fullmatch(text) else None
+
+
 def decode_state(messages: Sequence[dmoe_pb2.StatePart], max_bytes: int) -> TrainingState:
-    """The state a stream carried; raises :class:`StateDownloadError` for a malformed one."""
+    """The state a stream carried; raises :class:`StateDownloadError` for a malformed one, whatever breaks on it:
+    the sender is any peer that publishes a record, and a payload that raised anything else (a RecursionError from
+    a deeply nested JSON) crashed the trainer that downloaded it instead of getting its sender banned."""
+    try:
+        return _decode_state(messages, max_bytes)
+    except StateDownloadError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure on a peer's payload is that peer's malformed state
+        raise StateDownloadError(f"malformed state: {type(error).__name__}: {str(error)[:200]}") from None
+
+
+def _decode_state(messages: Sequence[dmoe_pb2.StatePart], max_bytes: int) -> TrainingState:
     if not messages:
         raise StateDownloadError("the state stream was empty")
     head = messages[0]
@@ -121,15 +142,15 @@ def decode_state(messages: Sequence[dmoe_pb2.StatePart], max_bytes: int) -> Trai
         kind, _, rest = name.partition(".")
         if kind == "param" and rest == str(len(parameters)):
             parameters.append(tensor.clone())  # the codec's tensors share the message's read-only buffer
-        elif kind == "opt" and "." in rest and rest.split(".", 1)[0].isdigit():
+        elif kind == "opt" and "." in rest and _index(rest.split(".", 1)[0]) is not None:
             index, key = rest.split(".", 1)
-            optimizer_state.setdefault(int(index), {})[key] = tensor.clone()
+            optimizer_state.setdefault(_index(index), {})[key] = tensor.clone()
         else:
             raise StateDownloadError(f"malformed state: unexpected tensor {name!r}")
     for index, entry in extra["state"].items():
-        if not (index.isdigit() and isinstance(entry, dict)):
+        if not (_index(index) is not None and isinstance(entry, dict)):
             raise StateDownloadError(f"malformed state: optimizer scalars for {index!r}")
-        tensors_of = optimizer_state.setdefault(int(index), {})
+        tensors_of = optimizer_state.setdefault(_index(index), {})
         if set(entry) & set(tensors_of):
             raise StateDownloadError(f"malformed state: optimizer state {sorted(set(entry) & set(tensors_of))} of "
                                      f"parameter {index} sent both as tensors and as scalars")
