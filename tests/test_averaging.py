@@ -29,8 +29,9 @@ from dmoe.averaging import averager as averager_module
 from dmoe.averaging import matchmaking
 from dmoe.averaging.allreduce import PartReducer
 from dmoe.averaging.matchmaking import Group, Member, new_salt, parse_declarations, peer_id_for
+from dmoe.averaging import service as service_module
 from dmoe.averaging.service import AveragingServicer
-from dmoe.wire import dmoe_pb2_grpc
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from tests.averaging_peers import ATTACKS, MUTE, STALLED, make_tensors, weight_of
 from tests.procs import Proc, processes, running
 
@@ -368,6 +369,53 @@ def test_a_member_killed_mid_stream_is_dropped_for_its_broken_stream_not_banned_
     *killed, ended = asyncio.run(run())
     assert all(reason.startswith("its stream broke") for reason in killed), killed
     assert ended.startswith("wrong part size: peer 2 sent 10 values, the part has 1000; banned"), ended
+
+
+def test_streams_that_wait_to_learn_their_group_leave_nothing_behind_however_they_end(monkeypatch):
+    """A stream cancelled while it waited for its group left the group id in the servicer for good, and the id's
+    length was bounded only by gRPC's 64 MiB (review 60: 40 cancelled streams held 160 MiB). Now an entry goes with
+    the last stream that waits for it, an overlong id is refused at once, and so is a group beyond those waited
+    for already (a member's stream is sent again: it gets NOT_FOUND)."""
+    monkeypatch.setattr(service_module, "MAX_WAITED_GROUPS", 3)
+
+    def first(group_id: str) -> list[dmoe_pb2.AveragingPart]:
+        return [dmoe_pb2.AveragingPart(group_id=group_id, sender=1, weight=1.0)]
+
+    async def wait_until(condition, what) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what()
+            await asyncio.sleep(0.01)
+
+    async def run() -> None:
+        servicer = AveragingServicer("leak", join_timeout=60)
+        servicer.begin_round(0)
+        server = grpc.aio.server()
+        dmoe_pb2_grpc.add_AveragingServiceServicer_to_server(servicer, server)
+        endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(endpoint) as channel:
+                stub = dmoe_pb2_grpc.AveragingServiceStub(channel)
+                groups = [f"leak.0.*.1.{index:08x}" for index in range(3)]
+                calls = [stub.reduce(iter(first(group))) for group in groups + groups[:1]]  # two wait for group 0
+                await wait_until(lambda: sum(w.streams for w in servicer._learnt.values()) == 4,
+                                 lambda: servicer._learnt)
+                beyond = stub.reduce(iter(first("leak.0.*.1.ffffffff")))
+                assert await asyncio.wait_for(beyond.code(), 5) == grpc.StatusCode.NOT_FOUND
+                overlong = stub.reduce(iter(first("leak.0." + "a" * (1 << 20))))
+                assert await asyncio.wait_for(overlong.code(), 5) == grpc.StatusCode.INVALID_ARGUMENT
+                assert "malformed group id" in await overlong.details()
+                calls[0].cancel()  # group 0 still has a stream waiting for it: kept
+                await wait_until(lambda: servicer._learnt[groups[0]].streams == 1, lambda: servicer._learnt)
+                assert set(servicer._learnt) == set(groups)
+                for call in calls[1:]:
+                    call.cancel()
+                await wait_until(lambda: not servicer._learnt, lambda: servicer._learnt)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())
 
 
 def test_a_peer_killed_after_it_answered_but_before_its_values_arrived_is_dropped_without_waiting_out_the_timeout(

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 WAITING, GONE, LEADING = "w", "x", "L"
 _LEADING = re.compile(r"L([0-9]{1,4})\.([0-9a-f]{8})")
 _SALT = re.compile(r"[0-9a-f]{8}")
+_PORT = re.compile(r"[0-9]{1,5}")  # ASCII: str.isdigit takes "²", which int refuses
 #: largest peer id: ids are owned int subkeys of the DHT, which must lie in [0, 2**31)
 MAX_PEER_ID = 2**31 - 1
 #: declarations tried, each under a new id, when the DHT refuses one (its id taken: only by chance or a lucky guess)
@@ -102,7 +103,7 @@ def parse_endpoint(text: str) -> str | None:
     if text == "-":
         return None
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
         raise ValueError(f"bad endpoint {text!r}")
     return text
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 from typing import AsyncIterator
 
 import grpc
@@ -22,9 +23,25 @@ logger = logging.getLogger(__name__)
 KEPT_GROUPS = 8
 #: rounds (the current one and the ones before) whose groups this peer still answers for
 KEPT_ROUNDS = 2
+#: longest group id accepted: a real one is ``<prefix>.<round>.<key>.<leader>.<nonce>`` (plus ``.r<n>.<digest>`` for a
+#: retry), well under this; a longer one is refused before it is kept anywhere (gRPC alone allows 64 MiB)
+MAX_GROUP_ID_CHARS = 1024
+#: groups not known yet that streams may wait for at once (to learn them from the DHT); a stream for one more is
+#: refused as unknown at once, and a member's sends it again (``send_and_receive`` retries NOT_FOUND)
+MAX_WAITED_GROUPS = 64
+#: a round number in a group id: ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses)
+_ROUND = re.compile(r"[0-9]{1,18}")
 #: seconds a stream that ended short of its part waits for gRPC to report it cancelled, before the short part is
 #: refused as the sender's (a killed sender's stream ends first and is reported cancelled a moment later)
 BROKEN_STREAM_GRACE = 1.0
+
+
+class _Waited:
+    """A group that streams wait to learn, and how many of them wait."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.streams = 0
 
 
 class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
@@ -39,7 +56,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
         self.prefix, self.join_timeout, self.pace = prefix, join_timeout, pace
         self.rounds: collections.deque[int] = collections.deque(maxlen=KEPT_ROUNDS)
         self.groups: collections.OrderedDict[str, PartReducer] = collections.OrderedDict()
-        self._learnt: dict[str, asyncio.Event] = {}
+        self._learnt: dict[str, _Waited] = {}  # groups that streams wait to learn: removed when the last one ends
 
     def begin_round(self, round_number: int) -> None:
         if round_number not in self.rounds:
@@ -49,33 +66,53 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
         self.groups[group_id] = reducer
         while len(self.groups) > KEPT_GROUPS:
             self.groups.popitem(last=False)
-        event = self._learnt.pop(group_id, None)
-        if event is not None:
-            event.set()
+        waited = self._learnt.pop(group_id, None)
+        if waited is not None:
+            waited.event.set()
 
     async def _find(self, group_id: str) -> PartReducer:
+        if len(group_id) > MAX_GROUP_ID_CHARS:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"malformed group id: {len(group_id)} characters, more "
+                                                            f"than the {MAX_GROUP_ID_CHARS} a group id may have")
         if not group_id.startswith(self.prefix + "."):
             raise Refused(grpc.StatusCode.NOT_FOUND,
                           f"unknown group {group_id!r}: this peer averages run {self.prefix!r} only")
         round_text = group_id[len(self.prefix) + 1:].split(".", 1)[0]
-        if not round_text.isdigit():
+        if not _ROUND.fullmatch(round_text):
             raise Refused(grpc.StatusCode.NOT_FOUND, f"malformed group id {group_id!r}: no round number after "
                                                      f"{self.prefix!r}")
         if int(round_text) not in self.rounds:
             at = f"round {self.rounds[-1]}" if self.rounds else "no round yet"
             raise Refused(grpc.StatusCode.NOT_FOUND, f"unknown round {int(round_text)} (this peer is at {at})")
         if group_id not in self.groups:
-            event = self._learnt.setdefault(group_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(event.wait(), self.join_timeout)
-            except asyncio.TimeoutError:
-                self._learnt.pop(group_id, None)  # not kept: streams naming random groups must not pile up
+            await self._wait_to_learn(group_id)
         reducer = self.groups.get(group_id)
         if reducer is None:
             raise Refused(grpc.StatusCode.NOT_FOUND,
                           f"unknown group {group_id!r} in round {int(round_text)}: this peer is not in it "
                           f"(or did not learn it within {self.join_timeout:g}s)")
         return reducer
+
+    async def _wait_to_learn(self, group_id: str) -> None:
+        """Waits up to ``join_timeout`` for this peer to learn ``group_id`` (:meth:`register`). Its entry goes when
+        the last stream waiting for it ends, however it ends: one left by a cancelled stream stayed for good, and
+        anyone who knows the current round could pile them up. Beyond ``MAX_WAITED_GROUPS`` it returns at once."""
+        waited = self._learnt.get(group_id)
+        if waited is None:
+            if len(self._learnt) >= MAX_WAITED_GROUPS:
+                logger.debug("not waiting to learn group %r: %d groups are waited for already", group_id,
+                             len(self._learnt))
+                return
+            waited = self._learnt[group_id] = _Waited()
+        waited.streams += 1
+        try:
+            await asyncio.wait_for(waited.event.wait(), self.join_timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            waited.streams -= 1
+            if waited.streams == 0 and self._learnt.get(group_id) is waited:
+                del self._learnt[group_id]
 
     async def reduce(self, request_iterator: AsyncIterator[dmoe_pb2.AveragingPart],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[dmoe_pb2.AveragedPart]:
