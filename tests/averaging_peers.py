@@ -75,7 +75,8 @@ class StallingAverager(DecentralizedAverager):
     async def _send_part(self, stub, group_id, me, weight, values, out, **kwargs) -> Outcome:
         async def requests():
             piece = serialize(values[:kwargs["piece_elements"]], kwargs["compression"])
-            yield dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight, values=piece)
+            yield dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight, values=piece,
+                                         signature=kwargs["signature"])
             print(f"{STALLED}: peer {self.peer_id}", flush=True)
             await asyncio.Event().wait()
 
@@ -120,7 +121,7 @@ class HostileAverager(DecentralizedAverager):
             "2d": [values.view(1, -1)],
             "duplicate": [values],
         }[attack]
-        messages = [self.part(group_id, me, pieces[0], weight)] + [
+        messages = [self.part(group_id, me, pieces[0], weight, kwargs["signature"])] + [
             dmoe_pb2.AveragingPart(values=serialize(piece)) for piece in pieces[1:]]
         if attack == "duplicate":  # two streams at once: whichever comes second is the duplicate
             for status in await asyncio.gather(self.call(stub, messages), self.call(stub, messages)):
@@ -130,8 +131,10 @@ class HostileAverager(DecentralizedAverager):
         return Outcome(error=attack)
 
     @staticmethod
-    def part(group_id: str, sender: int, values: torch.Tensor, weight: float = 1.0) -> dmoe_pb2.AveragingPart:
-        return dmoe_pb2.AveragingPart(group_id=group_id, sender=sender, weight=weight, values=serialize(values))
+    def part(group_id: str, sender: int, values: torch.Tensor, weight: float = 1.0,
+             signature: bytes = b"") -> dmoe_pb2.AveragingPart:
+        return dmoe_pb2.AveragingPart(group_id=group_id, sender=sender, weight=weight, values=serialize(values),
+                                      signature=signature)
 
     @staticmethod
     async def call(stub, messages) -> tuple[str, str]:

@@ -17,9 +17,9 @@ from dmoe.dht import Identity
 from dmoe.averaging import grid as moshpit
 from dmoe.averaging import matchmaking
 from dmoe.averaging.allreduce import (MAX_WEIGHT, Outcome, PartReducer, PartResult, Refused, SendPace, allreduce,
-                                      bad_total, encode_piece, partition)
+                                      bad_total, encode_piece, partition, sign_part)
 from dmoe.averaging.matchmaking import (MAX_PEER_ID, Declaration, Group, Matchmaker, Member, parse_declarations,
-                                        parse_member, peer_id_for)
+                                        parse_group_entry, parse_member, peer_id_for)
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.codec import FLOAT16, deserialize, serialize
 
@@ -106,15 +106,19 @@ def test_a_bad_piece_is_refused_naming_the_problem_and_bans_its_sender(values, c
     assert asyncio.run(run()).contributors == (2,)  # the round completes for the others
 
 
-def test_a_duplicate_stream_bans_the_sender_even_after_its_first_stream_delivered():
+def test_a_duplicate_stream_is_refused_and_the_first_one_still_counts():
+    """A duplicate banned the established stream too, which handed eviction to whoever could open one (review 60)."""
     async def run():
         reducer = PartReducer("g", [1, 2], 6, timeout=5)
         reducer.begin(1, 1.0)
-        reducer.add(1, serialize(torch.ones(6)))
-        reducer.finish(1)
-        with pytest.raises(Refused) as refused:
-            reducer.begin(1, 1.0)
-        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS and "duplicate sender" in refused.value.message
+        for stage in ("streaming", "delivered"):
+            with pytest.raises(Refused) as refused:
+                reducer.begin(1, 1.0)
+            assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS, stage
+            assert "duplicate sender" in refused.value.message and 1 not in reducer.dropped, stage
+            if stage == "streaming":
+                reducer.add(1, serialize(torch.ones(6)))
+                reducer.finish(1)
         for bad_weight in (float("nan"), -1.0, 1e13):
             with pytest.raises(Refused, match="weight"):
                 PartReducer("g", [1], 6, timeout=5).begin(1, bad_weight)
@@ -122,7 +126,29 @@ def test_a_duplicate_stream_bans_the_sender_even_after_its_first_stream_delivere
         reducer.add(2, serialize(torch.zeros(6)))
         reducer.finish(2)
         return await reducer.wait()
-    assert asyncio.run(run()).contributors == (2,)
+    assert asyncio.run(run()).contributors == (1, 2)
+
+
+def test_a_stream_counts_only_with_its_members_signature_for_this_group_owner_and_weight():
+    """Ids and groups are public: a stream under a member's id must be signed by the DHT key its group lists."""
+    member, outsider = Identity(), Identity()
+
+    async def run():
+        reducer = PartReducer("g.0.x", [1, 2], 6, timeout=5, owner=1, keys={2: member.public_key})
+        forged = [sign_part(outsider, "g.0.x", 1, 2, 1.0),  # another key
+                  sign_part(member, "g.0.x", 7, 2, 1.0),    # made for another owner
+                  sign_part(member, "g.0.y", 1, 2, 1.0),    # another group
+                  sign_part(member, "g.0.x", 1, 2, 5.0),    # another weight
+                  b"", b"\0" * 64]
+        for signature in forged:
+            with pytest.raises(Refused) as refused:
+                reducer.authenticate(2, 1.0, signature)
+            assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED and "not signed" in refused.value.message
+        with pytest.raises(Refused, match="not a member"):
+            reducer.authenticate(3, 1.0, sign_part(member, "g.0.x", 1, 3, 1.0))
+        assert not reducer.dropped  # a refused forgery touches nobody
+        reducer.authenticate(2, 1.0, sign_part(member, "g.0.x", 1, 2, 1.0))
+    asyncio.run(run())
 
 
 def test_float16_saturates_values_beyond_its_range_and_the_owner_averages_them_without_a_ban():
@@ -209,20 +235,31 @@ def test_a_leader_cuts_the_parts_from_the_bandwidths_its_members_read_from_the_g
     # describe() keeps 6 significant digits: a leader cutting from its own unrounded bandwidth got other bounds
     # than everyone else, and every owner refused every stream as the wrong size
     dht = FakeDHT()
-    me = Member(5, "127.0.0.1:1000", 94990151.83623111)
+    me = Member(5, "127.0.0.1:1000", 94990151.83623111, KEY)
     leader = Matchmaker(dht, me, AveragerConfig(), threading.Event())
-    other = parse_member(9, "127.0.0.1:1001;54873527.695502765")
+    other = parse_group_entry(9, f"127.0.0.1:1001;54873527.695502765;{OTHER_KEY.hex()}")
     group = leader._lead(0, "run.0.*", [leader.me, other])
-    read = tuple(parse_member(pid, entry.value) for pid, entry in sorted(dht.records[group.group_id].items()))
+    read = tuple(parse_group_entry(pid, entry.value) for pid, entry in sorted(dht.records[group.group_id].items()))
     assert group.members == read
     assert partition(10**6 + 1, [m.bandwidth for m in group.members]) == \
         partition(10**6 + 1, [m.bandwidth for m in read])
 
 
+KEY, OTHER_KEY = bytes(range(32)), bytes(range(32, 64))
+K, O = KEY.hex(), OTHER_KEY.hex()
+
+
 @pytest.mark.parametrize("me, entries, reason", [
-    (Member(5, "127.0.0.1:1000", 1.0), {5: "127.0.0.1:1000;0", 1: "127.0.0.1:9;0"}, "nobody could own a part"),
-    (Member(5, None, 0.0), {5: "127.0.0.1:1000;1", 1: "127.0.0.1:9;1"}, "lists this peer at 127.0.0.1:1000"),
-    (Member(5, "127.0.0.1:1000", 1.0), {5: "127.0.0.1:1000;1", 1: "127.0.0.1:9;nan"}, "malformed entries"),
+    (Member(5, "127.0.0.1:1000", 1.0, KEY), {5: f"127.0.0.1:1000;0;{K}", 1: f"127.0.0.1:9;0;{O}"},
+     "nobody could own a part"),
+    (Member(5, None, 0.0, KEY), {5: f"127.0.0.1:1000;1;{K}", 1: f"127.0.0.1:9;1;{O}"},
+     "lists this peer at 127.0.0.1:1000"),
+    (Member(5, "127.0.0.1:1000", 1.0, KEY), {5: f"127.0.0.1:1000;1;{K}", 1: f"127.0.0.1:9;nan;{O}"},
+     "malformed entries"),
+    # a leader that lists no keys (or another key for this peer): its members' streams could not be authenticated
+    (Member(5, "127.0.0.1:1000", 1.0, KEY), {5: "127.0.0.1:1000;1", 1: "127.0.0.1:9;1"}, "malformed entries"),
+    (Member(5, "127.0.0.1:1000", 1.0, KEY), {5: f"127.0.0.1:1000;1;{O}", 1: f"127.0.0.1:9;1;{O}"},
+     "lists this peer with DHT key"),
 ])
 def test_matchmaking_ignores_a_group_that_cannot_average(me, entries, reason, caplog):
     dht = FakeDHT()
@@ -232,7 +269,7 @@ def test_matchmaking_ignores_a_group_that_cannot_average(me, entries, reason, ca
     groups: dict[int, Group] = {}
     matchmaker._read_groups(0, "run.0.*", leaders, groups)
     assert not groups and reason in caplog.text
-    dht.store_many({"run.0.*.1.0123abcd": {5: (me.describe(), 1e12), 1: ("127.0.0.1:9;1", 1e12)}})
+    dht.store_many({"run.0.*.1.0123abcd": {5: (me.entry(), 1e12), 1: (f"127.0.0.1:9;1;{O}", 1e12)}})
     matchmaker._read_groups(0, "run.0.*", leaders, groups)
     assert list(groups) == [1]  # a sane group is joined
 

@@ -707,7 +707,8 @@ def test_records_stored_ahead_under_the_keys_of_steps_to_come_keep_no_trainer_fr
             key = f"ahead.grad.{step}.*"
             salts = [new_salt() for _ in range(2)]
             ids = [peer_id_for(hostile.identity.public_key, key, salt) for salt in salts]
-            hostile.store_many({f"{key}.{ids[0]}.{nonce}": {pid: ("127.0.0.1:9;1", expiration) for pid in ids}})
+            member = f"127.0.0.1:9;1;{hostile.identity.public_key.hex()}"  # a group entry names the member's key
+            hostile.store_many({f"{key}.{ids[0]}.{nonce}": {pid: (member, expiration) for pid in ids}})
             entries = {pid: (f"127.0.0.1:9;1;{salt};{state}", expiration)
                        for pid, salt, state in zip(ids, salts, [f"L2.{nonce}", "w"])}
             while True:  # a salt that makes an id smaller than any trainer's but for 1 in ~10**4

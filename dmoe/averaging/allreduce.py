@@ -22,12 +22,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 import torch
 
 from dmoe.averaging.matchmaking import Group, Member
+from dmoe.dht.signing import Identity, verify
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, serialize
 
@@ -38,6 +39,29 @@ DTYPE = torch.float32
 DTYPE_NAME = "float32"
 #: weights above this are refused: a sum of weights must stay finite and exact enough to divide by
 MAX_WEIGHT = 1e12
+
+
+#: what a member's signature of its stream covers is told apart from any DHT entry's (see :func:`part_digest`)
+_PART_DOMAIN = b"dmoe-averaging-part-v1\x00"
+#: bytes of a DHT record key's digest: a part's signed "key" has that length, as every entry's signed key does
+_DIGEST_BYTES = 20
+
+
+def part_digest(group_id: str, owner: int) -> bytes:
+    """What a member's signature of its stream to ``owner`` in ``group_id`` is made over, in place of a DHT
+    record's key (the signature is an :meth:`Identity.sign` of an entry whose expiration, 0, makes it one no DHT
+    node stores). The owner is in it, so a stream's signature cannot be replayed to another owner."""
+    return hashlib.blake2b(b"%s%s\x00%d" % (_PART_DOMAIN, group_id.encode(), owner), digest_size=_DIGEST_BYTES).digest()
+
+
+def sign_part(identity: Identity, group_id: str, owner: int, sender: int, weight: float) -> bytes:
+    """``sender``'s signature of its stream to ``owner`` in ``group_id``, with ``weight``, by its DHT key."""
+    return identity.sign(part_digest(group_id, owner), sender, repr(float(weight)), 0.0)
+
+
+def part_signed(key: bytes, group_id: str, owner: int, sender: int, weight: float, signature: bytes) -> bool:
+    """Whether ``signature`` is the DHT key ``key``'s over ``sender``'s stream to ``owner`` in ``group_id``."""
+    return verify(part_digest(group_id, owner), sender, repr(float(weight)), 0.0, key, signature)
 
 
 class Refused(Exception):
@@ -172,12 +196,15 @@ class PartReducer:
     averages what it accepted when everyone delivered or was dropped, or ``timeout`` seconds passed.
 
     Lives on the averager's event loop (no locks: every method runs there). Refusals ban the sender from the group:
-    its values are thrown away and its later streams refused.
+    its values are thrown away and its later streams refused. A stream from the network is first
+    :meth:`authenticate`-d: ``owner`` is this peer's id, ``keys`` each member's DHT key (as the group lists it).
     """
 
     def __init__(self, group_id: str, members: Sequence[int], length: int, *, timeout: float, compression: int = NONE,
-                 max_abs_value: float = 0.0, piece_elements: int = 1 << 19):
+                 max_abs_value: float = 0.0, piece_elements: int = 1 << 19, owner: int = 0,
+                 keys: Mapping[int, bytes] | None = None):
         self.group_id, self.members, self.length = group_id, frozenset(members), length
+        self.owner, self.keys = owner, dict(keys or {})
         self.compression, self.max_abs_value, self.piece_elements = compression, max_abs_value, piece_elements
         self.deadline = asyncio.get_running_loop().time() + timeout
         self.values: dict[int, torch.Tensor] = {}
@@ -202,7 +229,7 @@ class PartReducer:
         return refusal
 
     def drop(self, sender: int, reason: str) -> None:
-        """Leaves ``sender`` out of the average (even if it delivered: a duplicate stream bans the first too),
+        """Leaves ``sender`` out of the average (even if it delivered: its own part was found unreachable, say),
         unless the average was already taken with it."""
         if sender not in self.members or sender in self.dropped:
             return
@@ -214,17 +241,30 @@ class PartReducer:
         self.values.pop(sender, None)
         self._check_done()
 
+    def authenticate(self, sender: int, weight: float, signature: bytes) -> None:
+        """Refuses a stream that ``sender``'s DHT key did not sign (PERMISSION_DENIED; nobody is banned: anyone who
+        reads the DHT knows the members' ids, and a stream under one of them must not get that member dropped)."""
+        if sender not in self.members:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"peer {sender} is not a member of group {self.group_id}")
+        key = self.keys.get(sender)
+        if not key or not part_signed(key, self.group_id, self.owner, sender, weight, signature):
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"a stream under peer {sender}'s id in group {self.group_id} is not signed by the DHT key "
+                          f"the group lists for it; refused")
+
     def begin(self, sender: int, weight: float) -> None:
-        """A sender's stream starts: it must be a member, not banned, not already streaming, with a sane weight."""
+        """A sender's stream starts: it must be a member, not banned, not already streaming, with a sane weight.
+        A second stream is refused, and the first goes on: banning both handed anyone who could open one (or a
+        broken retry) the power to evict a member."""
         if sender not in self.members:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"peer {sender} is not a member of group {self.group_id}")
         if sender in self.dropped:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                           f"peer {sender} is banned from group {self.group_id}: {self.dropped[sender]}")
         if sender in self.values or sender in self.complete:
-            raise self.ban(sender, Refused(grpc.StatusCode.ALREADY_EXISTS,
-                                           f"duplicate sender: peer {sender} already sent its part of group "
-                                           f"{self.group_id}; banned from the group"))
+            raise Refused(grpc.StatusCode.ALREADY_EXISTS,
+                          f"duplicate sender: peer {sender} already streams its part of group {self.group_id}; this "
+                          f"stream is refused, the first one counts")
         if self.result is not None:
             raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
                           f"group {self.group_id} was already averaged without peer {sender} (allreduce_timeout)")
@@ -323,10 +363,11 @@ RETRY_PAUSE = 0.25
 async def send_and_receive(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: str, me: int, weight: float,
                            values: torch.Tensor, out: torch.Tensor, *, compression: int, piece_elements: int,
                            max_abs_value: float, timeout: float, pace: SendPace | None = None,
-                           retry_until: float = 0.0) -> Outcome:
+                           retry_until: float = 0.0, signature: bytes = b"") -> Outcome:
     """Streams ``values`` (this member's values of one part) to its owner and writes the average it answers into
     ``out``; never raises (a failure is the outcome's ``error``).
 
+    ``signature``: this member's :func:`sign_part` for this owner, which the owner checks before it takes anything.
     ``retry_until`` (``time.monotonic()``): until then, an owner that does not know the group yet (NOT_FOUND: it
     has not read it from the DHT within its ``join_timeout``, or not begun the round) is sent the part again. A
     member that read the group sooner than the owner would otherwise be dropped. On a loaded DHT an owner may
@@ -337,7 +378,8 @@ async def send_and_receive(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: s
     while True:
         outcome = await _stream_part(stub, group_id, me, weight, values, out, compression=compression,
                                      piece_elements=piece_elements, max_abs_value=max_abs_value,
-                                     timeout=timeout - (time.monotonic() - started), pace=pace)
+                                     timeout=timeout - (time.monotonic() - started), pace=pace,
+                                     signature=signature)
         now = time.monotonic()
         if not (outcome.error is not None and outcome.error.startswith(f"{grpc.StatusCode.NOT_FOUND.name}:")
                 and now + RETRY_PAUSE < min(retry_until, started + timeout)):
@@ -348,13 +390,14 @@ async def send_and_receive(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: s
 
 async def _stream_part(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: str, me: int, weight: float,
                        values: torch.Tensor, out: torch.Tensor, *, compression: int, piece_elements: int,
-                       max_abs_value: float, timeout: float, pace: SendPace | None) -> Outcome:
+                       max_abs_value: float, timeout: float, pace: SendPace | None,
+                       signature: bytes = b"") -> Outcome:
     """One stream of :func:`send_and_receive`."""
 
     async def requests():
         for start in range(0, values.numel(), piece_elements):
-            message = dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight) if start == 0 else \
-                dmoe_pb2.AveragingPart()
+            message = dmoe_pb2.AveragingPart(group_id=group_id, sender=me, weight=weight, signature=signature) \
+                if start == 0 else dmoe_pb2.AveragingPart()
             encode_piece(values[start:start + piece_elements], compression, out=message.values)  # encoded as sent
             if pace is not None:
                 await pace.wait(message.ByteSize())
@@ -407,12 +450,14 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                     join_timeout: float, max_retries: int, min_group_size: int, deadline: float,
                     pace: SendPace | None = None,
                     send: Callable[..., Awaitable[Outcome]] = send_and_receive,
-                    reachable: Callable[[str], Awaitable[bool]] | None = None) -> AllReduceResult | None:
+                    reachable: Callable[[str], Awaitable[bool]] | None = None,
+                    identity: Identity | None = None) -> AllReduceResult | None:
     """Averages ``flat`` with the group into ``out`` (never into ``flat``); None when the members could not agree.
 
     ``register`` makes this peer's owned parts reachable by its gRPC service (None in client mode); ``deadline``
     is ``time.monotonic()`` by which to give up. ``reachable(endpoint)``: False once the peer there refuses
-    connections (see :func:`_dead_owner_leaves`); None: never asked.
+    connections (see :func:`_dead_owner_leaves`); None: never asked. ``identity``: this peer's DHT identity (the key
+    the group lists for it), which signs its streams (None: unsigned, which owners refuse; tests).
     """
     members = list(group.members)
     dropped: dict[int, str] = {}
@@ -431,7 +476,8 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
         reducer = None
         if mine[1] > mine[0]:
             reducer = PartReducer(group_id, ids, mine[1] - mine[0], timeout=min(allreduce_timeout, left),
-                                  compression=compression, max_abs_value=max_abs_value, piece_elements=piece_elements)
+                                  compression=compression, max_abs_value=max_abs_value, piece_elements=piece_elements,
+                                  owner=me, keys={m.peer_id: m.key for m in members})
             register(group_id, reducer)
         tasks: dict[int, Awaitable[Outcome]] = {}
         for member, (start, end) in zip(members, bounds):
@@ -444,6 +490,7 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                     stub_for(member.endpoint), group_id, me, weight, flat[start:end], out[start:end],
                     compression=compression, piece_elements=piece_elements, max_abs_value=max_abs_value,
                     timeout=min(allreduce_timeout + join_timeout + 5.0, left), pace=pace,
+                    signature=sign_part(identity, group_id, member.peer_id, me, weight) if identity else b"",
                     # the leader's group: every owner in it learns it, maybe late. A retry's id is computed by each
                     # survivor, and one with another view never learns this one: refused, as before
                     retry_until=time.monotonic() + min(allreduce_timeout, left) if attempt == 0 else 0.0))

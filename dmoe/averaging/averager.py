@@ -125,7 +125,8 @@ class DecentralizedAverager:
         except BaseException:
             self.shutdown()
             raise
-        me = Member(0, self.endpoint, 0.0 if cfg.client_mode else cfg.bandwidth)  # its id: drawn each round
+        me = Member(0, self.endpoint, 0.0 if cfg.client_mode else cfg.bandwidth,  # its id: drawn each round
+                    key=dht.identity.public_key)
         self.matchmaker = Matchmaker(dht, me, cfg, self._stop)
         logger.info("averager of run %r (DHT key %s): %d values in %d tensors, %s", prefix,
                     dht.identity.public_key.hex()[:16], self.numel, len(self.tensors),
@@ -249,7 +250,7 @@ class DecentralizedAverager:
             compression=self.compression, piece_elements=cfg.piece_bytes // 4, max_abs_value=cfg.max_abs_value,
             allreduce_timeout=cfg.allreduce_timeout, join_timeout=cfg.join_timeout, max_retries=cfg.max_retries,
             min_group_size=cfg.min_group_size, deadline=deadline, pace=self._pace, send=self._send_part,
-            reachable=self._reachable), self._loop)
+            reachable=self._reachable, identity=self.dht.identity), self._loop)
         self._inflight = running
         if self._stop.is_set():  # shutdown began after the check above but read no all-reduce in flight
             running.cancel()

@@ -12,7 +12,8 @@ never declare again.
 The **leader** is the smallest waiting peer id not yet taken by another group: once it sees ``target_group_size``
 waiting peers (and ``margin`` after it declared itself), or when its ``matchmaking_time`` is up and it sees at least
 ``min_group_size``, it publishes the group in record
-``<key>.<leader>.<nonce>`` (the group id): one entry per member, all owned by the leader's key, and once that is
+``<key>.<leader>.<nonce>`` (the group id): one entry per member (its endpoint, bandwidth and DHT key, which signs its
+streams in the all-reduce), all owned by the leader's key, and once that is
 stored, marks itself as leading. Everyone else polls the key: a peer listed in a leader's group joins it; a peer
 left out of full groups waits for the next smallest waiting peer to lead (or leads itself). All members thus read
 the same list, signed by one key. A peer that finds nobody by its deadline marks itself gone and averages with no
@@ -48,7 +49,9 @@ logger = logging.getLogger(__name__)
 WAITING, GONE, LEADING = "w", "x", "L"
 _LEADING = re.compile(r"L([0-9]{1,4})\.([0-9a-f]{8})")
 _SALT = re.compile(r"[0-9a-f]{8}")
-_PORT = re.compile(r"[0-9]{1,5}")  # ASCII: str.isdigit takes "²", which int refuses
+_PORT = re.compile(r"[0-9]{1,5}")
+#: a member's DHT key (Ed25519, 32 bytes) as a group entry names it
+_KEY = re.compile(r"[0-9a-f]{64}")  # ASCII: str.isdigit takes "²", which int refuses
 #: largest peer id: ids are owned int subkeys of the DHT, which must lie in [0, 2**31)
 MAX_PEER_ID = 2**31 - 1
 #: declarations tried, each under a new id, when the DHT refuses one (its id taken: only by chance or a lucky guess)
@@ -79,9 +82,15 @@ class Member:
     peer_id: int
     endpoint: str | None  # None: client mode, accepts no connections
     bandwidth: float       # 0 for client mode: owns no part
+    key: bytes = b""       # its DHT key, which declared it: it signs its streams to the owners with it
 
     def describe(self) -> str:
         return f"{self.endpoint or '-'};{self.bandwidth:.6g}"
+
+    def entry(self) -> str:
+        """What a leader stores for this member in its group: ``<endpoint>;<bandwidth>;<DHT key, hex>``. The key
+        tells the owners whose signature a stream under this member's id must carry (anyone can read the ids)."""
+        return f"{self.describe()};{self.key.hex()}"
 
 
 @dataclass(frozen=True)
@@ -118,11 +127,20 @@ def parse_member(peer_id: int, value: str) -> Member:
     return Member(peer_id, endpoint, bandwidth if endpoint is not None else 0.0)
 
 
+def parse_group_entry(peer_id: int, value: str) -> Member:
+    """A member from a group entry (:meth:`Member.entry`); raises ValueError for a malformed one (a group of a
+    leader that lists no keys cannot average: its members' streams could not be authenticated)."""
+    head, _, key_text = value.rpartition(";")
+    if not _KEY.fullmatch(key_text):
+        raise ValueError(f"bad member key {key_text!r}")
+    return replace(parse_member(peer_id, head), key=bytes.fromhex(key_text))
+
+
 def published(member: Member) -> Member:
     """``member`` as the others read it from a record (the bandwidth rounded by :meth:`Member.describe`): every
     member, the leader included, must cut the parts from these very values, or the bounds differ by a value and
     every owner refuses every stream as the wrong size."""
-    return parse_member(member.peer_id, member.describe())
+    return replace(parse_member(member.peer_id, member.describe()), key=member.key)
 
 
 def unworkable(members: Sequence[Member], me: Member) -> str | None:
@@ -134,6 +152,8 @@ def unworkable(members: Sequence[Member], me: Member) -> str | None:
     if listed is not None and listed.endpoint != me.endpoint:
         return (f"it lists this peer at {listed.endpoint or '- (client mode)'}, "
                 f"not at {me.endpoint or '- (client mode)'} as it declared")
+    if listed is not None and listed.key != me.key:
+        return f"it lists this peer with DHT key {listed.key.hex()[:16]}, not its own"
     return None
 
 
@@ -160,7 +180,7 @@ def parse_declarations(record: Mapping, key: str) -> dict[int, Declaration]:
             continue
         try:
             head, salt, state = entry.value.rsplit(";", 2)
-            member = parse_member(subkey, head)
+            member = replace(parse_member(subkey, head), key=entry.owner)
         except ValueError:
             logger.debug("skipping a malformed declaration %r of peer %s", entry.value, subkey)
             continue
@@ -194,7 +214,8 @@ class Matchmaker:
     def _new_id(self, key: str) -> None:
         """Draws this peer's id in record ``key``: nobody can know it before this peer declares under it."""
         self.salt = new_salt()
-        self.me = replace(self.me, peer_id=peer_id_for(self.dht.identity.public_key, key, self.salt))
+        identity = self.dht.identity.public_key
+        self.me = replace(self.me, peer_id=peer_id_for(identity, key, self.salt), key=identity)
         self._expiration = 0.0
 
     def _declare(self, key: str, state: str, expiration: float) -> bool | str:
@@ -340,7 +361,7 @@ class Matchmaker:
             # the group before the declaration that points to it: stored together, a peer could read the declaration
             # first, wait `margin` in vain for the group, go on as if this leader took nobody, and lead a group of
             # its own with one of this group's members (on a loaded DHT, a record can take seconds to be readable)
-            results = self.dht.store_many({group_id: {m.peer_id: (m.describe(), expiration) for m in members}})
+            results = self.dht.store_many({group_id: {m.peer_id: (m.entry(), expiration) for m in members}})
             if all(result is True for result in results[group_id].values()):
                 results |= self.dht.store_many(
                     {key: {self.me.peer_id: (declaration_value(self.me, self.salt, state), self._expiration)}})
@@ -374,7 +395,7 @@ class Matchmaker:
             for subkey, entry in records.get(group_id, {}).items():
                 if isinstance(subkey, int) and entry.owner == declaration.owner:  # others may write there too
                     try:
-                        members.append(parse_member(subkey, entry.value))
+                        members.append(parse_group_entry(subkey, entry.value))
                     except ValueError:
                         malformed.append(subkey)
             problem = f"malformed entries of peers {sorted(malformed)}" if malformed else None

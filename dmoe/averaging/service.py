@@ -1,8 +1,11 @@
 """The gRPC face of an averager: ``AveragingService.reduce`` streams, each a member's values of a part this peer owns.
 
-Every refusal is a gRPC status whose message names what is wrong (unknown round or group, not a member, duplicate
-sender, wrong dtype, shape or size, non-finite or too large values); refusals of a member's values also ban it
-from the group, and the round goes on for the others. Handlers run on the averager's event loop.
+Every refusal is a gRPC status whose message names what is wrong (unknown round or group, not a member, not signed
+by the member's DHT key, duplicate sender, wrong dtype, shape or size, non-finite or too large values); refusals of
+a member's values also ban it from the group, and the round goes on for the others. A stream is authenticated
+before anything of it counts: its first message carries the member's signature (by the DHT key the group lists
+for it) of the group, this owner, its id and its weight; an unsigned one, or a second stream under an id, is
+refused without touching the member. Handlers run on the averager's event loop.
 """
 from __future__ import annotations
 
@@ -127,6 +130,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               "empty stream: the first message must name the group and the sender")
             reducer = await self._find(first.group_id)
+            reducer.authenticate(first.sender, first.weight, first.signature)
             reducer.begin(first.sender, first.weight)
             sender = first.sender
             try:
@@ -142,7 +146,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                 reducer.drop(sender, f"its stream broke ({type(error).__name__})")
                 raise
             result = await reducer.wait()
-            if sender in reducer.dropped:  # banned after its values arrived (a duplicate stream)
+            if sender in reducer.dropped:  # dropped after its values arrived (its own part was unreachable)
                 raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                               f"peer {sender} is banned from group {reducer.group_id}: {reducer.dropped[sender]}")
         except Refused as refused:

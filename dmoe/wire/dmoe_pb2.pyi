@@ -155,16 +155,18 @@ class HoldEnd(_message.Message):
     def __init__(self, stopping: _Optional[bool] = ...) -> None: ...
 
 class AveragingPart(_message.Message):
-    __slots__ = ("group_id", "sender", "weight", "values")
+    __slots__ = ("group_id", "sender", "weight", "values", "signature")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     sender: int
     weight: float
     values: Tensor
-    def __init__(self, group_id: _Optional[str] = ..., sender: _Optional[int] = ..., weight: _Optional[float] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, group_id: _Optional[str] = ..., sender: _Optional[int] = ..., weight: _Optional[float] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class AveragedPart(_message.Message):
     __slots__ = ("contributors", "total_weight", "values")
