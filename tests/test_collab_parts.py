@@ -4,6 +4,7 @@ and whom to download from, the state's encoding, checks and gRPC service, and th
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
 import logging
@@ -741,6 +742,49 @@ def test_records_stored_ahead_under_the_keys_of_steps_to_come_keep_no_trainer_fr
                 assert (collab.local_step, collab.steps_applied, collab.steps_downloaded, collab.group_size) == (
                     3, 3, 0, 2)
             assert collabs[0].lineage == collabs[1].lineage
+            assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+        finally:
+            for collab in collabs:
+                collab.shutdown()
+
+
+def test_trainers_whose_last_averaging_failed_end_on_one_model(bootstrap, monkeypatch):
+    """Both trainers' last averaging fails and neither sees the other ahead: each steps alone, onto a lineage of
+    its own, and no later step re-syncs them. finish() compared steps only and said True, and each trainer saved
+    another model (review 60). Now the one off the canonical lineage downloads it in finish()."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    failing = threading.Barrier(2)
+
+    def fail_together(*args, **kwargs) -> None:  # both reach the step, and neither's averaging succeeds
+        failing.wait(30)
+
+    monkeypatch.setattr(CollaborativeOptimizer, "_wait_for_others", lambda self, step: False)
+    with DHT([bootstrap], client_mode=True) as first, DHT([bootstrap], client_mode=True) as second:
+        collabs = [CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "split", 8,
+                                          refresh_period=0.2, progress_ttl=5.0, finish_timeout=20.0)
+                   for model, dht in zip(models, (first, second))]
+        try:
+            assert all(collab.wait_for_trainers(2, 20) == 2 for collab in collabs)
+            for collab in collabs:
+                monkeypatch.setattr(collab.averager, "step", fail_together)
+
+            def train(index: int) -> None:
+                torch.manual_seed(index)
+                while collabs[index].local_step < 1:
+                    models[index](torch.randn(4, 4)).sum().backward()
+                    collabs[index].step(4)
+                    collabs[index].zero_grad()
+                    time.sleep(0.05)
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                list(pool.map(train, range(2), timeout=60))
+                assert [(c.local_step, c.steps_applied, c.group_size) for c in collabs] == [(1, 1, 1)] * 2
+                assert collabs[0].lineage != collabs[1].lineage  # split, as the failure leaves them
+                finished = list(pool.map(lambda collab: collab.finish(), collabs, timeout=60))
+            assert finished == [True, True]
+            assert collabs[0].lineage == collabs[1].lineage and sum(c.steps_downloaded for c in collabs) == 1
             assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
         finally:
             for collab in collabs:

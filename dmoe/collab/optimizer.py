@@ -19,7 +19,8 @@ Joining, dying, falling behind:
   among themselves; it stops being counted once its progress record expires.
 * When averaging fails, a trainer that sees the others moved on re-syncs from them; one that sees nobody ahead
   applies its own gradients (a collaboration of one still trains) under a lineage of its own, so if the others
-  did step together it re-syncs from them at its next step.
+  did step together it re-syncs from them at its next step (after the last step: in :meth:`finish`, so that the
+  trainers end on one model).
 
 Bad input: records with absurd numbers are refused (see :mod:`~dmoe.collab.progress`); a trainer that claims a step
 its state server cannot back, or serves a state that does not fit this model, is logged and ignored for
@@ -363,11 +364,12 @@ class CollaborativeOptimizer:
         self._reset_at = time.time()
 
     # ---- joining and catching up ----
-    def _sync_if_needed(self) -> bool:
-        """Downloads the state when this trainer is behind or off the canonical lineage; True when it did."""
+    def _sync_if_needed(self, at_most: int | None = None) -> bool:
+        """Downloads the state when this trainer is behind or off the canonical lineage; True when it did.
+        ``at_most``: only a state of that step or before (:meth:`finish` takes none beyond the last step)."""
         state = self.tracker.state()
         chosen = state.source(self._rng)
-        if chosen is None:
+        if chosen is None or (at_most is not None and chosen[1].step > at_most):
             return False
         peer_id, claimed = chosen
         try:
@@ -432,16 +434,28 @@ class CollaborativeOptimizer:
 
     # ---- the end ----
     def finish(self, timeout: float | None = None) -> bool:
-        """Waits until every live trainer reached this trainer's step (so none still trains experts when this one
-        evaluates); True when they did, False at the timeout (``config.finish_timeout`` by default)."""
+        """Waits until every live trainer reached this trainer's step and holds its model: one lineage at that step.
+        When the last step's averaging failed, trainers stepped alone onto lineages of their own, and no later
+        step re-synced them: each then validated and saved another model (review 60). So a trainer off the
+        canonical lineage of its step downloads it here, and one on it waits for the others to. True when every
+        live trainer is at this step on this lineage; False at the timeout (``config.finish_timeout`` by default),
+        with a warning naming who is behind or elsewhere (a trainer that serves no state, in client mode, cannot
+        be downloaded from)."""
         deadline = time.monotonic() + (self.config.finish_timeout if timeout is None else timeout)
         self.tracker.publish_now()
         while True:
-            behind = [pid for pid, p in self.tracker.refresh_now().items() if p.step < self.local_step]
-            if not behind:
+            self.tracker.refresh_now()
+            self._sync_if_needed(at_most=self.local_step)
+            peers = self.tracker.state().peers
+            behind = sorted(pid for pid, p in peers.items() if p.step < self.local_step)
+            elsewhere = sorted(pid for pid, p in peers.items()
+                               if p.step == self.local_step and p.lineage != self.lineage)
+            if not behind and not elsewhere:
                 return True
             if time.monotonic() > deadline:
-                logger.warning("finished at step %d; trainers %s are still behind", self.local_step, behind)
+                logger.warning("finished at step %d on lineage %s; trainers %s are still behind, trainers %s hold "
+                               "another model at this step", self.local_step, self.lineage, behind or "none",
+                               elsewhere or "none")
                 return False
             time.sleep(self.config.refresh_period / 2)
 

@@ -457,8 +457,12 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                                 "plot": plot_path}
                 try:
                     if collab is not None and not interrupted:
-                        # no trainer still training the experts: every trainer then validates the same model
-                        collab.finish()
+                        # no trainer still training the experts, and one model at the last step (a trainer whose last
+                        # averaging failed takes the canonical one here): every trainer then validates the same model
+                        if not collab.finish():
+                            tqdm.write(f"collaboration {config.collaborate!r}: the other trainers did not all reach "
+                                       f"step {step} on this trainer's model in time; this model may differ from "
+                                       f"theirs (see the warning above)")
                         tqdm.write(f"collaboration {config.collaborate!r}: {collab.steps_applied} steps applied "
                                    f"here, {collab.steps_downloaded} states downloaded")
                     if not history["val"] or history["val"][-1][0] != step:
