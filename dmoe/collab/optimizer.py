@@ -23,8 +23,8 @@ Joining, dying, falling behind:
   trainers end on one model).
 
 Bad input: records with absurd numbers are refused (see :mod:`~dmoe.collab.progress`); a trainer that claims a step
-its state server cannot back, or serves a state that does not fit this model, is logged and ignored for
-``ban_time`` while training goes on.
+its state server cannot back, or serves a state that does not fit this model (or breaks its download in any way),
+is logged and ignored for ``ban_time`` while training goes on.
 
 Threads: the progress tracker's (publish and read), the state server's event loop (and one for captures), the
 averager's two; all stop in :meth:`CollaborativeOptimizer.shutdown`.
