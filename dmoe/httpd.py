@@ -1,90 +1,202 @@
 """Small HTTP servers (an expert server's ``/metrics``, the monitor's page) that clients cannot use to pile up
-threads.
+threads, nor to lock other clients out.
 
 ``http.server``'s threading server starts a thread per connection and keeps it for as long as the client keeps the
 connection open; a client that connects and never finishes its request (or trickles a byte now and then) holds one
 forever. On a public host (``--host 0.0.0.0`` makes ``/metrics`` public by default) anyone could grow a server's
-thread count until the process could start no more threads, gRPC's and torch's included. Here each connection is
-closed after ``idle_timeout`` seconds without a byte, and at most ``max_connections`` are served at once: beyond
-that, a new connection is closed at once (counted in :attr:`BoundedHTTPServer.refused`).
+thread count until the process could start no more threads, gRPC's and torch's included. Here (:class:`HTTPLimits`):
+
+- at most ``max_connections`` connections are served at once, and at most ``max_per_client`` of one client machine
+  (an IPv4 address, an IPv6 /64, as :func:`dmoe.endpoints.machine_of` counts them): one client opening many could
+  otherwise take every slot, and every other client was turned away;
+- a connection must send its request line and headers within ``header_timeout`` seconds of its acceptance: a
+  per-read timeout alone was reset by every byte, so a client trickling a byte every 10 s kept its slot for good;
+- a connection is closed after ``idle_timeout`` seconds without a byte;
+- a connection beyond those limits is answered ``503 Service Unavailable`` and closed at once (counted in
+  :attr:`BoundedHTTPServer.refused`), not closed silently.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
+import ipaddress
 import logging
+import math
 import socket
 import threading
+import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from dmoe.endpoints import bare_host
+from dmoe.endpoints import bare_host, machine_of
 
 logger = logging.getLogger(__name__)
 
 #: connections served at once by default (each holds a thread while it lasts)
 MAX_CONNECTIONS = 32
+#: connections of one client machine served at once by default
+MAX_PER_CLIENT = 8
 #: seconds a connection may send nothing before it is closed
 IDLE_TIMEOUT = 30.0
+#: seconds from a connection's acceptance to the end of its request's headers
+HEADER_TIMEOUT = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class HTTPLimits:
+    """What one client, and all together, may hold of a :class:`BoundedHTTPServer` (see the module's docstring)."""
+
+    max_connections: int = MAX_CONNECTIONS
+    max_per_client: int = MAX_PER_CLIENT
+    idle_timeout: float = IDLE_TIMEOUT
+    header_timeout: float = HEADER_TIMEOUT
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_per_client"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("idle_timeout", "header_timeout"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+
+
+def client_machine(host: str) -> str:
+    """The machine a client's address stands for (per-client limits key on it: one machine may use any address of
+    its IPv6 /64); the host itself when it is no IP address."""
+    try:
+        return machine_of(ipaddress.ip_address(host.split("%", 1)[0]))
+    except ValueError:
+        return host
+
+
+def _refusal(reason: str) -> bytes:
+    body = f"{reason}; try again later\n".encode()
+    head = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
+    return head + body
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """A :class:`ThreadingHTTPServer` (IPv6 for a host with a colon) serving at most ``max_connections``
-    connections at once, each on a daemon thread. Give the handler class a ``timeout`` (see :func:`quiet_handler`):
-    without one, an idle connection keeps its slot."""
+    """A :class:`ThreadingHTTPServer` (IPv6 for a host with a colon) serving connections on daemon threads within
+    ``limits``. Give it a handler derived from :class:`QuietHandler`, which applies the limits' timeouts."""
 
     daemon_threads = True
     block_on_close = False  # threads are not kept in a list to join: they end with their connection or the process
 
-    def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler],
-                 max_connections: int = MAX_CONNECTIONS):
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+    def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler], limits: HTTPLimits | None = None):
         host = bare_host(host)
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.max_connections = max_connections
-        self.refused = 0  # connections closed at once, every slot being taken
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self.limits = limits or HTTPLimits()
+        self.refused = 0  # connections answered 503 and closed at once: every slot, or the client's, taken
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()  # client machine -> connections served now
         super().__init__((host, port), handler)
 
+    @property
+    def max_connections(self) -> int:
+        return self.limits.max_connections
+
+    def _take_slot(self, client: str) -> str | None:
+        """Counts a connection of ``client`` as served; or the reason it may not be (nothing counted)."""
+        with self._lock:
+            if sum(self._open.values()) >= self.limits.max_connections:
+                return f"{self.limits.max_connections} connections open, the most served at once"
+            if self._open[client] >= self.limits.max_per_client:
+                return f"{self.limits.max_per_client} connections open from this client, the most served at once"
+            self._open[client] += 1
+            return None
+
+    def _release_slot(self, client: str) -> None:
+        with self._lock:
+            self._open[client] -= 1
+            if self._open[client] <= 0:
+                del self._open[client]
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            if self.refused == 1 or self.refused % 1000 == 0:
-                logger.warning("HTTP on port %d: %d connections open, the most served at once; closing new ones "
-                               "(%d so far)", self.server_address[1], self.max_connections, self.refused)
-            self.shutdown_request(request)
+        client = client_machine(client_address[0])
+        reason = self._take_slot(client)
+        if reason is not None:
+            self._refuse(request, client, reason)
             return
         try:
             super().process_request(request, client_address)  # a thread runs process_request_thread
         except BaseException:
-            self._slots.release()
+            self._release_slot(client)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._release_slot(client_machine(client_address[0]))
+
+    def _refuse(self, request: socket.socket, client: str, reason: str) -> None:
+        """Answers 503 without blocking the accepting thread (a fresh socket's send buffer takes it whole), then
+        closes: a silent close told a client nothing, and looked like a crash."""
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            logger.warning("HTTP on port %d: %s; answering 503 to new ones (%d so far, latest from %s)",
+                           self.server_address[1], reason, self.refused, client)
+        try:
+            request.setblocking(False)
+            request.send(_refusal(reason))
+            while request.recv(65536):  # what the client sent already: closing with it unread would reset
+                pass
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
 
-def quiet_handler(idle_timeout: float = IDLE_TIMEOUT) -> type[BaseHTTPRequestHandler]:
-    """A base request handler that closes a connection idle for ``idle_timeout`` seconds and logs requests at DEBUG
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket read under two limits: ``idle`` seconds per read, and a total ``deadline``
+    (``time.monotonic()``) for everything read, as a request's line and headers are (HTTP/1.0: one request per
+    connection). A read past either raises TimeoutError, which ``http.server`` answers by closing the connection."""
+
+    def __init__(self, sock: socket.socket, idle: float, deadline: float):
+        super().__init__()
+        self._sock, self._idle, self._deadline = sock, idle, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request's headers took too long")
+        self._sock.settimeout(min(self._idle, left))
+        return self._sock.recv_into(buffer)
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A base request handler that applies its server's :class:`HTTPLimits` timeouts and logs requests at DEBUG
     level (``http.server`` writes each to stderr)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = idle_timeout  # applied to the socket: a read that waits longer ends the connection
+    server: BoundedHTTPServer
 
-        def send_body(self, body: bytes, content_type: str) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
+    def setup(self) -> None:
+        super().setup()
+        limits = self.server.limits
+        self.rfile.close()  # (the socket stays open: wfile and the server hold it)
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, limits.idle_timeout,
+                                                       time.monotonic() + limits.header_timeout))
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-            logger.debug("%s %s", self.address_string(), format % args)
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self.connection.settimeout(self.server.limits.idle_timeout)  # writing the answer: its whole time bounded
+        return parsed
 
-    return Handler
+    def send_body(self, body: bytes, content_type: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+        logger.debug("%s %s", self.address_string(), format % args)
 
 
 class HTTPThread:

@@ -22,7 +22,7 @@ from dmoe.client.remote_expert import expert_info
 from dmoe.dht import DHT
 from dmoe.directory import alive_experts
 from dmoe.endpoints import reachable_endpoint
-from dmoe.httpd import MAX_CONNECTIONS, BoundedHTTPServer, HTTPThread, quiet_handler
+from dmoe.httpd import IDLE_TIMEOUT, MAX_CONNECTIONS, BoundedHTTPServer, HTTPLimits, HTTPThread, QuietHandler
 from dmoe.replicas.records import ADOPTION_MEMORY, adopted_key, adoptions, holders, replicas_key
 from dmoe.uid import grid_uids
 
@@ -251,15 +251,18 @@ class MonitorServer:
         host, port: where to listen (port 0: a free one; see :attr:`endpoint` once started).
         idle_timeout: seconds a connection may send nothing before it is closed (each open connection holds a
             thread: idle ones would pile up).
-        max_connections: connections served at once; more are closed at once (see :mod:`dmoe.httpd`).
+        max_connections: connections served at once; more are answered 503 at once (see :mod:`dmoe.httpd`).
+        limits: all the limits of the HTTP server (then ``idle_timeout`` and ``max_connections`` are unused).
     """
 
-    def __init__(self, monitor: SwarmMonitor, host: str = "127.0.0.1", port: int = 0, idle_timeout: float = 30.0,
-                 max_connections: int = MAX_CONNECTIONS):
+    def __init__(self, monitor: SwarmMonitor, host: str = "127.0.0.1", port: int = 0,
+                 idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
+                 limits: HTTPLimits | None = None):
         self.monitor = monitor
         html = page()
+        limits = limits or HTTPLimits(max_connections=max_connections, idle_timeout=idle_timeout)
 
-        class Handler(quiet_handler(idle_timeout)):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
                 path = self.path.split("?", 1)[0]
                 if path in ("/", "/index.html"):
@@ -269,7 +272,7 @@ class MonitorServer:
                 else:
                     self.send_error(HTTPStatus.NOT_FOUND)
 
-        self._http = HTTPThread(BoundedHTTPServer(host, port, Handler, max_connections), "dmoe-monitor-http")
+        self._http = HTTPThread(BoundedHTTPServer(host, port, Handler, limits), "dmoe-monitor-http")
         self.endpoint = reachable_endpoint(host, self._http.port)
 
     def start(self) -> "MonitorServer":

@@ -48,7 +48,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
 from dmoe.endpoints import reachable_endpoint
-from dmoe.httpd import IDLE_TIMEOUT, MAX_CONNECTIONS, BoundedHTTPServer, HTTPThread, quiet_handler
+from dmoe.httpd import IDLE_TIMEOUT, MAX_CONNECTIONS, BoundedHTTPServer, HTTPLimits, HTTPThread, QuietHandler
 from dmoe.wire import status_code
 from dmoe.wire.shared_memory import METHODS as SHARED_METHODS
 
@@ -380,23 +380,25 @@ class ServerMetrics:
 
     # ---- HTTP endpoint ----
     def serve(self, host: str = "127.0.0.1", port: int = 0, max_connections: int = MAX_CONNECTIONS,
-              idle_timeout: float = IDLE_TIMEOUT) -> str:
+              idle_timeout: float = IDLE_TIMEOUT, limits: HTTPLimits | None = None) -> str:
         """Serves ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; returns ``HOST:PORT``. At most
-        ``max_connections`` at once, each closed after ``idle_timeout`` seconds without a byte (:mod:`dmoe.httpd`:
-        prometheus_client's own server gave every connection a thread for as long as the client kept it open).
-        Raises OSError when ``host:port`` cannot be listened on."""
+        ``max_connections`` at once, each closed after ``idle_timeout`` seconds without a byte, and the other limits
+        of :class:`~dmoe.httpd.HTTPLimits` (``limits``, when given, sets them all): prometheus_client's own server
+        gave every connection a thread for as long as the client kept it open. Raises OSError when ``host:port``
+        cannot be listened on."""
         if self._http is not None:
             raise RuntimeError("the metrics endpoint is running already")
         registry = self.registry
+        limits = limits or HTTPLimits(max_connections=max_connections, idle_timeout=idle_timeout)
 
-        class Handler(quiet_handler(idle_timeout)):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
                 if self.path.split("?", 1)[0] not in ("/", "/metrics"):
                     self.send_error(404)
                     return
                 self.send_body(generate_latest(registry), CONTENT_TYPE_LATEST)
 
-        self._http = HTTPThread(BoundedHTTPServer(host, port, Handler, max_connections), "dmoe-metrics-http").start()
+        self._http = HTTPThread(BoundedHTTPServer(host, port, Handler, limits), "dmoe-metrics-http").start()
         self.endpoint = reachable_endpoint(host, self._http.port)
         logger.info("metrics on http://%s/metrics", self.endpoint)
         return self.endpoint
