@@ -174,3 +174,49 @@ def test_cuda_graph_counters_are_exported_so_a_run_can_tell_graphs_from_a_silent
     assert samples[("dmoe_cuda_graphs_off", (("expert", "g.1"),))] == 1
     assert samples[("dmoe_cuda_graphs_off", (("expert", "g.0"),))] == 0
     assert not any(labels == (("expert", "e.0"),) for _, labels in samples)  # eager by choice: nothing to count
+
+
+def test_concurrent_scrapes_share_one_render_and_each_shows_what_was_counted_before_it(monkeypatch):
+    """Each scrape rendered the whole registry in the server's process (178 ms for 64 experts, holding the GIL), up
+    to one per connection at once: scrapers stalled the server. Now one render serves every scrape waiting for it,
+    and renders start at most once per render_interval, each never older than the scrape."""
+    import threading
+
+    from dmoe.httpd import HTTPLimits
+    from dmoe.server import metrics as metrics_module
+
+    renders = []
+
+    def slow_render(registry):
+        renders.append(threading.current_thread().name)
+        time.sleep(0.2)  # long enough for the scrapes to pile up behind it
+        return real_render(registry)
+
+    real_render = metrics_module.generate_latest
+    monkeypatch.setattr(metrics_module, "generate_latest", slow_render)
+    metrics = metrics_module.ServerMetrics({})
+    endpoint = metrics.serve("127.0.0.1", 0, limits=HTTPLimits(max_connections=32, max_per_client=32),
+                             render_interval=2.0)
+    try:
+        metrics.grpc_calls.labels("forward").inc()
+        assert value(scrape(endpoint), "dmoe_grpc_calls_total", rpc="forward") == 1
+        assert len(renders) == 1
+        start, pages = threading.Barrier(24), []
+
+        def scraper() -> None:
+            start.wait()
+            pages.append(value(scrape(endpoint), "dmoe_grpc_calls_total", rpc="forward"))
+
+        metrics.grpc_calls.labels("forward").inc()
+        threads = [threading.Thread(target=scraper) for _ in range(24)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert pages == [2] * 24  # every one of them saw the count made before it
+        assert len(renders) == 2, renders  # one render for the 24
+        metrics.grpc_calls.labels("forward").inc()
+        assert value(scrape(endpoint), "dmoe_grpc_calls_total", rpc="forward") == 3  # not the cached page
+        assert len(renders) == 3
+    finally:
+        metrics.close()
