@@ -220,3 +220,40 @@ def test_concurrent_scrapes_share_one_render_and_each_shows_what_was_counted_bef
         assert len(renders) == 3
     finally:
         metrics.close()
+
+
+def test_optimizer_steps_count_the_applied_ones_and_the_skipped_ones_apart():
+    """A backward whose weight gradients overflow to inf is answered, but its step is skipped (the weights stay
+    finite): dmoe_optimizer_steps_total counted it as applied (3 steps for 1 update)."""
+    from dmoe.client.remote_expert import RemoteExpert, expert_info
+
+    with running("-m", "dmoe.cli.server", "--experts", "ffn0.0.0", "--hidden-dim", "16", "--metrics-port", "0",
+                 "--max-abs-value", "0") as proc:
+        metrics = proc.wait_for(r"dmoe-server metrics on (\S+:\d+)").group(1)
+        endpoint = proc.endpoint()
+        expert = RemoteExpert("ffn0.0.0", endpoint, timeout=30)
+        x = torch.randn(4, 16, requires_grad=True)
+        for scale in (1.0, 1e38, 1e38):  # one ordinary backward, then two whose weight gradients overflow
+            (expert(x) * scale).sum().backward()
+        samples = scrape_once(metrics, "dmoe_optimizer_steps_skipped_total", 2, expert="ffn0.0.0")
+        updates = expert_info(endpoint, "ffn0.0.0", timeout=10)["updates"]
+    assert value(samples, "dmoe_optimizer_steps_skipped_total", expert="ffn0.0.0") == 2
+    assert value(samples, "dmoe_optimizer_steps_total", expert="ffn0.0.0") == updates == 1
+
+
+def test_steps_replayed_as_cuda_graphs_are_counted_as_the_backend_counts_them():
+    """A training step replayed as a CUDA graph skips its update on the device when a gradient is not finite
+    (ExpertBackend._count_step): the metrics count it as skipped, as an eager step."""
+    from types import SimpleNamespace
+
+    from dmoe.server.backend import ExpertBackend
+    from dmoe.server.metrics import ServerMetrics
+
+    backend = SimpleNamespace(name="g.0", optimizer=object(), updates=0, skipped_steps=0, graphs=None)
+    hosted = SimpleNamespace(backend=backend, forward_pool=[], backward_pool=[])
+    metrics = ServerMetrics({"g.0": hosted})
+    for stepped in (True, False, False, True):
+        ExpertBackend._count_step(backend, stepped)  # what backward() does with a replayed step's outcome
+        metrics.observe_batch(hosted.backward_pool, [], time.monotonic(), 0.0, None)
+    assert metrics.optimizer_steps.labels("g.0")._value.get() == backend.updates == 2
+    assert metrics.optimizer_steps_skipped.labels("g.0")._value.get() == backend.skipped_steps == 2

@@ -15,7 +15,10 @@ Series (``expert`` is the uid; ``method`` is ``forward`` or ``backward``):
     dmoe_batch_seconds{expert, method}              histogram of compute time per batch
     dmoe_queue_wait_seconds{expert, method}         histogram of time requests waited in their task pool
     dmoe_batch_errors_total{expert, method}         batches whose compute raised
-    dmoe_optimizer_steps_total{expert}              optimizer steps applied (one per backward batch)
+    dmoe_optimizer_steps_total{expert}              optimizer steps applied (one per backward batch whose
+                                                    gradients were finite: the backend's ``updates``)
+    dmoe_optimizer_steps_skipped_total{expert}      optimizer steps the expert skipped, its gradients not finite
+                                                    (sent by a client, or an overflow): its ``skipped_steps``
     dmoe_queue_length{expert, method}               requests waiting now (read at scrape time)
     dmoe_activation_cache_total{result}             backward requests naming an activation id, by what happened:
                                                     hit (kept graph used) or miss (forward recomputed); and kept
@@ -55,6 +58,7 @@ from dmoe.wire.shared_memory import METHODS as SHARED_METHODS
 
 if TYPE_CHECKING:
     from dmoe.server.activations import ActivationCache
+    from dmoe.server.backend import ExpertBackend
     from dmoe.server.profile import StageClock
     from dmoe.server.servicer import ExpertServicer, HostedExpert
     from dmoe.server.task_pool import Task, TaskPool
@@ -183,7 +187,9 @@ class ServerMetrics:
                  stages: "StageClock | None" = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.experts = experts
-        self._pool_labels: dict[int, tuple[str, str, bool]] = {}
+        #: id(pool) -> (uid, method, the backend whose steps its batches take: backward pools with an optimizer)
+        self._pool_labels: dict[int, tuple[str, str, "ExpertBackend | None"]] = {}
+        self._skipped_seen: dict[int, int] = {}  # id(backward pool) -> its backend's skipped_steps when last seen
         for uid, expert in experts.items():
             self.add_expert(uid, expert)
         labels = ["expert", "method"]
@@ -202,6 +208,8 @@ class ServerMetrics:
                                     registry=self.registry)
         self.optimizer_steps = Counter("dmoe_optimizer_steps", "optimizer steps applied to an expert", ["expert"],
                                        registry=self.registry)
+        self.optimizer_steps_skipped = Counter("dmoe_optimizer_steps_skipped", "optimizer steps an expert skipped, "
+                                               "its gradients not finite", ["expert"], registry=self.registry)
         self.registry.register(_QueueLengths(self._pools))
         self.registry.register(_CudaGraphStats(lambda: list(self.experts.items())))
         if activations is not None:
@@ -219,13 +227,17 @@ class ServerMetrics:
 
     def add_expert(self, uid: str, expert: "HostedExpert") -> None:
         """Labels the batches of an expert added to the running server (the server adds it to ``experts``)."""
-        self._pool_labels[id(expert.forward_pool)] = (uid, "forward", False)
-        self._pool_labels[id(expert.backward_pool)] = (uid, "backward", expert.backend.optimizer is not None)
+        backend = expert.backend if expert.backend.optimizer is not None else None
+        self._pool_labels[id(expert.forward_pool)] = (uid, "forward", None)
+        self._pool_labels[id(expert.backward_pool)] = (uid, "backward", backend)
+        if backend is not None:
+            self._skipped_seen[id(expert.backward_pool)] = backend.skipped_steps
 
     def remove_expert(self, uid: str) -> None:
         """Forgets the pools of an expert the server stopped serving (its later calls count as ``unknown``)."""
         for key in [key for key, labels in self._pool_labels.items() if labels[0] == uid]:
             del self._pool_labels[key]
+            self._skipped_seen.pop(key, None)
 
     def _pools(self) -> Iterable[tuple[str, str, "TaskPool"]]:
         for uid, expert in list(self.experts.items()):  # experts may be added meanwhile (adoption)
@@ -239,7 +251,9 @@ class ServerMetrics:
         labels = self._pool_labels.get(id(pool))
         if labels is None:
             return
-        uid, method, steps = labels
+        uid, method, backend = labels
+        if backend is not None:
+            self._count_step(uid, id(pool), backend, error is None)
         for task in batch:
             waited = max(0.0, started - task.created)
             self.queue_wait_seconds.labels(uid, method).observe(waited)
@@ -250,7 +264,17 @@ class ServerMetrics:
             return
         self.batch_rows.labels(uid, method).observe(sum(task.rows for task in batch))
         self.batch_seconds.labels(uid, method).observe(seconds)
-        if steps:
+
+    def _count_step(self, uid: str, key: int, backend: "ExpertBackend", succeeded: bool) -> None:
+        """Counts the optimizer step of one backward batch: skipped if the backend's ``skipped_steps`` grew since
+        the last batch (eager and CUDA-graph steps both count there), else applied if the batch succeeded: counting
+        every backward batch that returned counted the skipped steps as applied. (The runtime runs one batch of an
+        expert at a time and observes it before the next, so the difference is this batch's.)"""
+        skipped = backend.skipped_steps - self._skipped_seen.get(key, backend.skipped_steps)
+        self._skipped_seen[key] = backend.skipped_steps
+        if skipped > 0:
+            self.optimizer_steps_skipped.labels(uid).inc(skipped)
+        elif succeeded:
             self.optimizer_steps.labels(uid).inc()
 
     # ---- servicer side ----
