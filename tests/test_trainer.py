@@ -742,3 +742,13 @@ def test_a_checkpoint_write_is_fsynced_and_a_failed_one_leaves_no_temp_file(text
     with pytest.raises(OSError, match="No space left"):
         trainer.save_checkpoint(path, model, optimizer, config, trainer.Progress(step=2))
     assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("first, then", [(False, True), (True, False)], ids=["topk-then-switch", "switch-then-topk"])
+def test_resume_with_the_other_gating_is_refused_naming_switch(text_file, tmp_path, first, then):
+    """The gate's weights were learnt for one routing; a checkpoint resumed under the other one, silently."""
+    config = tiny(text_file, tmp_path, steps=2, switch=first)
+    train(config, stand_in_factory(config))
+    other = tiny(text_file, tmp_path, steps=4, switch=then, resume=True)
+    with pytest.raises(trainer.ResumeMismatch, match=f"--switch was {first}, now {then}"):
+        train(other, stand_in_factory(other))

@@ -741,7 +741,9 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progre
         raise CorruptCheckpoint(f"--resume: {path} is not a dmoe-train checkpoint; move it away to start afresh, or "
                                 "give another --checkpoint / --out-dir")
     saved = state["config"]
-    compared = ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "experts", "expert_cls")
+    # the gating too: --switch routes by the router's probability over the whole grid (and adds the balance loss),
+    # its gate's weights were learnt for the other routing
+    compared = ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "switch", "experts", "expert_cls")
     if config.experts == "local":  # the checkpoint holds the in-process experts' optimizer states
         compared += ("expert_optimizer",)
     changed = [f"--{name.replace('_', '-')} was {saved[name]!r}, now {getattr(config, name)!r}"
