@@ -752,3 +752,25 @@ def test_resume_with_the_other_gating_is_refused_naming_switch(text_file, tmp_pa
     other = tiny(text_file, tmp_path, steps=4, switch=then, resume=True)
     with pytest.raises(trainer.ResumeMismatch, match=f"--switch was {first}, now {then}"):
         train(other, stand_in_factory(other))
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_a_checkpoint_path_that_cannot_be_written_is_refused_before_training_naming_the_flag(text_file, tmp_path,
+                                                                                            monkeypatch, where):
+    """--checkpoint naming a directory failed at the first save, after --checkpoint-interval steps were trained
+    (and left a lock file beside the directory)."""
+    built = []
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: built.append(1))
+    target = tmp_path / "ckpt"
+    if where == "a directory":
+        target.mkdir()
+        checkpoint, message = target, "is a directory"
+    else:
+        target.write_text("not a directory")
+        checkpoint, message = target / "checkpoint.pt", "cannot make the directory"
+    with pytest.raises(SystemExit, match=f"dmoe-train: --checkpoint: .*{message}"):
+        train_program.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), "--checkpoint",
+                            str(checkpoint), "--steps", "2", "--seq-len", "32", "--hidden", "32", "--heads", "2",
+                            "--grid", "2", "2", "--k-best", "2", "--sample-bytes", "0", "--threads", "1"])
+    assert not built, "the model was built before the checkpoint path was checked"
+    assert not (tmp_path / "ckpt.lock").exists()

@@ -265,12 +265,13 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
-    data = TextData.from_file(config.data or shakespeare(config.data_dir), config.val_fraction, config.seq_len + 1)
-    if config.data_shards > 1:
-        data = data.shard(config.data_shard, config.data_shards, config.seq_len + 1)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = Path(config.checkpoint or out_dir / "checkpoint.pt")
+    check_checkpoint_path(checkpoint_path, "--checkpoint" if config.checkpoint else "--out-dir")
+    data = TextData.from_file(config.data or shakespeare(config.data_dir), config.val_fraction, config.seq_len + 1)
+    if config.data_shards > 1:
+        data = data.shard(config.data_shard, config.data_shards, config.seq_len + 1)
     with contextlib.ExitStack() as resources:  # closes the DHT node, remote layers and collaboration, also on Ctrl-C
         lock = lock_checkpoint(checkpoint_path)  # before reading it: another trainer's save could replace it
         if lock is not None:
@@ -665,6 +666,20 @@ class Progress:
 
 class CheckpointInUse(InUse):
     """Another trainer (a live process) holds the checkpoint file."""
+
+
+def check_checkpoint_path(path: Path, flag: str) -> None:
+    """Raises OSError naming ``flag`` when no checkpoint can be written at ``path``, before anything is trained: the
+    first save (after --checkpoint-interval steps, 100 by default) found a directory there, and those steps were
+    lost. Also makes its directory, as the save would."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag}: {path} is a directory; name the checkpoint file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"{flag}: cannot make the directory of {path}: {error.strerror or error}") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{flag}: {path.parent} is not writable, so {path.name} cannot be saved there")
 
 
 def lock_checkpoint(path: Path):
