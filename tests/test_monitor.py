@@ -266,3 +266,39 @@ def test_an_adoption_dated_ahead_of_this_clock_is_not_shown_as_recent():
     monitor._replication(snapshot)
     monitor.close()
     assert sorted(snapshot["layers"][0]["adopted"]) == ["ffn0.0.1", "ffn0.1.2"]  # not a day ahead, nor 2 h ago
+
+
+def rotated_monitor(monkeypatch, polls: int, **limits):
+    """A monitor that polled ``polls`` times a swarm whose every cell moves to a new endpoint every other poll (a
+    server restarted on a free port)."""
+    from dmoe.monitor import SwarmMonitor
+
+    directory = StandInDirectory("127.0.0.1:20000")
+    monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], GRID, dht=directory, **limits)
+    monkeypatch.setattr(monitor, "_info", lambda uid, endpoint: ({"forward_calls": 1, "backward_calls": 0}, 0.001))
+    colors = []
+    try:
+        for i in range(polls):
+            directory.endpoint = f"127.0.0.1:{20000 + i // 2}"  # each endpoint found by two polls in a row
+            snapshot = monitor.poll()
+            assert snapshot["layers"][0]["alive"] == 16 and len(snapshot["servers"]) == 1
+            colors.append(snapshot["servers"][0]["color"])
+    finally:
+        monitor.close()
+    assert all(colors[i] == colors[i + 1] for i in range(0, polls, 2)), "a server's color changed between polls"
+    assert len(set(colors[::2])) > 1  # and a new server gets a new one
+    return monitor
+
+
+def test_endpoints_not_seen_for_a_while_are_forgotten(monkeypatch):
+    """Every endpoint ever seen kept its color and its experts' call counts: a cell declared at a new endpoint each
+    period grew the monitor by one endpoint per poll, for as long as it ran."""
+    monitor = rotated_monitor(monkeypatch, 200, forget_after=0.0)
+    assert list(monitor._colors) == ["127.0.0.1:20099"]
+    assert {endpoint for _, endpoint in monitor._previous} == {"127.0.0.1:20099"}
+
+
+def test_at_most_max_remembered_endpoints_are_kept_however_recent(monkeypatch):
+    monitor = rotated_monitor(monkeypatch, 200, max_remembered=8)
+    assert len(monitor._colors) <= 8 and "127.0.0.1:20099" in monitor._colors
+    assert len({endpoint for _, endpoint in monitor._previous}) <= 8

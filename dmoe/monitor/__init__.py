@@ -33,6 +33,10 @@ GOLDEN_ANGLE = 137.508  # degrees: consecutive hues stay far apart however many 
 
 #: seconds an adoption's time may lie ahead of this clock (clocks differ) and still count as recent
 MAX_CLOCK_SKEW = 60.0
+#: seconds after which an endpoint no poll found is forgotten (its color, its experts' call counts)
+FORGET_AFTER = 3600.0
+#: endpoints remembered at most; beyond, the least recently seen are forgotten first
+MAX_REMEMBERED = 4096
 
 
 class _Closing(Exception):
@@ -52,13 +56,18 @@ class SwarmMonitor:
         workers: concurrent ``info`` calls.
         dht: an existing DHT node to read through (then ``initial_peers`` is unused and the node is not closed);
             by default the monitor's own node, in client mode (it reads the swarm and answers nobody).
+        forget_after, max_remembered: an endpoint no poll found for ``forget_after`` seconds is forgotten (its
+            color and its experts' last call counts), and so are the least recently seen beyond
+            ``max_remembered``: every endpoint ever seen was kept, and a server restarted on a free port, or anyone
+            declaring its cell at a new endpoint each period, grew the monitor without bound.
 
     Load is the calls (forward + backward) per second an expert answered between two polls; latency is the round
     trip of the ``info`` RPC, per server (the median over its experts).
     """
 
     def __init__(self, initial_peers: Sequence[str], layers: Sequence[str], grid: Sequence[int], *,
-                 period: float = 2.0, info_timeout: float = 1.0, workers: int = 8, dht: DHT | None = None):
+                 period: float = 2.0, info_timeout: float = 1.0, workers: int = 8, dht: DHT | None = None,
+                 forget_after: float = FORGET_AFTER, max_remembered: int = MAX_REMEMBERED):
         if not layers:
             raise ValueError("at least one layer is needed")
         if len(set(layers)) != len(layers):
@@ -66,12 +75,17 @@ class SwarmMonitor:
         if not grid or any(size < 1 for size in grid):
             raise ValueError(f"grid sizes must be positive, got {tuple(grid)}")
         self.layers, self.grid = list(layers), tuple(int(size) for size in grid)
+        if max_remembered < 1:
+            raise ValueError(f"max_remembered must be >= 1, got {max_remembered}")
         self.period, self.info_timeout = period, info_timeout
+        self.forget_after, self.max_remembered = forget_after, max_remembered
         self.initial_peers = list(initial_peers)
         self._own_dht = dht is None
         self.dht = dht if dht is not None else DHT(initial_peers=self.initial_peers, client_mode=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dmoe-monitor-info")
         self._colors: dict[str, str] = {}
+        self._hues = 0  # colors handed out: the next hue (not len(_colors), which shrinks as endpoints are forgotten)
+        self._seen: dict[str, float] = {}  # endpoint -> time.monotonic() of the last poll that found it
         self._previous: dict[tuple[str, str], tuple[float, int]] = {}  # (uid, endpoint) -> (time, calls)
         self._lock = threading.Lock()
         self._polling = threading.Lock()
@@ -88,7 +102,8 @@ class SwarmMonitor:
     def color(self, endpoint: str) -> str:
         """A color per server endpoint, fixed the first time the monitor sees it."""
         if endpoint not in self._colors:
-            hue = (len(self._colors) * GOLDEN_ANGLE + 200) % 360
+            hue = (self._hues * GOLDEN_ANGLE + 200) % 360
+            self._hues += 1
             self._colors[endpoint] = f"hsl({hue:.0f}, 70%, 50%)"
         return self._colors[endpoint]
 
@@ -130,6 +145,7 @@ class SwarmMonitor:
         for layer in snapshot["layers"]:
             for uid, expert in layer["experts"].items():
                 endpoint = expert["endpoint"]
+                self._seen[endpoint] = now
                 info, seconds = self._result(futures[uid])
                 server = servers.setdefault(endpoint, {"endpoint": endpoint, "color": self.color(endpoint),
                                                        "experts": 0, "reachable": 0, "load": 0.0})
@@ -157,10 +173,26 @@ class SwarmMonitor:
                     if expert["endpoint"] == endpoint:
                         expert["color"], expert["latency_ms"] = server["color"], server["latency_ms"]
         snapshot["servers"] = sorted(servers.values(), key=lambda s: s["endpoint"])
+        self._forget(now)
         snapshot["updated"] = time.time()
         with self._lock:
             self._snapshot = snapshot
         return snapshot
+
+    def _forget(self, now: float) -> None:
+        """Drops what is kept of endpoints not seen for ``forget_after`` seconds, then of the least recently seen
+        beyond ``max_remembered`` (never of those this poll found, seen at ``now``)."""
+        stale = {endpoint for endpoint, seen in self._seen.items() if now - seen > self.forget_after}
+        excess = len(self._seen) - len(stale) - self.max_remembered
+        if excess > 0:
+            oldest = sorted((seen, endpoint) for endpoint, seen in self._seen.items()
+                            if endpoint not in stale and seen < now)
+            stale.update(endpoint for _, endpoint in oldest[:excess])
+        for endpoint in stale:
+            del self._seen[endpoint]
+        self._colors = {endpoint: color for endpoint, color in self._colors.items() if endpoint in self._seen}
+        self._previous = {key: value for key, value in self._previous.items()
+                          if key[1] in self._seen and now - value[0] <= self.forget_after}
 
     def _result(self, future: concurrent.futures.Future) -> Any:
         """``future``'s result, unless the monitor is closing: then :class:`_Closing` at once. A poll waiting on the
