@@ -193,3 +193,51 @@ def test_sigterm_stops_the_demo_as_ctrl_c_does(text_file, tmp_path):
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(timeout=120) == 130, "".join(proc.output)
     assert "interrupted; the swarm has been shut down" in "".join(proc.output)
+
+
+def parsed_demo(monkeypatch, text_file, tmp_path, *flags: str) -> dict:
+    """Runs ``dmoe-demo`` up to its swarm, which a stand-in replaces: what the swarm would have been given."""
+    given: dict = {}
+
+    def stand_in(swarm_config, config, trainer_args, trainers):
+        given.update(config=config, trainer_args=trainer_args, trainers=trainers)
+        return 0
+
+    monkeypatch.setattr(demo, "run_swarm", stand_in)
+    assert demo.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), *flags]) == 0
+    return given
+
+
+def test_collaborate_is_accepted_as_the_help_offers_it(text_file, tmp_path, monkeypatch):
+    """--collaborate was checked before the demo set --experts remote, so it was always refused, as needing
+    --experts remote (which nobody had given)."""
+    alone = parsed_demo(monkeypatch, text_file, tmp_path, "--collaborate", "myrun", "--target-batch-size", "16")
+    assert alone["trainer_args"] is None and alone["config"].collaborate == "myrun"
+    assert alone["config"].experts == "remote" and alone["config"].target_batch_size == 16
+    three = parsed_demo(monkeypatch, text_file, tmp_path, "--trainers", "3", "--collaborate", "myrun")
+    args = three["trainer_args"](1, "127.0.0.1:5000")
+    assert args[args.index("--collaborate") + 1] == "myrun" and args[args.index("--initial-peers") + 1] == \
+        "127.0.0.1:5000"
+    assert args[args.index("--target-batch-size") + 1] == str(3 * three["config"].batch_size)
+
+
+def test_the_demo_s_usage_errors_name_the_demo_and_say_what_a_config_file_sets(text_file, tmp_path, monkeypatch,
+                                                                               capsys):
+    """They were printed as dmoe-train's, and a config file holding one of the demo's own flags was refused as an
+    unknown key of dmoe-train's."""
+    monkeypatch.setattr(demo, "run_swarm", lambda *args: pytest.fail("the swarm started"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), "--k-best", "99"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("dmoe-demo: error: --k-best 99 is more than")
+    config = tmp_path / "demo.toml"
+    config.write_text("servers = 3\nsteps = 2\n")
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--config", str(config), "--data", str(text_file), "--out-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"dmoe-demo: error: config {config}: key 'servers' is one of dmoe-demo's own flags, which a config file does "
+        "not set (it sets dmoe-train's flags); give --servers on the command line")
+    config.write_text("steps = 3\n")  # dmoe-train's flags it sets
+    assert parsed_demo(monkeypatch, text_file, tmp_path, "--config", str(config), "--steps", "2")["config"].steps == 2
+    assert parsed_demo(monkeypatch, text_file, tmp_path, "--config", str(config))["config"].steps == 3

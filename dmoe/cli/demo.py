@@ -9,8 +9,9 @@ prints the validation perplexity and shuts everything down, also on Ctrl-C.
 
     python -m clients.swarm_demo --trainers 3          # a collaboration: three trainers, one model (DeDLOC)
 
-Every ``dmoe-train`` flag works here too (``--steps``, ``--grid``, ``--data``, ...); ``--experts`` and
-``--initial-peers`` are set by the demo. Across machines, the same pieces are three commands:
+Every ``dmoe-train`` flag works here too (``--steps``, ``--grid``, ``--data``, ``--collaborate``, ...); ``--experts``
+and ``--initial-peers`` are set by the demo. A ``--config`` file sets dmoe-train's flags, as dmoe-train's does; the
+demo's own flags (``--servers``, ``--server-threads``, ``--trainers``, ``--verbose``) go on the command line. Across machines, the same pieces are three commands:
 ``dmoe-dht``, ``dmoe-server --initial-peers ...`` on each volunteer, ``dmoe-train --experts remote --initial-peers ...``;
 and with ``--collaborate RUN_ID --target-batch-size N`` on each volunteer trainer, four.
 
@@ -37,10 +38,12 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
 from dmoe.cli.allocator import keep_freed_memory
+from dmoe.cli.config import ConfigError, read_toml
 from dmoe.cli.signals import InterruptingSignals
 from dmoe.cli.train import build_parser, parse_config, port_error
 from dmoe.endpoints import PortUnavailable
@@ -53,6 +56,8 @@ from dmoe.trainer.loop import CheckpointInUse, ResumeMismatch, TrainConfig, trai
 PROG = "dmoe-demo"
 MAX_TRAINERS = 16
 RUN_ID = "demo"
+#: the --initial-peers the flags are checked with: the swarm's DHT node is known once it is up (run_swarm sets it)
+PENDING_PEER = "127.0.0.1:1"
 FINAL = re.compile(r"final validation loss (\S+) perplexity (\S+) \(step (\d+)")
 EXPERTS_DIR = "experts"  # in --out-dir: server{i}/, the --checkpoint-dir of server i
 SERVER_STOP_SECONDS = 60.0  # a stopping server writes its experts' last checkpoint: not to be cut short
@@ -76,6 +81,38 @@ def add_demo_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup
 def demo_defaults(trainers: int) -> dict[str, object]:
     """The demo's own defaults of dmoe-train's flags, which a --config file and the command line override."""
     return {**({"steps": 150} if trainers > 1 else {"max_minutes": 4.0}), "out_dir": "runs/demo"}
+
+
+def demo_settings(trainers: int) -> Callable[[TrainConfig], None]:
+    """What the demo sets of dmoe-train's flags itself, before they are checked (``parse_config``'s ``settle``):
+    its servers' remote experts, and for a collaboration of ``trainers`` its run id and target batch unless given.
+    Checked with dmoe-train's default --experts local, --collaborate was always refused."""
+    def settle(config: TrainConfig) -> None:
+        config.experts, config.initial_peers = "remote", (PENDING_PEER,)
+        if trainers > 1:
+            config.collaborate = config.collaborate or RUN_ID
+            config.target_batch_size = config.target_batch_size or trainers * config.batch_size
+    return settle
+
+
+def check_config_keys(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Exits naming the key when ``--config`` sets one of the demo's own flags: the file holds dmoe-train's flags
+    (the collaboration's trainers read it too), and it was refused as an unknown key of dmoe-train."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    path = pre.parse_known_args(argv)[0].config
+    if path is None:
+        return
+    try:
+        keys = read_toml(path)
+    except ConfigError:
+        return  # parse_config says why, naming the file
+    own = {action.dest for action in parser._actions if action.option_strings}
+    for key in keys:
+        if key.replace("-", "_") in own:
+            flag = "--" + key.replace("_", "-")
+            parser.error(f"config {path}: key {key!r} is one of {PROG}'s own flags, which a config file does not set "
+                         f"(it sets dmoe-train's flags); give {flag} on the command line")
 
 
 def help_parser(trainers: int) -> argparse.ArgumentParser:
@@ -114,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.server_threads < 1:
         demo.error(f"argument --server-threads: must be at least 1, got {args.server_threads}")
     collaborative = args.trainers > 1
-    config = parse_config(rest, defaults=demo_defaults(args.trainers))
-    config.experts = "remote"  # with the swarm's DHT node as the initial peer, once it is up
+    check_config_keys(demo, rest)
+    config = parse_config(rest, defaults=demo_defaults(args.trainers), prog=PROG, settle=demo_settings(args.trainers))
     if not 1 <= args.servers <= config.grid[0]:
         demo.error(f"argument --servers: must be between 1 and the first grid dimension ({config.grid[0]})")
     if collaborative:
@@ -125,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         except (DownloadError, OSError) as error:
             print(f"{PROG}: {error}", file=sys.stderr)
             return 1
-        parse_config(trainer_args(0, "127.0.0.1:1"))  # a flag that does not fit fails here, before the swarm starts
+        parse_config(trainer_args(0, PENDING_PEER), prog=PROG)  # a flag that does not fit fails here, not later
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     out_dir = Path(config.out_dir)

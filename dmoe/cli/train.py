@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import sys
 import typing
+from typing import Callable
 
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, parse_args
@@ -53,14 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str] | None = None, defaults: dict | None = None) -> TrainConfig:
-    """The flags (and ``--config`` file) as a checked TrainConfig. ``defaults``: a program's own defaults (the
-    demo's), which a config file and the command line override, in that order."""
+def parse_config(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None,
+                 settle: Callable[[TrainConfig], None] | None = None) -> TrainConfig:
+    """The flags (and ``--config`` file) as a checked TrainConfig. For a program built on dmoe-train's flags (the
+    demo): ``defaults``, its own defaults, which a config file and the command line override, in that order;
+    ``prog``, its name in error messages; ``settle(config)``, what it sets itself, applied before the check (the
+    demo's remote experts: a --collaborate checked before them was refused as needing --experts remote)."""
     parser = build_parser()
+    if prog is not None:
+        parser.prog = prog
     if defaults:
         parser.set_defaults(**defaults)
     args = vars(parse_args(parser, argv))
     config = TrainConfig(**{name: tuple(v) if isinstance(v, list) else v for name, v in args.items()})
+    if settle is not None:
+        settle(config)
     try:
         config.validate()
     except ValueError as e:
