@@ -41,8 +41,12 @@ MAX_PER_CLIENT = 8
 IDLE_TIMEOUT = 30.0
 #: seconds from a connection's acceptance to the end of its request's headers
 HEADER_TIMEOUT = 10.0
-#: seconds between the end of one render of a page and the start of the next (:class:`ThrottledPage`)
-RENDER_INTERVAL = 1.0
+#: the share of its time a process spends rendering a page at most, however often it is asked for
+#: (:class:`ThrottledPage`): after a render of d seconds, the next starts d * (1 / share - 1) seconds later at the
+#: soonest (4 d)
+RENDER_SHARE = 0.2
+#: seconds between the end of one render of a page and the start of the next, at least (:class:`ThrottledPage`)
+RENDER_INTERVAL = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,20 +206,23 @@ class QuietHandler(BaseHTTPRequestHandler):
 
 
 class ThrottledPage:
-    """A page rendered at most once per ``interval`` seconds, however many clients ask for it.
+    """A page that costs its process at most ``share`` of its time in renders, however many clients ask for it.
 
     Rendering a big page (a server's ``/metrics``: 178 ms for 64 experts) holds the GIL in the process it serves,
     so clients asking for it over and over, up to one per connection at once, stalled that process. Here one render
-    runs at a time, and the next starts no sooner than ``interval`` seconds after the previous one ended. A request
-    gets the first render that started after it arrived, so what it reads is never older than the request (a
-    counter read before and after a call shows the call); requests arriving meanwhile wait and share that render.
-    A client scraping more often than once per ``interval`` waits instead of costing more renders.
+    runs at a time, and the next starts no sooner than ``interval`` seconds, nor than ``1 / share - 1`` times the
+    previous render's duration, after the previous one ended (a small page is rendered again almost at once; one of
+    178 ms, 0.7 s later). A request gets the first render that started after it arrived, so what it reads is never
+    older than the request (a counter read before and after a call shows the call); requests arriving meanwhile
+    wait and share that render. A client scraping more often waits instead of costing more renders.
     """
 
-    def __init__(self, render: Callable[[], bytes], interval: float = RENDER_INTERVAL):
+    def __init__(self, render: Callable[[], bytes], interval: float = RENDER_INTERVAL, share: float = RENDER_SHARE):
         if not (interval >= 0 and math.isfinite(interval)):
             raise ValueError(f"interval must be a finite number of seconds >= 0, got {interval}")
-        self._render, self.interval = render, interval
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self._render, self.interval, self.share = render, interval, share
         self._cond = threading.Condition()
         self._body: bytes | None = None
         self._started = -math.inf  # when the render that gave _body started
@@ -252,7 +259,8 @@ class ThrottledPage:
                     self._body, self._started = body, started
                     self.renders += 1
                 self._rendering = False
-                self._next = time.monotonic() + self.interval
+                ended = time.monotonic()
+                self._next = ended + max(self.interval, (ended - started) * (1 / self.share - 1))
                 self._cond.notify_all()
 
 

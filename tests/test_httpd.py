@@ -95,3 +95,25 @@ def test_limits_are_checked():
         HTTPLimits(max_per_client=0)
     with pytest.raises(ValueError, match="header_timeout"):
         HTTPLimits(header_timeout=float("inf"))
+
+
+def test_a_page_asked_for_over_and_over_costs_at_most_its_share_of_the_time():
+    """One client asking again as soon as it has the page, as a tight scraping loop does: the renders (here 0.1 s
+    each) take at most a fifth of the time, each one still begun after the request it answers."""
+    from dmoe.httpd import ThrottledPage
+
+    rendered: list[float] = []
+
+    def render() -> bytes:
+        rendered.append(time.monotonic())
+        time.sleep(0.1)
+        return str(len(rendered)).encode()
+
+    page = ThrottledPage(render, share=0.2)
+    started = time.monotonic()
+    assert [page.get() for _ in range(4)] == [b"1", b"2", b"3", b"4"]
+    # 4 renders of 0.1 s with 0.4 s after each of the first 3 (a sleep lasts at least its time, however loaded)
+    assert time.monotonic() - started >= 4 * 0.1 + 3 * 0.4
+    assert all(later - earlier >= 0.5 for earlier, later in zip(rendered, rendered[1:]))
+    with pytest.raises(ValueError, match="share"):
+        ThrottledPage(render, share=0)

@@ -411,9 +411,10 @@ class ServerMetrics:
         """Serves ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; returns ``HOST:PORT``. At most
         ``max_connections`` at once, each closed after ``idle_timeout`` seconds without a byte, and the other limits
         of :class:`~dmoe.httpd.HTTPLimits` (``limits``, when given, sets them all): prometheus_client's own server
-        gave every connection a thread for as long as the client kept it open. The page is rendered at most once
-        per ``render_interval`` seconds, however many clients scrape it (:class:`~dmoe.httpd.ThrottledPage`: each
-        render holds the GIL of this server's process, 178 ms with 64 experts), and never older than the request.
+        gave every connection a thread for as long as the client kept it open. Renders of the page take at most a
+        fifth of the process's time, and start at least ``render_interval`` seconds apart, however many clients
+        scrape it (:class:`~dmoe.httpd.ThrottledPage`: each render holds the GIL of this server's process, 178 ms
+        with 64 experts); what a scrape reads is never older than the request.
         Raises OSError when ``host:port`` cannot be listened on."""
         if self._http is not None:
             raise RuntimeError("the metrics endpoint is running already")
