@@ -35,6 +35,7 @@ from dmoe.replicas import (
     claim,
     fetch_snapshot,
     load_into,
+    newest_replica,
     open_body,
     push_snapshot,
     sign,
@@ -1100,3 +1101,45 @@ def test_pushers_skip_hosts_at_another_keys_subkey(tmp_path):
             assert dht.store(hosts_key("ffn0"), server_subkey(taker.public_key), host_value("10.6.6.7:667", "m2"),
                              expires)
             assert [host.endpoint for host in pusher.hosts(["ffn0"])["ffn0"]] == ["10.6.6.7:667"]
+
+
+def test_a_key_that_takes_an_emptied_cell_cannot_replace_the_trained_replica_held_with_less(tmp_path):
+    """A's expert, trained 6 steps, is held here; A leaves. Any key may declare the emptied cell first, and a holder
+    took pushes from whichever key owns the uid: a squatter's untrained snapshot replaced A's training on every
+    holder, and the cell, served, was never adopted (review 59). A new owner that continues the lineage (as
+    adoption does: it starts from the newest replica) is taken as before."""
+    uid = "ffn0.1.2"
+    backend = expert_server(uid).backends[uid]
+    train(backend, 6)
+    with DHT() as node, DHT(initial_peers=[node.endpoint]) as a, DHT(initial_peers=[node.endpoint]) as squatter, \
+            DHT(initial_peers=[node.endpoint]) as own:
+        server = expert_server("ffn0.0.0")
+        # (its adopter looks no more during the test: the test adopts by hand)
+        replication = Replication(server, ReplicaConfig(str(tmp_path), replicas=0, check_period=600), dht=own)
+        with server:
+            channels = ReplicaChannels()
+            stub = channels.stub(server.endpoint)
+            assert declare_experts(a, [uid], "127.0.0.1:1", expiration=2) == [True]
+            trained = sign(take(backend), a.identity)
+            assert push_snapshot(stub, server.endpoint, trained) == 6
+            wait_until(lambda: get_experts(squatter, [uid]) == [None], 30, "A's declaration expiring")
+            assert declare_experts(squatter, [uid], "127.0.0.1:2", expiration=60) == [True]
+
+            untrained = sign(take(expert_server(uid).backends[uid]), squatter.identity)
+            with pytest.raises(ReplicaError) as refused:
+                push_snapshot(stub, server.endpoint, untrained)
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"holds a replica of {uid} with 6 updates signed by {a.identity.public_key.hex()[:16]}" \
+                in refused.value.message
+            kept = fetch_snapshot(stub, server.endpoint, uid, max_bytes=1 << 30)
+            assert kept.header.sha256 == trained.header.sha256
+            # adoption here (once the squatter leaves) still finds and trusts A's replica
+            found = newest_replica(own, uid, replication.template, channels, max_bytes=1 << 30,
+                                   store=replication.store, announced=[], owner=squatter.identity.public_key)
+            assert found.signed.header.signer == a.identity.public_key and found.updates == 6
+
+            # a new owner that continues A's lineage: its first push (as many updates) and later ones are taken
+            assert push_snapshot(stub, server.endpoint, sign(take(backend), squatter.identity)) == 6
+            train(backend, 1)
+            assert push_snapshot(stub, server.endpoint, sign(take(backend), squatter.identity)) == 7
+            channels.close()

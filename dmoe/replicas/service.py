@@ -3,8 +3,10 @@
 A push is refused, with a status naming what is wrong, unless its expert is of a layer this server receives
 replicas of (``layers``: those it announced itself a host of), unless it is signed by the key that owns the expert
 in the directory now (or, while nobody does, by the key that signed the replica held here: the owner's last pushes can
-outlive its declaration), unless its bytes are all there and are what the header says, and unless its state fits
-this server's own experts (``template``) with an update count its optimizer state agrees with. A refused push never
+outlive its declaration), unless it has at least as many updates as the replica held here, whoever signed that
+one (a key that declares a cell that emptied must not replace the previous owner's training with less), unless its
+bytes are all there and are what the header says, and unless its state fits this server's own experts
+(``template``) with an update count its optimizer state agrees with. A refused push never
 touches what was held: the new replica is written (atomically) only after every check passed. Accepted replicas
 count in the share of the budget of the machine that pushed them (see :mod:`dmoe.replicas.store`).
 
@@ -191,7 +193,7 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
 
     async def _check_signer(self, header: dmoe_pb2.ReplicaHeader) -> None:
         """The signer must own the uid now, or, while nobody does, have signed the replica held here; a replica
-        older than the one held from the same owner is refused too (the newest is kept)."""
+        with fewer updates than the one held is refused too, whoever signed either (see :func:`_older`)."""
         owner = await asyncio.to_thread(self.owner_of, header.uid)
         held = self.store.header(header.uid)
         signer = header.signer
@@ -203,10 +205,8 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
             raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
                                   f"the replica of {header.uid} is signed by {signer.hex()[:SIGNER_HEX]}, which does "
                                   f"not own it ({named})")
-        if held is not None and held.signer == signer and header.updates < held.updates:
-            raise SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "older",
-                                  f"this server holds a newer replica of {header.uid} ({held.updates} updates) "
-                                  f"from the same owner than this one ({header.updates})")
+        if held is not None and header.updates < held.updates:
+            raise _older(header, held)
 
     def _check_and_commit(self, incoming: Incoming, source: str) -> None:
         check_state(open_body(incoming.signed()), self.template)
@@ -253,3 +253,21 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                                   f"the fetch of {uid} read nothing for {self.stall_seconds:g} s") from None
 
 
+def _older(header: dmoe_pb2.ReplicaHeader, held: dmoe_pb2.ReplicaHeader) -> SnapshotRefused:
+    """Why a replica with fewer updates than the one held is refused. From the same owner: the newest is kept. From
+    another key, the uid's owner now: any key may declare a cell that emptied, first, and its untrained snapshot
+    used to replace the trained replica of the previous owner on every holder (review 59). An honest new owner
+    continues the lineage (adoption and a new server's restore start from the newest replica), so its replicas
+    have at least as many updates, and are taken; one that could only start from an older state is taken here once
+    it has trained past the replica held, which meanwhile keeps the previous owner's training for a later
+    adoption."""
+    uid, signer = header.uid, header.signer.hex()[:SIGNER_HEX]
+    if held.signer == header.signer:
+        return SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "older",
+                               f"this server holds a newer replica of {uid} ({held.updates} updates) from the same "
+                               f"owner than this one ({header.updates})")
+    return SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "older",
+                           f"this server holds a replica of {uid} with {held.updates} updates signed by "
+                           f"{held.signer.hex()[:SIGNER_HEX]}, more than this one of {signer} ({header.updates}): "
+                           f"another key's replica replaces it once it has at least as many, so that a new owner "
+                           f"of the uid cannot discard the training held here")
