@@ -17,8 +17,17 @@ import torch
 
 from dmoe.dht import DHT, Identity
 from dmoe.directory import declare_experts
-from dmoe.replicas import ReplicaChannels, ReplicaStore, newest_replica, restore_newest, sign, take
-from dmoe.replicas.adoption import MAX_FETCHES, Adopter, expected_signers, most_vouched
+from dmoe.replicas import (
+    ReplicaChannels,
+    ReplicaError,
+    ReplicaStore,
+    fetch_snapshot,
+    newest_replica,
+    restore_newest,
+    sign,
+    take,
+)
+from dmoe.replicas.adoption import MAX_FETCHES, PROBE_TIMEOUT, Adopter, expected_signers, most_vouched
 from dmoe.replicas.records import SIGNER_HEX, Holder, replicas_key, server_subkey
 from dmoe.client import expert_info
 from dmoe.replicas.snapshots import SignedSnapshot, max_snapshot_bytes, signed_fields
@@ -75,6 +84,24 @@ class Stalling(dmoe_pb2_grpc.ReplicaServiceServicer):
         if context.is_active():
             self.rest_sent += 1
             yield dmoe_pb2.ReplicaChunk(data=self.body[1024:])
+
+
+class Silent(dmoe_pb2_grpc.ReplicaServiceServicer):
+    """A holder that takes a fetch and sends nothing, not even the header, for as long as the fetch stays open (up
+    to ``HOLD`` seconds), then answers NOT_FOUND. Any key may announce such an endpoint, under any count."""
+
+    HOLD = 8.0
+
+    def __init__(self):
+        self.fetches = 0
+
+    def fetch(self, request: dmoe_pb2.ReplicaQuery, context) -> Iterator[dmoe_pb2.ReplicaChunk]:
+        self.fetches += 1
+        deadline = time.monotonic() + self.HOLD
+        while context.is_active() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        context.abort(grpc.StatusCode.NOT_FOUND, f"no replica of {request.uid}")
+        yield  # (a stream handler)
 
 
 class Swarm:
@@ -137,7 +164,7 @@ def test_a_holder_announcing_a_huge_count_cannot_roll_a_new_server_back_to_its_o
     finally:
         channels.close()
     assert restored[UID].updates == server.backends[UID].updates == 8
-    assert (liar.fetches, honest.fetches) == (1, 1)  # the announcement only ordered the look
+    assert (liar.fetches, honest.fetches) == (1, 2)  # each asked for its header; the newest one's replica fetched
 
 
 def test_a_held_replica_is_adopted_rather_than_an_older_one_announced_as_far_newer(swarm, lineage, tmp_path):
@@ -186,7 +213,8 @@ def test_fetches_stop_after_the_few_best_announced_holders_but_quick_refusals_do
         channels.close()
     assert found.snapshot.updates == 8
     assert all(holding.fetches == 1 for holding in empty)
-    assert sum(holding.fetches for holding in swarm.holdings.values()) == len(empty) + MAX_FETCHES
+    # every holder asked for its header once (side by side), and only the replica its header shows newest fetched
+    assert sum(holding.fetches for holding in swarm.holdings.values()) == len(swarm.holdings) + 1
 
 
 def signed_header(uid: str, updates: int, body: bytes, signer: Identity, size: int | None = None):
@@ -223,7 +251,7 @@ def test_a_fetch_is_cancelled_at_the_header_when_it_shows_the_replica_is_of_no_u
         found = newest_replica(swarm.node(), UID, expert_server().backends[UID], channels, max_bytes=MAX_BYTES)
     finally:
         channels.close()
-    assert found.snapshot.updates == 8 and honest.fetches == 1
+    assert found.snapshot.updates == 8 and honest.fetches == 2  # its header, then its replica
     assert time.monotonic() - started < Stalling.STALL
     time.sleep(0.5)  # (a cancelled stream's last check)
     for rogue in (*rogues, oversized, stale):
@@ -232,18 +260,19 @@ def test_a_fetch_is_cancelled_at_the_header_when_it_shows_the_replica_is_of_no_u
 
 def test_fetches_that_downloaded_a_replica_count_however_fast_they_failed(swarm, lineage):
     """Holders announcing the newest replica serve the owner's header with bytes that do not match it: each costs a
-    whole download, refused only at the end (a fast link: well under QUICK_FAILURE), and used not to count."""
-    owner, (_, _, newest) = lineage
+    whole download, refused only at the end (a fast link: well under a second), and used not to count. (The honest
+    holder holds an older replica: the liars' headers, the owner's genuine newest, go first.)"""
+    owner, (_, middle, newest) = lineage
     corrupt = SignedSnapshot(newest.header, bytes(len(newest.body)))
     liars = [swarm.holder(corrupt, 10**9 - i, owner) for i in range(MAX_FETCHES + 2)]
-    honest = swarm.holder(newest, 8, owner)
+    honest = swarm.holder(middle, 5, owner)
     channels = ReplicaChannels()
     try:
         found = newest_replica(swarm.node(), UID, expert_server().backends[UID], channels, max_bytes=MAX_BYTES)
     finally:
         channels.close()
-    assert found is None and honest.fetches == 0
-    assert sum(liar.fetches for liar in liars) == MAX_FETCHES
+    assert found is None and honest.fetches == 1  # asked for its header only
+    assert sum(liar.fetches for liar in liars) == len(liars) + MAX_FETCHES  # every header, then 3 downloads
 
 
 def test_an_adopter_that_restarts_while_it_owns_the_cell_takes_its_own_newer_replicas_not_the_old_owners(swarm,
@@ -269,7 +298,7 @@ def test_an_adopter_that_restarts_while_it_owns_the_cell_takes_its_own_newer_rep
                           max_bytes=MAX_BYTES, expiration=30.0)
         try:
             assert adopter.adopt([UID]) == [UID]
-            assert server.backends[UID].updates == 8 and holder.fetches == 1
+            assert server.backends[UID].updates == 8 and holder.fetches == 2  # its header, then its replica
         finally:
             channels.close()
     # a server that does not own the cell still takes only the held replica's signer
@@ -327,3 +356,65 @@ def test_throwaway_keys_naming_another_signer_do_not_outvote_the_holders_on_two_
                                      "--log-level", "WARNING"]))
         assert expert_info(server.endpoint(), UID, timeout=10)["updates"] == 8  # restored before it serves
         assert server.stop() == 0
+
+
+def test_holders_that_never_send_a_header_cost_a_new_server_one_probe_timeout_and_hide_no_honest_holder(
+        swarm, lineage, tmp_path):
+    """Throwaway keys announce the owner's replica with huge counts at endpoints that take a fetch and send nothing.
+    Fetched one after another, each waited out and counted as one of the three fetches (review 59): a new server
+    never reached the honest holder and started the cell fresh. All are asked for their header at once now, and a
+    holder that shows none is never fetched."""
+    owner, (_, _, newest) = lineage
+    silent = [swarm.holder(None, 10**9 - i, owner, holding=Silent()) for i in range(MAX_FETCHES + 1)]
+    honest = swarm.holder(newest, 8, owner)
+    server, channels, node = expert_server(), ReplicaChannels(), swarm.node()
+    started = time.monotonic()
+    try:
+        restored = restore_newest(server, node, [UID], channels, max_bytes=MAX_BYTES,
+                                  store=ReplicaStore(tmp_path, MAX_BYTES))
+    finally:
+        channels.close()
+    assert restored[UID].updates == server.backends[UID].updates == 8
+    assert time.monotonic() - started < min(Silent.HOLD, PROBE_TIMEOUT + 2)
+    assert all(holding.fetches == 1 for holding in silent) and honest.fetches == 2  # its header, then its replica
+
+
+def test_a_fetch_gives_up_on_a_holder_that_sends_no_header_or_stops_sending(swarm, lineage):
+    """A fetch waited for each message up to its whole timeout (60 s): a holder that sends nothing, or stops after
+    a genuine header (anyone may fetch one and serve it again), cost an adoption a minute a fetch."""
+    owner, (_, _, newest) = lineage
+    silent = swarm.holder(None, 8, owner, holding=Silent())
+    stalling = swarm.holder(None, 8, owner, holding=Stalling(newest.header, newest.body))
+    honest = swarm.holder(newest, 8, owner)
+    channels = ReplicaChannels()
+    try:
+        for holding, words in ((silent, "sent no header within 1 s"), (stalling, "sent nothing for 1 s")):
+            started = time.monotonic()
+            with pytest.raises(ReplicaError) as failed:
+                fetch_snapshot(channels.stub(holding.endpoint), holding.endpoint, UID, max_bytes=MAX_BYTES,
+                               header_timeout=1, stall_timeout=1)
+            assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and words in failed.value.message
+            assert time.monotonic() - started < 3
+        fetched = fetch_snapshot(channels.stub(honest.endpoint), honest.endpoint, UID, max_bytes=MAX_BYTES,
+                                 header_timeout=1, stall_timeout=1)
+        assert fetched.header.sha256 == newest.header.sha256
+    finally:
+        channels.close()
+
+
+def test_at_equal_signed_counts_a_holder_that_announced_what_it_holds_is_fetched_before_those_that_overstated(
+        swarm, lineage):
+    """Holders that replay the owner's genuine newest header (anyone may fetch it) over bytes that do not match it,
+    announced as far newer, used to be fetched first and take every fetch: the honest holder of that very replica
+    was never reached."""
+    owner, (_, _, newest) = lineage
+    corrupt = SignedSnapshot(newest.header, bytes(len(newest.body)))
+    liars = [swarm.holder(corrupt, 10**9 - i, owner) for i in range(MAX_FETCHES)]
+    honest = swarm.holder(newest, 8, owner)
+    channels = ReplicaChannels()
+    try:
+        found = newest_replica(swarm.node(), UID, expert_server().backends[UID], channels, max_bytes=MAX_BYTES)
+    finally:
+        channels.close()
+    assert found.signed.header.sha256 == newest.header.sha256 and honest.fetches == 2
+    assert all(liar.fetches == 1 for liar in liars)  # asked for the header only

@@ -9,7 +9,8 @@ served when their turn comes. Adopting means:
 
 1. fetching the newest replica that verifies (this server's own, or another holder's: its signature, its bytes,
    its signer one this server trusts with the expert (:func:`expected_signers`), its state fitting this server's
-   experts), newest by its signed update count: announced counts only order the fetches (:func:`newest_replica`);
+   experts), newest by its signed update count: every holder is asked for its replica's header at once, and only
+   those whose signed header shows a newer replica are fetched (:func:`newest_replica`);
 2. loading it into a new backend (:attr:`ExpertServer.backend_factory`);
 3. claiming the uid (:func:`claim`): declaring it, then reading the directory back. A uid's entry is owned by the
    first key that stores it until it expires, and readers side with the owner most replicas hold, so of two
@@ -27,7 +28,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import grpc
@@ -35,7 +35,7 @@ import grpc
 from dmoe.dht import DHT
 from dmoe.directory import declare_experts
 from dmoe.replicas.metrics import ReplicaMetrics
-from dmoe.replicas.pusher import ReplicaChannels, ReplicaError, Transfer, fetch_header, fetch_snapshot
+from dmoe.replicas.pusher import ReplicaChannels, ReplicaError, check_wanted, fetch_headers, fetch_snapshot
 from dmoe.replicas.records import (
     ADOPTION_MEMORY,
     SIGNER_HEX,
@@ -97,16 +97,14 @@ def read_holders(dht: DHT, uids: Sequence[str]) -> dict[str, list[Holder]]:
     return {uid: holders(records[replicas_key(uid)]) for uid in uids}
 
 
-#: replicas fetched from other holders, at most, before adoption settles for the best verified so far. Announced
-#: update counts are only a hint (any key may write one), so finding the newest means fetching; each fetch may
-#: cost a whole replica's bytes, so the few best-announced candidates are all that is tried
+#: replicas fetched from other holders, at most, before adoption settles for the best verified so far. Every
+#: holder is first asked for its replica's header (signed: the update count it shows is real), side by side; only
+#: those whose header shows a newer replica than the best so far are fetched, newest first, and each such fetch
+#: (a whole replica's bytes, maybe) counts
 MAX_FETCHES = 3
-#: seconds under which a failed fetch that downloaded nothing beyond a header (refused at it, unreachable, none
-#: held) is cheap enough not to count as one; every fetch that downloaded part of a snapshot counts
-QUICK_FAILURE = 1.0
-#: seconds a holder has to show its replica's header when holders disagree on the signer, and holders asked at once
-PROBE_TIMEOUT = 5.0
-PROBE_WORKERS = 16
+#: seconds every holder has to show its replica's header (all are asked at once, so this is what holders that
+#: never answer cost an adoption, however many of them are announced; a holder sends it at once, from its disk)
+PROBE_TIMEOUT = 3.0
 
 
 class Verified(NamedTuple):
@@ -168,21 +166,16 @@ def vouched_signer(uid: str, announced: Sequence[Holder], channels: ReplicaChann
     and a machine vouches for the signer of what it served. An attacker then needs more machines serving its
     snapshot than the expert has honest holders; honest holders only ever hold replicas signed by the key that
     owned the uid in the directory when they took them. One entry per holder (the record's subkey cap) bounds the
-    endpoints asked; they are asked side by side, each for at most ``timeout`` seconds."""
+    endpoints asked; they are all asked at once, within ``timeout`` seconds (:func:`fetch_headers`)."""
     endpoints = sorted({holder.endpoint for holder in announced})
     if not endpoints:
         return None
-
-    def probe(endpoint: str) -> str | None:
-        try:
-            header = fetch_header(channels.stub(endpoint), endpoint, uid, max_bytes=max_bytes, timeout=timeout)
-        except (ReplicaError, SnapshotRefused, ValueError) as error:
-            logger.debug("%s vouches for no replica of %s: %s", endpoint, uid, error)
-            return None
-        return header.signer.hex()[:SIGNER_HEX]
-
-    with ThreadPoolExecutor(min(PROBE_WORKERS, len(endpoints)), thread_name_prefix="dmoe-replica-probe") as pool:
-        served = {endpoint: signer for endpoint, signer in zip(endpoints, pool.map(probe, endpoints)) if signer}
+    served = {}
+    for endpoint, header in fetch_headers(channels, uid, endpoints, max_bytes=max_bytes, timeout=timeout).items():
+        if isinstance(header, Exception):
+            logger.debug("%s vouches for no replica of %s: %s", endpoint, uid, header)
+        else:
+            served[endpoint] = header.signer.hex()[:SIGNER_HEX]
     chosen = most_vouched(served)
     if chosen is None and served:
         logger.warning("the holders of %s's replicas serve replicas of %d signers, none from more machines than "
@@ -202,22 +195,24 @@ def check_replica(signed: SignedSnapshot, signers: set[str], template: ExpertBac
 
 def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: ReplicaChannels, *, max_bytes: int,
                    store: ReplicaStore | None = None, announced: list[Holder] | None = None, timeout: float = 60.0,
-                   max_fetches: int = MAX_FETCHES, owner: bytes | None = None) -> Verified | None:
+                   max_fetches: int = MAX_FETCHES, owner: bytes | None = None,
+                   probe_timeout: float = PROBE_TIMEOUT) -> Verified | None:
     """The replica of ``uid`` whose signed header counts the most updates among those that verify, as (signed,
     snapshot, checked state), or None.
 
     Candidates: what ``store`` holds and what the holders announced in the DHT (``announced``: read now if None).
-    Any key can announce any count, so announced counts only order the fetches and skip holders that cannot beat
-    the best verified so far: ranked by them, a holder announcing a huge count and serving an old snapshot of the
-    owner would roll the expert back. The replica held here is always looked at (it costs no fetch), so one with
-    fewer updates is taken only when the held one is unusable. At most ``max_fetches`` replicas are fetched: each
-    may cost a whole replica's bytes (a fetch that downloaded nothing beyond the header and failed faster than
-    :data:`QUICK_FAILURE` is not counted). Only replicas signed by a key :func:`expected_signers` names count;
-    ``owner``: the key that owns ``uid`` in the directory now (None: nobody). Holding no replica and finding no
-    owner, this server asks the holders which signer their machines vouch for (:func:`vouched_signer`) when their
-    entries name more than one. An entry names the signer it likes, so a fetch is cancelled at the header, which
-    comes first, when its real signer is not one of those, it is no newer than the best found so far, or it is
-    larger than any snapshot of ``template``'s experts can be (:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`).
+    The replica held here is looked at first (it costs no fetch), and a held replica is never traded for one with
+    fewer updates. Any key can announce any count at any endpoint, so announced counts only choose whom to ask
+    (those announcing more than the replica held here): every one is asked for its replica's header, all at once
+    within ``probe_timeout`` (:func:`~dmoe.replicas.pusher.fetch_headers`), and the replicas whose signed headers
+    show more updates than the best so far are fetched, newest first (at equal counts, holders that announced what
+    they hold first), at most ``max_fetches`` of them. Holders asked one after another, each fetch counting when
+    slower than a second, let a few throwaway entries at endpoints that never answer stall an adoption for minutes
+    and keep a new server from ever reaching the honest holder (review 59). Only replicas signed by a key
+    :func:`expected_signers` names count; ``owner``: the key that owns ``uid`` in the directory now (None:
+    nobody). Holding no replica and finding no owner, this server asks the holders which signer their machines
+    vouch for (:func:`vouched_signer`) when their entries name more than one. A replica larger than any snapshot of
+    ``template``'s experts can be (:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`) is refused at its header.
     """
     own = store.header(uid) if store is not None else None
     max_bytes = min(max_bytes, max_snapshot_bytes(template))
@@ -231,20 +226,18 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
         # one signer named: nobody to outvote (its replicas are still verified when fetched)
         vouched = named.pop() if len(named) == 1 else vouched_signer(uid, announced, channels, max_bytes=max_bytes)
     signers = expected_signers(own, owner, me, vouched)
-    candidates: list[Holder | None] = [h for h in announced if h.signer in signers]
-    if own is not None:
-        candidates.insert(0, None)  # None: this server's own replica, looked at first of those as new (no fetch)
-    candidates.sort(key=lambda h: -(own.updates if h is None else h.updates))
-    best: Verified | None = None
+    best = _try(uid, None, signers, template, channels, store, max_bytes, timeout, None) if own is not None else None
     fetches = 0
-    for holder in candidates:
-        if best is not None and (own.updates if holder is None else holder.updates) <= best.updates:
-            break  # (sorted: nobody after it announced more either)
-        if holder is not None and fetches >= max_fetches:
-            continue  # looking on for the replica held here, which costs no fetch
-        found, cost = _try(uid, holder, signers, template, channels, store, max_bytes, timeout,
-                           best.updates if best is not None else None)
-        fetches += cost
+    for endpoint, header in _newer_headers(uid, announced, signers, channels, max_bytes, probe_timeout,
+                                           best.updates if best is not None else None):
+        if best is not None and header.updates <= best.updates:
+            break  # (sorted: nobody after it holds more either)
+        if fetches >= max_fetches:
+            logger.warning("gave up looking for a newer replica of %s after %d fetches", uid, fetches)
+            break
+        fetches += 1
+        found = _try(uid, endpoint, signers, template, channels, store, max_bytes, timeout,
+                     best.updates if best is not None else None)
         if found is not None and (best is None or found.updates > best.updates):
             best = found
     if best is not None and own is not None and best.updates < own.updates:
@@ -253,28 +246,55 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
     return best
 
 
-def _try(uid: str, holder: Holder | None, signers: set[str], template: ExpertBackend, channels: ReplicaChannels,
-         store: ReplicaStore | None, max_bytes: int, timeout: float,
-         newer_than: int | None) -> tuple[Verified | None, int]:
-    """(the replica of ``uid`` that ``holder`` holds, verified, or None; 1 if the look counts as a fetch, else 0).
-    ``holder`` None: this server's own replica, which costs no fetch; ``newer_than``: the updates of the best
-    replica found so far (a fetched one with no more is cancelled at its header)."""
-    started, transfer = time.monotonic(), Transfer()
+def _newer_headers(uid: str, announced: Sequence[Holder], signers: set[str], channels: ReplicaChannels,
+                   max_bytes: int, timeout: float, newer_than: int | None) -> list[tuple[str, dmoe_pb2.ReplicaHeader]]:
+    """(endpoint, header) of the holders in ``announced`` that serve a replica signed by one of ``signers`` with
+    more updates than ``newer_than`` (None: any), most updates first; asked side by side, each holder once,
+    those announcing no more than ``newer_than`` not at all."""
+    counts: dict[str, set[int]] = defaultdict(set)  # endpoint -> the counts entries announced at it
+    for holder in announced:
+        if holder.signer in signers and (newer_than is None or holder.updates > newer_than):
+            counts[holder.endpoint].add(holder.updates)
+    if not counts:
+        return []
+    found, useless = [], []
+    for endpoint, header in fetch_headers(channels, uid, counts, max_bytes=max_bytes, timeout=timeout).items():
+        try:
+            if isinstance(header, Exception):
+                raise header
+            check_wanted(header, endpoint, signers, newer_than)
+        except (ReplicaError, SnapshotRefused, ValueError) as error:
+            logger.debug("%s's replica of %s is of no use: %s", endpoint, uid, error)
+            useless.append(f"{endpoint} ({error})")
+            continue
+        if header.updates < max(counts[endpoint]):
+            logger.warning("%s announced a replica of %s with %d updates but holds one with %d", endpoint, uid,
+                           max(counts[endpoint]), header.updates)
+        found.append((endpoint, header))
+    if useless:  # (one line: any key may announce many)
+        logger.info("%d of %d holders of %s showed no newer replica it could use, e.g. %s", len(useless),
+                    len(counts), uid, useless[0])
+    # (stable: at equal counts, holders that announced what they hold first, then in the order announced)
+    found.sort(key=lambda item: (-item[1].updates, item[1].updates not in counts[item[0]]))
+    return found
+
+
+def _try(uid: str, endpoint: str | None, signers: set[str], template: ExpertBackend, channels: ReplicaChannels,
+         store: ReplicaStore | None, max_bytes: int, timeout: float, newer_than: int | None) -> Verified | None:
+    """The replica of ``uid`` held at ``endpoint`` (None: the one held here, in ``store``), verified, or None when
+    it is of no use (logged); ``newer_than``: the updates of the best replica found so far (a fetched one with no
+    more is cancelled at its header)."""
     try:
-        if holder is None:
+        if endpoint is None:
             signed = store.get(uid)
-            return (check_replica(signed, signers, template) if signed is not None else None), 0
-        signed = fetch_snapshot(channels.stub(holder.endpoint), holder.endpoint, uid, max_bytes=max_bytes,
-                                timeout=timeout, signers=signers, newer_than=newer_than, transfer=transfer)
-        if signed.header.updates < holder.updates:
-            logger.warning("%s announced a replica of %s with %d updates but holds one with %d", holder.endpoint,
-                           uid, holder.updates, signed.header.updates)
-        return check_replica(signed, signers, template), 1
+            return check_replica(signed, signers, template) if signed is not None else None
+        signed = fetch_snapshot(channels.stub(endpoint), endpoint, uid, max_bytes=max_bytes, timeout=timeout,
+                                signers=signers, newer_than=newer_than)
+        return check_replica(signed, signers, template)
     except (ReplicaError, SnapshotRefused, OSError, ValueError) as error:
-        where = "this server's own" if holder is None else f"{holder.endpoint}'s"
+        where = "this server's own" if endpoint is None else f"{endpoint}'s"
         logger.warning("%s replica of %s is of no use: %s", where, uid, error)
-        cheap = holder is None or (not transfer.received and time.monotonic() - started < QUICK_FAILURE)
-        return None, 0 if cheap else 1
+        return None
 
 
 def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channels: ReplicaChannels, *,

@@ -19,10 +19,16 @@ Experts added to the server after the pusher was built (adopted ones) are in no 
 each round also keeps their snapshot, signed as pushed, in the server's own replica store whenever they trained
 since: a restarted adopter finds its own training there, where it held the old owner's replica before, and
 adopts it again from that (even when it had no other host to push it to).
+
+The fetching end (adoption's) is here too: :func:`fetch_snapshot` gives up on a holder that sends no header
+within :data:`HEADER_TIMEOUT` or no later message within :data:`STALL_TIMEOUT`, not only at its whole timeout, and
+:func:`fetch_headers` asks many holders for their replica's header at once, so that endpoints that never answer
+(anyone may announce any) cost a few seconds in all.
 """
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +72,11 @@ ANSWER_SECONDS_PER_MIB = 0.05
 MAX_BACKOFF_ROUNDS = 32
 #: seconds to ask a host for the header of the replica it was pushed last (does it still hold it?)
 PROBE_TIMEOUT = 2.0
+#: seconds a fetch waits for the replica's header, its first message (a holder sends it at once, from its disk)
+HEADER_TIMEOUT = 5.0
+#: replica headers asked for at once (:func:`fetch_headers`): a record holds at most 256 entries (the DHT's
+#: ``max_record_subkeys``), so all of a uid's holders are asked at once
+PROBES_AT_ONCE = 256
 #: seconds a push needs at least: a round's deadline closer than this starts no more pushes
 MIN_PUSH_SECONDS = 0.5
 #: the status codes of a push that did not reach a working replica service (the host's fault, for every expert)
@@ -157,48 +168,86 @@ def push_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, signed:
         raise ReplicaError(endpoint, error.code(), error.details() or "") from None
 
 
-@dataclass
-class Transfer:
-    """What a fetch downloaded: the bytes of the snapshot taken after its header passed every check (0: it was
-    refused at the header, or failed before it, and cost one message at most)."""
-    received: int = 0
+class _Watchdog:
+    """Cancels a gRPC call whose deadline passed (:meth:`arm` sets it, again after each message): a holder that
+    sends nothing costs a fetch that long, not its whole timeout. One thread, until the ``with`` block ends."""
+
+    def __init__(self, call: grpc.Call):
+        self._call, self._deadline, self._why = call, math.inf, ""
+        self.fired: str | None = None  # why it cancelled the call
+        self._done = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="dmoe-replica-fetch-watchdog", daemon=True)
+
+    def __enter__(self) -> "_Watchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        with self._changed:
+            self._done = True
+            self._changed.notify()
+        self._thread.join()
+
+    def arm(self, seconds: float, why: str) -> None:
+        """Cancels the call in ``seconds`` unless armed again before (``why``: what the holder failed to do)."""
+        with self._changed:
+            self._deadline, self._why = time.monotonic() + seconds, why
+            self._changed.notify()
+
+    def _run(self) -> None:
+        with self._changed:
+            while not self._done:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    self.fired = self._why
+                    self._call.cancel()
+                    return
+                self._changed.wait(None if left == math.inf else left)
 
 
 def fetch_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: str, *, max_bytes: int,
                    timeout: float | None = 60.0, signers: Collection[str] | None = None,
-                   newer_than: int | None = None, transfer: Transfer | None = None) -> SignedSnapshot:
+                   newer_than: int | None = None, header_timeout: float = HEADER_TIMEOUT,
+                   stall_timeout: float = STALL_TIMEOUT) -> SignedSnapshot:
     """The replica of ``uid`` the server at ``endpoint`` holds, with its signature and bytes verified (its state is
     the caller's to check). Raises :class:`ReplicaError` (NOT_FOUND: none held) or :class:`SnapshotRefused`.
 
     The header comes first, and the stream is cancelled as soon as it fails: its size beyond ``max_bytes``, its
     signer (the first :data:`~dmoe.replicas.records.SIGNER_HEX` hex digits of its key) not among ``signers``
     (None: any), or its update count not above ``newer_than`` (None: any); the rest of the bytes never come.
-    ``transfer`` counts what was downloaded, failed or not."""
+    ``timeout`` bounds the whole transfer, ``header_timeout`` the wait for the header and ``stall_timeout`` the
+    wait for each later message (DEADLINE_EXCEEDED): a holder that takes the call and sends nothing, which any
+    key may announce, used to cost the whole timeout."""
     header, pieces, total = None, [], 0
     call = stub.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout)
-    try:
-        for chunk in call:
-            if header is None:
-                if not chunk.HasField("header") or chunk.header.uid != uid:
+    with _Watchdog(call) as watchdog:
+        watchdog.arm(header_timeout, f"sent no header within {header_timeout:g} s")
+        try:
+            for chunk in call:
+                watchdog.arm(stall_timeout, f"sent nothing for {stall_timeout:g} s")
+                if header is None:
+                    if not chunk.HasField("header") or chunk.header.uid != uid:
+                        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                              f"{endpoint} answered a fetch of {uid} without its header")
+                    header = chunk.header
+                    check_header(header, max_bytes)
+                    check_wanted(header, endpoint, signers, newer_than)
+                elif chunk.HasField("header"):
                     raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
-                                          f"{endpoint} answered a fetch of {uid} without its header")
-                header = chunk.header
-                check_header(header, max_bytes)
-                _check_wanted(header, endpoint, signers, newer_than)
-            elif chunk.HasField("header"):
-                raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
-                                      f"{endpoint} sent a second header in its replica of {uid}")
-            total += len(chunk.data)
-            if transfer is not None:
-                transfer.received = total
-            if total > header.size:
-                raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
-                                      f"{endpoint} sent more bytes of {uid} than its header says")
-            pieces.append(chunk.data)
-    except grpc.RpcError as error:
-        raise ReplicaError(endpoint, error.code(), error.details() or "") from None
-    finally:
-        call.cancel()  # (a no-op once the stream ended; otherwise the holder stops sending)
+                                          f"{endpoint} sent a second header in its replica of {uid}")
+                total += len(chunk.data)
+                if total > header.size:
+                    raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                          f"{endpoint} sent more bytes of {uid} than its header says")
+                pieces.append(chunk.data)
+        except grpc.RpcError as error:
+            if watchdog.fired is not None:
+                raise ReplicaError(endpoint, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"{watchdog.fired}: fetch of {uid} given up") from None
+            raise ReplicaError(endpoint, error.code(), error.details() or "") from None
+        finally:
+            call.cancel()  # (a no-op once the stream ended; otherwise the holder stops sending)
     if header is None:
         raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"{endpoint} sent nothing for {uid}")
     signed = SignedSnapshot(header, b"".join(pieces))
@@ -206,8 +255,10 @@ def fetch_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: s
     return signed
 
 
-def _check_wanted(header: dmoe_pb2.ReplicaHeader, endpoint: str, signers: Collection[str] | None,
-                  newer_than: int | None) -> None:
+def check_wanted(header: dmoe_pb2.ReplicaHeader, endpoint: str, signers: Collection[str] | None,
+                 newer_than: int | None) -> None:
+    """Raises SnapshotRefused unless ``header`` is signed by one of ``signers`` (None: any) and counts more updates
+    than ``newer_than`` (None: any): what a fetch's header must show before any more of it is read."""
     signer = header.signer.hex()[:SIGNER_HEX]
     if signers is not None and signer not in signers:
         raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
@@ -220,17 +271,43 @@ def _check_wanted(header: dmoe_pb2.ReplicaHeader, endpoint: str, signers: Collec
 
 
 def fetch_header(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: str, *, max_bytes: int,
-                 timeout: float | None = 5.0) -> dmoe_pb2.ReplicaHeader:
+                 timeout: float | None = HEADER_TIMEOUT) -> dmoe_pb2.ReplicaHeader:
     """The header of the replica of ``uid`` the server at ``endpoint`` holds, its signature verified; the stream is
     cancelled after its first message, so the rest of the bytes never come. Raises :class:`ReplicaError`
     (NOT_FOUND: none held) or :class:`SnapshotRefused`."""
     call = stub.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout)
     try:
+        return _first_header(call, endpoint, uid, max_bytes)
+    finally:
+        call.cancel()
+
+
+def fetch_headers(channels: ReplicaChannels, uid: str, endpoints: Collection[str], *, max_bytes: int,
+                  timeout: float = HEADER_TIMEOUT) -> dict[str, dmoe_pb2.ReplicaHeader | Exception]:
+    """endpoint -> the header of the replica of ``uid`` it holds (:func:`fetch_header`), or why there is none
+    (:class:`ReplicaError`, :class:`SnapshotRefused`). All are asked at once (up to :data:`PROBES_AT_ONCE`), so
+    they answer within ``timeout`` however many never do: asked one after another, or a few at a time, each such
+    endpoint (any key may announce any) cost its own. (A thread each: a call's message is only received while
+    someone waits for it, so one thread reading the calls in turn lost the headers that came meanwhile.)"""
+    endpoints = list(endpoints)
+    if not endpoints:
+        return {}
+
+    def ask(endpoint: str) -> dmoe_pb2.ReplicaHeader | Exception:
+        try:
+            return fetch_header(channels.stub(endpoint), endpoint, uid, max_bytes=max_bytes, timeout=timeout)
+        except (ReplicaError, SnapshotRefused, ValueError) as error:
+            return error
+
+    with ThreadPoolExecutor(min(len(endpoints), PROBES_AT_ONCE), thread_name_prefix="dmoe-replica-probe") as pool:
+        return dict(zip(endpoints, pool.map(ask, endpoints)))
+
+
+def _first_header(call, endpoint: str, uid: str, max_bytes: int) -> dmoe_pb2.ReplicaHeader:
+    try:
         first = next(call, None)
     except grpc.RpcError as error:
         raise ReplicaError(endpoint, error.code(), error.details() or "") from None
-    finally:
-        call.cancel()
     if first is None or not first.HasField("header") or first.header.uid != uid:
         raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
                               f"{endpoint} answered a fetch of {uid} without its header")
