@@ -90,3 +90,20 @@ def test_without_idle_seconds_channels_stay_and_bad_values_are_refused(port):
     for bad in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="idle_seconds"):
             ChannelPool(idle_seconds=bad)
+
+
+def test_replica_channels_let_go_of_endpoints_nobody_used_lately():
+    """Review 59: a server kept a channel to every replica host and holder it ever asked, and anyone may announce
+    new endpoints every round."""
+    from dmoe.replicas import ReplicaChannels
+
+    channels = ReplicaChannels(idle_seconds=0.05)
+    try:
+        for port in range(1, 21):
+            channels.stub(f"127.0.0.1:{port}")
+        assert len(channels.pool.endpoints()) == 20
+        time.sleep(0.2)  # (at least that long, however loaded)
+        channels.stub("127.0.0.1:99")
+        assert channels.pool.endpoints() == ["127.0.0.1:99"] and channels.pool.let_go == 20
+    finally:
+        channels.close()

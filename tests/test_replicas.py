@@ -578,6 +578,19 @@ def test_replica_hosts_that_take_a_push_and_never_answer_stall_no_round_after_th
             fake.stop(0)
 
 
+def fake_host(push, fetch) -> tuple[grpc.Server, str]:
+    """A started ReplicaService of ``push`` and ``fetch`` (grpc's generic handlers), and its endpoint."""
+    host = grpc.server(futures.ThreadPoolExecutor(4))
+    host.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dmoe.ReplicaService", {
+        "push": grpc.stream_unary_rpc_method_handler(push, dmoe_pb2.ReplicaChunk.FromString,
+                                                     dmoe_pb2.ReplicaAck.SerializeToString),
+        "fetch": grpc.unary_stream_rpc_method_handler(fetch, dmoe_pb2.ReplicaQuery.FromString,
+                                                      dmoe_pb2.ReplicaChunk.SerializeToString)}),))
+    endpoint = f"127.0.0.1:{host.add_insecure_port('127.0.0.1:0')}"
+    host.start()
+    return host, endpoint
+
+
 def test_a_host_that_lost_the_replica_pushed_to_it_gets_it_again_and_a_busy_one_is_not_left_out():
     """A holder whose budget is full evicts replicas, and one that restarted holds none: the pusher took its word
     from its own notes and pushed again only when the expert trained or after repush_every intervals. A holder busy
@@ -598,14 +611,7 @@ def test_a_host_that_lost_the_replica_pushed_to_it_gets_it_again_and_a_busy_one_
             context.abort(grpc.StatusCode.NOT_FOUND, f"this server holds no replica of {query.uid!r}")
         yield dmoe_pb2.ReplicaChunk(header=held[0])
 
-    host = grpc.server(futures.ThreadPoolExecutor(4))
-    host.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dmoe.ReplicaService", {
-        "push": grpc.stream_unary_rpc_method_handler(push, dmoe_pb2.ReplicaChunk.FromString,
-                                                     dmoe_pb2.ReplicaAck.SerializeToString),
-        "fetch": grpc.unary_stream_rpc_method_handler(fetch, dmoe_pb2.ReplicaQuery.FromString,
-                                                      dmoe_pb2.ReplicaChunk.SerializeToString)}),))
-    endpoint = f"127.0.0.1:{host.add_insecure_port('127.0.0.1:0')}"
-    host.start()
+    host, endpoint = fake_host(push, fetch)
     try:
         with running("-m", "dmoe.dht", "--port", "0") as node, \
                 DHT(initial_peers=[peer := node.endpoint()], identity=(owner := Identity())) as dht:
@@ -625,6 +631,36 @@ def test_a_host_that_lost_the_replica_pushed_to_it_gets_it_again_and_a_busy_one_
                 assert pusher.push_all() == {UID: []}
                 busy.clear()
                 assert pusher.push_all() == {UID: [endpoint]} and len(pushes) == 3  # tried again at once
+            finally:
+                pusher.close(push=False)
+    finally:
+        host.stop(0)
+
+
+def test_a_pusher_forgets_what_it_pushed_to_hosts_that_announce_themselves_no_more():
+    """Review 59: what each (expert, host) was pushed was kept for good, and anyone may announce new host
+    endpoints every round."""
+    def push(chunks, context):
+        chunks = list(chunks)
+        return dmoe_pb2.ReplicaAck(updates=chunks[0].header.updates)
+
+    def fetch(query, context):
+        context.abort(grpc.StatusCode.NOT_FOUND, "none held")
+        yield  # (a generator: grpc's unary-stream handler)
+
+    host, endpoint = fake_host(push, fetch)
+    try:
+        with running("-m", "dmoe.dht", "--port", "0") as node, \
+                DHT(initial_peers=[peer := node.endpoint()], identity=(owner := Identity())) as dht:
+            key = Identity()
+            with DHT(initial_peers=[peer], identity=key) as host_node:  # announced for a few seconds only
+                assert host_node.store(hosts_key("ffn0"), server_subkey(key.public_key), endpoint, time.time() + 3)
+            server = expert_server(UID)
+            pusher = ReplicaPusher(server, dht, owner, replicas=1, interval=600)
+            try:
+                assert pusher.push_all() == {UID: [endpoint]} and set(pusher._pushed) == {(UID, endpoint)}
+                wait_until(lambda: not pusher.hosts(["ffn0"])["ffn0"], 30, "the host's entry expiring")
+                assert pusher.push_all() == {UID: []} and pusher._pushed == {}
             finally:
                 pusher.close(push=False)
     finally:

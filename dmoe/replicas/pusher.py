@@ -52,7 +52,7 @@ from dmoe.replicas.snapshots import (
 )
 from dmoe.replicas.store import ReplicaStore
 from dmoe.uid import split_uid
-from dmoe.wire import NONE, dmoe_pb2, dmoe_pb2_grpc, grpc_options
+from dmoe.wire import NONE, ChannelPool, dmoe_pb2, dmoe_pb2_grpc
 
 if TYPE_CHECKING:
     from dmoe.server import ExpertServer
@@ -93,24 +93,19 @@ class ReplicaError(RuntimeError):
 
 
 class ReplicaChannels:
-    """One gRPC channel per endpoint to other servers' ``ReplicaService``; ``close()`` closes them all."""
+    """One gRPC channel per endpoint to other servers' ``ReplicaService``, those nobody used for ``idle_seconds``
+    let go (a :class:`~dmoe.wire.ChannelPool`'s); ``close()`` closes them all. Each channel used to be kept until
+    the server stopped, and hosts and holders come and go, or are announced afresh at new endpoints every round by
+    anyone: every endpoint ever asked held a connection for good (review 59)."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, tuple[grpc.Channel, dmoe_pb2_grpc.ReplicaServiceStub]] = {}
-        self._lock = threading.Lock()
+    def __init__(self, idle_seconds: float = 600.0) -> None:
+        self.pool = ChannelPool(shared_memory=False, hold_calls=False, idle_seconds=idle_seconds)
 
     def stub(self, endpoint: str) -> dmoe_pb2_grpc.ReplicaServiceStub:
-        with self._lock:
-            if endpoint not in self._channels:
-                channel = grpc.insecure_channel(endpoint, options=grpc_options())
-                self._channels[endpoint] = (channel, dmoe_pb2_grpc.ReplicaServiceStub(channel))
-            return self._channels[endpoint][1]
+        return dmoe_pb2_grpc.ReplicaServiceStub(self.pool.channel(endpoint))
 
     def close(self) -> None:
-        with self._lock:
-            channels, self._channels = [channel for channel, _ in self._channels.values()], {}
-        for channel in channels:
-            channel.close()
+        self.pool.close()
 
 
 class _Progress:
@@ -408,7 +403,12 @@ class ReplicaPusher:
                 logger.warning("could not read the replica hosts from the DHT: %s", error)
                 hosts = {}  # adopted experts are still kept here
             else:
-                self._forget_failures({host.endpoint for found in hosts.values() for host in found})
+                announced = {host.endpoint for found in hosts.values() for host in found}
+                self._forget_failures(announced)
+                # and what hosts that announce themselves no more were pushed: anyone may announce new endpoints
+                # every round, and each one pushed to was remembered for good
+                self._pushed = {key: pushed for key, pushed in self._pushed.items()
+                                if key[1] in announced and key[0] in backends}
             order = sorted(backends, key=lambda uid: self._placed_at.get(uid, float("-inf")))
             pushes = {uid: self._pool.submit(self._push_one, uid, backends[uid], hosts.get(split_uid(uid)[0], []),
                                              force, deadline, interruptible, last)

@@ -262,6 +262,10 @@ class ChannelPool:
         """The generated stub: every call, with protobuf messages."""
         return self._entry(endpoint).stub
 
+    def channel(self, endpoint: str) -> grpc.Channel:
+        """The channel itself, for another service's stub on it (the replicas')."""
+        return self._entry(endpoint).channel
+
     def calls(self, endpoint: str) -> TensorCalls | SharedMemoryCalls:
         """The tensor-carrying calls without copies (:class:`TensorCalls`), on the same channel as :meth:`stub`;
         for a server on this host, :class:`~dmoe.wire.shared_memory.SharedMemoryCalls` (see ``shared_memory``)."""
