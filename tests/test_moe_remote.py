@@ -361,8 +361,10 @@ def test_each_expert_gets_its_rows_and_gradients_and_its_answers_land_in_their_r
     local = LocalMixtureOfExperts(WIDE, GRID, "ffn0", k_best=4, expert_factory=lambda uid:
                                   create_expert("ffn", WIDE, seed=expert_seed(0, uid)))
     with ChannelPool(shared_memory=shared_memory) as channels:
+        # (every expert must answer: a loaded CI machine may take longer than the default 10 s to)
         remote = RemoteMixtureOfExperts(WIDE, GRID, "ffn0", dht, k_best=4, k_min=4, channels=channels,
-                                        compression=parse_compression(compression))
+                                        compression=parse_compression(compression), forward_timeout=60,
+                                        backward_timeout=60)
         remote.proj.load_state_dict(local.proj.state_dict())
         x = torch.randn(64, WIDE)
         x_local, x_remote = x.clone().requires_grad_(), x.clone().requires_grad_()
