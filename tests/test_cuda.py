@@ -245,6 +245,30 @@ def test_a_graphed_training_step_skips_a_non_finite_gradient_on_the_device():
                                                     before["ffn.0.weight"])
 
 
+def test_a_graphed_batch_of_several_requests_with_a_non_finite_gradient_is_run_again_request_by_request():
+    """Review 66: a replayed step skipped on the device for a batch of several requests raises NonFiniteBatch (the
+    runtime then runs each request alone) instead of dropping every request's gradients; nothing is applied."""
+    from dmoe.server.backend import NonFiniteBatch
+
+    graphed, _ = graphed_and_eager_pair()
+    x = torch.randn(20, HIDDEN, device="cuda")
+    for _ in range(4):  # two eager runs, then the capture, then a replay
+        graphed.backward(x, torch.randn(20, HIDDEN, device="cuda"))
+    assert graphed.graphs.captures == 1 and graphed.updates == 4
+    before = {k: v.clone() for k, v in graphed.module.state_dict().items()}
+    steps = [graphed.optimizer.state[p]["step"].item() for p in graphed.module.parameters()]
+    replays = graphed.graphs.replays_by_kind["train"]
+    bad = torch.randn(20, HIDDEN, device="cuda")
+    bad[13, 5] = float("nan")  # in the second request
+    with pytest.raises(NonFiniteBatch):
+        graphed.backward(x, bad, segments=[(None, 10), (None, 10)])
+    assert graphed.graphs.replays_by_kind["train"] == replays + 1
+    assert graphed.skipped_steps == 0 and graphed.updates == 4
+    for name, value in graphed.module.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert [graphed.optimizer.state[p]["step"].item() for p in graphed.module.parameters()] == steps
+
+
 def test_cuda_graphs_leave_sgd_s_training_step_eager_and_reset_on_a_loaded_state():
     graphed, eager = graphed_and_eager_pair("sgd")
     assert "not fused Adam" in graphed.graphs.train_off

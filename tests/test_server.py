@@ -1,6 +1,7 @@
 """The expert server: backends, batching runtime, the dmoe-server program, and clean shutdown."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -324,6 +325,56 @@ def test_a_failed_optimizer_step_leaves_no_gradients_for_the_next_step():
     with pytest.raises(RuntimeError, match="step failed"):
         backend.backward(torch.randn(3, 8), torch.randn(3, 8))
     assert all(p.grad is None for p in backend.module.parameters()) and backend.updates == 0
+
+
+@pytest.mark.parametrize("case", ["nan-gradient", "fp16-overflow"])
+def test_a_request_with_non_finite_gradients_batched_with_others_loses_only_its_own_step(case):
+    """Review 66: four honest backwards queued with one whose gradients come out non-finite (a NaN gradient, as
+    with --no-reject-nonfinite; or finite inputs of 1e5 that overflow float16 under --autocast fp16) form one batch.
+    Its step used to be skipped whole, every caller answered OK: the honest gradients were silently dropped. Now
+    each request runs alone again, and the expert ends as if it had received the honest ones one by one (none
+    applied twice); one honest request's kept graph, consumed by the failed batch, is recomputed."""
+    from dmoe.server.activations import ActivationCache
+
+    autocast = "fp16" if case == "fp16-overflow" else None
+    backend, reference = make_backend(), make_backend()
+    backend.activations = ActivationCache(2**20)
+    x = [torch.randn(n, 8) for n in (2, 3, 4, 1, 2)]
+    grads = [torch.randn(n, 8) for n in (2, 3, 4, 1, 2)]
+    bad = 2  # the third request
+    if case == "nan-gradient":
+        grads[bad][1, 3] = float("nan")
+    else:
+        x[bad] = torch.full((4, 8), 1e5)
+    aid = b"kept-graph-of-request-0"
+    batches: list[int] = []
+    with Runtime(autocast=autocast) as runtime:  # one worker
+        runtime.on_batch = lambda pool, tasks, *_: batches.append(len(tasks)) if pool.name.endswith("bwd") else None
+        forward = runtime.create_pool("x.0.fwd", backend.forward, 100, segmented=True, group="x.0")
+        backward = runtime.create_pool("x.0.bwd", backend.backward, 100, segmented=True, group="x.0")
+        runtime.submit(forward, x[0], activation_id=aid).result(30)  # alone: its graph is kept
+        gate = Gate()
+        blocker = runtime.create_pool("gate", gate, 100)
+        runtime.submit(blocker, torch.zeros(1))
+        assert gate.entered.wait(30)
+        futures = [runtime.submit(backward, xi, gi, activation_id=aid if i == 0 else None)
+                   for i, (xi, gi) in enumerate(zip(x, grads))]  # queued behind the gate: one batch
+        gate.opened.set()
+        answers = [future.result(30)[0] for future in futures]
+    assert batches == [5, 1, 1, 1, 1, 1]  # the batch failed, then each request alone
+    assert backend.updates == 4 and backend.skipped_steps == 1
+    assert backend.activations.hits == 1 and len(backend.activations) == 0
+    expected = []
+    for xi, gi in zip(x, grads):  # one autocast region per call, as the runtime's (it caches cast weights)
+        with torch.autocast("cpu", dtype=torch.float16) if autocast else contextlib.nullcontext():
+            expected.append(reference.backward(xi, gi)[0])
+    assert reference.updates == 4 and reference.skipped_steps == 1
+    for i, (answer, wanted) in enumerate(zip(answers, expected)):
+        if i != bad:
+            assert torch.isfinite(answer).all()
+            torch.testing.assert_close(answer, wanted, rtol=0, atol=0)
+    torch.testing.assert_close(backend.module.state_dict(), reference.module.state_dict(), rtol=0, atol=0)
+    assert all(p.grad is None for p in backend.module.parameters())
 
 
 def test_runtime_close_fails_queued_tasks_and_returns_promptly():

@@ -108,6 +108,13 @@ class TensorSchema:
         return f"[{', '.join(['*', *map(str, self.shape)])}] {self.dtype}"
 
 
+class NonFiniteBatch(Exception):
+    """The summed parameter gradients of a backward batch of several requests were not finite; nothing was applied
+    and the gradients are cleared. The runtime runs each request of the batch alone again (as for any failing
+    batch), so that only the request whose own gradients are not finite loses its step: skipping the batch's one
+    step would silently drop the gradients of every other caller batched with it (review 66)."""
+
+
 class ExpertBackend:
     """One expert: its module, optimizer, optional LR scheduler and gradient clipping, and its schema.
 
@@ -240,6 +247,7 @@ class ExpertBackend:
         """
         n_in = len(self.inputs_schema)
         inputs, grad_outputs = inputs_and_grads[:n_in], inputs_and_grads[n_in:]
+        requests = len(segments) if segments is not None else 1  # several: maybe of several callers
         if self.graphs is not None and self.graphs.trains:
             if segments is not None and self.activations is not None:
                 for activation_id, _ in segments:
@@ -249,6 +257,9 @@ class ExpertBackend:
             replayed = self.graphs.train_step(inputs, grad_outputs)
             if replayed is not None:
                 input_grads, stepped = replayed
+                if not stepped and requests > 1:  # the replay skipped its step on the device: nothing applied
+                    raise NonFiniteBatch(f"{self.name}: the gradients of a batch of {requests} requests are not "
+                                         "finite")
                 self._count_step(stepped)
                 return input_grads
         try:
@@ -256,7 +267,7 @@ class ExpertBackend:
                 input_grads = self._recompute_backward(inputs, grad_outputs)
             else:
                 input_grads = self._segmented_backward(inputs, grad_outputs, segments)
-            self._apply_gradients()
+            self._apply_gradients(requests)
         except BaseException:
             # a backward or step that failed half-way leaves this batch's gradients in .grad, and the runtime runs
             # the batch again (after freeing memory, or each request alone): that run must start from none, or its
@@ -305,13 +316,16 @@ class ExpertBackend:
                 torch.autograd.backward([y for y, _ in pairs], [g.to(y.dtype) for y, g in pairs])
         return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs)
 
-    def _apply_gradients(self) -> None:
+    def _apply_gradients(self, requests: int = 1) -> None:
+        """One optimizer step on the accumulated gradients of ``requests`` requests (a batch the runtime joined)."""
         if self.optimizer is None:
             return
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if grads and not all_finite(grads):
             # a NaN/Inf gradient (sent by a client, or an overflow) would poison the weights for every later caller
             self.optimizer.zero_grad(set_to_none=True)
+            if requests > 1:  # which request is to blame? Each runs alone again: only that one loses its step
+                raise NonFiniteBatch(f"{self.name}: the gradients of a batch of {requests} requests are not finite")
             self.skipped_steps += 1
             logger.warning("%s: skipped an optimizer step with non-finite gradients (%d so far)", self.name,
                            self.skipped_steps)
