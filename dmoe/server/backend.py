@@ -122,6 +122,8 @@ class ExpertBackend:
     activations for a backward to come (see :mod:`dmoe.server.activations`). ``backward`` uses such a kept graph
     when it is still valid and otherwise recomputes the forward pass with autograd; it returns the input gradients
     and applies one optimizer step right away: experts train asynchronously, each on whatever gradients reach it.
+    On a server ``backward`` is called once per batch the runtime joined (the queued backward requests of this
+    expert, from any callers): their gradients are summed into that one step.
 
     Args:
         name: the expert's uid.

@@ -1,7 +1,10 @@
 """Experts trained in the client's process exactly as a server trains them: the no-network baseline.
 
-A remote expert is stepped by its server's own optimizer, once per backward call that reaches it, with that
-call's gradients only; the client's optimizer never sees its parameters. An ordinary submodule would instead be
+A remote expert is stepped by its server's own optimizer, once per backward batch: the backward requests of one
+expert that are queued together on its server, from any callers, are joined into one batch of up to
+``--max-batch-size`` rows, and their gradients are summed into one step (a lone trainer's backward, which finds
+nothing else queued, steps alone with its own gradients, as here); the client's optimizer never sees its
+parameters. An in-process expert steps once per backward call. An ordinary submodule would instead be
 trained by the client's optimizer (its schedule, weight decay and clipping), so "local vs remote" would compare
 two training procedures, not the network. :class:`InProcessExpert` wraps the server's own
 :class:`~dmoe.server.backend.ExpertBackend`, so both paths run one implementation, and
