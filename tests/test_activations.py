@@ -289,6 +289,26 @@ def test_out_of_device_memory_drops_the_kept_activations_answers_resource_exhaus
     assert value(samples, "dmoe_batch_errors_total", expert="s.0", method="forward") == 2  # run, and run again
 
 
+def test_an_idle_server_expires_its_kept_forwards_and_stops_sweeping_on_close():
+    """Review 66: the cache expired entries only when a forward or backward came, so the forwards kept by trainers
+    that went away stayed held (on a GPU, device memory) until the next request: forever on a quiet server."""
+    from dmoe.server import ExpertServer, ServerConfig
+
+    ttl = 0.5
+    config = ServerConfig(device="cpu", activation_cache_mb=16, activation_ttl=ttl, workers=1)
+    with ExpertServer.create("e.[0:2]", "ffn", HIDDEN, config=config) as server:
+        for i in range(6):
+            forward_future(server.endpoint, f"e.{i % 2}", [torch.randn(4, HIDDEN)],
+                           activation_id=bytes([i]) * 16).result(30)
+        last = time.monotonic()
+        cache = server.activations
+        assert len(cache) == 6 and cache.nbytes > 0  # nothing expired yet
+        time.sleep(max(0.0, last + 2 * ttl - time.monotonic()))  # silence: no request calls put or take
+        assert len(cache) == 0 and cache.nbytes == 0 and cache.usage() == {"cpu": (0, cache.peak["cpu"])}
+        assert cache.evicted == 6 and server._sweep is not None
+    assert server._sweep is None
+
+
 def test_the_dmoe_layer_backward_uses_the_activations_its_forward_kept():
     grid = (2, 2)
     config = SwarmConfig(layers=("ffn0",), grid=grid, n_servers=1, hidden_dim=HIDDEN,

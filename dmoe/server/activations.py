@@ -221,13 +221,22 @@ class ActivationCache:
                 self._count(stale, 1)
                 self.invalidated += 1
 
-    def _drop_expired(self, now: float) -> None:
+    def expire(self) -> int:
+        """Drops the kept forwards older than :attr:`ttl`; returns how many. :meth:`put` and :meth:`take` do it too,
+        but only when requests come: the server calls this on a timer, so that an idle server lets go of them."""
+        with self._lock:
+            return self._drop_expired(time.monotonic())
+
+    def _drop_expired(self, now: float) -> int:
+        dropped = 0
         while self._entries:
             entry_key, oldest = next(iter(self._entries.items()))
             if now - oldest.created <= self.ttl:
                 break
             self._remove(entry_key)
             self.evicted += 1
+            dropped += 1
+        return dropped
 
     def _remove(self, entry_key: tuple[str, bytes]) -> None:
         self._pop(entry_key)

@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # the server calls whatever it is given; it needs no DHT of i
 
 logger = logging.getLogger(__name__)
 
+#: the shortest period of the sweep that expires kept forwards (``activation_ttl / 2``, at least this)
+MIN_SWEEP_SECONDS = 0.05
+
 #: builds the backend of one more expert like the server's others (``ExpertServer.create`` makes one)
 BackendFactory = Callable[[str], ExpertBackend]
 
@@ -70,7 +73,8 @@ class ServerConfig:
         activation_cache_mb: (:meth:`ExpertServer.create`) MiB of activations kept between a forward and its
             backward, so that backward skips recomputing the forward (:mod:`dmoe.server.activations`); 0: always
             recompute.
-        activation_ttl: seconds a kept forward waits for its backward.
+        activation_ttl: seconds a kept forward waits for its backward (the server sweeps every ``ttl / 2`` s, so
+            one is dropped at most 1.5 ttl after its forward even when no other request comes).
         workers: threads that compute (see :class:`~dmoe.server.runtime.Runtime`); torch's intra-op threads are
             shared out between them. None: two on a CPU with two or more threads (each half of them), one on a
             GPU.
@@ -211,6 +215,7 @@ class ExpertServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._grpc_server: grpc.aio.Server | None = None
+        self._sweep: asyncio.TimerHandle | None = None  # the next expiry of kept forwards, on the loop
         self._closed = False
         self.checkpoints: Checkpoints | None = None
         if self.config.checkpoint_dir is not None:  # restored now: a mismatch fails construction, before serving
@@ -381,7 +386,31 @@ class ExpertServer:
                                   "not an address of this machine")
         await server.start()
         self._grpc_server = server
+        self._schedule_sweep()
         return port
+
+    def _schedule_sweep(self) -> None:
+        """On the loop: expires kept forwards every ``activation_ttl / 2`` s. The cache expires them itself only
+        when a request comes, so a server whose trainers went away held their inputs and graphs (on a GPU, device
+        memory) for good (review 66). The timer is the server's, on its loop: :meth:`close` cancels it."""
+        cache = self.activations
+        if cache is None or not cache.enabled or self._closed or self._loop is None:
+            return
+        self._sweep = self._loop.call_later(max(cache.ttl / 2, MIN_SWEEP_SECONDS), self._sweep_expired)
+
+    def _sweep_expired(self) -> None:
+        assert self.activations is not None
+        try:
+            self.activations.expire()
+        except Exception:  # noqa: BLE001 - the next sweep tries again
+            logger.exception("expiring kept activations failed")
+        self._schedule_sweep()
+
+    def _cancel_sweep(self) -> None:
+        """On the loop: no more sweeps."""
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
 
     def close(self) -> None:
         """Lets in-flight calls finish (up to ``shutdown_grace`` s), writes the last checkpoint, pushes the
@@ -431,12 +460,14 @@ class ExpertServer:
         server, servicer, grace = self._grpc_server, self.servicer, self.config.shutdown_grace
 
         async def stop() -> None:
+            self._cancel_sweep()
             servicer.release_holds()  # clients' held calls end now; the calls that compute get the grace period
             await server.stop(grace)
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result()
 
     def _stop_loop(self) -> None:
         assert self._loop is not None and self._loop_thread is not None
+        self._loop.call_soon_threadsafe(self._cancel_sweep)  # in case stopping the gRPC server did not
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join()
 
