@@ -58,3 +58,16 @@ class DoublePrecisionExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x).double()
+
+
+@register_expert_class("up8", lambda batch, hidden: torch.randn(batch, hidden))
+class UpProjectionExpert(nn.Module):
+    """``hidden -> 8 * hidden``: outputs eight times its inputs, while autograd saves only the inputs (review 66:
+    a kept forward's size must count its outputs)."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_dim, 8 * hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)

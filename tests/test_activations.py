@@ -2,6 +2,7 @@
 recomputing gives, and the whole path through a real server process and the DMoE layer."""
 from __future__ import annotations
 
+import importlib
 import re
 import time
 
@@ -213,6 +214,53 @@ def test_inputs_kept_from_a_shared_batch_pin_exactly_the_bytes_the_cache_counts(
     assert cache.inputs("e.0", b"alone")[0].data_ptr() == alone.data_ptr()
 
 
+def held_storages(kept: KeptForward, params) -> dict[int, int]:
+    """data pointer -> bytes of every storage a kept forward holds: its inputs, its outputs and what its graph saved
+    (found by walking the graph), less the parameters'."""
+    found = list(kept.inputs) + list(kept.outputs or ())
+    nodes, seen = [y.grad_fn for y in kept.outputs or () if y.grad_fn is not None], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found += [value for name in dir(node) if name.startswith("_saved_")
+                  and isinstance(value := getattr(node, name), torch.Tensor)]
+        nodes += [next_node for next_node, _ in node.next_functions]
+    weights = {p.untyped_storage().data_ptr() for p in params}
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found
+            if t.untyped_storage().data_ptr() not in weights}
+
+
+@pytest.mark.parametrize("name", ["up8", "ffn", "nop"])
+def test_a_kept_graph_counts_its_outputs_once_and_the_cache_stays_within_its_budget(name):
+    """Review 66: a kept graph's outputs were left out of its size, so an up-projection expert (outputs 8x its
+    inputs, autograd saving only the inputs) kept 5.6x the budget. The size is now the distinct storages held (an
+    output that is the input itself, as ``nop``'s, counts once)."""
+    importlib.import_module("tests.custom_experts")  # registers "up8"
+
+    hidden, rows = 64, 256
+    module = create_expert(name, hidden, seed=0)
+    params = list(module.parameters())
+    cache = ActivationCache(max_bytes=2 * 2**20)
+    backend = ExpertBackend("e.0", module, expert_class(name).sample(2, hidden),
+                            torch.optim.SGD(params, lr=0.1) if params else None, activations=cache)
+    for i in range(20):
+        backend.forward(torch.randn(rows, hidden), segments=[(bytes([i]), rows)])
+    assert len(cache) >= 1
+    held = {}
+    for entry in cache._entries.values():
+        assert entry.outputs is not None
+        storages = held_storages(entry, params)
+        assert entry.nbytes == sum(storages.values()), name
+        held.update(storages)
+    assert cache.nbytes == sum(held.values()) <= cache.max_bytes
+    if name == "up8":  # the input and the output: nothing else is saved
+        assert len(cache) == cache.max_bytes // (rows * hidden * 4 * 9)
+    if name == "nop":
+        assert cache.nbytes == len(cache) * rows * hidden * 4
+
+
 # ---- through a real server process ---------------------------------------------------------------------------
 
 def test_server_process_uses_kept_activations_gives_the_same_training_and_refuses_long_ids():
@@ -273,7 +321,7 @@ def test_out_of_device_memory_drops_the_kept_activations_answers_resource_exhaus
         with pytest.raises(RemoteExpertError, match="RESOURCE_EXHAUSTED: forward of s.0: the server's device ran "
                                                     "out of memory .*100 rows do not fit"):
             forward_future(endpoint, "s.0", [torch.randn(100, HIDDEN)]).result(30)
-        proc.wait_for(r"s.0.forward ran out of memory on cpu with 100 rows: freed 0.000244 MiB of kept activations, "
+        proc.wait_for(r"s.0.forward ran out of memory on cpu with 100 rows: freed 0.000488 MiB of kept activations, "
                       r"running it again")
         samples = scrape_once(metrics, "dmoe_requests_total", 1, expert="s.0", method="forward",
                               code="RESOURCE_EXHAUSTED")

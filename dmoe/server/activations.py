@@ -43,7 +43,8 @@ MIN_ENTRIES = 64
 @dataclass(eq=False)
 class KeptForward:
     """One forward request: its inputs and, when its graph was kept, its outputs and the parameter versions the
-    graph saw. ``nbytes``: what holding it costs (inputs and saved activations; the weights do not count)."""
+    graph saw. ``nbytes``: what holding it costs (the distinct storages of its inputs, saved activations and
+    outputs; the weights do not count)."""
 
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...] | None
@@ -68,7 +69,8 @@ def parameter_versions(params: Iterable[torch.Tensor]) -> tuple[int, ...]:
 
 
 class SavedBytes:
-    """Counts the bytes autograd saves during a forward, as ``torch.autograd.graph.saved_tensors_hooks``.
+    """Counts the bytes autograd saves during a forward, as ``torch.autograd.graph.saved_tensors_hooks``, and
+    whatever else a kept forward holds (its inputs and outputs, given to :meth:`pack`).
 
     Each storage counts once; the expert's own parameters count zero (they exist anyway).
     """

@@ -221,6 +221,9 @@ class ExpertBackend:
         with torch.enable_grad(), saved.hooks():
             outputs = self._as_tuple(self.module(*leaves))
         graph = outputs if any(y.requires_grad for y in outputs) else None
+        if graph is not None:  # the entry holds the outputs too: an up-projection's outweigh what autograd saves
+            for y in graph:
+                saved.pack(y)  # counted once, whether a saved tensor, an input or new
         cache.put(self.name, segments[0][0], KeptForward(leaves, graph, parameter_versions(params), saved.nbytes))
         return self._to_schema(tuple(y.detach() for y in outputs))
 
