@@ -71,3 +71,29 @@ class UpProjectionExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x)
+
+
+#: what torch's CPU allocator raises when an allocation fails (a plain RuntimeError)
+CPU_ALLOCATION_FAILURE = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                          "you tried to allocate 134217728 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@register_expert_class("small_cpu", lambda batch, hidden: torch.randn(batch, hidden))
+class SmallCpuExpert(nn.Module):
+    """A linear layer on a stand-in for a CPU short of memory: a call of more than ``ROWS`` rows, and the next
+    ``failures`` calls, raise what a CPU's failed allocation raises: torch's RuntimeError, or (``error = 'memory'``)
+    Python's MemoryError."""
+
+    ROWS = 64
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+        self.failures = 0
+        self.error = "allocator"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.ROWS or self.failures:
+            self.failures = max(0, self.failures - 1)
+            raise MemoryError() if self.error == "memory" else RuntimeError(CPU_ALLOCATION_FAILURE)
+        return self.linear(x)

@@ -357,6 +357,32 @@ def test_an_idle_server_expires_its_kept_forwards_and_stops_sweeping_on_close():
     assert server._sweep is None
 
 
+@pytest.mark.parametrize("error", ["allocator", "memory"])
+def test_a_cpu_allocation_failure_frees_the_kept_activations_and_answers_resource_exhausted(error):
+    """Review 66: a CPU reports a failed allocation as a plain RuntimeError ("DefaultCPUAllocator: can't allocate
+    memory"), or Python as MemoryError, never as torch.OutOfMemoryError: a CPU server out of memory kept its
+    activations and answered INTERNAL. Now the runtime frees them and runs the batch again, and a request that does
+    not fit even then gets RESOURCE_EXHAUSTED ("send fewer rows")."""
+    from dmoe.server import ExpertServer, ServerConfig
+
+    importlib.import_module("tests.custom_experts")  # registers "small_cpu"
+    config = ServerConfig(device="cpu", workers=1, activation_cache_mb=16)
+    with ExpertServer.create("c.0", "small_cpu", HIDDEN, config=config) as server:
+        module, cache = server.backends["c.0"].module, server.activations
+        module.error = error
+        x = torch.randn(8, HIDDEN)
+        kept = forward_future(server.endpoint, "c.0", [x], activation_id=b"k" * 16).result(30)[0]
+        assert len(cache) == 1
+        module.failures = 1  # the next call fails once: it fits once the kept activations are freed
+        torch.testing.assert_close(forward_future(server.endpoint, "c.0", [x]).result(30)[0], kept, rtol=0, atol=0)
+        assert server.runtime.out_of_memory == 1 and cache.released == 1 and len(cache) == 0 and cache.nbytes == 0
+        with pytest.raises(RemoteExpertError, match="RESOURCE_EXHAUSTED: forward of c.0: the server's device ran "
+                                                    "out of memory"):
+            forward_future(server.endpoint, "c.0", [torch.randn(100, HIDDEN)]).result(30)
+        assert server.runtime.out_of_memory == 2
+        torch.testing.assert_close(forward_future(server.endpoint, "c.0", [x]).result(30)[0], kept, rtol=0, atol=0)
+
+
 def test_the_dmoe_layer_backward_uses_the_activations_its_forward_kept():
     grid = (2, 2)
     config = SwarmConfig(layers=("ffn0",), grid=grid, n_servers=1, hidden_dim=HIDDEN,

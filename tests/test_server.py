@@ -262,6 +262,45 @@ def test_a_batch_that_fails_after_its_computation_ran_is_not_run_again(monkeypat
     assert calls == [2, 5]
 
 
+@pytest.mark.parametrize("error", ["allocator", "memory"])
+def test_a_cpu_allocation_failure_in_a_batch_or_its_copy_back_frees_memory_and_runs_again(error, monkeypatch):
+    """Review 66: a CPU's failed allocation (torch's RuntimeError "can't allocate memory", or MemoryError) is out of
+    memory too: the batch runs again once the owner freed memory, and a copy back runs again alone (its batch's
+    computation ran once)."""
+    from tests.custom_experts import CPU_ALLOCATION_FAILURE
+
+    def failure() -> Exception:
+        return MemoryError() if error == "memory" else RuntimeError(CPU_ALLOCATION_FAILURE)
+
+    calls: list[int] = []
+    failures = {"compute": 1, "copy": 0}
+    copy = Transfers.outputs
+
+    def flaky_copy(self, outputs):
+        if failures["copy"]:
+            failures["copy"] -= 1
+            raise failure()
+        return copy(self, outputs)
+
+    def flaky(x):
+        calls.append(x.shape[0])
+        if failures["compute"]:
+            failures["compute"] -= 1
+            raise failure()
+        return (x + 1,)
+
+    freed: list[int] = []
+    monkeypatch.setattr(Transfers, "outputs", flaky_copy)
+    with Runtime() as runtime:
+        runtime.on_out_of_memory = lambda: freed.append(1) or 0
+        pool = runtime.create_pool("flaky", flaky, 100)
+        torch.testing.assert_close(runtime.submit(pool, torch.ones(2)).result(30)[0], torch.full((2,), 2.0))
+        assert calls == [2, 2] and freed == [1] and runtime.out_of_memory == 1
+        failures["copy"] = 1
+        torch.testing.assert_close(runtime.submit(pool, torch.ones(3)).result(30)[0], torch.full((3,), 2.0))
+        assert calls == [2, 2, 3] and freed == [1, 1] and failures["copy"] == 0
+
+
 def test_a_backward_that_fails_half_way_leaves_no_gradients_for_the_next_step():
     class Fragile(torch.nn.Module):
         """Two layers; backward raises between them, after the second layer's gradients were accumulated."""

@@ -21,6 +21,18 @@ logger = logging.getLogger(__name__)
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+#: what torch's CPU allocator says when an allocation fails: it raises a plain RuntimeError ("DefaultCPUAllocator:
+#: can't allocate memory: you tried to allocate ... bytes"), never torch.OutOfMemoryError
+CPU_OUT_OF_MEMORY = "can't allocate memory"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure: a device's ``torch.OutOfMemoryError``, Python's ``MemoryError``, or
+    the RuntimeError of torch's CPU allocator (review 66: a CPU server ran out of memory without freeing its kept
+    activations, and answered INTERNAL, not RESOURCE_EXHAUSTED)."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and CPU_OUT_OF_MEMORY in str(error))
+
 
 class AfterCompute(Exception):
     """A batch failed after its computation ran: a backward's optimizer step is already applied, so the batch is
@@ -41,9 +53,10 @@ class Runtime:
     ``workers`` threads run all compute. Pools of one ``group`` (an expert's forward and backward pools) never
     run at once, so an expert's forward and backward never race on its weights; torch releases the GIL while it
     computes, so the gRPC loop keeps receiving meanwhile. A batch that raises is run again one task at a time, so
-    only the task that raises fails; the runtime carries on with the next batch. A batch that runs out of device
-    memory (``torch.OutOfMemoryError``) first runs again whole, after ``on_out_of_memory`` freed what its owner can
-    spare (the server's kept activations) and torch's cached blocks went back to the device.
+    only the task that raises fails; the runtime carries on with the next batch. A batch that runs out of memory
+    (:func:`is_out_of_memory`: ``torch.OutOfMemoryError`` on a GPU, the allocator's RuntimeError or a
+    ``MemoryError`` on a CPU) first runs again whole, after ``on_out_of_memory`` freed what its owner can spare (the
+    server's kept activations) and torch's cached blocks went back to the device.
 
     Why more than one worker on a CPU: one worker with every core as torch's intra-op threads spends its Python
     steps (module calls, autograd, optimizer bookkeeping) with the other cores idle, and each op waits for the
@@ -242,7 +255,7 @@ class Runtime:
             logger.warning("%s failed after computing a batch of %d tasks: %r", pool.name, len(batch), error.cause)
             for task in batch:
                 task.future.set_exception(error.cause)
-        elif isinstance(error, torch.OutOfMemoryError) and not freed:
+        elif is_out_of_memory(error) and not freed:
             with self._cond:  # workers may run out at once
                 self.out_of_memory += 1
             released = self._free_memory()
@@ -311,8 +324,10 @@ class Runtime:
         """The outputs to the host; out of memory there, the copy alone runs again once memory is freed."""
         try:
             return transfers.outputs(outputs)
-        except torch.OutOfMemoryError:
-            pass  # outside the except clause, whose traceback would hold the failed copy's tensors
+        except Exception as exc:  # noqa: BLE001 - re-raised unless out of memory
+            if not is_out_of_memory(exc):
+                raise
+        # outside the except clause, whose traceback would hold the failed copy's tensors
         logger.warning("copying outputs back ran out of memory on %s: freed %.3g MiB of kept activations, copying "
                        "again", self.device, self._free_memory() / 2**20)
         return transfers.outputs(outputs)

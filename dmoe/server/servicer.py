@@ -22,7 +22,7 @@ from dmoe.endpoints import peer_machine
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
 from dmoe.server.profile import StageClock
-from dmoe.server.runtime import PoolRemoved, Runtime
+from dmoe.server.runtime import PoolRemoved, Runtime, is_out_of_memory
 from dmoe.server.task_pool import TaskPool
 from dmoe.server.validation import RequestRejected, check_options, first_bad_values, validate
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
@@ -496,11 +496,11 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         except PoolRemoved:  # the expert was removed between the call's look-up and its queueing
             raise RequestRejected(grpc.StatusCode.NOT_FOUND,
                                   f"expert {uid!r} is no longer hosted on this server") from None
-        except torch.OutOfMemoryError as exc:  # even alone, and after the server freed what it could
-            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"{kind} of {uid}: the server's device ran out of memory ({exc}); send fewer "
-                                  "rows or try another server") from None
         except Exception as exc:
+            if is_out_of_memory(exc):  # even alone, and after the server freed what it could
+                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"{kind} of {uid}: the server's device ran out of memory ({exc}); send fewer "
+                                      "rows or try another server") from None
             raise RequestRejected(grpc.StatusCode.INTERNAL,
                                   f"{kind} of {uid} failed on the server: {type(exc).__name__}: {exc}") from None
         compression = compression or self.default_compression
