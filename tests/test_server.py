@@ -640,6 +640,17 @@ def test_program_rejects_bad_flags_naming_the_flag(flags, named, capsys):
     assert named in captured.err and "listening" not in captured.out
 
 
+def test_program_sets_the_shutdown_grace_from_its_flag(capsys):
+    parser = run_server.build_parser()
+    base = ["--experts", "ffn.0", "--hidden-dim", "8"]
+    assert run_server.server_config(parser.parse_args(base), parser).shutdown_grace == ServerConfig.shutdown_grace
+    config = run_server.server_config(parser.parse_args([*base, "--shutdown-grace", "7.5"]), parser)
+    assert config.shutdown_grace == 7.5
+    with pytest.raises(SystemExit) as exit_info:
+        run_server.main([*base, "--shutdown-grace", "-1"])
+    assert exit_info.value.code == 2 and "--shutdown-grace" in capsys.readouterr().err
+
+
 def test_autocast_server_answers_in_the_schema_dtype_close_to_full_precision():
     config = ServerConfig(device="cpu", autocast="bf16")
     with ExpertServer.create("ffn.0", "ffn", 16, seed=5, config=config) as server:

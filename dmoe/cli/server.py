@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-stream-seconds", type=positive_float, default=120.0,
                         help="seconds a streamed request has to arrive whole from its call's start; a slower one is "
                              "refused (DEADLINE_EXCEEDED) and the bytes it held are let go")
+    parser.add_argument("--shutdown-grace", type=non_negative(float), default=1.0,
+                        help="seconds the calls in flight get to finish when the server stops (a backward still "
+                             "computing past it is applied and checkpointed, but its caller is not answered)")
     parser.add_argument("--metrics-port", type=port_number, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: off)")
     parser.add_argument("--metrics-host", default=None,
@@ -434,6 +437,7 @@ def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     config.max_queued_mb = args.max_queued_mb
     config.max_stream_bytes = int(args.max_stream_mb * 2**20)
     config.max_stream_seconds = args.max_stream_seconds
+    config.shutdown_grace = args.shutdown_grace
     return config
 
 
