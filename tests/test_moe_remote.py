@@ -1,5 +1,6 @@
 """The DMoE layer against a real local swarm: batching per expert, same maths as in-process, dead servers,
 and the trainer surviving a server killed in the middle of training."""
+import contextlib
 import logging
 import re
 import time
@@ -377,3 +378,45 @@ def test_each_expert_gets_its_rows_and_gradients_and_its_answers_land_in_their_r
         assert torch.allclose(x_remote.grad, x_local.grad, atol=tolerance, rtol=tolerance)
         # (the test is about both paths: the payload went through shared memory exactly when asked to)
         assert (channels.segments.idle() > 0) == shared_memory
+
+
+@contextlib.contextmanager
+def servers_with_flags(*servers: tuple[str, list[str]], hidden: int = HIDDEN, uids=UIDS):
+    """A DHT node and one dmoe-server per ``(experts pattern, extra flags)``; yields (dht, endpoints, procs)."""
+    with processes() as procs:
+        boot = Proc(["-m", "dmoe.dht", "--host", "127.0.0.1", "--port", "0"])
+        procs.append(boot)
+        peer = boot.endpoint()
+        for pattern, flags in servers:
+            procs.append(Proc(["-m", "dmoe.cli.server", "--experts", pattern, "--hidden-dim", str(hidden),
+                               "--host", "127.0.0.1", "--port", "0", "--initial-peers", peer, *flags]))
+        endpoints = [proc.endpoint() for proc in procs[1:]]
+        with DHT(initial_peers=[peer]) as dht:
+            wait_until_declared(dht, uids)
+            yield dht, endpoints, procs[1:]
+
+
+def test_a_server_slower_than_the_k_min_grace_is_dropped_from_each_forward_but_never_banned():
+    """Review 65: a call cut by timeout_after_k_min banned its whole server as down, with a doubling backoff, so a
+    server slower than the fastest by more than the grace (yet well within forward_timeout) was never used again,
+    and one fast server got every slower one banned. Cut by the grace, it is dropped from that forward only."""
+    with servers_with_flags(("ffn0.[0:2].[0:4]", []), ("ffn0.[2:4].[0:4]", ["--inject-latency-ms", "1500"])) as (
+            dht, (_, slow), _):
+        layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=4, k_min=1, timeout_after_k_min=0.2,
+                                       forward_timeout=20.0, allow_zero_outputs=True)
+        with torch.no_grad():  # every row: ffn0.1.0, ffn0.2.0, ffn0.1.1 and ffn0.2.1 (two experts on each server)
+            layer.proj.weight.zero_()
+            layer.proj.bias.copy_(torch.tensor([0, 5, 5, 0, 3, 2, 1, 0.]))
+        for _ in range(4):
+            chosen, dropped = layer.stats.experts_chosen, layer.stats.experts_dropped
+            with torch.no_grad():
+                out = layer(torch.randn(8, HIDDEN))
+            assert torch.isfinite(out).all()
+            assert layer.stats.experts_chosen - chosen == 4  # the slow server's experts are still chosen ...
+            assert layer.stats.experts_dropped - dropped == 2  # ... and cut by the grace, from this forward only
+            assert len(layer.bans) == 0 and not layer.bans.is_banned("ffn0.2.0", slow)
+        layer.policy.timeout_after_k_min = None  # a grace that allows it: the slow server's answers are used
+        dropped = layer.stats.experts_dropped
+        with torch.no_grad():
+            layer(torch.randn(8, HIDDEN))
+        assert layer.stats.experts_dropped == dropped

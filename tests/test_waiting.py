@@ -79,3 +79,21 @@ def test_many_answers_settled_in_a_burst_all_count(k_min):
     thread.join(5)
     assert all(f.done() and not f.cancelled() for f in futures)
     assert time.monotonic() - started < 30, "the wait must end when the last answer is in, not at its timeout"
+
+
+def test_the_wait_names_the_calls_it_cut_at_the_grace_but_not_those_past_its_timeout():
+    """Review 65: the layer drops a straggler cut by the grace from that forward only, and bans the server of a call
+    that missed the forward's own deadline: the wait tells them apart."""
+    answered, late = Future(), Future()
+    answered.set_result(["row 0"])
+    assert wait_for_experts([answered, late], rows([0], [0]), n_rows=1, k_min=1, timeout=30,
+                            timeout_after_k_min=0.05) == [1]
+    assert late.cancelled()
+    nobody = [Future(), Future()]  # k_min never reached: the total timeout ends the wait
+    assert wait_for_experts(nobody, rows([0], [1]), n_rows=2, k_min=1, timeout=0.05, timeout_after_k_min=0.01) == []
+    assert all(f.cancelled() for f in nobody)
+    answered, late = Future(), Future()
+    answered.set_result(["row 0"])  # a grace longer than the time left: the timeout ends the wait
+    assert wait_for_experts([answered, late], rows([0], [0]), n_rows=1, k_min=1, timeout=0.05,
+                            timeout_after_k_min=30) == []
+    assert late.cancelled()

@@ -5,7 +5,8 @@ Where the gate drops a dead expert: :func:`wait_for_experts` decides which calls
 or its whole server (:mod:`dmoe.client.bans`), so the next beam search picks the next-best alive experts; the gate
 then renormalises over the experts that answered (:meth:`dmoe.client.gating.MixtureBase._combine`). A request the
 server refuses as invalid drops its expert from that forward only, and bans nothing unless the expert keeps
-refusing what the others answer (:meth:`CallPolicy.weigh_refusals`).
+refusing what the others answer (:meth:`CallPolicy.weigh_refusals`); so does a straggler that the
+``timeout_after_k_min`` grace cut (slower than the others is not down).
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ class CallPolicy:
     def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
                  shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
                  problem: str | None | object = UNCHECKED,
-                 settlement: "Settlement | None" = None) -> list[torch.Tensor] | None:
+                 settlement: "Settlement | None" = None, cut: bool = False) -> list[torch.Tensor] | None:
         """The future's result, or None after dropping the expert: banning whatever failed (the expert, or its whole
         server), unless the server refused the request as invalid.
 
@@ -112,6 +113,13 @@ class CallPolicy:
         the mixture, a wait until the refusal comes) it can already cost by answering, slowly, with well-formed
         nonsense that no check catches.
 
+        A call the wait cut at the end of the ``timeout_after_k_min`` grace (``cut``, from :func:`wait_for_experts`)
+        is dropped from this forward only, and neither bans nor re-admits: its server is only slower than the
+        others, and may well answer within ``forward_timeout``. Banned as down (review 65), a server slower than the
+        fastest by more than the grace was never used again, its experts never trained, and one fast server
+        (honest or answering nonsense at once) got every slower honest one banned. A call that misses
+        ``forward_timeout`` itself, or fails UNAVAILABLE or DEADLINE_EXCEEDED, bans its whole server.
+
         ``problem``: what :func:`malformed` said of this answer already (the wait checks answers as they come,
         :func:`wait_for_experts`), so that it is not checked twice. Backward failures are banned apart from forward
         ones (:mod:`dmoe.client.bans`). With ``settlement`` (:meth:`settling`), a server's failure is banned at the pass's
@@ -131,6 +139,9 @@ class CallPolicy:
                     self.refusal_streaks.pop(f"{direction} {uid}", None)
                 return result
             error = RuntimeError(f"malformed answer: {problem}")
+        elif cut and error is None:
+            logger.debug("%s %s dropped from this call only, not banned: cut by timeout_after_k_min", direction, uid)
+            return None
         if backward:
             self.stats.backward_failures += 1
         code = getattr(error, "code", None)
@@ -189,12 +200,18 @@ class Settlement:
 
 def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,
                       timeout: float | None, timeout_after_k_min: float | None,
-                      accept: Callable[[int], bool] | None = None) -> None:
+                      accept: Callable[[int], bool] | None = None) -> list[int]:
     """Waits until every row has ``k_min`` answers (or nothing left to wait for), then at most
     ``timeout_after_k_min`` more for stragglers; never past ``timeout`` in total. Futures left pending are
     cancelled and count as dropped. ``rows[i]``: the rows future ``i`` answers (distinct). ``accept(i)``: whether
     future ``i``'s result counts as an answer (the layer's checks: an answer it will drop, NaN say, must not end
     the wait for the others, or a fast expert answering nonsense cuts off the honest ones; review 46).
+
+    Returns the indices of the futures cancelled at the end of the ``timeout_after_k_min`` grace, before
+    ``timeout``: stragglers, merely slower than the others, not servers known to be down (review 65: banned as
+    down, a server slower than the fastest by more than the grace was never used again, and a fast hostile one got
+    every slower honest one banned). Those cancelled at ``timeout`` itself are not in it: they missed the forward's
+    own deadline.
 
     Answers arrive through one queue fed by done-callbacks: ``concurrent.futures.wait(FIRST_COMPLETED)`` would
     install and remove a waiter on every pending future after each answer, and wake once per answer even when a
@@ -202,7 +219,7 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
     more client CPU than the layer's own arithmetic).
     """
     start = time.monotonic()
-    deadline = start + timeout if timeout is not None else float("inf")
+    overall = deadline = start + timeout if timeout is not None else float("inf")
     chosen = np.zeros(n_rows, dtype=np.int64)
     for r in rows:
         chosen[r] += 1
@@ -239,9 +256,10 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
             pending_per_row[rows[i]] -= 1
             if not futures[i].cancelled() and futures[i].exception() is None and (accept is None or accept(i)):
                 answered[rows[i]] += 1
-    for i, still in enumerate(pending):
-        if still:
-            futures[i].cancel()
+    cut = [i for i, still in enumerate(pending) if still]
+    for i in cut:
+        futures[i].cancel()
+    return cut if deadline < overall else []
 
 
 def refusal(future: Future) -> bool:

@@ -116,8 +116,9 @@ class _RemoteExperts(torch.autograd.Function):
             problems[i] = malformed(futures[i].result(), (len(plan[i].rows), d), WIRE_DTYPE)
             return problems[i] is None
 
-        wait_for_experts(futures, [call.rows for call in plan], n, policy.k_min, timeout,
-                         policy.timeout_after_k_min, accept)
+        # stragglers cut by the k_min grace are dropped from this forward only: slower is not down (review 65)
+        cut = set(wait_for_experts(futures, [call.rows for call in plan], n, policy.k_min, timeout,
+                                   policy.timeout_after_k_min, accept))
         laps.lap("wait")
         # answers land in [n * k, d] at row * k + slot; left uninitialised, as only the pairs nobody answered (often
         # none) need zeros: zeroing all of it first cost a pass over the whole output
@@ -129,7 +130,8 @@ class _RemoteExperts(torch.autograd.Function):
                     zip(plan, futures, ids, sent)):
                 # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
                 result = policy.outcome(uid, endpoint, future, shape=(len(rows), d), dtype=WIRE_DTYPE,
-                                        problem=problems.get(i, UNCHECKED), settlement=settlement)
+                                        problem=problems.get(i, UNCHECKED), settlement=settlement,
+                                        cut=i in cut)
                 if result is None:
                     if uid in policy.refusing:
                         refused.append((uid, endpoint))
@@ -240,7 +242,8 @@ class RemoteMixtureOfExperts(MixtureBase):
     :param dht: a :class:`dmoe.dht.DHT` node to search for alive experts.
     :param k_best: experts chosen per row (token).
     :param k_min: forward waits until every row has this many answers (or no call left pending) ...
-    :param timeout_after_k_min: ... then at most this many seconds more for the remaining experts.
+    :param timeout_after_k_min: ... then at most this many seconds more for the remaining experts (those it cuts
+        are dropped from that forward only, not banned: slower is not down).
     :param forward_timeout: no forward waits longer than this in total; slower experts are dropped.
     :param backward_k_min: backward raises only if a row gets fewer expert gradients than this.
     :param backward_timeout: experts that have not answered backward by then contribute no gradient.
