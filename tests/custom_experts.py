@@ -97,3 +97,38 @@ class SmallCpuExpert(nn.Module):
             self.failures = max(0, self.failures - 1)
             raise MemoryError() if self.error == "memory" else RuntimeError(CPU_ALLOCATION_FAILURE)
         return self.linear(x)
+
+
+@register_expert_class("huge", lambda batch, hidden: torch.randn(batch, hidden))
+class HugeExpert(nn.Module):
+    """Answers finite rows of magnitude about 1e30 (float32 holds up to 3.4e38): a diverged or hostile expert that
+    no NaN or Inf check catches."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * 1e30
+
+
+class _Amplified(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1e30
+
+
+@register_expert_class("huge_grad", lambda batch, hidden: torch.randn(batch, hidden))
+class HugeGradientExpert(nn.Module):
+    """A linear layer whose forward answers are ordinary, and whose input gradients are finite but about 1e30."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(_Amplified.apply(x))

@@ -420,3 +420,36 @@ def test_a_server_slower_than_the_k_min_grace_is_dropped_from_each_forward_but_n
         with torch.no_grad():
             layer(torch.randn(8, HIDDEN))
         assert layer.stats.experts_dropped == dropped
+
+
+def test_an_expert_answering_finite_but_huge_values_is_dropped_and_banned_and_the_loss_stays_finite():
+    """Review 65: answers of 1e30 passed every check (shape, dtype, NaN/Inf); the next LayerNorm made the loss NaN,
+    no expert got a gradient, and nobody was blamed. Above the layer's max_abs_value (by default the servers' own
+    --max-abs-value, 1e6), outputs and input gradients are malformed: the expert is dropped and banned."""
+    custom = ["--custom-module", "tests/custom_experts.py"]
+    with servers_with_flags(("ffn0.[0:2].[0:4]", []), ("ffn0.2.[0:4]", ["--expert-cls", "huge", *custom]),
+                            ("ffn0.3.[0:4]", ["--expert-cls", "huge_grad", *custom])) as (dht, (_, huge, huge_grad), _):
+        torch.manual_seed(0)
+        layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=4, k_min=4, allow_zero_outputs=True,
+                                       backward_k_min=0)
+
+        def step(first_coordinate_bias: list[float]) -> torch.Tensor:
+            with torch.no_grad():  # every row: ffn0.1.0, ffn0.{c}.0, ffn0.1.1, ffn0.{c}.1 for the c biased to 5
+                layer.proj.weight.zero_()
+                layer.proj.bias.copy_(torch.tensor([*first_coordinate_bias, 3, 2, 1, 0.]))
+            x = torch.randn(16, HIDDEN, requires_grad=True)
+            loss = torch.nn.functional.layer_norm(x + layer(x), (HIDDEN,)).pow(2).mean()
+            loss.backward()
+            assert torch.isfinite(loss)
+            return x.grad
+
+        grad = step([0, 5, 5, 0])  # huge outputs from ffn0.2.*
+        assert layer.stats.experts_dropped == 2 and layer.stats.backward_failures == 0
+        assert layer.bans.is_banned("ffn0.2.0", huge) and layer.bans.is_banned("ffn0.2.1", huge)
+        assert torch.isfinite(grad).all() and grad.abs().max() < 1e3
+        grad = step([0, 5, 0, 5])  # ordinary outputs from ffn0.3.*, huge input gradients
+        assert layer.stats.experts_dropped == 2  # its forwards were fine ...
+        assert layer.stats.backward_failures == 2  # ... its backwards were not
+        assert layer.bans.is_banned("ffn0.3.0", huge_grad) and layer.bans.is_banned("ffn0.3.1", huge_grad)
+        assert torch.isfinite(grad).all() and grad.abs().max() < 1e3
+        assert not layer.bans.is_banned("ffn0.1.0") and not layer.bans.is_banned("ffn0.1.1")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import time
 from concurrent.futures import Future
@@ -24,7 +25,7 @@ import torch
 
 from dmoe.client.bans import Bans
 from dmoe.client.gating import MoEStats
-from dmoe.client.remote_expert import all_finite
+from dmoe.client.remote_expert import value_range
 from dmoe.wire import NONE, ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 REFUSALS_TO_BAN = 3
 #: :meth:`CallPolicy.outcome`'s default ``problem``: the answer is checked there
 UNCHECKED = object()
+#: the largest magnitude a layer accepts in an expert's answer by default: the servers' own default limit on what
+#: they accept (``dmoe-server --max-abs-value``), far above what a healthy expert answers
+MAX_ABS_VALUE = 1e6
 
 
 @dataclass
@@ -47,6 +51,8 @@ class CallPolicy:
     backward_timeout: experts that have not answered backward by then contribute no gradient.
     compression: wire compression of the tensors sent; channels: the gRPC channel pool (None: the shared one).
     bans: the ban book (shared between layers); stats: the layer's counters, updated by every call.
+    max_abs_value: an answer (outputs, or input gradients) holding a value of a larger magnitude is malformed
+    (None or 0: no limit).
     """
 
     k_min: int = 1
@@ -54,6 +60,7 @@ class CallPolicy:
     forward_timeout: float | None = 10.0
     backward_k_min: int = 1
     backward_timeout: float | None = 10.0
+    max_abs_value: float | None = MAX_ABS_VALUE
     compression: int = NONE
     channels: ChannelPool | None = None
     bans: Bans = field(default_factory=Bans)
@@ -100,7 +107,9 @@ class CallPolicy:
         the mixture. (The calls check every tensor's header against what they expect before decoding any:
         :class:`~dmoe.client.remote_expert.MalformedAnswer`, a failure like any other here.) So does an answer
         holding NaN or Inf, forward or backward: a diverged or hostile expert's NaN would otherwise poison the
-        mixture (and the loss) of every row it answered, or the gradients of the layer's inputs.
+        mixture (and the loss) of every row it answered, or the gradients of the layer's inputs. And so does one
+        holding a finite value above :attr:`max_abs_value`: 1e30 passed every other check, the next LayerNorm made
+        the loss NaN, no gradient reached any expert, and a trainer ended as diverged with nobody blamed (review 65).
 
         A refusal of the request as invalid (INVALID_ARGUMENT) drops the expert from this call only. It is usually
         the caller's own mistake (rows of another width than the experts', values the server's limits refuse), and
@@ -130,7 +139,7 @@ class CallPolicy:
         if future.done() and not future.cancelled() and error is None:
             result = future.result()
             if problem is UNCHECKED:
-                problem = malformed(result, shape, dtype)
+                problem = malformed(result, shape, dtype, self.max_abs_value)
             if problem is None:
                 self.bans.succeed(uid, endpoint, backward=backward)
                 if settlement is not None:
@@ -270,9 +279,10 @@ def refusal(future: Future) -> bool:
 
 
 def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None,
-              dtype: torch.dtype | None = None) -> str | None:
-    """What is wrong with an expert's answer that should be floating-point of ``shape`` and ``dtype``, and finite
-    (None: nothing). Finiteness is numpy's smallest and largest value of each tensor (:func:`all_finite`): two
+              dtype: torch.dtype | None = None, max_abs_value: float | None = None) -> str | None:
+    """What is wrong with an expert's answer that should be floating-point of ``shape`` and ``dtype``, finite, and
+    of magnitude at most ``max_abs_value`` (None or 0: any) (None: nothing). Finiteness and magnitude both come
+    from numpy's smallest and largest value of each tensor (:func:`~dmoe.client.remote_expert.value_range`): two
     passes on the caller's thread, no torch op."""
     if not result:
         return "no tensors"
@@ -283,6 +293,10 @@ def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None,
         return f"expected floating-point values, got {first.dtype}"
     if dtype is not None and first.dtype != dtype:
         return f"expected {dtype}, got {first.dtype}"
-    if not all(map(all_finite, result)):
-        return "non-finite values (NaN or Inf)"
+    for tensor in result:
+        low, high = value_range(tensor)
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return "non-finite values (NaN or Inf)"
+        if max_abs_value and max(-low, high) > max_abs_value:
+            return f"a value of magnitude {max(-low, high):.3g}, above the layer's max_abs_value {max_abs_value:g}"
     return None

@@ -16,7 +16,7 @@ import torch
 
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
-from dmoe.client.failures import UNCHECKED, CallPolicy, malformed, refusal, wait_for_experts
+from dmoe.client.failures import MAX_ABS_VALUE, UNCHECKED, CallPolicy, malformed, refusal, wait_for_experts
 from dmoe.client.gating import MixtureBase
 from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
                                        loss_scale, new_activation_id)
@@ -113,7 +113,7 @@ class _RemoteExperts(torch.autograd.Function):
         problems: dict[int, str | None] = {}
 
         def accept(i: int) -> bool:
-            problems[i] = malformed(futures[i].result(), (len(plan[i].rows), d), WIRE_DTYPE)
+            problems[i] = malformed(futures[i].result(), (len(plan[i].rows), d), WIRE_DTYPE, policy.max_abs_value)
             return problems[i] is None
 
         # stragglers cut by the k_min grace are dropped from this forward only: slower is not down (review 65)
@@ -248,6 +248,10 @@ class RemoteMixtureOfExperts(MixtureBase):
     :param backward_k_min: backward raises only if a row gets fewer expert gradients than this.
     :param backward_timeout: experts that have not answered backward by then contribute no gradient.
     :param allow_zero_outputs: rows that no expert answered give zeros instead of raising.
+    :param max_abs_value: an expert whose answer (outputs, or input gradients) holds a value of a larger magnitude
+        is dropped and banned, as for NaN (None or 0: no limit; the default is the servers' own ``--max-abs-value``):
+        a finite but huge answer, from a diverged or hostile expert, would make the loss NaN downstream, and then
+        no expert would be blamed.
     :param compression: wire compression of the tensors sent (``dmoe.wire.NONE``, ``FLOAT16``, ``UINT8``).
     :param bans: shares the ban book between layers (experts of a dead server are banned once for all).
     :param reroute_attempts: rows that none of their experts answered are sent, within the same forward, to
@@ -271,7 +275,7 @@ class RemoteMixtureOfExperts(MixtureBase):
                  backward_k_min: int = 1, backward_timeout: float | None = 10.0, allow_zero_outputs: bool = False,
                  compression: int = NONE, bans: Bans | None = None, ban_config: BanConfig | None = None,
                  channels: ChannelPool | None = None, cache: Any = None, reroute_attempts: int = 1,
-                 switch: bool = False, grad_scaler: Any = None):
+                 switch: bool = False, grad_scaler: Any = None, max_abs_value: float | None = MAX_ABS_VALUE):
         super().__init__(in_features, grid, layer, k_best, allow_zero_outputs, switch)
         if dht is None:
             raise ValueError("dht is required: a dmoe.DHT node joined to the swarm, to find its experts")
@@ -285,6 +289,8 @@ class RemoteMixtureOfExperts(MixtureBase):
             if seconds is not None and not (seconds >= 0 if zero_ok else seconds > 0):
                 raise ValueError(f"{name} must be {'>= 0' if zero_ok else '> 0'} seconds (or None: no limit), "
                                  f"got {seconds}")
+        if max_abs_value is not None and not max_abs_value >= 0:
+            raise ValueError(f"max_abs_value must be >= 0 (or 0/None: no limit), got {max_abs_value}")
         if reroute_attempts < 0:
             raise ValueError(f"reroute_attempts must be >= 0, got {reroute_attempts}")
         compression = parse_compression(compression)  # raises ValueError naming the choices
@@ -292,7 +298,8 @@ class RemoteMixtureOfExperts(MixtureBase):
         self.dht = dht
         self.policy = CallPolicy(k_min=k_min, timeout_after_k_min=timeout_after_k_min,
                                  forward_timeout=forward_timeout, backward_k_min=backward_k_min,
-                                 backward_timeout=backward_timeout, compression=compression, channels=channels,
+                                 backward_timeout=backward_timeout, max_abs_value=max_abs_value or None,
+                                 compression=compression, channels=channels,
                                  bans=bans if bans is not None else Bans(ban_config or BanConfig()),
                                  stats=self.stats, layer_name=layer, grad_scaler=grad_scaler)
         self.bans = self.policy.bans

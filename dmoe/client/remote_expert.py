@@ -52,6 +52,19 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
+def value_range(tensor: torch.Tensor) -> tuple[float, float]:
+    """The smallest and the largest value of ``tensor`` (NaN if it holds any NaN; (0, 0) for an empty or integer
+    tensor): on the host with numpy (two passes, no copy, as :func:`all_finite`), elsewhere one reduction on the
+    tensor's device. Both finiteness and magnitude follow from them."""
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return 0.0, 0.0
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS:
+        values = tensor.detach().numpy()
+        return float(values.min()), float(values.max())
+    low, high = torch.aminmax(tensor.detach().float())
+    return float(low), float(high)
+
+
 def loss_scale(scaler: Any) -> float:
     """The scale a ``torch.amp.GradScaler`` multiplies the loss by now (1.0 for None or a disabled one)."""
     if scaler is None or not scaler.is_enabled():

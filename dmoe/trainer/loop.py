@@ -99,6 +99,9 @@ class TrainConfig:
     backward_k_min: int = _option(0, "backward raises for a token with fewer expert gradients than this (0: never, "
                                      "so a server that dies between forward and backward only costs its gradients)",
                                   non_negative(int))
+    max_abs_value: float = _option(1e6, "drop and ban an expert whose answer (outputs, or input gradients) holds a "
+                                        "value of a larger magnitude (0: no limit; the servers' --max-abs-value "
+                                        "bounds what they accept)", non_negative(float))
     # optimisation
     steps: int = _option(400, "optimizer steps in total (a resumed run continues up to this step)", positive(int))
     batch_size: int = _option(16, "windows per batch", positive(int))
@@ -551,7 +554,7 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack, dht=N
         layer = RemoteMixtureOfExperts(
             layer=f"ffn{i}", dht=dht, k_min=config.k_min, forward_timeout=config.forward_timeout,
             backward_k_min=config.backward_k_min, backward_timeout=config.backward_timeout,
-            timeout_after_k_min=config.timeout_after_k_min,
+            timeout_after_k_min=config.timeout_after_k_min, max_abs_value=config.max_abs_value,
             allow_zero_outputs=config.allow_zero_outputs, bans=bans, **common)
         if callable(getattr(layer, "close", None)):
             resources.callback(layer.close)
