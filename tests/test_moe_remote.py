@@ -453,3 +453,38 @@ def test_an_expert_answering_finite_but_huge_values_is_dropped_and_banned_and_th
         assert layer.bans.is_banned("ffn0.3.0", huge_grad) and layer.bans.is_banned("ffn0.3.1", huge_grad)
         assert torch.isfinite(grad).all() and grad.abs().max() < 1e3
         assert not layer.bans.is_banned("ffn0.1.0") and not layer.bans.is_banned("ffn0.1.1")
+
+
+def test_rows_beyond_a_servers_max_batch_size_go_as_several_requests_with_the_in_process_layers_results():
+    """Review 65: the layer sent all of an expert's rows in one request; a server whose --max-batch-size is below
+    them refused it (RESOURCE_EXHAUSTED) and the healthy expert was dropped and banned, every step. The refusal
+    names the limit: the rows are cut into requests the server takes and sent again in the same forward, later
+    forwards cut them at once, and each backward goes with its forward's requests (their activation ids)."""
+    # SGD steps of lr 1e-30 change no float32 weight: both forwards compare with the experts' initial weights
+    with servers_with_flags(("ffn0.[0:4].[0:4]", ["--max-batch-size", "64", "--optimizer", "sgd", "--lr", "1e-30"])
+                            ) as (dht, (endpoint,), _):
+        torch.manual_seed(0)
+        local = LocalMixtureOfExperts(HIDDEN, GRID, "ffn0", k_best=2, expert_factory=lambda uid:
+                                      create_expert("ffn", HIDDEN, seed=expert_seed(0, uid)))
+        remote = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=2, k_min=2, forward_timeout=60,
+                                        backward_timeout=60)
+        with torch.no_grad():  # every row: ffn0.1.0 and ffn0.1.1, 200 rows each
+            local.proj.weight.mul_(1e-3)
+            local.proj.bias.copy_(torch.tensor([0, 50, 0, 0, 30, 20, 0, 0.]))
+        remote.proj.load_state_dict(local.proj.state_dict())
+        for _ in range(2):  # the first forward learns the limit from the refusal, the second cuts the rows at once
+            x = torch.randn(200, HIDDEN)
+            x_local, x_remote = x.clone().requires_grad_(), x.clone().requires_grad_()
+            grad_out = torch.randn(200, HIDDEN)
+            out_local, out_remote = local(x_local), remote(x_remote)
+            (out_local * grad_out).sum().backward()
+            (out_remote * grad_out).sum().backward()
+            assert remote.stats.experts_dropped == 0 and remote.stats.backward_failures == 0
+            assert len(remote.bans) == 0 and remote.stats.rows_without_expert == 0
+            torch.testing.assert_close(out_remote, out_local, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(x_remote.grad, x_local.grad, atol=1e-5, rtol=1e-5)
+        assert remote.policy.batch_limits == {endpoint: 64}
+        assert remote.stats.experts_chosen == 4  # two experts a forward, however many requests they took
+        calls = {uid: expert_info(endpoint, uid, timeout=10) for uid in ("ffn0.1.0", "ffn0.1.1")}
+        # per expert: 1 refused + 4 requests, then 4 requests; a backward for each of the 8 requests answered
+        assert all(info["backward_calls"] == 8 for info in calls.values()), calls

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import queue
+import re
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,9 +24,9 @@ import grpc
 import numpy as np
 import torch
 
-from dmoe.client.bans import Bans
+from dmoe.client.bans import MAX_RECORDS, Bans
 from dmoe.client.gating import MoEStats
-from dmoe.client.remote_expert import value_range
+from dmoe.client.remote_expert import RemoteExpertError, expert_info, value_range
 from dmoe.wire import NONE, ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,15 @@ UNCHECKED = object()
 #: the largest magnitude a layer accepts in an expert's answer by default: the servers' own default limit on what
 #: they accept (``dmoe-server --max-abs-value``), far above what a healthy expert answers
 MAX_ABS_VALUE = 1e6
+#: the most requests an expert's rows are cut into to fit its server's max_batch_size: a server claiming a limit
+#: that needs more (1 row, say) fails the expert as any other refusal of its kind would (its claim costs the caller
+#: a request per row otherwise)
+MAX_CHUNKS = 256
+#: the most seconds a forward asks a server for its max_batch_size (``info``) when its refusal does not say it
+INFO_TIMEOUT = 2.0
+#: the number a server's "exceeds max_batch_size" refusal names (dmoe-server: "batch of N rows exceeds this
+#: server's max_batch_size M", or "... (max_batch_size M) can carry" for a streamed request)
+_BATCH_LIMIT = re.compile(r"max_batch_size\D{0,8}?(\d{1,9})")
 
 
 @dataclass
@@ -76,6 +86,47 @@ class CallPolicy:
     #: calls in a row that an expert refused as invalid while other experts answered the same call, by
     #: ``"forward uid"`` / ``"backward uid"``
     refusal_streaks: dict[str, int] = field(default_factory=dict)
+    #: the most rows each server takes in one request (its ``max_batch_size``), by endpoint, learnt from its
+    #: refusals (:meth:`learn_batch_limit`): the layer cuts an expert's rows into requests of at most that many
+    batch_limits: dict[str, int] = field(default_factory=dict)
+
+    def learn_batch_limit(self, uid: str, endpoint: str, future: Future, rows: int,
+                          time_left: float | None) -> int | None:
+        """The server's ``max_batch_size``, if ``future`` (a request of ``rows`` rows) ended in its refusal of more
+        rows than that (RESOURCE_EXHAUSTED naming max_batch_size), remembered for the endpoint; None otherwise.
+
+        The number comes from the refusal's message, or, where the message names none (another server version),
+        from the server's ``info`` (within ``time_left``). A limit that ``rows`` do not exceed, or one that would
+        cut them into more than :data:`MAX_CHUNKS` requests, is not believed: the refusal is then the expert's
+        failure, as before. Healthy experts were banned every step when the gate routed them more rows than their
+        server's limit (review 65)."""
+        if not future.done() or future.cancelled():
+            return None
+        error = future.exception()
+        if getattr(error, "code", None) != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return None
+        message = str(getattr(error, "message", error))
+        if "max_batch_size" not in message:
+            return None
+        match = _BATCH_LIMIT.search(message)
+        if match is not None:
+            limit = int(match.group(1))
+        elif time_left is not None and time_left <= 0:
+            return None
+        else:
+            try:
+                limit = int(expert_info(endpoint, uid, channels=self.channels, timeout=INFO_TIMEOUT if time_left is None
+                                        else min(INFO_TIMEOUT, time_left))["max_batch_size"])
+            except RemoteExpertError:
+                return None
+        if not 1 <= limit < rows or -(-rows // limit) > MAX_CHUNKS:
+            return None
+        if endpoint not in self.batch_limits and len(self.batch_limits) >= MAX_RECORDS:
+            self.batch_limits.pop(next(iter(self.batch_limits)))  # the oldest
+        self.batch_limits[endpoint] = limit
+        logger.info("forward %s: %s takes at most %d rows a request (its max_batch_size): %d rows go as %d requests",
+                    uid, endpoint, limit, rows, -(-rows // limit))
+        return limit
 
     @contextlib.contextmanager
     def settling(self) -> Iterator["Settlement"]:
@@ -209,7 +260,8 @@ class Settlement:
 
 def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,
                       timeout: float | None, timeout_after_k_min: float | None,
-                      accept: Callable[[int], bool] | None = None) -> list[int]:
+                      accept: Callable[[int], bool] | None = None,
+                      answered_before: np.ndarray | None = None) -> list[int]:
     """Waits until every row has ``k_min`` answers (or nothing left to wait for), then at most
     ``timeout_after_k_min`` more for stragglers; never past ``timeout`` in total. Futures left pending are
     cancelled and count as dropped. ``rows[i]``: the rows future ``i`` answers (distinct). ``accept(i)``: whether
@@ -222,6 +274,8 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
     every slower honest one banned). Those cancelled at ``timeout`` itself are not in it: they missed the forward's
     own deadline.
 
+    ``answered_before``: answers each row has already (from an earlier wait of the same forward), towards k_min.
+
     Answers arrive through one queue fed by done-callbacks: ``concurrent.futures.wait(FIRST_COMPLETED)`` would
     install and remove a waiter on every pending future after each answer, and wake once per answer even when a
     server's batch call settles all its experts at once (with many trainer threads, the lock traffic of that cost
@@ -232,7 +286,7 @@ def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_ro
     chosen = np.zeros(n_rows, dtype=np.int64)
     for r in rows:
         chosen[r] += 1
-    needed = np.minimum(chosen, k_min)
+    needed = np.minimum(chosen, k_min if answered_before is None else np.maximum(k_min - answered_before, 0))
     answered = np.zeros(n_rows, dtype=np.int64)
     pending_per_row = chosen.copy()
     finished: queue.SimpleQueue[int] = queue.SimpleQueue()

@@ -78,9 +78,31 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 WIRE_DTYPE = torch.float32
 
 
+def _chunks(call: PlannedCall, limit: int) -> list[PlannedCall]:
+    """``call``'s rows cut into requests of at most ``limit`` rows each, as even as they go."""
+    parts = -(-len(call.rows) // limit)
+    return [PlannedCall(call.uid, call.endpoint, rows, slots)
+            for rows, slots in zip(np.array_split(call.rows, parts), np.array_split(call.slots, parts))]
+
+
+def _split(plan: list[PlannedCall], limits: dict[str, int]) -> list[PlannedCall]:
+    """The plan with every expert's rows cut into requests its server takes (``limits``: max_batch_size by
+    endpoint, where known): a server refuses a request of more rows (RESOURCE_EXHAUSTED), and an expert whose rows
+    exceed it was banned every step (review 65). The requests of one server still travel in one call."""
+    split: list[PlannedCall] = []
+    for call in plan:
+        limit = limits.get(call.endpoint)
+        if limit is None or len(call.rows) <= limit:
+            split.append(call)
+        else:
+            split.extend(_chunks(call, limit))
+    return split
+
+
 class _RemoteExperts(torch.autograd.Function):
-    """Calls each chosen expert once with all of its rows (one call per server); backward sends the matching
-    output gradients."""
+    """Calls each chosen expert once with all of its rows (one call per server; rows beyond its server's
+    max_batch_size in several requests of that call); backward sends the matching output gradients, request by
+    request."""
 
     @staticmethod
     def forward(ctx, dummy: torch.Tensor, flat: torch.Tensor, policy: CallPolicy, plan: list[PlannedCall], k: int,
@@ -95,17 +117,27 @@ class _RemoteExperts(torch.autograd.Function):
             # the rows are kept to send again in backward: a copy of the caller's tensor, which may change meanwhile
             host_bits = host_bits.copy()
         laps.lap("to_host")
-        # a backward will follow: the servers keep each forward's inputs (and activations) under its id until then
-        ids = [new_activation_id() if will_backward else None for _ in plan]
-        # each expert's rows are gathered straight into its request (GatheredRows), not into a tensor first
-        sent = [GatheredRows(host_bits, call.rows, WIRE_DTYPE) for call in plan]
-        # one call per server carries all of its experts' requests; each expert still answers (or fails) alone
-        # experts map rows of in_features to rows of in_features (the layer's output is their mixture): any other
-        # answer fails undecoded, and a streamed one as soon as it exceeds those rows' bytes
-        futures = forward_futures([(uid, endpoint, [rows_in], activation_id)
-                                   for (uid, endpoint, _, _), rows_in, activation_id in zip(plan, sent, ids)],
-                                  timeout=timeout, compression=policy.compression, channels=policy.channels,
-                                  expect=[[(rows_in.shape, WIRE_DTYPE)] for rows_in in sent])
+        started = time.monotonic()
+        experts = len(plan)
+        if policy.batch_limits:  # rows beyond a server's max_batch_size go as several requests (review 65)
+            plan = _split(plan, policy.batch_limits)
+
+        def send(calls: list[PlannedCall], seconds: float | None) -> tuple[list, list, list]:
+            # a backward will follow: the servers keep each forward's inputs (and activations) under its id until
+            # then (one id per request: an expert's rows cut into several requests are several activations)
+            ids = [new_activation_id() if will_backward else None for _ in calls]
+            # each expert's rows are gathered straight into its request (GatheredRows), not into a tensor first
+            sent = [GatheredRows(host_bits, call.rows, WIRE_DTYPE) for call in calls]
+            # one call per server carries all of its experts' requests; each expert still answers (or fails) alone
+            # experts map rows of in_features to rows of in_features (the layer's output is their mixture): any
+            # other answer fails undecoded, and a streamed one as soon as it exceeds those rows' bytes
+            futures = forward_futures([(uid, endpoint, [rows_in], activation_id)
+                                       for (uid, endpoint, _, _), rows_in, activation_id in zip(calls, sent, ids)],
+                                      timeout=seconds, compression=policy.compression, channels=policy.channels,
+                                      expect=[[(rows_in.shape, WIRE_DTYPE)] for rows_in in sent])
+            return ids, sent, futures
+
+        ids, sent, futures = send(plan, timeout)
         laps.lap("send")
         n, d = len(inputs), inputs.shape[-1]
         # answers are checked as they come: one the layer will drop (NaN, a wrong shape) must not count towards
@@ -119,20 +151,51 @@ class _RemoteExperts(torch.autograd.Function):
         # stragglers cut by the k_min grace are dropped from this forward only: slower is not down (review 65)
         cut = set(wait_for_experts(futures, [call.rows for call in plan], n, policy.k_min, timeout,
                                    policy.timeout_after_k_min, accept))
+        # requests refused for more rows than their server's max_batch_size: cut to its limit and sent again, once
+        resent: set[int] = set()  # (their parts answer for them)
+        unsent: set[int] = set()  # (no time was left: dropped, not banned)
+        if len(problems) < len(plan):
+            left = None if timeout is None else timeout - (time.monotonic() - started)
+            learnt = []
+            for i, call in enumerate(plan):
+                if i not in problems:  # (no answer)
+                    limit = policy.learn_batch_limit(call.uid, call.endpoint, futures[i], len(call.rows), left)
+                    if limit is not None:
+                        learnt.append((i, limit))
+            if learnt:
+                left = None if timeout is None else timeout - (time.monotonic() - started)
+                (resent if left is None or left > 0 else unsent).update(i for i, _ in learnt)
+                if resent:
+                    before = np.bincount(np.concatenate([plan[i].rows for i, problem in problems.items()
+                                                         if problem is None] or [np.empty(0, np.int64)]),
+                                         minlength=n)
+                    first = len(plan)
+                    chunks = [chunk for i, limit in learnt for chunk in _chunks(plan[i], limit)]
+                    plan = plan + chunks
+                    more = send(chunks, left)
+                    ids, sent, futures = ids + more[0], sent + more[1], futures + more[2]
+                    cut.update(first + j for j in wait_for_experts(
+                        futures[first:], [call.rows for call in chunks], n, policy.k_min, left,
+                        policy.timeout_after_k_min, lambda j: accept(first + j), before))
         laps.lap("wait")
         # answers land in [n * k, d] at row * k + slot; left uninitialised, as only the pairs nobody answered (often
         # none) need zeros: zeroing all of it first cost a pass over the whole output
         out_bits: np.ndarray | None = None
         alive = np.zeros(n * k, dtype=bool)
-        answered, refused = [], []
+        answered, refused, lost = [], [], []
         with policy.settling() as settlement:
             for i, ((uid, endpoint, rows, slots), future, activation_id, rows_in) in enumerate(
                     zip(plan, futures, ids, sent)):
+                if i in resent or i in unsent:  # refused for its rows' number: not the expert's failure
+                    if i in unsent:
+                        lost.append(uid)
+                    continue
                 # experts map rows of in_features to rows of in_features (the layer's output is their mixture)
                 result = policy.outcome(uid, endpoint, future, shape=(len(rows), d), dtype=WIRE_DTYPE,
                                         problem=problems.get(i, UNCHECKED), settlement=settlement,
                                         cut=i in cut)
                 if result is None:
+                    lost.append(uid)
                     if uid in policy.refusing:
                         refused.append((uid, endpoint))
                     continue
@@ -153,9 +216,11 @@ class _RemoteExperts(torch.autograd.Function):
             out = _from_bits(out_bits.reshape(n, k, d), WIRE_DTYPE)
         alive = alive.reshape(n, k)
         if refused:
-            policy.weigh_refusals(refused, bool(answered))
-        policy.stats.experts_chosen += len(plan)
-        policy.stats.experts_dropped += len(plan) - len(answered)
+            policy.weigh_refusals(list(dict.fromkeys(refused)), bool(answered))  # (an expert's requests: one refusal)
+        policy.stats.experts_chosen += experts
+        # an expert is dropped when any of its requests is (an expert cut into several requests counts once; a
+        # request sent again cut counts by its parts')
+        policy.stats.experts_dropped += len(set(lost)) if len(plan) > experts else len(lost)
         ctx.policy, ctx.answered, ctx.clock = policy, answered, laps.clock
         ctx.inputs_like = (inputs.shape, inputs.dtype, inputs.device)
         alive_t = torch.from_numpy(alive)
@@ -266,7 +331,8 @@ class RemoteMixtureOfExperts(MixtureBase):
         would refuse the scaled gradients. The layer's input gradients stay scaled, as the scaler expects.
 
     Routing is per token: ``[batch, seq, hidden]`` inputs are flattened to rows. Rows sent to the same expert
-    travel in one request, the requests to one server's experts in one gRPC call, and all servers are called
+    travel in one request (several, of at most its server's ``max_batch_size`` each, once the server refused more
+    and so told it), the requests to one server's experts in one gRPC call, and all servers are called
     concurrently. Each expert still answers or fails alone (and is dropped alone).
     """
 
