@@ -318,7 +318,8 @@ def test_a_layer_given_the_grad_scaler_sends_its_experts_unscaled_gradients():
         with DHT(initial_peers=[peer]) as dht:
             wait_until_declared(dht, UIDS)
             torch.manual_seed(0)
-            layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=2)
+            # (backward_k_min=1: the refusals below then raise, which is how this test sees them)
+            layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=2, backward_k_min=1)
             x = torch.randn(8, HIDDEN, requires_grad=True)
             layer(x).sum().backward()  # an lr of 1e-30 moves no weight: the same experts answer every backward
             expected, x.grad = x.grad, None
@@ -488,3 +489,41 @@ def test_rows_beyond_a_servers_max_batch_size_go_as_several_requests_with_the_in
         calls = {uid: expert_info(endpoint, uid, timeout=10) for uid in ("ffn0.1.0", "ffn0.1.1")}
         # per expert: 1 refused + 4 requests, then 4 requests; a backward for each of the 8 requests answered
         assert all(info["backward_calls"] == 8 for info in calls.values()), calls
+
+
+class _NoInputGradient(torch.nn.Module):
+    """An in-process expert whose rows get no gradient through it: what a server dead by the backward gives."""
+
+    def __init__(self, expert: torch.nn.Module):
+        super().__init__()
+        self.expert = expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.expert(x.detach())
+
+
+def test_a_server_dying_between_forward_and_backward_costs_its_gradients_only_by_default():
+    """Review 65: with the library's default backward_k_min=1, loss.backward() raised for rows whose experts were
+    all on the dead server, after the surviving servers' experts had stepped on the batch, and the caller's step
+    was lost. The default is 0 now (as dmoe-train has it): the input gradients come from the survivors (and the
+    gate) alone."""
+    with servers_with_flags(("ffn0.[0:2].[0:4]", []), ("ffn0.[2:4].[0:4]", [])) as (dht, _, servers):
+        torch.manual_seed(0)
+        dead = {uid for uid in UIDS if uid.split(".")[1] in ("2", "3")}
+        local = LocalMixtureOfExperts(HIDDEN, GRID, "ffn0", k_best=2, expert_factory=lambda uid: (
+            _NoInputGradient if uid in dead else lambda expert: expert)(create_expert("ffn", HIDDEN,
+                                                                                      seed=expert_seed(0, uid))))
+        remote = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=2, k_min=2, forward_timeout=60)
+        remote.proj.load_state_dict(local.proj.state_dict())
+        x = torch.randn(64, HIDDEN)
+        x_local, x_remote = x.clone().requires_grad_(), x.clone().requires_grad_()
+        grad_out = torch.randn(64, HIDDEN)
+        out_local, out_remote = local(x_local), remote(x_remote)
+        assert remote.stats.experts_dropped == 0
+        servers[1].kill()
+        servers[1].popen.wait(30)
+        (out_local * grad_out).sum().backward()
+        (out_remote * grad_out).sum().backward()  # nothing raises
+        assert remote.stats.backward_failures > 0
+        assert remote.proj.weight.grad is not None  # the caller's step is not lost
+        torch.testing.assert_close(x_remote.grad, x_local.grad, atol=1e-5, rtol=1e-5)

@@ -310,7 +310,12 @@ class RemoteMixtureOfExperts(MixtureBase):
     :param timeout_after_k_min: ... then at most this many seconds more for the remaining experts (those it cuts
         are dropped from that forward only, not banned: slower is not down).
     :param forward_timeout: no forward waits longer than this in total; slower experts are dropped.
-    :param backward_k_min: backward raises only if a row gets fewer expert gradients than this.
+    :param backward_k_min: backward raises if a row gets fewer expert gradients than this (0, the default: never,
+        as in ``dmoe-train``; a row whose experts all failed then gets its input gradient through the gate alone).
+        Above 0, mind when it raises: after every backward call has settled, so the experts that did answer have
+        already stepped on the batch, while the caller's own step is lost (``loss.backward()`` raised: none of its
+        parameters got a gradient). Client and experts then drift apart by that batch, each time a server dies
+        between a forward and its backward.
     :param backward_timeout: experts that have not answered backward by then contribute no gradient.
     :param allow_zero_outputs: rows that no expert answered give zeros instead of raising.
     :param max_abs_value: an expert whose answer (outputs, or input gradients) holds a value of a larger magnitude
@@ -338,7 +343,7 @@ class RemoteMixtureOfExperts(MixtureBase):
 
     def __init__(self, in_features: int, grid: Sequence[int], layer: str, dht: Any, *, k_best: int = 4,
                  k_min: int = 1, forward_timeout: float | None = 10.0, timeout_after_k_min: float | None = 1.0,
-                 backward_k_min: int = 1, backward_timeout: float | None = 10.0, allow_zero_outputs: bool = False,
+                 backward_k_min: int = 0, backward_timeout: float | None = 10.0, allow_zero_outputs: bool = False,
                  compression: int = NONE, bans: Bans | None = None, ban_config: BanConfig | None = None,
                  channels: ChannelPool | None = None, cache: Any = None, reroute_attempts: int = 1,
                  switch: bool = False, grad_scaler: Any = None, max_abs_value: float | None = MAX_ABS_VALUE):
