@@ -397,10 +397,14 @@ def servers_with_flags(*servers: tuple[str, list[str]], hidden: int = HIDDEN, ui
             yield dht, endpoints, procs[1:]
 
 
-def test_a_server_slower_than_the_k_min_grace_is_dropped_from_each_forward_but_never_banned():
-    """Review 65: a call cut by timeout_after_k_min banned its whole server as down, with a doubling backoff, so a
-    server slower than the fastest by more than the grace (yet well within forward_timeout) was never used again,
-    and one fast server got every slower one banned. Cut by the grace, it is dropped from that forward only."""
+def test_a_server_slower_than_the_k_min_grace_is_dropped_from_forwards_and_banned_only_when_it_keeps_being_cut():
+    """Review 65: a call cut by timeout_after_k_min banned its whole server as down at once, with a doubling
+    backoff, so a server slower than the fastest by more than the grace for a moment was banned at its first late
+    answer. Cut by the grace, it is dropped from that forward only; cut in CUTS_TO_BAN forwards in a row, none of
+    its experts answering, it is banned as too slow for the layer (else a server that hangs cost every forward the
+    whole grace)."""
+    from dmoe.client.failures import CUTS_TO_BAN
+
     with servers_with_flags(("ffn0.[0:2].[0:4]", []), ("ffn0.[2:4].[0:4]", ["--inject-latency-ms", "1500"])) as (
             dht, (_, slow), _):
         layer = RemoteMixtureOfExperts(HIDDEN, GRID, "ffn0", dht, k_best=4, k_min=1, timeout_after_k_min=0.2,
@@ -408,19 +412,25 @@ def test_a_server_slower_than_the_k_min_grace_is_dropped_from_each_forward_but_n
         with torch.no_grad():  # every row: ffn0.1.0, ffn0.2.0, ffn0.1.1 and ffn0.2.1 (two experts on each server)
             layer.proj.weight.zero_()
             layer.proj.bias.copy_(torch.tensor([0, 5, 5, 0, 3, 2, 1, 0.]))
-        for _ in range(4):
+
+        def forward() -> tuple[int, int]:
             chosen, dropped = layer.stats.experts_chosen, layer.stats.experts_dropped
             with torch.no_grad():
-                out = layer(torch.randn(8, HIDDEN))
-            assert torch.isfinite(out).all()
-            assert layer.stats.experts_chosen - chosen == 4  # the slow server's experts are still chosen ...
-            assert layer.stats.experts_dropped - dropped == 2  # ... and cut by the grace, from this forward only
+                assert torch.isfinite(layer(torch.randn(8, HIDDEN))).all()
+            return layer.stats.experts_chosen - chosen, layer.stats.experts_dropped - dropped
+
+        for _ in range(CUTS_TO_BAN - 1):
+            assert forward() == (4, 2)  # the slow server's experts chosen, and cut by the grace from this forward
             assert len(layer.bans) == 0 and not layer.bans.is_banned("ffn0.2.0", slow)
-        layer.policy.timeout_after_k_min = None  # a grace that allows it: the slow server's answers are used
-        dropped = layer.stats.experts_dropped
-        with torch.no_grad():
-            layer(torch.randn(8, HIDDEN))
-        assert layer.stats.experts_dropped == dropped
+        layer.policy.timeout_after_k_min = None  # a grace that allows it: its answers are used, and its streak ends
+        assert forward() == (4, 0) and not layer.policy.cut_streaks
+        layer.policy.timeout_after_k_min = 0.2
+        for _ in range(CUTS_TO_BAN - 1):
+            assert forward() == (4, 2) and len(layer.bans) == 0
+        assert forward() == (4, 2)  # cut in CUTS_TO_BAN forwards in a row: banned as too slow for this layer
+        assert layer.bans.is_banned("ffn0.2.0", slow) and layer.bans.is_banned("ffn0.2.1", slow)
+        chosen, dropped = forward()  # re-routed: the fast server's experts only, no grace waited for
+        assert dropped == 0 and not layer.bans.is_banned("ffn0.1.0")
 
 
 def test_an_expert_answering_finite_but_huge_values_is_dropped_and_banned_and_the_loss_stays_finite():

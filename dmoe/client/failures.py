@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 #: calls in a row an expert may refuse as invalid while other experts answer the same call, before it is banned
 REFUSALS_TO_BAN = 3
+#: forwards in a row in which the ``timeout_after_k_min`` grace cut a server's calls, none of its experts answering,
+#: before it is banned as too slow for the layer (see :meth:`CallPolicy.outcome`)
+CUTS_TO_BAN = 3
 #: :meth:`CallPolicy.outcome`'s default ``problem``: the answer is checked there
 UNCHECKED = object()
 #: the largest magnitude a layer accepts in an expert's answer by default: the servers' own default limit on what
@@ -87,6 +90,8 @@ class CallPolicy:
     #: calls in a row that an expert refused as invalid while other experts answered the same call, by
     #: ``"forward uid"`` / ``"backward uid"``
     refusal_streaks: dict[str, int] = field(default_factory=dict)
+    #: forwards in a row in which the grace cut a server's calls and none of its experts answered, by endpoint
+    cut_streaks: dict[str, int] = field(default_factory=dict)
     #: the most rows each server takes in one request (its ``max_batch_size``), by endpoint, learnt from its
     #: refusals (:meth:`learn_batch_limit`): the layer cuts an expert's rows into requests of at most that many
     batch_limits: dict[str, int] = field(default_factory=dict)
@@ -140,12 +145,30 @@ class CallPolicy:
         try:
             yield settlement
         finally:
+            self._weigh_cuts(settlement)
             for uid, endpoint, backward, why in settlement.deferred:
                 alone = endpoint in settlement.answered
                 backoff = self.bans.fail(uid=uid if alone else None, endpoint=None if alone else endpoint,
                                          backward=backward)
                 logger.info("%s %s dropped (%s); %s banned for %.1fs", "backward" if backward else "forward", uid,
                             why, f"expert {uid}" if alone else f"server {endpoint}", backoff)
+
+    def _weigh_cuts(self, settlement: "Settlement") -> None:
+        """Counts the forwards in a row in which the grace cut a server's calls and none of its experts answered;
+        the :data:`CUTS_TO_BAN`-th bans it, as too slow for this layer's grace (a server that hangs, say): never
+        banned, it was chosen again and waited for, the whole grace, every forward."""
+        for endpoint in settlement.answered:
+            self.cut_streaks.pop(endpoint, None)
+        for endpoint in settlement.cut - settlement.answered:
+            streak = self.cut_streaks.pop(endpoint, 0) + 1
+            if streak < CUTS_TO_BAN:
+                if len(self.cut_streaks) >= MAX_RECORDS:
+                    self.cut_streaks.pop(next(iter(self.cut_streaks)))  # the oldest
+                self.cut_streaks[endpoint] = streak
+                continue
+            backoff = self.bans.fail(endpoint=endpoint)
+            logger.info("server %s: the timeout_after_k_min grace cut its calls in %d forwards in a row, none of its "
+                        "experts answering: banned for %.1fs as too slow for this layer", endpoint, streak, backoff)
 
     def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
                  shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
@@ -175,11 +198,12 @@ class CallPolicy:
         nonsense that no check catches.
 
         A call the wait cut at the end of the ``timeout_after_k_min`` grace (``cut``, from :func:`wait_for_experts`)
-        is dropped from this forward only, and neither bans nor re-admits: its server is only slower than the
-        others, and may well answer within ``forward_timeout``. Banned as down (review 65), a server slower than the
-        fastest by more than the grace was never used again, its experts never trained, and one fast server
-        (honest or answering nonsense at once) got every slower honest one banned. A call that misses
-        ``forward_timeout`` itself, or fails UNAVAILABLE or DEADLINE_EXCEEDED, bans its whole server.
+        is dropped from this forward only: its server may only be slower than the others for a moment (a big
+        batch, a pause). Banned as down at once (review 65), a server slower than the fastest by more than the grace
+        was banned at its first late answer. Only a server cut in :data:`CUTS_TO_BAN` forwards in a row with
+        ``settlement``, none of its experts answering, is banned, as too slow for this layer's grace (one that
+        hangs, say): never banned, it would be chosen again and waited for, the whole grace, every forward. A call
+        that misses ``forward_timeout`` itself, or fails UNAVAILABLE or DEADLINE_EXCEEDED, bans its whole server.
 
         ``problem``: what :func:`malformed` said of this answer already (the wait checks answers as they come,
         :func:`wait_for_experts`), so that it is not checked twice. Backward failures are banned apart from forward
@@ -201,7 +225,9 @@ class CallPolicy:
                 return result
             error = RuntimeError(f"malformed answer: {problem}")
         elif cut and error is None:
-            logger.debug("%s %s dropped from this call only, not banned: cut by timeout_after_k_min", direction, uid)
+            logger.debug("%s %s dropped from this call only: cut by timeout_after_k_min", direction, uid)
+            if settlement is not None:
+                settlement.cut.add(endpoint)
             return None
         if backward:
             self.stats.backward_failures += 1
@@ -257,6 +283,7 @@ class Settlement:
 
     deferred: list[tuple[str, str, bool, str]] = field(default_factory=list)
     answered: set[str] = field(default_factory=set)
+    cut: set[str] = field(default_factory=set)  # servers the grace cut calls of, in this pass
 
 
 def wait_for_experts(futures: Sequence[Future], rows: Sequence[np.ndarray], n_rows: int, k_min: int,
