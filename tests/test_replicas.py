@@ -1182,6 +1182,11 @@ def test_a_key_that_takes_an_emptied_cell_cannot_replace_the_trained_replica_hel
             found = newest_replica(own, uid, replication.template, channels, max_bytes=1 << 30,
                                    store=replication.store, announced=[], owner=squatter.identity.public_key)
             assert found.signed.header.signer == a.identity.public_key and found.updates == 6
+            # not for good: counts are the pusher's word, and a key that once claimed 2**36 updates had every later
+            # owner's replicas refused (review 69); lineage_seconds after its signer last pushed it, it gives way
+            replication.servicer.lineage_seconds = 0.0
+            assert push_snapshot(stub, server.endpoint, untrained) == 0
+            replication.servicer.lineage_seconds = 600.0
 
             # a new owner that continues A's lineage: its first push (as many updates) and later ones are taken
             assert push_snapshot(stub, server.endpoint, sign(take(backend), squatter.identity)) == 6

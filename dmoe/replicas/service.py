@@ -4,7 +4,8 @@ A push is refused, with a status naming what is wrong, unless its expert is of a
 replicas of (``layers``: those it announced itself a host of), unless it is signed by the key that owns the expert
 in the directory now (or, while nobody does, by the key that signed the replica held here: the owner's last pushes can
 outlive its declaration), unless it has at least as many updates as the replica held here, whoever signed that
-one (a key that declares a cell that emptied must not replace the previous owner's training with less), unless its
+one, while that one's signer pushed it within ``lineage_seconds`` (a key that declares a cell that emptied must not
+replace the previous owner's training with less before an adoption could take it; see :func:`_older`), unless its
 bytes are all there and are what the header says, and unless its state fits this server's own experts
 (``template``) with an update count its optimizer state agrees with. A refused push never
 touches what was held: the new replica is written (atomically) only after every check passed. Accepted replicas
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from typing import AsyncIterator, Callable, Collection, Iterator
 
@@ -54,6 +56,9 @@ MAX_PUSHES, MAX_PUSHES_PER_MACHINE = 32, 8
 MAX_FETCHES, MAX_FETCHES_PER_MACHINE = 32, 8
 #: seconds a push may send nothing, or a fetch read nothing, before the server ends it
 STALL_SECONDS = 60.0
+#: seconds a replica held here is kept from another signer's replica with fewer updates, since its own signer last
+#: pushed it: the time for its expert to be adopted from it after its server left (see :func:`_older`)
+LINEAGE_SECONDS = 600.0
 
 
 class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
@@ -69,6 +74,8 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
         layers: the layers whose replicas this server receives (announced as their host); None: any.
         max_pushes, max_fetches: calls open at once, in all and per calling machine (see the module doc).
         stall_seconds: how long a push may send nothing, or a fetch read nothing, before it is ended.
+        lineage_seconds: how long a replica held here is kept from another signer's with fewer updates, since its
+            own signer last pushed it (see :func:`_older`).
     """
 
     def __init__(self, store: ReplicaStore, template: ExpertBackend, owner_of: OwnerLookup,
@@ -76,8 +83,9 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                  layers: Collection[str] | None = None, *,
                  max_pushes: tuple[int, int] = (MAX_PUSHES, MAX_PUSHES_PER_MACHINE),
                  max_fetches: tuple[int, int] = (MAX_FETCHES, MAX_FETCHES_PER_MACHINE),
-                 stall_seconds: float = STALL_SECONDS):
+                 stall_seconds: float = STALL_SECONDS, lineage_seconds: float = LINEAGE_SECONDS):
         self.store, self.template, self.owner_of = store, template, owner_of
+        self.lineage_seconds = lineage_seconds
         self.metrics, self.chunk_bytes = metrics, chunk_bytes
         self.layers = frozenset(layers) if layers is not None else None
         self.max_bytes = min(max_snapshot_bytes(template), store.budget_bytes)
@@ -205,8 +213,13 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
             raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
                                   f"the replica of {header.uid} is signed by {signer.hex()[:SIGNER_HEX]}, which does "
                                   f"not own it ({named})")
-        if held is not None and header.updates < held.updates:
-            raise _older(header, held)
+        if held is not None and header.updates < held.updates and (held.signer == signer or self._kept(header.uid)):
+            raise _older(header, held, self.lineage_seconds)
+
+    def _kept(self, uid: str) -> bool:
+        """Whether the replica of ``uid`` held here was pushed by its signer within ``lineage_seconds``."""
+        held = self.store.held().get(uid)
+        return held is not None and time.time() - held.received_at < self.lineage_seconds
 
     def _check_and_commit(self, incoming: Incoming, source: str) -> None:
         check_state(open_body(incoming.signed()), self.template)
@@ -253,14 +266,15 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                                   f"the fetch of {uid} read nothing for {self.stall_seconds:g} s") from None
 
 
-def _older(header: dmoe_pb2.ReplicaHeader, held: dmoe_pb2.ReplicaHeader) -> SnapshotRefused:
+def _older(header: dmoe_pb2.ReplicaHeader, held: dmoe_pb2.ReplicaHeader,
+           lineage_seconds: float) -> SnapshotRefused:
     """Why a replica with fewer updates than the one held is refused. From the same owner: the newest is kept. From
-    another key, the uid's owner now: any key may declare a cell that emptied, first, and its untrained snapshot
-    used to replace the trained replica of the previous owner on every holder (review 59). An honest new owner
-    continues the lineage (adoption and a new server's restore start from the newest replica), so its replicas
-    have at least as many updates, and are taken; one that could only start from an older state is taken here once
-    it has trained past the replica held, which meanwhile keeps the previous owner's training for a later
-    adoption."""
+    another key, the uid's owner now, for :data:`LINEAGE_SECONDS` after the held replica's signer last pushed it:
+    any key may declare a cell that emptied, first, and its untrained snapshot used to replace the trained replica
+    of the previous owner on every holder (review 59). An honest new owner continues the lineage (adoption and a
+    new server's restore start from the newest replica), so its replicas have at least as many updates, and are
+    taken. Not for longer: update counts are the pusher's word, and a key that owned the cell once could claim
+    2**36 updates and have every later owner's replicas refused for good (review 69)."""
     uid, signer = header.uid, header.signer.hex()[:SIGNER_HEX]
     if held.signer == header.signer:
         return SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "older",
@@ -269,5 +283,6 @@ def _older(header: dmoe_pb2.ReplicaHeader, held: dmoe_pb2.ReplicaHeader) -> Snap
     return SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "older",
                            f"this server holds a replica of {uid} with {held.updates} updates signed by "
                            f"{held.signer.hex()[:SIGNER_HEX]}, more than this one of {signer} ({header.updates}): "
-                           f"another key's replica replaces it once it has at least as many, so that a new owner "
-                           f"of the uid cannot discard the training held here")
+                           f"another key's replica replaces it once it has at least as many (or {lineage_seconds:g} s "
+                           f"after its signer last pushed it), so that a new owner of the uid cannot discard the "
+                           f"training held here")
