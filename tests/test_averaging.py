@@ -496,6 +496,33 @@ def test_streams_that_wait_to_learn_their_group_leave_nothing_behind_however_the
     asyncio.run(run())
 
 
+def test_one_machine_cannot_take_every_place_of_the_streams_waiting_to_learn_their_group(monkeypatch):
+    """Review 69: the waits are open before any signature is checked, and one machine naming made-up groups of the
+    current round took all of them: an honest stream for a group this peer was about to learn was refused at once.
+    Each calling machine gets MAX_WAITING_PER_MACHINE places."""
+    monkeypatch.setattr(service_module, "MAX_WAITING_PER_MACHINE", 2)
+
+    async def run() -> None:
+        servicer = AveragingServicer("slots", join_timeout=60)
+        waits = [asyncio.create_task(servicer._wait_to_learn(f"slots.0.*.1.{i:08x}", "10.0.0.1")) for i in range(2)]
+        await asyncio.sleep(0)  # (they start waiting)
+        assert len(servicer._learnt) == 2 and servicer._waiting["10.0.0.1"] == 2
+        third = asyncio.create_task(servicer._wait_to_learn("slots.0.*.1.ffffffff", "10.0.0.1"))
+        await asyncio.wait_for(third, 5)  # no place left for this machine: not waited for
+        assert "slots.0.*.1.ffffffff" not in servicer._learnt
+        honest = asyncio.create_task(servicer._wait_to_learn("slots.0.*.2.00000000", "10.0.0.2"))
+        await asyncio.sleep(0)
+        assert "slots.0.*.2.00000000" in servicer._learnt  # another machine waits
+        servicer.register("slots.0.*.2.00000000", object())  # learnt: its stream goes on
+        await asyncio.wait_for(honest, 5)
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        assert not servicer._learnt and not servicer._waiting
+
+    asyncio.run(run())
+
+
 def test_a_peer_killed_after_it_answered_but_before_its_values_arrived_is_dropped_without_waiting_out_the_timeout(
         bootstrap, tmp_path):
     """Its streams never began anywhere, so no broken stream tells an owner it died: each owner, having had its

@@ -18,6 +18,7 @@ from typing import AsyncIterator
 import grpc
 
 from dmoe.averaging.allreduce import PartReducer, Refused, SendPace
+from dmoe.endpoints import peer_machine
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ MAX_GROUP_ID_CHARS = 1024
 #: groups not known yet that streams may wait for at once (to learn them from the DHT); a stream for one more is
 #: refused as unknown at once, and a member's sends it again (``send_and_receive`` retries NOT_FOUND)
 MAX_WAITED_GROUPS = 64
+#: streams of one calling machine (an IPv4 address, an IPv6 /64) that wait to learn their group at once: the waits
+#: are open before any signature is checked, and one machine naming made-up groups took every place, so that honest
+#: streams for a group this peer was about to learn were refused at once (review 69)
+MAX_WAITING_PER_MACHINE = 8
 #: a round number in a group id: ASCII digits only (``str.isdigit`` takes "²", which ``int`` refuses)
 _ROUND = re.compile(r"[0-9]{1,18}")
 #: seconds a stream that ended short of its part waits for gRPC to report it cancelled, before the short part is
@@ -60,6 +65,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
         self.rounds: collections.deque[int] = collections.deque(maxlen=KEPT_ROUNDS)
         self.groups: collections.OrderedDict[str, PartReducer] = collections.OrderedDict()
         self._learnt: dict[str, _Waited] = {}  # groups that streams wait to learn: removed when the last one ends
+        self._waiting: collections.Counter[str] = collections.Counter()  # calling machine -> its streams waiting
 
     def begin_round(self, round_number: int) -> None:
         if round_number not in self.rounds:
@@ -73,7 +79,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
         if waited is not None:
             waited.event.set()
 
-    async def _find(self, group_id: str) -> PartReducer:
+    async def _find(self, group_id: str, machine: str = "") -> PartReducer:
         if len(group_id) > MAX_GROUP_ID_CHARS:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"malformed group id: {len(group_id)} characters, more "
                                                             f"than the {MAX_GROUP_ID_CHARS} a group id may have")
@@ -88,7 +94,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
             at = f"round {self.rounds[-1]}" if self.rounds else "no round yet"
             raise Refused(grpc.StatusCode.NOT_FOUND, f"unknown round {int(round_text)} (this peer is at {at})")
         if group_id not in self.groups:
-            await self._wait_to_learn(group_id)
+            await self._wait_to_learn(group_id, machine)
         reducer = self.groups.get(group_id)
         if reducer is None:
             raise Refused(grpc.StatusCode.NOT_FOUND,
@@ -96,10 +102,15 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                           f"(or did not learn it within {self.join_timeout:g}s)")
         return reducer
 
-    async def _wait_to_learn(self, group_id: str) -> None:
+    async def _wait_to_learn(self, group_id: str, machine: str = "") -> None:
         """Waits up to ``join_timeout`` for this peer to learn ``group_id`` (:meth:`register`). Its entry goes when
         the last stream waiting for it ends, however it ends: one left by a cancelled stream stayed for good, and
-        anyone who knows the current round could pile them up. Beyond ``MAX_WAITED_GROUPS`` it returns at once."""
+        anyone who knows the current round could pile them up. Beyond ``MAX_WAITED_GROUPS`` groups, or
+        ``MAX_WAITING_PER_MACHINE`` streams of the calling ``machine``, it returns at once."""
+        if self._waiting[machine] >= MAX_WAITING_PER_MACHINE:
+            logger.debug("not waiting to learn group %r: %d streams of %s wait already", group_id,
+                         self._waiting[machine], machine)
+            return
         waited = self._learnt.get(group_id)
         if waited is None:
             if len(self._learnt) >= MAX_WAITED_GROUPS:
@@ -108,11 +119,15 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                 return
             waited = self._learnt[group_id] = _Waited()
         waited.streams += 1
+        self._waiting[machine] += 1
         try:
             await asyncio.wait_for(waited.event.wait(), self.join_timeout)
         except asyncio.TimeoutError:
             pass
         finally:
+            self._waiting[machine] -= 1
+            if not self._waiting[machine]:
+                del self._waiting[machine]
             waited.streams -= 1
             if waited.streams == 0 and self._learnt.get(group_id) is waited:
                 del self._learnt[group_id]
@@ -129,7 +144,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
             if first is None:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               "empty stream: the first message must name the group and the sender")
-            reducer = await self._find(first.group_id)
+            reducer = await self._find(first.group_id, peer_machine(context.peer()))
             reducer.authenticate(first.sender, first.weight, first.signature)
             reducer.begin(first.sender, first.weight)
             sender = first.sender
