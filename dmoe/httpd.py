@@ -41,6 +41,8 @@ MAX_PER_CLIENT = 8
 IDLE_TIMEOUT = 30.0
 #: seconds from a connection's acceptance to the end of its request's headers
 HEADER_TIMEOUT = 10.0
+#: reads of 64 KiB at most of what a refused connection sent, before it is closed (review 69)
+REFUSAL_READS = 4
 #: the share of its time a process spends rendering a page at most, however often it is asked for
 #: (:class:`ThrottledPage`): after a render of d seconds, the next starts d * (1 / share - 1) seconds later at the
 #: soonest (4 d)
@@ -148,8 +150,11 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         try:
             request.setblocking(False)
             request.send(_refusal(reason))
-            while request.recv(65536):  # what the client sent already: closing with it unread would reset
-                pass
+            # what the client sent already (closing with it unread would reset), a request's worth at most: a client
+            # sending on and on would otherwise hold the accepting thread, and every other client with it
+            for _ in range(REFUSAL_READS):
+                if not request.recv(65536):
+                    break
         except OSError:
             pass
         self.shutdown_request(request)
