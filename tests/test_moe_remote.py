@@ -397,12 +397,14 @@ def servers_with_flags(*servers: tuple[str, list[str]], hidden: int = HIDDEN, ui
             yield dht, endpoints, procs[1:]
 
 
-def test_a_server_slower_than_the_k_min_grace_is_dropped_from_forwards_and_banned_only_when_it_keeps_being_cut():
+def test_a_server_slower_than_the_k_min_grace_is_dropped_from_forwards_and_banned_only_when_it_keeps_being_cut(
+        monkeypatch):
     """Review 65: a call cut by timeout_after_k_min banned its whole server as down at once, with a doubling
     backoff, so a server slower than the fastest by more than the grace for a moment was banned at its first late
     answer. Cut by the grace, it is dropped from that forward only; cut in CUTS_TO_BAN forwards in a row, none of
     its experts answering, it is banned as too slow for the layer (else a server that hangs cost every forward the
     whole grace)."""
+    from dmoe.client import failures
     from dmoe.client.failures import CUTS_TO_BAN
 
     with servers_with_flags(("ffn0.[0:2].[0:4]", []), ("ffn0.[2:4].[0:4]", ["--inject-latency-ms", "1500"])) as (
@@ -419,6 +421,11 @@ def test_a_server_slower_than_the_k_min_grace_is_dropped_from_forwards_and_banne
                 assert torch.isfinite(layer(torch.randn(8, HIDDEN))).all()
             return layer.stats.experts_chosen - chosen, layer.stats.experts_dropped - dropped
 
+        monkeypatch.setattr(failures, "CUT_MEMORY", 0.0)  # cuts however far apart are no streak ...
+        for _ in range(CUTS_TO_BAN):
+            assert forward() == (4, 2) and len(layer.bans) == 0
+        monkeypatch.setattr(failures, "CUT_MEMORY", 60.0)  # ... those close together are
+        layer.policy.cut_streaks.clear()
         for _ in range(CUTS_TO_BAN - 1):
             assert forward() == (4, 2)  # the slow server's experts chosen, and cut by the grace from this forward
             assert len(layer.bans) == 0 and not layer.bans.is_banned("ffn0.2.0", slow)

@@ -36,6 +36,9 @@ REFUSALS_TO_BAN = 3
 #: forwards in a row in which the ``timeout_after_k_min`` grace cut a server's calls, none of its experts answering,
 #: before it is banned as too slow for the layer (see :meth:`CallPolicy.outcome`)
 CUTS_TO_BAN = 3
+#: seconds after which a server's cuts are forgotten: "in a row" means the forwards that chose it lately, not three
+#: cuts however far apart (one now and then is a moment's slowness)
+CUT_MEMORY = 60.0
 #: :meth:`CallPolicy.outcome`'s default ``problem``: the answer is checked there
 UNCHECKED = object()
 #: the largest magnitude a layer accepts in an expert's answer by default: the servers' own default limit on what
@@ -91,7 +94,8 @@ class CallPolicy:
     #: ``"forward uid"`` / ``"backward uid"``
     refusal_streaks: dict[str, int] = field(default_factory=dict)
     #: forwards in a row in which the grace cut a server's calls and none of its experts answered, by endpoint
-    cut_streaks: dict[str, int] = field(default_factory=dict)
+    #: (the count, and the ``time.monotonic()`` of the last cut: a streak older than :data:`CUT_MEMORY` starts over)
+    cut_streaks: dict[str, tuple[int, float]] = field(default_factory=dict)
     #: the most rows each server takes in one request (its ``max_batch_size``), by endpoint, learnt from its
     #: refusals (:meth:`learn_batch_limit`): the layer cuts an expert's rows into requests of at most that many
     batch_limits: dict[str, int] = field(default_factory=dict)
@@ -154,17 +158,20 @@ class CallPolicy:
                             why, f"expert {uid}" if alone else f"server {endpoint}", backoff)
 
     def _weigh_cuts(self, settlement: "Settlement") -> None:
-        """Counts the forwards in a row in which the grace cut a server's calls and none of its experts answered;
-        the :data:`CUTS_TO_BAN`-th bans it, as too slow for this layer's grace (a server that hangs, say): never
-        banned, it was chosen again and waited for, the whole grace, every forward."""
+        """Counts the forwards in a row in which the grace cut a server's calls and none of its experts answered
+        (within :data:`CUT_MEMORY` of each other); the :data:`CUTS_TO_BAN`-th bans it, as too slow for this layer's
+        grace (a server that hangs, say): never banned, it was chosen again and waited for, the whole grace, every
+        forward."""
         for endpoint in settlement.answered:
             self.cut_streaks.pop(endpoint, None)
+        now = time.monotonic()
         for endpoint in settlement.cut - settlement.answered:
-            streak = self.cut_streaks.pop(endpoint, 0) + 1
+            streak, last = self.cut_streaks.pop(endpoint, (0, now))
+            streak = (streak if now - last <= CUT_MEMORY else 0) + 1
             if streak < CUTS_TO_BAN:
                 if len(self.cut_streaks) >= MAX_RECORDS:
                     self.cut_streaks.pop(next(iter(self.cut_streaks)))  # the oldest
-                self.cut_streaks[endpoint] = streak
+                self.cut_streaks[endpoint] = (streak, now)
                 continue
             backoff = self.bans.fail(endpoint=endpoint)
             logger.info("server %s: the timeout_after_k_min grace cut its calls in %d forwards in a row, none of its "
