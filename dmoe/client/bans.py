@@ -3,7 +3,8 @@
 A DHT record outlives its server by up to its expiration time; without bans the gate would keep choosing a dead
 server's experts (and losing those rows) until then. A failure bans the expert, or its whole server when the
 server itself is unreachable or misses the forward's own deadline, for a backoff that doubles with every repeated
-failure (a straggler cut by the ``timeout_after_k_min`` grace is not a failure: it is only slower than the others). When the ban
+failure (a straggler cut by the ``timeout_after_k_min`` grace counts only when its server is cut so in three
+forwards in a row: :data:`dmoe.client.failures.CUTS_TO_BAN`). When the ban
 runs out the expert is tried again; one success clears its record. A request refused as invalid is neither a
 failure nor a success here (:meth:`dmoe.client.failures.CallPolicy.outcome`): it is usually the caller's mistake.
 

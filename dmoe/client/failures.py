@@ -6,7 +6,7 @@ or its whole server (:mod:`dmoe.client.bans`), so the next beam search picks the
 then renormalises over the experts that answered (:meth:`dmoe.client.gating.MixtureBase._combine`). A request the
 server refuses as invalid drops its expert from that forward only, and bans nothing unless the expert keeps
 refusing what the others answer (:meth:`CallPolicy.weigh_refusals`); so does a straggler that the
-``timeout_after_k_min`` grace cut (slower than the others is not down).
+``timeout_after_k_min`` grace cut, unless its server keeps being cut (:data:`CUTS_TO_BAN`).
 """
 from __future__ import annotations
 

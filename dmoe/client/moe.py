@@ -148,7 +148,7 @@ class _RemoteExperts(torch.autograd.Function):
             problems[i] = malformed(futures[i].result(), (len(plan[i].rows), d), WIRE_DTYPE, policy.max_abs_value)
             return problems[i] is None
 
-        # stragglers cut by the k_min grace are dropped from this forward only: slower is not down (review 65)
+        # stragglers cut by the k_min grace are dropped from this forward (banned only if cut again and again)
         cut = set(wait_for_experts(futures, [call.rows for call in plan], n, policy.k_min, timeout,
                                    policy.timeout_after_k_min, accept))
         # requests refused for more rows than their server's max_batch_size: cut to its limit and sent again, once
@@ -218,9 +218,8 @@ class _RemoteExperts(torch.autograd.Function):
         if refused:
             policy.weigh_refusals(list(dict.fromkeys(refused)), bool(answered))  # (an expert's requests: one refusal)
         policy.stats.experts_chosen += experts
-        # an expert is dropped when any of its requests is (an expert cut into several requests counts once; a
-        # request sent again cut counts by its parts')
-        policy.stats.experts_dropped += len(set(lost)) if len(plan) > experts else len(lost)
+        # an expert is dropped when any of its requests is (an expert cut into several requests counts once)
+        policy.stats.experts_dropped += len(set(lost))
         ctx.policy, ctx.answered, ctx.clock = policy, answered, laps.clock
         ctx.inputs_like = (inputs.shape, inputs.dtype, inputs.device)
         alive_t = torch.from_numpy(alive)
@@ -308,7 +307,7 @@ class RemoteMixtureOfExperts(MixtureBase):
     :param k_best: experts chosen per row (token).
     :param k_min: forward waits until every row has this many answers (or no call left pending) ...
     :param timeout_after_k_min: ... then at most this many seconds more for the remaining experts (those it cuts
-        are dropped from that forward only, not banned: slower is not down).
+        are dropped from that forward; a server cut in 3 forwards in a row is banned as too slow).
     :param forward_timeout: no forward waits longer than this in total; slower experts are dropped.
     :param backward_k_min: backward raises if a row gets fewer expert gradients than this (0, the default: never,
         as in ``dmoe-train``; a row whose experts all failed then gets its input gradient through the gate alone).
