@@ -469,8 +469,11 @@ def test_experts_removed_from_a_running_server_are_freed():
             backward_future(server.endpoint, "ffn0.9.9", [x], [torch.randn(3, 16)]).result(30)  # optimizer state
             removed.append(weakref.ref(server.remove_expert("ffn0.9.9")))
             del backend
-        gc.collect()
-        assert [ref for ref in removed if ref() is not None] == []
+        # (a worker may still be finishing the last batch, its metrics say, holding that backend a moment longer)
+        deadline = time.monotonic() + 30
+        while gc.collect() is not None and (alive := [ref for ref in removed if ref() is not None]):
+            assert time.monotonic() < deadline, f"{len(alive)} removed experts still referenced"
+            time.sleep(0.05)
         assert len(server.runtime.pools) == pools
         with pytest.raises(RemoteExpertError, match="NOT_FOUND"):
             forward_future(server.endpoint, "ffn0.9.9", [x]).result(30)
