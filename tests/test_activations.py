@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import socket
 import time
 
 import pytest
@@ -83,6 +84,37 @@ def test_the_byte_budget_evicts_the_oldest_and_refuses_what_can_never_fit():
     assert not cache.put("e.0", b"big", kept(101))
     assert cache.nbytes == 40
     assert cache.usage() == {"cpu": (40, 80)}  # held now, and the most held at once (room was made before)
+
+
+def test_a_machine_keeping_forwards_it_never_takes_back_evicts_its_own_not_another_machines():
+    """A client that floods the cache (forwards with ids, no backward) made every other client's backward resend its
+    inputs and recompute: the oldest entries went first, whoever kept them."""
+    cache = ActivationCache(max_bytes=10_000)
+    assert cache.put("e.0", ("honest", b"h1"), kept(1000)) and cache.put("e.1", ("honest", b"h2"), kept(1000))
+    for i in range(50):
+        assert cache.put("e.0", ("flood", b"%d" % i), kept(1000))
+    assert cache.inputs("e.0", ("honest", b"h1")) is not None and cache.inputs("e.1", ("honest", b"h2")) is not None
+    assert cache.inputs("e.0", ("flood", b"0")) is None and cache.inputs("e.0", ("flood", b"49")) is not None
+    assert cache.nbytes <= cache.max_bytes and cache.evicted == 42  # 10 entries of 1000 bytes fit
+    # the lighter machine grows at the heavier's expense until they weigh alike, then evicts its own oldest
+    for i in range(10):
+        assert cache.put("e.0", ("honest", b"n%d" % i), kept(1000))
+    weights = cache.machines()
+    assert weights["honest"] == weights["flood"] == 5 * (1000 + ENTRY_OVERHEAD_BYTES), weights
+    assert cache.inputs("e.0", ("honest", b"h1")) is None  # its own oldest went
+    # by entries too (a flood of small forwards), and an id means the same to one machine only
+    small = ActivationCache(max_bytes=100 * ENTRY_OVERHEAD_BYTES)
+    small.put("e.0", ("a", b"x"), kept(1))
+    for i in range(3 * small.max_entries):
+        small.put("e.0", ("b", b"%d" % i), kept(1))
+    assert small.inputs("e.0", ("a", b"x")) is not None and small.inputs("e.0", ("b", b"x")) is None
+    assert len(small) == small.max_entries and len(small._heaviest) <= 2 * len(small.machines()) + 65
+    # what each machine weighs is forgotten with its last entry, whichever way it left
+    assert small.take("e.0", ("a", b"x"), (0,), [torch.zeros(1)]) is not None
+    small.drop_graphs("e.0")
+    assert set(small.machines()) == {"b"}
+    small.clear()
+    assert small.machines() == {} and cache.release() and cache.machines() == {}
 
 
 def test_bytes_are_counted_per_device_with_each_devices_peak():
@@ -305,6 +337,36 @@ def test_server_process_uses_kept_activations_gives_the_same_training_and_refuse
     # everything kept was taken by its backward: nothing held now, but some was (in host memory, on a CPU server)
     assert value(samples, "dmoe_activation_cache_bytes", device="cpu") == 0
     assert value(samples, "dmoe_activation_cache_peak_bytes", device="cpu") >= 2 * 5 * HIDDEN * 4
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback: one host cannot be two machines")
+def test_a_client_flooding_a_servers_cache_leaves_another_machines_kept_forward_in_place():
+    """Over IPv4 and IPv6 loopback one host is two machines to the server: the flood over one must not make the
+    other's backward send its inputs again (it did: the oldest kept forward went first, whoever kept it)."""
+    with running("-m", "dmoe.cli.server", "--experts", "e.0", "--hidden-dim", str(HIDDEN), "--host", "::",
+                 "--activation-cache-mb", "1") as server:
+        port = server.endpoint().rsplit(":", 1)[1]
+        honest, flood = f"127.0.0.1:{port}", f"[::1]:{port}"
+        x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+        forward_future(honest, "e.0", [x], activation_id=b"honest").result(30)
+        for i in range(12):  # each keeps 1024 rows' inputs, outputs and saved activations: 12 of them fill 1 MiB
+            forward_future(flood, "e.0", [torch.randn(1024, HIDDEN)], activation_id=b"flood%d" % i).result(30)
+        # an id names a kept forward for its own machine only
+        with pytest.raises(RemoteExpertError, match="FAILED_PRECONDITION.*holds no inputs for this activation_id"):
+            _call("backward", flood, "e.0", [grad], timeout=30, compression=0, channels=None, unary_limit=2**20,
+                  activation_id=b"honest").result(30)
+        # the gradients alone: answered from the inputs the server kept since the honest client's forward
+        _call("backward", honest, "e.0", [grad], timeout=30, compression=0, channels=None, unary_limit=2**20,
+              activation_id=b"honest").result(30)
 
 
 def test_out_of_device_memory_drops_the_kept_activations_answers_resource_exhausted_and_the_server_serves_on():

@@ -14,6 +14,11 @@ A kept graph is used only when it gives exactly what recomputing would:
 Otherwise, or when the graph was evicted (byte budget, age) or never kept (the forward shared a batch with other
 requests), backward recomputes the forward as before. So the cache changes speed and traffic, never results.
 
+The budget is shared fairly between the machines that call: the servicer names a request's kept forward by
+(caller's machine, activation_id), and when room must be made the machine holding the most (bytes, plus
+:data:`ENTRY_OVERHEAD_BYTES` per entry) loses its oldest entry. A client that keeps forwards it never takes back
+then evicts its own, not another's, once it holds more than they do.
+
 One owner per server. The runtime workers add and take entries; the gRPC thread peeks at inputs; a lock covers
 both.
 """
@@ -22,6 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import heapq
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -38,6 +45,20 @@ MAX_ACTIVATION_ID_BYTES = 64
 #: h=16 before (review 48)
 ENTRY_OVERHEAD_BYTES = 1024
 MIN_ENTRIES = 64
+
+#: How a kept forward is named: the request's activation_id, or (the caller's machine, activation_id) as the
+#: servicer names it, so that each machine's share of the budget is counted (a bare id counts as machine "").
+ActivationKey = bytes | tuple[str, bytes]
+
+
+def kept_key(machine: str, activation_id: bytes) -> tuple[str, bytes] | None:
+    """How the servicer names a request's kept forward: its caller's machine and its activation_id (None: none)."""
+    return (machine, activation_id) if activation_id else None
+
+
+def owner_of(key: ActivationKey) -> str:
+    """The machine whose share a kept forward counts against."""
+    return key[0] if isinstance(key, tuple) else ""
 
 
 @dataclass(eq=False)
@@ -112,10 +133,16 @@ class ActivationCache:
         self.max_bytes, self.ttl = max_bytes, ttl
         #: the most entries held at once (see :data:`ENTRY_OVERHEAD_BYTES`)
         self.max_entries = max(MIN_ENTRIES, max_bytes // ENTRY_OVERHEAD_BYTES)
-        self._entries: OrderedDict[tuple[str, bytes], KeptForward] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, ActivationKey], KeptForward] = OrderedDict()
         #: uid -> ids of its entries that hold a graph: what an optimizer step of that expert makes stale, found
         #: without walking every entry of every expert (a 512 MiB cache of small forwards holds ~100k)
-        self._graphs: dict[str, set[bytes]] = {}
+        self._graphs: dict[str, set[ActivationKey]] = {}
+        #: machine -> its entries, oldest first, and what they weigh (bytes + ENTRY_OVERHEAD_BYTES each); a heap of
+        #: (-weight, n, machine), stale items skipped when read, finds the heaviest without a walk over every machine
+        self._owned: dict[str, OrderedDict[tuple[str, ActivationKey], None]] = {}
+        self._weight: dict[str, int] = {}
+        self._heaviest: list[tuple[int, int, str]] = []
+        self._pushes = itertools.count()
         self._lock = threading.Lock()
         self.held: dict[str, int] = {}  # device -> bytes kept there now
         self.peak: dict[str, int] = {}  # device -> the most bytes kept there at once
@@ -137,29 +164,65 @@ class ActivationCache:
         """Bytes kept now, on every device: what the budget bounds."""
         return sum(self.held.values())
 
-    def put(self, uid: str, activation_id: bytes, kept: KeptForward) -> bool:
-        """Holds ``kept`` unless it alone exceeds the budget; evicts expired, then oldest entries to make room, in
-        bytes and in entries (:attr:`max_entries`)."""
+    def put(self, uid: str, activation_id: ActivationKey, kept: KeptForward) -> bool:
+        """Holds ``kept`` unless it alone exceeds the budget; evicts expired entries, then, to make room in bytes and
+        in entries (:attr:`max_entries`), the oldest of the heaviest machine's (``kept``'s own machine counted with
+        ``kept``)."""
         if kept.nbytes > self.max_bytes:
             return False
+        owner = owner_of(activation_id)
         with self._lock:
             self._drop_expired(time.monotonic())
             self._pop((uid, activation_id))
             while self._entries and (self.nbytes + kept.nbytes > self.max_bytes
                                      or len(self._entries) >= self.max_entries):
-                self._remove(next(iter(self._entries)))
+                victim = self._heaviest_owner()
+                mine = self._weight.get(owner, 0)
+                if mine and mine + kept.nbytes + ENTRY_OVERHEAD_BYTES > self._weight[victim]:
+                    victim = owner
+                self._remove(next(iter(self._owned[victim])))
                 self.evicted += 1
             self._entries[(uid, activation_id)] = kept
+            self._owned.setdefault(owner, OrderedDict())[(uid, activation_id)] = None
+            self._weigh(owner, kept.nbytes + ENTRY_OVERHEAD_BYTES)
             self._count(kept, 1)
             if kept.outputs is not None:
                 self._graphs.setdefault(uid, set()).add(activation_id)
         return True
 
-    def _pop(self, entry_key: tuple[str, bytes]) -> KeptForward | None:
+    def _weigh(self, owner: str, change: int) -> None:
+        weight = self._weight[owner] = self._weight.get(owner, 0) + change
+        if not weight:
+            del self._weight[owner]
+            del self._owned[owner]
+            return
+        if len(self._heaviest) > 2 * len(self._weight) + 64:  # mostly stale: rebuilt, so it stays O(machines)
+            self._heaviest = [(-w, next(self._pushes), o) for o, w in self._weight.items()]
+            heapq.heapify(self._heaviest)
+        else:
+            heapq.heappush(self._heaviest, (-weight, next(self._pushes), owner))
+
+    def _heaviest_owner(self) -> str:
+        """The machine whose entries weigh the most (the cache holds some)."""
+        while True:
+            weight, _, owner = self._heaviest[0]
+            if self._weight.get(owner) == -weight:
+                return owner
+            heapq.heappop(self._heaviest)
+
+    def machines(self) -> dict[str, int]:
+        """machine -> what its kept forwards weigh now (bytes plus :data:`ENTRY_OVERHEAD_BYTES` each)."""
+        with self._lock:
+            return dict(self._weight)
+
+    def _pop(self, entry_key: tuple[str, ActivationKey]) -> KeptForward | None:
         """Removes an entry, uncounted and out of the graphs' index; None if there was none."""
         kept = self._entries.pop(entry_key, None)
         if kept is not None:
             self._count(kept, -1)
+            owner = owner_of(entry_key[1])
+            del self._owned[owner][entry_key]
+            self._weigh(owner, -(kept.nbytes + ENTRY_OVERHEAD_BYTES))
             if kept.outputs is not None:
                 ids = self._graphs.get(entry_key[0])
                 if ids is not None:
@@ -179,13 +242,13 @@ class ActivationCache:
         if held > self.peak.get(device, 0):
             self.peak[device] = held
 
-    def inputs(self, uid: str, activation_id: bytes) -> tuple[torch.Tensor, ...] | None:
+    def inputs(self, uid: str, activation_id: ActivationKey) -> tuple[torch.Tensor, ...] | None:
         """The inputs of the forward kept under (uid, activation_id), left in place; None when not held."""
         with self._lock:
             kept = self._entries.get((uid, activation_id))
             return kept.inputs if kept is not None else None
 
-    def take(self, uid: str, activation_id: bytes, versions: tuple[int, ...],
+    def take(self, uid: str, activation_id: ActivationKey, versions: tuple[int, ...],
              inputs: Sequence[torch.Tensor]) -> KeptForward | None:
         """Removes the forward kept under (uid, activation_id); returns it if it has a graph, its parameters are still
         ``versions`` and it was computed from exactly ``inputs``, else None (recompute)."""
@@ -204,7 +267,7 @@ class ActivationCache:
                 self.hits += 1
             return kept
 
-    def discard(self, uid: str, activation_id: bytes) -> None:
+    def discard(self, uid: str, activation_id: ActivationKey) -> None:
         """Removes the forward kept under (uid, activation_id), if any, counting neither a hit nor a miss: a backward
         that recomputes in any case (an expert run as CUDA graphs) needed only its inputs."""
         with self._lock:
@@ -221,6 +284,7 @@ class ActivationCache:
                 stale.created = kept.created
                 self._count(kept, -1)
                 self._count(stale, 1)
+                self._weigh(owner_of(activation_id), stale.nbytes - kept.nbytes)
                 self.invalidated += 1
 
     def expire(self) -> int:
@@ -240,7 +304,7 @@ class ActivationCache:
             dropped += 1
         return dropped
 
-    def _remove(self, entry_key: tuple[str, bytes]) -> None:
+    def _remove(self, entry_key: tuple[str, ActivationKey]) -> None:
         self._pop(entry_key)
 
     def clear(self) -> int:
@@ -259,6 +323,9 @@ class ActivationCache:
         freed = self.nbytes
         self._entries.clear()
         self._graphs.clear()
+        self._owned.clear()
+        self._weight.clear()
+        self._heaviest.clear()
         self.held = {device: 0 for device in self.held}
         return freed
 

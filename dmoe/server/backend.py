@@ -10,14 +10,14 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from dmoe.server.activations import ActivationCache, KeptForward, SavedBytes, parameter_versions
+from dmoe.server.activations import ActivationCache, ActivationKey, KeptForward, SavedBytes, parameter_versions
 from dmoe.server.cuda_graphs import ExpertGraphs, GraphSwitch
 from dmoe.wire.codec import DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
 
-#: (activation id or None, rows) of every request in a batch, in order: see :mod:`dmoe.server.activations`
-Segments = Sequence[tuple["bytes | None", int]]
+#: (kept-forward key or None, rows) of every request in a batch, in order: see :mod:`dmoe.server.activations`
+Segments = Sequence[tuple[ActivationKey | None, int]]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 

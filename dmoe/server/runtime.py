@@ -11,6 +11,7 @@ from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 
+from dmoe.server.activations import ActivationKey
 from dmoe.server.profile import StageClock
 from dmoe.server.task_pool import ProcessFn, Task, TaskPool
 from dmoe.server.transfer import Transfers, make_transfers
@@ -142,9 +143,9 @@ class Runtime:
         return self
 
     def submit(self, pool: TaskPool, *inputs: torch.Tensor,
-               activation_id: bytes | None = None) -> "Future[list[torch.Tensor]]":
+               activation_id: ActivationKey | None = None) -> "Future[list[torch.Tensor]]":
         """Queues one request for ``pool`` (all tensors share the first, batch dimension), from any thread; the
-        future gets its outputs. ``activation_id``: the request's, if any."""
+        future gets its outputs. ``activation_id``: what its kept forward is named by, if any."""
         if not inputs:
             raise ValueError("a task needs at least one tensor")
         task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0], activation_id=activation_id)

@@ -19,6 +19,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from dmoe.endpoints import peer_machine
+from dmoe.server.activations import ActivationKey, kept_key
 from dmoe.server.backend import ExpertBackend, TensorSchema
 from dmoe.server.faults import Faults, InjectedFailure
 from dmoe.server.profile import StageClock
@@ -91,9 +92,9 @@ class HostedExpert:
         """What a backward that leaves its inputs out (held by the server since its forward) carries."""
         return [(f"grad_output {i}", s) for i, s in enumerate(self.backend.outputs_schema)]
 
-    def held_inputs(self, activation_id: bytes) -> tuple[torch.Tensor, ...] | None:
+    def held_inputs(self, key: ActivationKey) -> tuple[torch.Tensor, ...] | None:
         cache = self.backend.activations
-        return cache.inputs(self.backend.name, activation_id) if cache is not None else None
+        return cache.inputs(self.backend.name, key) if cache is not None else None
 
     def max_payload_bytes(self, kind: str, max_batch_size: int) -> int:
         """The most tensor bytes a valid request can carry: uncompressed is the largest encoding."""
@@ -356,19 +357,19 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         ``shared``: see :meth:`_decode`. ``arrival``: a streamed request's bytes, counted as they arrived.
         ``host``: the caller's, whose queued bytes are counted apart (:data:`HOST_SHARE`).
         """
-        expert, inputs = self._decode(kind, uid, tensors, compression, activation_id, shared)
+        expert, inputs = self._decode(kind, uid, tensors, compression, activation_id, shared, host)
         if self.faults is not None:
             try:
                 await self.faults.apply(delay=delay)  # the round trip's delay, then maybe a failure instead
             except InjectedFailure as failure:
                 raise RequestRejected(failure.code, f"{kind} of {uid}: {failure}") from None
-        future = self._submit(kind, expert, inputs, activation_id, arrival=arrival, host=host,
+        future = self._submit(kind, expert, inputs, kept_key(host, activation_id), arrival=arrival, host=host,
                               message_bytes=0 if shared or arrival is not None else _message_bytes(tensors))
         await _all_done([future])
         return self._answer(kind, uid, future, compression)
 
     def _decode(self, kind: str, uid: str, tensors: Sequence[Any], compression: int, activation_id: bytes,
-                shared: bool) -> tuple[HostedExpert, list[torch.Tensor]]:
+                shared: bool, host: str = "") -> tuple[HostedExpert, list[torch.Tensor]]:
         """The expert and the inputs of one request, validated (raises :class:`RequestRejected`).
 
         ``shared``: the request's bytes hold other items too. Inputs kept for a backward are then copied on a CPU
@@ -382,7 +383,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         schemas, held = expert.schemas(kind), None
         if kind == BACKWARD and activation_id and len(tensors) == len(expert.grad_schemas()):
             # the gradients alone: the inputs are those the server held since the forward with this id
-            schemas, held = expert.grad_schemas(), expert.held_inputs(activation_id)
+            schemas, held = expert.grad_schemas(), expert.held_inputs(kept_key(host, activation_id))
             if held is None:
                 raise RequestRejected(grpc.StatusCode.FAILED_PRECONDITION,
                                       "this server holds no inputs for this activation_id (never sent, expired or "
@@ -456,7 +457,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             self.arriving_bytes -= arrival.bytes
             arrival.bytes = 0
 
-    def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor], activation_id: bytes,
+    def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor], key: ActivationKey | None,
                 reserved: bool = False, arrival: Arrival | None = None, host: str = "",
                 message_bytes: int = 0) -> "Future[list[torch.Tensor]]":
         """Queues a decoded request on the expert's forward or backward pool: the runtime's future. Its inputs are
@@ -474,10 +475,10 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             self._reserve(nbytes, host)
         if kind == FORWARD:
             expert.backend.forward_calls += 1
-            future = self.runtime.submit(expert.forward_pool, *inputs, activation_id=activation_id or None)
+            future = self.runtime.submit(expert.forward_pool, *inputs, activation_id=key)
         else:
             expert.backend.backward_calls += 1
-            future = self.runtime.submit(expert.backward_pool, *inputs, activation_id=activation_id or None)
+            future = self.runtime.submit(expert.backward_pool, *inputs, activation_id=key)
         future.add_done_callback(lambda _: self._dequeued(nbytes, host))
         return future
 
@@ -533,7 +534,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         for item in items:
             try:
                 decoded.append(self._decode(kind, item.uid, item.tensors, item.response_compression,
-                                            item.activation_id, shared))
+                                            item.activation_id, shared, host))
             except RequestRejected as rejected:
                 decoded.append(Result(code=rejected.code.value[0], message=rejected.message))
         inputs_bytes = sum(x.nbytes for entry in decoded if isinstance(entry, tuple) for x in entry[1])
@@ -548,7 +549,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         try:
             queued: list[Result | tuple[str, Future, int]] = [
                 entry if isinstance(entry, Result) else
-                (item.uid, self._submit(kind, *entry, item.activation_id, reserved=True, host=host),
+                (item.uid, self._submit(kind, *entry, kept_key(host, item.activation_id), reserved=True,
+                                                 host=host),
                  item.response_compression)
                 for item, entry in zip(items, decoded)]
             await _all_done([entry[1] for entry in queued if isinstance(entry, tuple)])

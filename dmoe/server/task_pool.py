@@ -10,6 +10,8 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from dmoe.server.activations import ActivationKey
+
 ProcessFn = Callable[..., Sequence[torch.Tensor]]
 _sequence = itertools.count()
 
@@ -18,13 +20,14 @@ _sequence = itertools.count()
 class Task:
     """One request: tensors with a batch dimension, and the future its caller awaits.
 
-    ``activation_id``: the request's, if any (see :mod:`dmoe.server.activations`).
+    ``activation_id``: what its kept forward is named by, if it names one (the caller's machine and the request's
+    activation_id, see :mod:`dmoe.server.activations`).
     """
 
     inputs: tuple[torch.Tensor, ...]
     future: "Future[list[torch.Tensor]]"
     rows: int
-    activation_id: bytes | None = None
+    activation_id: ActivationKey | None = None
     seq: int = field(default_factory=lambda: next(_sequence))
     created: float = field(default_factory=time.monotonic)
 
