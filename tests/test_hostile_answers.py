@@ -282,6 +282,50 @@ def test_the_layer_drops_and_bans_an_expert_whose_answer_holds_more_than_its_row
     assert decoded[0] == 0
 
 
+def refusing_rows(request: bytes, context) -> bytes:
+    """Refuses every item for too many rows, naming no number: the layer asks the server's info."""
+    items = dmoe_pb2.BatchRequest.FromString(request).items
+    return batch_response_bytes(BatchResponse([Result(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                                      message="too many rows for my max_batch_size")] * len(items)))
+
+
+@pytest.mark.parametrize("hparams", ["{this is not json", "[" * 100_000])
+def test_an_info_that_does_not_parse_after_a_refusal_drops_and_bans_the_expert(pool, hparams):
+    """Review 71: json.loads's error came out of the layer's forward, and as nothing was banned, every step."""
+    def info(request: bytes, context) -> bytes:
+        return dmoe_pb2.ExpertInfo(uid="ffn0.0.0", max_batch_size=2, hparams_json=hparams).SerializeToString()
+
+    with hostile_server(forward_batch=refusing_rows, info=info) as endpoint:
+        with pytest.raises(MalformedAnswer, match="hparams_json is not JSON"):
+            expert_info(endpoint, "ffn0.0.0", channels=pool, timeout=10)
+        policy = CallPolicy(channels=pool)
+        _, out, alive = run_layer(endpoint, policy)
+    assert not alive.any() and policy.bans.is_banned("ffn0.0.0", endpoint)
+
+
+def test_refused_experts_whose_server_stalls_its_info_cost_the_forward_no_more_than_its_timeout(pool):
+    """Review 71: each refused expert's info was asked in turn, 2 s each: 8 experts of one server took 16 s of a
+    3 s forward. Now each server is asked once, all at once, within the time left."""
+    asked = []
+
+    def info(request: bytes, context) -> bytes:
+        asked.append(time.monotonic())
+        time.sleep(5)
+        return b""
+
+    experts, rows = 8, 16
+    with hostile_server(forward_batch=refusing_rows, info=info) as endpoint:
+        policy = CallPolicy(channels=pool, forward_timeout=3.0, k_min=1)
+        plan = [PlannedCall(f"ffn0.0.{j}", endpoint, np.arange(rows), np.full(rows, j, dtype=np.int64))
+                for j in range(experts)]
+        started = time.monotonic()
+        _, alive = _RemoteExperts.apply(torch.empty(0, requires_grad=True), torch.randn(rows, HIDDEN), policy, plan,
+                                        experts, False)
+        took = time.monotonic() - started
+    assert not alive.any() and len(asked) == 1
+    assert took < policy.forward_timeout + 1.0, took
+
+
 def nan_rows() -> Result:
     y = torch.full((ROWS, HIDDEN), float("nan"))
     y[0, 0] = float("inf")

@@ -16,7 +16,7 @@ import math
 import queue
 import re
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -26,7 +26,7 @@ import torch
 
 from dmoe.client.bans import MAX_RECORDS, Bans
 from dmoe.client.gating import MoEStats
-from dmoe.client.remote_expert import RemoteExpertError, expert_info, value_range
+from dmoe.client.remote_expert import expert_info, value_range
 from dmoe.wire import NONE, ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,25 @@ INFO_TIMEOUT = 2.0
 #: the number a server's "exceeds max_batch_size" refusal names (dmoe-server: "batch of N rows exceeds this
 #: server's max_batch_size M", or "... (max_batch_size M) can carry" for a streamed request)
 _BATCH_LIMIT = re.compile(r"max_batch_size\D{0,8}?(\d{1,9})")
+#: :func:`_named_limit`'s answer for a refusal of too many rows that names no number: the server is asked
+_ASK = "ask"
+#: the most servers asked their ``info`` at once (each a thread, for at most :data:`INFO_TIMEOUT`)
+MAX_ASKS = 16
+
+
+def _named_limit(future: Future) -> int | str | None:
+    """What a request's outcome says of its server's max_batch_size: the number its refusal names, :data:`_ASK`
+    when it refused too many rows without naming one, None when it is no such refusal."""
+    if not future.done() or future.cancelled():
+        return None
+    error = future.exception()
+    if getattr(error, "code", None) != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    message = str(getattr(error, "message", error))
+    if "max_batch_size" not in message:
+        return None
+    match = _BATCH_LIMIT.search(message)
+    return int(match.group(1)) if match is not None else _ASK
 
 
 @dataclass
@@ -100,43 +119,57 @@ class CallPolicy:
     #: refusals (:meth:`learn_batch_limit`): the layer cuts an expert's rows into requests of at most that many
     batch_limits: dict[str, int] = field(default_factory=dict)
 
-    def learn_batch_limit(self, uid: str, endpoint: str, future: Future, rows: int,
-                          time_left: float | None) -> int | None:
-        """The server's ``max_batch_size``, if ``future`` (a request of ``rows`` rows) ended in its refusal of more
-        rows than that (RESOURCE_EXHAUSTED naming max_batch_size), remembered for the endpoint; None otherwise.
+    def learn_batch_limits(self, requests: Sequence[tuple[str, str, Future, int]],
+                           time_left: float | None) -> list[int | None]:
+        """For each request (uid, endpoint, future, rows): its server's ``max_batch_size`` if the future ended in its
+        refusal of more rows than that (RESOURCE_EXHAUSTED naming max_batch_size), remembered for the endpoint; None
+        otherwise.
 
         The number comes from the refusal's message, or, where the message names none (another server version),
-        from the server's ``info`` (within ``time_left``). A limit that ``rows`` do not exceed, or one that would
-        cut them into more than :data:`MAX_CHUNKS` requests, is not believed: the refusal is then the expert's
-        failure, as before. Healthy experts were banned every step when the gate routed them more rows than their
-        server's limit (review 65)."""
-        if not future.done() or future.cancelled():
-            return None
-        error = future.exception()
-        if getattr(error, "code", None) != grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return None
-        message = str(getattr(error, "message", error))
-        if "max_batch_size" not in message:
-            return None
-        match = _BATCH_LIMIT.search(message)
-        if match is not None:
-            limit = int(match.group(1))
-        elif time_left is not None and time_left <= 0:
-            return None
-        else:
+        from the server's ``info``: each such server asked once, all of them at once, within ``time_left`` (one
+        ask per expert, one after another, kept a forward 2 s per expert past its timeout: review 71). A limit
+        that the rows do not exceed, or one that would cut them into more than :data:`MAX_CHUNKS` requests, is not
+        believed: the refusal is then the expert's failure, as before. Healthy experts were banned every step when
+        the gate routed them more rows than their server's limit (review 65)."""
+        named: list[int | str | None] = [_named_limit(future) for _, _, future, _ in requests]
+        asks = {endpoint: uid for (uid, endpoint, _, _), limit in zip(requests, named) if limit == _ASK}
+        told = self._ask_limits(asks, time_left) if asks and (time_left is None or time_left > 0) else {}
+        limits: list[int | None] = []
+        for (uid, endpoint, _, rows), limit in zip(requests, named):
+            if limit == _ASK:
+                limit = told.get(endpoint)
+            if not isinstance(limit, int) or not 1 <= limit < rows or -(-rows // limit) > MAX_CHUNKS:
+                limits.append(None)
+                continue
+            if endpoint not in self.batch_limits and len(self.batch_limits) >= MAX_RECORDS:
+                self.batch_limits.pop(next(iter(self.batch_limits)))  # the oldest
+            self.batch_limits[endpoint] = limit
+            logger.info("forward %s: %s takes at most %d rows a request (its max_batch_size): %d rows go as %d "
+                        "requests", uid, endpoint, limit, rows, -(-rows // limit))
+            limits.append(limit)
+        return limits
+
+    def learn_batch_limit(self, uid: str, endpoint: str, future: Future, rows: int,
+                          time_left: float | None) -> int | None:
+        """:meth:`learn_batch_limits` of one request."""
+        return self.learn_batch_limits([(uid, endpoint, future, rows)], time_left)[0]
+
+    def _ask_limits(self, asks: dict[str, str], time_left: float | None) -> dict[str, int]:
+        """endpoint -> the ``max_batch_size`` its ``info`` gave for the uid asked, for those that answered within
+        :data:`INFO_TIMEOUT` (and ``time_left``); all asked at once, a thread each (a rare path: servers that
+        refuse without naming their limit)."""
+        timeout = INFO_TIMEOUT if time_left is None else min(INFO_TIMEOUT, time_left)
+
+        def ask(endpoint: str, uid: str) -> int | None:
             try:
-                limit = int(expert_info(endpoint, uid, channels=self.channels, timeout=INFO_TIMEOUT if time_left is None
-                                        else min(INFO_TIMEOUT, time_left))["max_batch_size"])
-            except RemoteExpertError:
+                return int(expert_info(endpoint, uid, channels=self.channels, timeout=timeout)["max_batch_size"])
+            except Exception as error:  # whatever it answered, the refusal stays the expert's failure
+                logger.debug("forward %s: %s's info gave no max_batch_size: %s", uid, endpoint, error)
                 return None
-        if not 1 <= limit < rows or -(-rows // limit) > MAX_CHUNKS:
-            return None
-        if endpoint not in self.batch_limits and len(self.batch_limits) >= MAX_RECORDS:
-            self.batch_limits.pop(next(iter(self.batch_limits)))  # the oldest
-        self.batch_limits[endpoint] = limit
-        logger.info("forward %s: %s takes at most %d rows a request (its max_batch_size): %d rows go as %d requests",
-                    uid, endpoint, limit, rows, -(-rows // limit))
-        return limit
+
+        with ThreadPoolExecutor(max_workers=min(len(asks), MAX_ASKS), thread_name_prefix="dmoe-info") as pool:
+            answers = {endpoint: pool.submit(ask, endpoint, uid) for endpoint, uid in asks.items()}
+        return {endpoint: limit for endpoint, answer in answers.items() if (limit := answer.result()) is not None}
 
     @contextlib.contextmanager
     def settling(self) -> Iterator["Settlement"]:

@@ -156,12 +156,10 @@ class _RemoteExperts(torch.autograd.Function):
         unsent: set[int] = set()  # (no time was left: dropped, not banned)
         if len(problems) < len(plan):
             left = None if timeout is None else timeout - (time.monotonic() - started)
-            learnt = []
-            for i, call in enumerate(plan):
-                if i not in problems:  # (no answer)
-                    limit = policy.learn_batch_limit(call.uid, call.endpoint, futures[i], len(call.rows), left)
-                    if limit is not None:
-                        learnt.append((i, limit))
+            silent = [i for i in range(len(plan)) if i not in problems]  # (no answer)
+            limits = policy.learn_batch_limits([(plan[i].uid, plan[i].endpoint, futures[i], len(plan[i].rows))
+                                                for i in silent], left)
+            learnt = [(i, limit) for i, limit in zip(silent, limits) if limit is not None]
             if learnt:
                 left = None if timeout is None else timeout - (time.monotonic() - started)
                 (resent if left is None or left > 0 else unsent).update(i for i, _ in learnt)

@@ -507,6 +507,10 @@ def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,
         info = stub.info(dmoe_pb2.ExpertUID(uid=uid), timeout=timeout)
     except grpc.RpcError as error:
         raise RemoteExpertError(uid, endpoint, error.code(), error.details() or "") from None
+    try:  # the server's to write: what cannot be read is its failure, not the caller's crash (review 71)
+        hparams = json.loads(info.hparams_json or "{}")
+    except (ValueError, RecursionError) as error:
+        raise MalformedAnswer(uid, endpoint, f"info's hparams_json is not JSON: {error}") from None
     return {
         "uid": info.uid,
         "expert_cls": info.expert_cls,
@@ -514,7 +518,7 @@ def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,
         "outputs": [(tuple(s.shape), s.dtype) for s in info.outputs],
         "max_batch_size": info.max_batch_size,
         "device": info.device,
-        "hparams": json.loads(info.hparams_json or "{}"),
+        "hparams": hparams,
         "forward_calls": info.forward_calls,
         "backward_calls": info.backward_calls,
         "updates": info.updates,
