@@ -15,7 +15,8 @@ from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode
-from dmoe.dht.protocol import HANDOVER_BURST, HANDOVER_PERIOD, DHTProtocol
+from dmoe.dht.protocol import HANDOVER_BURST, HANDOVER_PERIOD, KEYS_BURST, KEYS_PER_SECOND, DHTProtocol
+from dmoe.dht.messages import split_values_reply
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import RecordStorage
 from dmoe.dht.transport import HEADER_BYTES, REQUEST, RESPONSE
@@ -157,3 +158,36 @@ def test_hand_overs_are_rate_limited_per_machine(host):
         assert protocol._may_hand_over(Node(os.urandom(20), host, 7001))
     now[0] += HANDOVER_PERIOD
     assert protocol._may_hand_over(one_machine[0]) and not protocol._may_hand_over(one_machine[1])
+
+
+def test_a_machines_lookups_beyond_its_budget_get_records_without_contacts():
+    """Review 70: a neighbour search and its encoding per key, 128 keys a datagram, let one peer's 1.8 Mbit/s take a
+    node's only loop. Beyond KEYS_PER_SECOND a machine's keys are answered with the record alone: cheap, and a
+    reader still finds what the node holds; other machines are not affected, and the budget comes back."""
+    protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+    now = [1000.0]
+    protocol.clock = lambda: now[0]
+    for i in range(30):
+        protocol.router.add_contact(Node(os.urandom(20), f"10.1.{i}.1", 4000))
+    writer = Identity()
+    held = digest("ffn0.3")
+    entry = writer.entry(held, 3, "10.0.0.9:5000", time.time() + 60)
+    assert protocol.storage.store(held, 3, entry.value, entry.expiration, entry.owner, entry.signature)
+    flooder, reader = ("10.0.0.1", 5555), ("10.0.0.2", 5555)
+
+    def ask(sender, keys):
+        return split_values_reply(protocol.rpc_find_values(sender, b"", keys))
+
+    for start in range(0, KEYS_BURST, 128):
+        replies = ask(flooder, [os.urandom(20) for _ in range(min(128, KEYS_BURST - start))])
+        assert replies and all(reply["nodes"] != "[]" for reply in replies)
+    replies = ask(flooder, [held] + [os.urandom(20) for _ in range(127)])
+    assert len(replies) == 128 and all(reply["nodes"] == "[]" for reply in replies)
+    assert "10.0.0.9:5000" in replies[0]["record"]  # the record it holds, still
+    assert protocol.rpc_find_node(flooder, b"", os.urandom(20)) == []
+    assert protocol.rpc_find_value(flooder, b"", held)["nodes"] == "[]"
+    assert all(reply["nodes"] != "[]" for reply in ask(reader, [os.urandom(20) for _ in range(8)]))
+    now[0] += 8 / KEYS_PER_SECOND
+    assert all(reply["nodes"] != "[]" for reply in ask(flooder, [os.urandom(20) for _ in range(8)]))
+    # keys held nowhere are not remembered encoded: a flood of them leaves the records readers ask for in place
+    assert len(protocol.encoded._records) <= 1

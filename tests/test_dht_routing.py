@@ -71,6 +71,37 @@ def test_neighbours_stay_exact_while_contacts_come_and_go_and_the_asker_is_left_
                 assert [n.id for n in table.find_neighbors(key, k=k, exclude=exclude)] == [n.id for n in expected]
 
 
+def test_neighbours_are_exact_in_tables_small_and_large_and_around_clusters_of_ids():
+    """The search looks only in the smallest aligned block of ids around the key that holds enough contacts
+    (review 70: sorting every contact per key asked let one peer's datagrams take a node's loop): it must still
+    give exactly a full sort's answer, with k above the contacts known, and with ids that share long prefixes."""
+    asyncio.run(_exact_neighbours_in_tables_of_every_size())
+
+
+class _NoPings:
+    async def call_ping(self, node: Node) -> tuple[bool, None]:  # a full bucket's head is pinged: nobody answers
+        return False, None
+
+
+async def _exact_neighbours_in_tables_of_every_size() -> None:
+    rng = random.Random(2)
+    for size in (0, 1, 5, 21, 60, 400):
+        me = _random_node(rng)
+        table = DHTRoutingTable(_NoPings(), 20, me)
+        base = rng.getrandbits(160)
+        for i in range(size):  # half at random, half in a cluster sharing 150 bits
+            node_id = rng.getrandbits(160) if i % 2 else base ^ rng.getrandbits(10)
+            table.add_contact(Node(node_id.to_bytes(20, "big"), f"10.{i % 200}.{i // 200}.1", 4000))
+        known = table.contacts()
+        for _ in range(40):
+            key = Node((base ^ rng.getrandbits(rng.choice([8, 12, 40, 160]))).to_bytes(20, "big"))
+            exclude = rng.choice(known) if known and rng.random() < 0.5 else None
+            k = rng.choice([1, 3, 20])
+            expected = sorted((n for n in known if n.id != key.id and (exclude is None or not n.same_home_as(exclude))),
+                              key=key.distance_to)[:k]
+            assert [n.id for n in table.find_neighbors(key, k=k, exclude=exclude)] == [n.id for n in expected]
+
+
 def test_a_bucket_holds_at_most_two_contacts_of_one_machine_however_many_ids_it_claims():
     """One socket that pinged a node under 8 ids next to a key filled that key's bucket: the node then named it as
     all of the key's closest nodes to every asker."""

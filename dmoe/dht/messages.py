@@ -321,6 +321,10 @@ class EncodedRecord(NamedTuple):
     auth: bytes
 
 
+#: :func:`encode_record` of no entries
+_EMPTY_RECORD = encode_record({})
+
+
 class EncodedReplies:
     """What a node sends in its find_value replies, encoded again only after it changed: readers ask for the same
     records every few seconds, while their owners change them far less often."""
@@ -346,6 +350,8 @@ class EncodedReplies:
     def value_reply(self, storage: RecordStorage, key: bytes, nodes: Sequence[Node] | str) -> dict[str, Any]:
         """:func:`find_value_reply` for what ``storage`` holds, re-encoding the record only after it changed."""
         record = storage.live(key) or {}  # drops expired entries first, which changes the version
+        if not record:  # (not cached: a flood of keys held nowhere would evict the records readers ask for)
+            return find_value_reply(record, nodes, _EMPTY_RECORD)
         version = storage.versions.get(key)
         cached = self._records.get(key)
         if cached is None or cached.version != version or version is None:

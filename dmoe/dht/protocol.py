@@ -23,11 +23,13 @@ from dmoe.dht.peers import EVICT_AFTER_FAILURES, PeerBook
 from dmoe.dht.routing import DHTRoutingTable, contact_machine
 from dmoe.dht.signing import Verifier
 from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, sender_group
-from dmoe.dht.throttle import ThrottledWarnings
+from dmoe.dht.throttle import MachineBudgets, ThrottledWarnings
 from dmoe.dht.transport import REPLY_BUDGET_BYTES, UDPTransport, chunk_entries
 
 logger = logging.getLogger(__name__)
 
+#: what a look-up answered without contacts carries as its contacts (an empty list, as encoded)
+NO_CONTACTS = "[]"
 #: Keys per find_values request (22 bytes each, well under the request limit).
 MAX_KEYS_PER_REQUEST = 128
 #: The node id in the requests of a client-mode node: the receiver does not take it as a contact.
@@ -40,6 +42,12 @@ HANDOVER_BURST = 4
 HANDOVER_PERIOD = 2.0
 #: machines whose hand-over budget is remembered at most (the longest idle are forgotten first)
 HANDOVER_MACHINES = 4096
+#: keys a machine's look-ups (find_value, find_values, find_node) are answered in full per second, after a burst of
+#: KEYS_BURST: a key's neighbour search and encoding cost ~50 us of the node's only loop, and one datagram may ask
+#: 128 (review 70: 1.8 Mbit/s of random keys from one peer took a node off the DHT). Beyond it a machine's keys are
+#: answered with the record this node holds and no contacts (~20 us, cached), so readers still find values
+KEYS_PER_SECOND = 2000.0
+KEYS_BURST = 4000
 
 
 #: seconds beyond which an entry arriving expired (or expiring beyond ``max_expiration``) is logged as a likely
@@ -74,9 +82,11 @@ class DHTProtocol(UDPTransport):
         self.encoded = EncodedReplies()  # what this node sends
         self.refusals = ThrottledWarnings(logger)  # stores refused, per sender: a flood must not flood the log
         self._value_batches: dict[tuple[str, int], list[ValueAsk]] = {}
-        #: per machine, hand-overs it may still get and when that was counted (a token bucket, see welcome_if_new)
-        self._handovers: dict[str, tuple[float, float]] = {}
         self.clock: Callable[[], float] = time.monotonic
+        #: per machine: hand-overs it may still get (see welcome_if_new), keys of its look-ups answered in full
+        self.handovers = MachineBudgets(1.0 / HANDOVER_PERIOD, HANDOVER_BURST, HANDOVER_MACHINES,
+                                        clock=lambda: self.clock())
+        self.lookups = MachineBudgets(KEYS_PER_SECOND, KEYS_BURST, clock=lambda: self.clock())
 
     # ---- asking -------------------------------------------------------------------------------------------
     async def call_ping(self, node_to_ask: Node) -> tuple[bool, Any]:
@@ -265,17 +275,22 @@ class DHTProtocol(UDPTransport):
                            "already expired" if expiration <= now else "expiring beyond max_expiration", off)
 
     def rpc_find_node(self, sender: tuple[str, int], nodeid: Any, key: Any) -> list[tuple[bytes, str, int]]:
+        """The closest contacts to ``key``; none once the asker's machine has spent its :data:`KEYS_PER_SECOND`."""
         key = check_id(key, "key")
         source = self._sender(sender, nodeid)
+        if not self.lookups.take(contact_machine(*sender[:2])):
+            return []
         neighbors = self.router.find_neighbors(Node(key), exclude=source)
         return [tuple(node) for node in neighbors]
 
     def rpc_find_value(self, sender: tuple[str, int], nodeid: Any, key: Any) -> dict[str, Any]:
-        """The local record (possibly empty) *and* the closest contacts, so lookups can keep merging."""
+        """The local record (possibly empty) *and* the closest contacts, so lookups can keep merging (no contacts
+        once the asker's machine has spent its :data:`KEYS_PER_SECOND`)."""
         key = check_id(key, "key")
         source = self._sender(sender, nodeid)
-        return self.encoded.value_reply(self.storage, key, self.encoded.contacts(self.router, key, self.router.ksize,
-                                                                                 source))
+        contacts = (self.encoded.contacts(self.router, key, self.router.ksize, source)
+                    if self.lookups.take(contact_machine(*sender[:2])) else NO_CONTACTS)
+        return self.encoded.value_reply(self.storage, key, contacts)
 
     def rpc_find_values(self, sender: tuple[str, int], nodeid: Any, keys: Any) -> bytes:
         """:meth:`rpc_find_value` for several keys, in order, stopping before the reply would outgrow a datagram; as
@@ -285,9 +300,11 @@ class DHTProtocol(UDPTransport):
         keys = [check_id(key, "key") for key in keys]
         source = self._sender(sender, nodeid)
         width = 2 * self.config.read_width
+        full = self.lookups.take(contact_machine(*sender[:2]), len(keys))  # (keys left out of the reply cost too)
         parts, size = [], 0
-        for key in keys:
-            reply = self.encoded.value_reply(self.storage, key, self.encoded.contacts(self.router, key, width, source))
+        for i, key in enumerate(keys):
+            contacts = self.encoded.contacts(self.router, key, width, source) if i < full else NO_CONTACTS
+            reply = self.encoded.value_reply(self.storage, key, contacts)
             record, auth, contacts = reply["record"].encode(), reply["auth"], reply["nodes"].encode()
             size += VALUES_HEADER.size + len(record) + len(auth) + len(contacts)
             if parts and size > REPLY_BUDGET_BYTES:
@@ -337,14 +354,7 @@ class DHTProtocol(UDPTransport):
 
     def _may_hand_over(self, node: Node) -> bool:
         """Takes one of the hand-overs left to ``node``'s machine, if any (a token bucket per machine)."""
-        machine, now = contact_machine(node.ip, node.port), self.clock()
-        tokens, since = self._handovers.pop(machine, (float(HANDOVER_BURST), now))
-        tokens = min(float(HANDOVER_BURST), tokens + (now - since) / HANDOVER_PERIOD)
-        if len(self._handovers) >= HANDOVER_MACHINES:  # the oldest counted first: dicts keep insertion order
-            del self._handovers[next(iter(self._handovers))]
-        allowed = tokens >= 1.0
-        self._handovers[machine] = (tokens - 1.0 if allowed else tokens, now)
-        return allowed
+        return self.handovers.take(contact_machine(node.ip, node.port)) == 1
 
     def records_to_hand_over(self, newcomer: Node) -> list[tuple[bytes, Record]]:
         """The records held here of which this node is the closest holder it knows of (no contact is closer to the

@@ -11,6 +11,7 @@ all of the key's closest nodes to every asker, and became the key's replica "maj
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
 import ipaddress
@@ -23,6 +24,8 @@ from dmoe.endpoints import machine_of
 
 #: (key, count) neighbour lists a table remembers until its contacts change
 NEAREST_CACHED = 4096
+#: bits of a node id (kademlia's are 20-byte digests)
+ID_BITS = 160
 #: contacts of one machine (:func:`contact_machine`) that a bucket holds at most, its replacements included
 MAX_PER_MACHINE = 2
 
@@ -117,7 +120,37 @@ class DHTRoutingTable(RoutingTable):
         return kept[:k]
 
     def _nearest_uncached(self, node: Node, k: int, exclude: Node | None = None) -> list[Node]:
+        """The k closest, searched among the contacts of the smallest aligned block of ids around ``node``'s that
+        holds enough of them: every id sharing the first p bits with the target is closer to it than any id that
+        does not, so the k closest are all in that block. Sorting every contact by distance cost a node 0.2 ms of
+        its only loop per key asked with 400 contacts, which any peer could ask 90 of in one datagram (review 70)."""
+        ids, contacts = self._by_id()
         node_id, target = node.id, node.long_id
-        candidates = [contact for bucket in self.buckets for contact in bucket.nodes.values()
-                      if contact.id != node_id and (exclude is None or not contact.same_home_as(exclude))]
-        return heapq.nsmallest(k, candidates, key=lambda contact: contact.long_id ^ target)
+
+        def block(prefix: int) -> tuple[int, int]:
+            shift = ID_BITS - prefix
+            low = (target >> shift) << shift
+            return bisect.bisect_left(ids, low), bisect.bisect_left(ids, low + (1 << shift))
+
+        shortest, longest = 0, ID_BITS  # the longest prefix whose block holds k + 1 contacts (node's id may be one)
+        while shortest < longest:
+            middle = (shortest + longest + 1) // 2
+            start, end = block(middle)
+            shortest, longest = (middle, longest) if end - start > k else (shortest, middle - 1)
+        prefix = shortest
+        while True:
+            start, end = block(prefix)
+            candidates = [contact for contact in contacts[start:end]
+                          if contact.id != node_id and (exclude is None or not contact.same_home_as(exclude))]
+            if len(candidates) >= k or prefix == 0:
+                return heapq.nsmallest(k, candidates, key=lambda contact: contact.long_id ^ target)
+            prefix -= 1  # excluded contacts left too few: a block twice as large
+
+    def _by_id(self) -> tuple[list[int], list[Node]]:
+        """Every live contact's id, ascending, and the contacts in that order, until the contacts change."""
+        cached = getattr(self, "_sorted", None)
+        if cached is None or cached[0] != self.version:
+            contacts = sorted((contact for bucket in self.buckets for contact in bucket.nodes.values()),
+                              key=lambda contact: contact.long_id)
+            cached = self._sorted = (self.version, [contact.long_id for contact in contacts], contacts)
+        return cached[1], cached[2]

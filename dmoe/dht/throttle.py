@@ -1,4 +1,5 @@
-"""Warnings about what peers send, at most one per peer and kind a minute, and a bounded number in all.
+"""What a node spends on any one peer: warnings about what peers send (at most one per peer and kind a minute, and
+a bounded number in all), and budgets of work per machine (:class:`MachineBudgets`).
 
 A node logs what it refuses (malformed datagrams, forged or hijacking stores, full records) so an operator can see
 an attack or a misconfigured peer. Logged once per datagram, a flood of them (cheap to send, from spoofed
@@ -46,3 +47,28 @@ class ThrottledWarnings:
             self._left_out = 0
         self.logger.warning(message, *args, **({"exc_info": True} if exc_info else {}))
         return True
+
+
+class MachineBudgets:
+    """A token bucket per machine: ``take(machine, n)`` grants up to ``n`` units of work, from a burst of ``burst``
+    refilled at ``rate`` a second. Machines are remembered up to ``max_machines``, the longest unseen forgotten
+    first (forgotten ones start again with a full burst: bounded memory, whatever the number of senders)."""
+
+    def __init__(self, rate: float, burst: float, max_machines: int = 4096,
+                 clock: Callable[[], float] = time.monotonic):
+        if not rate > 0 or not burst >= 1 or max_machines < 1:
+            raise ValueError(f"rate must be > 0, burst >= 1 and max_machines >= 1, got {rate}, {burst}, "
+                             f"{max_machines}")
+        self.rate, self.burst, self.max_machines, self.clock = rate, float(burst), max_machines, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # machine -> (tokens, when counted)
+
+    def take(self, machine: str, n: int = 1) -> int:
+        """How many of ``n`` units ``machine`` may have now (each taken from its budget)."""
+        now = self.clock()
+        tokens, since = self._buckets.pop(machine, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - since) * self.rate)
+        if len(self._buckets) >= self.max_machines:  # dicts keep insertion order: the first is the longest unseen
+            del self._buckets[next(iter(self._buckets))]
+        granted = min(n, int(tokens))
+        self._buckets[machine] = (tokens - granted, now)
+        return granted
