@@ -1,6 +1,7 @@
 """Malformed and oversized requests against a real server: a clear status for each, and the server lives on."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -441,6 +442,40 @@ def test_answers_a_client_does_not_read_count_against_the_queued_bytes_until_the
         torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)
         # (that call's answer counts until the server sees its call end, a moment after the client has it)
         wait_until(lambda: servicer.answer_bytes == 0 and servicer.queued_bytes == 0)
+
+
+def test_shared_memory_answers_sent_inline_count_as_plain_answers_do():
+    """Review 71: a call_shared answer the client's segment has no room for (it offers what room it likes, none
+    included) goes inline in gRPC's answer, but counted as a call only (8 KiB): a client that never read them took
+    a server from 253 to 873 MiB with --max-queued-mb 8, and was never refused."""
+    from dmoe.server.servicer import HOST_SHARE, UNARY_ANSWER_COPIES
+    from dmoe.wire.shared_memory import HEADER_BYTES, Segment
+    from tests.raw_h2 import RawConnection
+
+    hidden, rows = 256, 512
+    answer = rows * hidden * 4
+    request = dmoe_pb2.ExpertRequest(uid="nop.0", tensors=[serialize(torch.randn(rows, hidden))]).SerializeToString()
+    segment = Segment(1 << 21)
+    segment.view[HEADER_BYTES:HEADER_BYTES + len(request)] = request
+    call = dmoe_pb2.SharedMemoryCall(method="forward", pid=os.getpid(), fd=segment.fd, key=segment.key,
+                                     request_offset=HEADER_BYTES, request_length=len(request),
+                                     answer_offset=HEADER_BYTES, answer_capacity=0).SerializeToString()
+    x = torch.randn(rows, hidden)
+    try:
+        with ExpertServer.create("nop.[0:1]", "nop", hidden, config=ServerConfig(device="cpu", max_queued_mb=4.0)) \
+                as server:
+            servicer = server.servicer
+            calls = int(servicer.max_queued_bytes * HOST_SHARE // (UNARY_ANSWER_COPIES * answer)) + 1
+            with RawConnection(server.endpoint, window=0) as unread:
+                for _ in range(calls):
+                    unread.call("/dmoe.ExpertService/call_shared", call)
+                wait_until(lambda: servicer.answer_bytes >= calls * UNARY_ANSWER_COPIES * answer)
+                with pytest.raises(RemoteExpertError) as refused:
+                    forward_future(server.endpoint, "nop.0", [x], channels=ChannelPool(shared_memory=False)).result(30)
+                assert "answers to this host that it has not taken" in str(refused.value)
+            wait_until(lambda: servicer.answer_bytes == 0 and servicer.answers_by_host == {})
+    finally:
+        segment.close()
 
 
 def test_a_small_request_padded_into_a_large_message_counts_as_the_message():

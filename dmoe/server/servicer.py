@@ -596,12 +596,12 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         return answer
 
     def _answer_held(self, context: grpc.aio.ServicerContext, outputs: Sequence[OutgoingTensor],
-                     copies: int) -> None:
-        """Counts an answer about to be sent (``copies`` times its tensors' bytes, at least
+                     copies: int, extra: int = 0) -> None:
+        """Counts an answer about to be sent (``copies`` times its tensors' bytes, plus ``extra`` bytes, at least
         :data:`ANSWERED_CALL_BYTES`) among the bytes this server holds (:meth:`_reserve`) until its call ends: read
         whole, cancelled or past its deadline. gRPC keeps an answer the client does not read (HTTP/2 flow control)
         until then, and nothing else counted it (review 55)."""
-        nbytes = max(copies * _answer_bytes(outputs), ANSWERED_CALL_BYTES)
+        nbytes = max(copies * _answer_bytes(outputs) + extra, ANSWERED_CALL_BYTES)
         host = peer_machine(context.peer())
         with self._queued_lock:
             self.answer_bytes += nbytes
@@ -648,7 +648,11 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             answer = Response(await self._call(kind, parsed.uid, parsed.tensors, parsed.response_compression,
                                                context, parsed.activation_id))
             message = response_message(answer)
-        self._answer_held(context, (), 1)  # (the answer goes into the client's segment: the call itself is counted)
+        # an answer written into the client's segment: the call alone is counted. One the segment has no room for
+        # (the client offers what room it likes, none included) goes inline in gRPC's answer, held until read as a
+        # plain call's is: uncounted, a client that never read them took a server from 253 to 873 MiB (review 71)
+        inline = message.size > call.answer_capacity
+        self._answer_held(context, (), 1, extra=UNARY_ANSWER_COPIES * message.size if inline else 0)
         return SharedAnswer(answer, message, segment, call.answer_offset, call.answer_capacity)
 
     async def _stream(self, kind: str, requests: AsyncIterator[dmoe_pb2.ExpertRequest], context) -> None:
