@@ -67,6 +67,11 @@ CASES = {
     "missing batch dimension": ("forward", request(serialize(torch.randn(8))), Code.INVALID_ARGUMENT,
                                 "got [8] float32"),
     "unknown dtype": ("forward", request(tensor([4, 8], dtype="float128")), Code.INVALID_ARGUMENT, "float128"),
+    # quoted whole, these made a status longer than gRPC's metadata holds: "Stream removed" (review 71)
+    "a dtype of 20 KB": ("forward", request(tensor([4, 8], dtype="x" * 20_000)), Code.INVALID_ARGUMENT,
+                         "(20000 characters)"),
+    "20,000 dimensions": ("forward", request(tensor([1] * 20_000, buffer=b"\0" * 4)), Code.INVALID_ARGUMENT,
+                          "got 20000 dimensions float32"),
     "no tensors": ("forward", request(), Code.INVALID_ARGUMENT, "expected 1 tensors"),
     "extra tensor": ("forward", request(good(), good()), Code.INVALID_ARGUMENT, "expected 1 tensors"),
     "backward without grads": ("backward", request(good()), Code.INVALID_ARGUMENT,

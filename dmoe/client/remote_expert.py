@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dmoe.wire import MAX_BATCH_ITEMS, MAX_MESSAGE_BYTES, STREAM_PART_BYTES, ChannelPool, dmoe_pb2, status_code
+from dmoe.wire.channels import MAX_STATUS_CHARS, described, truncated
 from dmoe.wire.codec import (DTYPES, FLOAT16, NONE, UINT8, UINT8_BLOCK, InvalidTensor, TensorTooLarge, Compression,
                              cut_into_parts, deserialize, dtype_name, encoded_bytes, join_parts, pack,
                              parse_compression, serialize)
@@ -82,20 +83,7 @@ NON_FINITE_GRADIENTS = ("output gradients are non-finite (NaN or Inf: usually a 
 
 
 #: the most characters of a server's message that a client keeps (in its errors, and so in its log)
-MAX_SERVER_MESSAGE_CHARS = 1024
-
-
-def truncated(message: str, limit: int = MAX_SERVER_MESSAGE_CHARS) -> str:
-    """``message`` cut to at most ``limit`` characters, saying so and how long it was.
-
-    Servers' messages (status details, batch items' messages: up to the 64 MiB message limit) end up in errors
-    that are logged, kept (``CallPolicy.refused``) and quoted again; whole, a hostile server could flood the
-    client's log every step. Idempotent: a cut message is no longer than ``limit``, so it is never cut again.
-    """
-    if len(message) <= limit:
-        return message
-    note = f"... ({len(message)} characters)"
-    return message[:max(0, limit - len(note))] + note
+MAX_SERVER_MESSAGE_CHARS = MAX_STATUS_CHARS
 
 
 class RemoteExpertError(RuntimeError):
@@ -154,13 +142,6 @@ def expected_bytes(expect: Expected) -> int:
     return total
 
 
-def _described(tensor: Any) -> str:
-    """A received tensor's header in a few words (the server chose it: never quoted at length)."""
-    shape = list(tensor.shape)
-    dims = str(shape) if len(shape) <= 8 else f"{len(shape)} dimensions"
-    return f"{dims} {truncated(str(tensor.dtype), 24)!r}"
-
-
 def header_problem(tensor: Any, index: int, expect: Expected | None, compressions: frozenset[int]) -> str | None:
     """What is wrong with an answer's tensor ``index`` before decoding it (None: nothing): its compression, and its
     shape and dtype when ``expect`` says them. Reads the header only (a buffer read copies the bytes)."""
@@ -171,7 +152,7 @@ def header_problem(tensor: Any, index: int, expect: Expected | None, compression
         return None
     shape, dtype = expect[index]
     if tensor.dtype != dtype_name(dtype) or list(tensor.shape) != list(shape):
-        return f"tensor {index}: expected {list(shape)} {dtype_name(dtype)!r}, got {_described(tensor)}"
+        return f"tensor {index}: expected {list(shape)} {dtype_name(dtype)!r}, got {described(tensor)}"
     return None
 
 

@@ -27,7 +27,7 @@ from dmoe.server.runtime import PoolRemoved, Runtime, is_out_of_memory
 from dmoe.server.task_pool import TaskPool
 from dmoe.server.validation import RequestRejected, check_options, first_bad_values, validate
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
-from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES
+from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES, truncated
 from dmoe.wire.codec import (NONE, InvalidTensor, OutgoingTensor, TensorTooLarge, cut_into_parts, join_parts,
                              message_bytes, pack, to_message)
 from dmoe.wire.shared_memory import BadCall, MappedSegment, Refused, SegmentMaps
@@ -623,8 +623,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         kind, _, batch = call.method.partition("_")
         if kind not in (FORWARD, BACKWARD) or batch not in ("", "batch"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"call_shared: unknown method {call.method!r} (forward, backward, forward_batch or "
-                                "backward_batch)")
+                                f"call_shared: unknown method {truncated(call.method, 40)!r} (forward, backward, "
+                                "forward_batch or backward_batch)")
         try:
             segment = self.shared_memory.open(call, context.peer())
         except Refused as refused:

@@ -13,6 +13,7 @@ import torch
 from dmoe.server.activations import MAX_ACTIVATION_ID_BYTES
 from dmoe.server.backend import TensorSchema
 from dmoe.wire import dmoe_pb2
+from dmoe.wire.channels import described, truncated
 from dmoe.wire.codec import Compression, InvalidTensor, TensorTooLarge, deserialize
 
 
@@ -20,6 +21,7 @@ class RequestRejected(Exception):
     """A request refused before any compute, with the status code to answer it with."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
+        message = truncated(message)  # (whatever it quotes of the request: gRPC cannot send a status of 16 KiB)
         super().__init__(message)
         self.code, self.message = code, message
 
@@ -31,10 +33,6 @@ def check_options(response_compression: int, activation_id: bytes) -> None:
     if len(activation_id) > MAX_ACTIVATION_ID_BYTES:
         raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"activation_id has {len(activation_id)} "
                               f"bytes, at most {MAX_ACTIVATION_ID_BYTES} are allowed")
-
-
-def _describe(message: dmoe_pb2.Tensor) -> str:
-    return f"[{', '.join(map(str, message.shape))}] {message.dtype or '<no dtype>'}"
 
 
 def validate(tensors: Sequence[dmoe_pb2.Tensor], schemas: Sequence[tuple[str, TensorSchema]],
@@ -49,7 +47,7 @@ def validate(tensors: Sequence[dmoe_pb2.Tensor], schemas: Sequence[tuple[str, Te
         shape = list(message.shape)
         if message.dtype != schema.dtype or len(shape) != len(schema.shape) + 1 or tuple(shape[1:]) != schema.shape:
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"{label}: expected shape {schema.describe()}, got {_describe(message)}")
+                                  f"{label}: expected shape {schema.describe()}, got {described(message, quoted=False)}")
         if shape[0] < 1:
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"{label}: batch size must be positive, got shape {shape}")

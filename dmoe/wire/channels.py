@@ -5,7 +5,7 @@ import gc
 import logging
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -30,6 +30,30 @@ _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 def status_code(number: int) -> grpc.StatusCode | None:
     """The gRPC status code with this number (batch calls carry each item's status as one), None if none has it."""
     return _STATUS_CODES.get(number)
+
+
+#: the most characters of a peer's text a status message quotes, or a client keeps of a server's message: gRPC's
+#: metadata holds 16 KiB at most (a longer status arrives as "Stream removed"), and errors end up in logs
+MAX_STATUS_CHARS = 1024
+
+
+def truncated(message: str, limit: int = MAX_STATUS_CHARS) -> str:
+    """``message`` cut to at most ``limit`` characters, saying so and how long it was. Idempotent: a cut message is
+    no longer than ``limit``, so it is never cut again."""
+    if len(message) <= limit:
+        return message
+    note = f"... ({len(message)} characters)"
+    return message[:max(0, limit - len(note))] + note
+
+
+def described(tensor: Any, quoted: bool = True) -> str:
+    """A tensor message's header in a few words: its shape (up to 8 dimensions) and dtype (up to 24 characters, in
+    quotes unless not ``quoted``). The peer chose both: quoted whole, 100,000 dimensions made a status too long for
+    gRPC to send (review 71)."""
+    shape = list(tensor.shape)
+    dims = str(shape) if len(shape) <= 8 else f"{len(shape)} dimensions"
+    dtype = truncated(str(tensor.dtype), 24)
+    return f"{dims} {dtype!r}" if quoted else f"{dims} {dtype or '<no dtype>'}"
 
 
 def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
