@@ -96,6 +96,18 @@ def test_float16_saturates_finite_values_beyond_its_range_and_keeps_inf_and_nan(
     assert deserialize(serialize(x[:3], FLOAT16)).float().isfinite().all()
 
 
+def test_uint8_saturates_finite_values_further_apart_than_float32_reaches_and_keeps_inf_and_nan():
+    """Review 71: a block holding -3e38 and 3e38 (both finite) had an infinite scale and arrived as 256 NaN."""
+    x = torch.tensor([-3e38, 3e38] + [1.0] * 254)
+    y = deserialize(serialize(x, UINT8))
+    limit = torch.finfo(torch.float32).max / 2
+    assert y.isfinite().all() and y[0].item() == -limit and y[1].item() == limit
+    assert deserialize(serialize(x.double(), UINT8)).isfinite().all()
+    with_inf = x.clone()
+    with_inf[5] = float("inf")
+    assert not deserialize(serialize(with_inf, UINT8)).isfinite().all()  # sent non-finite, arrives non-finite
+
+
 def test_a_shape_torch_cannot_build_is_refused_even_with_no_elements():
     """A zero makes the element count 0 whatever the other dimensions are; torch then fails to build the shape
     (RuntimeError, which a state download did not expect), where the codec refuses it as too large."""

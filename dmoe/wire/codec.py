@@ -197,6 +197,13 @@ def _quantize_uint8(tensor: torch.Tensor) -> tuple[bytes, bytes]:
     blocks = math.ceil(numel / UINT8_BLOCK)
     padded = torch.nn.functional.pad(flat, (0, blocks * UINT8_BLOCK - numel)).view(blocks, UINT8_BLOCK)
     low, high = padded.min(dim=1).values, padded.max(dim=1).values
+    if bool((high - low).isinf().any()):
+        # finite values further apart than float32 reaches (or a non-finite one): the scale would be inf and the
+        # whole block arrive as NaN though sent finite (review 71). Finite ones are saturated to half float32's
+        # range, as _to_float16 saturates; NaN and inf stay as they are
+        limit = torch.finfo(torch.float32).max / 2
+        padded = torch.where(padded.isfinite(), padded.clamp(-limit, limit), padded)
+        low, high = padded.min(dim=1).values, padded.max(dim=1).values
     scale = ((high - low) / 255).clamp_min(1e-12)
     codes = ((padded - low[:, None]) / scale[:, None]).round_().clamp_(0, 255).to(torch.uint8)
     aux = torch.stack([scale, low], dim=1).cpu().numpy().astype(np.float32).tobytes()
