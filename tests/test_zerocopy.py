@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dmoe.client import forward_future, forward_futures, new_activation_id
 from dmoe.server import ExpertServer, ServerConfig
+from dmoe.server.activations import kept_key
 from dmoe.wire import FLOAT16, MAX_BATCH_ITEMS, NONE, UINT8, deserialize, dmoe_pb2, serialize
 from dmoe.wire.codec import pack
 from dmoe.wire import zerocopy as zc
@@ -279,7 +280,8 @@ def test_a_message_of_many_tiny_fields_is_refused_before_it_becomes_that_many_ob
 
 
 def test_a_cpu_server_keeps_no_view_of_a_message_shared_by_several_items():
-    """Inputs kept for a backward must not pin a whole batch request: the activation cache counts only their rows."""
+    """Inputs kept for a backward must not pin a whole batch request: the activation cache counts only their rows
+    (kept by the caller's machine and activation_id)."""
     with ExpertServer.create("ffn.[0:2]", "ffn", 1024, seed=1, config=ServerConfig(device="cpu")) as server:
         x = torch.randn(128, 1024)  # 512 KiB per item: read in place
         shared = [new_activation_id(), new_activation_id()]
@@ -288,10 +290,10 @@ def test_a_cpu_server_keeps_no_view_of_a_message_shared_by_several_items():
         alone = new_activation_id()
         forward_future(server.endpoint, "ffn.0", [x], activation_id=alone).result(30)
         for i in range(2):
-            (kept,) = server.activations.inputs(f"ffn.{i}", shared[i])
+            (kept,) = server.activations.inputs(f"ffn.{i}", kept_key("127.0.0.1", shared[i]))
             assert kept.untyped_storage().resizable()  # the server's own memory
             assert torch.equal(kept, x)
-        (kept,) = server.activations.inputs("ffn.0", alone)
+        (kept,) = server.activations.inputs("ffn.0", kept_key("127.0.0.1", alone))
         assert not kept.untyped_storage().resizable()  # a request of its own is used in place: zero copies
         assert torch.equal(kept, x)
         # ... unless its message is much larger than its tensors: 1 row padded to 8 MiB (a field the reader skips)
@@ -302,7 +304,7 @@ def test_a_cpu_server_keeps_no_view_of_a_message_shared_by_several_items():
         with grpc.insecure_channel(server.endpoint) as channel:
             channel.unary_unary("/dmoe.ExpertService/forward", request_serializer=bytes,
                                 response_deserializer=bytes)(request, timeout=30)
-        (kept,) = server.activations.inputs("ffn.0", padded)
+        (kept,) = server.activations.inputs("ffn.0", kept_key("127.0.0.1", padded))
         assert kept.untyped_storage().resizable() and torch.equal(kept, x[:1])  # a copy of its row, not a view
 
 
