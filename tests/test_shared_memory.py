@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -398,6 +399,46 @@ def test_the_server_unmaps_the_segments_of_clients_that_ended():
         child.kill()
         child.wait()
         ours.close()
+
+
+def test_segments_a_client_closed_or_replaced_are_unmapped_by_the_sweep_and_those_it_holds_stay():
+    """Review 71: a client's closed segments stayed mapped, so resident in the server, until evicted as the least
+    recently used (224 MiB after a client of 16 MiB calls exited)."""
+    maps, peer = shm.SegmentMaps(max_request_bytes=1 << 20), "ipv4:127.0.0.1:5000"
+    kept, closed, replaced = shm.Segment(1 << 20), shm.Segment(1 << 20), shm.Segment(1 << 20)
+    try:
+        for segment in (kept, closed, replaced):
+            maps.open(call_for(segment), peer)
+        assert len(maps) == 3 and maps.sweep() == 0
+        closed.close()
+        fd = replaced.fd
+        replaced.close()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        if devnull != fd:  # the client's descriptor now names another file
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        try:
+            assert maps.sweep() == 2 and len(maps) == 1
+        finally:
+            os.close(fd)
+        maps.open(call_for(kept), peer)
+        assert maps.opened == 3  # the one still held is the same mapping
+    finally:
+        kept.close()
+
+
+def test_a_server_unmaps_the_segments_of_a_client_that_closed_its_pool_without_another_call():
+    from dmoe.server import ExpertServer, ServerConfig
+
+    with ExpertServer.create("sh.[0:1]", "ffn", HIDDEN, config=ServerConfig(device="cpu")) as server:
+        maps = server.servicer.shared_memory
+        with ChannelPool() as pool:
+            forward_future(server.endpoint, "sh.0", [torch.randn(1024, HIDDEN)], channels=pool).result(30)
+            assert len(maps) == 1
+        deadline = time.monotonic() + 3 * shm.SWEEP_SECONDS
+        while len(maps) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(maps) == 0
 
 
 def test_only_loopback_peers_and_endpoints_count_as_this_host():

@@ -24,6 +24,7 @@ from dmoe.server.runtime import Runtime
 from dmoe.server.servicer import ExpertServicer, HostedExpert, add_to_server
 from dmoe.uid import check_uid, expand_pattern
 from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_compression
+from dmoe.wire.shared_memory import SWEEP_SECONDS as SEGMENT_SWEEP_SECONDS
 from dmoe.wire.shared_memory import SegmentMaps
 
 if TYPE_CHECKING:  # the server calls whatever it is given; it needs no DHT of its own
@@ -390,20 +391,26 @@ class ExpertServer:
         return port
 
     def _schedule_sweep(self) -> None:
-        """On the loop: expires kept forwards every ``activation_ttl / 2`` s. The cache expires them itself only
-        when a request comes, so a server whose trainers went away held their inputs and graphs (on a GPU, device
-        memory) for good (review 66). The timer is the server's, on its loop: :meth:`close` cancels it."""
-        cache = self.activations
-        if cache is None or not cache.enabled or self._closed or self._loop is None:
+        """On the loop: expires kept forwards every ``activation_ttl / 2`` s, and unmaps the shared-memory segments
+        their clients let go of every :data:`~dmoe.wire.shared_memory.SWEEP_SECONDS`. Both are done on requests
+        too, but only when requests come: a server whose trainers went away held their inputs and graphs (on a GPU,
+        device memory: review 66) and their segments (review 71) for good. The timer is the server's, on its loop:
+        :meth:`close` cancels it."""
+        cache, maps = self.activations, self.servicer.shared_memory
+        periods = ([cache.ttl / 2] if cache is not None and cache.enabled else []) + \
+            ([SEGMENT_SWEEP_SECONDS] if maps is not None else [])
+        if not periods or self._closed or self._loop is None:
             return
-        self._sweep = self._loop.call_later(max(cache.ttl / 2, MIN_SWEEP_SECONDS), self._sweep_expired)
+        self._sweep = self._loop.call_later(max(min(periods), MIN_SWEEP_SECONDS), self._sweep_expired)
 
     def _sweep_expired(self) -> None:
-        assert self.activations is not None
         try:
-            self.activations.expire()
+            if self.activations is not None and self.activations.enabled:
+                self.activations.expire()
+            if self.servicer.shared_memory is not None:
+                self.servicer.shared_memory.sweep()
         except Exception:  # noqa: BLE001 - the next sweep tries again
-            logger.exception("expiring kept activations failed")
+            logger.exception("sweeping kept activations and shared-memory segments failed")
         self._schedule_sweep()
 
     def _cancel_sweep(self) -> None:
