@@ -121,6 +121,21 @@ def test_a_server_without_shared_memory_refuses_once_and_the_client_calls_the_pl
     assert calls.get("forward_shared") == 1 and calls.get("forward") == 2, calls
 
 
+def test_a_refused_call_whose_plain_call_cannot_start_fails_instead_of_hanging():
+    """Review 71: the plain call a refusal falls back to starts in gRPC's callback; raising there (a channel closed
+    meanwhile) left the call unsettled forever."""
+
+    class Closed:
+        def future(self, message, timeout=None):
+            raise ValueError("Cannot invoke RPC on closed channel!")
+
+    with running(*server_args("--no-shared-memory")) as proc, ChannelPool(shared_memory_min_bytes=0) as pool:
+        endpoint = proc.endpoint()
+        pool.calls(endpoint).forward.plain = Closed()
+        with pytest.raises(Exception, match="closed channel"):
+            forward_future(endpoint, "sh.1", [torch.randn(8, HIDDEN)], channels=pool).result(30)
+
+
 def test_a_call_that_times_out_never_gets_its_segment_reused():
     """The server may still write its answer into the segment of a call the client gave up on."""
     with running(*server_args("--inject-latency-ms", "800")) as proc, ChannelPool(shared_memory_min_bytes=0) as pool:

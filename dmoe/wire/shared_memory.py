@@ -267,7 +267,11 @@ class SharedMethod:
 
         def plain_instead() -> None:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            second = self.plain.future(message, timeout=remaining)
+            try:
+                second = self.plain.future(message, timeout=remaining)
+            except BaseException as error:  # (the channel closed meanwhile, say): raised in gRPC's callback, this
+                outer._settle(_raise(error))  # left the call unsettled, and a caller without a timeout waiting
+                return
             outer._track(second)
             second.add_done_callback(lambda done: outer._settle(done.result))
 
