@@ -572,6 +572,22 @@ def test_in_process_server_announces_serves_and_closes_quickly():
     assert not any(thread.is_alive() for thread in server.runtime._threads)
 
 
+def test_a_server_that_cannot_announce_stops_whole_and_raises():
+    """Review 70: an announcer failing at start (here its DHT node closed meanwhile) left a library caller with a
+    serving gRPC port and running compute threads, and no server object to close them with."""
+    from dmoe.directory import Announcer
+
+    announcer = Announcer.join(identity=None)
+    announcer.dht.close()
+    server = ExpertServer.create("nop.[0:2]", "nop", 4, config=ServerConfig(device="cpu"), announcer=announcer)
+    with pytest.raises(RuntimeError, match="DHT is closed"):
+        server.start()
+    assert not any(thread.is_alive() for thread in server.runtime._threads)
+    assert not server._loop_thread.is_alive()
+    with socket.socket() as freed:  # its port is free again
+        freed.bind((server.config.host, server.port))
+
+
 def test_a_server_whose_last_checkpoint_fails_still_stops_everything_then_raises_the_failure(tmp_path):
     config = ServerConfig(device="cpu", shared_memory=False, workers=1, checkpoint_dir=str(tmp_path),
                           checkpoint_interval=0, metrics_port=0)

@@ -352,14 +352,14 @@ class ExpertServer:
             self.close()
             raise
         logger.info("serving %d experts on %s (device %s)", len(self.backends), self.endpoint, self.device)
-        if self.announcer is not None:
-            self.announcer.start(list(self.backends), self.endpoint)
-        if self.replication is not None:
-            try:
+        try:  # (a server that cannot announce, or replicate, is stopped whole: no port or thread left behind)
+            if self.announcer is not None:
+                self.announcer.start(list(self.backends), self.endpoint)
+            if self.replication is not None:
                 self.replication.start(self)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def _run_loop(self) -> None:
