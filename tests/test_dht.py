@@ -297,3 +297,32 @@ def test_every_live_expert_is_still_found_right_after_half_the_nodes_are_killed(
           f"{took:.2f}s more")
     scores = [torch.randn(16, 16), torch.randn(16, 16)]
     assert beam_search(client, "ffn0", scores, 4) == brute_force_top_k(expected, "ffn0", scores, 4)
+
+
+def test_a_call_in_flight_when_the_dht_closes_ends_at_once_in_runtime_error():
+    """Review 70: a call racing close() waited out call_timeout (60 s) on a stopped loop, or raised a bare
+    CancelledError, where the docs promise RuntimeError."""
+    import asyncio
+    import threading
+
+    dht = DHT()
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            dht.run_coroutine(asyncio.sleep(30))
+        except BaseException as error:  # noqa: BLE001 - what the caller sees is the test's subject
+            outcome.append(error)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    while not dht._pending:  # (the call is on the loop)
+        time.sleep(0.01)
+    started = time.monotonic()
+    dht.close()
+    caller.join(10)
+    assert not caller.is_alive() and time.monotonic() - started < 10
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert "closed during the call" in str(outcome[0])
+    with pytest.raises(RuntimeError, match="DHT is closed"):
+        dht.get("ffn0.3")

@@ -53,6 +53,10 @@ class DHT:
         self._thread = threading.Thread(target=self.loop.run_forever, name="dmoe-dht-loop", daemon=True)
         self._thread.start()
         self._closed = False
+        #: calls waiting for the loop (run_coroutine), cancelled by close: a call racing close waited out the whole
+        #: call_timeout (60 s) on a loop that had stopped (review 70)
+        self._pending: set[concurrent.futures.Future] = set()
+        self._pending_lock = threading.Lock()
         self.node = DHTNode(config, identity=identity, client_mode=client_mode)
         self.config = self.node.config
         try:
@@ -77,16 +81,26 @@ class DHT:
         return announced_endpoint(endpoint, self.outbound_host)
 
     def run_coroutine(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Runs ``coro`` on this node's loop and waits for it (at most ``config.call_timeout`` seconds)."""
-        if self._closed:
-            coro.close()
-            raise RuntimeError("this DHT is closed")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Runs ``coro`` on this node's loop and waits for it (at most ``config.call_timeout`` seconds). Raises
+        RuntimeError if the DHT is closed, or closes before the call is done."""
+        with self._pending_lock:
+            if self._closed:
+                coro.close()
+                raise RuntimeError("this DHT is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._pending.add(future)
         try:
             return future.result(self.config.call_timeout if timeout is None else timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError("DHT call timed out") from None
+        except concurrent.futures.CancelledError:
+            if self._closed:
+                raise RuntimeError("this DHT was closed during the call") from None
+            raise
+        finally:
+            with self._pending_lock:
+                self._pending.discard(future)
 
     @property
     def identity(self) -> Identity:
@@ -135,10 +149,11 @@ class DHT:
         return self.run_coroutine(self.node.get_records(list(keys)))
 
     def close(self) -> None:
-        """Stops the node and its loop thread; safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
+        """Stops the node and its loop thread; safe to call twice. Calls in flight end in RuntimeError."""
+        with self._pending_lock:
+            if self._closed:
+                return
+            self._closed = True
         if self.loop.is_running():
             async def shutdown() -> None:
                 self.node.stop()
@@ -153,6 +168,9 @@ class DHT:
                 logger.warning("DHT shutdown did not finish cleanly", exc_info=True)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        with self._pending_lock:  # (before the loop closes: cancelling one schedules a callback on it)
+            for future in self._pending:
+                future.cancel()
         if not self._thread.is_alive():
             self.loop.close()
 
