@@ -155,6 +155,31 @@ def test_damaged_checkpoint_is_refused_not_loaded(tmp_path):
         save_checkpoint(tmp_path)
 
 
+# A child process that saves 64 MiB of expert state once and prints how much its peak memory grew meanwhile.
+SAVE_PEAK = """
+import resource, sys, torch
+from dmoe.server import ExpertBackend
+from dmoe.server.checkpoints import Checkpoints
+module = torch.nn.Linear(4096, 4096)  # 64 MiB of weights (SGD keeps no state)
+backend = ExpertBackend("big.0", module, [torch.randn(1, 4096)], torch.optim.SGD(module.parameters(), lr=0.1))
+checkpoints = Checkpoints(sys.argv[1], {"big.0": backend})
+rss = int(open("/proc/self/statm").read().split()[1]) * 4096
+before = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)
+checkpoints.save()
+print("grew", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, flush=True)
+"""
+
+
+def test_a_save_needs_about_one_copy_of_the_state_in_memory_not_two(tmp_path):
+    """Review 75: the snapshot was serialised into memory before it was written, so a save held twice the experts'
+    state on top of them (on a 24 GB GPU's weights and Adam state, 48 GB of host memory at every checkpoint)."""
+    state = 4096 * 4097 * 4
+    with processes() as procs:
+        procs.append(child := Proc(["-c", SAVE_PEAK, str(tmp_path)], env={"OMP_NUM_THREADS": "1"}))
+        grew = int(child.wait_for(re.compile(r"grew (-?\d+)"), timeout=120).group(1))
+    assert grew < 1.5 * state, f"a save grew the peak by {grew / state:.2f} times the state"
+
+
 # A child process that fills every parameter with its save counter, then checkpoints, forever, printing each step.
 # With "slow", fsync takes 60 s: a kill on "writing N" then lands after N's bytes went to the temp file, before the
 # rename, every time.
