@@ -221,6 +221,25 @@ def send(channel: grpc.Channel, case: Case) -> tuple[grpc.StatusCode, str, bytes
         return error.code(), error.details() or "", None
 
 
+def answer_problem(tensors, request: dmoe_pb2.ExpertRequest, target: Target) -> str | None:
+    """What is wrong with the tensors of an OK unary answer (or batch item) to ``request``; None when they decode
+    into the one float32 ``[rows, hidden]`` tensor the schema promises, ``rows`` being those of the request's first
+    tensor (a forward's inputs, a backward's inputs whose gradient it answers with). Checking the shape field alone
+    passed an answer whose buffer was truncated or whose dtype was bogus (review 72)."""
+    if len(tensors) != 1:
+        return f"{len(tensors)} tensors, not 1"
+    try:
+        decoded = deserialize(tensors[0])
+    except Exception as error:  # noqa: BLE001 - any failure to read the answer back is the finding
+        return f"it does not decode: {error}"
+    if decoded.dtype != torch.float32:
+        return f"dtype {decoded.dtype}, not float32"
+    rows = request.tensors[0].shape[0] if request.tensors and request.tensors[0].shape else None
+    if list(decoded.shape) != [rows, target.hidden]:
+        return f"shape {list(decoded.shape)}, not [{rows}, {target.hidden}] for the request's {rows} rows"
+    return None
+
+
 def check_outcome(case: Case, code: grpc.StatusCode, details: str, response, target: Target) -> str | None:
     """None when the answer is a clear one; otherwise what is wrong with it."""
     if code not in CLEAR_CODES:
@@ -228,9 +247,10 @@ def check_outcome(case: Case, code: grpc.StatusCode, details: str, response, tar
     if code != grpc.StatusCode.OK and not details:
         return f"{case.kind} {case.rpc}: status {code.name} without a message"
     if code == grpc.StatusCode.OK and case.rpc in ("forward", "backward"):
-        tensors = dmoe_pb2.ExpertResponse.FromString(response).tensors
-        if len(tensors) != 1 or tensors[0].shape[1:] != [target.hidden]:
-            return f"{case.kind} {case.rpc}: answered with a malformed response"
+        request = dmoe_pb2.ExpertRequest.FromString(case.payload)  # it parsed on the server, so here too
+        problem = answer_problem(dmoe_pb2.ExpertResponse.FromString(response).tensors, request, target)
+        if problem is not None:
+            return f"{case.kind} {case.rpc}: answered with a malformed response: {problem}"
     if code == grpc.StatusCode.OK and case.rpc.endswith("_stream"):
         try:
             tensors = join_parts([dmoe_pb2.ExpertResponse.FromString(r).tensors for r in response], 1 << 30)
@@ -256,8 +276,10 @@ def check_outcome(case: Case, code: grpc.StatusCode, details: str, response, tar
                 return f"{case.kind} {case.rpc}: an item got the unclear status {result.code}: {result.message}"
             if result.code != 0 and not result.message:
                 return f"{case.kind} {case.rpc}: an item got status {item_code.name} without a message"
-            if result.code == 0 and (len(result.tensors) != 1 or result.tensors[0].shape[1:] != [target.hidden]):
-                return f"{case.kind} {case.rpc}: an item was answered with malformed tensors"
+        for item, result in zip(items, results):
+            problem = answer_problem(result.tensors, item, target) if result.code == 0 else None
+            if problem is not None:
+                return f"{case.kind} {case.rpc}: an item was answered with malformed tensors: {problem}"
     return None
 
 

@@ -12,8 +12,12 @@ import sys
 from collections import Counter
 from types import SimpleNamespace
 
+import grpc
 import pytest
+import torch
 
+from dmoe.wire import dmoe_pb2, serialize
+from tests import fuzzing
 from tests.procs import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -198,3 +202,46 @@ def test_server_counts_warn_when_graphs_turned_off_or_absent_and_when_no_call_us
     assert "at batch 8 (" in server_counts.shared_memory_warning(shares, asked=True)
     assert server_counts.shared_memory_warning(shares, asked=False) is None
     assert server_counts.shared_memory_warning({"batch 256": 0.5}, asked=True) is None
+
+
+# ---- bench_fuzz (tests/fuzzing.py's check_outcome) --------------------------------------------------------------
+
+FUZZ_TARGET = fuzzing.Target(uids=("fz.0",), hidden=8, max_batch=32)
+
+
+def fuzz_request(rows: int) -> dmoe_pb2.ExpertRequest:
+    return dmoe_pb2.ExpertRequest(uid="fz.0", tensors=[serialize(torch.randn(rows, 8))])
+
+
+@pytest.mark.parametrize("answer, says", [
+    # review 72: a truncated buffer with a bogus dtype passed, as its shape field ended in [8]
+    (dmoe_pb2.Tensor(buffer=b"abc", shape=[7, 8], dtype="bogus"), "does not decode"),
+    (dmoe_pb2.Tensor(buffer=bytes(4 * 4 * 8 - 1), shape=[4, 8], dtype="float32"), "does not decode"),
+    (serialize(torch.zeros(4, 8, dtype=torch.float64)), "not float32"),
+    (serialize(torch.zeros(7, 8)), "shape [7, 8], not [4, 8]"),
+])
+def test_fuzz_verdict_fails_an_ok_unary_or_batch_answer_that_does_not_decode_to_the_requests_rows(answer, says):
+    request = fuzz_request(4)
+    bad = dmoe_pb2.ExpertResponse(tensors=[answer]).SerializeToString()
+    for shared in (False, True):
+        case = fuzzing.Case(rpc="forward", payload=request.SerializeToString(), kind="valid", shared=shared)
+        assert says in fuzzing.check_outcome(case, grpc.StatusCode.OK, "", bad, FUZZ_TARGET)
+    batch = dmoe_pb2.BatchRequest(items=[fuzz_request(2), request]).SerializeToString()
+    answers = dmoe_pb2.BatchResponse(results=[dmoe_pb2.ExpertResult(tensors=[serialize(torch.zeros(2, 8))]),
+                                              dmoe_pb2.ExpertResult(tensors=[answer])]).SerializeToString()
+    case = fuzzing.Case(rpc="forward_batch", payload=batch, kind="valid")
+    assert says in fuzzing.check_outcome(case, grpc.StatusCode.OK, "", answers, FUZZ_TARGET)
+
+
+def test_fuzz_verdict_passes_ok_answers_of_the_requests_rows():
+    request = fuzz_request(4)
+    good = dmoe_pb2.ExpertResponse(tensors=[serialize(torch.randn(4, 8))]).SerializeToString()
+    for rpc in ("forward", "backward"):
+        case = fuzzing.Case(rpc=rpc, payload=request.SerializeToString(), kind="valid")
+        assert fuzzing.check_outcome(case, grpc.StatusCode.OK, "", good, FUZZ_TARGET) is None
+    batch = dmoe_pb2.BatchRequest(items=[fuzz_request(2), request]).SerializeToString()
+    answers = dmoe_pb2.BatchResponse(results=[
+        dmoe_pb2.ExpertResult(tensors=[serialize(torch.zeros(2, 8))]),
+        dmoe_pb2.ExpertResult(code=grpc.StatusCode.NOT_FOUND.value[0], message="no such expert")]).SerializeToString()
+    case = fuzzing.Case(rpc="forward_batch", payload=batch, kind="valid")
+    assert fuzzing.check_outcome(case, grpc.StatusCode.OK, "", answers, FUZZ_TARGET) is None
