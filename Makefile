@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # tests wait on processes starting and on timers, so two workers fill a 2-core machine's idle time. 0: one process.
 TEST_WORKERS ?= 2
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
