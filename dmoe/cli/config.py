@@ -215,20 +215,54 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
 
     Flags on the command line win over the file; a key the file sets counts as given for required flags. Errors
     in the file end the program with one line (exit status 2), as argparse does for a bad flag. The returned
-    namespace has no ``config`` attribute.
+    namespace has no ``config`` attribute. :func:`parse_given` also says which flags were given.
     """
+    return parse_given(parser, argv)[0]
+
+
+def parse_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+                ) -> tuple[argparse.Namespace, frozenset[str]]:
+    """:func:`parse_args`, and the destinations of the flags that were given: on the command line or as a key of
+    the config file. A check such as "--checkpoint-interval needs --checkpoint-dir" asks this, not whether the value
+    differs from the default: a user who typed the default was not told that the flag did nothing (review 72).
+
+    A repeatable flag (``action="append"``) given on the command line replaces the file's list, as any other flag
+    overrides the file (argparse appended to it: a broken --custom-module of the file could not be replaced)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
+    from_file: dict[str, Any] = {}
     if known.config is not None:
         try:
-            values = config_defaults(parser, read_toml(known.config))
+            from_file = config_defaults(parser, read_toml(known.config))
         except ConfigError as error:
             parser.exit(2, f"{parser.prog}: error: config {known.config}: {error}\n")
         for action in parser._actions:
-            if action.dest in values:
+            if action.dest in from_file:
                 action.required = False
-        parser.set_defaults(**values)
-    args = parser.parse_args(argv)
+        parser.set_defaults(**from_file)
+    args = parser.parse_args(argv)  # (exits on a bad flag, so the parse below sees only good ones)
+    typed = command_line_values(parser, argv)
+    for action in parser._actions:
+        if isinstance(action, (argparse._AppendAction, argparse._AppendConstAction)) and action.dest in typed:
+            setattr(args, action.dest, typed[action.dest])
     vars(args).pop(CONFIG_DEST, None)
-    return args
+    return args, frozenset(set(typed) | set(from_file)) - {CONFIG_DEST}
+
+
+def command_line_values(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The values of the flags ``argv`` gives, by destination, with no defaults: ``parser`` parses it again with
+    every default suppressed (argparse then sets only what it read, however the flag was spelled: ``--flag=V``,
+    an abbreviation). ``argv`` must have parsed already."""
+    saved = [(action, action.default, action.required) for action in parser._actions]
+    parser_defaults = parser._defaults
+    try:
+        parser._defaults = {}
+        for action in parser._actions:
+            action.default, action.required = argparse.SUPPRESS, False
+        values, _ = parser.parse_known_args(argv)
+    finally:
+        parser._defaults = parser_defaults
+        for action, default, required in saved:
+            action.default, action.required = default, required
+    return vars(values)
