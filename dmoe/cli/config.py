@@ -63,6 +63,30 @@ def non_negative(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+#: the longest duration any time flag takes, in seconds: a year. Python's waits (``Event.wait``, ``Lock.acquire``,
+#: ``socket.settimeout``) take at most ``threading.TIMEOUT_MAX`` (about 9.2e9 s, 2**63 ns) and raise OverflowError
+#: beyond it, in a thread long after the flags were read: a --forward-timeout of 1e10 lost every expert, a
+#: --checkpoint-interval of 1e10 the checkpoint thread (review 72). No wait a user means is longer than a year.
+MAX_SECONDS = 365 * 24 * 3600.0
+
+
+def duration(unit: str = "s", *, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type for a duration counted in ``unit`` ("s", "min" or "ms"): a float > 0 (>= 0 with ``zero``),
+    finite, and at most :data:`MAX_SECONDS` in that unit; the error names the bound."""
+    scale = {"s": 1.0, "min": 60.0, "ms": 1e-3}[unit]
+    base = non_negative(float) if zero else positive(float)
+    most = MAX_SECONDS / scale
+    words = {"s": "seconds", "min": "minutes", "ms": "ms"}[unit]
+
+    def parse(text: str) -> float:
+        value = base(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:.0f} {words} (a year), got {text}")
+        return value
+    parse.__name__ = f"{'non-negative' if zero else 'positive'} duration"
+    return parse
+
+
 def port_number(text: str) -> int:
     """An argparse type for a TCP/UDP port; 0 lets the OS pick a free one."""
     value = int(text)

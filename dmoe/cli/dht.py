@@ -19,7 +19,7 @@ import signal
 import sys
 from typing import Awaitable, Callable, Sequence
 
-from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, port_number
+from dmoe.cli.config import MAX_SECONDS, DefaultsHelpFormatter, add_config_argument, port_number
 from dmoe.cli.config import parse_args as parse_with_config
 from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
 from dmoe.dht.config import DHTConfig
@@ -36,6 +36,10 @@ Start = Callable[[DHTNode], Awaitable["asyncio.Task | None"]]
 #: and call_timeout, which only the blocking DHT facade uses.
 FLAG_FIELDS = [field for field in dataclasses.fields(DHTConfig) if field.name not in ("client_mode", "call_timeout")]
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: the flag fields that are durations in seconds: at most :data:`~dmoe.cli.config.MAX_SECONDS` (Python's waits
+#: overflow past about 9.2e9 s)
+SECONDS_FIELDS = ("rpc_timeout", "hedge_after", "dead_node_ttl", "default_expiration", "max_expiration",
+                  "routing_refresh_period")
 
 
 def _flag_bool(text: str) -> bool:
@@ -80,6 +84,10 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
         DHTConfig(**{field.name: getattr(args, field.name) for field in FLAG_FIELDS})
     except ValueError as error:
         parser.error(f"DHT settings: {error}")
+    for name in SECONDS_FIELDS:  # (DHTConfig refused nan, inf and negative ones)
+        if getattr(args, name) > MAX_SECONDS:
+            parser.error(f"argument --{name.replace('_', '-')}: must be at most {MAX_SECONDS:.0f} seconds (a year), "
+                         f"got {getattr(args, name)}")
     return args
 
 

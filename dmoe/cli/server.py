@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, non_negative, parse_args, port_number, positive
+from dmoe.cli.config import (DefaultsHelpFormatter, add_config_argument, duration, non_negative, parse_args,
+                             port_number, positive)
 from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
 from dmoe.dht import DHT, DHTConfig, Identity, parse_endpoint
@@ -154,9 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="host that clients and other servers are told to call this server's experts at, where "
                           "it is not --host (behind NAT, e.g. a cloud VM's public address; default: --host, or for "
                           "0.0.0.0 this machine's address toward its DHT peers)")
-    dht.add_argument("--refresh-period", type=positive_float, default=10.0,
+    dht.add_argument("--refresh-period", type=duration(), default=10.0,
                      help="seconds between re-declarations of the experts")
-    dht.add_argument("--expiration", type=positive_float, default=None,
+    dht.add_argument("--expiration", type=duration(), default=None,
                      help="seconds a declaration outlives its last refresh (default: 3 refresh periods)")
     dht.add_argument("--identity", default=None, metavar="PATH",
                      help="Ed25519 key file that signs the declarations and owns the uids (created if absent; "
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "directories)")
     faults = parser.add_argument_group("fault injection", "experiments only: every expert call pays a delay, "
                                        "some fail (see dmoe/server/faults.py)")
-    faults.add_argument("--inject-latency-ms", type=float, default=0.0,
+    faults.add_argument("--inject-latency-ms", type=duration("ms", zero=True), default=0.0,
                         help="mean round-trip latency added to every forward/backward call")
     faults.add_argument("--latency-jitter", choices=JITTERS, default="none",
                         help="none: every call waits the mean; exponential: a random wait with that mean")
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     state = parser.add_argument_group("checkpoints and input checks")
     state.add_argument("--checkpoint-dir", default=None,
                        help="save experts (weights + optimizer) here; restarting with the same directory resumes them")
-    state.add_argument("--checkpoint-interval", type=positive_float, default=60.0,
+    state.add_argument("--checkpoint-interval", type=duration(), default=60.0,
                        help="seconds between checkpoints (one is also written on shutdown)")
     state.add_argument("--reject-nonfinite", action=argparse.BooleanOptionalAction, default=True,
                        help="refuse requests whose inputs or gradients hold NaN/Inf (INVALID_ARGUMENT)")
@@ -189,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "that left (default: no replicas)")
     replicas.add_argument("--replicas", type=non_negative(int), default=2,
                           help="servers each expert's snapshot is pushed to (0: push none, still hold and adopt)")
-    replicas.add_argument("--replica-interval", type=positive_float, default=60.0,
+    replicas.add_argument("--replica-interval", type=duration(), default=60.0,
                           help="seconds between pushes (one also goes on shutdown); a SIGKILL loses at most about "
                                "this much training")
     replicas.add_argument("--replica-budget-mb", type=positive_float, default=1024.0,
@@ -199,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="wire compression of the snapshots' weights (none: exact); the optimizer's state "
                                "always goes exact (Adam's second moments would round to 0 and wreck the first step "
                                "after a restore or an adoption)")
-    replicas.add_argument("--adoption-stagger", type=non_negative(float), default=2.0,
+    replicas.add_argument("--adoption-stagger", type=duration(zero=True), default=2.0,
                           help="seconds a holder of a replica waits per holder with a newer one before adopting "
                                "its empty cell")
     parser.add_argument("--activation-cache-mb", type=non_negative(float), default=512.0,
@@ -212,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-stream-mb", type=positive_float, default=1024.0,
                         help="MiB one streamed request (a payload above --max-message-bytes, sent in parts) may carry "
                              "in all; a larger one is refused as its parts arrive")
-    parser.add_argument("--max-stream-seconds", type=positive_float, default=120.0,
+    parser.add_argument("--max-stream-seconds", type=duration(), default=120.0,
                         help="seconds a streamed request has to arrive whole from its call's start; a slower one is "
                              "refused (DEADLINE_EXCEEDED) and the bytes it held are let go")
-    parser.add_argument("--shutdown-grace", type=non_negative(float), default=1.0,
+    parser.add_argument("--shutdown-grace", type=duration(zero=True), default=1.0,
                         help="seconds the calls in flight get to finish when the server stops (a backward still "
                              "computing past it is applied and checkpointed, but its caller is not answered)")
     parser.add_argument("--metrics-port", type=port_number, default=None,
@@ -283,9 +284,9 @@ def saved_cells(directory: str | Path, args: argparse.Namespace, parser: argpars
 
 
 def fault_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> FaultConfig | None:
-    """The fault flags as a FaultConfig (None when nothing is injected); argparse errors name the flag."""
-    if not args.inject_latency_ms >= 0:
-        parser.error(f"argument --inject-latency-ms: must be >= 0, got {args.inject_latency_ms}")
+    """The fault flags as a FaultConfig (None when nothing is injected); argparse errors name the flag. (The type
+    of --inject-latency-ms refuses a negative, infinite or longer than a year latency: inf was accepted, and the
+    server then answered no call.)"""
     if not 0 <= args.fail_rate <= 1:
         parser.error(f"argument --fail-rate: must be in [0, 1], got {args.fail_rate}")
     if args.latency_jitter != "none" and args.inject_latency_ms == 0:

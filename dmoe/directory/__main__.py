@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Sequence
 
+from dmoe.cli.config import duration
 from dmoe.cli.dht import build_parser, check_declaration_expiration, parse_args, serve
 from dmoe.dht.node import DHTNode
 from dmoe.directory.announcer import announce_forever
@@ -28,8 +29,8 @@ def parse_directory_args(argv: Sequence[str] | None = None) -> argparse.Namespac
     parser.add_argument("--declare", required=True, metavar="PATTERN",
                         help="experts to declare, e.g. 'ffn0.[0:16].[0:4]' (declared by the first node)")
     parser.add_argument("--endpoint", required=True, help="endpoint to declare the experts at (HOST:PORT)")
-    parser.add_argument("--refresh-period", type=float, default=20.0, help="seconds between declarations")
-    parser.add_argument("--expiration", type=float, default=None,
+    parser.add_argument("--refresh-period", type=duration(), default=20.0, help="seconds between declarations")
+    parser.add_argument("--expiration", type=duration(), default=None,
                         help="seconds a declaration lives (default: 3 refresh periods)")
     parser.add_argument("--no-refresh", action="store_true", help="declare once and never again")
     args = parse_args(argv, parser)

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from dmoe.cli.config import non_negative, port_number, positive
+from dmoe.cli.config import duration, non_negative, port_number, positive
 from dmoe.cli.signals import DeferredInterrupt, InterruptingSignals, orphaned
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
@@ -92,9 +92,10 @@ class TrainConfig:
     expert_clip_grad_norm: float = _option(0.0, "clip each expert's gradient norm before its step (0: off; servers: "
                                                 "--clip-grad-norm)", non_negative(float))
     k_min: int = _option(1, "answers each token waits for before the timeout_after_k_min grace", positive(int))
-    forward_timeout: float = _option(10.0, "seconds to wait for experts' forward answers", positive(float))
-    backward_timeout: float = _option(10.0, "seconds to wait for experts' backward answers", positive(float))
-    timeout_after_k_min: float = _option(1.0, "extra seconds for slower experts once k_min answered", non_negative(float))
+    forward_timeout: float = _option(10.0, "seconds to wait for experts' forward answers", duration())
+    backward_timeout: float = _option(10.0, "seconds to wait for experts' backward answers", duration())
+    timeout_after_k_min: float = _option(1.0, "extra seconds for slower experts once k_min answered",
+                                        duration(zero=True))
     allow_zero_outputs: bool = _option(True, "a token whose experts all failed skips the layer instead of raising")
     backward_k_min: int = _option(0, "backward raises for a token with fewer expert gradients than this (0: never, "
                                      "so a server that dies between forward and backward only costs its gradients)",
@@ -117,7 +118,7 @@ class TrainConfig:
     checkpoint: str | None = _option(None, "checkpoint file (default: OUT_DIR/checkpoint.pt)")
     resume: bool = _option(False, "continue from the checkpoint if there is one")
     max_minutes: float = _option(0.0, "stop after this many minutes of this run (a resumed run counts afresh; 0: "
-                                 "no limit)", non_negative(float))
+                                 "no limit)", duration("min", zero=True))
     sample_bytes: int = _option(200, "bytes of text to sample at the end (0: none)", non_negative(int))
     data_shard: int = _option(0, "train on this slice of the training text (0-based; with --data-shards)",
                               non_negative(int))
@@ -140,9 +141,9 @@ class TrainConfig:
     averaging_client_mode: bool = _option(False, "accept no connections (behind NAT): average by sending only, "
                                                  "download the state but serve none")
     matchmaking_time: float = _option(5.0, "seconds the averaging group waits for trainers counted but late",
-                                      positive(float))
+                                      duration())
     allreduce_timeout: float = _option(30.0, "seconds a member of the averaging group may take to deliver",
-                                       positive(float))
+                                       duration())
     averaging_compression: str = _option("none", "compression of averaged gradients on the wire",
                                          choices=("none", "float16", "uint8"))
     bandwidth: float = _option(1.0, "this trainer's bandwidth relative to the others': its share of the "
@@ -150,8 +151,8 @@ class TrainConfig:
     wait_for_trainers: int = _option(0, "before the first step, wait (up to 10 minutes) until this many trainers "
                                         "of the collaboration are there, this one included", non_negative(int))
     refresh_period: float = _option(1.0, "seconds between publications of this trainer's progress",
-                                    positive(float))
-    progress_ttl: float = _option(10.0, "seconds a dead trainer's progress keeps being counted", positive(float))
+                                    duration())
+    progress_ttl: float = _option(10.0, "seconds a dead trainer's progress keeps being counted", duration())
     seed: int = _option(0, "seed for initialisation and batch order (trainers of one collaboration: the same)")
     device: str = _option("cpu", "torch device of the client's layers")
     threads: int = _option(0, "torch CPU threads (0: torch's default)", non_negative(int))
