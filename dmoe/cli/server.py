@@ -46,7 +46,7 @@ from dmoe.server.checkpoints import CheckpointDirectoryInUse, CheckpointMismatch
 from dmoe.server.faults import JITTERS, FaultConfig
 from dmoe.server.profile import format_stages
 from dmoe.server.runtime import AUTOCAST_DTYPES
-from dmoe.server.server import PortUnavailable, resolve_device
+from dmoe.server.server import PortUnavailable, check_device, resolve_device
 from dmoe.uid import UIDError, expand_pattern, grid_uids, is_valid_prefix
 from dmoe.wire import MAX_MESSAGE_BYTES
 from dmoe.wire.codec import COMPRESSIONS
@@ -383,8 +383,10 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         device = resolve_device(args.device)
     except RuntimeError as error:
         parser.error(f"argument --device: {error}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("argument --device: cuda was asked for but torch sees no CUDA device")
+    try:
+        check_device(device)
+    except ValueError as error:
+        parser.error(f"argument --device: {error}")
     if args.cuda_graphs and (args.workers or 1) > 1:
         parser.error(f"argument --cuda-graphs: needs one compute worker per process, got --workers {args.workers} "
                      "(more processes with --processes instead)")

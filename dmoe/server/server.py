@@ -134,6 +134,33 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def check_device(device: torch.device) -> None:
+    """Raises ValueError saying why this torch build cannot compute on ``device``: no CUDA, a CUDA index beyond
+    the GPUs it sees, ``meta`` (tensors without data), or another type it cannot allocate on (``mps`` or ``xpu``
+    where torch was built without them). Such a device was only found unusable once the model or the experts were
+    moved to it, with a traceback (review 72). A CUDA device is not allocated on here: that would create a CUDA
+    context in a process that may compute nothing (the parent of ``dmoe-server --processes``)."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("cuda was asked for but torch sees no CUDA device")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{device} was asked for but torch sees {count} CUDA device{'s' * (count != 1)} "
+                             f"(cuda:0 to cuda:{count - 1})")
+        return
+    if device.type == "meta":
+        raise ValueError("meta tensors hold no data: nothing can be computed on them")
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, NotImplementedError, ValueError) as error:
+        said = (str(error).strip().splitlines() or [type(error).__name__])[0]  # (torch's can run to 60 lines)
+        if len(said) > 160:
+            said = said.split(". ")[0]
+        raise ValueError(f"this torch build cannot allocate on {device}: {said}") from None
+
+
 def compute_workers(workers: int | None, device: torch.device,
                     threads: int | None = None) -> tuple[int, int | None]:
     """(compute threads, torch intra-op threads for each) for a server on ``device``: ``workers`` share out torch's

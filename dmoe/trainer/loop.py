@@ -44,6 +44,7 @@ from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import OPTIMIZERS, all_finite
 from dmoe.server.checkpoints import _fsync_directory as fsync_directory
 from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
+from dmoe.server.server import check_device
 from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
 from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
 
@@ -179,8 +180,10 @@ class TrainConfig:
             device = torch.device(self.device)
         except (RuntimeError, ValueError) as error:
             raise ValueError(f"--device: {error}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {self.device}: cuda was asked for but torch sees no CUDA device")
+        try:
+            check_device(device)
+        except ValueError as error:
+            raise ValueError(f"--device {self.device}: {error}") from None
         if self.initial_peers and self.experts != "remote":
             raise ValueError("--initial-peers is only used with --experts remote (these experts are in-process)")
         for peer in self.initial_peers:
