@@ -7,6 +7,7 @@ not in :mod:`dmoe.wire`, which imports torch: the DHT imports this.)
 """
 from __future__ import annotations
 
+import errno
 import functools
 import ipaddress
 import socket
@@ -120,3 +121,10 @@ def machine_address() -> str | None:
     """This machine's address on its default route (IPv4), or None without one: what a bootstrap node bound to
     every interface prints for others to pass as ``--initial-peers``. Nothing is sent."""
     return outbound_host([("192.0.2.1", 9)])  # TEST-NET-1: only the route to it is looked up
+
+
+def host_at_fault(error: OSError) -> bool:
+    """Whether a socket that could not be bound failed for its host (not this machine's address, an address family
+    it lacks, or a name that does not resolve) rather than for its port (taken, or not ours): which flag a usage
+    error names."""
+    return isinstance(error, socket.gaierror) or error.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)

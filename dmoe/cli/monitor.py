@@ -17,6 +17,7 @@ from typing import Sequence
 from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, parse_args, port_number, positive
 from dmoe.cli.signals import StopSignals
 from dmoe.dht import parse_endpoint
+from dmoe.endpoints import host_at_fault, join_host_port
 from dmoe.monitor import MonitorServer, SwarmMonitor
 from dmoe.uid import is_valid_prefix
 
@@ -89,7 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = MonitorServer(monitor, args.host, args.port)
     except OSError as error:
         monitor.close()
-        parser.error(f"argument --port: cannot listen on {args.host}:{args.port}: {error.strerror or error}")
+        flag = "--host" if host_at_fault(error) else "--port"  # (a --host not of this machine blamed --port)
+        parser.error(f"argument {flag}: cannot listen on {join_host_port(args.host, args.port)}: "
+                     f"{error.strerror or error}")
     with StopSignals() as stop, monitor, server:
         print(f"dmoe-monitor listening on {server.endpoint}", flush=True)
         logger.info("open http://%s/ to watch %s", server.endpoint, ", ".join(args.layers))

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import importlib
 import importlib.util
 import json
 import logging
 import signal
-import socket
 import sys
 from functools import partial
 from pathlib import Path
@@ -36,7 +34,7 @@ from dmoe.cli.signals import StopSignals
 from dmoe.dht import DHT, DHTConfig, Identity, parse_endpoint
 from dmoe.dht.messages import VALUE_PATTERN
 from dmoe.directory import Announcer, choose_experts, free_experts
-from dmoe.endpoints import join_host_port
+from dmoe.endpoints import host_at_fault, join_host_port
 from dmoe.experts import ExpertBuildError, expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.replicas.adoption import read_holders
@@ -331,7 +329,7 @@ def dht_node_error(error: OSError, host: str, port: int) -> str:
     else ``--dht-port`` (taken, or not ours to bind); a taken port was reported as a bad ``--initial-peers``."""
     if isinstance(error, (ConnectionError, TimeoutError)):
         return f"argument --initial-peers: {error}"
-    at_host = isinstance(error, socket.gaierror) or error.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+    at_host = host_at_fault(error)
     flag = "--host" if at_host else "--dht-port"
     return f"argument {flag}: the DHT node cannot listen on {join_host_port(host, port)} (UDP): {error}"
 
@@ -495,7 +493,7 @@ def metrics_error(error: OSError, args: argparse.Namespace) -> str:
     """The usage error for a metrics endpoint that could not listen (the port taken, the host unknown), which
     ended in a traceback."""
     host = args.metrics_host or args.host
-    at_host = isinstance(error, socket.gaierror) or error.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
+    at_host = host_at_fault(error)
     flag = "--metrics-host" if at_host else "--metrics-port"
     return f"argument {flag}: the metrics endpoint cannot listen on {join_host_port(host, args.metrics_port)}: {error}"
 
