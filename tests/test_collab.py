@@ -238,14 +238,15 @@ def test_the_demo_gives_each_trainer_its_slice_and_one_collaboration(text_file, 
 
 def test_the_demo_gives_each_trainer_its_own_ports_and_checkpoint_and_reads_its_config_anywhere(
         text_file, tmp_path, monkeypatch):
-    from dmoe.cli.demo import collaborative_args
+    from dmoe.cli.demo import collaborative_args, demo_settings
     from dmoe.cli.train import parse_config
 
     (tmp_path / "demo.toml").write_text("batch-size = 4\nsteps = 7\n")
     monkeypatch.chdir(tmp_path)  # the trainers run elsewhere (the repository's root): the path must still hold
     rest = ["--data", str(text_file), "--config", "demo.toml", "--averaging-port", "5100", "--state-port", "5200",
             "--checkpoint", "ck.pt"]
-    config = parse_config(rest, defaults={"steps": 150})
+    # as the demo parses them: it settles --collaborate itself, which the ports need (they are refused without it)
+    config = parse_config(rest, defaults={"steps": 150}, settle=demo_settings(2))
     assert config.steps == 7  # the file's, not the demo's default
     trainer_args = collaborative_args(rest, config, 2)
     monkeypatch.chdir("/")

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.config import (DefaultsHelpFormatter, add_config_argument, duration, non_negative, parse_args,
+from dmoe.cli.config import (DefaultsHelpFormatter, add_config_argument, duration, non_negative, parse_given,
                              port_number, positive)
 from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
@@ -337,12 +337,6 @@ def dht_node_error(error: OSError, host: str, port: int) -> str:
 def replica_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ReplicaConfig | None:
     """The replica flags as a ReplicaConfig (None without ``--replica-dir``)."""
     if args.replica_dir is None:
-        given = [flag for flag, default in (("--replicas", 2), ("--replica-interval", 60.0),
-                                            ("--replica-budget-mb", 1024.0), ("--replica-compression", "none"),
-                                            ("--adoption-stagger", 2.0))
-                 if getattr(args, flag[2:].replace("-", "_")) != default]
-        if given:
-            parser.error(f"argument {given[0]}: needs --replica-dir")
         return None
     return ReplicaConfig(directory=args.replica_dir, replicas=args.replicas, interval=args.replica_interval,
                          budget_mb=args.replica_budget_mb, compression=args.replica_compression,
@@ -369,9 +363,44 @@ def check_announce_host(host: str | None, parser: argparse.ArgumentParser) -> No
                      f"without spaces, quotes or backslashes, of at most {limit} bytes")
 
 
-def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str] | None:
+#: flags that only do something with another: (flag's destination, what it needs, whether the args have it)
+NEEDS: list[tuple[str, str, Callable[[argparse.Namespace], bool]]] = [
+    *((dest, "--replica-dir", lambda args: args.replica_dir is not None)
+      for dest in ("replicas", "replica_interval", "replica_budget_mb", "replica_compression", "adoption_stagger")),
+    ("checkpoint_interval", "--checkpoint-dir", lambda args: args.checkpoint_dir is not None),
+    ("metrics_host", "--metrics-port (without it no metrics endpoint is served)",
+     lambda args: args.metrics_port is not None),
+    ("latency_jitter", "--inject-latency-ms > 0", lambda args: args.inject_latency_ms > 0),
+    ("fault_seed", "an injected fault: --inject-latency-ms or --fail-rate above 0",
+     lambda args: args.inject_latency_ms > 0 or args.fail_rate > 0),
+    ("process_restarts", "--processes N above 1 (it restarts the processes of a --processes server)",
+     lambda args: args.processes > 1),
+]
+
+
+def flags_given(args: argparse.Namespace, parser: argparse.ArgumentParser) -> frozenset[str]:
+    """For ``args`` parsed without :func:`~dmoe.cli.config.parse_given` (tests, programs that build the namespace):
+    the flags whose value is not their default, as the best guess of those given."""
+    return frozenset(action.dest for action in parser._actions
+                     if action.option_strings and getattr(args, action.dest, None) != action.default)
+
+
+def check_needs(args: argparse.Namespace, parser: argparse.ArgumentParser, given: frozenset[str]) -> None:
+    """Exits naming the flag when one that was ``given`` does nothing without another (:data:`NEEDS`). Whether it
+    was given, not whether its value differs from the default: a user who typed the default (--replicas 2,
+    --checkpoint-interval 60) was not told that the flag did nothing (review 72)."""
+    for dest, needs, present in NEEDS:
+        if dest in given and not present(args):
+            parser.error(f"argument --{dest.replace('_', '-')}: needs {needs}")
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
+               given: frozenset[str] | None = None) -> list[str] | None:
     """Every check of the flags that needs no DHT and builds nothing: exits naming the flag on the first bad one.
-    Imports ``--custom-module``s. Returns the uids of ``--experts`` (None with ``--num-experts``)."""
+    Imports ``--custom-module``s. Returns the uids of ``--experts`` (None with ``--num-experts``). ``given``: the
+    flags given (:func:`~dmoe.cli.config.parse_given`); by default those whose value is not the default."""
+    if given is None:
+        given = flags_given(args, parser)
     import_custom_modules(args, parser)
     if args.expert_cls not in expert_class_names():
         parser.error(f"argument --expert-cls: unknown class {args.expert_cls!r}; "
@@ -388,8 +417,10 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
     if args.cuda_graphs and (args.workers or 1) > 1:
         parser.error(f"argument --cuda-graphs: needs one compute worker per process, got --workers {args.workers} "
                      "(more processes with --processes instead)")
-    if args.cuda_graphs and device.type != "cuda":
-        parser.error(f"argument --cuda-graphs: needs a CUDA device, and this server computes on {device.type}")
+    for flag in ("cuda_graphs", "overlap_copies"):  # (each is ignored elsewhere)
+        if getattr(args, flag) and device.type != "cuda":
+            parser.error(f"argument --{flag.replace('_', '-')}: needs a CUDA device, and this server computes on "
+                         f"{device.type}")
     if args.max_message_bytes > MAX_GRPC_MESSAGE_BYTES:  # gRPC takes its limits as C ints
         parser.error(f"argument --max-message-bytes: must be at most {MAX_GRPC_MESSAGE_BYTES}, got "
                      f"{args.max_message_bytes}")
@@ -403,10 +434,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         except ValueError as error:
             parser.error(f"argument --initial-peers: {error}")
     check_announce_host(args.announce_host, parser)
+    check_needs(args, parser, given)
     replica_config(args, parser)
     check_declaration_expiration(parser, args.refresh_period, args.expiration)  # (the server was invisible)
-    if args.checkpoint_dir is None and args.checkpoint_interval != 60.0:
-        parser.error("argument --checkpoint-interval: needs --checkpoint-dir")
     count = len(uids) if uids is not None else args.num_experts * len(args.layer)
     if args.processes > count:
         parser.error(f"argument --processes: {args.processes} processes need at least as many experts, got {count}")
@@ -569,10 +599,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()  # before any thread starts: every training step would page-fault otherwise
     parser = build_parser()
-    args = parse_args(parser, argv)
+    args, given = parse_given(parser, argv)
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uids = check_args(args, parser)
+    uids = check_args(args, parser, given)
     from dmoe.cli.server_processes import check_checkpoint_layout, serve_in_processes  # it imports this module
     lock = check_checkpoint_layout(args, parser)  # (held until this process exits)
     if args.processes > 1:
