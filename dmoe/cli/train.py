@@ -19,6 +19,7 @@ from typing import Callable
 
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, parse_given
+from dmoe.cli.signals import InterruptingSignals
 from dmoe.collab.progress import RecordTooLong
 from dmoe.endpoints import PortUnavailable
 from dmoe.trainer.data import DataError, DownloadError
@@ -125,7 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
     config = parse_config(argv)
     try:
-        result = train(config)
+        # SIGTERM and SIGHUP stop it as Ctrl-C does from the start, not only in the loop (which defers them to the
+        # end of its step): joining the DHT, downloading a joiner's state and --wait-for-trainers (up to 10 minutes)
+        # were killed where they stood, with status 143 or 129, no message, and nothing closed (review 72)
+        with InterruptingSignals():
+            result = train(config)
     except PortUnavailable as e:  # an --averaging-port or --state-port taken: a usage error, as dmoe-server's --port
         message = port_error(e)
         if message is None:
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     except (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,
             Diverged) as e:
         raise SystemExit(f"dmoe-train: {e}")
-    except KeyboardInterrupt:  # before the loop (which saves and returns): joining, waiting for trainers
+    except KeyboardInterrupt:  # a stop signal before the loop (which saves and returns): joining, waiting for trainers
         print("dmoe-train: interrupted before training began", file=sys.stderr)
         raise SystemExit(130) from None
     if result["interrupted"]:
