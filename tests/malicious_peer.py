@@ -4,11 +4,11 @@
 
 Its node id is the closest to the record key of the victims' last prefix, so it is one of that record's replicas
 and every client reads from it. Once the owner's entries have reached every other replica (ownership is first come,
-first served at each replica), it sends hijacks, forgeries, re-dated, moved, replayed, unsigned and far-future
-entries, and attacks on the shared prefix claims, straight to every other replica with raw protocol calls; then it
-poisons its own storage (a hijacking entry signed by its own key for the first victim, one forged in the owner's
-name for the second), which it serves until killed, and floods one replica with stores and junk. It prints
-``attack results {json}``: per attack, what the replicas answered (True means a replica accepted it).
+first served at each replica), it sends hijacks, forgeries, re-dated, re-issued, moved, replayed, unsigned and
+far-future entries, and attacks on the shared prefix claims, straight to every other replica with raw protocol
+calls; then it poisons its own storage (a hijacking entry signed by its own key for the first victim, one forged in
+the owner's name for the second), which it serves until killed, and floods one replica with stores and junk. It
+prints ``attack results {json}``: per attack, what the replicas answered (True means a replica accepted it).
 """
 from __future__ import annotations
 
@@ -78,12 +78,16 @@ async def attack(args: argparse.Namespace) -> dict[str, list[Any]]:
     if honest is None:
         raise RuntimeError("no replica holds the owner's entries: nothing honest to attack")
     later = time.time() + 60
+    # issued a second ahead: newer than whatever the owner issued by now, so replicas must check the signature
+    ahead_us = int(time.time() * 1_000_000) + 1_000_000
     results: dict[str, list[Any]] = {}
     results["hijack"] = await store(node, replicas, key, {
         subkey: me.entry(key, subkey, EVIL, later) for subkey in subkeys})
     results["forged"] = await store(node, replicas, key, {
-        subkey: Entry(EVIL, later, owner, os.urandom(64)) for subkey in subkeys})
-    results["redated"] = await store(node, replicas, key, {first: honest._replace(expiration=later + 1000)})
+        subkey: Entry(EVIL, later, owner, os.urandom(64), ahead_us) for subkey in subkeys})
+    results["redated"] = await store(node, replicas, key, {first: honest._replace(expiration=later + 1000,
+                                                                                   issued_us=ahead_us)})
+    results["reissued"] = await store(node, replicas, key, {first: honest._replace(issued_us=ahead_us)})
     results["moved"] = await store(node, replicas, key, {first + 1000: honest})
     results["moved"] += await store(node, replicas, digest(prefix + ".0"), {first: honest})
     results["unsigned"] = await store(node, replicas, key, {subkey: Entry(EVIL, later) for subkey in subkeys})
@@ -99,7 +103,7 @@ async def attack(args: argparse.Namespace) -> dict[str, list[Any]]:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         held = [(await read_raw(node, replica, key)).get(first) for replica in replicas]
-        if any(entry is not None and entry.expiration > honest.expiration for entry in held):
+        if any(entry is not None and entry.issued_us > honest.issued_us for entry in held):
             break
         await asyncio.sleep(0.2)
     results["replay"] = await store(node, replicas, key, {first: honest})

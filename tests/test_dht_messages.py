@@ -26,7 +26,8 @@ KEY = b"k" * 20
 def test_a_full_record_with_the_longest_endpoints_fits_in_one_reply_datagram():
     config = DHTConfig()
     endpoint = "h" * config.max_value_bytes
-    record = {coord: Entry(endpoint, 1e10 + coord + 0.123, bytes(32), bytes(64)) for coord in range(2**31 - 256, 2**31)}
+    record = {coord: Entry(endpoint, 1e10 + coord + 0.123, bytes(32), bytes(64), 10**16 + coord)
+              for coord in range(2**31 - 256, 2**31)}  # (issue times later than any a node holds: 16 digits)
     nodes = [Node(bytes(20), "255.255.255.255", 65535)] * config.ksize
     reply = umsgpack.packb(find_value_reply(record, nodes))
     assert len(reply) + 21 < MAX_DATAGRAM_BYTES

@@ -158,3 +158,31 @@ def test_a_server_whose_uid_readers_find_under_another_key_says_so(caplog):
             assert len(warnings) == 1 and warnings[0].startswith("ffn0.3.17: ") and "at 10.6.6.6:666" in warnings[0]
 
     asyncio.run(scenario())
+
+
+def test_an_owner_restarted_with_a_shorter_expiration_replaces_its_entry_at_once_and_replays_of_the_old_one_fail():
+    """Review 70, finding 2: one owner's entries were ordered by expiration, so a server restarted with its key, a
+    new endpoint and a shorter expiration was refused everywhere as "already superseded", and readers went to its
+    dead endpoint until the old entry expired (up to max_expiration). The latest issued entry wins now; a replica
+    still serving (or a peer replaying) the older one, issued earlier but expiring later, changes no read."""
+    from dmoe.dht import Identity
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=4, read_width=4)
+        async with in_process_swarm(5, config) as nodes:
+            key = "ffn0.3"
+            key_id = digest(key)
+            identity = Identity()  # what --identity keeps across restarts
+            old = identity.entry(key_id, 17, "127.0.0.1:5001", round(time.time() + 900, 3))
+            assert await nodes[0].store_record(key, {17: old}) == [True]
+            reader = nodes[4]
+            assert (await reader.get_record(key))[17].value == "127.0.0.1:5001"
+            new = identity.entry(key_id, 17, "127.0.0.1:5002", round(time.time() + 30, 3))
+            assert await nodes[1].store_record(key, {17: new}) == [True], "the restarted owner was refused"
+            assert (await reader.get_record(key))[17] == new
+            assert await nodes[2].store_record(key, {17: old}) == [False], "a replay of the old entry was stored"
+            for node in nodes[:2]:  # replicas that serve the old entry anyway (stale, or hostile)
+                node.storage.data.setdefault(key_id, {})[17] = old
+            assert (await reader.get_record(key))[17] == new
+
+    asyncio.run(scenario())

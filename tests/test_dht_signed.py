@@ -25,8 +25,8 @@ from tests.test_dht import declarer_proc, start_nodes, wait_until
 
 HONEST = "127.0.0.1:9500"
 VICTIMS = ["sig0.3.0", "sig0.3.1", "sig0.3.2", "sig0.3.3"]
-ATTACKS_THAT_MUST_FAIL = ["hijack", "forged", "redated", "moved", "unsigned", "far_future", "prefix_unsigned",
-                          "prefix_forged", "replay"]
+ATTACKS_THAT_MUST_FAIL = ["hijack", "forged", "redated", "reissued", "moved", "unsigned", "far_future",
+                          "prefix_unsigned", "prefix_forged", "replay"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_every_attack_on_signed_records_is_refused_by_the_honest_replicas(swarm)
         assert not any(result is True for result in results[name]), f"a replica accepted {name}: {results[name]}"
     assert all(result is False for result in results["replay"]), "a replay was refused for the wrong reason"
     for name, reason in [("hijack", "owned by"), ("forged", "signature"), ("redated", "signature"),
-                         ("moved", "signature"), ("unsigned", "signature")]:
+                         ("reissued", "signature"), ("moved", "signature"), ("unsigned", "signature")]:
         refusals = [result for result in results[name] if isinstance(result, str)]  # False: a replica timed out
         assert refusals and all(reason in refusal for refusal in refusals), (name, results[name])
 
@@ -124,6 +124,47 @@ def test_a_restarted_server_with_its_key_takes_its_uids_back_and_others_cannot(s
         assert took < 30, "it waited for the old declarations to expire"
         for _ in range(10):
             assert get_experts(client, uids) == ["127.0.0.1:9602"] * 4
+
+
+def test_a_server_restarted_with_a_shorter_expiration_takes_its_uids_back_at_once_and_replays_fail(swarm, tmp_path):
+    """Review 70, finding 2: one owner's entries were ordered by expiration, so a server restarted with its key at
+    a new endpoint but a shorter --expiration than its previous run had every declaration refused as "already
+    superseded", and clients went to the dead endpoint until the old entries expired (up to max_expiration, an
+    hour). Entries are ordered by their signed issue time now, and the old run's entries, replayed (issued earlier,
+    expiring later), are refused by every replica and change no read."""
+    client: DHT = swarm["client"]
+    uids = grid_uids("own1", (2, 2))
+    key_file = str(tmp_path / "server.key")
+
+    def declarer(endpoint: str, refresh: str, expiration: str) -> list[str]:
+        return ["--initial-peers", swarm["peer"], "--declare", "own1.[0:2].[0:2]", "--endpoint", endpoint,
+                "--refresh-period", refresh, "--expiration", expiration, "--identity", key_file]
+
+    with processes() as procs:
+        first = declarer_proc(procs, *declarer("127.0.0.1:9611", "300", "900"))
+        first.endpoint()
+        assert get_experts(client, uids) == ["127.0.0.1:9611"] * 4
+        old = {key: client.get(key) for key in ("own1.0", "own1.1")}  # run 1's entries, to replay
+        assert all(len(record) == 2 for record in old.values()), old
+        first.kill()
+        restarted = declarer_proc(procs, *declarer("127.0.0.1:9612", "1", "5"))
+        restarted.endpoint()
+        took = wait_until(lambda: get_experts(client, uids) == ["127.0.0.1:9612"] * 4, 10,
+                          "the restarted owner, with a shorter expiration, did not take its uids back")
+        assert took < 5, "it waited for the old declarations to expire"
+        for key, record in old.items():
+            key_id, holders = digest(key), 0
+            for node in client.run_coroutine(client.node.find_nodes(key_id, 20)):
+                ok, data = client.run_coroutine(client.node.protocol.call_find_value(node, Node(key_id)))
+                held, _ = parse_find_value_reply(data, key_id, lambda *entry: True) if ok else ({}, [])
+                if all(coord in held and held[coord].value == "127.0.0.1:9612" for coord in record):
+                    holders += 1  # a node that never held the key takes the replay: readers still prefer the new
+                    replayed = client.run_coroutine(client.node.protocol.call_store(node, key_id, record))
+                    assert replayed == [False] * len(record), f"{node} took a replay of run 1's {key}: {replayed}"
+            assert holders >= 3, f"the restarted owner's {key} is missing from its replicas"
+            client.run_coroutine(client.node.store_record(key, record))  # to every replica, read back
+        for _ in range(10):
+            assert get_experts(client, uids) == ["127.0.0.1:9612"] * 4
 
 
 def test_dmoe_server_keeps_its_dht_identity_in_the_checkpoint_dir_unless_given_one(tmp_path):

@@ -3,9 +3,11 @@ merge what replicas send, and the limits that keep a node alive under junk and f
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import stat
+import struct
 import time
 
 import pytest
@@ -13,10 +15,10 @@ import umsgpack
 from kademlia.node import Node
 
 from dmoe.dht.config import DHTConfig
-from dmoe.dht.messages import find_value_reply, parse_find_value_reply, record_to_wire
+from dmoe.dht.messages import MalformedRequest, find_value_reply, parse_find_value_reply, record_to_wire
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.signing import Identity, Verifier, verify
-from dmoe.dht.storage import Entry, NotOwner, RecordFull, RecordStorage, merge_records
+from dmoe.dht.storage import MAX_CLOCK_SKEW, Entry, NotOwner, RecordFull, RecordStorage, merge_records
 from dmoe.dht.throttle import ThrottledWarnings
 
 KEY, OTHER_KEY = b"k" * 20, b"o" * 20
@@ -63,28 +65,32 @@ def test_the_verifier_memo_verifies_each_distinct_entry_once(monkeypatch):
 def test_a_uid_belongs_to_its_first_declarer_until_it_expires_and_replays_change_nothing():
     now = [100.0]
     storage = RecordStorage(clock=lambda: now[0])
-    first = ALICE.entry(KEY, 7, "a:1", 150.0)
+    first = ALICE.entry(KEY, 7, "a:1", 150.0, issued_us=100_000_000)
     assert storage.store(KEY, 7, *first)
     with pytest.raises(NotOwner, match="owned by"):
-        storage.store(KEY, 7, *MALLORY.entry(KEY, 7, "evil:1", 3000.0))
-    refresh = ALICE.entry(KEY, 7, "a:2", 160.0)
+        storage.store(KEY, 7, *MALLORY.entry(KEY, 7, "evil:1", 3000.0, issued_us=100_001_000))
+    refresh = ALICE.entry(KEY, 7, "a:2", 160.0, issued_us=100_500_000)
     assert storage.store(KEY, 7, *refresh), "the owner could not refresh"
     assert not storage.store(KEY, 7, *first), "a replay rolled the entry back"
     assert not storage.store(KEY, 7, *refresh), "a repeated entry counted as a new store"
     assert storage.get(KEY)[7] == refresh
     now[0] = 161.0  # expired: the uid is free again
-    assert storage.store(KEY, 7, *MALLORY.entry(KEY, 7, "m:1", 200.0))
+    assert storage.store(KEY, 7, *MALLORY.entry(KEY, 7, "m:1", 200.0, issued_us=161_000_000))
 
 
 def test_shared_prefix_claims_merge_so_any_claim_extends_and_none_cuts_short():
     storage = RecordStorage(clock=lambda: 100.0)
-    assert storage.store(KEY, "3", *ALICE.entry(KEY, "3", "a:1", 150.0))
-    assert storage.store(KEY, "3", *MALLORY.entry(KEY, "3", "m:1", 101.0)), "an honest declarer would see a failure"
-    assert storage.get(KEY)["3"].expiration == 150.0, "a short claim cut the prefix short"
-    assert storage.store(KEY, "3", *MALLORY.entry(KEY, "3", "m:1", 170.0))
-    assert storage.store(KEY, "3", *ALICE.entry(KEY, "3", "a:1", 160.0))
-    assert storage.get(KEY)["3"].expiration == 170.0
-    assert storage.store(KEY, 3, *ALICE.entry(KEY, 3, "a:1", 150.0)), "owned and shared subkeys collided"
+
+    def claim(identity: Identity, subkey, value: str, expiration: float, issued_us: int) -> Entry:
+        return identity.entry(KEY, subkey, value, expiration, issued_us=issued_us)
+
+    assert storage.store(KEY, "3", *claim(ALICE, "3", "a:1", 150.0, 99_000_000))
+    assert storage.store(KEY, "3", *claim(MALLORY, "3", "m:1", 101.0, 100_000_000)), "an honest declarer saw a failure"
+    assert storage.get(KEY)["3"].expiration == 150.0, "a short claim cut the prefix short (issued later)"
+    assert storage.store(KEY, "3", *claim(MALLORY, "3", "m:1", 170.0, 99_500_000))
+    assert storage.store(KEY, "3", *claim(ALICE, "3", "a:1", 160.0, 100_000_000))
+    assert storage.get(KEY)["3"].expiration == 170.0, "a later issue time cut a shared claim short"
+    assert storage.store(KEY, 3, *claim(ALICE, 3, "a:1", 150.0, 100_000_000)), "owned and shared subkeys collided"
 
 
 def test_far_future_expirations_are_refused_when_signed_and_capped_when_not():
@@ -185,9 +191,11 @@ def test_an_entry_arriving_expired_or_too_far_ahead_is_dropped_and_logged_once_a
     async def scenario() -> list:
         protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig(max_expiration=3600.0))
         node_id, now = b"s" * 20, time.time()
-        behind = {1: ALICE.entry(KEY, 1, "a:1", now - 120), 2: ALICE.entry(KEY, 2, "a:1", now - 300)}
-        ahead = {3: ALICE.entry(KEY, 3, "a:1", now + 3600 + 900)}
-        fine = {4: ALICE.entry(KEY, 4, "a:1", now + 60), 5: ALICE.entry(KEY, 5, "a:1", now - 1)}
+        # signed by writers whose clocks are off by that much: issued 60 s before their expirations
+        behind = {1: ALICE.entry(KEY, 1, "a:1", now - 120, issued_us=int((now - 180) * 1_000_000)),
+                  2: ALICE.entry(KEY, 2, "a:1", now - 300, issued_us=int((now - 360) * 1_000_000))}
+        ahead = {3: ALICE.entry(KEY, 3, "a:1", now + 3600 + 900, issued_us=int((now + 3600 + 840) * 1_000_000))}
+        fine = {4: ALICE.entry(KEY, 4, "a:1", now + 60), 5: ALICE.entry(KEY, 5, "a:1", now - 1, issued_us=0)}
         return [*protocol.rpc_store(("10.0.0.1", 1), node_id, KEY, record_to_wire(behind)),
                 *protocol.rpc_store(("10.0.0.2", 1), node_id, KEY, record_to_wire(ahead)),
                 *protocol.rpc_store(("10.0.0.3", 1), node_id, KEY, record_to_wire(fine))]
@@ -281,3 +289,99 @@ def test_a_tie_between_owners_reads_as_absent_and_is_reported():
     merged = merge_records([honest, dict(honest), lying], now=100.0, voters=["10.0.0.1", "10.0.0.2", "10.6.6.6"],
                            disputes=disputes)
     assert merged[5].value == "a:1" and disputes[5].startswith("2 votes to 1")
+
+
+def test_an_owner_s_last_issued_entry_wins_whatever_its_expiration_and_its_older_ones_replay_nowhere():
+    """Review 70, finding 2: one owner's entries were ordered by expiration, so a server restarted with its key and
+    a shorter expiration (at a new endpoint) was refused as "superseded" by its own earlier, longer-lived entry,
+    and readers went to the dead endpoint for up to max_expiration. The signed issue time orders them now, and a
+    replay of the older entry (issued earlier, expiring later) changes nothing at nodes or readers."""
+    now = 1000.0
+    storage = RecordStorage(clock=lambda: now)
+    old = ALICE.entry(KEY, 7, "a:5001", now + 900, issued_us=int(now * 1_000_000) - 60_000_000)  # run 1, a minute ago
+    new = ALICE.entry(KEY, 7, "a:5002", now + 30, issued_us=int(now * 1_000_000))  # run 2, now
+    assert storage.store(KEY, 7, *old)
+    assert storage.store(KEY, 7, *new), "the restarted owner was refused its own uid"
+    assert storage.get(KEY)[7] == new
+    assert not storage.store(KEY, 7, *old), "a replay of the older entry rolled the uid back"
+    assert storage.get(KEY)[7] == new
+    # readers: replicas that still serve the older entry (stale, or replaying it) cannot outvote the owner's own
+    assert merge_records([{7: old}, {7: new}, {7: old}], now=now)[7] == new
+    assert merge_records([{7: old}, {7: new}, {7: old}], now=now, voters=["10.0.0.1", "10.0.0.2", "10.0.0.3"])[7] \
+        == new
+    # a shared claim stays the longest-living, whoever issued it last
+    claims = [ALICE.entry(KEY, "7", "a:1", now + 900, issued_us=999_000_000), ALICE.entry(KEY, "7", "a:2", now + 30,
+                                                                                     issued_us=1_000_000_000)]
+    assert merge_records([{"7": claims[0]}, {"7": claims[1]}], now=now)["7"] == claims[0]
+
+
+def test_a_node_refuses_replays_by_issue_time_before_verifying_and_issue_times_in_the_future_or_after_expiry():
+    async def scenario() -> None:
+        protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+        node_id, sender, now = b"s" * 20, ("10.0.0.1", 1), time.time()
+        issued = int(now * 1_000_000)
+        old = ALICE.entry(KEY, 7, "a:5001", now + 900, issued_us=issued - 60_000_000)
+        new = ALICE.entry(KEY, 7, "a:5002", now + 30, issued_us=issued)
+        assert protocol.rpc_store(sender, node_id, KEY, record_to_wire({7: old})) == [True]
+        assert protocol.rpc_store(sender, node_id, KEY, record_to_wire({7: new})) == [True]
+        checked = []
+        protocol.verifier = lambda *entry: checked.append(entry) or True
+        assert protocol.rpc_store(sender, node_id, KEY, record_to_wire({7: old})) == [False]
+        assert protocol.rpc_store(sender, node_id, KEY, record_to_wire({7: new})) == [False]  # a repeat
+        assert not checked, "a replay cost a verification"
+        assert protocol.storage.get(KEY)[7] == new
+        protocol.verifier = Verifier()
+        # issued further ahead of this node's clock than MAX_CLOCK_SKEW: the writer's clock is off
+        ahead = ALICE.entry(KEY, 8, "a:1", now + 60, issued_us=issued + int((MAX_CLOCK_SKEW + 5) * 1_000_000))
+        slightly = ALICE.entry(KEY, 9, "a:1", now + 60, issued_us=issued + int((MAX_CLOCK_SKEW - 5) * 1_000_000))
+        assert protocol.rpc_store(sender, node_id, KEY, record_to_wire({8: ahead, 9: slightly})) == [False, True]
+        # issued after the entry's expiration: malformed, as is an entry of the format without issue times (v1)
+        late = ALICE.entry(KEY, 10, "a:1", now + 60, issued_us=int((now + 61) * 1_000_000))
+        with pytest.raises(MalformedRequest, match="issue time"):
+            protocol.rpc_store(sender, node_id, KEY, record_to_wire({10: late}))
+        with pytest.raises(MalformedRequest, match="issued_us"):
+            protocol.rpc_store(sender, node_id, KEY, [wire[:5] for wire in record_to_wire({11: new})])
+        for bad in ["1", 1.5, True, -1, 2**63]:
+            with pytest.raises(MalformedRequest, match="issue time"):
+                protocol.rpc_store(sender, node_id, KEY, [[*record_to_wire({11: new})[0][:5], bad]])
+
+    asyncio.run(scenario())
+
+
+def _v1_entry(identity: Identity, key: bytes, subkey, value: str, expiration: float) -> Entry:
+    """An entry signed as before issue times were signed (domain v1, no issue time)."""
+    kind = b"i" if isinstance(subkey, int) else b"s"
+    subkey_bytes = str(subkey).encode()
+    message = b"".join((b"dmoe-dht-entry-v1\x00", key, struct.pack(">d", float(expiration)), kind,
+                        len(subkey_bytes).to_bytes(1, "big"), subkey_bytes, value.encode()))
+    return Entry(value, float(expiration), identity.public_key, identity._private_key.sign(message))
+
+
+def test_a_signature_covers_the_issue_time_and_entries_signed_before_it_was_signed_verify_nowhere(caplog):
+    entry = ALICE.entry(KEY, 3, "a:1", 100.0, issued_us=50_000_000)
+    assert verify(KEY, 3, *entry)
+    assert not verify(KEY, 3, *entry._replace(issued_us=60_000_000)), "re-issued"
+    assert not verify(KEY, 3, *entry._replace(issued_us=-1)) and not verify(KEY, 3, *entry._replace(issued_us=1.5))
+    v1 = _v1_entry(ALICE, KEY, 3, "a:1", 100.0)
+    assert not verify(KEY, 3, *v1), "a v1 signature passed for a v2 entry issued at 0"
+    # readers: a v1 reply (entries without an issue time) is malformed; v1 signatures are dropped as forged
+    text = json.dumps([[3, "a:1", 100.0]])
+    with pytest.raises(MalformedRequest, match="issued_us"):
+        parse_find_value_reply({"record": text, "auth": v1.owner + v1.signature, "nodes": "[]"}, KEY, Verifier())
+    with caplog.at_level("WARNING", logger="dmoe.dht.messages"):
+        record, _ = parse_find_value_reply(find_value_reply({3: v1}, []), KEY, Verifier())
+    assert record == {} and "ignoring 1 unsigned or forged entries" in caplog.text
+    # nodes: refused as unsigned or forged, counted as the other such entries are
+    async def store() -> list:
+        protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+        fresh = _v1_entry(ALICE, KEY, 3, "a:1", time.time() + 60)
+        return protocol.rpc_store(("10.0.0.1", 1), b"s" * 20, KEY, record_to_wire({3: fresh}))
+
+    assert asyncio.run(store()) == ["refused: unsigned or bad signature"]
+
+
+def test_an_identity_issues_its_entries_in_strictly_increasing_microseconds_of_its_clock():
+    identity = Identity()
+    before = int(time.time() * 1_000_000)
+    issued = [identity.entry(KEY, 1, "a:1", 1e10).issued_us for _ in range(200)]
+    assert issued == sorted(set(issued)) and before <= issued[0] <= int(time.time() * 1_000_000) + 200

@@ -19,7 +19,7 @@ from tests.dht_nodes import in_process_swarm
 
 
 def test_store_requests_are_chunked_under_the_request_limit():
-    record = {coord: Entry("h" * DHTConfig.max_value_bytes, 1e10, bytes(32), bytes(64)) for coord in range(256)}
+    record = {coord: Entry("h" * DHTConfig.max_value_bytes, 1e10, bytes(32), bytes(64), 10**16) for coord in range(256)}
     chunks = chunk_entries(record_to_wire(record))
     assert sum(map(len, chunks)) == 256 and len(chunks) > 1
     assert all(len(umsgpack.packb(["store", [bytes(20), bytes(20), chunk]])) <= MAX_REQUEST_BYTES for chunk in chunks)

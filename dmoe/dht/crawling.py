@@ -4,9 +4,9 @@ Stock ``ValueSpiderCrawl`` returns the first value any node sends back (possibly
 picks the "most common" of several (which crashes on dict values), and advances in lock-step rounds so one dead
 peer stalls a round for a whole RPC timeout. This crawl keeps asking the closest not-yet-asked contacts as soon as
 any reply or timeout arrives, until the ``width`` closest *responding* nodes have all answered, and merges every
-record it received per subkey (latest expiration wins; an owned subkey that replicas disagree on goes to the owner
-held by the most homes, as counted below: one vote per machine). Entries not validly signed for the key are dropped
-as replies are parsed.
+record it received per subkey (the newest entry wins, see :func:`~dmoe.dht.storage.supersedes`; an owned subkey
+that replicas disagree on goes to the owner held by the most homes, as counted below: one vote per machine). Entries
+not validly signed for the key are dropped as replies are parsed.
 
 Every crawl is bounded, whatever its peers answer. Node ids cost nothing, so one hostile socket answering each
 request with ever closer made-up contacts (at its own address, or at one that never answers) kept the frontier from

@@ -111,11 +111,12 @@ class DHT:
         """Stores one signed entry ``record[key][subkey] = value`` until ``expiration_time`` (absolute,
         ``time.time()``); True when at least one of the key's replicas accepted it.
 
-        An int subkey is owned: until it expires only this node's identity may refresh it. A str subkey (at most
-        10 characters) is shared: anyone may extend it and the longest-living entry wins (see
-        :mod:`dmoe.dht.storage`). Values are printable ASCII without spaces, quotes or backslashes, at most
-        ``config.max_value_bytes`` bytes. Raises ValueError for a value, subkey or expiration no node would accept
-        (an expiration more than ``config.max_expiration`` seconds ahead).
+        An int subkey is owned: until it expires only this node's identity may replace it, and its entry issued
+        last wins (each entry is signed with its issue time, so a shorter expiration than the one held still
+        replaces it). A str subkey (at most 10 characters) is shared: anyone may extend it and the longest-living
+        entry wins (see :mod:`dmoe.dht.storage`). Values are printable ASCII without spaces, quotes or
+        backslashes, at most ``config.max_value_bytes`` bytes. Raises ValueError for a value, subkey or expiration
+        no node would accept (an expiration more than ``config.max_expiration`` seconds ahead).
         """
         return self.store_many({key: {subkey: (value, expiration_time)}})[key][subkey] is True
 
@@ -141,7 +142,7 @@ class DHT:
 
     def get(self, key: str) -> Record:
         """The live entries of ``key``'s record, each validly signed by its owner: ``{subkey: Entry(value,
-        expiration, owner, signature)}``; empty when nothing is stored."""
+        expiration, owner, signature, issued_us)}``; empty when nothing is stored."""
         return self.get_many([key])[key]
 
     def get_many(self, keys: Sequence[str]) -> dict[str, Record]:

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from kademlia.node import Node
 
 from dmoe.dht.routing import DHTRoutingTable
-from dmoe.dht.signing import AUTH_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES
+from dmoe.dht.signing import AUTH_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, valid_issue_time
 from dmoe.dht.storage import Entry, Record, RecordStorage
 from dmoe.endpoints import is_loopback_ip
 
@@ -57,7 +57,7 @@ def check_id(value: Any, what: str) -> bytes:
 
 
 def record_to_wire(record: Record) -> list[list[Any]]:
-    """Store-request entries ``[subkey, value, expiration, owner, signature]``, sorted by subkey."""
+    """Store-request entries ``[subkey, value, expiration, owner, signature, issued_us]``, sorted by subkey."""
     return [[subkey, *entry] for subkey, entry in sorted(record.items(), key=_order)]
 
 
@@ -84,21 +84,29 @@ def check_entry(subkey: Any, value: Any, expiration: Any, max_value_bytes: int) 
         raise MalformedRequest("an expiration must be a finite number")
 
 
+def check_issued(issued_us: Any, expiration: float) -> None:
+    """An entry's issue time: integer microseconds, not negative and not after its expiration (an entry of the
+    signing format before the issue time, v1, has none, and is refused here as malformed)."""
+    if not valid_issue_time(issued_us) or issued_us > expiration * 1_000_000:
+        raise MalformedRequest("an issue time must be an int of microseconds, at most the expiration's")
+
+
 def record_from_wire(entries: Any, max_value_bytes: int = 1 << 16) -> Record:
-    """Parses ``[[subkey, value, expiration, owner, signature], ...]``; raises :class:`MalformedRequest` on
-    anything else (signatures are checked by the caller)."""
+    """Parses ``[[subkey, value, expiration, owner, signature, issued_us], ...]``; raises :class:`MalformedRequest`
+    on anything else (signatures are checked by the caller)."""
     if not isinstance(entries, (list, tuple)):
         raise MalformedRequest("record entries must be a list")
     record: Record = {}
     for entry in entries:
-        if not isinstance(entry, (list, tuple)) or len(entry) != 5:
-            raise MalformedRequest("a record entry must be [subkey, value, expiration, owner, signature]")
-        subkey, value, expiration, owner, signature = entry
+        if not isinstance(entry, (list, tuple)) or len(entry) != 6:
+            raise MalformedRequest("a record entry must be [subkey, value, expiration, owner, signature, issued_us]")
+        subkey, value, expiration, owner, signature, issued_us = entry
         check_entry(subkey, value, expiration, max_value_bytes)
+        check_issued(issued_us, expiration)
         if not isinstance(owner, bytes) or not isinstance(signature, bytes) or len(owner) > PUBLIC_KEY_BYTES \
                 or len(signature) > SIGNATURE_BYTES:
             raise MalformedRequest("owner and signature must be bytes (32 and 64)")
-        record[subkey] = Entry(value, float(expiration), owner, signature)
+        record[subkey] = Entry(value, float(expiration), owner, signature, issued_us)
     return record
 
 
@@ -119,11 +127,12 @@ def encode_contacts(nodes: Sequence[Node]) -> str:
 
 
 def encode_record(record: Record) -> tuple[str, bytes]:
-    """The record part of a find_value reply: entries as JSON text, owners and signatures as bytes."""
+    """The record part of a find_value reply: entries ``[subkey, value, expiration, issued_us]`` as JSON text,
+    owners and signatures as bytes."""
     entries = sorted(record.items(), key=_order)
     auth = b"".join(entry.owner.ljust(PUBLIC_KEY_BYTES, b"\0") + entry.signature.ljust(SIGNATURE_BYTES, b"\0")
                     for _, entry in entries)
-    return json.dumps([[subkey, entry.value, entry.expiration] for subkey, entry in entries],
+    return json.dumps([[subkey, entry.value, entry.expiration, entry.issued_us] for subkey, entry in entries],
                       separators=(",", ":")), auth
 
 
@@ -237,14 +246,15 @@ def _verified_record(entries: Any, auth: bytes, key: bytes, verifier: Callable[.
     record: Record = {}
     rejected = 0
     for index, entry in enumerate(entries):
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise MalformedRequest("a record entry must be [subkey, value, expiration]")
-        subkey, value, expiration = entry
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise MalformedRequest("a record entry must be [subkey, value, expiration, issued_us]")
+        subkey, value, expiration, issued_us = entry
         check_entry(subkey, value, expiration, max_value_bytes)
+        check_issued(issued_us, expiration)
         offset = index * AUTH_BYTES
         owner, signature = auth[offset:offset + PUBLIC_KEY_BYTES], auth[offset + PUBLIC_KEY_BYTES:offset + AUTH_BYTES]
-        if verifier(key, subkey, value, float(expiration), owner, signature):
-            record[subkey] = Entry(value, float(expiration), owner, signature)
+        if verifier(key, subkey, value, float(expiration), owner, signature, issued_us):
+            record[subkey] = Entry(value, float(expiration), owner, signature, issued_us)
         else:
             rejected += 1
     if rejected:

@@ -22,7 +22,8 @@ from dmoe.dht.messages import (ID_BYTES, VALUES_HEADER, EncodedReplies, Malforme
 from dmoe.dht.peers import EVICT_AFTER_FAILURES, PeerBook
 from dmoe.dht.routing import DHTRoutingTable, contact_machine
 from dmoe.dht.signing import Verifier
-from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, sender_group
+from dmoe.dht.storage import (MAX_CLOCK_SKEW, Entry, NotOwner, Record, RecordFull, RecordStorage, sender_group,
+                              supersedes)
 from dmoe.dht.throttle import MachineBudgets, ThrottledWarnings
 from dmoe.dht.transport import REPLY_BUDGET_BYTES, UDPTransport, chunk_entries
 
@@ -233,9 +234,9 @@ class DHTProtocol(UDPTransport):
         for subkey, entry in record.items():
             current = self.storage.entry(key, subkey)
             if entry.owner and current is not None and isinstance(subkey, int) and (
-                    current.owner != entry.owner or current.expiration >= entry.expiration):
-                # refused or stale whether or not the signature holds: a flood of hijacks or replays costs no
-                # verification (the slow part of a store)
+                    current.owner != entry.owner or not supersedes(subkey, entry, current)):
+                # refused or stale (issued no later than the owner's entry held) whether or not the signature
+                # holds: a flood of hijacks or replays costs no verification (the slow part of a store)
                 if current.owner == entry.owner:
                     results.append(False)
                     continue
@@ -248,7 +249,7 @@ class DHTProtocol(UDPTransport):
                                    key.hex()[:16], sender)
                 results.append("refused: unsigned or bad signature")
                 continue
-            self._check_clock(sender, entry.expiration)
+            self._check_clock(sender, entry)
             try:
                 results.append(self.storage.store(key, subkey, *entry, sender=group))
             except RecordFull as error:
@@ -259,20 +260,23 @@ class DHTProtocol(UDPTransport):
                 results.append(f"refused: {error}")
         return results
 
-    def _check_clock(self, sender: tuple[str, int], expiration: float) -> None:
+    def _check_clock(self, sender: tuple[str, int], entry: Entry) -> None:
         """Warns (once a minute per host) when a signed entry arrives expired, or expiring further ahead than
-        ``max_expiration`` allows, by more than :data:`CLOCK_SKEW_WARNING` seconds: the store is dropped either
+        ``max_expiration`` allows, by more than :data:`CLOCK_SKEW_WARNING` seconds, or issued more than
+        :data:`~dmoe.dht.storage.MAX_CLOCK_SKEW` seconds ahead of this node's clock: the store is dropped either
         way, silently for the writer, and the usual cause is a clock off on one of the two machines."""
-        now = time.time()
+        now, expiration = time.time(), entry.expiration
         off = (now - expiration if expiration <= now
                else expiration - (now + self.config.max_expiration) if expiration > now + self.config.max_expiration
                else 0.0)
+        what = "already expired" if expiration <= now else "expiring beyond max_expiration"
         if off <= CLOCK_SKEW_WARNING:
-            return
+            off, what = entry.issued_us / 1_000_000 - now, "issued in the future"
+            if off <= MAX_CLOCK_SKEW:
+                return
         self.refusals.warn("clock", sender[0], "%s stored an entry %s by %.0f s, which this node drops: is one of the "
                            "two machines' clocks off? Records expire by wall-clock time (keep clocks synchronised, "
-                           "e.g. with NTP)", sender[0],
-                           "already expired" if expiration <= now else "expiring beyond max_expiration", off)
+                           "e.g. with NTP)", sender[0], what, off)
 
     def rpc_find_node(self, sender: tuple[str, int], nodeid: Any, key: Any) -> list[tuple[bytes, str, int]]:
         """The closest contacts to ``key``; none once the asker's machine has spent its :data:`KEYS_PER_SECOND`."""

@@ -1,9 +1,14 @@
 """Signed record entries: each writer has an Ed25519 identity, and every entry it stores carries its public key
-and a signature over (record key digest, subkey, value, expiration).
+and a signature over (record key digest, subkey, value, expiration, issue time).
 
 Nodes verify entries before storing them and clients verify what they receive before using it, so an entry
-cannot be forged, re-dated (the expiration is signed) or moved to another record or subkey. Ownership rules (who
-may replace what) live in :mod:`dmoe.dht.storage`; this module only says whether an entry is authentic.
+cannot be forged, re-dated (the expiration and the issue time are signed) or moved to another record or subkey.
+Ownership rules (who may replace what) live in :mod:`dmoe.dht.storage`; this module only says whether an entry is
+authentic.
+
+The issue time (``issued_us``, integer microseconds of the writer's wall clock when it signed) orders one
+owner's entries of an owned subkey: the latest issued replaces the others, whatever their expirations (see
+:func:`dmoe.dht.storage.supersedes`). :meth:`Identity.entry` stamps it, strictly increasing per identity.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import functools
 import logging
 import os
 import struct
+import threading
+import time
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -24,16 +31,20 @@ logger = logging.getLogger(__name__)
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 AUTH_BYTES = PUBLIC_KEY_BYTES + SIGNATURE_BYTES
-_DOMAIN = b"dmoe-dht-entry-v1\x00"
+#: v2: the issue time is signed too (v1 entries, without it, verify under no v2 message)
+_DOMAIN = b"dmoe-dht-entry-v2\x00"
+#: the issue times a signed message can carry: non-negative and packed in 8 bytes (``struct`` ">q")
+MAX_ISSUED_US = 2**63 - 1
 
 
-def entry_message(key: bytes, subkey: Subkey, value: str, expiration: float) -> bytes:
+def entry_message(key: bytes, subkey: Subkey, value: str, expiration: float, issued_us: int = 0) -> bytes:
     """The bytes an entry's signature covers. The kind byte tells the int subkey 3 (an owned entry) from the
-    str subkey "3" (a shared one), so a signature for one kind can never pass for the other."""
+    str subkey "3" (a shared one), so a signature for one kind can never pass for the other. ``issued_us``: when the
+    writer signed it (0 for the signatures that are no DHT entry's: snapshots, averaging parts)."""
     kind = b"i" if isinstance(subkey, int) else b"s"
     subkey_bytes = str(subkey).encode()
-    return b"".join((_DOMAIN, key, struct.pack(">d", float(expiration)), kind, len(subkey_bytes).to_bytes(1, "big"),
-                     subkey_bytes, value.encode()))
+    return b"".join((_DOMAIN, key, struct.pack(">dq", float(expiration), issued_us), kind,
+                     len(subkey_bytes).to_bytes(1, "big"), subkey_bytes, value.encode()))
 
 
 class Identity:
@@ -46,6 +57,8 @@ class Identity:
         self._private_key = private_key or Ed25519PrivateKey.generate()
         self.public_key: bytes = self._private_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self._last_issued_us = 0
+        self._issue_lock = threading.Lock()
 
     @classmethod
     def from_seed(cls, seed: bytes) -> "Identity":
@@ -84,21 +97,38 @@ class Identity:
         logger.info("created DHT identity %s in %s", identity.public_key.hex()[:16], path)
         return identity
 
-    def sign(self, key: bytes, subkey: Subkey, value: str, expiration: float) -> bytes:
-        return self._private_key.sign(entry_message(key, subkey, value, expiration))
+    def sign(self, key: bytes, subkey: Subkey, value: str, expiration: float, issued_us: int = 0) -> bytes:
+        return self._private_key.sign(entry_message(key, subkey, value, expiration, issued_us))
 
-    def entry(self, key: bytes, subkey: Subkey, value: str, expiration: float) -> Entry:
-        """A record entry signed by this identity, for the record whose key digest is ``key``."""
+    def issue_time(self) -> int:
+        """Now, in microseconds of the wall clock, and later than any issue time this identity gave before: two
+        entries signed in the same microsecond (or tick of a coarse clock) must still be ordered (the later one
+        replaces the earlier)."""
+        with self._issue_lock:
+            self._last_issued_us = max(int(time.time() * 1_000_000), self._last_issued_us + 1)
+            return self._last_issued_us
+
+    def entry(self, key: bytes, subkey: Subkey, value: str, expiration: float, issued_us: int | None = None) -> Entry:
+        """A record entry signed by this identity, for the record whose key digest is ``key``, issued now (or at
+        ``issued_us``)."""
         expiration = float(expiration)
-        return Entry(value, expiration, self.public_key, self.sign(key, subkey, value, expiration))
+        issued_us = self.issue_time() if issued_us is None else issued_us
+        return Entry(value, expiration, self.public_key, self.sign(key, subkey, value, expiration, issued_us),
+                     issued_us)
 
 
-def verify(key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes, signature: bytes) -> bool:
+def valid_issue_time(issued_us: object) -> bool:
+    """An issue time a signed message can carry: an int (not a bool) in ``[0, MAX_ISSUED_US]``."""
+    return isinstance(issued_us, int) and not isinstance(issued_us, bool) and 0 <= issued_us <= MAX_ISSUED_US
+
+
+def verify(key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes, signature: bytes,
+           issued_us: int = 0) -> bool:
     """True when ``signature`` is ``owner``'s over this entry."""
-    if len(owner) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+    if len(owner) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES or not valid_issue_time(issued_us):
         return False
     try:
-        _public_key(owner).verify(signature, entry_message(key, subkey, value, expiration))
+        _public_key(owner).verify(signature, entry_message(key, subkey, value, expiration, issued_us))
     except (InvalidSignature, ValueError):
         return False
     return True
@@ -118,11 +148,11 @@ class Verifier:
         self._known: dict[tuple, bool] = {}
 
     def __call__(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes,
-                 signature: bytes) -> bool:
-        memo = (key, subkey, value, expiration, owner, signature)
+                 signature: bytes, issued_us: int = 0) -> bool:
+        memo = (key, subkey, value, expiration, owner, signature, issued_us)
         known = self._known.get(memo)
         if known is None:
             if len(self._known) >= self.capacity:
                 self._known.clear()
-            known = self._known[memo] = verify(key, subkey, value, expiration, owner, signature)
+            known = self._known[memo] = verify(key, subkey, value, expiration, owner, signature, issued_us)
         return known

@@ -2,14 +2,16 @@
 
 Stock ``ForgetfulStorage`` keeps one opaque value per key, so two writers of one key overwrite each other, and its
 week-long TTL keeps stale copies alive. Here a record is ``{subkey: (value, expiration)}``: concurrent writes merge,
-the latest expiration of a subkey wins, and expired entries vanish on access. Expirations are absolute wall-clock
-times (``time.time()``) carried in every message, so a copy replicated or repaired anywhere can never live longer
-than its owner intended.
+the newest entry of a subkey wins (see below), and expired entries vanish on access. Expirations are absolute
+wall-clock times (``time.time()``) carried in every message, so a copy replicated or repaired anywhere can never live
+longer than its owner intended.
 
 Entries are signed (:mod:`dmoe.dht.signing`) and come in two kinds, told apart by the subkey's type:
 
-* an **int** subkey is *owned* by the key that stored it first: until it expires only that key may refresh it, and
-  replays of its older entries are refused (:mod:`dmoe.directory` keeps a uid's endpoint so);
+* an **int** subkey is *owned* by the key that stored it first: until it expires only that key may replace it, the
+  entry it issued last wins (its signed issue time, whatever the expirations: a server restarted with a shorter
+  expiration takes its uids back at once), and replays of its older entries are refused (:mod:`dmoe.directory`
+  keeps a uid's endpoint so);
 * a **str** subkey is *shared*: any validly signed entry may extend it, none can shorten it, so the entry kept is the
   one living longest (the directory's claims that something under a prefix is alive).
 """
@@ -32,6 +34,12 @@ class Entry(NamedTuple):
     expiration: float  # absolute, time.time()
     owner: bytes = b""  # Ed25519 public key of the writer (empty: unsigned, refused by nodes and clients)
     signature: bytes = b""
+    issued_us: int = 0  # the writer's wall clock when it signed, in microseconds (signed): orders its entries
+
+
+#: seconds an entry's issue time may be ahead of a node's clock: beyond it the node refuses the entry, as a writer
+#: whose clock is off (an entry issued in the future would keep its owner's next ones out until that time)
+MAX_CLOCK_SKEW = 10.0
 
 
 Record = dict[Subkey, Entry]
@@ -63,19 +71,35 @@ def check_expiration(expiration: float, max_expiration: float, now: float | None
                          f"node would refuse the entry")
 
 
+def issue_time_fits(issued_us: int, expiration: float, now: float) -> bool:
+    """An issue time a node takes: not after the entry's expiration, nor more than :data:`MAX_CLOCK_SKEW` ahead of
+    ``now`` (the node's clock)."""
+    return issued_us <= expiration * 1_000_000 and issued_us <= (now + MAX_CLOCK_SKEW) * 1_000_000
+
+
 class NotOwner(ValueError):
     """A store to an owned subkey whose live entry belongs to another key."""
 
 
+def supersedes(subkey: Subkey, entry: Entry, current: Entry) -> bool:
+    """Whether ``entry`` replaces ``current`` at ``subkey``: at an owned (int) subkey (both of one owner), the one
+    issued later (then, for the same issue time, the later expiration), so an older entry replayed never replaces a
+    newer one whatever its expiration, and an owner's new entry replaces its old one whatever their lifetimes; at a
+    shared (str) subkey, the one living longer."""
+    if isinstance(subkey, int):
+        return (entry.issued_us, entry.expiration) > (current.issued_us, current.expiration)
+    return entry.expiration > current.expiration
+
+
 def merge_entry(record: Record, subkey: Subkey, entry: Entry) -> bool:
-    """Keeps the entry with the latest expiration (for an owned subkey, only its owner's); True when ``entry`` was
+    """Keeps the newest entry (:func:`supersedes`; for an owned subkey, only its owner's); True when ``entry`` was
     stored or, for a shared claim, when the stored claim lives at least as long (so no writer sees a failure
     because another one's claim outlives its own). A replayed or repeated entry changes nothing: False."""
     current = record.get(subkey)
     if current is not None:
         if isinstance(subkey, int) and current.owner != entry.owner:
             raise NotOwner(f"subkey {subkey} is owned by {current.owner.hex()[:16]} until {current.expiration:.0f}")
-        if current.expiration >= entry.expiration:
+        if not supersedes(subkey, entry, current):
             return isinstance(subkey, str)
     record[subkey] = entry
     return True
@@ -83,8 +107,9 @@ def merge_entry(record: Record, subkey: Subkey, entry: Entry) -> bool:
 
 def merge_records(records: list[Record], now: float | None = None, voters: Sequence[Hashable] | None = None,
                   disputes: dict[Subkey, str] | None = None) -> Record:
-    """Per subkey, the latest-expiring live entry among ``records`` (one per responding replica; the same record
-    object may appear several times, once per replica that sent identical bytes).
+    """Per subkey, the newest live entry among ``records`` (:func:`supersedes`: an owner's latest issued, a shared
+    claim's longest living; one record per responding replica, the same record object may appear several times,
+    once per replica that sent identical bytes).
 
     For an owned (int) subkey that replicas give to different owners (a lying replica), the owner held by the most
     voters wins; a tie between owners gives no entry (it went to the one expiring last, which a hijacker always
@@ -118,8 +143,8 @@ def merge_records(records: list[Record], now: float | None = None, voters: Seque
                 merged[subkey] = entry
                 continue
             if isinstance(subkey, int) and current.owner != entry.owner:
-                contested.add(subkey)
-            if current.expiration < entry.expiration:
+                contested.add(subkey)  # decided by the vote below
+            elif supersedes(subkey, entry, current):
                 merged[subkey] = entry
     for subkey in contested:
         votes: dict[bytes, set[Hashable]] = defaultdict(set)  # per owner, the voters whose replies hold it
@@ -128,7 +153,7 @@ def merge_records(records: list[Record], now: float | None = None, voters: Seque
             entry = record.get(subkey)
             if entry is not None and entry.expiration > now:
                 votes[entry.owner] |= backers[id(record)]
-                if entry.owner not in latest or latest[entry.owner].expiration < entry.expiration:
+                if entry.owner not in latest or supersedes(subkey, entry, latest[entry.owner]):
                     latest[entry.owner] = entry
         ranked = sorted(votes, key=lambda owner: len(votes[owner]), reverse=True)
         tied = len(votes[ranked[0]]) == len(votes[ranked[1]])
@@ -146,11 +171,11 @@ def merge_records(records: list[Record], now: float | None = None, voters: Seque
 
 def missing_entries(held: Record, record: Record, *, older_too: bool = False) -> Record:
     """The entries of ``record`` that ``held`` (what a replica sent) lacks, and with ``older_too`` also those it
-    holds with an earlier expiration: what to store on that replica so it serves ``record``."""
+    holds older (:func:`supersedes`): what to store on that replica so it serves ``record``."""
     if not older_too and held.keys() >= record.keys():
         return {}  # the usual case, checked without a loop in Python
     return {subkey: entry for subkey, entry in record.items()
-            if (have := held.get(subkey)) is None or (older_too and have.expiration < entry.expiration)}
+            if (have := held.get(subkey)) is None or (older_too and supersedes(subkey, entry, have))}
 
 
 class RecordStorage(IStorage):
@@ -195,8 +220,9 @@ class RecordStorage(IStorage):
         self._soonest: dict[bytes, float] = {}
 
     def store(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes = b"",
-              signature: bytes = b"", *, sender: str = "") -> bool:
-        """Merges one entry; False if already expired, too far in the future (signed) or older than what is held.
+              signature: bytes = b"", issued_us: int = 0, *, sender: str = "") -> bool:
+        """Merges one entry; False if already expired, too far in the future (signed), issued after its expiration
+        or more than :data:`MAX_CLOCK_SKEW` ahead of this node's clock, or older than what is held.
 
         Raises :class:`RecordFull` or :class:`NotOwner`. An unsigned expiration further than ``max_expiration``
         ahead is capped; a signed one cannot be re-dated without breaking its signature, so it is refused.
@@ -209,7 +235,7 @@ class RecordStorage(IStorage):
             if signature:
                 return False
             expiration = now + self.max_expiration
-        if expiration <= now:
+        if expiration <= now or not issue_time_fits(issued_us, expiration, now):
             return False
         record = self._live(key)
         if record is None:
@@ -233,7 +259,7 @@ class RecordStorage(IStorage):
                 self._record_senders[key] = sender
                 self.records_of[sender] += 1
         before = record.get(subkey)
-        stored = merge_entry(record, subkey, Entry(value, expiration, owner, signature))
+        stored = merge_entry(record, subkey, Entry(value, expiration, owner, signature, issued_us))
         if before is None and subkey in record:
             self.entries += 1
         if record.get(subkey) is not before:
