@@ -13,8 +13,9 @@ from kademlia.node import Node
 from dmoe.dht.config import DHTConfig
 from dmoe.dht import DHT
 from dmoe.dht.messages import (MAX_CONTACTS, VALUES_HEADER, EncodedReplies, MalformedRequest, ReplyParser,
-                               find_value_reply, parse_contacts, parse_find_value_reply, parse_nodes,
+                               as_seen_from, find_value_reply, parse_contacts, parse_find_value_reply, parse_nodes,
                                split_values_reply)
+from dmoe.dht.node import parse_endpoint
 from dmoe.dht.routing import DHTRoutingTable
 from dmoe.dht.signing import Identity, Verifier
 from dmoe.dht.storage import Entry, RecordStorage
@@ -90,6 +91,26 @@ def test_contacts_with_addresses_no_datagram_can_reach_are_dropped():
     assert [(n.ip, n.port) for n in parse_contacts([good, *hostile])] == [("127.0.0.1", 9), ("::1", 9)]
     assert parse_nodes([[b"x" * 20, "127.0.0.1", 70000], [b"y" * 20, "localhost", 9]]) == []
     assert [(n.ip, n.port) for n in parse_nodes([[b"x" * 20, "127.0.0.1", 9]])] == [("127.0.0.1", 9)]
+
+
+def test_contacts_from_replies_and_initial_peers_are_kept_at_the_canonical_spelling_of_their_ip():
+    """Review 70, finding 3: replies come from the kernel's spelling of their sender's address, so a contact named
+    at another valid spelling of a live node's IPv6 address (uncompressed, zero-padded, uppercase) never answered,
+    and any peer could get honest contacts marked dead and evicted by naming them so."""
+    spellings = {"0:0:0:0:0:0:0:1": "::1", "::0001": "::1", "2001:DB8::0001": "2001:db8::1",
+                 "2001:0db8:0000:0000:0000:0000:0000:0001": "2001:db8::1", "::FFFF:7f00:1": "::ffff:127.0.0.1",
+                 "::ffff:127.0.0.1": "::ffff:127.0.0.1", "127.0.0.1": "127.0.0.1", "::1": "::1"}
+    raw = [[f"{i:040x}", spelling, 9] for i, spelling in enumerate(spellings)]
+    assert [node.ip for node in parse_contacts(raw)] == list(spellings.values())
+    assert [node.ip for node in parse_nodes([(bytes.fromhex(i), ip, port) for i, ip, port in raw])] == \
+        list(spellings.values())
+    assert as_seen_from(Node(b"r" * 20, "10.0.0.7", 1), parse_contacts([["ab" * 20, "0:0:0:0:0:0:0:1", 9]]))[0].ip \
+        == "10.0.0.7", "a loopback contact of a remote peer, spelled otherwise, was not taken to be on that peer"
+    assert parse_contacts([["ab" * 20, "fe80::1%eth0", 9]]) == []  # scoped: meaningless between machines
+    for endpoint, address in [("[0:0:0:0:0:0:0:1]:5", ("::1", 5)), ("[2001:DB8::1]:5", ("2001:db8::1", 5)),
+                              ("127.0.0.1:5", ("127.0.0.1", 5)), ("localhost:5", ("localhost", 5)),
+                              ("[FE80::0001%eth0]:5", ("fe80::1%eth0", 5))]:
+        assert parse_endpoint(endpoint) == address
 
 
 def test_a_reply_nested_too_deep_to_parse_is_malformed_and_a_lookup_does_not_wait_for_it():

@@ -11,7 +11,7 @@ from kademlia.utils import digest
 
 from dmoe.dht import DHT
 from dmoe.dht.config import DHTConfig
-from tests.dht_nodes import in_process_swarm
+from tests.dht_nodes import in_process_swarm, needs_ipv6
 
 
 def test_a_declaration_that_missed_the_nodes_readers_ask_is_stored_there_when_read_back():
@@ -186,3 +186,18 @@ def test_an_owner_restarted_with_a_shorter_expiration_replaces_its_entry_at_once
             assert (await reader.get_record(key))[17] == new
 
     asyncio.run(scenario())
+
+
+@needs_ipv6
+def test_a_node_joins_through_an_initial_peer_written_in_any_spelling_of_its_ipv6_address():
+    """Review 70, finding 3: an initial peer typed as ``[0:0:0:0:0:0:0:1]:PORT`` (or ``::0001``, or uppercase hex)
+    answered every ping from ``::1``, and the replies were dropped as misdirected: ConnectionError, none of the
+    initial DHT peers answered."""
+    with DHT(host="::1") as first:
+        port = first.endpoint.rpartition(":")[2]
+        for spelling in ["0:0:0:0:0:0:0:1", "::0001", "0000:0000:0000:0000:0000:0000:0000:0001"]:
+            with DHT([f"[{spelling}]:{port}"], host="::1") as joined:
+                first.store("ffn9", 1, "127.0.0.1:1", time.time() + 60)
+                assert joined.get("ffn9")[1].value == "127.0.0.1:1"
+                contacts = joined.node.protocol.router.contacts()
+                assert [(node.id, node.ip) for node in contacts] == [(first.node.node.id, "::1")]

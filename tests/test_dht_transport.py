@@ -9,13 +9,14 @@ import threading
 import time
 
 import umsgpack
+from kademlia.node import Node
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.messages import record_to_wire
 from dmoe.dht.node import DHTNode
 from dmoe.dht.storage import Entry
-from dmoe.dht.transport import HEADER_BYTES, MAX_REQUEST_BYTES, REQUEST, RESPONSE, chunk_entries
-from tests.dht_nodes import in_process_swarm
+from dmoe.dht.transport import HEADER_BYTES, MAX_REQUEST_BYTES, REQUEST, RESPONSE, chunk_entries, peer_address
+from tests.dht_nodes import in_process_swarm, needs_ipv6
 
 
 def test_store_requests_are_chunked_under_the_request_limit():
@@ -144,3 +145,38 @@ def test_a_request_times_out_and_frees_its_slot_whatever_the_drain_before_its_ti
     finally:
         silent.close()
         attacker.close()
+
+
+@needs_ipv6
+def test_a_request_to_another_spelling_of_a_live_node_s_ipv6_address_is_answered_and_never_counts_as_its_death():
+    """Review 70, finding 3: a reply was matched by the literal text of the address its request went to, and the
+    kernel names the sender ``::1`` however the request spelled it: a request to ``0:0:0:0:0:0:0:1`` (``::0001``,
+    uppercase hex) was answered, the reply dropped as misdirected, and the live node counted a failure by id: marked
+    dead at once, evicted from the routing table after three."""
+    async def scenario() -> None:
+        asker, honest = DHTNode(DHTConfig(rpc_timeout=0.5)), DHTNode(DHTConfig(rpc_timeout=0.5))
+        try:
+            await asker.listen(0, "::1")
+            _, port = await honest.listen(0, "::1")
+            assert await asker.bootstrap([("::1", port)])
+            protocol = asker.protocol
+            for spelling in ["0:0:0:0:0:0:0:1", "::0001", "0000:0000:0000:0000:0000:0000:0000:0001"] * 2:
+                ok, _ = await protocol.call_find_node(Node(honest.node.id, spelling, port), Node(b"x" * 20))
+                assert ok, f"the reply to a request sent to {spelling} was dropped"
+                assert not protocol.peers.recently_dead(honest.node.id)
+            assert any(node.id == honest.node.id for node in protocol.router.contacts())
+        finally:
+            asker.stop()
+            honest.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_reply_is_matched_to_its_request_by_the_canonical_address_and_port():
+    """IPv6 flow info and scope do not count, an IPv4-mapped IPv6 address is its IPv4 address (one machine, as the
+    DHT counts machines); another address or port is another peer."""
+    assert peer_address(("0:0:0:0:0:0:0:1", 5)) == peer_address(("::1", 5, 0, 0)) == ("::1", 5)
+    assert peer_address(("FE80::1%eth0", 5)) == peer_address(("fe80::1", 5, 7, 2)) == ("fe80::1", 5)
+    assert peer_address(("::ffff:127.0.0.1", 5, 0, 0)) == peer_address(("127.0.0.1", 5)) == ("127.0.0.1", 5)
+    assert peer_address(("::1", 5)) != peer_address(("::1", 6)) and peer_address(("::2", 5)) != ("::1", 5)
+    assert peer_address(("no-such-host.invalid", 9)) == ("no-such-host.invalid", 9)

@@ -2,13 +2,15 @@
 
 Everything that comes from a peer is checked here before anything else sees it: malformed input raises
 :class:`MalformedRequest` (the transport drops the request) or is skipped (contacts), entries not validly signed for
-their record are dropped, and contacts must be IP literals with a valid port. Replies repeat (every replica sends
-the same bytes, readers ask again every few seconds), so both ends keep what they encoded or parsed:
-:class:`EncodedReplies` on the serving side, :class:`ReplyParser` on the asking side.
+their record are dropped, and contacts must be IP literals with a valid port, kept in their canonical spelling
+(:func:`canonical_ip`: replies come from it). Replies repeat (every replica sends the same bytes, readers ask again
+every few seconds), so both ends keep what they encoded or parsed: :class:`EncodedReplies` on the serving side,
+:class:`ReplyParser` on the asking side.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -175,32 +177,59 @@ def valid_port(port: Any) -> bool:
     return isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
 
 
-def valid_address(ip: Any, port: Any) -> bool:
-    """An IP literal and a valid port. A contact's address comes from peers: a port past 65535 closed the asker's
-    socket (one hostile reply killed the node), and a host name would be resolved, blocking the loop."""
-    if not isinstance(ip, str) or not valid_port(port):
-        return False
-    # inet_pton: far cheaper than ipaddress.ip_address and the same verdicts, but for scoped IPv6 (fe80::1%eth0),
-    # which means nothing in a contact passed between machines
+@functools.lru_cache(maxsize=1 << 14)  # (every contact of every reply is parsed through it)
+def canonical_ip(ip: str) -> str | None:
+    """The one spelling of an IP literal (``socket.inet_ntop`` of its bytes: ``0:0:0:0:0:0:0:1``, ``::0001`` and
+    ``::1`` are all ``::1``, ``2001:DB8::1`` is ``2001:db8::1``, ``::ffff:7f00:1`` is ``::ffff:127.0.0.1``), or
+    None for anything else: a host name, or a scoped IPv6 address (``fe80::1%eth0``, which means nothing in a
+    contact passed between machines). Replies come from the kernel's spelling of their sender, so every address a
+    request may go to is kept in this one: a valid other spelling made every request to that node time out, and
+    its node id look dead."""
+    # inet_pton: far cheaper than ipaddress.ip_address and the same verdicts
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
-            socket.inet_pton(family, ip)
-            return True
+            return socket.inet_ntop(family, socket.inet_pton(family, ip))
         except (OSError, ValueError):
             continue
-    return False
+    return None
+
+
+def canonical_host(host: str) -> str:
+    """``host`` with an IP literal in its :func:`canonical_ip` spelling (a scoped IPv6 address keeps its scope, a
+    host name is left as it is): how an initial peer typed by a user is kept."""
+    address, percent, scope = host.partition("%")
+    ip = canonical_ip(address)
+    return host if ip is None else ip + percent + scope
+
+
+def valid_address(ip: Any, port: Any) -> bool:
+    """An IP literal (in any spelling: see :func:`canonical_ip`) and a valid port. A contact's address comes from
+    peers: a port past 65535 closed the asker's socket (one hostile reply killed the node), and a host name would
+    be resolved, blocking the loop."""
+    return isinstance(ip, str) and valid_port(port) and canonical_ip(ip) is not None
+
+
+def contact(node_id: bytes, ip: Any, port: Any) -> Node | None:
+    """A contact from a peer's reply at its canonical address (:func:`canonical_ip`), or None if the address is no
+    IP literal with a valid port."""
+    if not isinstance(ip, str) or not valid_port(port):
+        return None
+    ip = canonical_ip(ip)
+    return None if ip is None else Node(node_id, ip, port)
 
 
 def parse_contacts(raw_nodes: Any) -> list[Node]:
-    """Contacts ``[[id hex, ip, port], ...]``, the first :data:`MAX_CONTACTS`; malformed items are skipped."""
+    """Contacts ``[[id hex, ip, port], ...]``, the first :data:`MAX_CONTACTS`, at their canonical addresses;
+    malformed items are skipped."""
     nodes = []
     for item in raw_nodes[:MAX_CONTACTS] if isinstance(raw_nodes, list) else []:
-        if (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and len(item[0]) == 2 * ID_BYTES
-                and valid_address(item[1], item[2])):
+        if isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and len(item[0]) == 2 * ID_BYTES:
             try:
-                nodes.append(Node(bytes.fromhex(item[0]), item[1], item[2]))
+                node = contact(bytes.fromhex(item[0]), item[1], item[2])
             except ValueError:
                 continue
+            if node is not None:
+                nodes.append(node)
     return nodes
 
 
@@ -264,13 +293,13 @@ def _verified_record(entries: Any, auth: bytes, key: bytes, verifier: Callable[.
 
 
 def parse_nodes(data: Any) -> list[Node]:
-    """Contacts from a find_node reply (``[(id, ip, port), ...]``), the first :data:`MAX_CONTACTS`; malformed entries
-    are skipped."""
+    """Contacts from a find_node reply (``[(id, ip, port), ...]``), the first :data:`MAX_CONTACTS`, at their
+    canonical addresses; malformed entries are skipped."""
     nodes = []
     for item in data[:MAX_CONTACTS] if isinstance(data, (list, tuple)) else []:
         if (isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], bytes)
-                and len(item[0]) == ID_BYTES and valid_address(item[1], item[2])):
-            nodes.append(Node(item[0], item[1], item[2]))
+                and len(item[0]) == ID_BYTES and (node := contact(*item)) is not None):
+            nodes.append(node)
     return nodes
 
 

@@ -14,7 +14,7 @@ from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.crawling import RecordCrawl
-from dmoe.dht.messages import valid_address
+from dmoe.dht.messages import canonical_host, valid_address
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, check_expiration, missing_entries
@@ -23,11 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``'127.0.0.1:8000'`` -> ``('127.0.0.1', 8000)``; raises ValueError with the expected form."""
+    """``'127.0.0.1:8000'`` -> ``('127.0.0.1', 8000)``, ``'[0:0:0:0:0:0:0:1]:8000'`` -> ``('::1', 8000)`` (an IP
+    in its canonical spelling, which replies come from: see :func:`~dmoe.dht.messages.canonical_ip`; a host name
+    as it is); raises ValueError with the expected form."""
     host, sep, port = endpoint.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"invalid peer address {endpoint!r}: expected HOST:PORT, e.g. 127.0.0.1:31337")
-    return host.strip("[]"), int(port)
+    return canonical_host(host.strip("[]")), int(port)
 
 
 def listen_host(addresses: Sequence[tuple[str, int]], client_mode: bool = False) -> str:
@@ -115,7 +117,8 @@ class DHTNode(Server):
         return peers
 
     async def _ping(self, address: tuple[str, int]) -> Node | None:
-        """Pings an initial peer, resolving a host name first (contacts learnt from peers must be IP literals)."""
+        """Pings an initial peer, resolving a host name first (contacts learnt from peers must be IP literals), at
+        its IP's canonical spelling (the contact it becomes is named so to others)."""
         assert self.protocol is not None
         host, port = address
         if not valid_address(host, port):
@@ -127,7 +130,7 @@ class DHTNode(Server):
                 logger.warning("cannot resolve initial peer %s:%s: %s", host, port, error)
                 return None
             host, port = infos[0][4][:2]
-        return await self.protocol.ping_address((host, port))
+        return await self.protocol.ping_address((canonical_host(host), port))
 
     async def find_nodes(self, key_id: bytes, width: int) -> list[Node]:
         """The ``width`` closest responding nodes to a 20-byte id."""

@@ -20,7 +20,7 @@ import msgpack
 from rpcudp.protocol import RPCProtocol
 
 from dmoe.dht.config import DHTConfig
-from dmoe.dht.messages import MalformedRequest, valid_port
+from dmoe.dht.messages import MalformedRequest, canonical_ip, valid_port
 from dmoe.dht.throttle import ThrottledWarnings
 
 logger = logging.getLogger(__name__)
@@ -55,11 +55,24 @@ def chunk_entries(entries: list[list[Any]], budget: int = MAX_REQUEST_BYTES - 20
     return chunks if chunks[-1] else []
 
 
+def peer_address(address: tuple[Any, ...]) -> tuple[str, int]:
+    """Whom a datagram sent to or received from ``address`` is exchanged with, to match a reply to its request: the
+    IP in its canonical spelling (:func:`~dmoe.dht.messages.canonical_ip`; IPv6 flow info and scope dropped, an
+    IPv4-mapped IPv6 address as its IPv4 address, one machine as :func:`~dmoe.endpoints.machine_of` counts it) and
+    the port. The kernel names a reply's sender in its own spelling: a request sent to ``0:0:0:0:0:0:0:1`` (or
+    ``::0001``, or ``2001:DB8::1``) was answered from ``::1`` and its reply dropped as misdirected."""
+    host = str(address[0]).partition("%")[0]
+    ip = canonical_ip(host) or host
+    if ip.startswith("::ffff:") and "." in ip:
+        ip = ip[len("::ffff:"):]
+    return ip, address[1]
+
+
 class PendingRequest(NamedTuple):
     """A request sent and not answered yet."""
     future: "asyncio.Future[tuple[bool, Any]]"  # resolves to (True, reply), or (False, None) at the timeout
     timeout: asyncio.TimerHandle
-    address: tuple[str, int]  # where it went: a reply from elsewhere is ignored
+    address: tuple[str, int]  # where it went (:func:`peer_address`): a reply from elsewhere is ignored
 
 
 class UDPTransport(RPCProtocol):
@@ -120,7 +133,7 @@ class UDPTransport(RPCProtocol):
         if pending is None:
             logger.debug("ignoring late or unknown response from %s", address)
             return
-        if tuple(address[:2]) != pending.address:
+        if peer_address(address) != pending.address:
             self.warnings.warn("misdirected", address[0], "ignoring response from %s to a request sent to %s", address,
                                pending.address)
             return
@@ -209,7 +222,7 @@ class UDPTransport(RPCProtocol):
         future = loop.create_future()
         msg_id = sha1(os.urandom(32)).digest()
         timeout = loop.call_later(self._wait_timeout, self._timeout, msg_id)
-        self._outstanding[msg_id] = PendingRequest(future, timeout, (address[0], address[1]))
+        self._outstanding[msg_id] = PendingRequest(future, timeout, peer_address(address))
         # only the port, which would close the socket: addresses from peers were checked whole when parsed
         if self.transport is None or not valid_port(address[1]):
             timeout.cancel()
