@@ -2,7 +2,7 @@
 
 The RPCs are stock Kademlia's (ping, store, find_node, find_value) plus ``find_values``, several keys' find_value in
 one datagram. Stock ``KademliaProtocol`` stores one opaque value per request (refused above ~8 KB); here a store
-carries ``(subkey, value, expiration, owner, signature)`` entries, chunked under the request limit, and signed
+carries ``(subkey, value, expiration, owner, signature, issued_us)`` entries, chunked to fit requests, and signed
 entries are verified before they are stored. Underneath: :mod:`~dmoe.dht.transport` (datagrams, timeouts, budgets), :mod:`~dmoe.dht.messages` (what
 the messages carry), :mod:`~dmoe.dht.peers` (who failed to answer).
 """
