@@ -385,3 +385,16 @@ def test_an_identity_issues_its_entries_in_strictly_increasing_microseconds_of_i
     before = int(time.time() * 1_000_000)
     issued = [identity.entry(KEY, 1, "a:1", 1e10).issued_us for _ in range(200)]
     assert issued == sorted(set(issued)) and before <= issued[0] <= int(time.time() * 1_000_000) + 200
+
+
+def test_signatures_that_are_no_dht_entrys_cover_the_version_1_message_so_replicas_on_disk_still_verify():
+    """Replica snapshots and averaging parts are signed through Identity.sign without an issue time: they must verify
+    as they did before issue times existed (a replica held on disk since then is adopted), while a DHT entry, which
+    always carries one, verifies only under version 2."""
+    identity = Identity()
+    key, value, expiration = b"k" * 20, "snapshot-digest", 0.0
+    before = identity._private_key.sign(b"".join((b"dmoe-dht-entry-v1\x00", key, struct.pack(">d", expiration), b"i",
+                                                  (1).to_bytes(1, "big"), b"3", value.encode())))
+    assert verify(key, 3, value, expiration, identity.public_key, before)
+    assert identity.sign(key, 3, value, expiration) == before  # (Ed25519 signs deterministically)
+    assert not verify(key, 3, value, expiration, identity.public_key, before, 0)  # not as a DHT entry

@@ -33,17 +33,23 @@ SIGNATURE_BYTES = 64
 AUTH_BYTES = PUBLIC_KEY_BYTES + SIGNATURE_BYTES
 #: v2: the issue time is signed too (v1 entries, without it, verify under no v2 message)
 _DOMAIN = b"dmoe-dht-entry-v2\x00"
+#: v1: what the signatures that are no DHT entry's cover (see :func:`entry_message`)
+_DOMAIN_V1 = b"dmoe-dht-entry-v1\x00"
 #: the issue times a signed message can carry: non-negative and packed in 8 bytes (``struct`` ">q")
 MAX_ISSUED_US = 2**63 - 1
 
 
-def entry_message(key: bytes, subkey: Subkey, value: str, expiration: float, issued_us: int = 0) -> bytes:
+def entry_message(key: bytes, subkey: Subkey, value: str, expiration: float, issued_us: int | None = None) -> bytes:
     """The bytes an entry's signature covers. The kind byte tells the int subkey 3 (an owned entry) from the
     str subkey "3" (a shared one), so a signature for one kind can never pass for the other. ``issued_us``: when the
-    writer signed it (0 for the signatures that are no DHT entry's: snapshots, averaging parts)."""
+    writer signed it, for a DHT entry (every one carries it); None for the signatures that are no DHT entry's
+    (replica snapshots, averaging parts), which cover the message of version 1, without it: a replica held on disk
+    since an earlier version still verifies, and can be adopted."""
     kind = b"i" if isinstance(subkey, int) else b"s"
     subkey_bytes = str(subkey).encode()
-    return b"".join((_DOMAIN, key, struct.pack(">dq", float(expiration), issued_us), kind,
+    times = struct.pack(">d", float(expiration)) if issued_us is None else \
+        struct.pack(">dq", float(expiration), issued_us)
+    return b"".join((_DOMAIN_V1 if issued_us is None else _DOMAIN, key, times, kind,
                      len(subkey_bytes).to_bytes(1, "big"), subkey_bytes, value.encode()))
 
 
@@ -97,7 +103,7 @@ class Identity:
         logger.info("created DHT identity %s in %s", identity.public_key.hex()[:16], path)
         return identity
 
-    def sign(self, key: bytes, subkey: Subkey, value: str, expiration: float, issued_us: int = 0) -> bytes:
+    def sign(self, key: bytes, subkey: Subkey, value: str, expiration: float, issued_us: int | None = None) -> bytes:
         return self._private_key.sign(entry_message(key, subkey, value, expiration, issued_us))
 
     def issue_time(self) -> int:
@@ -123,9 +129,10 @@ def valid_issue_time(issued_us: object) -> bool:
 
 
 def verify(key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes, signature: bytes,
-           issued_us: int = 0) -> bool:
-    """True when ``signature`` is ``owner``'s over this entry."""
-    if len(owner) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES or not valid_issue_time(issued_us):
+           issued_us: int | None = None) -> bool:
+    """True when ``signature`` is ``owner``'s over this entry (``issued_us``: see :func:`entry_message`)."""
+    if len(owner) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES or (
+            issued_us is not None and not valid_issue_time(issued_us)):
         return False
     try:
         _public_key(owner).verify(signature, entry_message(key, subkey, value, expiration, issued_us))
@@ -148,7 +155,7 @@ class Verifier:
         self._known: dict[tuple, bool] = {}
 
     def __call__(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes,
-                 signature: bytes, issued_us: int = 0) -> bool:
+                 signature: bytes, issued_us: int | None = None) -> bool:
         memo = (key, subkey, value, expiration, owner, signature, issued_us)
         known = self._known.get(memo)
         if known is None:
