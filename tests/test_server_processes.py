@@ -253,6 +253,21 @@ def ignores(pid: int, signum: int) -> bool:
     return bool(int(mask, 16) >> (signum - 1) & 1)
 
 
+def test_a_process_whose_last_checkpoint_fails_makes_the_program_exit_1_as_one_process_does(tmp_path):
+    """Review 75: a server of one process exits 1 when its last checkpoint cannot be written (the only word that
+    training since the last periodic checkpoint is lost); with --processes the program exited 0 however its
+    processes ended."""
+    with processes() as procs:
+        procs.append(proc := Proc(server_args("--experts", "ffn.[0:2]", "--processes", "2", "--checkpoint-dir",
+                                              str(tmp_path), "--checkpoint-interval", "3600")))
+        proc.wait_for("^dmoe-server listening on", timeout=120)
+        (tmp_path / "process-0" / "experts.pt").unlink(missing_ok=True)
+        (tmp_path / "process-0" / "experts.pt").mkdir()  # the last checkpoint cannot be put in place
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(120) == 1
+        assert re.search(r"server process dmoe-server-0 stopped with status 1", "".join(proc.output))
+
+
 def test_ctrl_c_is_the_parents_to_handle_also_while_the_children_start():
     """Review 49: the children took SIGINT (Ctrl-C reaches the whole process group) for their own: each stopped by
     itself as the parent stopped it, and one still importing torch printed a KeyboardInterrupt traceback (unless

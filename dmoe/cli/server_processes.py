@@ -260,6 +260,7 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
             return child, receiver
 
         with StopSignals() as stop:
+            status = 1
             try:
                 for index in range(count):
                     children.append(start(index))
@@ -267,7 +268,8 @@ def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser
                 if status is None:
                     status = watch(children, stop, start, args.process_restarts)
             finally:  # still under StopSignals: a second Ctrl-C does not kill the parent while the children stop
-                stop_children([child for child, _ in children])
+                if not stop_children([child for child, _ in children]) and status == 0:
+                    status = 1  # (a child's last checkpoint failed, or it was killed before writing it)
     finally:
         dht.close()
     return status
@@ -334,15 +336,24 @@ def watch(children: list[tuple[multiprocessing.process.BaseProcess, Connection]]
             children[index] = start(index)
 
 
-def stop_children(children: list[multiprocessing.process.BaseProcess]) -> None:
-    """SIGTERM to every child still running (a clean stop), then SIGKILL to any not gone in ``STOP_TIMEOUT`` s."""
-    for child in children:
-        if child.is_alive() and child.pid is not None:
-            os.kill(child.pid, signal.SIGTERM)
+def stop_children(children: list[multiprocessing.process.BaseProcess]) -> bool:
+    """SIGTERM to every child still running (a clean stop), then SIGKILL to any not gone in ``STOP_TIMEOUT`` s.
+    Returns whether each of them stopped cleanly (status 0): a child whose last checkpoint could not be written exits
+    1, as a server of one process does, and the program must say so by its status too (it exited 0: review 75)."""
+    running = [child for child in children if child.is_alive() and child.pid is not None]
+    for child in running:
+        os.kill(child.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
-    for child in children:
+    clean = True
+    for child in running:
         child.join(max(0.0, deadline - time.monotonic()))
         if child.is_alive():
-            logger.error("server process %s did not stop in %.0f s: killing it", child.name, STOP_TIMEOUT)
+            logger.error("server process %s did not stop in %.0f s: killing it (its experts' last checkpoint is "
+                         "not written)", child.name, STOP_TIMEOUT)
             child.kill()
             child.join()
+            clean = False
+        elif child.exitcode not in (0, -signal.SIGTERM):  # (-SIGTERM: stopped before it served, nothing to save)
+            logger.error("server process %s stopped with status %s (its log says why)", child.name, child.exitcode)
+            clean = False
+    return clean
