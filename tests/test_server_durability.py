@@ -65,6 +65,26 @@ def test_a_second_server_on_the_same_checkpoint_directory_is_refused(tmp_path):
     assert saved_uids(tmp_path) == ["a.0", "a.1"]  # the first server's experts, not the refused one's
 
 
+def test_a_second_server_under_the_same_dht_identity_is_refused(tmp_path):
+    """Review 75: a server whose --replica-dir is another's --checkpoint-dir took both of its locks (separate files)
+    but loaded that one's key: two servers under one key overwrote each other's uids without a word."""
+    with processes() as procs:
+        procs.append(first := Proc(server_args("--experts", "a.[0:2]", "--checkpoint-dir", str(tmp_path))))
+        first.endpoint(timeout=120)
+        peer = re.search(r"DHT node at (\S+)", "".join(first.output)).group(1)
+        output = refused("--experts", "b.[0:2]", "--replica-dir", str(tmp_path), "--initial-peers", peer)
+        assert "argument --identity" in output and "in use by another dmoe-server" in output, output
+        output = refused("--experts", "b.[0:2]", "--identity", str(tmp_path / "dht_identity.key"))
+        assert "argument --identity" in output, output
+        assert first.alive
+        stopped(first)
+    with processes() as procs:  # and once it stopped, the key is free again
+        procs.append(again := Proc(server_args("--experts", "b.[0:2]", "--identity",
+                                               str(tmp_path / "dht_identity.key"))))
+        again.endpoint(timeout=120)
+        stopped(again)
+
+
 def test_a_closed_terminal_stops_the_server_with_its_last_checkpoint(tmp_path):
     with processes() as procs:
         procs.append(proc := Proc(server_args("--experts", "a.[0:2]", "--checkpoint-dir", str(tmp_path))))

@@ -22,7 +22,7 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 import torch
 
@@ -40,6 +40,7 @@ from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.replicas.adoption import read_holders
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
+from dmoe.locking import InUse, lock_file
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, CheckpointMismatch, CorruptCheckpoint, saved_uids
 from dmoe.server.faults import JITTERS, FaultConfig
 from dmoe.server.profile import format_stages
@@ -532,12 +533,39 @@ def print_line(line: str) -> None:
     print(line, flush=True)
 
 
+def lock_identity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> IO[str] | None:
+    """Takes the lock of the server's key file (:func:`identity_path`), held while it serves; exits naming
+    ``--identity`` when another live server holds it. One key is one owner: two servers under it overwrite each
+    other's uids without a word (a server whose --replica-dir was another's --checkpoint-dir loaded that one's key,
+    the two directories' locks being separate files: review 75). None for an ephemeral key or one given by a
+    ``--processes`` parent."""
+    path = identity_path(args)
+    if path is None or getattr(args, "identity_seed", None) is not None:
+        return None
+    try:
+        return lock_file(path.with_name(path.name + ".lock"), f"the DHT identity {path}", "dmoe-server",
+                         "give each server its own --identity (or --checkpoint-dir, or --replica-dir, where it keeps "
+                         "one by default)")
+    except (InUse, OSError) as error:
+        parser.error(f"argument --identity: {error}")
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None,
           report: Callable[[str], None] = print_line, *, machine: str | None = None) -> None:
     """Builds the server of checked ``args``, serves until SIGINT/SIGTERM (or the launcher's death), then stops
     cleanly. ``report`` gets the program's announcement lines (DHT node, metrics, listening) in that order.
     ``machine``: the replica token shared by the processes of a ``--processes`` server (see
     :class:`~dmoe.replicas.ReplicaConfig`)."""
+    lock = lock_identity(args, parser)
+    try:
+        _serve(args, parser, uids, report, machine)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None,
+           report: Callable[[str], None], machine: str | None) -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     config = server_config(args, parser)
