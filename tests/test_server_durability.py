@@ -73,7 +73,7 @@ def test_a_second_server_under_the_same_dht_identity_is_refused(tmp_path):
         first.endpoint(timeout=120)
         peer = re.search(r"DHT node at (\S+)", "".join(first.output)).group(1)
         output = refused("--experts", "b.[0:2]", "--replica-dir", str(tmp_path), "--initial-peers", peer)
-        assert "argument --identity" in output and "in use by another dmoe-server" in output, output
+        assert "argument --replica-dir: the DHT identity" in output and "in use by another server" in output, output
         output = refused("--experts", "b.[0:2]", "--identity", str(tmp_path / "dht_identity.key"))
         assert "argument --identity" in output, output
         assert first.alive

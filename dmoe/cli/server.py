@@ -534,20 +534,21 @@ def print_line(line: str) -> None:
 
 
 def lock_identity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> IO[str] | None:
-    """Takes the lock of the server's key file (:func:`identity_path`), held while it serves; exits naming
-    ``--identity`` when another live server holds it. One key is one owner: two servers under it overwrite each
-    other's uids without a word (a server whose --replica-dir was another's --checkpoint-dir loaded that one's key,
-    the two directories' locks being separate files: review 75). None for an ephemeral key or one given by a
-    ``--processes`` parent."""
+    """Takes the lock of the server's key file (:func:`identity_path`), held while it serves; exits naming the flag
+    it comes from (``--identity``, else ``--checkpoint-dir`` or ``--replica-dir``) when another live server holds
+    it. One key is one owner: two servers under it overwrite each other's uids without a word (a server whose
+    --replica-dir was another's --checkpoint-dir loaded that one's key, the two directories' locks being separate
+    files: review 75). None for an ephemeral key or one given by a ``--processes`` parent."""
     path = identity_path(args)
     if path is None or getattr(args, "identity_seed", None) is not None:
         return None
+    flag = "--identity" if args.identity else "--checkpoint-dir" if args.checkpoint_dir else "--replica-dir"
     try:
-        return lock_file(path.with_name(path.name + ".lock"), f"the DHT identity {path}", "dmoe-server",
+        return lock_file(path.with_name(path.name + ".lock"), f"the DHT identity {path}", "server",
                          "give each server its own --identity (or --checkpoint-dir, or --replica-dir, where it keeps "
                          "one by default)")
     except (InUse, OSError) as error:
-        parser.error(f"argument --identity: {error}")
+        parser.error(f"argument {flag}: {error}")
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None,
