@@ -163,6 +163,10 @@ def test_the_largest_values_those_checks_allow_pass_them():
     ('{"dropout": 2}', "ValueError: dropout probability has to be between 0 and 1"),
     ('{"expansion": -1}', "RuntimeError: Trying to create tensor with negative dimension"),
     ('{"colour": "red"}', "TypeError"),
+    # the factory's own arguments: a TypeError of its call, with a traceback (review 75)
+    ('{"seed": 1}', "gets its seed from the server's (--seed)"),
+    ('{"hidden_dim": 16}', "TypeError: FeedforwardExpert.__init__() got multiple values for argument 'hidden_dim'"),
+    ('{"name": "x"}', "TypeError"),
 ])
 def test_expert_kwargs_the_class_refuses_are_a_usage_error_naming_the_flag(kwargs, words, capsys):
     cls = "transformer" if "num_heads" in kwargs else "ffn"
@@ -170,6 +174,24 @@ def test_expert_kwargs_the_class_refuses_are_a_usage_error_naming_the_flag(kwarg
                                       capsys))
     assert line.startswith(f"dmoe-server: error: argument --expert-kwargs: {kwargs} "), line
     assert f"--expert-cls {cls} --hidden-dim 8" in line and words in line, line
+
+
+def test_expert_kwargs_that_build_an_expert_failing_on_its_sample_input_are_a_usage_error(tmp_path, capsys):
+    """Review 75: the class took the value, its forward on the sample input (run to learn the outputs' schema) did
+    not, and the server ended in a traceback."""
+    module = tmp_path / "resid.py"
+    module.write_text("import torch\nfrom torch import nn\nfrom dmoe.experts import register_expert_class\n\n\n"
+                      "@register_expert_class('resid_out', lambda batch, hidden: torch.randn(batch, hidden))\n"
+                      "class Resid(nn.Module):\n"
+                      "    def __init__(self, hidden_dim, out=0):\n"
+                      "        super().__init__()\n"
+                      "        self.linear = nn.Linear(hidden_dim, out or hidden_dim)\n\n"
+                      "    def forward(self, x):\n"
+                      "        return x + self.linear(x)\n")
+    line = one_error_line(usage_error(run_server.main, [*SERVER, "--custom-module", str(module), "--expert-cls",
+                                                        "resid_out", "--expert-kwargs", '{"out": 4}'], capsys))
+    assert line.startswith('dmoe-server: error: argument --expert-kwargs: {"out": 4} '), line
+    assert "RuntimeError: The size of tensor a (8) must match the size of tensor b (4)" in line, line
 
 
 def test_ports_taken_at_start_are_usage_errors_naming_the_flag(capsys):

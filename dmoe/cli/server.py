@@ -591,9 +591,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list
         parser.error(f"argument --checkpoint-dir: {error}")
     except ExpertBuildError as error:  # arguments the class does not take, or values it refuses
         cause = error.__cause__
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
         parser.error(f"argument --expert-kwargs: {json.dumps(args.expert_kwargs)} (with --expert-cls "
-                     f"{args.expert_cls} --hidden-dim {args.hidden_dim}) builds no expert: {type(cause).__name__}: "
-                     f"{cause}")
+                     f"{args.expert_cls} --hidden-dim {args.hidden_dim}) builds no expert: {reason}")
     server.announcer = announcer or join_dht(args, parser)
     dht = server.announcer.dht
     report(f"dmoe-server DHT node at {dht.announced(dht.endpoint)} (others may pass it as --initial-peers)")

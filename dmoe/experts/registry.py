@@ -71,10 +71,11 @@ class ExpertBuildError(ValueError):
     a bad flag, told apart from any other failure while it builds a server."""
 
 
-def create_expert(name: str, hidden_dim: int, *, seed: int | None = None, **kwargs: Any) -> nn.Module:
+def create_expert(name: str, hidden_dim: int, /, *, seed: int | None = None, **kwargs: Any) -> nn.Module:
     """Builds expert ``name``; with ``seed`` its initial weights are reproducible (e.g. to compare with a server).
     Raises :class:`ExpertBuildError` for arguments the class does not take or refuses (any exception its
-    constructor raises, but running out of memory)."""
+    constructor raises, but running out of memory; ``name`` and ``hidden_dim`` are positional only, so that keyword
+    arguments of those names are the class's to refuse, not a TypeError of this call: review 75)."""
     cls = expert_class(name).cls
     # unseeded, from the process's generator (and advancing it: experts built one after another differ)
     seeded = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()

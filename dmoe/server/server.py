@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from dmoe.endpoints import PortUnavailable, join_host_port, reachable_endpoint
-from dmoe.experts import create_expert, expert_class, expert_seed
+from dmoe.experts import ExpertBuildError, create_expert, expert_class, expert_seed
 from dmoe.server.activations import ActivationCache
 from dmoe.server.backend import ExpertBackend, make_optimizer
 from dmoe.server.cuda_graphs import GraphSwitch
@@ -20,7 +20,7 @@ from dmoe.server.decoding import RejectUndecodable
 from dmoe.server.faults import FaultConfig, Faults
 from dmoe.server.metrics import ServerMetrics
 from dmoe.server.profile import StageClock
-from dmoe.server.runtime import Runtime
+from dmoe.server.runtime import Runtime, is_out_of_memory
 from dmoe.server.servicer import ExpertServicer, HostedExpert, add_to_server
 from dmoe.uid import check_uid, expand_pattern
 from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_compression
@@ -346,12 +346,23 @@ class ExpertServer:
                    "clip_grad_norm": clip_grad_norm, "seed": seed}
         activations = ActivationCache(int(config.activation_cache_mb * 2**20), config.activation_ttl)
 
+        if "seed" in cls_kwargs:  # (create_expert's own: a TypeError of the call, with a traceback)
+            raise ExpertBuildError(f"expert class {expert_cls!r} gets its seed from the server's (--seed), not from "
+                                   "its keyword arguments")
+
         def backend_factory(uid: str) -> ExpertBackend:
             module = create_expert(expert_cls, hidden_dim, seed=expert_seed(seed, uid), **cls_kwargs).to(device)
-            return ExpertBackend(
-                uid, module, registered.sample(2, hidden_dim), make_optimizer(optimizer, module.parameters(), lr),
-                clip_grad_norm=clip_grad_norm, expert_cls=expert_cls, hparams=hparams, activations=activations,
-            )
+            try:  # the backend runs the expert on its sample input, to learn its outputs' schema
+                return ExpertBackend(
+                    uid, module, registered.sample(2, hidden_dim), make_optimizer(optimizer, module.parameters(), lr),
+                    clip_grad_norm=clip_grad_norm, expert_cls=expert_cls, hparams=hparams, activations=activations,
+                )
+            except Exception as error:  # noqa: BLE001 - a user's class may raise anything on its own sample input
+                if is_out_of_memory(error):
+                    raise
+                raise ExpertBuildError(f"expert class {expert_cls!r} with hidden_dim={hidden_dim} and {cls_kwargs} "
+                                       f"builds an expert that fails on its sample input: {type(error).__name__}: "
+                                       f"{error}") from error
 
         return cls({uid: backend_factory(uid) for uid in uids}, config, announcer, backend_factory=backend_factory)
 
