@@ -46,3 +46,24 @@ def lock_file(path: str | os.PathLike, what: str, holder_kind: str, advice: str,
     file.write(f"{os.getpid()}\n")
     file.flush()
     return file
+
+
+def lock_existing(path: str | os.PathLike, what: str, holder_kind: str, advice: str,
+                  error: type[InUse] = InUse) -> IO[bytes] | None:
+    """Takes the exclusive lock on the existing file ``path`` itself, opened read-only, and returns the open file,
+    which holds it until closed: for a file that is never replaced and may sit where nothing can be written (a key
+    on a read-only mount, where a side file cannot be created). Raises ``error`` as :func:`lock_file` does (without
+    the holder's pid, which nothing can record there), OSError if ``path`` cannot be opened; None where the platform
+    has no ``flock``."""
+    file = open(path, "rb")
+    if fcntl is None:
+        file.close()
+        return None
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as failure:
+        file.close()
+        if failure.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise error(f"{what} is in use by another {holder_kind}: {advice}") from None
+        raise
+    return file

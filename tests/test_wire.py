@@ -103,6 +103,8 @@ def test_uint8_saturates_finite_values_further_apart_than_float32_reaches_and_ke
     limit = torch.finfo(torch.float32).max / 2
     assert y.isfinite().all() and y[0].item() == -limit and y[1].item() == limit
     assert deserialize(serialize(x.double(), UINT8)).isfinite().all()
+    wide = torch.tensor([1e39, -1e39] + [1.0] * 254, dtype=torch.float64)  # finite only in float64 (review 76)
+    assert deserialize(serialize(wide, UINT8)).isfinite().all()
     with_inf = x.clone()
     with_inf[5] = float("inf")
     assert not deserialize(serialize(with_inf, UINT8)).isfinite().all()  # sent non-finite, arrives non-finite

@@ -40,7 +40,7 @@ from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.replicas.adoption import read_holders
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
-from dmoe.locking import InUse, lock_file
+from dmoe.locking import InUse, lock_existing
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, CheckpointMismatch, CorruptCheckpoint, saved_uids
 from dmoe.server.faults import JITTERS, FaultConfig
 from dmoe.server.profile import format_stages
@@ -533,7 +533,7 @@ def print_line(line: str) -> None:
     print(line, flush=True)
 
 
-def lock_identity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> IO[str] | None:
+def lock_identity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> IO[bytes] | None:
     """Takes the lock of the server's key file (:func:`identity_path`), held while it serves; exits naming the flag
     it comes from (``--identity``, else ``--checkpoint-dir`` or ``--replica-dir``) when another live server holds
     it. One key is one owner: two servers under it overwrite each other's uids without a word (a server whose
@@ -544,10 +544,11 @@ def lock_identity(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return None
     flag = "--identity" if args.identity else "--checkpoint-dir" if args.checkpoint_dir else "--replica-dir"
     try:
-        return lock_file(path.with_name(path.name + ".lock"), f"the DHT identity {path}", "server",
-                         "give each server its own --identity (or --checkpoint-dir, or --replica-dir, where it keeps "
-                         "one by default)")
-    except (InUse, OSError) as error:
+        # on the key itself, created now if absent: a side file could not be made beside a key on a read-only mount
+        Identity.load_or_create(path)
+        return lock_existing(path, f"the DHT identity {path}", "server", "give each server its own --identity (or "
+                             "--checkpoint-dir, or --replica-dir, where it keeps one by default)")
+    except (InUse, OSError, ValueError) as error:
         parser.error(f"argument {flag}: {error}")
 
 

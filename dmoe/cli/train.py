@@ -125,12 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     loss stayed NaN or infinite; the last good checkpoint is kept)."""
     keep_freed_memory()
     config = parse_config(argv)
+    stepped: list[int] = []  # (steps taken: a stop signal after them came while the trainer closed)
     try:
         # SIGTERM and SIGHUP stop it as Ctrl-C does from the start, not only in the loop (which defers them to the
         # end of its step): joining the DHT, downloading a joiner's state and --wait-for-trainers (up to 10 minutes)
         # were killed where they stood, with status 143 or 129, no message, and nothing closed (review 72)
         with InterruptingSignals():
-            result = train(config)
+            result = train(config, on_step=lambda step, model: stepped.append(step))
     except PortUnavailable as e:  # an --averaging-port or --state-port taken: a usage error, as dmoe-server's --port
         message = port_error(e)
         if message is None:
@@ -141,8 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     except (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,
             Diverged) as e:
         raise SystemExit(f"dmoe-train: {e}")
-    except KeyboardInterrupt:  # a stop signal before the loop (which saves and returns): joining, waiting for trainers
-        print("dmoe-train: interrupted before training began", file=sys.stderr)
+    except KeyboardInterrupt:  # a stop signal outside the loop (which saves and returns): joining, waiting for
+        # trainers; or after it, while the trainer closed its DHT node and connections (its checkpoint written)
+        print("dmoe-train: interrupted " + ("while closing, after its last checkpoint" if stepped
+                                            else "before training began"), file=sys.stderr)
         raise SystemExit(130) from None
     if result["interrupted"]:
         raise SystemExit(130)

@@ -55,8 +55,9 @@ INFO_TIMEOUT = 2.0
 _BATCH_LIMIT = re.compile(r"max_batch_size\D{0,8}?(\d{1,9})")
 #: :func:`_named_limit`'s answer for a refusal of too many rows that names no number: the server is asked
 _ASK = "ask"
-#: the most servers asked their ``info`` at once (each a thread, for at most :data:`INFO_TIMEOUT`)
-MAX_ASKS = 16
+#: the most servers asked their ``info`` at once (each a thread, until one deadline: :data:`INFO_TIMEOUT`, or the
+#: forward's time left); more wait for a thread, within the same deadline
+MAX_ASKS = 64
 
 
 def _named_limit(future: Future) -> int | str | None:
@@ -158,11 +159,14 @@ class CallPolicy:
         """endpoint -> the ``max_batch_size`` its ``info`` gave for the uid asked, for those that answered within
         :data:`INFO_TIMEOUT` (and ``time_left``); all asked at once, a thread each (a rare path: servers that
         refuse without naming their limit)."""
-        timeout = INFO_TIMEOUT if time_left is None else min(INFO_TIMEOUT, time_left)
+        deadline = time.monotonic() + (INFO_TIMEOUT if time_left is None else min(INFO_TIMEOUT, time_left))
 
         def ask(endpoint: str, uid: str) -> int | None:
+            left = deadline - time.monotonic()  # (one deadline for all: a thread may start after others ended)
+            if left <= 0:
+                return None
             try:
-                return int(expert_info(endpoint, uid, channels=self.channels, timeout=timeout)["max_batch_size"])
+                return int(expert_info(endpoint, uid, channels=self.channels, timeout=left)["max_batch_size"])
             except Exception as error:  # whatever it answered, the refusal stays the expert's failure
                 logger.debug("forward %s: %s's info gave no max_batch_size: %s", uid, endpoint, error)
                 return None

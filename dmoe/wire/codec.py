@@ -192,7 +192,11 @@ def serialize(tensor: torch.Tensor, compression: int = NONE, out: dmoe_pb2.Tenso
 
 
 def _quantize_uint8(tensor: torch.Tensor) -> tuple[bytes, bytes]:
-    flat = tensor.detach().reshape(-1).float()
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.float64:  # finite beyond float32's range: saturated, not cast to inf (and NaN, below)
+        limit = torch.finfo(torch.float32).max / 2
+        flat = torch.where(flat.isfinite(), flat.clamp(-limit, limit), flat)
+    flat = flat.float()
     numel = flat.numel()
     blocks = math.ceil(numel / UINT8_BLOCK)
     padded = torch.nn.functional.pad(flat, (0, blocks * UINT8_BLOCK - numel)).view(blocks, UINT8_BLOCK)
