@@ -678,7 +678,8 @@ def test_a_second_server_on_the_same_replica_dir_is_refused_naming_the_flag(tmp_
         endpoint = first.endpoint()
         in_progress = directory / f"ffn0.1.1.replica.{first.popen.pid}.1{store_module.TMP_SUFFIX}"
         in_progress.write_bytes(b"the first server receiving a replica")
-        procs.append(second := Proc(server_args(peer, "ffn0.2.0", directory)))
+        # (a key of its own: by default its key would be the first one's, in the directory, refused first)
+        procs.append(second := Proc(server_args(peer, "ffn0.2.0", directory, "--identity", str(tmp_path / "b.key"))))
         assert second.wait_for(r"error:|listening on", 120).group(0) == "error:", "".join(second.output)
         assert second.popen.wait(60) == 2, "".join(second.output)
         second._reader.join(10)
