@@ -373,13 +373,18 @@ class EncodedReplies:
         # (key, k, asker's address) -> (routing table version, contacts text)
         self._contacts: dict[tuple[bytes, int, str, int], tuple[int, str]] = {}
 
-    def contacts(self, router: DHTRoutingTable, key: bytes, k: int, asker: Node | None) -> str:
+    def contacts(self, router: DHTRoutingTable, key: bytes, k: int, asker: Node | None,
+                 allowed: Callable[[], bool] | None = None) -> str:
         """:func:`encode_contacts` of the ``k`` contacts closest to ``key`` other than ``asker`` (None: a client-mode
-        node, which is no contact), encoded again only after the routing table changed."""
+        node, which is no contact), encoded again only after the routing table changed. ``allowed``: asked before a
+        search that is not remembered (the asker's budget, see ``DHTProtocol.lookups``); if it says no, no contacts.
+        Readers ask the same keys again and again: only keys asked afresh (a flood of random ones) cost a search."""
         memo = (key, k, asker.ip, asker.port) if asker is not None else (key, k, "", 0)
         cached = self._contacts.get(memo)
         if cached is not None and cached[0] == router.version:
             return cached[1]
+        if allowed is not None and not allowed():
+            return encode_contacts(())
         text = encode_contacts(router.find_neighbors(Node(key), k=k, exclude=asker))
         if len(self._contacts) >= ENCODED_CONTACTS and memo not in self._contacts:
             del self._contacts[next(iter(self._contacts))]  # the oldest

@@ -29,8 +29,6 @@ from dmoe.dht.transport import REPLY_BUDGET_BYTES, UDPTransport, chunk_entries
 
 logger = logging.getLogger(__name__)
 
-#: what a look-up answered without contacts carries as its contacts (an empty list, as encoded)
-NO_CONTACTS = "[]"
 #: Keys per find_values request (22 bytes each, well under the request limit).
 MAX_KEYS_PER_REQUEST = 128
 #: The node id in the requests of a client-mode node: the receiver does not take it as a contact.
@@ -43,10 +41,11 @@ HANDOVER_BURST = 4
 HANDOVER_PERIOD = 2.0
 #: machines whose hand-over budget is remembered at most (the longest idle are forgotten first)
 HANDOVER_MACHINES = 4096
-#: keys a machine's look-ups (find_value, find_values, find_node) are answered in full per second, after a burst of
-#: KEYS_BURST: a key's neighbour search and encoding cost ~50 us of the node's only loop, and one datagram may ask
-#: 128 (review 70: 1.8 Mbit/s of random keys from one peer took a node off the DHT). Beyond it a machine's keys are
-#: answered with the record this node holds and no contacts (~20 us, cached), so readers still find values
+#: keys a machine's look-ups (find_value, find_values, find_node) may cost a neighbour search per second, after a
+#: burst of KEYS_BURST: a search and its encoding cost ~50 us of the node's only loop, and one datagram may ask 128
+#: (review 70: 1.8 Mbit/s of random keys from one peer took a node off the DHT). Keys whose contacts are remembered
+#: (readers ask the same keys every few seconds) cost nothing; beyond the budget, the others are answered with the
+#: record this node holds and no contacts (~20 us), so readers still find values
 KEYS_PER_SECOND = 2000.0
 KEYS_BURST = 4000
 
@@ -292,9 +291,13 @@ class DHTProtocol(UDPTransport):
         once the asker's machine has spent its :data:`KEYS_PER_SECOND`)."""
         key = check_id(key, "key")
         source = self._sender(sender, nodeid)
-        contacts = (self.encoded.contacts(self.router, key, self.router.ksize, source)
-                    if self.lookups.take(contact_machine(*sender[:2])) else NO_CONTACTS)
+        contacts = self.encoded.contacts(self.router, key, self.router.ksize, source, self._budget(sender))
         return self.encoded.value_reply(self.storage, key, contacts)
+
+    def _budget(self, sender: tuple[str, int]) -> Callable[[], bool]:
+        """Takes one key of the sender's machine's look-up budget (:data:`KEYS_PER_SECOND`), if it has one left."""
+        machine = contact_machine(*sender[:2])
+        return lambda: self.lookups.take(machine) == 1
 
     def rpc_find_values(self, sender: tuple[str, int], nodeid: Any, keys: Any) -> bytes:
         """:meth:`rpc_find_value` for several keys, in order, stopping before the reply would outgrow a datagram; as
@@ -304,11 +307,11 @@ class DHTProtocol(UDPTransport):
         keys = [check_id(key, "key") for key in keys]
         source = self._sender(sender, nodeid)
         width = 2 * self.config.read_width
-        full = self.lookups.take(contact_machine(*sender[:2]), len(keys))  # (keys left out of the reply cost too)
+        budget = self._budget(sender)
         parts, size = [], 0
-        for i, key in enumerate(keys):
-            contacts = self.encoded.contacts(self.router, key, width, source) if i < full else NO_CONTACTS
-            reply = self.encoded.value_reply(self.storage, key, contacts)
+        for key in keys:
+            reply = self.encoded.value_reply(self.storage, key, self.encoded.contacts(self.router, key, width, source,
+                                                                                      budget))
             record, auth, contacts = reply["record"].encode(), reply["auth"], reply["nodes"].encode()
             size += VALUES_HEADER.size + len(record) + len(auth) + len(contacts)
             if parts and size > REPLY_BUDGET_BYTES:
