@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 from typing import AsyncIterator
-
-import pytest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode
@@ -23,15 +20,3 @@ async def in_process_swarm(count: int, config: DHTConfig) -> AsyncIterator[list[
     finally:
         for node in nodes:
             node.stop()
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as probe:
-            probe.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-needs_ipv6 = pytest.mark.skipif(not ipv6_loopback(), reason="this host has no IPv6 loopback")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import socket
 import time
 
 import pytest
@@ -21,6 +20,7 @@ from dmoe.server import ExpertBackend
 from dmoe.server.activations import ENTRY_OVERHEAD_BYTES, MIN_ENTRIES, ActivationCache, KeptForward
 from dmoe.uid import grid_uids
 from tests.procs import running
+from tests.test_endpoints import needs_ipv6
 from tests.test_metrics import scrape, scrape_once, value
 
 HIDDEN = 8
@@ -339,16 +339,7 @@ def test_server_process_uses_kept_activations_gives_the_same_training_and_refuse
     assert value(samples, "dmoe_activation_cache_peak_bytes", device="cpu") >= 2 * 5 * HIDDEN * 4
 
 
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback: one host cannot be two machines")
+@needs_ipv6  # (without it, one host cannot be two machines)
 def test_a_client_flooding_a_servers_cache_leaves_another_machines_kept_forward_in_place():
     """Over IPv4 and IPv6 loopback one host is two machines to the server: the flood over one must not make the
     other's backward send its inputs again (it did: the oldest kept forward went first, whoever kept it)."""

@@ -11,7 +11,8 @@ from kademlia.utils import digest
 
 from dmoe.dht import DHT
 from dmoe.dht.config import DHTConfig
-from tests.dht_nodes import in_process_swarm, needs_ipv6
+from tests.dht_nodes import in_process_swarm
+from tests.test_endpoints import needs_ipv6
 
 
 def test_a_declaration_that_missed_the_nodes_readers_ask_is_stored_there_when_read_back():

@@ -16,7 +16,8 @@ from dmoe.dht.messages import record_to_wire
 from dmoe.dht.node import DHTNode
 from dmoe.dht.storage import Entry
 from dmoe.dht.transport import HEADER_BYTES, MAX_REQUEST_BYTES, REQUEST, RESPONSE, chunk_entries, peer_address
-from tests.dht_nodes import in_process_swarm, needs_ipv6
+from tests.dht_nodes import in_process_swarm
+from tests.test_endpoints import needs_ipv6
 
 
 def test_store_requests_are_chunked_under_the_request_limit():
