@@ -13,6 +13,7 @@ import re
 import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Iterator
 
 import grpc
@@ -115,6 +116,18 @@ def test_the_canonical_lineage_is_the_largest_groups_then_the_most_held_then_the
                               3: progress(lineage=c, group_size=1)}) == c
     assert canonical_lineage({1: progress(lineage=c, group_size=1), 2: progress(lineage=b, group_size=1)}) == b
     assert canonical_lineage({}) is None
+
+
+def test_among_lineages_of_trainers_that_stepped_alone_one_that_is_served_wins():
+    """Every trainer of a step stepped alone: a client-mode trainer's lineage won on its name, nobody could download
+    it, and it and the serving trainer stopped being partners (review 77)."""
+    a, b = "aaaaaaaa", "bbbbbbbb"
+    client, serving = progress(lineage=a, group_size=1, endpoint=None), progress(lineage=b, group_size=1)
+    assert canonical_lineage({1: client, 2: serving}) == b
+    assert state(client, {2: serving}).source() == (2, serving)  # the client-mode trainer downloads it
+    assert state(serving, {1: client}).source() is None
+    # the group's size and the count still come first
+    assert canonical_lineage({1: replace(client, group_size=2), 2: serving}) == a
 
 
 def state(me: Progress, peers: dict[int, Progress], target: int = 100) -> CollaborationState:
@@ -1030,7 +1043,7 @@ def test_a_hostile_state_server_gets_banned_and_the_trainer_keeps_training(boots
             now = time.time()
             ids = {921 + i: server for i, server in enumerate(servers)}
             hostile.store_many({progress_key("poison"): {pid: (Progress(
-                9 - (pid - 921), 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60)
+                9, 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60)
                 for pid, server in ids.items()}})
             joiner = WithScale()
             with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
@@ -1047,6 +1060,108 @@ def test_a_hostile_state_server_gets_banned_and_the_trainer_keeps_training(boots
     for pid in ids:
         assert re.search(rf"ignoring trainer {pid} .*: its state at \S+ was refused: malformed state",
                          caplog.text), caplog.text
+
+
+def test_a_state_past_the_step_its_record_claims_is_refused_after_its_first_message(bootstrap, caplog):
+    """A record one step ahead served a state at step 999,999,999 on any lineage and the joiner took it, which
+    ends a run; and records naming an honest trainer's endpoint with a claim it does not serve had every reader
+    download that whole state before refusing it, at every step (review 77). The first message decides now; one
+    step past the claim is taken (the trainer stepped between the read of its record and the download)."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    torch.manual_seed(0)
+    ahead = WithScale()
+    ahead_opt = torch.optim.AdamW(ahead.parameters(), lr=0.01)
+    ahead(torch.randn(3, 4)).sum().backward()
+    ahead_opt.step()
+    capture = lambda step, lineage: encode_state(  # noqa: E731
+        TrainingState.capture(step, lineage, 2, list(ahead.parameters()), ahead_opt), "claim")
+    far, next_one = capture(999_999_999, "deadbeef"), capture(3, "feedface")
+    sent: list[int] = []
+
+    class Counted(list):  # the messages the server sent of the far state
+        def __iter__(self):
+            for index, message in enumerate(list.__iter__(self)):
+                sent.append(index)
+                yield message
+
+    with DHT([bootstrap], client_mode=True) as hostile, \
+            StateServer(StateServicer("claim", lambda: Counted(far))) as far_server, \
+            StateServer(StateServicer("claim", lambda: next_one)) as honest:
+        with pytest.raises(StateMismatch, match="no"):
+            download_state(far_server.endpoint, "claim", 10, 1 << 30,
+                           check_head=lambda step, lineage: (_ for _ in ()).throw(StateMismatch("no")))
+        assert len(sent) < len(far) and len(far) > 4  # not the whole state
+        now = time.time()
+        hostile.store_many({progress_key("claim"): {pid: (p.encode(), now + 60) for pid, p in {
+            931: Progress(3, 0, 1.0, now, far_server.endpoint, ACCUMULATING, "0123abcd", 2),
+            932: Progress(2, 0, 1.0, now, honest.endpoint, ACCUMULATING, "0123abcd", 2)}.items()}})
+        torch.manual_seed(1)
+        joiner = WithScale()
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "claim", 100, refresh_period=0.2,
+                progress_ttl=30.0, client_mode=True) as collab:
+            wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2) and collab.local_step == 3)
+            assert (collab.lineage, collab.steps_downloaded) == ("feedface", 1)
+    assert re.search(r"ignoring trainer 931 for 5 s: its state at \S+ was refused: it claims step 3 but serves step "
+                     r"999999999, more than one step further", caplog.text), caplog.text
+    assert "downloaded the state at step 3 from trainer 932" in caplog.text
+
+
+def test_finish_takes_no_state_past_its_own_step(bootstrap, caplog):
+    """finish() compared its limit with the step a record claimed, not with the state it downloaded (review 77)."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    moved_on = encode_state(TrainingState.capture(6, "cafecafe", 3, list(model.parameters()), opt), "fin")
+    with DHT([bootstrap], client_mode=True) as hostile, \
+            StateServer(StateServicer("fin", lambda: moved_on)) as server, \
+            DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.SGD(torch.nn.Linear(4, 3).parameters(), lr=0.1), dht, "fin", 100, refresh_period=0.2,
+                progress_ttl=30.0, client_mode=True, step=5) as collab:
+        now = time.time()
+        hostile.store(progress_key("fin"), 941, Progress(5, 0, 1.0, now, server.endpoint, ACCUMULATING, "0000aaaa",
+                                                         256).encode(), now + 60)
+        assert collab.finish(timeout=1.5) is False
+        assert (collab.local_step, collab.steps_downloaded) == (5, 0)
+    assert "no state downloaded from trainer 941: it serves step 6, past step 5, the last this download may " \
+           "take" in caplog.text
+
+
+def test_a_trainer_whose_progress_id_another_key_took_publishes_under_a_new_one(bootstrap, caplog):
+    """A progress id is public and anyone's to take once its entry lapsed; the trainer, refused at every publish,
+    was invisible to the others for the rest of the run (review 77). It draws another id now."""
+    caplog.set_level(logging.WARNING, logger="dmoe.collab.progress")
+    with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as squatter, \
+            DHT([bootstrap], client_mode=True) as other_dht:
+        squatter.store(progress_key("squat"), 4242, progress(step=0, phase=GONE).encode(), time.time() + 120)
+        tracker = ProgressTracker(dht, "squat", CONFIG, 4242, progress(step=0, samples=5))
+        other = ProgressTracker(other_dht, "squat", CONFIG)
+        try:
+            wait_until(lambda: tracker.peer_id != 4242)
+            wait_until(lambda: tracker.peer_id in other.refresh_now())
+            assert other.state().peers[tracker.peer_id].samples == 5
+        finally:
+            tracker.close()
+            other.close()
+    assert f"another DHT key took this trainer's progress id 4242; publishing as {tracker.peer_id}" in caplog.text
+
+
+def test_refused_records_under_ever_new_ids_are_not_logged_one_line_each(bootstrap, caplog):
+    """A writer cycling fresh ids under malformed entries had every trainer log a line per id and keep each id
+    forever (review 77): at most 100 such warnings an hour now."""
+    caplog.set_level(logging.WARNING, logger="dmoe.collab.progress")
+    with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as hostile:
+        reader = ProgressTracker(dht, "flood", CONFIG)
+        try:
+            expiration = time.time() + 60
+            hostile.store_many({progress_key("flood"): {3000 + i: ("not;a;record", expiration) for i in range(150)}})
+            wait_until(lambda: len(reader.dht.get(progress_key("flood"))) == 150)
+            reader.refresh_now()
+            refusals = [r for r in caplog.records if "refused the progress record" in r.getMessage()]
+            assert len(refusals) == 100
+        finally:
+            reader.close()
 
 
 def test_a_state_source_that_cannot_be_reached_is_banned_by_machine_not_by_port(bootstrap):

@@ -22,7 +22,7 @@ import torch
 
 from dmoe.averaging import grid as moshpit
 from dmoe.averaging.allreduce import MAX_WEIGHT, AllReduceResult, Outcome, SendPace, allreduce, send_and_receive
-from dmoe.averaging.config import AveragerConfig
+from dmoe.averaging.config import MAX_PIECE_BYTES, MESSAGE_OVERHEAD_BYTES, AveragerConfig
 from dmoe.averaging.matchmaking import Matchmaker, Member
 from dmoe.averaging.service import AveragingServicer
 from dmoe.dht import DHT
@@ -145,7 +145,7 @@ class DecentralizedAverager:
     async def _serve(self) -> str:
         cfg = self.config
         self.servicer = AveragingServicer(self.prefix, cfg.join_timeout, self._pace)
-        self._server = grpc.aio.server(options=grpc_options())
+        self._server = grpc.aio.server(options=grpc_options(MAX_PIECE_BYTES + MESSAGE_OVERHEAD_BYTES))
         dmoe_pb2_grpc.add_AveragingServiceServicer_to_server(self.servicer, self._server)
         address = join_host_port(cfg.host, cfg.port)
         try:
@@ -168,7 +168,7 @@ class DecentralizedAverager:
         pair = self._channels.get(endpoint)
         if pair is not None:
             return pair
-        channel = grpc.aio.insecure_channel(endpoint, options=grpc_options())
+        channel = grpc.aio.insecure_channel(endpoint, options=grpc_options(MAX_PIECE_BYTES + MESSAGE_OVERHEAD_BYTES))
         pair = self._channels[endpoint] = channel, dmoe_pb2_grpc.AveragingServiceStub(channel)
         while len(self._channels) > MAX_CHANNELS:  # peers of long ago: a run with churn meets ever new ones
             _, (old, _) = self._channels.popitem(last=False)

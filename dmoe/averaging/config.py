@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from dmoe.wire.channels import STREAM_PART_BYTES
 from dmoe.wire.codec import parse_compression
 
+#: the most bytes of values one streamed message may carry, on every peer: the averaging port reads no larger message
+#: (any client may stream to it, and an unauthenticated stream keeps its first message while its group is looked up:
+#: at gRPC's usual 64 MiB, 8 streams of one machine held 0.9 GiB of a trainer's memory, review 77)
+MAX_PIECE_BYTES = 4 * 1024 * 1024
+#: what a message carries besides its values: ids, weights, a signature, the group id (at most 1 KiB)
+MESSAGE_OVERHEAD_BYTES = 64 * 1024
+
 
 @dataclass
 class AveragerConfig:
@@ -39,7 +46,7 @@ class AveragerConfig:
         the server bound to its private one or 0.0.0.0). Default: ``host``, or for 0.0.0.0 this machine's address
         toward its DHT peers.
     poll_period: seconds between DHT reads while matchmaking.
-    piece_bytes: bytes of values per streamed message.
+    piece_bytes: bytes of values per streamed message (at most :data:`MAX_PIECE_BYTES`, 4 MiB).
     declaration_ttl: seconds a matchmaking declaration lives past the declarer's deadline before a refresh, so
         the others stop waiting for a peer that died soon after it declared.
     """
@@ -81,8 +88,9 @@ class AveragerConfig:
             raise ValueError(f"max_send_rate must be >= 0 (0: no limit), got {self.max_send_rate}")
         if not self.max_abs_value >= 0:
             raise ValueError(f"max_abs_value must be >= 0 (0: no limit), got {self.max_abs_value}")
-        if self.piece_bytes < 1024:
-            raise ValueError(f"piece_bytes must be at least 1024, got {self.piece_bytes}")
+        if not 1024 <= self.piece_bytes <= MAX_PIECE_BYTES:
+            raise ValueError(f"piece_bytes must be between 1024 and {MAX_PIECE_BYTES} (what every peer's averaging port "
+                             f"reads), got {self.piece_bytes}")
         parse_compression(self.compression)  # raises ValueError naming the choices
 
     @property

@@ -143,7 +143,7 @@ class CollaborativeOptimizer:
         self.group_size = 0
         self.samples = 0
         self.steps_applied = self.steps_downloaded = 0
-        self.peer_id = new_peer_id()
+        self._peer_id = new_peer_id()  # the tracker's from then on: it draws another if anyone takes this one
         self._accumulators = [torch.zeros_like(p, dtype=torch.float32) for p in self.parameters]
         self._speed, self._last_call = 0.0, None
         self._reset_at = 0.0  # wall clock of the last step applied or state downloaded
@@ -160,7 +160,7 @@ class CollaborativeOptimizer:
             if not averager_config.client_mode:
                 servicer = StateServicer(self.run_id, self._encoded_state, timeout=config.state_timeout)
                 self.state_server = StateServer(servicer, config.state_host, config.state_port)
-            self.tracker = ProgressTracker(dht, self.run_id, config, self.peer_id, Progress(
+            self.tracker = ProgressTracker(dht, self.run_id, config, self._peer_id, Progress(
                 self.local_step, 0, 0.0, time.time(), self.endpoint, ACCUMULATING, self.lineage, 0))
             self.tracker.refresh_now()
             self._sync_if_needed()  # a joiner downloads the state before it contributes anything
@@ -170,6 +170,11 @@ class CollaborativeOptimizer:
         logger.info("trainer %s joined run %r at step %d, lineage %s (%d trainers seen, target %d samples per "
                     "step)", self.peer_id, self.run_id, self.local_step, self.lineage,
                     self.collaboration.num_trainers, config.target_batch_size)
+
+    @property
+    def peer_id(self) -> int:
+        """This trainer's id in the progress record."""
+        return self.tracker.peer_id if self.tracker is not None else self._peer_id
 
     @property
     def endpoint(self) -> str | None:
@@ -372,17 +377,22 @@ class CollaborativeOptimizer:
         if chosen is None or (at_most is not None and chosen[1].step > at_most):
             return False
         peer_id, claimed = chosen
+        check = _claim_check(claimed, at_most)
         try:
-            downloaded = download_state(claimed.endpoint, self.run_id, self.config.state_timeout, *self._state_limits)
-            if downloaded.step < claimed.step:
-                raise StateMismatch(f"it claims step {claimed.step} but serves step {downloaded.step}")
-            if downloaded.step == claimed.step and downloaded.lineage != claimed.lineage:
-                raise StateMismatch(f"it claims lineage {claimed.lineage} at step {claimed.step} but serves "
-                                    f"{downloaded.lineage}")
+            downloaded = download_state(claimed.endpoint, self.run_id, self.config.state_timeout, *self._state_limits,
+                                        check_head=check)
+            check(downloaded.step, downloaded.lineage)
             with self.lock:
                 load_state(downloaded, self.parameters, self.opt)
                 self.local_step, self.lineage, self._left_lineage = downloaded.step, downloaded.lineage, None
                 self.group_size = downloaded.group_size
+        except _BeyondLimit as error:  # it stepped on since its record was read: honest, and ahead of this trainer
+            logger.info("no state downloaded from trainer %s: %s", peer_id, error)
+            return False
+        except _TooFarAhead as error:  # honest only if it stepped twice within a read of the records: not for long
+            self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}",
+                             seconds=min(BUSY_BAN, self.config.ban_time))
+            return False
         except (StateDownloadError, StateMismatch) as error:
             code = getattr(error, "code", None)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy serving others (its limits): not a fault
@@ -476,3 +486,30 @@ class CollaborativeOptimizer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class _TooFarAhead(StateMismatch):
+    """A state more than one step past the one its record claimed."""
+
+
+class _BeyondLimit(StateMismatch):
+    """A state past the step a download may take (:meth:`CollaborativeOptimizer.finish` takes none beyond its own)."""
+
+
+def _claim_check(claimed: Progress, at_most: int | None) -> Callable[[int, str], None]:
+    """What a downloaded state's step and lineage must be, given the record that named its trainer: its claimed step
+    on its claimed lineage, or one step further (it stepped between the read of its record and the download; that
+    step's lineage cannot be checked), and never past ``at_most``. A state beyond the claim was taken whatever its
+    step and lineage: a record one step ahead moved every trainer to step 999,999,999, which ends a run (review 77)."""
+
+    def check(step: int, lineage: str) -> None:
+        if at_most is not None and step > at_most:
+            raise _BeyondLimit(f"it serves step {step}, past step {at_most}, the last this download may take")
+        if step < claimed.step:
+            raise StateMismatch(f"it claims step {claimed.step} but serves step {step}")
+        if step == claimed.step and lineage != claimed.lineage:
+            raise StateMismatch(f"it claims lineage {claimed.lineage} at step {claimed.step} but serves {lineage}")
+        if step > claimed.step + 1:
+            raise _TooFarAhead(f"it claims step {claimed.step} but serves step {step}, more than one step further")
+
+    return check

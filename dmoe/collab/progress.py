@@ -33,10 +33,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
+from dmoe.averaging.matchmaking import new_peer_id
 from dmoe.collab.config import CollaborationConfig, check_run_id
 from dmoe.dht import DHT
 from dmoe.dht.messages import check_entry
 from dmoe.dht.routing import contact_machine
+from dmoe.dht.throttle import ThrottledWarnings
 from dmoe.endpoints import bare_host
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ MAX_GROUP_SIZE = 256
 #: a trainer's record must fit the DHT's value limit up to this step: no collaboration gets near a billion steps,
 #: and an endpoint that only fits for fewer would make the trainer vanish from the others' view in mid-run
 RECORD_MAX_STEP = 10**9 - 1
+#: banned peer ids kept before the expired bans are dropped
+MAX_BANNED = 1024
 
 
 def check_lineage(lineage: object) -> str:
@@ -152,14 +156,19 @@ def refusal(progress: Progress, config: CollaborationConfig, now: float) -> tupl
 
 def canonical_lineage(at_step: Mapping[int, Progress]) -> str | None:
     """The lineage that wins among trainers at one step: made by the largest group, then held by the most
-    trainers, then the smallest name (every trainer that sees the same records picks the same)."""
+    trainers, then held by a trainer that serves its state, then the smallest name (every trainer that sees the same
+    records picks the same). Serving before the name: when every trainer stepped alone, a client-mode trainer's
+    lineage won half the time, nobody could download it, and it and the others stopped being partners (review 77)."""
     if not at_step:
         return None
     counts = Counter(p.lineage for p in at_step.values())
     sizes: dict[str, int] = {}
+    served: set[str] = set()
     for p in at_step.values():
         sizes[p.lineage] = max(sizes.get(p.lineage, 0), p.group_size)
-    return min(counts, key=lambda lineage: (-sizes[lineage], -counts[lineage], lineage))
+        if p.endpoint is not None:
+            served.add(p.lineage)
+    return min(counts, key=lambda lineage: (-sizes[lineage], -counts[lineage], lineage not in served, lineage))
 
 
 @dataclass(frozen=True)
@@ -273,7 +282,8 @@ class ProgressTracker:
     """Publishes this trainer's :class:`Progress` and reads the others', every ``refresh_period``, in a background
     thread it owns (stopped by :meth:`close`). ``peer_id`` None makes an observer that publishes nothing.
 
-    Refused records are logged once per peer and reason; :meth:`ban` ignores a peer for ``config.ban_time``.
+    Refused records are logged at most once an hour per peer and reason (100 an hour in all); :meth:`ban` ignores a
+    peer for ``config.ban_time``.
     """
 
     def __init__(self, dht: DHT, run_id: str, config: CollaborationConfig, peer_id: int | None = None,
@@ -291,7 +301,9 @@ class ProgressTracker:
         self._unpublished = 0  # publishes in a row that no node took
         self._banned: dict[int, float] = {}
         self._banned_endpoints: dict[str, tuple[float, float]] = {}  # machine: (until, the ban's length)
-        self._warned: set[tuple[int, str]] = set()
+        # one warning per peer and reason an hour, 100 an hour in all: a writer cycling fresh ids under malformed
+        # entries logged a line per id (90 a second in review 77's repro) and grew a set of them without bound
+        self._warnings = ThrottledWarnings(logger, period=3600.0, max_per_period=100)
         self._expiration = 0.0
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
@@ -359,8 +371,12 @@ class ProgressTracker:
         with self._lock:
             previous = self._stamps
         stamps: dict[int, tuple[float, float]] = {}
+        taken = False
         for subkey, entry in record.items():
-            if not isinstance(subkey, int) or isinstance(subkey, bool) or subkey == self.peer_id:
+            if subkey == self.peer_id:
+                taken = entry.owner != self.dht.identity.public_key
+                continue
+            if not isinstance(subkey, int) or isinstance(subkey, bool):
                 continue
             if self._banned.get(subkey, 0.0) > now:
                 continue
@@ -398,7 +414,21 @@ class ProgressTracker:
             self._stamps = stamps
             self._owners = {subkey: record[subkey].owner for subkey in accepted}
         self.read_at = now
+        if taken:
+            self._draw_new_id()
         return accepted
+
+    def _draw_new_id(self) -> None:
+        """Publishes under a new peer id: another DHT key holds this one. An id is anyone's to take once its entry
+        lapsed (a network blip, a paused laptop: ``progress_ttl`` without a refresh), and it is public (the record's
+        subkey), so a watcher took it for as long as it liked and the trainer, refused at every publish, was invisible
+        to the others for the rest of the run (review 77)."""
+        with self._publish_lock:
+            taken, self.peer_id = self.peer_id, new_peer_id()
+            self._expiration, self._unpublished = 0.0, 0
+        logger.warning("another DHT key took this trainer's progress id %s; publishing as %s from now on", taken,
+                       self.peer_id)
+        self.publish_now()
 
     def owners(self, peer_ids: Iterable[int]) -> set[bytes]:
         """The DHT keys that signed these trainers' records (as of the last read; those no longer accepted are left
@@ -410,7 +440,10 @@ class ProgressTracker:
         """Ignores ``peer_id``'s records for ``seconds`` (default ``config.ban_time``)."""
         seconds = self.config.ban_time if seconds is None else seconds
         logger.warning("ignoring trainer %s for %g s: %s", peer_id, seconds, reason)
-        self._banned[peer_id] = time.time() + seconds
+        now = time.time()
+        if len(self._banned) >= MAX_BANNED:  # bans of ids long gone: the record holds at most 256 at once
+            self._banned = {pid: until for pid, until in self._banned.items() if until > now}
+        self._banned[peer_id] = now + seconds
         with self._lock:
             self._peers.pop(peer_id, None)
 
@@ -430,9 +463,7 @@ class ProgressTracker:
         return seconds
 
     def _refuse(self, peer_id: int, kind: str, message: str) -> None:
-        if (peer_id, kind) not in self._warned:
-            self._warned.add((peer_id, kind))
-            logger.warning("refused the progress record of trainer %s: it %s", peer_id, message)
+        self._warnings.warn(kind, str(peer_id), "refused the progress record of trainer %s: it %s", peer_id, message)
 
     def wake(self) -> None:
         """Publishes and reads again now instead of at the end of the refresh period (the target is near: every

@@ -606,13 +606,18 @@ CONNECT_TIMEOUT = 5.0
 
 
 def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
-                   max_messages: int = 10_000, connect_timeout: float = CONNECT_TIMEOUT) -> TrainingState:
+                   max_messages: int = 10_000, connect_timeout: float = CONNECT_TIMEOUT,
+                   check_head: Callable[[int, str], None] | None = None) -> TrainingState:
     """The state of the trainer at ``endpoint``; raises :class:`StateDownloadError` when it cannot be had. The
     stream is cut once its messages hold more than ``max_bytes`` in all (every field, not only the tensors: this
     bounds what is kept in memory) or number more than ``max_messages`` (an empty message holds no bytes, but its
     object costs memory all the same). An endpoint that gives no connection within ``connect_timeout`` (an address
     that drops packets, a port that accepts TCP and never speaks HTTP/2) fails then, not after the whole
-    ``timeout``: anyone can publish a record pointing at one, and the trainer waits in its training loop."""
+    ``timeout``: anyone can publish a record pointing at one, and the trainer waits in its training loop.
+
+    ``check_head(step, lineage)`` sees the first message's step and lineage before anything else is read, and raises
+    :class:`StateMismatch` to cut the stream there: records naming an honest trainer's endpoint with a claim it does
+    not serve had every reader pull that trainer's whole state, only to refuse it, at every step (review 77)."""
     messages, received = [], 0
     with grpc.insecure_channel(endpoint, options=grpc_options()) as channel:
         if not _connects(channel, min(connect_timeout, timeout)):
@@ -622,6 +627,12 @@ def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
             dmoe_pb2.StateRequest(run_id=run_id), timeout=timeout)
         try:
             for message in call:
+                if not messages and check_head is not None:
+                    try:
+                        check_head(int(message.step), message.lineage)
+                    except StateMismatch:
+                        call.cancel()
+                        raise
                 received += message.ByteSize()
                 if received > max_bytes or len(messages) >= max_messages:
                     call.cancel()
