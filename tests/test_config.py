@@ -354,9 +354,10 @@ def test_num_experts_server_fills_the_cells_a_first_server_left_free():
     (["--port", "70000"], "--port"),
     (["--log-level", "bogus"], "--log-level"),
     (["--initial-peers", "nowhere"], "--initial-peers"),
-    (["--routing-refresh-period", "0"], "routing_refresh_period"),
-    (["--max-concurrent-rpcs", "0"], "max_concurrent_rpcs"),
-    (["--rpc-timeout", "inf"], "rpc_timeout"),
+    (["--routing-refresh-period", "0"], "argument --routing-refresh-period: "),
+    (["--max-concurrent-rpcs", "0"], "argument --max-concurrent-rpcs: "),
+    (["--rpc-timeout", "inf"], "argument --rpc-timeout: "),  # named the setting, not the flag (review 79)
+    (["--ksize", "0"], "argument --ksize: "),
 ])
 def test_dht_program_rejects_bad_flags_naming_them(flags, named, capsys):
     from dmoe.cli import dht as dht_program
@@ -377,7 +378,7 @@ def test_dht_settings_out_of_a_c_int_or_nan_are_refused(flags, words, capsys):
         dht_program.parse_args(flags)
     assert exit_info.value.code == 2
     *_, line = capsys.readouterr().err.rstrip("\n").split("\n")
-    assert line.startswith("dmoe-dht: error: DHT settings: ") and words in line, line
+    assert line.startswith(f"dmoe-dht: error: argument {flags[0]}: ") and words in line, line
 
 
 def test_dht_program_stops_at_once_while_joining_a_silent_peer_and_fails_with_status_1():

@@ -160,7 +160,7 @@ def test_an_idle_connection_to_the_page_is_closed_and_requests_are_still_answere
 
     from dmoe.monitor import MonitorServer
 
-    server = MonitorServer(SimpleNamespace(snapshot=lambda: {"layers": []}), idle_timeout=0.5).start()
+    server = MonitorServer(SimpleNamespace(snapshot_json=lambda: b'{"layers": []}'), idle_timeout=0.5).start()
     try:
         host, port = server.endpoint.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as idle:
@@ -302,3 +302,100 @@ def test_at_most_max_remembered_endpoints_are_kept_however_recent(monkeypatch):
     monitor = rotated_monitor(monkeypatch, 200, max_remembered=8)
     assert len(monitor._colors) <= 8 and "127.0.0.1:20099" in monitor._colors
     assert len({endpoint for _, endpoint in monitor._previous}) <= 8
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts file descriptors in /proc")
+def test_endpoints_a_poll_no_longer_finds_hold_no_connection(monkeypatch):
+    """The monitor asked through the process-wide channel pool, which keeps an idle channel 10 minutes: cells
+    declared at a new address of a silent listener each period ran it out of file descriptors (review 79)."""
+    import socket
+
+    from dmoe.monitor import SwarmMonitor
+
+    listeners = [socket.socket() for _ in range(12)]
+    try:
+        for listener in listeners:  # accept connections (the kernel does) and never answer
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(64)
+        endpoints = [f"127.0.0.1:{listener.getsockname()[1]}" for listener in listeners]
+        directory = StandInDirectory(endpoints[0])
+        monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], GRID, dht=directory, info_timeout=0.2, workers=8)
+        try:
+            directory.endpoint = endpoints[0]
+            monitor.poll()
+            before = open_fds()
+            for endpoint in endpoints[1:]:
+                directory.endpoint = endpoint
+                assert monitor.poll()["layers"][0]["alive"] == GRID[0] * GRID[1]
+            assert open_fds() - before < 6, "connections to endpoints no poll finds any more were kept"
+            assert monitor._channels.endpoints() == [endpoints[-1]]
+        finally:
+            monitor.close()
+    finally:
+        for listener in listeners:
+            listener.close()
+
+
+def test_an_oversized_info_answer_costs_the_monitor_nothing_and_callers_refuse_junk_hyperparameters():
+    """A server answering info with 60 MiB of hyper-parameters made each poll take seconds and a gigabyte, parsed
+    after the call's deadline (review 79): the monitor reads at most 1 MiB, and nobody parses over 64 KiB."""
+    from concurrent import futures
+
+    import grpc
+
+    from dmoe.client.remote_expert import MAX_HPARAMS_CHARS, MalformedAnswer, expert_info
+    from dmoe.monitor import SwarmMonitor
+    from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
+
+    class Bloated(dmoe_pb2_grpc.ExpertServiceServicer):
+        def __init__(self, what: str, chars: int):
+            self.what, self.chars = what, chars
+
+        def info(self, request, context):
+            if self.what == "hparams_json":
+                return dmoe_pb2.ExpertInfo(uid=request.uid, hparams_json="[" + "0," * (self.chars // 2) + "0]")
+            return dmoe_pb2.ExpertInfo(uid=request.uid, expert_cls="x" * self.chars)
+
+    servers = []
+    try:
+        for what, chars in (("expert_cls", 2 * 1024 * 1024), ("hparams_json", MAX_HPARAMS_CHARS + 10)):
+            server = grpc.server(futures.ThreadPoolExecutor(2), options=grpc_options())
+            dmoe_pb2_grpc.add_ExpertServiceServicer_to_server(Bloated(what, chars), server)
+            servers.append((server, f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"))
+            server.start()
+        (_, huge), (_, long) = servers
+        monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], GRID, dht=StandInDirectory(huge), info_timeout=5.0)
+        try:
+            assert monitor._info("ffn0.0.0", huge)[0] is None  # refused by the channel, not read
+            assert expert_info(huge, "ffn0.0.0", timeout=5.0)["expert_cls"] == "x" * 2 * 1024 * 1024  # (others read)
+        finally:
+            monitor.close()
+        with pytest.raises(MalformedAnswer, match=f"more than {MAX_HPARAMS_CHARS}"):
+            expert_info(long, "ffn0.0.0", timeout=5.0)
+    finally:
+        for server, _ in servers:
+            server.stop(None)
+
+
+def test_the_swarm_json_is_encoded_once_per_poll_however_many_ask(monkeypatch):
+    """Every request encoded the snapshot again (0.2 s for a large grid): a few clients asking in a loop starved
+    the polls (review 79)."""
+    from dmoe.monitor import SwarmMonitor
+
+    monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], GRID, dht=StandInDirectory("127.0.0.1:20000"))
+    monkeypatch.setattr(monitor, "_info", lambda uid, endpoint: ({"forward_calls": 1, "backward_calls": 0}, 0.001))
+    encodings = []
+    real_dumps = json.dumps
+    monkeypatch.setattr("dmoe.monitor.json.dumps", lambda value: encodings.append(1) or real_dumps(value))
+    try:
+        monitor.poll()
+        first = [monitor.snapshot_json() for _ in range(5)]
+        assert len(encodings) == 1 and json.loads(first[0])["layers"][0]["alive"] == GRID[0] * GRID[1]
+        monitor.poll()
+        assert monitor.snapshot_json() is not first[0] and len(encodings) == 2
+    finally:
+        monitor.close()

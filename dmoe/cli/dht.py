@@ -80,14 +80,20 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
             parse_endpoint(peer)
         except ValueError as error:
             parser.error(f"argument --initial-peers: {error}")
+    for field in FLAG_FIELDS:  # each flag alone first, so that the error names it (review 79: it named fields)
+        value, flag = getattr(args, field.name), f"--{field.name.replace('_', '-')}"
+        if value is field.default:
+            continue
+        try:
+            DHTConfig(**{field.name: value})
+        except ValueError as error:
+            parser.error(f"argument {flag}: {error}" + ("" if "got" in str(error) else f" (got {value})"))
+        if field.name in SECONDS_FIELDS and value > MAX_SECONDS:  # (DHTConfig refused nan, inf and negative ones)
+            parser.error(f"argument {flag}: must be at most {MAX_SECONDS:.0f} seconds (a year), got {value}")
     try:
         DHTConfig(**{field.name: getattr(args, field.name) for field in FLAG_FIELDS})
-    except ValueError as error:
+    except ValueError as error:  # values fine alone and not together
         parser.error(f"DHT settings: {error}")
-    for name in SECONDS_FIELDS:  # (DHTConfig refused nan, inf and negative ones)
-        if getattr(args, name) > MAX_SECONDS:
-            parser.error(f"argument --{name.replace('_', '-')}: must be at most {MAX_SECONDS:.0f} seconds (a year), "
-                         f"got {getattr(args, name)}")
     return args
 
 

@@ -82,6 +82,9 @@ NON_FINITE_GRADIENTS = ("output gradients are non-finite (NaN or Inf: usually a 
                         "the input gradients are NaN")
 
 
+#: the longest hyper-parameters an ``info`` answer may carry: an expert's constructor keywords take a few hundred
+#: characters; anything near this is a server making its callers parse junk
+MAX_HPARAMS_CHARS = 64 * 1024
 #: the most characters of a server's message that a client keeps (in its errors, and so in its log)
 MAX_SERVER_MESSAGE_CHARS = MAX_STATUS_CHARS
 
@@ -488,6 +491,9 @@ def expert_info(endpoint: str, uid: str, *, timeout: float | None = None,
         info = stub.info(dmoe_pb2.ExpertUID(uid=uid), timeout=timeout)
     except grpc.RpcError as error:
         raise RemoteExpertError(uid, endpoint, error.code(), error.details() or "") from None
+    if len(info.hparams_json) > MAX_HPARAMS_CHARS:  # parsed after the deadline: 60 MiB of it took seconds (review 79)
+        raise MalformedAnswer(uid, endpoint, f"info's hparams_json is {len(info.hparams_json)} characters, more than "
+                                             f"{MAX_HPARAMS_CHARS}")
     try:  # the server's to write: what cannot be read is its failure, not the caller's crash (review 71)
         hparams = json.loads(info.hparams_json or "{}")
     except (ValueError, RecursionError) as error:

@@ -19,6 +19,7 @@ from importlib import resources
 from typing import Any, Sequence
 
 from dmoe.client.remote_expert import expert_info
+from dmoe.wire.channels import ChannelPool
 from dmoe.dht import DHT
 from dmoe.directory import alive_experts
 from dmoe.endpoints import reachable_endpoint
@@ -37,6 +38,9 @@ MAX_CLOCK_SKEW = 60.0
 FORGET_AFTER = 3600.0
 #: endpoints remembered at most; beyond, the least recently seen are forgotten first
 MAX_REMEMBERED = 4096
+#: the largest ``info`` answer the monitor reads: an honest one takes a few KiB, and a server answering 60 MiB made
+#: each poll take seconds and a gigabyte of memory (review 79)
+MAX_INFO_BYTES = 1024 * 1024
 
 
 class _Closing(Exception):
@@ -83,6 +87,16 @@ class SwarmMonitor:
         self._own_dht = dht is None
         self.dht = dht if dht is not None else DHT(initial_peers=self.initial_peers, client_mode=True)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dmoe-monitor-info")
+        # channels of the monitor's own, closed once no poll finds their endpoint: through the process-wide pool,
+        # each made-up endpoint (anyone can declare a cell at a new address each period) held a connection for
+        # 10 minutes, and a few rotated cells ran the monitor out of file descriptors (review 79)
+        # for as long as a TCP connection that never answers HTTP/2 lingers after its channel closed, which gRPC
+        # bounds by the least time it gives a connection to come up (20 s by default: 8 channels a second kept 160)
+        connect_ms = int(1000 * max(0.5, info_timeout))
+        self._channels = ChannelPool(max_message_bytes=MAX_INFO_BYTES, shared_memory=False, hold_calls=False,
+                                     idle_seconds=None, options=[("grpc.min_reconnect_backoff_ms", connect_ms)])
+        self._encoded: tuple[dict[str, Any], bytes] | None = None  # the latest snapshot and its JSON
+        self._encoding = threading.Lock()  # pages asking at once wait for one encoding
         self._colors: dict[str, str] = {}
         self._hues = 0  # colors handed out: the next hue (not len(_colors), which shrinks as endpoints are forgotten)
         self._seen: dict[str, float] = {}  # endpoint -> time.monotonic() of the last poll that found it
@@ -110,7 +124,7 @@ class SwarmMonitor:
     def _info(self, uid: str, endpoint: str) -> tuple[dict[str, Any] | None, float]:
         started = time.monotonic()
         try:
-            info = expert_info(endpoint, uid, timeout=self.info_timeout)
+            info = expert_info(endpoint, uid, timeout=self.info_timeout, channels=self._channels)
         except Exception as error:  # noqa: BLE001 - a dead or wrong endpoint is what the view should show
             logger.debug("info of %s at %s failed: %s", uid, endpoint, error)
             info = None
@@ -174,6 +188,7 @@ class SwarmMonitor:
                         expert["color"], expert["latency_ms"] = server["color"], server["latency_ms"]
         snapshot["servers"] = sorted(servers.values(), key=lambda s: s["endpoint"])
         self._forget(now)
+        self._channels.retain(servers)
         snapshot["updated"] = time.time()
         with self._lock:
             self._snapshot = snapshot
@@ -231,6 +246,15 @@ class SwarmMonitor:
         with self._lock:
             return self._snapshot
 
+    def snapshot_json(self) -> bytes:
+        """:meth:`snapshot` as JSON, encoded once per poll however many pages ask: a snapshot of a large grid takes
+        0.2 s of the interpreter to encode, and a few clients asking in a loop starved the polls (review 79)."""
+        with self._encoding:
+            snapshot = self.snapshot()
+            if self._encoded is None or self._encoded[0] is not snapshot:
+                self._encoded = (snapshot, json.dumps(snapshot).encode())
+            return self._encoded[1]
+
     def start(self) -> "SwarmMonitor":
         """Polls at once and then every ``period`` seconds, in a background thread.
 
@@ -262,6 +286,7 @@ class SwarmMonitor:
             self._thread.join(30)  # a DHT look-up in progress ends with its own timeout
         if self._own_dht:
             self.dht.close()
+        self._channels.close()
 
     def __enter__(self) -> "SwarmMonitor":
         return self.start()
@@ -300,7 +325,7 @@ class MonitorServer:
                 if path in ("/", "/index.html"):
                     self.send_body(html, "text/html; charset=utf-8")
                 elif path == "/api/swarm":
-                    self.send_body(json.dumps(monitor.snapshot()).encode(), "application/json")
+                    self.send_body(monitor.snapshot_json(), "application/json")
                 else:
                     self.send_error(HTTPStatus.NOT_FOUND)
 

@@ -5,7 +5,7 @@ import gc
 import logging
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Collection, NamedTuple, Sequence
 
 import grpc
 
@@ -189,6 +189,8 @@ class ChannelPool:
     it takes a full collection). The pool runs one once ``collect_after`` channels were let go since the last, so
     that at most that many connections linger; a full collection pauses every thread of a big process for a
     moment (~0.5 s measured), which one per let-go channel would cost far too often.
+
+    ``options``: more gRPC channel arguments, after the usual ones (:func:`grpc_options`).
     """
 
     #: channels let go between two full collections the pool runs (see the class's doc)
@@ -199,8 +201,9 @@ class ChannelPool:
 
     def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES, shared_memory: bool = True,
                  shared_memory_min_bytes: int = SHARED_MEMORY_MIN_BYTES, hold_calls: bool = True,
-                 hold_seconds: float = 30.0, idle_seconds: float | None = 600.0):
-        self.max_message_bytes = max_message_bytes
+                 hold_seconds: float = 30.0, idle_seconds: float | None = 600.0,
+                 options: Sequence[tuple[str, int]] = ()):
+        self.max_message_bytes, self.options = max_message_bytes, list(options)
         if not 0 < hold_seconds < float("inf"):
             raise ValueError(f"hold_seconds must be finite and > 0, got {hold_seconds}")
         if idle_seconds is not None and not 0 < idle_seconds < float("inf"):
@@ -236,7 +239,7 @@ class ChannelPool:
                 self.let_go += len(idle)
             entry = self._entries.get(endpoint)
             if entry is None:
-                channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes))
+                channel = grpc.insecure_channel(endpoint, options=grpc_options(self.max_message_bytes) + self.options)
                 calls = TensorCalls.on(channel)
                 shared = (SharedMemoryCalls(channel, endpoint, calls, self.segments, self.shared_memory_min_bytes)
                           if self.shared_memory and is_local_endpoint(endpoint) else None)
@@ -270,6 +273,21 @@ class ChannelPool:
             # A channel is closed when its last reference goes, but gRPC's objects refer to each other, so that is
             # at the next full collection, which a trainer may not reach for a long while: its connection with it.
             gc.collect()
+
+    def retain(self, endpoints: Collection[str]) -> int:
+        """Closes the channels to every endpoint not in ``endpoints`` (their calls in flight fail as cancelled);
+        returns how many. For an owner that knows which endpoints it still needs (the monitor, after each poll):
+        idle channels are otherwise kept ``idle_seconds``, and endpoints that anyone can make up (a cell declared
+        at a new address each period) held a connection each meanwhile (review 79)."""
+        keep = set(endpoints)
+        with self._lock:
+            gone = [(name, self._entries.pop(name)) for name in [name for name in self._entries if name not in keep]]
+        for name, entry in gone:
+            if entry.hold is not None:
+                entry.hold.close()
+            entry.channel.close()
+            self.segments.forget(name)
+        return len(gone)
 
     def endpoints(self) -> list[str]:
         """The endpoints this pool has a channel to now."""
