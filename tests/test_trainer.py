@@ -890,3 +890,16 @@ def test_a_validation_tail_too_short_says_so(text_file):
     with pytest.raises(DataError, match=r"its validation tail \(\d bytes, 0.0001 of it held out for validation\) is "
                                         r"too short for windows of 32 tokens"):
         TextData.from_file(text_file, val_fraction=0.0001, min_split_len=33)
+
+
+def test_a_skipped_step_on_an_interval_still_validates_and_saves(text_file, tmp_path, monkeypatch):
+    """A step skipped for a NaN loss landing on --checkpoint-interval skipped that checkpoint, and its validation
+    (review 82): they come with the next step taken."""
+    writes, validations = [], []
+    real_save, real_report = trainer.save_checkpoint, trainer.report_validation
+    monkeypatch.setattr(trainer, "save_checkpoint", lambda *args, **kw: writes.append(args[4].step) or
+                        real_save(*args, **kw))
+    monkeypatch.setattr(trainer, "report_validation", lambda *args: validations.append(args[3]) or real_report(*args))
+    config = tiny(text_file, tmp_path, layers=1, steps=6, eval_interval=4, checkpoint_interval=4)
+    result = train(config, lambda i: NaNFrom(config.hidden, config.grid, f"ffn{i}", config.k_best, calls=range(4, 5)))
+    assert result["step"] == 6 and writes == [5, 6] and validations == [0, 5, 6]  # due at the step after

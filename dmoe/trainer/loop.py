@@ -331,6 +331,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         half_done = False
         experts_step_in_backward = config.experts == "local"
         saving = cut_save = False  # a periodic checkpoint's write in progress; one cut short by a second signal
+        validation_due = checkpoint_due = False  # an interval's, at a step that was skipped
         nonfinite = 0  # steps skipped in a row for a loss or gradient that is not finite
 
         def save() -> None:
@@ -386,13 +387,18 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                                                f"row (to step {step + 1}): the run diverged; the checkpoint is left as "
                                                "it was (" + (f"step {saved}" if saved is not None else "none written")
                                                + "); resume with a lower --lr or --expert-lr")
-                            if collab is None:  # the batch is spent: the next step draws the next one
-                                step, minibatch = step + 1, minibatch + 1
-                                bar.update(1)
-                            else:
-                                minibatch += 1
                             rng = rng_state(config.device)
                             half_done = False
+                            if collab is not None:
+                                minibatch += 1
+                                continue
+                            step, minibatch = step + 1, minibatch + 1  # the batch is spent: the next step draws the next
+                            bar.update(1)
+                            # a skipped step on an interval skipped its validation or checkpoint, and a whole
+                            # interval went unsaved (review 82): they are due at the next step taken (none, in a run
+                            # that diverged: its checkpoint stays the last good one)
+                            validation_due |= crossed(step - 1, step, config.eval_interval)
+                            checkpoint_due |= crossed(step - 1, step, config.checkpoint_interval)
                             continue
                         nonfinite = 0
                         half_done = True
@@ -418,10 +424,12 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                             continue
                         if on_step is not None:
                             on_step(step, model)
-                        if crossed(previous, step, config.eval_interval) and step < config.steps:
+                        if (crossed(previous, step, config.eval_interval) or validation_due) and step < config.steps:
                             report_validation(model, data, config, step, history, origin)
                             meter.restart(model)  # validation time is not training throughput
-                        if crossed(previous, step, config.checkpoint_interval):
+                        validation_due = False
+                        if crossed(previous, step, config.checkpoint_interval) or checkpoint_due:
+                            checkpoint_due = False
                             saving = True
                             save()
                             saving = False
