@@ -600,9 +600,16 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list
     report(f"dmoe-server DHT node at {dht.announced(dht.endpoint)} (others may pass it as --initial-peers)")
     if replicas is not None:
         try:
-            Replication(server, replicas).restore()  # before serving: the newest replica of each expert
+            replication = Replication(server, replicas)
         except OSError as error:
             parser.error(f"argument --replica-dir: {error}")
+        try:
+            replication.restore()  # before serving: the newest replica of each expert
+        except Exception:  # noqa: BLE001 - (each expert's failure is caught in restore; this is what is left)
+            # replicas are other servers' input: no replica, however made, may keep this server from serving
+            # (review 78: one with a +inf step count killed it here)
+            logger.exception("restoring the experts from their replicas failed: they start from their checkpoint "
+                             "or fresh")
 
     try:
         server.start()

@@ -62,6 +62,7 @@ from dmoe.replicas.snapshots import (
 )
 from dmoe.replicas.store import HeldReplica, ReplicaStore
 from dmoe.server.backend import ExpertBackend
+from dmoe.server.checkpoints import to_host
 from dmoe.uid import split_uid
 from dmoe.wire import dmoe_pb2
 
@@ -291,9 +292,14 @@ def _try(uid: str, endpoint: str | None, signers: set[str], template: ExpertBack
         signed = fetch_snapshot(channels.stub(endpoint), endpoint, uid, max_bytes=max_bytes, timeout=timeout,
                                 signers=signers, newer_than=newer_than)
         return check_replica(signed, signers, template)
-    except (ReplicaError, SnapshotRefused, OSError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 - see below
+        # any exception, not only the expected ones: the snapshot is untrusted input, and one the checks did not
+        # foresee (an OverflowError from a +inf step count) crashed a new server's restore and aborted adoptions
+        # (review 78)
         where = "this server's own" if endpoint is None else f"{endpoint}'s"
-        logger.warning("%s replica of %s is of no use: %s", where, uid, error)
+        expected = isinstance(error, (ReplicaError, SnapshotRefused, OSError, ValueError))
+        logger.warning("%s replica of %s is of no use: %s", where, uid,
+                       error if expected else f"{type(error).__name__}: {error}")
         return None
 
 
@@ -308,15 +314,27 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
     owners = directory_owners(dht, uids)
     for uid in uids:
         backend = server.backends[uid]
-        found = newest_replica(dht, uid, backend, channels, max_bytes=max_bytes, store=store,
-                               announced=announced[uid], owner=owners.get(uid))
+        # each uid on its own: a replica that fails in a way no check foresaw costs that expert its replica, not
+        # the server its start (an OverflowError here used to kill dmoe-server before it served; review 78)
+        try:
+            found = newest_replica(dht, uid, backend, channels, max_bytes=max_bytes, store=store,
+                                   announced=announced[uid], owner=owners.get(uid))
+        except Exception:  # noqa: BLE001 - logged; the expert starts as it is
+            logger.exception("looking for the newest replica of %s failed: it starts from %s", uid, _as_is(backend))
+            continue
         if found is None:
             if backend.updates == 0:
                 fresh.append(uid)
             continue
         signed, snapshot, state = found
         if snapshot.updates > backend.updates:
-            load_into(backend, snapshot, state)
+            try:
+                _load_or_undo(backend, snapshot, state)
+            except Exception as error:  # noqa: BLE001 - logged; the expert starts as it was
+                logger.warning("the newest replica of %s (%d updates, signed by %s) cannot be loaded (%s: %s): it "
+                               "starts from %s", uid, snapshot.updates, signed.header.signer.hex()[:SIGNER_HEX],
+                               type(error).__name__, error, _as_is(backend))
+                continue
             loaded[uid] = Adoption(uid, time.time(), snapshot.updates, snapshot.backward_calls)
             logger.info("%s starts from its newest replica: %d updates (signed by %s)", uid, snapshot.updates,
                         signed.header.signer.hex()[:SIGNER_HEX])
@@ -326,6 +344,23 @@ def restore_newest(server: "ExpertServer", dht: DHT, uids: Sequence[str], channe
         if metrics is not None:
             metrics.started_fresh.inc(len(fresh))
     return loaded
+
+
+def _as_is(backend: ExpertBackend) -> str:
+    return f"its checkpoint ({backend.updates} updates)" if backend.updates else "fresh weights"
+
+
+def _load_or_undo(backend: ExpertBackend, snapshot: dmoe_pb2.Snapshot, state: object) -> None:
+    """:func:`load_into`, or, when it fails half way (the module loaded, the optimizer state refused), the backend
+    put back as it was: a server's own expert, restored from its checkpoint maybe, must not start half replaced."""
+    before = to_host(backend.state_dict())
+    counters = backend.updates, backend.forward_calls, backend.backward_calls
+    try:
+        load_into(backend, snapshot, state)
+    except BaseException:
+        backend.load_state_dict(before)
+        backend.updates, backend.forward_calls, backend.backward_calls = counters
+        raise
 
 
 def directory_owners(dht: DHT, uids: Sequence[str]) -> dict[str, bytes]:
@@ -493,22 +528,17 @@ class Adopter:
         uids = [uid for uid in uids if entries[uid] is None or entries[uid].owner == me]  # not served again meanwhile
         announced = read_holders(self.dht, uids)
         ready: dict[str, tuple[SignedSnapshot, object]] = {}
-        for uid in uids:
-            backend = self.server.backend_factory(uid)
-            found = newest_replica(self.dht, uid, backend, self.channels, max_bytes=self.max_bytes, store=self.store,
-                                   announced=announced[uid],
-                                   owner=entries[uid].owner if entries[uid] is not None else None)
-            if found is None:
-                logger.warning("no usable replica of %s: not adopting it", uid)
-                continue
-            signed, snapshot, state = found
-            load_into(backend, snapshot, state)
-            try:  # served before it is claimed: the first callers the claim sends here find it
-                self.server.add_expert(uid, backend, announce=False)
-            except (ValueError, RuntimeError) as error:
-                logger.warning("could not serve adopted %s: %s", uid, error)
-                continue
-            ready[uid] = (signed, snapshot)
+        try:
+            for uid in uids:
+                if self._stop.is_set():
+                    break  # (closing: what is ready is still claimed or let go below)
+                found = self._prepare(uid, announced[uid], entries[uid].owner if entries[uid] is not None else None)
+                if found is not None:
+                    ready[uid] = found
+        except BaseException:  # (not an exception of one uid's: those are caught in _prepare)
+            for uid in ready:
+                self.server.remove_expert(uid)
+            raise
         if not ready:
             return []
         try:
@@ -534,6 +564,32 @@ class Adopter:
             self.metrics.adopted.inc(len(won))
         note_adoptions(self.dht, adoptions)
         return won
+
+    def _prepare(self, uid: str, announced: Sequence[Holder],
+                 owner: bytes | None) -> tuple[SignedSnapshot, object] | None:
+        """Loads the newest replica of ``uid`` into a new backend and serves it, unclaimed yet; returns (signed,
+        snapshot), or None (logged) when that fails. Each uid on its own: an exception no check foresaw (an
+        OverflowError from a replica's +inf step count, a ValueError of ``load_state_dict``) used to escape
+        :meth:`adopt` with the uids before it served but never claimed nor declared, and the uids after it never
+        adopted, again at every look (review 78)."""
+        try:
+            backend = self.server.backend_factory(uid)
+            found = newest_replica(self.dht, uid, backend, self.channels, max_bytes=self.max_bytes, store=self.store,
+                                   announced=announced, owner=owner)
+            if found is None:
+                logger.warning("no usable replica of %s: not adopting it", uid)
+                return None
+            signed, snapshot, state = found
+            load_into(backend, snapshot, state)
+            try:  # served before it is claimed: the first callers the claim sends here find it
+                self.server.add_expert(uid, backend, announce=False)
+            except (ValueError, RuntimeError) as error:
+                logger.warning("could not serve adopted %s: %s", uid, error)
+                return None
+            return signed, snapshot
+        except Exception as error:  # noqa: BLE001 - this uid is not adopted now; the others are
+            logger.warning("could not adopt %s: %s: %s", uid, type(error).__name__, error)
+            return None
 
     def start(self) -> "Adopter":
         if self._thread is None:

@@ -222,7 +222,16 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
         return held is not None and time.time() - held.received_at < self.lineage_seconds
 
     def _check_and_commit(self, incoming: Incoming, source: str) -> None:
-        check_state(open_body(incoming.signed()), self.template)
+        signed = incoming.signed()
+        try:
+            check_state(open_body(signed), self.template)
+        except SnapshotRefused:
+            raise
+        except Exception as error:  # noqa: BLE001 - untrusted bytes: whatever the checks did not foresee is a refusal
+            # (an OverflowError from a +inf step count was answered UNKNOWN and counted as no refusal; review 78)
+            raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                  f"the state in the replica of {signed.uid} cannot be checked: "
+                                  f"{type(error).__name__}: {error}") from None
         incoming.commit(source)
 
     async def fetch(self, request: dmoe_pb2.ReplicaQuery, context) -> None:

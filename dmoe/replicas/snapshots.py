@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, NamedTuple
@@ -339,9 +340,35 @@ def _check_updates(snapshot: dmoe_pb2.Snapshot, template: ExpertBackend, steps: 
     if template.optimizer is None and updates:
         raise absurd(f"{updates} updates of an expert without an optimizer")
     if steps:
-        taken = max(int(deserialize(snapshot.tensors[ref.index].tensor).item()) for ref in steps)
+        counts = [_step_count(snapshot, ref) for ref in steps]
+        bad = next((ref for ref, count in zip(steps, counts) if count is None), None)
+        if bad is not None:
+            raise absurd(f"its optimizer state {bad.name} is {_step_value(snapshot, bad)}, not a count of steps")
+        taken = max(counts)
         if taken != updates:
             raise absurd(f"{updates} updates, but its optimizer state has taken {taken} steps")
+
+
+def _step_value(snapshot: dmoe_pb2.Snapshot, ref: TensorRef) -> str:
+    try:
+        return repr(deserialize(snapshot.tensors[ref.index].tensor).item())[:40]
+    except Exception as error:  # noqa: BLE001 - only for the message
+        return f"unreadable ({type(error).__name__})"
+
+
+def _step_count(snapshot: dmoe_pb2.Snapshot, ref: TensorRef) -> int | None:
+    """An optimizer's step counter as an int, or None unless it is a whole number of steps from 0 to
+    :data:`MAX_UPDATES`. A signer may send any value: ``int()`` of +inf raised OverflowError (of NaN, ValueError),
+    which no caller expected, and crashed a new server's restore and aborted whole adoptions (review 78)."""
+    try:
+        value = deserialize(snapshot.tensors[ref.index].tensor).item()
+    except Exception:  # noqa: BLE001 - an undecodable counter is no count
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None  # (a complex number, say)
+    if not math.isfinite(value) or value < 0 or value > MAX_UPDATES or value != int(value):
+        return None
+    return int(value)
 
 
 # ---- loading ----

@@ -1,0 +1,238 @@
+"""Replicas are other servers' input (review 78): whatever a signer puts in one, and however slowly or craftily a
+pusher sends it, costs a holder, an adopter or a new server no more than refusing it, and one expert's bad replica
+costs an adoption or a restore that expert alone. Holders and fake holders are in-process gRPC servers on 127.0.0.1
+(ephemeral ports); the DHT is in-process nodes."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent import futures
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+
+from dmoe.dht import DHT, Identity
+from dmoe.replicas import (
+    ReplicaChannels,
+    ReplicaServicer,
+    ReplicaStore,
+    SnapshotRefused,
+    check_state,
+    fetch_snapshot,
+    push_snapshot,
+    restore_newest,
+    sign,
+    take,
+)
+from dmoe.replicas.adoption import Adopter
+from dmoe.replicas.records import SIGNER_HEX, Holder, directory_entries, replicas_key, server_subkey
+from dmoe.replicas.snapshots import SignedSnapshot
+from dmoe.server import ExpertServer, ServerConfig
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, serialize
+
+HIDDEN = 8
+MAX_BYTES = 1 << 30
+
+
+def expert_server(uids: str = "ffn0.1.2") -> ExpertServer:
+    """An unstarted server of adam-trained ffn experts (a template and a backend factory)."""
+    return ExpertServer.create(uids, "ffn", HIDDEN, optimizer="adam", lr=0.01, config=ServerConfig(device="cpu"))
+
+
+def train(backend, steps: int):
+    for _ in range(steps):
+        backend.backward(torch.randn(4, HIDDEN), torch.randn(4, HIDDEN))
+        backend.backward_calls += 1
+    return backend
+
+
+def trained(uid: str, steps: int):
+    return train(expert_server(uid).backends[uid], steps)
+
+
+def with_steps(snapshot: dmoe_pb2.Snapshot, value: float, updates: int) -> dmoe_pb2.Snapshot:
+    """``snapshot`` with every optimizer step counter set to ``value``, claiming ``updates`` updates."""
+    changed = dmoe_pb2.Snapshot()
+    changed.CopyFrom(snapshot)
+    for named in changed.tensors:
+        if named.name.endswith(".step"):
+            named.tensor.CopyFrom(serialize(torch.tensor(value)))
+    changed.updates = changed.backward_calls = updates
+    return changed
+
+
+def poisoned(uid: str, owner: Identity) -> SignedSnapshot:
+    """A replica of ``uid`` genuinely signed by ``owner`` whose Adam step counters are +inf, claiming 1000 updates."""
+    return sign(with_steps(take(trained(uid, 2)), float("inf"), 1000), owner)
+
+
+def another_optimizers(uid: str, owner: Identity, steps: int) -> SignedSnapshot:
+    """A replica that passes the state check but whose param_groups are an SGD's: loading it into an Adam expert
+    raises ValueError (check_state does not look at the groups' settings)."""
+    snapshot = take(trained(uid, steps))
+    snapshot.layout_json = snapshot.layout_json.replace('["betas", {"u": [{"v": 0.9}, {"v": 0.999}]}]',
+                                                        '["momentum", {"v": 0.9}]')
+    assert '"momentum"' in snapshot.layout_json
+    return sign(snapshot, owner)
+
+
+class Holding(dmoe_pb2_grpc.ReplicaServiceServicer):
+    """A holder's replica service serving the replicas it is given, as they are."""
+
+    def __init__(self, replicas: dict[str, SignedSnapshot]):
+        self.replicas = replicas
+
+    def fetch(self, request: dmoe_pb2.ReplicaQuery, context) -> Iterator[dmoe_pb2.ReplicaChunk]:
+        if request.uid not in self.replicas:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no replica of {request.uid}")
+        yield from self.replicas[request.uid].chunks()
+
+
+@pytest.fixture
+def stack() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+def fake_holder(stack: ExitStack, replicas: dict[str, SignedSnapshot], announcer: DHT) -> str:
+    """Serves ``replicas`` on 127.0.0.1 and announces each, from ``announcer``'s key, as held there."""
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(Holding(replicas), server)
+    endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    stack.callback(server.stop, None)
+    for uid, signed in replicas.items():
+        value = Holder(endpoint, signed.updates, signed.header.signer.hex()[:SIGNER_HEX], b"").value()
+        assert announcer.store(replicas_key(uid), server_subkey(announcer.identity.public_key), value,
+                               time.time() + 120)
+    return endpoint
+
+
+# ---- D1: a step count that is no count ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step, updates", [(float("inf"), 1000), (float("nan"), 3), (2.5, 2), (-1.0, 0)])
+def test_a_step_count_that_is_no_whole_number_of_steps_is_refused_not_raised(step, updates):
+    """int(+inf) raised OverflowError and int(nan) a plain ValueError out of the state check; 2.5 steps passed
+    as 2 (review 78)."""
+    backend = trained("ffn0.1.2", 2)
+    snapshot = with_steps(take(backend), step, updates)
+    with pytest.raises(SnapshotRefused) as refused:
+        check_state(snapshot, backend)
+    assert refused.value.reason == "updates" and refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a count of steps" in refused.value.message
+    check_state(with_steps(take(backend), 2.0, 2), backend)  # a float counter that is a count is one
+
+
+def test_a_new_server_whose_only_replica_is_poisoned_starts_as_it_is_instead_of_dying(stack, tmp_path):
+    """A throwaway key announced itself the only holder of a free cell's replica, signed by itself with +inf steps:
+    a new --replica-dir server that took the cell died in its restore, before it served (review 78)."""
+    uid, attacker = "ffn0.4.4", Identity()
+    first = stack.enter_context(DHT())
+    evil = stack.enter_context(DHT([first.endpoint], identity=attacker))
+    fake_holder(stack, {uid: poisoned(uid, attacker)}, evil)
+    victim = stack.enter_context(DHT([first.endpoint]))
+    server, channels = expert_server(f"{uid},ffn0.4.5"), ReplicaChannels()
+    stack.callback(channels.close)
+    before = server.backends[uid].module.ffn[0].weight.detach().clone()
+    restored = restore_newest(server, victim, [uid, "ffn0.4.5"], channels, max_bytes=MAX_BYTES,
+                              store=stack.enter_context(ReplicaStore(tmp_path, MAX_BYTES)))
+    assert restored == {}
+    assert server.backends[uid].updates == 0
+    assert torch.equal(server.backends[uid].module.ffn[0].weight, before)
+
+
+def test_one_experts_bad_replica_costs_an_adoption_that_expert_alone(stack, tmp_path):
+    """H holds B's replicas of four empty cells. ffn0.2.2's cannot be loaded (an SGD's param_groups), and a holder
+    entry serves a +inf-step replica of ffn0.3.3 signed by its owner. One exception out of a uid used to abort the
+    whole adoption: the uids before it served by H but never claimed nor declared (lost to every client), those
+    after it never adopted, again at every look (review 78). Now each uid stands alone: ffn0.3.3 is adopted from
+    the replica H holds, ffn0.2.2 is not adopted, the others are, and all that H serves is declared."""
+    b = Identity()
+    first = stack.enter_context(DHT())
+    throwaway = stack.enter_context(DHT([first.endpoint]))
+    node = stack.enter_context(DHT([first.endpoint]))
+    store = stack.enter_context(ReplicaStore(tmp_path, MAX_BYTES))
+    uids = ["ffn0.1.1", "ffn0.2.2", "ffn0.3.3", "ffn0.4.4"]
+    store.put(sign(take(trained("ffn0.1.1", 5)), b))
+    store.put(another_optimizers("ffn0.2.2", b, 4))
+    store.put(sign(take(trained("ffn0.3.3", 3)), b))
+    store.put(sign(take(trained("ffn0.4.4", 2)), b))
+    fake_holder(stack, {"ffn0.3.3": poisoned("ffn0.3.3", b)}, throwaway)
+    channels = ReplicaChannels()
+    stack.callback(channels.close)
+    server = stack.enter_context(expert_server("ffn0.0.0"))
+    adopter = Adopter(server, node, store, ["ffn0"], check_period=1.0, stagger=0.0, channels=channels,
+                      max_bytes=MAX_BYTES, expiration=30.0)
+    assert adopter.adopt(uids) == ["ffn0.1.1", "ffn0.3.3", "ffn0.4.4"]
+    assert sorted(server.backends) == ["ffn0.0.0", "ffn0.1.1", "ffn0.3.3", "ffn0.4.4"]
+    assert [server.backends[uid].updates for uid in ("ffn0.1.1", "ffn0.3.3", "ffn0.4.4")] == [5, 3, 2]
+    entries = directory_entries(node, uids)
+    assert {uid for uid, entry in entries.items() if entry is not None and entry.owner == node.identity.public_key} \
+        == {"ffn0.1.1", "ffn0.3.3", "ffn0.4.4"}
+    assert entries["ffn0.2.2"] is None and list(adopter.held_elsewhere()) == ["ffn0.2.2"]
+
+
+# ---- a holder: a ReplicaServicer on 127.0.0.1 ---------------------------------------------------------------------
+
+class LiveHolder:
+    """A :class:`ReplicaServicer` of layer ffn0 on a gRPC server of its own event loop (a thread), on 127.0.0.1 at
+    an ephemeral port, closed with ``stack``. The directory's owner of each uid is what :attr:`owners` says."""
+
+    def __init__(self, stack: ExitStack, directory: Path, budget: int = MAX_BYTES, **options):
+        self.owners: dict[str, bytes] = {}
+        self.store = stack.enter_context(ReplicaStore(directory, budget))
+        self.template = expert_server("ffn0.0.0").backends["ffn0.0.0"]
+        self.servicer = ReplicaServicer(self.store, self.template, self.owners.get, layers=["ffn0"], **options)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-replica-holder", daemon=True)
+        self._thread.start()
+
+        async def start() -> tuple[grpc.aio.Server, int]:
+            server = grpc.aio.server()
+            dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(self.servicer, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            return server, port
+        self.server, port = self.run(start())
+        self.endpoint = f"127.0.0.1:{port}"
+        self.channels = ReplicaChannels()
+        self.stub = self.channels.stub(self.endpoint)
+        stack.callback(self.close)
+
+    def run(self, coroutine, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def held(self, uid: str) -> int:
+        return fetch_snapshot(self.stub, self.endpoint, uid, max_bytes=MAX_BYTES).updates
+
+    def close(self) -> None:
+        self.channels.close()
+        self.run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        self.loop.close()
+
+
+def refusal(stub, chunks) -> grpc.RpcError:
+    """The error a push of ``chunks`` ends with (fails the test if it is taken)."""
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.push(chunks, timeout=60)
+    return refused.value
+
+
+def test_a_pushed_replica_with_an_infinite_step_count_is_refused_with_a_clear_status(stack, tmp_path):
+    """It was answered UNKNOWN ("Unexpected <class 'OverflowError'>"), counted as no refusal (review 78)."""
+    owner, uid = Identity(), "ffn0.1.2"
+    holder = LiveHolder(stack, tmp_path)
+    holder.owners[uid] = owner.public_key
+    backend = trained(uid, 3)
+    assert push_snapshot(holder.stub, holder.endpoint, sign(take(backend), owner)) == 3
+    error = refusal(holder.stub, poisoned(uid, owner).chunks())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "optimizer state optimizer.state.0.step is inf, not a count of steps" in error.details()
+    assert holder.held(uid) == 3
