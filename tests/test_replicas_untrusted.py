@@ -24,6 +24,7 @@ from dmoe.replicas import (
     SnapshotRefused,
     check_state,
     fetch_snapshot,
+    open_body,
     push_snapshot,
     restore_newest,
     sign,
@@ -31,7 +32,7 @@ from dmoe.replicas import (
 )
 from dmoe.replicas.adoption import Adopter
 from dmoe.replicas.records import SIGNER_HEX, Holder, directory_entries, replicas_key, server_subkey
-from dmoe.replicas.snapshots import SignedSnapshot
+from dmoe.replicas.snapshots import SignedSnapshot, max_tensors
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, serialize
 
@@ -236,3 +237,29 @@ def test_a_pushed_replica_with_an_infinite_step_count_is_refused_with_a_clear_st
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "optimizer state optimizer.state.0.step is inf, not a count of steps" in error.details()
     assert holder.held(uid) == 3
+
+
+# ---- D3: tensors beyond what the experts can have ------------------------------------------------------------------
+
+def test_tensors_beyond_what_the_experts_can_have_or_outside_the_state_are_refused(stack, tmp_path):
+    """A genuine snapshot plus empty tensors was accepted: millions of them (15 bytes each) cost the holder's state
+    check ~14x their bytes in memory and ~1 s of CPU per MiB (review 78). Counted before they are parsed now."""
+    owner, uid = Identity(), "ffn0.1.2"
+    holder = LiveHolder(stack, tmp_path)
+    holder.owners[uid] = owner.public_key
+    backend = trained(uid, 2)
+    assert push_snapshot(holder.stub, holder.endpoint, sign(take(backend), owner)) == 2
+    train_more = trained(uid, 3)
+    cap = max_tensors(holder.template)
+    for extra, words in ((cap, f"more than the {cap} a snapshot of this server's experts can have"),
+                         (3, "3 of its tensors are in no part of its state")):
+        snapshot = take(train_more)
+        for _ in range(extra):
+            snapshot.tensors.add(name="", tensor=serialize(torch.zeros(0)))
+        signed = sign(snapshot, owner)
+        error = refusal(holder.stub, signed.chunks())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and words in error.details(), error
+        with pytest.raises(SnapshotRefused, match=words):  # and by an adopter
+            check_state(open_body(signed, max_tensors(backend)), backend)
+    assert holder.held(uid) == 2
+    assert push_snapshot(holder.stub, holder.endpoint, sign(take(train_more), owner)) == 3  # the genuine one

@@ -58,6 +58,7 @@ from dmoe.replicas.snapshots import (
     check_state,
     load_into,
     max_snapshot_bytes,
+    max_tensors,
     open_body,
 )
 from dmoe.replicas.store import HeldReplica, ReplicaStore
@@ -190,7 +191,7 @@ def check_replica(signed: SignedSnapshot, signers: set[str], template: ExpertBac
     if signed.header.signer.hex()[:SIGNER_HEX] not in signers:
         raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner", f"signed by "
                               f"{signed.header.signer.hex()[:SIGNER_HEX]}, not {' or '.join(sorted(signers))}")
-    snapshot = open_body(signed)
+    snapshot = open_body(signed, max_tensors(template))
     return Verified(signed, snapshot, check_state(snapshot, template))
 
 

@@ -38,6 +38,7 @@ from dmoe.replicas.snapshots import (
     check_header,
     check_state,
     max_snapshot_bytes,
+    max_tensors,
     open_body,
 )
 from dmoe.replicas.store import Incoming, ReplicaStore
@@ -224,7 +225,7 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
     def _check_and_commit(self, incoming: Incoming, source: str) -> None:
         signed = incoming.signed()
         try:
-            check_state(open_body(signed), self.template)
+            check_state(open_body(signed, max_tensors(self.template)), self.template)
         except SnapshotRefused:
             raise
         except Exception as error:  # noqa: BLE001 - untrusted bytes: whatever the checks did not foresee is a refusal

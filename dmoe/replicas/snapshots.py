@@ -11,10 +11,11 @@ carries the owner's Ed25519 signature over all of it. The signature is made by t
 would only be refused as expired.
 
 Checks, in the order a receiver makes them (each failure a :class:`SnapshotRefused` with its gRPC status):
-the signature (:func:`check_signature`), the bytes (:func:`open_body`: size, SHA-256, parse), then the state
-against the receiver's own expert class (:func:`check_state`: class, hyperparameters, every tensor's shape and
-dtype, the optimizer's per-parameter state) and the update count against the state (an optimizer that counts its
-steps must have taken exactly that many; no more updates than backward calls).
+the signature (:func:`check_signature`), the bytes (:func:`open_body`: size, SHA-256, no more tensors than its
+experts can have, parse), then the state against the receiver's own expert class (:func:`check_state`: class,
+hyperparameters, every tensor's shape and dtype, every tensor part of the state, the optimizer's per-parameter
+state) and the update count against the state (an optimizer that counts its steps must have taken exactly that
+many, a whole number; no more updates than backward calls).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any, Callable, ContextManager, Iterator, NamedTuple
 
 import grpc
 import torch
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 from kademlia.utils import digest
 
@@ -144,6 +146,15 @@ def sign(snapshot: dmoe_pb2.Snapshot, identity: Identity) -> SignedSnapshot:
 OPTIMIZER_BUFFERS = 3
 #: bytes a snapshot may take beyond its tensors' data: names, shapes, layout, counters, hyperparameters
 SNAPSHOT_SLACK_BYTES = 1 << 20
+#: tensors an LR scheduler's state may add to a snapshot, at most (torch's keep plain numbers: none)
+SCHEDULER_TENSORS = 64
+
+
+def max_tensors(template: ExpertBackend) -> int:
+    """The most tensors a snapshot of ``template``'s experts can carry: each of the module's tensors, for each up to
+    :data:`OPTIMIZER_BUFFERS` buffers and a step counter of the optimizer, and a scheduler's few
+    (:data:`SCHEDULER_TENSORS`)."""
+    return len(template.module.state_dict()) * (2 + OPTIMIZER_BUFFERS) + SCHEDULER_TENSORS
 
 
 def max_snapshot_bytes(template: ExpertBackend) -> int:
@@ -183,8 +194,8 @@ def check_signature(header: dmoe_pb2.ReplicaHeader) -> None:
                               f"key {header.signer.hex()[:SIGNER_HEX]}")
 
 
-def open_body(signed: SignedSnapshot) -> dmoe_pb2.Snapshot:
-    """The snapshot behind ``signed`` once its bytes match the header (size, SHA-256) and parse."""
+def check_body(signed: SignedSnapshot) -> None:
+    """Raises SnapshotRefused unless the bytes behind ``signed`` are what its header says (size, SHA-256)."""
     header = signed.header
     if len(signed.body) != header.size:
         raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "truncated",
@@ -193,8 +204,41 @@ def open_body(signed: SignedSnapshot) -> dmoe_pb2.Snapshot:
     if hashlib.sha256(signed.body).digest() != header.sha256:
         raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "digest",
                               f"the bytes of the replica of {header.uid} do not match the SHA-256 of its header")
+
+
+def _tensor_counter() -> type:
+    """A message class that reads a serialized Snapshot's tensors as plain bytes and the rest as unknown fields:
+    counting them this way costs about 3x the snapshot's bytes and no Python object per tensor, where parsing the
+    Snapshot built one message per tensor, 13x its bytes for millions of empty ones (review 78)."""
+    tensors = dmoe_pb2.Snapshot.DESCRIPTOR.fields_by_name["tensors"]
+    file = descriptor_pb2.FileDescriptorProto(name="dmoe/replicas/snapshot_tensors.proto", package="dmoe.replicas",
+                                              syntax="proto3")
+    message = file.message_type.add(name="SnapshotTensors")
+    message.field.add(name="tensors", number=tensors.number, type=descriptor_pb2.FieldDescriptorProto.TYPE_BYTES,
+                      label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("dmoe.replicas.SnapshotTensors"))
+
+
+_SnapshotTensors = _tensor_counter()
+
+
+def open_body(signed: SignedSnapshot, max_tensors: int | None = None) -> dmoe_pb2.Snapshot:
+    """The snapshot behind ``signed`` once its bytes match the header (size, SHA-256) and parse, with no more than
+    ``max_tensors`` tensors (None: any number; counted before they are parsed, see :func:`max_tensors`)."""
+    header = signed.header
+    check_body(signed)
     snapshot = dmoe_pb2.Snapshot()
     try:
+        if max_tensors is not None:
+            counted = _SnapshotTensors()
+            counted.ParseFromString(signed.body)
+            if len(counted.tensors) > max_tensors:
+                raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
+                                      f"the replica of {header.uid} carries {len(counted.tensors)} tensors, more "
+                                      f"than the {max_tensors} a snapshot of this server's experts can have")
+            del counted
         snapshot.ParseFromString(signed.body)
     except DecodeError as error:
         raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
@@ -215,9 +259,17 @@ class TensorRef(NamedTuple):
     compression: int = NONE
 
 
-def layout(snapshot: dmoe_pb2.Snapshot) -> Any:
+def layout(snapshot: dmoe_pb2.Snapshot, max_tensors: int | None = None) -> Any:
     """The snapshot's state with :class:`TensorRef` in place of tensors; every tensor message validated (dtype,
-    shape, buffer length) without decoding it. Raises SnapshotRefused for anything malformed."""
+    shape, buffer length) without decoding it. Raises SnapshotRefused for anything malformed, for more than
+    ``max_tensors`` tensors (None: any number; counted before anything is built for them), and for tensors the
+    layout does not reference."""
+    malformed = lambda message: SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",  # noqa: E731
+                                                f"the state in the replica of {snapshot.uid} is malformed: {message}")
+    if max_tensors is not None and len(snapshot.tensors) > max_tensors:
+        # (review 78: millions of empty tensors cost ~14x their bytes in memory and ~1 s per MiB here, and passed)
+        raise malformed(f"{len(snapshot.tensors)} tensors, more than the {max_tensors} a snapshot of this server's "
+                        "experts can have")
     try:
         tree = json.loads(snapshot.layout_json) if len(snapshot.layout_json) <= _MAX_LAYOUT_BYTES else None
         refs = []
@@ -225,13 +277,18 @@ def layout(snapshot: dmoe_pb2.Snapshot) -> Any:
             expected_numel(named.tensor, 2**40)
             refs.append(TensorRef(index, named.name, tuple(named.tensor.shape), named.tensor.dtype,
                                   named.tensor.compression))
-        return _unpack(tree, refs, 0)
+        used: set[int] = set()
+        state = _unpack(tree, refs, 0, used)
     except (ValueError, RecursionError, TypeError, KeyError, InvalidTensor, TensorTooLarge) as error:
-        raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
-                              f"the state in the replica of {snapshot.uid} is malformed: {error}") from None
+        raise malformed(error) from None
+    if len(used) != len(refs):
+        unused = next(index for index in range(len(refs)) if index not in used)
+        raise malformed(f"{len(refs) - len(used)} of its tensors are in no part of its state (e.g. tensor {unused}, "
+                        f"{snapshot.tensors[unused].name[:80]!r})")
+    return state
 
 
-def _unpack(node: Any, leaves: list, depth: int) -> Any:
+def _unpack(node: Any, leaves: list, depth: int, used: set[int]) -> Any:
     if depth > _MAX_DEPTH:
         raise ValueError("nested too deep")
     if not isinstance(node, dict) or len(node) != 1:
@@ -240,17 +297,18 @@ def _unpack(node: Any, leaves: list, depth: int) -> Any:
     if kind == "t":
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(leaves):
             raise ValueError(f"tensor index {value!r} out of range")
+        used.add(value)
         return leaves[value]
     if kind == "d":
         if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
             raise ValueError("a dict must be a list of [key, value] pairs")
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k, _ in value):
             raise ValueError("dict keys must be str or int")
-        return {key: _unpack(item, leaves, depth + 1) for key, item in value}
+        return {key: _unpack(item, leaves, depth + 1, used) for key, item in value}
     if kind in ("l", "u"):
         if not isinstance(value, list):
             raise ValueError("a list must be a list")
-        items = [_unpack(item, leaves, depth + 1) for item in value]
+        items = [_unpack(item, leaves, depth + 1, used) for item in value]
         return items if kind == "l" else tuple(items)
     if kind == "v" and (value is None or isinstance(value, (bool, int, float, str))):
         return value
@@ -275,7 +333,7 @@ def check_state(snapshot: dmoe_pb2.Snapshot, template: ExpertBackend) -> Any:
         changed = [f"{k} {hparams.get(k)!r} (here {here.get(k)!r})" for k in sorted(set(hparams) | set(here))
                    if hparams.get(k) != here.get(k)]
         raise mismatch(f"hyperparameters differ: {', '.join(changed)}")
-    state = layout(snapshot)
+    state = layout(snapshot, max_tensors(template))
     if not isinstance(state, dict) or set(state) != {"module", "optimizer", "scheduler"}:
         raise mismatch("its state is not an expert's (module, optimizer, scheduler)")
     module = state["module"]
