@@ -873,7 +873,10 @@ def test_open_pushes_and_unread_fetches_hold_no_snapshot_in_the_holders_memory(t
     with processes() as procs:
         procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
         peer = dht_node.endpoint()
-        procs.append(holder := Proc(server_args(peer, "ffn0.0.0", directory, hidden=hidden)))
+        # (a budget of 4 GiB: one machine's open pushes may announce a quarter of it, and all of these come from
+        # 127.0.0.1; the disk holds the temporary files alone)
+        procs.append(holder := Proc(server_args(peer, "ffn0.0.0", directory, "--replica-budget-mb", "4096",
+                                                hidden=hidden)))
         endpoint = holder.endpoint()
         channels = ReplicaChannels()
         stub = channels.stub(endpoint)

@@ -5,12 +5,13 @@ costs an adoption or a restore that expert alone. Holders and fake holders are i
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 from concurrent import futures
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -32,9 +33,10 @@ from dmoe.replicas import (
 )
 from dmoe.replicas.adoption import Adopter
 from dmoe.replicas.records import SIGNER_HEX, Holder, directory_entries, replicas_key, server_subkey
-from dmoe.replicas.snapshots import SignedSnapshot, max_tensors
+from dmoe.replicas.snapshots import SignedSnapshot, max_tensors, signed_fields
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, serialize
+from tests.test_replicas import wait_until
 
 HIDDEN = 8
 MAX_BYTES = 1 << 30
@@ -263,3 +265,98 @@ def test_tensors_beyond_what_the_experts_can_have_or_outside_the_state_are_refus
             check_state(open_body(signed, max_tensors(backend)), backend)
     assert holder.held(uid) == 2
     assert push_snapshot(holder.stub, holder.endpoint, sign(take(train_more), owner)) == 3  # the genuine one
+
+
+# ---- D4: a push that trickles ------------------------------------------------------------------------------------
+
+def test_a_push_that_falls_behind_the_minimum_rate_is_ended_and_one_that_keeps_up_is_taken(stack, tmp_path):
+    """Only a message that took longer than the stall limit ended a push: a byte sent every (limit - epsilon) kept
+    one open for ever, holding a push slot and its announced bytes (review 78). Each byte now buys the push
+    1/min_push_rate s beyond an allowance; an honest push that sends faster than that takes as long as it needs."""
+    owner, uid = Identity(), "ffn0.1.2"
+    holder = LiveHolder(stack, tmp_path, stall_seconds=1.0, push_allowance=2.0, min_push_rate=2048)
+    holder.owners[uid] = owner.public_key
+    signed = sign(take(trained(uid, 2)), owner)
+    stop = threading.Event()
+    stack.callback(stop.set)
+
+    def trickle() -> Iterator[dmoe_pb2.ReplicaChunk]:  # a byte every 0.2 s: never stalled for 1 s, for up to 30 s
+        yield dmoe_pb2.ReplicaChunk(header=signed.header, data=signed.body[:1])
+        for i in range(1, 150):
+            if stop.wait(0.2):
+                return
+            yield dmoe_pb2.ReplicaChunk(data=signed.body[i:i + 1])
+        stop.wait(30)
+
+    started = time.monotonic()
+    error = refusal(holder.stub, trickle())
+    stop.set()
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+    assert f"the push of {uid} is too slow" in error.details(), error.details()
+    assert time.monotonic() - started < 10
+    wait_until(lambda: not holder.servicer._open["push"] and not holder.servicer._announced, 10,
+               "the holder letting go of the push's place and announced bytes")
+
+    def keeping_up() -> Iterator[dmoe_pb2.ReplicaChunk]:  # 1 KiB every 0.3 s: longer than the allowance in all
+        chunks = list(signed.chunks(1024))
+        yield chunks[0]
+        for chunk in chunks[1:]:
+            time.sleep(0.3)
+            yield chunk
+    assert len(signed.body) > 7 * 1024  # (> 2 s)
+    assert holder.stub.push(keeping_up(), timeout=60).updates == 2
+
+
+def test_one_machine_may_announce_only_a_share_of_the_budget_in_open_pushes(stack, tmp_path):
+    """Each open push counted its announced size against the budget until it ended (which a trickle could put off
+    for ever): a machine's 7 or 8 pushes announcing the largest snapshot, and a second machine's, took it all, and
+    every honest push was refused RESOURCE_EXHAUSTED (review 78). A machine may announce a quarter of it now."""
+    owner, attacker, uid = Identity(), Identity(), "ffn0.1.2"
+    probe = LiveHolder(stack, tmp_path / "probe")
+    largest = probe.servicer.max_bytes
+    holder = LiveHolder(stack, tmp_path / "held", budget=8 * largest)
+    holder.owners[uid] = owner.public_key
+    release = threading.Event()
+    stack.callback(release.set)
+
+    def header(fake: str) -> dmoe_pb2.ReplicaHeader:  # announcing the largest snapshot; its bytes never come
+        holder.owners[fake] = attacker.public_key
+        made_up = dmoe_pb2.ReplicaHeader(uid=fake, updates=0, size=largest, sha256=hashlib.sha256(fake.encode())
+                                         .digest(), taken_at=time.time(), signer=attacker.public_key)
+        made_up.signature = attacker.sign(*signed_fields(made_up))
+        return made_up
+
+    async def holding(first: dmoe_pb2.ReplicaHeader) -> AsyncIterator[dmoe_pb2.ReplicaChunk]:
+        yield dmoe_pb2.ReplicaChunk(header=first, data=b"x")
+        while not release.is_set():
+            await asyncio.sleep(0.05)
+
+    async def open_pushes(machine: str, count: int) -> tuple[list[asyncio.Task], list[SnapshotRefused]]:
+        opened, refused = [], []
+        for i in range(count):
+            before = holder.servicer._announced_by[machine]
+            task = asyncio.ensure_future(holder.servicer._receive(holding(header(f"ffn0.9.{len(machine)}{i}")),
+                                                                  machine))
+            while not task.done() and holder.servicer._announced_by[machine] == before:
+                await asyncio.sleep(0.01)  # (until its header is checked, and its size counted or refused)
+            if task.done():
+                refused.append(task.exception())
+            else:
+                opened.append(task)
+        return opened, refused
+
+    open_pushes_of = {machine: holder.run(open_pushes(machine, 4)) for machine in ("192.0.2.1", "198.51.100.22")}
+    for machine, (opened, refused) in open_pushes_of.items():
+        assert len(opened) == 2 and len(refused) == 2, (machine, refused)
+        assert refused[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"the replicas this server receives from {machine} now announce {2 * largest} bytes" in \
+            refused[0].message
+    assert holder.servicer._announced == 4 * largest
+    assert push_snapshot(holder.stub, holder.endpoint, sign(take(trained(uid, 2)), owner)) == 2  # another machine
+    release.set()
+
+    async def ended() -> list[BaseException | None]:
+        tasks = [task for opened, _ in open_pushes_of.values() for task in opened]
+        return [result for result in await asyncio.gather(*tasks, return_exceptions=True)]
+    assert all(isinstance(result, SnapshotRefused) and result.reason == "truncated" for result in holder.run(ended()))
+    assert holder.servicer._announced == 0 and not holder.servicer._announced_by

@@ -15,8 +15,11 @@ What a call may cost the server is bounded. A push may announce no more bytes th
 experts can take (:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`); its bytes go to a temporary file as they arrive, not to memory, and the
 state is checked (the one step that holds a whole snapshot in memory) one push at a time. A fetch reads the
 replica's file a message at a time, as the caller reads. Pushes and fetches open at once are capped, in all and
-per calling machine, and so are the bytes that open pushes announce (RESOURCE_EXHAUSTED naming the cap); a call
-that sends or reads nothing for ``stall_seconds`` is ended (DEADLINE_EXCEEDED), so idle calls cannot hold the caps.
+per calling machine, and so are the bytes that open pushes announce, in all and per machine (a share of the budget:
+:data:`ANNOUNCED_SHARE_PER_MACHINE`) (RESOURCE_EXHAUSTED naming the cap); a call that sends or reads nothing for
+``stall_seconds`` is ended (DEADLINE_EXCEEDED), and so is a push that falls behind a minimum rate
+(:data:`MIN_PUSH_BYTES_PER_SECOND` after :data:`PUSH_ALLOWANCE_SECONDS`), so that neither idle calls nor calls
+trickling a byte at a time can hold the caps.
 """
 from __future__ import annotations
 
@@ -57,6 +60,22 @@ MAX_PUSHES, MAX_PUSHES_PER_MACHINE = 32, 8
 MAX_FETCHES, MAX_FETCHES_PER_MACHINE = 32, 8
 #: seconds a push may send nothing, or a fetch read nothing, before the server ends it
 STALL_SECONDS = 60.0
+#: a push must also keep up an average rate: from its header it has PUSH_ALLOWANCE_SECONDS, plus one second per
+#: MIN_PUSH_BYTES_PER_SECOND bytes it sent, so it takes at most PUSH_ALLOWANCE_SECONDS + its announced size / that
+#: rate in all. With the stall limit alone, a push sending a byte a minute stayed open for ever while its announced
+#: size counted against the budget of announced bytes: two machines' such pushes locked every holder of a layer
+#: out of all honest replicas (review 78). 256 KiB/s (2 Mbit/s) is below a slow home uplink: an honest push of
+#: the largest snapshot of a --hidden-dim 1024 ffn (129 MiB) passes at that rate in 9 minutes (its pusher gives up
+#: long before: its own timeout of 60 s needs 2 MiB/s), one of 1 GiB (the default budget) in 70. The allowance
+#: covers a slow start: the connection's ramp-up, the first message (1 MiB: 4 s at that rate), a busy holder
+PUSH_ALLOWANCE_SECONDS = 60.0
+MIN_PUSH_BYTES_PER_SECOND = 256 * 1024
+#: the bytes the open pushes of one machine may announce, as a share of the replica budget (never less than one
+#: snapshot of this server's experts): it takes four machines, not one or two, to hold the whole budget of
+#: announced bytes (and so every honest push off), and each must keep sending at MIN_PUSH_BYTES_PER_SECOND to hold
+#: its share for longer than PUSH_ALLOWANCE_SECONDS (review 78). A server of several processes on one machine still
+#: pushes a few snapshots at once; the rest are "busy" and go to the next host
+ANNOUNCED_SHARE_PER_MACHINE = 0.25
 #: seconds a replica held here is kept from another signer's replica with fewer updates, since its own signer last
 #: pushed it: the time for its expert to be adopted from it after its server left (see :func:`_older`)
 LINEAGE_SECONDS = 600.0
@@ -75,6 +94,10 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
         layers: the layers whose replicas this server receives (announced as their host); None: any.
         max_pushes, max_fetches: calls open at once, in all and per calling machine (see the module doc).
         stall_seconds: how long a push may send nothing, or a fetch read nothing, before it is ended.
+        push_allowance, min_push_rate: a push is ended once it has taken more than ``push_allowance`` seconds plus
+            one second per ``min_push_rate`` bytes it sent (see :data:`MIN_PUSH_BYTES_PER_SECOND`).
+        machine_share: the share of the budget that the open pushes of one machine may announce (see
+            :data:`ANNOUNCED_SHARE_PER_MACHINE`).
         lineage_seconds: how long a replica held here is kept from another signer's with fewer updates, since its
             own signer last pushed it (see :func:`_older`).
     """
@@ -84,16 +107,21 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                  layers: Collection[str] | None = None, *,
                  max_pushes: tuple[int, int] = (MAX_PUSHES, MAX_PUSHES_PER_MACHINE),
                  max_fetches: tuple[int, int] = (MAX_FETCHES, MAX_FETCHES_PER_MACHINE),
-                 stall_seconds: float = STALL_SECONDS, lineage_seconds: float = LINEAGE_SECONDS):
+                 stall_seconds: float = STALL_SECONDS, lineage_seconds: float = LINEAGE_SECONDS,
+                 push_allowance: float = PUSH_ALLOWANCE_SECONDS, min_push_rate: float = MIN_PUSH_BYTES_PER_SECOND,
+                 machine_share: float = ANNOUNCED_SHARE_PER_MACHINE):
         self.store, self.template, self.owner_of = store, template, owner_of
         self.lineage_seconds = lineage_seconds
         self.metrics, self.chunk_bytes = metrics, chunk_bytes
         self.layers = frozenset(layers) if layers is not None else None
         self.max_bytes = min(max_snapshot_bytes(template), store.budget_bytes)
         self.stall_seconds = stall_seconds
+        self.push_allowance, self.min_push_rate = push_allowance, min_push_rate
+        self.max_announced_per_machine = max(self.max_bytes, int(store.budget_bytes * machine_share))
         self._limits = {"push": max_pushes, "fetch": max_fetches}
         self._open: dict[str, Counter] = {"push": Counter(), "fetch": Counter()}  # kind -> machine -> calls open
         self._announced = 0  # bytes the open pushes announced
+        self._announced_by: Counter = Counter()  # machine -> bytes its open pushes announced
         self._checking = asyncio.Semaphore(1)  # (bound to the gRPC loop at its first use)
         self.accepted = 0
 
@@ -133,10 +161,19 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
             await context.abort(refused.code, refused.message)
         return dmoe_pb2.ReplicaAck(updates=updates)
 
-    async def _next(self, chunks: AsyncIterator[dmoe_pb2.ReplicaChunk], what: str) -> dmoe_pb2.ReplicaChunk | None:
+    async def _next(self, chunks: AsyncIterator[dmoe_pb2.ReplicaChunk], what: str,
+                    due: float = float("inf"), slow: Callable[[], SnapshotRefused] | None = None
+                    ) -> dmoe_pb2.ReplicaChunk | None:
+        """The next message, within ``stall_seconds`` and before ``due`` (a ``time.monotonic()`` time; ``slow``
+        says why a push that passed it is ended)."""
+        left = due - time.monotonic()
+        if left <= 0 and slow is not None:
+            raise slow()
         try:
-            return await asyncio.wait_for(anext(chunks, None), self.stall_seconds)
+            return await asyncio.wait_for(anext(chunks, None), min(self.stall_seconds, left))
         except asyncio.TimeoutError:
+            if left < self.stall_seconds and slow is not None:
+                raise slow() from None
             raise SnapshotRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "stalled",
                                   f"the push of {what} sent nothing for {self.stall_seconds:g} s") from None
 
@@ -163,10 +200,25 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
             raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy",
                                   f"the replicas this server receives now take its whole replica budget "
                                   f"({self.store.budget_bytes} bytes); try again later")
+        if self._announced_by[source] + header.size > self.max_announced_per_machine:
+            raise SnapshotRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy",
+                                  f"the replicas this server receives from {source} now announce "
+                                  f"{self._announced_by[source]} bytes, and it takes at most "
+                                  f"{self.max_announced_per_machine} bytes of one machine's pushes at once (a share "
+                                  f"of its replica budget); try again later")
         self._announced += header.size
+        self._announced_by[source] += header.size
+        started = time.monotonic()
         incoming: Incoming | None = None
         try:
             incoming = await asyncio.to_thread(self.store.receive, header)
+
+            def slow() -> SnapshotRefused:
+                return SnapshotRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "slow",
+                                       f"the push of {header.uid} is too slow: {incoming.received} of {header.size} "
+                                       f"bytes in {time.monotonic() - started:.0f} s (this server takes pushes that "
+                                       f"send {self.min_push_rate / 1024:g} KiB/s after their first "
+                                       f"{self.push_allowance:g} s)")
             chunk: dmoe_pb2.ReplicaChunk | None = first
             while chunk is not None:
                 if chunk.data:
@@ -175,7 +227,10 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                                               f"the replica stream of {header.uid} carries more than the "
                                               f"{header.size} bytes its header announced")
                     await asyncio.to_thread(incoming.write, chunk.data)
-                chunk = await self._next(chunks, header.uid)
+                # every byte sent buys 1/min_push_rate s more: the whole push takes at most the allowance plus its
+                # announced size at that rate, and one that falls behind is ended (review 78)
+                due = started + self.push_allowance + incoming.received / self.min_push_rate
+                chunk = await self._next(chunks, header.uid, due, slow)
                 if chunk is not None and chunk.HasField("header"):
                     raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
                                           f"the replica stream of {header.uid} carries a second header")
@@ -185,6 +240,9 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                 await asyncio.to_thread(self._check_and_commit, incoming, source)
         finally:
             self._announced -= header.size
+            self._announced_by[source] -= header.size
+            if not self._announced_by[source]:
+                del self._announced_by[source]
             if incoming is not None:
                 await asyncio.to_thread(incoming.discard)
         self.accepted += 1
