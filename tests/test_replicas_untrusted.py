@@ -20,6 +20,7 @@ import torch
 from dmoe.dht import DHT, Identity
 from dmoe.replicas import (
     ReplicaChannels,
+    ReplicaError,
     ReplicaServicer,
     ReplicaStore,
     SnapshotRefused,
@@ -360,3 +361,51 @@ def test_one_machine_may_announce_only_a_share_of_the_budget_in_open_pushes(stac
         return [result for result in await asyncio.gather(*tasks, return_exceptions=True)]
     assert all(isinstance(result, SnapshotRefused) and result.reason == "truncated" for result in holder.run(ended()))
     assert holder.servicer._announced == 0 and not holder.servicer._announced_by
+
+
+# ---- D5: a replay that began before a newer push and ended after it ----------------------------------------------
+
+def test_a_replica_that_became_older_than_the_one_held_during_its_push_is_refused_at_the_commit(stack, tmp_path):
+    """The owner and "not older than held" were checked at the header only, and the commit renamed over whatever
+    was held then: a replay of the owner's older replica (anyone may fetch one), begun before the owner's newer push
+    and finished after it, rolled the holder back (review 78). Likewise a push the owner began before another key
+    took the uid over."""
+    owner, uid = Identity(), "ffn0.1.2"
+    holder = LiveHolder(stack, tmp_path)
+    holder.owners[uid] = owner.public_key
+    backend = trained(uid, 0)
+    r3, r5, r8, r9 = (sign(take(train(backend, steps)), owner) for steps in (3, 2, 3, 1))
+    assert push_snapshot(holder.stub, holder.endpoint, r3) == 3
+    go = threading.Event()
+    stack.callback(go.set)
+
+    def begun_then_held(signed: SignedSnapshot) -> Iterator[dmoe_pb2.ReplicaChunk]:
+        chunks = list(signed.chunks(1024))
+        yield chunks[0]
+        go.wait(60)
+        yield from chunks[1:]
+
+    def begin(signed: SignedSnapshot):
+        go.clear()
+        call = holder.stub.push.future(begun_then_held(signed), timeout=60)
+        wait_until(lambda: holder.servicer._announced == signed.header.size, 10, "the holder reading its header")
+        return call
+
+    replay = begin(r5)
+    assert push_snapshot(holder.stub, holder.endpoint, r8) == 8
+    go.set()
+    error = replay.exception(60)
+    assert error is not None and error.code() == grpc.StatusCode.FAILED_PRECONDITION, error
+    assert "this server holds a newer replica of ffn0.1.2 (8 updates) from the same owner" in error.details()
+    assert holder.held(uid) == 8
+
+    late = begin(r9)
+    holder.owners[uid] = Identity().public_key  # another key owns the uid before the push ends
+    go.set()
+    error = late.exception(60)
+    assert error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED, error
+    assert "which does not own it" in error.details()
+    assert holder.held(uid) == 8
+    with pytest.raises(ReplicaError) as refused:  # (and at the header, as before)
+        push_snapshot(holder.stub, holder.endpoint, r5)
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED

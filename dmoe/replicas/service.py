@@ -7,7 +7,9 @@ outlive its declaration), unless it has at least as many updates as the replica 
 one, while that one's signer pushed it within ``lineage_seconds`` (a key that declares a cell that emptied must not
 replace the previous owner's training with less before an adoption could take it; see :func:`_older`), unless its
 bytes are all there and are what the header says, and unless its state fits this server's own experts
-(``template``) with an update count its optimizer state agrees with. A refused push never
+(``template``) with an update count its optimizer state agrees with. The owner and the replica held are checked
+at the header and again at the commit, against the replica held then (a push may take minutes, and others finish
+meanwhile). A refused push never
 touches what was held: the new replica is written (atomically) only after every check passed. Accepted replicas
 count in the share of the budget of the machine that pushed them (see :mod:`dmoe.replicas.store`).
 
@@ -44,7 +46,7 @@ from dmoe.replicas.snapshots import (
     max_tensors,
     open_body,
 )
-from dmoe.replicas.store import Incoming, ReplicaStore
+from dmoe.replicas.store import HeldReplica, Incoming, ReplicaStore
 from dmoe.server.backend import ExpertBackend
 from dmoe.uid import split_uid
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
@@ -189,7 +191,7 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                                   f"replica of {header.uid} has {header.size} bytes, more than a snapshot of this "
                                   f"server's experts can take ({self.max_bytes})")
         self._check_layer(header.uid)
-        await self._check_signer(header)
+        owner = await self._check_signer(header)
         held = self.store.header(header.uid)
         if held is not None and held.sha256 == header.sha256 and held.signer == header.signer:
             # the same replica again (its signature vouches for the size and digest of the bytes held): nothing to
@@ -237,7 +239,8 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
             incoming.check()
             await asyncio.to_thread(incoming.finish)  # (synced before the queue: no push waits on another's disk)
             async with self._checking:  # one at a time: the check holds the whole snapshot in memory
-                await asyncio.to_thread(self._check_and_commit, incoming, source)
+                await asyncio.to_thread(self._check, incoming)
+            await self._commit(incoming, source, owner)
         finally:
             self._announced -= header.size
             self._announced_by[source] -= header.size
@@ -258,29 +261,39 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                                   f"this server holds replicas of layer{'s' * (len(self.layers) != 1)} "
                                   f"{', '.join(sorted(self.layers)) or '(none)'} only, not of {layer} ({uid})")
 
-    async def _check_signer(self, header: dmoe_pb2.ReplicaHeader) -> None:
+    async def _check_signer(self, header: dmoe_pb2.ReplicaHeader) -> bytes | None:
         """The signer must own the uid now, or, while nobody does, have signed the replica held here; a replica
-        with fewer updates than the one held is refused too, whoever signed either (see :func:`_older`)."""
+        with fewer updates than the one held is refused too, whoever signed either (see :func:`_older`). Checked
+        at the header, and again at the commit (see :meth:`_commit`). Returns the owner."""
         owner = await asyncio.to_thread(self.owner_of, header.uid)
-        held = self.store.header(header.uid)
+        refused = self._refusal(header, owner, self.store.held().get(header.uid))
+        if refused is not None:
+            raise refused
+        return owner
+
+    def _refusal(self, header: dmoe_pb2.ReplicaHeader, owner: bytes | None,
+                 held: HeldReplica | None) -> SnapshotRefused | None:
+        """Why a replica signed as ``header`` may not replace ``held`` (None: nothing is held) while ``owner`` owns
+        its uid (None: nobody), or None when it may."""
         signer = header.signer
         if owner != signer and not (owner is None and held is not None and held.signer == signer):
             named = f"the directory names {owner.hex()[:SIGNER_HEX]}" if owner else "nobody declares it now"
             if owner is None:
                 named += (f" and the replica held here is {held.signer.hex()[:SIGNER_HEX]}'s" if held is not None
                           else " and this server holds no replica of it")
-            raise SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
-                                  f"the replica of {header.uid} is signed by {signer.hex()[:SIGNER_HEX]}, which does "
-                                  f"not own it ({named})")
-        if held is not None and header.updates < held.updates and (held.signer == signer or self._kept(header.uid)):
-            raise _older(header, held, self.lineage_seconds)
+            return SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "not_owner",
+                                   f"the replica of {header.uid} is signed by {signer.hex()[:SIGNER_HEX]}, which "
+                                   f"does not own it ({named})")
+        if held is not None and header.updates < held.updates and (held.signer == signer or self._kept(held)):
+            return _older(header, held.header, self.lineage_seconds)
+        return None
 
-    def _kept(self, uid: str) -> bool:
-        """Whether the replica of ``uid`` held here was pushed by its signer within ``lineage_seconds``."""
-        held = self.store.held().get(uid)
-        return held is not None and time.time() - held.received_at < self.lineage_seconds
+    def _kept(self, held: HeldReplica) -> bool:
+        """Whether ``held`` was pushed by its signer within ``lineage_seconds``."""
+        return time.time() - held.received_at < self.lineage_seconds
 
-    def _check_and_commit(self, incoming: Incoming, source: str) -> None:
+    def _check(self, incoming: Incoming) -> None:
+        """Checks the state of the replica received (the whole snapshot in memory, for as long as this runs)."""
         signed = incoming.signed()
         try:
             check_state(open_body(signed, max_tensors(self.template)), self.template)
@@ -291,7 +304,18 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
             raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
                                   f"the state in the replica of {signed.uid} cannot be checked: "
                                   f"{type(error).__name__}: {error}") from None
-        incoming.commit(source)
+
+    async def _commit(self, incoming: Incoming, source: str, owner: bytes | None) -> None:
+        """Holds the replica received, unless the owner (``owner``: at its header) or the replica held changed
+        meanwhile so that it may not replace what is held now. Both were checked at the header only, and a replay of
+        the owner's older replica, begun before its newer push and finished after it, rolled the holder back
+        (review 78): the rules are applied again to the replica held at the commit, under the store's lock."""
+        header = incoming.header
+        try:
+            owner = await asyncio.to_thread(self.owner_of, header.uid)
+        except Exception as error:  # noqa: BLE001 - the directory as it was at the header, then
+            logger.debug("could not read the owner of %s again at its commit: %s", header.uid, error)
+        await asyncio.to_thread(incoming.commit, source, lambda held: self._refusal(header, owner, held))
 
     async def fetch(self, request: dmoe_pb2.ReplicaQuery, context) -> None:
         """Streams the replica of ``request.uid``: its header alone first (a caller that only wants the header,

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -190,7 +190,8 @@ class ReplicaStore:
         :class:`Incoming`)."""
         return Incoming(self, header)
 
-    def _commit(self, incoming: "Incoming", source: str | None) -> list[str]:
+    def _commit(self, incoming: "Incoming", source: str | None,
+                check: Callable[[HeldReplica | None], SnapshotRefused | None] | None = None) -> list[str]:
         header = incoming.header
         nbytes = os.stat(incoming.path).st_size
         if nbytes > self.budget_bytes:
@@ -198,6 +199,9 @@ class ReplicaStore:
                                   f"replica of {header.uid} has {nbytes} bytes, more than this server's replica "
                                   f"budget of {self.budget_bytes}")
         with self._lock:
+            refused = check(self._held.get(header.uid)) if check is not None else None
+            if refused is not None:  # (against what is held now: see Incoming.commit)
+                raise refused
             arrived = HeldReplica(header, nbytes, time.time(), source)
             evicted = self._to_evict(header.uid, arrived)
             os.replace(incoming.path, self._path(header.uid))  # written and synced: evicting now costs nothing more
@@ -324,11 +328,15 @@ class Incoming:
             file.seek(self._start)
             return SignedSnapshot(self.header, file.read())
 
-    def commit(self, source: str | None = None) -> list[str]:
-        """Holds the replica (``source``: the machine that pushed it); returns the uids evicted to make room."""
+    def commit(self, source: str | None = None,
+               check: Callable[[HeldReplica | None], SnapshotRefused | None] | None = None) -> list[str]:
+        """Holds the replica (``source``: the machine that pushed it); returns the uids evicted to make room.
+        ``check`` is given the replica held of its expert at the moment it would be replaced, under the store's
+        lock, and refuses the commit by returning why (raised): checked only when the push began, an older replica
+        begun before a newer one and finished after it replaced it (review 78)."""
         self.finish()
         try:
-            return self.store._commit(self, source)
+            return self.store._commit(self, source, check)
         finally:
             self.discard()  # (renamed already, unless the commit failed)
 
