@@ -1042,10 +1042,13 @@ def standby_args(peer: str, layer: str, replica_dir: Path, *extra: str) -> list[
     return args
 
 
-def test_a_standby_restarted_resumes_the_training_it_did_since_it_adopted_its_cell(tmp_path):
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["checkpoint-dir", "replica-dir-only"])
+def test_a_standby_restarted_resumes_the_training_it_did_since_it_adopted_its_cell(tmp_path, checkpoint):
     """Review 59: a standby is built with the cells it chose and stops serving them (others own them); once it had
     adopted one, its checkpoint went on saving the copy it had dropped, and its restart served the expert as it
-    was when the standby was built, losing every update since the adoption."""
+    was when the standby was built, losing every update since the adoption. Review 78: a standby without
+    --checkpoint-dir lost them too, even on a clean stop: its pusher kept adopted experts in its own replica
+    store only when their uid was not one the server was built with."""
     uid = "ffn0.0.0"
     with processes() as procs:
         procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
@@ -1054,7 +1057,8 @@ def test_a_standby_restarted_resumes_the_training_it_did_since_it_adopted_its_ce
         leaving_endpoint = leaving.endpoint()
         with DHT(initial_peers=[peer], client_mode=True) as dht:
             wait_until(lambda: get_experts(dht, [uid]) == [leaving_endpoint], 30, f"A declaring {uid}")
-            b_args = standby_args(peer, "ffn0", tmp_path / "b", "--checkpoint-dir", str(tmp_path / "b-checkpoint"))
+            b_args = standby_args(peer, "ffn0", tmp_path / "b",
+                                  *(["--checkpoint-dir", str(tmp_path / "b-checkpoint")] if checkpoint else []))
             procs.append(standby := Proc(b_args))
             first = standby.endpoint()
             wait_until((tmp_path / "b" / f"{uid}.replica").exists, 60, f"A's first push of {uid} to B")

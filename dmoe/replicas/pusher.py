@@ -15,10 +15,12 @@ only after the hosts that did not fail, and a round ends by its deadline (the lo
 timeout; the last one, on a clean stop, within the push timeout of the stop): what a SIGKILL loses stays about one
 interval.
 
-Experts added to the server after the pusher was built (adopted ones) are in no checkpoint of the server's, so
-each round also keeps their snapshot, signed as pushed, in the server's own replica store whenever they trained
-since: a restarted adopter finds its own training there, where it held the old owner's replica before, and
-adopts it again from that (even when it had no other host to push it to).
+Experts that no checkpoint of the server's saves and that it was not built with (adopted ones) have nothing else
+on this server that keeps their training, so each round also keeps their snapshot, signed as pushed, in the
+server's own replica store whenever they trained since: a restarted adopter finds its own training there, where it
+held the old owner's replica before, and adopts it again from that (even when it had no other host to push it to).
+That includes a standby's own cell adopted back after it was dropped, when the standby has no checkpoint: the uid
+was one it was built with, and its training since the adoption was lost even on a clean stop (review 78).
 
 The fetching end (adoption's) is here too: :func:`fetch_snapshot` gives up on a holder that sends no header
 within :data:`HEADER_TIMEOUT` or no later message within :data:`STALL_TIMEOUT`, not only at its whole timeout, and
@@ -31,6 +33,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Iterator, Sequence
@@ -341,8 +344,9 @@ class ReplicaPusher:
         workers: experts pushed at once.
         machine: this server's machine token (see :class:`~dmoe.replicas.ReplicaConfig`): no replica goes to a host
             of the same machine, and at most one replica of an expert to each machine.
-        store: the server's own replica store, where the experts added to ``server`` after this pusher was built
-            (adopted: no checkpoint holds them) are kept too (see the module doc); None: nowhere.
+        store: the server's own replica store, where the experts that ``server`` serves with another backend than
+            the one it was built with (adopted), and that its checkpoint does not save, are kept too (see the module
+            doc); None: nowhere.
     """
 
     def __init__(self, server: "ExpertServer", dht: DHT, identity: Identity, *, replicas: int = 2,
@@ -358,7 +362,9 @@ class ReplicaPusher:
         self.stall_timeout = stall_timeout
         self.channels = channels or ReplicaChannels()
         self.machine, self.store = machine, store
-        self._built_with = frozenset(server.backends)  # (its checkpoint holds these, when it has one)
+        # the backends the server was built with (weakly: a standby's dropped copies must be freed); of those, a
+        # server restarted with the same flags finds the training again, in its checkpoint or its replicas' holders
+        self._built = {uid: weakref.ref(backend) for uid, backend in server.backends.items()}
         self._unkept: dict[str, int] = {}  # uid -> the updates of an adopted expert whose snapshot the store refused
         self.rounds = 0
         self._pushed: dict[tuple[str, str], _Pushed] = {}  # (uid, host endpoint) -> what it got last
@@ -424,7 +430,7 @@ class ReplicaPusher:
         leave_out = self._failed_before if last else self._backing_off
         ranked = sorted((host for host in hosts if not leave_out(uid, host.endpoint)),
                         key=lambda host: (self._failed_before(uid, host.endpoint), distance(uid, host.key)))
-        signed = self._keep(uid, backend) if uid not in self._built_with else None
+        signed = self._keep(uid, backend) if not self._saved_otherwise(uid, backend) else None
         placed: list[str] = []
         machines: set[str | None] = set()  # of the hosts placed: one replica per machine, which may leave whole
         for _, endpoint, machine in ranked:
@@ -521,6 +527,17 @@ class ReplicaPusher:
         with self._failing_lock:
             for key in [key for key in self._failing if (key if isinstance(key, str) else key[1]) not in announced]:
                 del self._failing[key]
+
+    def _saved_otherwise(self, uid: str, backend) -> bool:
+        """Whether something other than this server's own replica store keeps ``backend``'s training here: the
+        server's checkpoint, which saves the backend serving each of its uids now, or, for a backend the server was
+        built with, the replicas it pushes, which its restart restores. Deciding by the uids it was built with lost
+        a standby's training: a cell it chose and dropped, then adopted back, is a new backend (review 78)."""
+        checkpoints = getattr(self.server, "checkpoints", None)
+        if checkpoints is not None and uid in checkpoints.backends:
+            return True
+        built = self._built.get(uid)
+        return built is not None and built() is backend
 
     def _keep(self, uid: str, backend) -> SignedSnapshot | None:
         """Writes the snapshot of an adopted expert into this server's own store when it trained since the one kept
