@@ -1076,6 +1076,9 @@ def test_a_state_past_the_step_its_record_claims_is_refused_after_its_first_mess
     capture = lambda step, lineage: encode_state(  # noqa: E731
         TrainingState.capture(step, lineage, 2, list(ahead.parameters()), ahead_opt), "claim")
     far, next_one = capture(999_999_999, "deadbeef"), capture(3, "feedface")
+    big = torch.nn.Linear(1024, 4096)  # 16 MiB: 8 parts, more than the stream's window
+    far_and_big = encode_state(TrainingState.capture(999_999_999, "deadbeef", 2, list(big.parameters()),
+                                                     torch.optim.SGD(big.parameters(), lr=0.1)), "claim")
     sent: list[int] = []
 
     class Counted(list):  # the messages the server sent of the far state
@@ -1085,12 +1088,13 @@ def test_a_state_past_the_step_its_record_claims_is_refused_after_its_first_mess
                 yield message
 
     with DHT([bootstrap], client_mode=True) as hostile, \
-            StateServer(StateServicer("claim", lambda: Counted(far))) as far_server, \
+            StateServer(StateServicer("claim", lambda: far)) as far_server, \
+            StateServer(StateServicer("claim", lambda: Counted(far_and_big))) as big_server, \
             StateServer(StateServicer("claim", lambda: next_one)) as honest:
         with pytest.raises(StateMismatch, match="no"):
-            download_state(far_server.endpoint, "claim", 10, 1 << 30,
+            download_state(big_server.endpoint, "claim", 10, 1 << 30,
                            check_head=lambda step, lineage: (_ for _ in ()).throw(StateMismatch("no")))
-        assert len(sent) < len(far) and len(far) > 4  # not the whole state
+        assert len(sent) < len(far_and_big) - 2  # not the whole state
         now = time.time()
         hostile.store_many({progress_key("claim"): {pid: (p.encode(), now + 60) for pid, p in {
             931: Progress(3, 0, 1.0, now, far_server.endpoint, ACCUMULATING, "0123abcd", 2),
@@ -1105,6 +1109,34 @@ def test_a_state_past_the_step_its_record_claims_is_refused_after_its_first_mess
     assert re.search(r"ignoring trainer 931 for 5 s: its state at \S+ was refused: it claims step 3 but serves step "
                      r"999999999, more than one step further", caplog.text), caplog.text
     assert "downloaded the state at step 3 from trainer 932" in caplog.text
+
+
+def test_a_trainer_that_stepped_twice_since_its_record_was_read_is_downloaded_from_not_banned(bootstrap, caplog):
+    """A trainer back from a pause reads records up to a refresh period old: a partner that stepped twice meanwhile
+    was banned as serving "more than one step further" (review 83). Its record read again says so: no ban."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepped = encode_state(TrainingState.capture(5, "feedface", 2, list(model.parameters()), opt), "fast")
+    with DHT([bootstrap], client_mode=True) as fast:
+        def publish(step: int, lineage: str, endpoint: str) -> None:
+            now = time.time()
+            fast.store(progress_key("fast"), 951, Progress(step, 0, 1.0, now, endpoint, ACCUMULATING, lineage,
+                                                           2).encode(), now + 60)
+
+        def provide():  # it publishes its new step as the download begins: the joiner read the old one
+            publish(5, "feedface", server.endpoint)
+            return stepped
+
+        with StateServer(StateServicer("fast", provide)) as server:
+            publish(3, "0123abcd", server.endpoint)
+            with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                    torch.optim.SGD(torch.nn.Linear(4, 3).parameters(), lr=0.1), dht, "fast", 100,
+                    refresh_period=0.2, progress_ttl=30.0, client_mode=True) as collab:
+                wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2) and collab.local_step == 5)
+                assert collab.steps_downloaded == 1
+    assert "stepped on since its record was read" in caplog.text and "ignoring trainer 951" not in caplog.text
 
 
 def test_finish_takes_no_state_past_its_own_step(bootstrap, caplog):

@@ -389,7 +389,15 @@ class CollaborativeOptimizer:
         except _BeyondLimit as error:  # it stepped on since its record was read: honest, and ahead of this trainer
             logger.info("no state downloaded from trainer %s: %s", peer_id, error)
             return False
-        except _TooFarAhead as error:  # honest only if it stepped twice within a read of the records: not for long
+        except _TooFarAhead as error:
+            # honest when it stepped twice since its record was read (a trainer back from a pause reads records up
+            # to a refresh period old): its record read now says so, and it is downloaded from at the next call.
+            # A record still claiming less than it serves names someone else's endpoint: banned, briefly
+            self.tracker.refresh_now()
+            now = self.tracker.state().peers.get(peer_id)
+            if now is not None and now.endpoint == claimed.endpoint and now.step + 1 >= error.served:
+                logger.info("trainer %s stepped on since its record was read (%s); trying again", peer_id, error)
+                return False
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}",
                              seconds=min(BUSY_BAN, self.config.ban_time))
             return False
@@ -489,7 +497,11 @@ class CollaborativeOptimizer:
 
 
 class _TooFarAhead(StateMismatch):
-    """A state more than one step past the one its record claimed."""
+    """A state more than one step past the one its record claimed (``served``: its step)."""
+
+    def __init__(self, message: str, served: int):
+        super().__init__(message)
+        self.served = served
 
 
 class _BeyondLimit(StateMismatch):
@@ -510,6 +522,6 @@ def _claim_check(claimed: Progress, at_most: int | None) -> Callable[[int, str],
         if step == claimed.step and lineage != claimed.lineage:
             raise StateMismatch(f"it claims lineage {claimed.lineage} at step {claimed.step} but serves {lineage}")
         if step > claimed.step + 1:
-            raise _TooFarAhead(f"it claims step {claimed.step} but serves step {step}, more than one step further")
+            raise _TooFarAhead(f"it claims step {claimed.step} but serves step {step}, more than one step further", step)
 
     return check

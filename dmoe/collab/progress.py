@@ -304,6 +304,7 @@ class ProgressTracker:
         # one warning per peer and reason an hour, 100 an hour in all: a writer cycling fresh ids under malformed
         # entries logged a line per id (90 a second in review 77's repro) and grew a set of them without bound
         self._warnings = ThrottledWarnings(logger, period=3600.0, max_per_period=100)
+        self._warnings_lock = threading.Lock()  # (the tracker's thread and the trainer's both refresh)
         self._expiration = 0.0
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()
@@ -426,8 +427,9 @@ class ProgressTracker:
         with self._publish_lock:
             taken, self.peer_id = self.peer_id, new_peer_id()
             self._expiration, self._unpublished = 0.0, 0
-        logger.warning("another DHT key took this trainer's progress id %s; publishing as %s from now on", taken,
-                       self.peer_id)
+        with self._warnings_lock:  # (at most once an hour: whoever holds the record's replicas could make it every read)
+            self._warnings.warn("id taken", "", "another DHT key took this trainer's progress id %s; publishing as %s "
+                                "from now on", taken, self.peer_id)
         self.publish_now()
 
     def owners(self, peer_ids: Iterable[int]) -> set[bytes]:
@@ -463,7 +465,9 @@ class ProgressTracker:
         return seconds
 
     def _refuse(self, peer_id: int, kind: str, message: str) -> None:
-        self._warnings.warn(kind, str(peer_id), "refused the progress record of trainer %s: it %s", peer_id, message)
+        with self._warnings_lock:
+            self._warnings.warn(kind, str(peer_id), "refused the progress record of trainer %s: it %s", peer_id,
+                                message)
 
     def wake(self) -> None:
         """Publishes and reads again now instead of at the end of the refresh period (the target is near: every
