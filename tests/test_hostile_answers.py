@@ -289,7 +289,7 @@ def refusing_rows(request: bytes, context) -> bytes:
                                                       message="too many rows for my max_batch_size")] * len(items)))
 
 
-@pytest.mark.parametrize("hparams", ["{this is not json", "[" * 100_000])
+@pytest.mark.parametrize("hparams", ["{this is not json", "[" * 50_000])  # (under MAX_HPARAMS_CHARS: parsed)
 def test_an_info_that_does_not_parse_after_a_refusal_drops_and_bans_the_expert(pool, hparams):
     """Review 71: json.loads's error came out of the layer's forward, and as nothing was banned, every step."""
     def info(request: bytes, context) -> bytes:
