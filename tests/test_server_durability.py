@@ -33,6 +33,16 @@ def refused(*flags: str, timeout: float = 120) -> str:
     return exit_output(server_args(*flags), 2, timeout)
 
 
+def refused_here(capsys, *flags: str) -> str:
+    """What the server program prints as it refuses ``flags`` with status 2 (an argparse error), run in this process
+    (a program of its own costs seconds of imports): only for refusals that come before it starts anything (a DHT
+    node, a thread, a lock it would keep)."""
+    with pytest.raises(SystemExit) as exit_info:
+        server_program.main(server_args(*flags)[2:])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("processes_flag", [(), ("--processes", "2")])
 def test_the_same_num_experts_command_resumes_the_same_cells(tmp_path, processes_flag):
     flags = ("--num-experts", "2", "--grid", "8", "--layer", "ffn", "--checkpoint-dir", str(tmp_path),
@@ -52,57 +62,40 @@ def test_the_same_num_experts_command_resumes_the_same_cells(tmp_path, processes
     assert [saved_uids(directory) for directory in directories] == cells
 
 
-def test_a_second_server_on_the_same_checkpoint_directory_is_refused(tmp_path):
+def test_a_serving_servers_directory_key_and_port_are_refused_and_a_closed_terminal_stops_it(tmp_path, capsys):
+    """One server's resources, each refused to a second server naming its flag while the first serves: its
+    --checkpoint-dir (with --processes too), its DHT identity (review 75: a server whose --replica-dir was another's
+    --checkpoint-dir took both of its locks, separate files, but loaded that one's key: two servers under one key
+    overwrote each other's uids without a word; also given as --identity), its --port. Then a closed terminal
+    (SIGHUP) stops it with its last checkpoint, of its own experts, not a refused one's, and its key is free again.
+    (One server for all: each check was a test that started the same server.)"""
     with processes() as procs:
         procs.append(first := Proc(server_args("--experts", "a.[0:2]", "--checkpoint-dir", str(tmp_path))))
-        first.endpoint(timeout=120)
-        output = refused("--experts", "b.[0:2]", "--checkpoint-dir", str(tmp_path))
-        assert "argument --checkpoint-dir" in output and "in use by another server" in output, output
-        output = refused("--experts", "b.[0:2]", "--checkpoint-dir", str(tmp_path), "--processes", "2")
-        assert "argument --checkpoint-dir" in output and "in use by another server" in output, output
-        assert first.alive
-        stopped(first)
-    assert saved_uids(tmp_path) == ["a.0", "a.1"]  # the first server's experts, not the refused one's
-
-
-def test_a_second_server_under_the_same_dht_identity_is_refused(tmp_path):
-    """Review 75: a server whose --replica-dir is another's --checkpoint-dir took both of its locks (separate files)
-    but loaded that one's key: two servers under one key overwrote each other's uids without a word."""
-    with processes() as procs:
-        procs.append(first := Proc(server_args("--experts", "a.[0:2]", "--checkpoint-dir", str(tmp_path))))
-        first.endpoint(timeout=120)
+        port = re.search(r":(\d+)$", first.endpoint(timeout=120)).group(1)
         peer = re.search(r"DHT node at (\S+)", "".join(first.output)).group(1)
-        output = refused("--experts", "b.[0:2]", "--replica-dir", str(tmp_path), "--initial-peers", peer)
+        output = refused_here(capsys, "--experts", "b.[0:2]", "--checkpoint-dir", str(tmp_path))
+        assert "argument --checkpoint-dir" in output and "in use by another server" in output, output
+        output = refused_here(capsys, "--experts", "b.[0:2]", "--checkpoint-dir", str(tmp_path), "--processes", "2")
+        assert "argument --checkpoint-dir" in output and "in use by another server" in output, output
+
+        output = refused_here(capsys, "--experts", "b.[0:2]", "--replica-dir", str(tmp_path), "--initial-peers", peer)
         assert "argument --replica-dir: the DHT identity" in output and "in use by another server" in output, output
         # the lock is on the key itself: nothing to create beside a key on a read-only mount (review 76)
         assert sorted(path.name for path in tmp_path.glob("dht_identity*")) == ["dht_identity.key"]
-        output = refused("--experts", "b.[0:2]", "--identity", str(tmp_path / "dht_identity.key"))
+        output = refused_here(capsys, "--experts", "b.[0:2]", "--identity", str(tmp_path / "dht_identity.key"))
         assert "argument --identity" in output, output
+
+        output = refused("--experts", "b.[0:2]", "--port", port)  # (a program: it starts a DHT node first)
+        assert "argument --port" in output and "could not listen" in output, output
         assert first.alive
-        stopped(first)
+        output = stopped(first, signal.SIGHUP)
+    assert "SIGHUP received" in output and "final checkpoint written" in output, output
+    assert saved_uids(tmp_path) == ["a.0", "a.1"]  # the first server's experts, not a refused one's
     with processes() as procs:  # and once it stopped, the key is free again
         procs.append(again := Proc(server_args("--experts", "b.[0:2]", "--identity",
                                                str(tmp_path / "dht_identity.key"))))
         again.endpoint(timeout=120)
         stopped(again)
-
-
-def test_a_closed_terminal_stops_the_server_with_its_last_checkpoint(tmp_path):
-    with processes() as procs:
-        procs.append(proc := Proc(server_args("--experts", "a.[0:2]", "--checkpoint-dir", str(tmp_path))))
-        proc.endpoint(timeout=120)
-        output = stopped(proc, signal.SIGHUP)
-    assert "SIGHUP received" in output and "final checkpoint written" in output, output
-    assert saved_uids(tmp_path) == ["a.0", "a.1"]
-
-
-def test_a_port_in_use_is_refused_naming_the_flag():
-    with processes() as procs:
-        procs.append(first := Proc(server_args("--experts", "a.[0:2]")))
-        port = re.search(r":(\d+)$", first.endpoint(timeout=120)).group(1)
-        output = refused("--experts", "b.[0:2]", "--port", port)
-        assert "argument --port" in output and "could not listen" in output, output
-        assert first.alive
 
 
 def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid_but_to_a_replica_holder(tmp_path):
