@@ -9,13 +9,14 @@ import time
 import pytest
 import torch
 
+from dmoe.cli import server as server_program
 from dmoe.client.remote_expert import backward_future, expert_info, forward_future
 from dmoe.dht import DHT
 from dmoe.directory import get_experts
 from dmoe.experts import create_expert
 from dmoe.server import ExpertBackend, ExpertServer, ServerConfig
 from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint
-from tests.procs import Proc, exit_output, processes
+from tests.procs import Proc, processes
 
 HIDDEN = 8
 INTERVAL = 0.5
@@ -99,6 +100,20 @@ def test_killed_server_restarts_from_its_last_checkpoint_losing_at_most_one_inte
         assert adam_steps(Checkpoints(tmp_path, {}).read(), "ck.1") == 1
 
 
+def refused_here(capsys, args: list[str]) -> str:
+    """What ``dmoe-server`` (``args``: :func:`server_args`) prints as it refuses its checkpoint with status 2 (an
+    argparse error), run in this process (a program of its own costs seconds of imports): a checkpoint is refused as
+    the server is built, before the program starts anything (a DHT node, a thread)."""
+    threads = torch.get_num_threads()  # (the program sets its --torch-threads)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            server_program.main(args[2:])
+    finally:
+        torch.set_num_threads(threads)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
 def save_checkpoint(directory, uids="ck.[0:2]", **kwargs) -> None:
     ExpertServer.create(uids, "ffn", HIDDEN, config=ServerConfig(device="cpu", checkpoint_dir=str(directory)),
                         **kwargs).checkpoints.save()
@@ -130,20 +145,20 @@ def test_same_experts_with_another_seed_are_restored(tmp_path):
     torch.testing.assert_close(server.backends["ck.1"].module.state_dict(), saved["experts"]["ck.1"]["state"]["module"])
 
 
-def test_dmoe_server_refuses_a_mismatching_checkpoint_with_an_argparse_error(tmp_path):
+def test_dmoe_server_refuses_a_mismatching_checkpoint_with_an_argparse_error(tmp_path, capsys):
     save_checkpoint(tmp_path)
-    output = exit_output(server_args(tmp_path, "--hidden-dim", "16"))
+    output = refused_here(capsys, server_args(tmp_path, "--hidden-dim", "16"))
     assert "argument --checkpoint-dir" in output and "hidden_dim was 8, now 16" in output, output
 
 
-def test_a_checkpoint_altered_by_hand_is_refused_as_corrupt_not_with_a_traceback(tmp_path):
+def test_a_checkpoint_altered_by_hand_is_refused_as_corrupt_not_with_a_traceback(tmp_path, capsys):
     save_checkpoint(tmp_path)
     state = torch.load(tmp_path / FILENAME, weights_only=True)
     del state["experts"]["ck.1"]["description"]["parameters"]
     torch.save(state, tmp_path / FILENAME)
     with pytest.raises(CorruptCheckpoint, match="lacks parts"):
         save_checkpoint(tmp_path)
-    output = exit_output(server_args(tmp_path))
+    output = refused_here(capsys, server_args(tmp_path))
     assert "argument --checkpoint-dir" in output and "lacks parts" in output, output
 
 
