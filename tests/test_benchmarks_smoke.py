@@ -151,8 +151,9 @@ def test_latency_benchmark_quick_writes_sane_csv_and_png(tmp_path):
 
 
 def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
+    # 2 runs at once, as on the page; the faulty run's swarm of one server (the tiny grid's 4 experts): one process less
     stdout = run_benchmark("bench_quality.py", "--quick", "--report-only", "--variants", "local", "remote-faulty",
-                           "no-experts", "--jobs", "2", "--results", str(tmp_path))  # 2 runs at once, as on the page
+                           "no-experts", "--jobs", "2", "--servers", "1", "--results", str(tmp_path))
     rows = read_csv(tmp_path / "quality_tiny.csv")  # in the order asked for, whatever order they finished in
     assert [r["variant"] for r in rows] == ["local", "remote-faulty", "no-experts"]
     losses = [float(r["val_loss"]) for r in rows]
@@ -176,8 +177,9 @@ def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
 
 
 def test_layer_benchmark_quick_writes_sane_csv(tmp_path):
-    stdout = run_benchmark("bench_layer.py", "--quick", "--rounds", "2", "--profile", "--client-profile", "--results",
-                           str(tmp_path))
+    # (a 2x2 grid: a quarter of the experts to build, step and report on, for the same checks)
+    stdout = run_benchmark("bench_layer.py", "--quick", "--grid", "2", "2", "--rounds", "2", "--profile",
+                           "--client-profile", "--results", str(tmp_path))
     assert "speed vs in-proc" in stdout
     assert "server stages at batch 8" in stdout and "server stages at batch 32" in stdout
     # the client's stages: every timed step sent calls and waited for them (3 steps x 2 rounds)
