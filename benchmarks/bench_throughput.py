@@ -98,8 +98,8 @@ def preset_cases(name: str) -> list[Case]:
                 for batch in (256, 1024, 2048) for mode in MODES]
     if name == "sizes":  # one forward at a time of 4 KiB to 1 MiB: where the shared-memory path starts to pay
         return [Case("nop", 1024, batch, "fwd", clients=1, inflight=1, experts=1) for batch in (1, 4, 16, 64, 256)]
-    if name == "smoke":  # what the test suite runs: every mode once, in seconds
-        return [Case("ffn", 32, 16, mode, clients=1, inflight=2, experts=2) for mode in MODES]
+    if name == "smoke":  # what the test suite runs (with --clients 1 --inflight 2): every mode once, in seconds
+        return [Case("ffn", 32, 16, mode, clients=2, inflight=1, experts=2) for mode in MODES]
     if name in ("quick", "overhead", "full"):
         for mode in ("fwd+bwd", "fwd"):
             cases.append(Case("nop", 16, 1, mode, clients=8, inflight=2, experts=4))

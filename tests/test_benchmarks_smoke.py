@@ -243,13 +243,15 @@ def test_grpc_echo_benchmark_times_a_round_trip_and_a_copy(tmp_path):
 def test_throughput_benchmark_smoke_reports_what_the_server_formed(tmp_path):
     from dmoe.wire.shared_memory import AVAILABLE
 
-    # every request through shared memory, however small (the smoke's are 2 KiB): the share is read from the server
-    stdout = run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "2", "--clients", "2",
-                           "--inflight", "1", "--shared-memory-min-bytes", "0", "--results", str(tmp_path))
+    # every request through shared memory, however small (the smoke's are 2 KiB): the share is read from the server;
+    # one client process (the preset's are 2 of 1 request in flight) and windows of a quarter second (not half)
+    stdout = run_benchmark("bench_throughput.py", "--preset", "smoke", "--rounds", "2", "--clients", "1",
+                           "--inflight", "2", "--duration", "0.25", "--shared-memory-min-bytes", "0", "--results",
+                           str(tmp_path))
     (path,) = tmp_path.glob("throughput_smoke_cpu_*.csv")
     rows = {r["mode"]: r for r in read_csv(path)}
     assert set(rows) == {"fwd", "fwd+bwd", "fwd+bwd cached"}
-    assert all((r["clients"], r["inflight"]) == ("2", "1") for r in rows.values())  # the flags replaced the preset's
+    assert all((r["clients"], r["inflight"]) == ("1", "2") for r in rows.values())  # the flags replaced the preset's
     for mode, r in rows.items():
         batch = int(r["batch"])
         assert float(r["remote_samples_per_s"]) > 0 and float(r["limit_samples_per_s"]) > 0
