@@ -62,12 +62,17 @@ STEPPED = re.compile(r"step (\d+): (?:averaged|stepped alone with) (\d+) samples
 SAVED = re.compile(r"saved step (\d+)")
 
 
-def child(save_dir: str | None, argv: list[str]) -> int:
-    """One trainer: ``dmoe-train`` with ``argv``, saving the client's parameters after every step to ``save_dir``."""
+def child(save_dir: str | None, argv: list[str], plot: bool = True) -> int:
+    """One trainer: ``dmoe-train`` with ``argv``, saving the client's parameters after every step to ``save_dir``;
+    without ``plot``, no loss curve (matplotlib costs a smoke trainer a second or more of CPU)."""
     import logging
 
     from dmoe.cli.train import parse_config
+    from dmoe.trainer import loop
     from dmoe.trainer.loop import train
+
+    if not plot:
+        loop.plot_losses = lambda history, path: path
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("dmoe.dht", "dmoe.averaging", "dmoe.client"):
@@ -177,12 +182,19 @@ def result_of(proc: Proc, timeout: float) -> dict:
     return json.loads(found.string[len("result "):])
 
 
+def child_command(args: argparse.Namespace, save_dir: Path | None = None) -> list[str]:
+    """This script as a trainer (``--child``): saving its parameters to ``save_dir``, with no loss curve in a smoke
+    run (nobody looks at it)."""
+    return [str(Path(__file__).resolve()), "--child", *(["--save-dir", str(save_dir)] if save_dir else []),
+            *(["--no-plot"] if args.smoke else [])]
+
+
 def run_single(args: argparse.Namespace, data: str, work: Path) -> Run:
     started = time.monotonic()
     with LocalSwarm(swarm_config(args)) as swarm, processes() as procs:
         swarm.wait_declared()
         # (its own --out-dir: the default, runs/train/, may hold a user's checkpoint, which it would overwrite)
-        proc = Proc([str(Path(__file__).resolve()), "--child", *model_flags(args, data), "--batch-size",
+        proc = Proc([*child_command(args), *model_flags(args, data), "--batch-size",
                      str(args.batch), "--initial-peers", swarm.initial_peers, "--out-dir", str(work / "single")],
                     env={"TQDM_DISABLE": "1"})
         procs.append(proc)
@@ -202,7 +214,7 @@ def run_collab(args: argparse.Namespace, data: str, work: Path, kill: bool) -> R
     with LocalSwarm(swarm_config(args)) as swarm, processes() as procs:
         swarm.wait_declared()
         for i, d in enumerate(dirs):
-            procs.append(Proc([str(Path(__file__).resolve()), "--child", "--save-dir", str(d), *model_flags(args, data),
+            procs.append(Proc([*child_command(args, d), *model_flags(args, data),
                                "--batch-size", str(args.batch // n), "--initial-peers", swarm.initial_peers,
                                "--collaborate", name, "--target-batch-size", str(args.batch),
                                "--data-shard", str(i), "--data-shards", str(n), "--wait-for-trainers", str(n),
@@ -253,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[1:]
         if rest[:1] == ["--save-dir"]:
             save, rest = rest[1], rest[2:]
-        return child(save, rest)
+        plot = rest[:1] != ["--no-plot"]
+        return child(save, rest if plot else rest[1:], plot)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=240, help="optimizer steps S of every run")
     parser.add_argument("--batch", type=int, default=32, help="batch B of the single trainer = the target batch size")
