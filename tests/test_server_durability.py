@@ -98,7 +98,7 @@ def test_a_serving_servers_directory_key_and_port_are_refused_and_a_closed_termi
         stopped(again)
 
 
-def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid_but_to_a_replica_holder(tmp_path):
+def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid_but_to_a_replica_holder(tmp_path, capsys):
     """Review 56: with no cell free, --num-experts took served ones, whose uids their servers own: the server served
     an expert nobody was sent to and logged an error every refresh."""
     with processes() as procs:
@@ -106,8 +106,10 @@ def test_num_experts_takes_free_cells_only_and_refuses_a_full_grid_but_to_a_repl
         full.endpoint(timeout=120)
         peer = re.search(r"DHT node at (\S+)", "".join(full.output)).group(1)
         grid = ("--grid", "2", "2", "--layer", "ffn7", "--initial-peers", peer)
-        for flags in (("--num-experts", "1"), ("--num-experts", "2", "--processes", "2")):
-            output = refused(*flags, *grid)
+        # one process: refused once its DHT node looked (a program: it does not close that node as it refuses);
+        # processes: refused by the parent, which closes its node as it refuses, before any child starts
+        for output in (refused("--num-experts", "1", *grid),
+                       refused_here(capsys, "--num-experts", "2", "--processes", "2", *grid)):
             assert "argument --num-experts: every cell of the 2 x 2 grid of --layer ffn7 is served" in output, output
         # with --replica-dir it starts as a standby: it holds replicas and adopts the cells that empty (review 58:
         # with --processes it was refused, telling the user to give the --replica-dir given)
