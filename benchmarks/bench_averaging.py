@@ -108,16 +108,17 @@ async def stream_to(endpoint: str, numel: int, repeats: int, rate: float) -> lis
     return seconds[1:]
 
 
-def single_stream_limit(numel: int, repeats: int, rate: float = 0.0) -> float:
-    """Bytes per second through one gRPC stream between two processes (the median of ``repeats``), its sender
-    paced to ``rate`` bytes per second (0: as fast as it goes)."""
+def single_stream_limits(numel: int, runs: list[tuple[int, float]]) -> list[float]:
+    """Bytes per second through one gRPC stream between two processes, for each ``(repeats, rate)`` of ``runs`` in
+    turn: the median of ``repeats`` streams, their sender paced to ``rate`` bytes per second (0: as fast as it goes).
+    One sink and one source process serve every run (each run on a connection of its own, warmed up first)."""
     with processes() as procs:
         procs.append(Proc([SCRIPT, "--role", "sink"]))
         endpoint = procs[0].wait_for(r"listening on (\S+)").group(1)
         procs.append(Proc([SCRIPT, "--role", "source", "--endpoint", endpoint, "--numel", str(numel),
-                           "--rounds", str(repeats), "--max-send-rate", str(rate)]))
-        seconds = json.loads(procs[1].wait_for(r"^seconds (.*)", timeout=600).group(1))
-    return numel * 4 / statistics.median(seconds)
+                           "--limit-runs", json.dumps(runs)]))
+        runs_seconds = [json.loads(procs[1].wait_for(r"^seconds (.*)", timeout=600).group(1)) for _ in runs]
+    return [numel * 4 / statistics.median(seconds) for seconds in runs_seconds]
 
 
 # --- peers ---------------------------------------------------------------------------------------------------
@@ -336,6 +337,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--start-file", help=argparse.SUPPRESS)
     parser.add_argument("--max-send-rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--limit-runs", default="[]", help=argparse.SUPPRESS)  # the source's [[repeats, rate], ...]
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -343,18 +345,19 @@ def main() -> None:
         asyncio.run(serve_sink())
         return
     if args.role == "source":
-        seconds = asyncio.run(stream_to(args.endpoint, args.numel, args.rounds, args.max_send_rate))
-        print("seconds " + json.dumps(seconds), flush=True)
+        for repeats, rate in json.loads(args.limit_runs):
+            seconds = asyncio.run(stream_to(args.endpoint, args.numel, repeats, rate))
+            print("seconds " + json.dumps(seconds), flush=True)
         return
     if args.role == "peers":
         run_peers(args)
         return
 
-    limit = single_stream_limit(args.numel, args.limit_repeats)
-    print(f"single gRPC stream between two processes: {args.numel * 4 / 1e6:.0f} MB at {limit / 1e6:.1f} MB/s")
     paced_peers = [n for n in args.paced_peers if n > 0]
     rate = args.uplink_MBps * 1e6
-    paced_limit = single_stream_limit(args.numel, 1, rate) if paced_peers else 0.0
+    runs = [(args.limit_repeats, 0.0)] + ([(1, rate)] if paced_peers else [])  # the paced one once: it is slow
+    limit, paced_limit = (single_stream_limits(args.numel, runs) + [0.0])[:2]
+    print(f"single gRPC stream between two processes: {args.numel * 4 / 1e6:.0f} MB at {limit / 1e6:.1f} MB/s")
     if paced_peers:
         print(f"the same stream paced to {args.uplink_MBps:g} MB/s: {paced_limit / 1e6:.1f} MB/s")
     with tempfile.TemporaryDirectory() as work, DHT() as dht:
