@@ -77,17 +77,21 @@ class Proc:
         full_env[PARENT_ENV] = str(os.getpid())  # dmoe programs stop when this process dies without stopping them
         self.args = list(args)
         self.echo = echo
-        with sigint_default_in_children():
-            self.popen = subprocess.Popen(
-                [sys.executable, *args], cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
-            )
+        self.popen = self._start(self.args, full_env)
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.output: list[str] = []
         self._endpoint: str | None = None
         self.interrupted = False  # SIGINT sent (by interrupt())
         self._reader = threading.Thread(target=self._read, name=f"reader-{self.popen.pid}", daemon=True)
         self._reader.start()
+
+    def _start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """``python *args`` in a session of its own, its stdout and stderr one pipe of text lines."""
+        with sigint_default_in_children():
+            return subprocess.Popen(
+                [sys.executable, *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+            )
 
     def _read(self) -> None:
         assert self.popen.stdout is not None

@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 
 from dmoe import launch
 from dmoe.launch import LISTENING, ROOT, processes  # noqa: F401  (re-exported for tests)
+from tests.template import TEMPLATE
 
 
 def _test_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -20,8 +21,14 @@ def _test_env(env: dict[str, str] | None) -> dict[str, str]:
 
 
 class Proc(launch.Proc):
+    """A dmoe program started for a test: forked from the test process's template (:mod:`tests.template`, which
+    imported torch once) where it can be, else with python."""
+
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None):
         super().__init__(args, _test_env(env))
+
+    def _start(self, args: list[str], env: dict[str, str]):
+        return TEMPLATE.start(args, env, launch.PARENT_ENV) or super()._start(args, env)
 
 
 def exit_output(args: Sequence[str], status: int = 2, timeout: float = 120) -> str:
@@ -76,5 +83,6 @@ def kill_tree(pid: int) -> None:
 @contextlib.contextmanager
 def running(*args: str, env: dict[str, str] | None = None) -> Iterator[launch.Proc]:
     """Starts ``python *args`` (one torch thread unless ``env`` says otherwise) and kills it on exit."""
-    with launch.running(*args, env=_test_env(env)) as proc:
+    with processes() as procs:
+        procs.append(proc := Proc(args, env))
         yield proc

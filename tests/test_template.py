@@ -1,0 +1,73 @@
+"""The test template (tests/template.py) starts a program as ``python`` would: the same output, exit status, argv,
+``__name__``, environment and directory, threads joined and atexit run at the end, and signals delivered."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import textwrap
+
+import pytest
+
+from dmoe import launch
+from tests.procs import Proc, processes
+from tests.template import ForkedPopen
+
+PROGRAM = textwrap.dedent("""
+    import atexit, os, sys, threading, time
+    print("argv", sys.argv[1:], "name", __name__, "path0", repr(sys.path[0]), "cwd", os.getcwd(), flush=True)
+    print("env", os.environ.get("DMOE_TEMPLATE_PROBE"), "dmoe loaded", "dmoe.launch" in sys.modules, flush=True)
+    atexit.register(lambda: print("atexit ran", flush=True))
+    def late():
+        time.sleep(0.3)
+        print("thread joined", flush=True)
+    threading.Thread(target=late).start()
+    how = sys.argv[1]
+    if how == "raise":
+        raise ValueError("boom")
+    if how == "interrupt":
+        raise KeyboardInterrupt
+    if how == "message":
+        sys.exit("bye")
+    if how == "wait":
+        print("waiting", flush=True)
+        time.sleep(60)
+    sys.exit(int(how))
+""")
+ENV = {"OMP_NUM_THREADS": "1", "DMOE_TEMPLATE_PROBE": "probe"}
+
+
+@pytest.mark.parametrize("how, send, status", [
+    ("0", None, 0), ("3", None, 3), ("raise", None, 1), ("interrupt", None, -signal.SIGINT), ("message", None, 1),
+    ("wait", signal.SIGINT, -signal.SIGINT), ("wait", signal.SIGTERM, -signal.SIGTERM), ("wait", signal.SIGKILL, -signal.SIGKILL)])
+def test_a_forked_program_ends_as_the_same_program_started_with_python_does(how, send, status):
+    results = []
+    with processes() as procs:
+        # the test suite's Proc forks it from the template; dmoe.launch's starts python
+        for proc in (Proc(["-c", PROGRAM, how], ENV), launch.Proc(["-c", PROGRAM, how], ENV)):
+            procs.append(proc)
+            if send is not None:
+                proc.wait_for("waiting", 60)
+                proc.popen.send_signal(send)
+            results.append((proc.popen.wait(60), proc.output))
+            proc._reader.join(10)
+        assert isinstance(procs[0].popen, ForkedPopen) and isinstance(procs[1].popen, subprocess.Popen)
+    forked, started = results
+    if send is not None:  # where the signal lands (the line, before or after the thread's line) is chance
+        results = [(code, sorted(line for line in lines if not line.startswith("  File "))) for code, lines in results]
+    assert results[0] == results[1]
+    assert forked[0] == status, forked
+    lines = forked[1]
+    assert lines[0] == f"argv ['{how}'] name __main__ path0 '' cwd {launch.ROOT}\n"
+    assert lines[1] == "env probe dmoe loaded False\n"
+    if send in (None, signal.SIGINT):  # (SIGINT: the traceback of a KeyboardInterrupt in the sleep, then exit)
+        assert "thread joined\n" in lines and lines[-1] == "atexit ran\n", lines
+
+
+def test_a_program_needing_other_startup_variables_or_flags_is_started_with_python():
+    with processes() as procs:
+        procs.append(same := Proc(["-c", "print('hi')"]))
+        procs.append(other := Proc(["-c", "print('hi')"], env={"OMP_NUM_THREADS": "2"}))
+        procs.append(flagged := Proc(["-u", "-c", "print('hi')"]))
+        assert isinstance(same.popen, ForkedPopen)
+        assert isinstance(other.popen, subprocess.Popen) and isinstance(flagged.popen, subprocess.Popen)
+        assert [proc.popen.wait(60) for proc in procs] == [0, 0, 0]
