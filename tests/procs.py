@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 from dmoe import launch
 from dmoe.launch import LISTENING, ROOT, processes  # noqa: F401  (re-exported for tests)
-from tests.template import TEMPLATE
+from tests import template
 
 
 def _test_env(env: dict[str, str] | None) -> dict[str, str]:
@@ -28,7 +28,7 @@ class Proc(launch.Proc):
         super().__init__(args, _test_env(env))
 
     def _start(self, args: list[str], env: dict[str, str]):
-        return TEMPLATE.start(args, env, launch.PARENT_ENV) or super()._start(args, env)
+        return template.start(args, env, launch.PARENT_ENV) or super()._start(args, env)
 
 
 def exit_output(args: Sequence[str], status: int = 2, timeout: float = 120) -> str:

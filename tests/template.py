@@ -10,9 +10,9 @@ dmoe afresh and runs ``-m module``, a script or ``-c`` code as ``__main__``, and
 would give it (threads joined, ``atexit`` run, -2 after an uncaught KeyboardInterrupt, -N when killed by signal N).
 What differs: its parent is the template, which reaps it and reports its status (and which ``PARENT_ENV`` names, so
 a program still stops when the test process dies: the template exits with it); it shares the template's hash seed
-(its random generators are seeded afresh). A program whose environment differs from the template's in a variable
-that the preloaded libraries read as they load (``OMP_*``, ``PYTHON*``, ``TORCH*``, ...) or whose interpreter
-flags are not one of those three forms is started with ``python`` as before, and ``DMOE_TEST_FORK=0`` turns the
+(its random generators are seeded afresh). A program whose environment differs from the template's in any variable
+but dmoe's and pytest's own (``DMOE_*``, ``PYTEST_*``: the preloaded libraries may have read any other as they loaded, ``OMP_NUM_THREADS``,
+``TQDM_DISABLE``, ...) or that passes interpreter flags is started with ``python`` as before, and ``DMOE_TEST_FORK=0`` turns the
 template off. The programs' own entry points (``python -m dmoe.cli.server`` from a shell, the console scripts) are
 still exercised by the tests that start them through ``subprocess`` or :mod:`dmoe.launch` (the demo, benchmarks,
 launchers).
@@ -33,17 +33,17 @@ from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 SWITCH = "DMOE_TEST_FORK"  # "0": start every program with python
-# variables read while the preloaded libraries load (or by the interpreter as it starts): a program that needs other
-# values than the template's starts with python
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "NVIDIA",
-                    "LD_", "GRPC_", "PROTOCOL_BUFFERS", "NUMPY", "LC_", "LANG", "TZ")
+# a program's environment may differ from the template's in dmoe's and pytest's variables only (pytest names the test
+# that runs), which the preloaded libraries do not read: any other could have been read as they loaded (TQDM_DISABLE
+# by tqdm, which torch._dynamo imports)
+OWN_PREFIXES = ("DMOE_", "PYTEST_")
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "numpy", "grpc", "google.protobuf.message",
            "cryptography.hazmat.primitives.asymmetric.ed25519")
 MAX_MESSAGE = 1 << 20
 
 
 def _startup_env(env: dict[str, str]) -> dict[str, str]:
-    return {key: value for key, value in env.items() if key.startswith(STARTUP_PREFIXES)}
+    return {key: value for key, value in env.items() if not key.startswith(OWN_PREFIXES)}
 
 
 class ForkedPopen:
@@ -76,10 +76,11 @@ class ForkedPopen:
 
 
 class Template:
-    """The template process of this test process and the children it forked; started on first use, stopped at exit.
-    ``start`` answers None where a program must start with python instead."""
+    """A template process of this test process for programs of one environment (but dmoe's variables), and the
+    children it forked; started on first use, stopped at exit. ``start`` answers None where a program must start
+    with python instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         self.changed = threading.Condition()
         self._lock = threading.Lock()  # one request (and its answer) at a time
         self._started: int | None = None  # pid of the answer to the request in flight
@@ -87,16 +88,12 @@ class Template:
         self._exited: dict[int, int] = {}  # statuses that came before their start was answered
         self._process: subprocess.Popen | None = None
         self._socket: socket.socket | None = None
-        self._env: dict[str, str] = {}
-        self._failed = os.environ.get(SWITCH, "1") == "0" or not hasattr(socket, "send_fds")
+        self._env = _startup_env(env)
+        self._failed = False
 
     def start(self, args: Sequence[str], env: dict[str, str], parent_env: str) -> ForkedPopen | None:
-        if not (len(args) >= 2 and args[0] in ("-m", "-c") or args and args[0].endswith(".py")):
-            return None
         with self._lock:
-            if self._failed or (self._socket is None and not self._launch(env, parent_env)):
-                return None
-            if _startup_env(env) != _startup_env(self._env):
+            if self._failed or (self._socket is None and not self._launch()):
                 return None
             read, write = os.pipe()
             try:
@@ -111,7 +108,7 @@ class Template:
                     if self._socket is None:
                         raise RuntimeError("the test template exited")
                     pid = self._started
-                    child = ForkedPopen(args, pid, open(read, "r", encoding="utf-8", errors="replace"), self)
+                    child = ForkedPopen(args, pid, open(read, "r"), self)  # text as Popen(text=True) reads it
                     read = -1
                     self._children[pid] = child
                     if pid in self._exited:
@@ -122,17 +119,17 @@ class Template:
                 if read >= 0:
                     os.close(read)
 
-    def _launch(self, env: dict[str, str], parent_env: str) -> bool:
-        """Starts the template with the first program's environment; False (and python from then on) if it fails."""
+    def _launch(self) -> bool:
+        """Starts the template process; False (and python from then on) if it fails."""
         from dmoe.launch import sigint_default_in_children
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._env = {key: value for key, value in env.items() if key != parent_env}
         try:
             with sigint_default_in_children():
                 self._process = subprocess.Popen(
                     [sys.executable, "-m", "tests.template", str(theirs.fileno())], cwd=ROOT, env=self._env,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[theirs.fileno()], start_new_session=True)
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    pass_fds=[theirs.fileno()], start_new_session=True)
             theirs.close()
             ours.settimeout(120)
             ready = json.loads(ours.recv(MAX_MESSAGE) or b"{}")
@@ -184,8 +181,23 @@ class Template:
             self._process.wait()
 
 
-# one per test process, as the children of a process can only be waited for by that process
-TEMPLATE = Template()
+MAX_TEMPLATES = 4  # environments with a template of their own in one test process; others start with python
+_templates: dict[tuple[tuple[str, str], ...], Template] = {}
+_templates_lock = threading.Lock()
+
+
+def start(args: Sequence[str], env: dict[str, str], parent_env: str) -> ForkedPopen | None:
+    """``python *args`` forked from this test process's template for ``env``; None where it must start with python
+    (interpreter flags, the switch off, too many environments, no template)."""
+    if os.environ.get(SWITCH, "1") == "0" or not hasattr(socket, "send_fds") or \
+            not (len(args) >= 2 and args[0] in ("-m", "-c") or args and args[0].endswith(".py")):
+        return None
+    key = tuple(sorted(_startup_env(env).items()))
+    with _templates_lock:
+        if key not in _templates and len(_templates) < MAX_TEMPLATES:
+            _templates[key] = Template(env)
+        template = _templates.get(key)
+    return template.start(args, env, parent_env) if template is not None else None
 
 
 # ----------------------------------------------------------------------------------------------------- the template

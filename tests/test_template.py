@@ -2,6 +2,7 @@
 ``__name__``, environment and directory, threads joined and atexit run at the end, and signals delivered."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import textwrap
@@ -10,7 +11,9 @@ import pytest
 
 from dmoe import launch
 from tests.procs import Proc, processes
-from tests.template import ForkedPopen
+from tests.template import SWITCH, ForkedPopen
+
+pytestmark = pytest.mark.skipif(os.environ.get(SWITCH) == "0", reason=f"{SWITCH}=0: programs start with python")
 
 PROGRAM = textwrap.dedent("""
     import atexit, os, sys, threading, time
@@ -63,11 +66,19 @@ def test_a_forked_program_ends_as_the_same_program_started_with_python_does(how,
         assert "thread joined\n" in lines and lines[-1] == "atexit ran\n", lines
 
 
-def test_a_program_needing_other_startup_variables_or_flags_is_started_with_python():
+def test_each_environment_has_a_template_of_its_own_and_interpreter_flags_start_python():
+    """TQDM_DISABLE is read as tqdm loads, in the template (torch._dynamo imports tqdm): a program that sets it gets
+    a template that loaded tqdm with it."""
+    bar = ["-c", "from tqdm import tqdm; list(tqdm(range(3)))"]
     with processes() as procs:
-        procs.append(same := Proc(["-c", "print('hi')"]))
-        procs.append(other := Proc(["-c", "print('hi')"], env={"OMP_NUM_THREADS": "2"}))
-        procs.append(flagged := Proc(["-u", "-c", "print('hi')"]))
-        assert isinstance(same.popen, ForkedPopen)
-        assert isinstance(other.popen, subprocess.Popen) and isinstance(flagged.popen, subprocess.Popen)
-        assert [proc.popen.wait(60) for proc in procs] == [0, 0, 0]
+        procs.append(plain := Proc(bar))
+        procs.append(own := Proc(bar, env={"DMOE_TEMPLATE_PROBE": "other"}))  # dmoe's own: the same template
+        procs.append(quiet := Proc(bar, env={"TQDM_DISABLE": "1"}))
+        procs.append(flagged := Proc(["-u", *bar]))
+        assert all(isinstance(proc.popen, ForkedPopen) for proc in (plain, own, quiet))
+        assert isinstance(flagged.popen, subprocess.Popen)
+        assert [proc.popen.wait(60) for proc in procs] == [0, 0, 0, 0]
+        for proc in procs:
+            proc._reader.join(10)
+        assert all("3/3" in "".join(proc.output) for proc in (plain, own, flagged))
+        assert quiet.output == []
