@@ -2,9 +2,12 @@
 recomputing gives, and the whole path through a real server process and the DMoE layer."""
 from __future__ import annotations
 
+import copy
+import gc
 import importlib
 import re
 import time
+import weakref
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_class
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.server import ExpertBackend
+from dmoe.server.backend import make_optimizer
 from dmoe.server.activations import ENTRY_OVERHEAD_BYTES, MIN_ENTRIES, ActivationCache, KeptForward
 from dmoe.uid import grid_uids
 from tests.procs import running
@@ -214,6 +218,64 @@ def test_a_step_between_forward_and_backward_or_other_inputs_fall_back_to_recomp
     assert (cache.hits, cache.misses) == (1, 2)
 
 
+def fused_backend(cache: ActivationCache, scale: float = 1.0) -> ExpertBackend:
+    """An ffn "e.0" with the server's optimizer (fused Adam: its steps bump no ``Tensor._version``), its weights
+    times ``scale`` loaded as a restore or a replica's ``load_into`` loads them."""
+    module = create_expert("ffn", HIDDEN, seed=0)
+    backend = ExpertBackend("e.0", module, expert_class("ffn").sample(2, HIDDEN),
+                            make_optimizer("adam", list(module.parameters()), 0.01), activations=cache)
+    state = backend.state_dict()
+    state["module"] = {key: value * scale for key, value in state["module"].items()}
+    backend.load_state_dict(state)
+    return backend
+
+
+def input_grad(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """What recomputing gives: ``x``'s gradient through ``module`` as it is now (a copy: its .grad untouched)."""
+    x = x.clone().requires_grad_()
+    copy.deepcopy(module)(x).backward(grad)
+    return x.grad
+
+
+def test_another_backend_of_the_same_uid_never_backwards_through_a_graph_kept_by_the_first():
+    """Review 84: a kept graph was told valid by its parameters' ``_version``, which fused optimizers never bump;
+    two backends of one uid, each loaded once, have equal versions whatever their weights. A uid removed from a
+    server and served again (replicas' adoption) then ran its backward through the old module's graph: the answer
+    was the old weights' input gradient, and the new expert's step had no gradient."""
+    cache = ActivationCache(max_bytes=1 << 30)
+    old, new = fused_backend(cache), fused_backend(cache, scale=0.5)
+    x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    old.forward(x, segments=[(b"a", 4)])
+    want = input_grad(new.module, x, grad)
+    before = [p.detach().clone() for p in new.module.parameters()]
+    torch.testing.assert_close(new.backward(x, grad, segments=[(b"a", 4)])[0], want)
+    assert (cache.hits, cache.misses, cache.invalidated) == (0, 1, 1)
+    assert all(not torch.equal(p, q) for p, q in zip(new.module.parameters(), before))  # its own gradient stepped
+
+
+def test_a_fused_optimizer_step_that_fails_makes_the_kept_graphs_stale(monkeypatch, caplog):
+    """Review 84: ``_step`` dropped the kept graphs only when the failed step had bumped a ``_version``, which a
+    fused step never does: a step that moved the weights and then raised left graphs of the old weights in use."""
+    cache = ActivationCache(max_bytes=1 << 30)
+    backend = fused_backend(cache)
+    x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+    backend.forward(x, segments=[(b"kept", 4)])
+    step = backend.optimizer.step
+
+    def step_then_fail(*args, **kwargs):
+        step(*args, **kwargs)  # the weights moved, then something failed (out of memory, say)
+        raise RuntimeError("failed after the update")
+
+    monkeypatch.setattr(backend.optimizer, "step", step_then_fail)
+    with pytest.raises(RuntimeError, match="failed after the update"):
+        backend.backward(torch.randn(2, HIDDEN), torch.randn(2, HIDDEN))
+    monkeypatch.setattr(backend.optimizer, "step", step)
+    want = input_grad(backend.module, x, grad)
+    torch.testing.assert_close(backend.backward(x, grad, segments=[(b"kept", 4)])[0], want)
+    assert (cache.hits, cache.misses, cache.invalidated) == (0, 1, 1)
+    assert "the optimizer step failed" in caplog.text
+
+
 def test_a_shared_batch_holds_only_inputs_and_a_graphs_size_excludes_the_weights():
     cached, _, cache = twin_backends()
     cached.forward(torch.randn(4, HIDDEN))
@@ -337,6 +399,38 @@ def test_server_process_uses_kept_activations_gives_the_same_training_and_refuse
     # everything kept was taken by its backward: nothing held now, but some was (in host memory, on a CPU server)
     assert value(samples, "dmoe_activation_cache_bytes", device="cpu") == 0
     assert value(samples, "dmoe_activation_cache_peak_bytes", device="cpu") >= 2 * 5 * HIDDEN * 4
+
+
+def test_a_uid_removed_and_served_again_drops_its_kept_forwards_and_frees_the_old_weights():
+    """Review 84: remove_expert left the uid's kept forwards in the server's cache, holding the removed module's
+    weights (device memory on a GPU) until the TTL, and a backend later served under that uid (an adoption) ran
+    the backward of a forward kept before through the old module: a wrong answer, and no gradient for its step."""
+    from dmoe.server import ExpertServer, ServerConfig
+
+    with ExpertServer.create("e.0", "ffn", HIDDEN, config=ServerConfig(device="cpu", workers=1)) as server:
+        x, grad = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+        forward_future(server.endpoint, "e.0", [x], activation_id=b"k" * 16).result(30)  # alone: its graph kept
+        assert len(server.activations) == 1
+        removed = weakref.ref(next(server.remove_expert("e.0").module.parameters()))
+        assert len(server.activations) == 0
+        deadline = time.monotonic() + 30  # (a worker may still hold the last batch's backend a moment)
+        while gc.collect() is not None and removed() is not None:
+            assert time.monotonic() < deadline, "the removed expert's weights are still referenced"
+            time.sleep(0.05)
+        backend = server.backend_factory("e.0")
+        state = backend.state_dict()  # served again from a replica: other weights, loaded
+        state["module"] = {key: value * 0.5 for key, value in state["module"].items()}
+        backend.load_state_dict(state)
+        server.add_expert("e.0", backend, announce=False)
+        want = input_grad(backend.module, x, grad)
+        with pytest.raises(RemoteExpertError, match="FAILED_PRECONDITION.*holds no inputs for this activation_id"):
+            _call("backward", server.endpoint, "e.0", [grad], timeout=30, compression=0, channels=None,
+                  unary_limit=2**20, activation_id=b"k" * 16).result(30)
+        before = [p.detach().clone() for p in backend.module.parameters()]
+        answer = backward_future(server.endpoint, "e.0", [x], [grad], activation_id=b"k" * 16).result(30)[0]
+        torch.testing.assert_close(answer, want)
+        assert server.activations.hits == 0 and backend.updates == 1
+        assert all(not torch.equal(p, q) for p, q in zip(backend.module.parameters(), before))
 
 
 @needs_ipv6  # (without it, one host cannot be two machines)

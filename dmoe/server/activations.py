@@ -8,8 +8,11 @@ FAILED_PRECONDITION if it no longer holds them, and the client sends them again)
 valid it only runs the backward pass: about a third less compute than recomputing the forward.
 
 A kept graph is used only when it gives exactly what recomputing would:
-- the expert's parameters are unchanged since the forward (an optimizer step of the expert drops all of its
-  graphs, as autograd saved the old weights; the inputs stay), and
+- the expert's weights are unchanged since the forward: the same backend object (a uid removed and served again
+  is another backend, whose weights differ), with no optimizer step or ``load_state_dict`` since (an optimizer step
+  of the expert drops all of its graphs, as autograd saved the old weights; the inputs stay). This is told by a
+  stamp the backend renews at each such change, beside ``Tensor._version``: fused optimizers (the server's
+  default) change the weights without bumping ``_version`` (review 84), and
 - the backward computes on the very inputs of the forward (compared element for element when sent again).
 Otherwise, or when the graph was evicted (byte budget, age) or never kept (the forward shared a batch with other
 requests), backward recomputes the forward as before. So the cache changes speed and traffic, never results.
@@ -31,7 +34,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import torch
 
@@ -63,13 +66,13 @@ def owner_of(key: ActivationKey) -> str:
 
 @dataclass(eq=False)
 class KeptForward:
-    """One forward request: its inputs and, when its graph was kept, its outputs and the parameter versions the
-    graph saw. ``nbytes``: what holding it costs (the distinct storages of its inputs, saved activations and
-    outputs; the weights do not count)."""
+    """One forward request: its inputs and, when its graph was kept, its outputs and the stamp of the weights the
+    graph saw (``ExpertBackend.weights_stamp``: compared, never read). ``nbytes``: what holding it costs (the
+    distinct storages of its inputs, saved activations and outputs; the weights do not count)."""
 
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...] | None
-    versions: tuple[int, ...]
+    weights: Hashable
     nbytes: int
     created: float = field(default_factory=time.monotonic)
 
@@ -85,7 +88,8 @@ class KeptForward:
 
 
 def parameter_versions(params: Iterable[torch.Tensor]) -> tuple[int, ...]:
-    """In-place version counters: any optimizer step (or ``load_state_dict``) changes them."""
+    """In-place version counters: ``load_state_dict``'s copies and a plain (for-loop) optimizer's step bump them, a
+    fused optimizer's step does not, so alone they never tell that the weights are unchanged."""
     return tuple(p._version for p in params)
 
 
@@ -248,14 +252,14 @@ class ActivationCache:
             kept = self._entries.get((uid, activation_id))
             return kept.inputs if kept is not None else None
 
-    def take(self, uid: str, activation_id: ActivationKey, versions: tuple[int, ...],
+    def take(self, uid: str, activation_id: ActivationKey, weights: Hashable,
              inputs: Sequence[torch.Tensor]) -> KeptForward | None:
-        """Removes the forward kept under (uid, activation_id); returns it if it has a graph, its parameters are still
-        ``versions`` and it was computed from exactly ``inputs``, else None (recompute)."""
+        """Removes the forward kept under (uid, activation_id); returns it if it has a graph, its weights' stamp is
+        still ``weights`` and it was computed from exactly ``inputs``, else None (recompute)."""
         with self._lock:
             self._drop_expired(time.monotonic())
             kept = self._pop((uid, activation_id))
-            if kept is not None and kept.outputs is not None and kept.versions != versions:
+            if kept is not None and kept.outputs is not None and kept.weights != weights:
                 self.invalidated += 1
                 kept = None
             if kept is not None and (kept.outputs is None or not all(
@@ -286,6 +290,17 @@ class ActivationCache:
                 self._count(stale, 1)
                 self._weigh(owner_of(activation_id), stale.nbytes - kept.nbytes)
                 self.invalidated += 1
+
+    def forget(self, uid: str) -> int:
+        """Drops every forward kept for ``uid`` (inputs and graphs); returns how many. Called when the server stops
+        or starts serving ``uid``: a graph holds the removed backend's weights alive (device memory on a GPU), and a
+        backend served later under the same uid must not run backward through it. A walk over the whole cache: rare
+        (adoption, removal), unlike an optimizer step's :meth:`drop_graphs`."""
+        with self._lock:
+            mine = [entry_key for entry_key in self._entries if entry_key[0] == uid]
+            for entry_key in mine:
+                self._pop(entry_key)
+            return len(mine)
 
     def expire(self) -> int:
         """Drops the kept forwards older than :attr:`ttl`; returns how many. :meth:`put` and :meth:`take` do it too,

@@ -161,6 +161,9 @@ class ExpertBackend:
         self.backward_calls = 0
         self.skipped_steps = 0  # optimizer steps refused because the gradients were not finite
         self.updates = 0  # optimizer steps applied: how far the expert has trained (replicas compare it)
+        #: renewed whenever this backend changes its weights (:meth:`weights_stamp`); a new object each time, so
+        #: never equal to another backend's, nor to one a kept forward still holds
+        self._weights_token = object()
         #: CUDA graphs of the forward and of the training step (:meth:`use_cuda_graphs`); None: eager
         self.graphs: ExpertGraphs | None = None
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
@@ -224,8 +227,22 @@ class ExpertBackend:
         if graph is not None:  # the entry holds the outputs too: an up-projection's outweigh what autograd saves
             for y in graph:
                 saved.pack(y)  # counted once, whether a saved tensor, an input or new
-        cache.put(self.name, segments[0][0], KeptForward(leaves, graph, parameter_versions(params), saved.nbytes))
+        cache.put(self.name, segments[0][0], KeptForward(leaves, graph, self.weights_stamp(), saved.nbytes))
         return self._to_schema(tuple(y.detach() for y in outputs))
+
+    def weights_stamp(self) -> tuple[object, tuple[int, ...]]:
+        """What a kept graph must still match to be used (:mod:`dmoe.server.activations`): this backend's token,
+        renewed at each optimizer step and load, and the parameters' version counters, bumped by in-place changes
+        made from outside (a copy into them). The counters alone do not do: a fused optimizer's step leaves them
+        unchanged, and two backends of one uid loaded once each have equal counters whatever their weights."""
+        return self._weights_token, parameter_versions(self.module.parameters())
+
+    def _weights_changed(self) -> None:
+        """Makes every graph kept from the weights before stale: a new token, and the graphs dropped now (their
+        memory back, their inputs kept)."""
+        self._weights_token = object()
+        if self.activations is not None:
+            self.activations.drop_graphs(self.name)
 
     def _keep_inputs(self, cache: ActivationCache, inputs: Sequence[torch.Tensor], segments: Segments) -> None:
         """Holds the inputs of each request with an activation id, without a graph: its backward recomputes."""
@@ -285,14 +302,14 @@ class ExpertBackend:
     def _segmented_backward(self, inputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor],
                             segments: Segments) -> tuple[torch.Tensor, ...]:
         assert self.activations is not None
-        versions = parameter_versions(self.module.parameters())
+        weights = self.weights_stamp()
         pieces: list[tuple[torch.Tensor, ...] | None] = []
         recompute: list[slice] = []
         start = 0
         for activation_id, rows in segments:
             part = slice(start, start + rows)
             start += rows
-            kept = (self.activations.take(self.name, activation_id, versions, [x[part] for x in inputs])
+            kept = (self.activations.take(self.name, activation_id, weights, [x[part] for x in inputs])
                     if activation_id else None)
             if kept is None:
                 pieces.append(None)
@@ -340,8 +357,7 @@ class ExpertBackend:
         self._step()
         self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
-        if self.activations is not None:
-            self.activations.drop_graphs(self.name)  # graphs kept before this step saved the old weights
+        self._weights_changed()  # graphs kept before this step saved the old weights
         if self.scheduler is not None:
             try:
                 self.scheduler.step()
@@ -355,30 +371,29 @@ class ExpertBackend:
             return
         if stepped:
             self.updates += 1
+            self._weights_token = object()  # (its forwards kept inputs only: no graph to drop)
             return
         self.skipped_steps += 1
         logger.warning("%s: skipped an optimizer step with non-finite gradients (%d so far)", self.name,
                        self.skipped_steps)
 
     def _step(self) -> None:
-        """``optimizer.step()``; when it raises, warns if it had already changed some weights.
+        """``optimizer.step()``; when it raises, counts the weights as changed and warns that they may have.
 
-        Those changes cannot be undone without a copy of every weight, memory the step may just have run out of
-        (Adam's first step allocates its state, before it changes any weight). The batch's rerun then steps once
-        more from the weights as they are, with its own fresh gradients: a weight the failed step moved gets at
-        most one extra step of its gradient, never the gradients summed twice.
+        Whether it changed some cannot be told: a fused step (the server's default, :func:`make_optimizer`) bumps
+        no ``_version``, and comparing every weight would need a copy of each, memory the step may just have run
+        out of (Adam's first step allocates its state, before it changes any weight). So the graphs kept before it
+        are dropped in any case. Changes cannot be undone either: the batch's rerun steps once more from the
+        weights as they are, with its own fresh gradients, so a weight the failed step moved gets at most one
+        extra step of its gradient, never the gradients summed twice.
         """
         assert self.optimizer is not None
-        params = list(self.module.parameters())
-        versions = parameter_versions(params)
         try:
             self.optimizer.step()
         except BaseException:
-            if parameter_versions(params) != versions:
-                logger.warning("%s: the optimizer step failed after changing some weights; they may move twice",
-                               self.name)
-                if self.activations is not None:
-                    self.activations.drop_graphs(self.name)
+            self._weights_changed()
+            logger.warning("%s: the optimizer step failed; any weights it changed before failing may move twice",
+                           self.name)
             raise
 
     def hparams_json(self) -> str:
@@ -403,6 +418,7 @@ class ExpertBackend:
             raise ValueError(f"{self.name}: the saved optimizer state is {saved_kind!r}'s, this expert's optimizer "
                              f"is {kind!r}")
         self.module.load_state_dict(state["module"])
+        self._weights_changed()
         changed: dict[str, tuple[Any, Any]] = {}
         if saved_optimizer is not None:
             given = [{key: group[key] for key in GIVEN_NOW if key in group

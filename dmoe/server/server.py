@@ -290,6 +290,8 @@ class ExpertServer:
             if uid in self.servicer.experts:
                 raise ValueError(f"expert {uid} is served here already")
             hosted = self._host(uid, backend)
+            if self.activations is not None:  # a forward of a removed backend may have run after its removal
+                self.activations.forget(uid)
             self.backends[uid] = backend
             self.metrics.add_expert(uid, hosted)
             self.servicer.experts[uid] = hosted  # last: calls find the expert only once the rest is in place
@@ -300,14 +302,16 @@ class ExpertServer:
     def remove_expert(self, uid: str) -> ExpertBackend:
         """Stops serving ``uid`` (calls get NOT_FOUND; its declaration is no longer refreshed and expires) and
         returns its backend. Requests already queued for it still run; then the server keeps no reference to the
-        backend (its task pools leave the runtime), so it is freed once the caller drops it. Raises KeyError if it
-        is not served here."""
+        backend (its task pools leave the runtime, its kept forwards the activation cache), so it is freed once the
+        caller drops it. Raises KeyError if it is not served here."""
         with self._experts_lock:
             hosted = self.servicer.experts.pop(uid)
             self.backends.pop(uid, None)
             self.metrics.remove_expert(uid)
             self.runtime.remove_pool(hosted.forward_pool)
             self.runtime.remove_pool(hosted.backward_pool)
+            if self.activations is not None:  # its graphs hold its weights, and must not serve a later backend
+                self.activations.forget(uid)
         if self.announcer is not None and self.port is not None:
             self.announcer.remove([uid])
         logger.info("no longer serving %s (%d experts left)", uid, len(self.backends))
