@@ -297,14 +297,25 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             await context.abort(rejected.code, rejected.message)
 
     async def info(self, request: dmoe_pb2.ExpertUID, context: grpc.aio.ServicerContext) -> dmoe_pb2.ExpertInfo:
+        """The expert's schema and counters. Its answer counts among the held ones as any other's
+        (:meth:`_answer_held`), and it is refused as they are: uncounted, a client that never read its answers grew
+        the server by ~25 MiB/s, never refused (review 84)."""
         backend = (await self._expert(request.uid, context)).backend
-        return dmoe_pb2.ExpertInfo(
+        answer = dmoe_pb2.ExpertInfo(
             uid=request.uid, expert_cls=backend.expert_cls,
             inputs=[dmoe_pb2.TensorSchema(shape=s.shape, dtype=s.dtype) for s in backend.inputs_schema],
             outputs=[dmoe_pb2.TensorSchema(shape=s.shape, dtype=s.dtype) for s in backend.outputs_schema],
             max_batch_size=self.max_batch_size, device=self.device, hparams_json=backend.hparams_json(),
             forward_calls=backend.forward_calls, backward_calls=backend.backward_calls, updates=backend.updates,
         )
+        extra = UNARY_ANSWER_COPIES * answer.ByteSize()
+        try:
+            with self._queued_lock:
+                self._check_room(max(extra, ANSWERED_CALL_BYTES), peer_machine(context.peer()))
+        except RequestRejected as rejected:
+            await context.abort(rejected.code, rejected.message)
+        self._answer_held(context, (), 1, extra=extra)
+        return answer
 
     async def hold(self, request: dmoe_pb2.Hold, context: grpc.aio.ServicerContext) -> dmoe_pb2.HoldEnd:
         """Answers after ``request.seconds`` (at most :attr:`max_hold_seconds`), or at once when the server begins
@@ -405,25 +416,33 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             self.stages.add("decode", time.perf_counter() - started)
         return expert, inputs
 
+    def _check_room(self, nbytes: int, host: str) -> tuple[int, int]:
+        """Raises :class:`RequestRejected` when ``host``'s answers not yet taken exceed its :data:`HOST_SHARE` of
+        :attr:`max_queued_bytes`, or when ``nbytes`` more would take what the server holds (requests queued or
+        arriving, answers) past it (a call alone on an idle server is never refused for its size); else returns
+        (bytes held, ``host``'s answers not yet taken). For every call that queues or answers (``info`` too); the
+        caller holds ``_queued_lock``."""
+        unread = self.answers_by_host.get(host, 0)
+        if unread > self.max_queued_bytes * HOST_SHARE:
+            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"this server holds {unread / 2**20:.0f} MiB of answers to this host that it has "
+                                  f"not taken, at most {HOST_SHARE:.0%} of {self.max_queued_bytes / 2**20:.0f} MiB "
+                                  "(--max-queued-mb): read them first")
+        held = self.queued_bytes + self.arriving_bytes + self.answer_bytes
+        if held and held + nbytes > self.max_queued_bytes:
+            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"this server has {held / 2**20:.0f} MiB of requests waiting for its experts or "
+                                  f"arriving and of answers not yet taken, at most "
+                                  f"{self.max_queued_bytes / 2**20:.0f} MiB (--max-queued-mb): try again later, or "
+                                  "another server")
+        return held, unread
+
     def _reserve(self, nbytes: int, host: str = "") -> None:
-        """Counts ``nbytes`` of inputs of ``host``'s as queued, or raises :class:`RequestRejected` when the requests
-        queued or arriving already hold :attr:`max_queued_bytes` (a call alone on an idle server is never refused
-        for its size), or when ``host``'s would take more than :data:`HOST_SHARE` of it while another host's are
-        queued or arriving."""
+        """Counts ``nbytes`` of inputs of ``host``'s as queued, or raises :class:`RequestRejected` as
+        :meth:`_check_room` does, or when ``host``'s would take more than :data:`HOST_SHARE` of
+        :attr:`max_queued_bytes` while another host's are queued or arriving."""
         with self._queued_lock:
-            unread = self.answers_by_host.get(host, 0)
-            if unread > self.max_queued_bytes * HOST_SHARE:
-                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"this server holds {unread / 2**20:.0f} MiB of answers to this host that it "
-                                      f"has not taken, at most {HOST_SHARE:.0%} of "
-                                      f"{self.max_queued_bytes / 2**20:.0f} MiB (--max-queued-mb): read them first")
-            held = self.queued_bytes + self.arriving_bytes + self.answer_bytes
-            if held and held + nbytes > self.max_queued_bytes:
-                raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"this server has {held / 2**20:.0f} MiB of requests waiting for its experts "
-                                      f"or arriving and of answers not yet taken, at most "
-                                      f"{self.max_queued_bytes / 2**20:.0f} MiB (--max-queued-mb): try again later, "
-                                      "or another server")
+            held, unread = self._check_room(nbytes, host)
             mine = self.queued_by_host.get(host, 0) + unread
             if held > mine and mine + nbytes > self.max_queued_bytes * HOST_SHARE:
                 raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
