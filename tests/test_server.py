@@ -547,6 +547,36 @@ def test_workers_compute_with_their_share_of_torch_threads_and_leave_the_callers
 
 # ---- ExpertServer in this process ------------------------------------------------------------------------------
 
+def test_the_grpc_loop_decodes_compressed_tensors_on_one_torch_thread_and_leaves_everyone_elses_count_alone():
+    """Review 84: the loop thread decodes compressed requests and encodes compressed answers with torch ops, which
+    started an OpenMP team of its own there (as many threads as the process has) whose threads spin after each
+    request and take cores from the compute workers. It now sets one torch thread; ``set_num_threads`` also sets
+    the default of threads that have not used torch yet, which the server puts back before any call comes: a
+    worker without ``threads_per_worker`` computes with the process's count, as a thread started later does."""
+    import asyncio
+
+    async def loop_threads() -> int:
+        return torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with ExpertServer.create("nop.0", "nop", 16, config=ServerConfig(device="cpu", workers=1)) as server:
+            seen = []
+            server.backends["nop.0"].module.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+            x = torch.rand(8, 16)
+            torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x], compression="uint8").result(30)[0],
+                                       x, rtol=0, atol=0.01)
+            assert asyncio.run_coroutine_threadsafe(loop_threads(), server._loop).result(30) == 1
+            fresh = []
+            thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            assert seen == [3] and fresh == [3] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 class RecordingAnnouncer:
     def __init__(self):
         self.calls: list[tuple] = []

@@ -385,8 +385,13 @@ class ExpertServer:
             self.checkpoints.start()
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name="dmoe-grpc", daemon=True)
+        threads = torch.get_num_threads()
         self._loop_thread.start()
         try:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop).result()  # it set its torch threads
+            # torch.set_num_threads sets the calling thread's count and the default of threads that have not used
+            # torch yet (the workers, with no threads_per_worker): the default back, before any call comes
+            torch.set_num_threads(threads)
             self.port = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result()
             if self.config.metrics_port is not None:
                 self.metrics.serve(self.config.metrics_host or self.config.host, self.config.metrics_port)
@@ -405,8 +410,13 @@ class ExpertServer:
         return self
 
     def _run_loop(self) -> None:
+        """Runs the gRPC loop, with one torch thread: the torch ops it runs (decoding compressed requests, encoding
+        compressed answers) would otherwise start an OpenMP team of its own, whose threads spin after every request
+        and take cores from the compute workers (review 84; ``start`` puts the default back for other threads)."""
         assert self._loop is not None
         asyncio.set_event_loop(self._loop)
+        torch.get_num_threads()  # torch's lazy per-thread set-up first, or it would undo the next line later
+        torch.set_num_threads(1)
         try:
             self._loop.run_forever()
         finally:
