@@ -28,7 +28,7 @@ def test_a_refusal_naming_the_servers_max_batch_size_teaches_it_for_the_endpoint
     policy = CallPolicy()
     refusal = failed(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
     assert policy.learn_batch_limit("ffn0.0.0", ENDPOINT, refusal, 200, time_left=5.0) == 64
-    assert policy.batch_limits == {ENDPOINT: 64}
+    assert policy.known_batch_limits() == {ENDPOINT: 64}
 
 
 def test_a_refusal_without_the_number_asks_the_server_its_info(monkeypatch):
@@ -43,7 +43,7 @@ def test_a_refusal_without_the_number_asks_the_server_its_info(monkeypatch):
     refusal = failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many rows for max_batch_size")
     assert policy.learn_batch_limit("ffn0.0.0", ENDPOINT, refusal, 200, time_left=1.0) == 50
     assert [(endpoint, uid) for endpoint, uid, _ in asked] == [(ENDPOINT, "ffn0.0.0")]
-    assert 0 < asked[0][2] <= 1.0 and policy.batch_limits == {ENDPOINT: 50}  # within the time left
+    assert 0 < asked[0][2] <= 1.0 and policy.known_batch_limits() == {ENDPOINT: 50}  # within the time left
 
 
 @pytest.mark.parametrize("code, message, rows", [

@@ -5,15 +5,19 @@ import logging
 import re
 import time
 import urllib.request
+from concurrent.futures import Future
+from types import SimpleNamespace
 
+import grpc
 import pytest
 import torch
 
+from dmoe.client import failures
 from dmoe.client.bans import BanConfig
-from dmoe.client.failures import REFUSALS_TO_BAN
+from dmoe.client.failures import MAX_CHUNKS, REFUSALS_TO_BAN
 from dmoe.client.gating import LocalMixtureOfExperts, NoAliveExpertsError
 from dmoe.client.moe import RemoteMixtureOfExperts
-from dmoe.client.remote_expert import expert_info
+from dmoe.client.remote_expert import RemoteExpertError, expert_info
 from dmoe.dht import DHT
 from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_seed
@@ -508,11 +512,71 @@ def test_rows_beyond_a_servers_max_batch_size_go_as_several_requests_with_the_in
         assert len(remote.bans) == 0 and remote.stats.rows_without_expert == 0
         torch.testing.assert_close(out_remote, out_local, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x_remote.grad, x_local.grad, atol=1e-5, rtol=1e-5)
-    assert remote.policy.batch_limits == {endpoint: 64}
+    assert remote.policy.known_batch_limits() == {endpoint: 64}
     assert remote.stats.experts_chosen == 4  # two experts a forward, however many requests they took
     calls = {uid: expert_info(endpoint, uid, timeout=10) for uid in ("batched0.1.0", "batched0.1.1")}
     # per expert: 1 refused + 4 requests, then 4 requests; a backward for each of the 8 requests answered
     assert all(info["backward_calls"] == 8 for info in calls.values()), calls
+
+
+def _batched_layer(dht: DHT) -> RemoteMixtureOfExperts:
+    """A layer of the batched0 grid (its server's --max-batch-size is 64) routing every row to batched0.1.0 and
+    batched0.1.1."""
+    layer = RemoteMixtureOfExperts(HIDDEN, GRID, "batched0", dht, k_best=2, k_min=2, forward_timeout=60)
+    with torch.no_grad():
+        layer.proj.weight.zero_()
+        layer.proj.bias.copy_(torch.tensor([0, 50, 0, 0, 30, 20, 0, 0.]))
+    return layer
+
+
+def _teach(layer: RemoteMixtureOfExperts, endpoint: str, limit: int, rows: int) -> None:
+    """The layer learns ``limit`` as the server's max_batch_size, as from its refusal of ``rows`` rows."""
+    refusal = Future()
+    refusal.set_exception(RemoteExpertError("batched0.1.0", endpoint, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"batch of {rows} rows exceeds this server's max_batch_size {limit}"))
+    assert layer.policy.learn_batch_limit("batched0.1.0", endpoint, refusal, rows, time_left=5.0) == limit
+
+
+def _requests(endpoint: str, forward) -> int:
+    """How many forward requests the experts batched0.1.0 and batched0.1.1 answered during ``forward()``."""
+    uids = ["batched0.1.0", "batched0.1.1"]
+    before = forward_counts([endpoint] * 2, uids)
+    forward()
+    return sum(forward_counts([endpoint] * 2, uids).values()) - sum(before.values())
+
+
+def test_a_learnt_max_batch_size_never_cuts_an_experts_rows_into_more_than_max_chunks_requests(zoo):
+    """Review 85: MAX_CHUNKS guarded only the forward that learnt a limit. A server that once refused 2 rows
+    naming "max_batch_size 1" got a request per row from every later forward (1000 for 1000 rows). Rows that
+    would take more than MAX_CHUNKS requests go uncut: here the server, whose limit is 64 now, refuses them naming
+    that, and they go as requests of 64."""
+    dht, servers = zoo
+    (endpoint,) = servers["batched0"]
+    layer = _batched_layer(dht)
+    _teach(layer, endpoint, limit=1, rows=2)
+    rows = MAX_CHUNKS + 1
+    with torch.no_grad():
+        requests = _requests(endpoint, lambda: layer(torch.randn(rows, HIDDEN)))
+    assert requests == 2 * -(-rows // 64), requests  # not 2 * rows
+    assert layer.stats.experts_dropped == 0 and len(layer.bans) == 0
+    assert layer.policy.known_batch_limits() == {endpoint: 64}
+
+
+def test_a_learnt_max_batch_size_is_forgotten_after_a_while_so_a_larger_one_is_learnt(zoo, monkeypatch):
+    """Review 85: a limit, once learnt, cut every later request to that endpoint, also after its server restarted
+    with a larger --max-batch-size. An hour later the rows go uncut again and the server's refusal teaches its limit
+    now (64 rows, not the 8 learnt)."""
+    dht, servers = zoo
+    (endpoint,) = servers["batched0"]
+    layer = _batched_layer(dht)
+    _teach(layer, endpoint, limit=8, rows=200)
+    later = SimpleNamespace(monotonic=lambda: time.monotonic() + 3600.0)
+    monkeypatch.setattr(failures, "time", later)  # (the failure policy's clock only)
+    with torch.no_grad():
+        requests = _requests(endpoint, lambda: layer(torch.randn(200, HIDDEN)))
+    assert requests == 2 * 4, requests  # 4 requests of at most 64 rows per expert, not 25 of 8
+    assert layer.stats.experts_dropped == 0 and len(layer.bans) == 0
+    assert layer.policy.known_batch_limits() == {endpoint: 64}
 
 
 class _NoInputGradient(torch.nn.Module):

@@ -48,6 +48,10 @@ MAX_ABS_VALUE = 1e6
 #: that needs more (1 row, say) fails the expert as any other refusal of its kind would (its claim costs the caller
 #: a request per row otherwise)
 MAX_CHUNKS = 256
+#: seconds a server's learnt max_batch_size is used: then the layer sends its rows uncut again, and a refusal teaches
+#: the limit anew (one refused request each time), so a server restarted with a larger ``--max-batch-size`` gets
+#: larger requests again; kept for good, a limit learnt once cut every later request to that endpoint (review 85)
+BATCH_LIMIT_MEMORY = 300.0
 #: the most seconds a forward asks a server for its max_batch_size (``info``) when its refusal does not say it
 INFO_TIMEOUT = 2.0
 #: the number a server's "exceeds max_batch_size" refusal names (dmoe-server: "batch of N rows exceeds this
@@ -117,14 +121,26 @@ class CallPolicy:
     #: (the count, and the ``time.monotonic()`` of the last cut: a streak older than :data:`CUT_MEMORY` starts over)
     cut_streaks: dict[str, tuple[int, float]] = field(default_factory=dict)
     #: the most rows each server takes in one request (its ``max_batch_size``), by endpoint, learnt from its
-    #: refusals (:meth:`learn_batch_limit`): the layer cuts an expert's rows into requests of at most that many
-    batch_limits: dict[str, int] = field(default_factory=dict)
+    #: refusals (:meth:`learn_batch_limit`), with the ``time.monotonic()`` it was learnt at: the layer cuts an
+    #: expert's rows into requests of at most that many, for :data:`BATCH_LIMIT_MEMORY` (:meth:`known_batch_limits`)
+    batch_limits: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def known_batch_limits(self) -> dict[str, int]:
+        """endpoint -> its server's max_batch_size, of the limits learnt within :data:`BATCH_LIMIT_MEMORY`; older
+        ones are forgotten here (the next refusal teaches the limit again, or a larger one)."""
+        if not self.batch_limits:
+            return {}
+        now = time.monotonic()
+        for endpoint in [endpoint for endpoint, (_, learnt) in self.batch_limits.items()
+                         if now - learnt > BATCH_LIMIT_MEMORY]:
+            del self.batch_limits[endpoint]
+        return {endpoint: limit for endpoint, (limit, _) in self.batch_limits.items()}
 
     def learn_batch_limits(self, requests: Sequence[tuple[str, str, Future, int]],
                            time_left: float | None) -> list[int | None]:
         """For each request (uid, endpoint, future, rows): its server's ``max_batch_size`` if the future ended in its
         refusal of more rows than that (RESOURCE_EXHAUSTED naming max_batch_size), remembered for the endpoint; None
-        otherwise.
+        otherwise (for :data:`BATCH_LIMIT_MEMORY` seconds).
 
         The number comes from the refusal's message, or, where the message names none (another server version),
         from the server's ``info``: each such server asked once, all of them at once, within ``time_left`` (one
@@ -142,9 +158,10 @@ class CallPolicy:
             if not isinstance(limit, int) or not 1 <= limit < rows or -(-rows // limit) > MAX_CHUNKS:
                 limits.append(None)
                 continue
-            if endpoint not in self.batch_limits and len(self.batch_limits) >= MAX_RECORDS:
+            self.batch_limits.pop(endpoint, None)  # (learnt again: now the newest)
+            if len(self.batch_limits) >= MAX_RECORDS:
                 self.batch_limits.pop(next(iter(self.batch_limits)))  # the oldest
-            self.batch_limits[endpoint] = limit
+            self.batch_limits[endpoint] = (limit, time.monotonic())
             logger.info("forward %s: %s takes at most %d rows a request (its max_batch_size): %d rows go as %d "
                         "requests", uid, endpoint, limit, rows, -(-rows // limit))
             limits.append(limit)

@@ -16,7 +16,7 @@ import torch
 
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
-from dmoe.client.failures import MAX_ABS_VALUE, UNCHECKED, CallPolicy, malformed, refusal, wait_for_experts
+from dmoe.client.failures import MAX_ABS_VALUE, MAX_CHUNKS, UNCHECKED, CallPolicy, malformed, refusal, wait_for_experts
 from dmoe.client.gating import MixtureBase
 from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
                                        loss_scale, new_activation_id)
@@ -88,11 +88,17 @@ def _chunks(call: PlannedCall, limit: int) -> list[PlannedCall]:
 def _split(plan: list[PlannedCall], limits: dict[str, int]) -> list[PlannedCall]:
     """The plan with every expert's rows cut into requests its server takes (``limits``: max_batch_size by
     endpoint, where known): a server refuses a request of more rows (RESOURCE_EXHAUSTED), and an expert whose rows
-    exceed it was banned every step (review 65). The requests of one server still travel in one call."""
+    exceed it was banned every step (review 65). The requests of one server still travel in one call.
+
+    An expert whose rows would take more than :data:`~dmoe.client.failures.MAX_CHUNKS` requests goes uncut, as on a
+    layer that knows no limit: its server refuses the request (or answers it, if its limit grew meanwhile), and
+    :meth:`~dmoe.client.failures.CallPolicy.learn_batch_limits` believes no limit that needs that many, so the
+    expert fails as at a first refusal. Cut regardless, a server that once answered "max_batch_size 1" to a
+    forward of few rows got a request per row from every later forward (review 85)."""
     split: list[PlannedCall] = []
     for call in plan:
         limit = limits.get(call.endpoint)
-        if limit is None or len(call.rows) <= limit:
+        if limit is None or len(call.rows) <= limit or -(-len(call.rows) // limit) > MAX_CHUNKS:
             split.append(call)
         else:
             split.extend(_chunks(call, limit))
@@ -119,8 +125,9 @@ class _RemoteExperts(torch.autograd.Function):
         laps.lap("to_host")
         started = time.monotonic()
         experts = len(plan)
-        if policy.batch_limits:  # rows beyond a server's max_batch_size go as several requests (review 65)
-            plan = _split(plan, policy.batch_limits)
+        known = policy.known_batch_limits()
+        if known:  # rows beyond a server's max_batch_size go as several requests (review 65)
+            plan = _split(plan, known)
 
         def send(calls: list[PlannedCall], seconds: float | None) -> tuple[list, list, list]:
             # a backward will follow: the servers keep each forward's inputs (and activations) under its id until
