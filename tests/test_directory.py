@@ -12,7 +12,8 @@ from dmoe.dht import DHT
 from dmoe.dht.messages import find_value_reply, parse_find_value_reply
 from dmoe.dht.signing import Identity, Verifier, verify
 from dmoe.dht.storage import Entry
-from dmoe.directory import announce_forever, announcer, continuations, declaration_records, get_experts
+from dmoe.directory import (Announcer, announce_forever, announcer, continuations, declaration_records,
+                            get_experts)
 
 ALICE, MALLORY = Identity(), Identity()
 
@@ -90,6 +91,30 @@ def test_an_announcer_refresh_that_never_finishes_is_abandoned_and_the_next_one_
             assert started[1] - started[0] >= 0.5  # not before the first one's entries would have expired
         finally:
             refreshing.cancel()
+
+
+def test_an_announcers_failed_first_declaration_is_retried_before_a_refresh_period(monkeypatch):
+    """Review 85: Announcer.start said a failed first declaration was retried sooner than a refresh period, but
+    the refreshing always waited a whole one first: a server started while its DHT peers were unreachable stayed
+    out of the directory for that long. Now it is made again at once (and retried as any failed refresh is)."""
+    started = []
+    real_declare = announcer.declare
+
+    async def first_one_fails(node, uids, endpoint, expiration):
+        started.append(time.monotonic())
+        if len(started) == 1:
+            return [False] * len(uids)  # reached no node (the swarm unreachable, say)
+        return await real_declare(node, uids, endpoint, expiration)
+
+    monkeypatch.setattr(announcer, "declare", first_one_fails)
+    refresh_period = 4.0
+    with DHT() as dht, Announcer(dht, refresh_period=refresh_period) as announcing:
+        assert announcing.start(["ffn0.0.0"], "127.0.0.1:7000") == [False]
+        deadline = started[0] + refresh_period * 0.75  # the old retry came after refresh_period
+        while get_experts(dht, ["ffn0.0.0"]) != ["127.0.0.1:7000"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert get_experts(dht, ["ffn0.0.0"]) == ["127.0.0.1:7000"], f"declared {len(started)} times"
+        assert len(started) == 2  # once retried, and declared: the next refresh waits a refresh period
 
 
 @pytest.mark.parametrize("flags, named", [(["--expiration", "4000"], "--expiration"),

@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.no_refresh:
             return None
         return asyncio.ensure_future(announce_forever(node, uids, args.endpoint, args.refresh_period, expiration,
-                                                      declared=True))
+                                                      declared=all(results)))
 
     return serve(args, start, PROG)
 

@@ -17,7 +17,8 @@ async def announce_forever(node: DHTNode, uids: Sequence[str], endpoint: str, re
                            reported: dict[str, bytes] | None = None) -> None:
     """Declares ``uids`` every ``refresh_period`` seconds until cancelled; failures are retried sooner.
 
-    declared: the caller has just declared them, so the first declaration waits a refresh period.
+    declared: the caller has just declared them, every one reaching the DHT, so the first declaration here waits a
+    refresh period (pass False after one that failed: it is then made again at once, and retried as any here).
     reported: what the caller's read-back reported as taken by other keys (see :func:`report_taken`), which is
     read back after every declaration.
     ``uids`` is read again before every declaration: a list the caller changes (:meth:`Announcer.add`) is followed.
@@ -120,7 +121,8 @@ class Announcer:
 
     def start(self, uids: Sequence[str], endpoint: str) -> list[bool]:
         """Declares ``uids`` at ``endpoint`` now and keeps them declared until :meth:`close`; returns, per uid,
-        whether the first declaration fully reached the DHT (failures are retried sooner than a refresh period)."""
+        whether the first declaration fully reached the DHT (if any did not, all are declared again at once, and
+        then every quarter of a refresh period until they do, not after a whole one)."""
         if self._future is not None:
             raise RuntimeError("this announcer has already started")
         # --announce-host, or for a server bound to every interface this machine's address toward its peers
@@ -132,9 +134,11 @@ class Announcer:
         logger.info("declared %d of %d experts at %s in the DHT (node %s)", sum(self.first_results), len(self.uids),
                     endpoint, self.dht.endpoint)
         reported = self.dht.run_coroutine(report_taken(self.dht.node, list(self.uids), endpoint, {}, self.expiration))
+        # a first declaration that failed is made again at once (then retried as announce_forever retries its own
+        # failures): declared=True waited a whole refresh period, clients finding none of its experts (review 85)
         self._future = asyncio.run_coroutine_threadsafe(
             announce_forever(self.dht.node, self.uids, endpoint, self.refresh_period, self.expiration,
-                             declared=True, reported=reported),
+                             declared=all(self.first_results), reported=reported),
             self.dht.loop)
         return self.first_results
 
