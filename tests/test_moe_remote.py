@@ -519,6 +519,30 @@ def test_rows_beyond_a_servers_max_batch_size_go_as_several_requests_with_the_in
     assert all(info["backward_calls"] == 8 for info in calls.values()), calls
 
 
+def test_backward_k_min_counts_against_the_experts_that_answered_the_rows_forward_if_fewer(zoo):
+    """Review 85 (documented, not changed): backward raises for a row with fewer expert gradients than
+    backward_k_min, or than the experts that answered its forward where fewer did. A row that k_min let through
+    with one answer passes backward_k_min=2 with that expert's gradient; a row two experts answered, one of whose
+    gradients is dropped, makes backward raise."""
+    dht, _ = zoo  # huge0: rows 0-1 ordinary, row 2 huge outputs, row 3 huge input gradients
+    torch.manual_seed(0)
+    layer = RemoteMixtureOfExperts(HIDDEN, GRID, "huge0", dht, k_best=2, k_min=1, backward_k_min=2)
+
+    def step(first_coordinate_bias: list[float]) -> None:
+        with torch.no_grad():  # every row: huge0.1.0 and huge0.{c}.0 for the c biased to 4
+            layer.proj.weight.zero_()
+            layer.proj.bias.copy_(torch.tensor([*first_coordinate_bias, 3, 0, 0, 0.]))
+        x = torch.randn(16, HIDDEN, requires_grad=True)
+        layer(x).pow(2).mean().backward()
+        assert torch.isfinite(x.grad).all()
+
+    step([0, 5, 4, 0])  # huge0.2.0's answers are dropped: one answer a row forward, and one gradient back
+    assert layer.stats.experts_dropped == 1 and layer.stats.backward_failures == 0
+    with pytest.raises(RuntimeError, match="16 rows got fewer than backward_k_min=2"):
+        step([0, 5, 0, 4])  # two answers a row forward; huge0.3.0's input gradients are dropped
+    assert layer.stats.backward_failures == 1
+
+
 def _batched_layer(dht: DHT) -> RemoteMixtureOfExperts:
     """A layer of the batched0 grid (its server's --max-batch-size is 64) routing every row to batched0.1.0 and
     batched0.1.1."""

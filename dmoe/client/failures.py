@@ -87,8 +87,9 @@ class CallPolicy:
     k_min: forward waits until every row has this many answers (or no call left pending) ...
     timeout_after_k_min: ... then at most this many seconds more for the remaining experts.
     forward_timeout: no forward waits longer than this in total; slower experts are dropped.
-    backward_k_min: backward raises only if a row gets fewer expert gradients than this (0: never). It raises once
-    every backward call has settled: the experts that answered have stepped on the batch by then.
+    backward_k_min: backward raises only if a row gets fewer expert gradients than this, or than the experts that
+    answered its forward where fewer did (0: never): what ``k_min`` let through forward is not failed again. It
+    raises once every backward call has settled: the experts that answered have stepped on the batch by then.
     backward_timeout: experts that have not answered backward by then contribute no gradient.
     compression: wire compression of the tensors sent; channels: the gRPC channel pool (None: the shared one).
     bans: the ban book (shared between layers); stats: the layer's counters, updated by every call.

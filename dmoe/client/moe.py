@@ -288,6 +288,8 @@ class _RemoteExperts(torch.autograd.Function):
         if refused:
             policy.weigh_refusals(refused, bool(got.any()), backward=True)
         policy.stats.backward_calls += len(answered)
+        # capped by the experts that answered each row's forward (wanted): a row that k_min let through with fewer
+        # answers is not failed again here, or every run with k_min < backward_k_min would stop at a dead server
         short = got < np.minimum(wanted, policy.backward_k_min)
         if bool(short.any()):
             raise RuntimeError(
@@ -314,8 +316,11 @@ class RemoteMixtureOfExperts(MixtureBase):
     :param timeout_after_k_min: ... then at most this many seconds more for the remaining experts (those it cuts
         are dropped from that forward; a server cut in 3 forwards in a row is banned as too slow).
     :param forward_timeout: no forward waits longer than this in total; slower experts are dropped.
-    :param backward_k_min: backward raises if a row gets fewer expert gradients than this (0, the default: never,
-        as in ``dmoe-train``; a row whose experts all failed then gets its input gradient through the gate alone).
+    :param backward_k_min: backward raises if a row gets fewer expert gradients than this, or than the experts
+        that answered its forward where fewer did: a floor on what backward loses, not on the answers (a row that
+        ``k_min`` let through with one answer passes ``backward_k_min=2`` with that expert's gradient; set
+        ``k_min >= backward_k_min`` for an absolute floor). 0, the default: never, as in ``dmoe-train``; a row
+        whose experts all failed then gets its input gradient through the gate alone.
         Above 0, mind when it raises: after every backward call has settled, so the experts that did answer have
         already stepped on the batch, while the caller's own step is lost (``loss.backward()`` raised: none of its
         parameters got a gradient). Client and experts then drift apart by that batch, each time a server dies

@@ -99,8 +99,9 @@ class TrainConfig:
     timeout_after_k_min: float = _option(1.0, "extra seconds for slower experts once k_min answered",
                                         duration(zero=True))
     allow_zero_outputs: bool = _option(True, "a token whose experts all failed skips the layer instead of raising")
-    backward_k_min: int = _option(0, "backward raises for a token with fewer expert gradients than this (0: never, "
-                                     "so a server that dies between forward and backward only costs its gradients)",
+    backward_k_min: int = _option(0, "backward raises for a token with fewer expert gradients than this, or than "
+                                     "the experts that answered its forward if fewer (0: never, so a server that "
+                                     "dies between forward and backward only costs its gradients)",
                                   non_negative(int))
     max_abs_value: float = _option(1e6, "drop and ban an expert whose answer (outputs, or input gradients) holds a "
                                         "value of a larger magnitude (0: no limit; the servers' --max-abs-value "
