@@ -53,6 +53,41 @@ def test_beam_search_equals_brute_force_with_ties_dead_and_excluded_experts(prob
     assert beam_search(FakeDHT(alive), "ffn", scores, k, exclude=excluded, speculate=False) == expected
 
 
+@settings(max_examples=100, deadline=None)
+@given(problems(), st.data())
+def test_beam_search_stays_exact_with_dead_claimed_prefixes(problem, data):
+    """Shared claims of coordinates with no expert below (anyone may write them into a grid's inner records): the
+    rows that meet only such dead prefixes in a round look up twice as many in the next (review 85)."""
+    grid, alive, excluded, scores, k = problem
+    fake = FakeDHT(alive)
+    inner = [join_uid("ffn", c) for depth in range(1, len(grid) - 1)
+             for c in itertools.product(*(range(g) for g in grid[:depth]))]
+    for prefix in ["ffn"] * (len(grid) > 1) + inner:  # (the last prefixes' records list experts: owned entries)
+        for coord in data.draw(st.lists(st.integers(0, grid[prefix.count(".")] - 1), unique=True)):
+            fake.records.setdefault(prefix, {}).setdefault(coord, "6.6.6.6:1")
+    expected = brute_force_top_k(alive, "ffn", scores, k, exclude=excluded)
+    assert beam_search(fake, "ffn", scores, k, exclude=excluded, lookahead=1) == expected
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dead_claimed_prefixes_cost_rounds_that_grow_with_their_log_not_their_number(batch):
+    """Review 85: one peer claiming every coordinate of a 256x256 layer's record (256 shared entries, no expert
+    under them) made a batch-1 search take 36 rounds of look-ups here (4 dead prefixes a round, k=4) where 3 did
+    without them, and a batch-4 one 19 where 2 did. A row's lookahead doubles after a round that found only dead
+    prefixes: 8 and 7 rounds."""
+    rng = random.Random(0)
+    uids = [join_uid("ffn0", (i, j)) for i in rng.sample(range(256), 8) for j in rng.sample(range(256), 8)]
+    alive = {uid: "10.0.0.1:8000" for uid in uids}
+    scores = [torch.randn(batch, 256, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    fake = FakeDHT(alive)
+    for coord in range(256):
+        fake.records["ffn0"].setdefault(coord, "6.6.6.6:1")
+    assert beam_search(fake, "ffn0", scores, 4, cache=PrefixCache()) == brute_force_top_k(alive, "ffn0", scores, 4)
+    looked_up = [prefix for call in fake.calls for prefix in call]
+    assert len(looked_up) == len(set(looked_up)), "a prefix was looked up twice in one search"
+    assert len(fake.calls) <= 10, f"{len(fake.calls)} sequential rounds of look-ups"
+
+
 def test_beam_search_on_a_sparse_64x64_grid_with_random_scores_is_exact_and_batched():
     rng = random.Random(0)
     uids = [join_uid("ffn0", (i, j)) for i in range(64) for j in range(64)]

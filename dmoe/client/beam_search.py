@@ -194,7 +194,8 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
     exclude: experts to skip (e.g. banned after failures): a container of uids or a predicate
         ``exclude(uid, endpoint) -> bool``.
     cache: a :class:`PrefixCache` to consult and fill; None looks everything up afresh.
-    lookahead: unknown prefixes per row fetched in each round (default ``k``): more per round, fewer rounds.
+    lookahead: unknown prefixes per row fetched in each round (default ``k``): more per round, fewer rounds. A row
+        whose every prefix fetched in a round was dead fetches twice as many in the next (dead claimed prefixes).
     speculate: fetch, with each unknown prefix a row needs, the child prefixes that the row's best ``k + spare``
         experts would run through if every expert were alive (off that plan: its ``lookahead`` best-scoring
         children). When they are alive (the usual case), the next round's look-ups ride along with this round's: a
@@ -225,6 +226,10 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
                 return found
     scores = [t.tolist() for t in tensors]
     lookahead = k if lookahead is None else max(1, lookahead)
+    # per row: its lookahead now, doubled after each round in which every prefix it waited on was dead (up to a
+    # dimension's size, the most children a record lists), and the prefixes it waits on
+    reach, most_reach = [lookahead] * batch, max(lookahead, *grid)
+    waited: dict[int, list[str]] = {}
 
     # per dimension and row: the coordinates, best score first (ties: lower coordinate first, as heapq.nlargest)
     orders = [[sorted(range(grid[dim]), key=row_scores.__getitem__, reverse=True) for row_scores in scores[dim]]
@@ -308,6 +313,11 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
         wanted: dict[str, None] = {}
         for row in sorted(active):
             heap, found = heaps[row], results[row]
+            if (last := waited.pop(row, None)) and not any(known.get(name) for name in last):
+                # all dead: claimed, with no expert below (anyone may write shared claims into a grid's records).
+                # One round per lookahead of them made 256 such claims cost a row 41 rounds; doubled, the rounds
+                # grow with their log (review 85)
+                reach[row] = min(2 * reach[row], most_reach)
             while heap and len(found) < k:
                 top = heap[0]
                 if top[1]:
@@ -347,16 +357,17 @@ def beam_search(dht: Union[DHT, ContinuationSource], layer: str, grid_scores: Se
             if not heap or len(found) >= k:
                 active.discard(row)
                 continue
-            unknown = 0
-            for item in _in_pop_order(heap, groups, lookahead * 4):
+            unknown: list[str] = []
+            for item in _in_pop_order(heap, groups, reach[row] * 4):
                 if not item[1] and lookup(item[2]) is None:
                     wanted[item[2]] = None
                     for guess in guesses(row, item[2], item[3]):
                         if guess not in known:
                             wanted[guess] = None
-                    unknown += 1
-                    if unknown >= lookahead:
+                    unknown.append(item[2])
+                    if len(unknown) >= reach[row]:
                         break
+            waited[row] = unknown
         if not wanted:
             break
         _fetch(source, list(wanted), known, cache, ndims)
