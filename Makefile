@@ -5,9 +5,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Test files run on this many pytest-xdist workers, each file on one worker (its module fixtures start once): most
-# tests wait on processes starting and on timers, so two workers fill a 2-core machine's idle time. 0: one process.
-TEST_WORKERS ?= 2
+# Test files run on this many pytest-xdist workers, each file on one worker (its module fixtures start once). The
+# programs the tests start are forked from a process that imported torch once (tests/template.py), so they start in
+# well under a second of CPU, and most tests then wait on timers: three workers fill a 2-core machine's idle time
+# (four were 10% faster on 2026-11-28 with 89% of both cores busy; three keep some room). 0: one process.
+TEST_WORKERS ?= 3
 
 .PHONY: venv demo test clean
 
