@@ -22,8 +22,10 @@ PROGRAM = textwrap.dedent("""
     atexit.register(lambda: print("atexit ran", flush=True))
     def late():
         time.sleep(0.3)
-        print("thread joined", flush=True)
-    threading.Thread(target=late).start()
+        sys.stdout.write("thread joined\\n")  # (one write: print's line and its end are two, between which another
+        sys.stdout.flush()                   # thread's traceback line could land)
+    thread = threading.Thread(target=late)
+    thread.start()
     how = sys.argv[1]
     if how == "raise":
         raise ValueError("boom")
@@ -31,7 +33,8 @@ PROGRAM = textwrap.dedent("""
         raise KeyboardInterrupt
     if how == "message":
         sys.exit("bye")
-    if how == "wait":
+    if how == "wait":  # (the thread's line first: written while a traceback is, the two could share a line)
+        thread.join()
         print("waiting", flush=True)
         time.sleep(60)
     sys.exit(int(how))
@@ -41,7 +44,8 @@ ENV = {"OMP_NUM_THREADS": "1", "DMOE_TEMPLATE_PROBE": "probe"}
 
 @pytest.mark.parametrize("how, send, status", [
     ("0", None, 0), ("3", None, 3), ("raise", None, 1), ("interrupt", None, -signal.SIGINT), ("message", None, 1),
-    ("wait", signal.SIGINT, -signal.SIGINT), ("wait", signal.SIGTERM, -signal.SIGTERM), ("wait", signal.SIGKILL, -signal.SIGKILL)])
+    ("wait", signal.SIGINT, -signal.SIGINT), ("wait", signal.SIGTERM, -signal.SIGTERM),
+    ("wait", signal.SIGKILL, -signal.SIGKILL)])
 def test_a_forked_program_ends_as_the_same_program_started_with_python_does(how, send, status):
     results = []
     with processes() as procs:
@@ -55,8 +59,8 @@ def test_a_forked_program_ends_as_the_same_program_started_with_python_does(how,
             proc._reader.join(10)
         assert isinstance(procs[0].popen, ForkedPopen) and isinstance(procs[1].popen, subprocess.Popen)
     forked, started = results
-    if send is not None:  # where the signal lands (the line, before or after the thread's line) is chance
-        results = [(code, sorted(line for line in lines if not line.startswith("  File "))) for code, lines in results]
+    # the order of the traceback's lines and the thread's, and where a signal lands (its line), are chance
+    results = [(code, sorted(line for line in lines if not line.startswith("  File "))) for code, lines in results]
     assert results[0] == results[1]
     assert forked[0] == status, forked
     lines = forked[1]
