@@ -11,8 +11,10 @@ would give it (threads joined, ``atexit`` run, -2 after an uncaught KeyboardInte
 What differs: its parent is the template, which reaps it and reports its status (and which ``PARENT_ENV`` names, so
 a program still stops when the test process dies: the template exits with it); it shares the template's hash seed
 (its random generators are seeded afresh). A program whose environment differs from the template's in any variable
-but dmoe's and pytest's own (``DMOE_*``, ``PYTEST_*``: the preloaded libraries may have read any other as they loaded, ``OMP_NUM_THREADS``,
-``TQDM_DISABLE``, ...) or that passes interpreter flags is started with ``python`` as before, and ``DMOE_TEST_FORK=0`` turns the
+but dmoe's and pytest's own (``DMOE_*``, ``PYTEST_*``) gets a template of its own (up to four per test process,
+then python), as the preloaded libraries may have read any other as they loaded (``OMP_NUM_THREADS``,
+``TQDM_DISABLE``, ...); one that passes interpreter flags is started with ``python`` as before, and
+``DMOE_TEST_FORK=0`` turns the
 template off. The programs' own entry points (``python -m dmoe.cli.server`` from a shell, the console scripts) are
 still exercised by the tests that start them through ``subprocess`` or :mod:`dmoe.launch` (the demo, benchmarks,
 launchers).
@@ -101,7 +103,11 @@ class Template:
                     request = json.dumps({"args": list(args), "env": env, "cwd": str(ROOT), "parent_env": parent_env})
                     with self.changed:
                         self._started = None
-                    socket.send_fds(self._socket, [request.encode()], [devnull.fileno(), write])
+                    try:
+                        socket.send_fds(self._socket, [request.encode()], [devnull.fileno(), write])
+                    except OSError:  # the template is gone (its reader saw it too): python from now on
+                        self._failed = True
+                        return None
                 with self.changed:
                     if not self.changed.wait_for(lambda: self._started is not None or self._socket is None, 60):
                         raise RuntimeError("the test template did not answer in 60 s")
