@@ -10,10 +10,12 @@ dmoe afresh and runs ``-m module``, a script or ``-c`` code as ``__main__``, and
 would give it (threads joined, ``atexit`` run, -2 after an uncaught KeyboardInterrupt, -N when killed by signal N).
 What differs: its parent is the template, which reaps it and reports its status (and which ``PARENT_ENV`` names, so
 a program still stops when the test process dies: the template exits with it); it shares the template's hash seed
-(its random generators are seeded afresh). A program whose environment differs from the template's in any variable
-but dmoe's and pytest's own (``DMOE_*``, ``PYTEST_*``) gets a template of its own (up to four per test process,
-then python), as the preloaded libraries may have read any other as they loaded (``OMP_NUM_THREADS``,
-``TQDM_DISABLE``, ...); one that passes interpreter flags is started with ``python`` as before, and
+(its random generators, torch's too, and its multiprocessing authkey are drawn afresh; it inherits the
+template's atexit callbacks, loggers and warning filters: those of the libraries it preloaded). A program whose
+environment differs from the template's in any variable but dmoe's and pytest's own (``DMOE_*``, ``PYTEST_*``)
+gets a template of its own (up to four per test process, then python), as the preloaded libraries may have read any
+other as they loaded (``OMP_NUM_THREADS``, ``TQDM_DISABLE``, ...); one that passes interpreter flags, a script that
+does not exist, or a DHT node (no torch: :data:`WITHOUT_TORCH`) is started with ``python`` as before, and
 ``DMOE_TEST_FORK=0`` turns the
 template off. The programs' own entry points (``python -m dmoe.cli.server`` from a shell, the console scripts) are
 still exercised by the tests that start them through ``subprocess`` or :mod:`dmoe.launch` (the demo, benchmarks,
@@ -42,6 +44,9 @@ OWN_PREFIXES = ("DMOE_", "PYTEST_")
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "numpy", "grpc", "google.protobuf.message",
            "cryptography.hazmat.primitives.asymmetric.ed25519")
 MAX_MESSAGE = 1 << 20
+# programs that import no torch start with python: they start in a fraction of a second anyway, and forked from the
+# template they would hold torch loaded, whose clean-up at exit cost a DHT node's stop 1.2 s instead of 0.06
+WITHOUT_TORCH = ("dmoe.dht", "dmoe.cli.dht", "dmoe.directory")
 
 
 def _startup_env(env: dict[str, str]) -> dict[str, str]:
@@ -192,11 +197,19 @@ _templates: dict[tuple[tuple[str, str], ...], Template] = {}
 _templates_lock = threading.Lock()
 
 
+def _forkable(args: Sequence[str]) -> bool:
+    """``-m`` a module that imports torch, ``-c`` code, or a script that exists: no interpreter flags."""
+    if args[:1] == ["-m"]:
+        return len(args) >= 2 and args[1] not in WITHOUT_TORCH
+    if args[:1] == ["-c"]:
+        return len(args) >= 2
+    return bool(args) and args[0].endswith(".py") and (ROOT / args[0]).is_file()
+
+
 def start(args: Sequence[str], env: dict[str, str], parent_env: str) -> ForkedPopen | None:
     """``python *args`` forked from this test process's template for ``env``; None where it must start with python
-    (interpreter flags, the switch off, too many environments, no template)."""
-    if os.environ.get(SWITCH, "1") == "0" or not hasattr(socket, "send_fds") or \
-            not (len(args) >= 2 and args[0] in ("-m", "-c") or args and args[0].endswith(".py")):
+    (interpreter flags, a program without torch, the switch off, too many environments, no template)."""
+    if os.environ.get(SWITCH, "1") == "0" or not hasattr(socket, "send_fds") or not _forkable(args):
         return None
     key = tuple(sorted(_startup_env(env).items()))
     with _templates_lock:
@@ -209,68 +222,52 @@ def start(args: Sequence[str], env: dict[str, str], parent_env: str) -> ForkedPo
 # ----------------------------------------------------------------------------------------------------- the template
 
 
-def _run_as_main(args: list[str]) -> int:
-    """What ``python *args`` does once started, and the status it exits with."""
+def _run_as_main(args: list[str]) -> None:
+    """What ``python *args`` runs once started. What the program raises (SystemExit, an error, KeyboardInterrupt) is
+    left to the interpreter, which ends the process as it ends ``python``'s: the status, the traceback, threads
+    joined, atexit run, objects finalised, -2 after an uncaught KeyboardInterrupt."""
+    import importlib.machinery
     import runpy
     import types
 
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
-    interrupted = False
-    try:
-        try:
-            if args[0] == "-m":
-                sys.argv = [args[1], *args[2:]]
-                sys.path[0] = os.getcwd()
-                runpy._run_module_as_main(args[1], alter_argv=True)  # what python -m runs
-            elif args[0] == "-c":
-                sys.argv = ["-c", *args[2:]]
-                sys.path[0] = ""
-                exec(compile(args[1], "<string>", "exec"), main.__dict__)
-            else:
-                sys.argv = list(args)
-                sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
-                main.__file__ = args[0]
-                with open(args[0], "rb") as script:
-                    exec(compile(script.read(), args[0], "exec"), main.__dict__)
-            code = 0
-        except SystemExit as exiting:
-            code = _exit_code(exiting.code)
-        except BaseException as error:  # noqa: BLE001 - reported as python reports it
-            trace = error.__traceback__
-            while trace is not None and trace.tb_frame.f_code.co_filename == __file__:  # the template's frames
-                trace = trace.tb_next
-            sys.excepthook(type(error), error.with_traceback(trace), trace)
-            code, interrupted = 1, isinstance(error, KeyboardInterrupt)
-        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter joins threads at exit
-        atexit._run_exitfuncs()
-    except SystemExit as exiting:  # raised while threads were joined
-        code = _exit_code(exiting.code)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if interrupted:  # python ends by SIGINT itself after an uncaught KeyboardInterrupt (status -2)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    return code
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        sys.path[0] = os.getcwd()
+        runpy._run_module_as_main(args[1], alter_argv=True)  # what python -m runs
+    elif args[0] == "-c":
+        sys.argv = ["-c", *args[2:]]
+        sys.path[0] = ""
+        exec(compile(args[1], "<string>", "exec"), main.__dict__)
+    else:
+        path = os.path.join(os.getcwd(), args[0])  # (python gives a script's __main__ this path: absolute)
+        main.__file__, main.__cached__ = path, None
+        main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.realpath(path))
+        with open(path, "rb") as script:
+            source = script.read()
+        exec(compile(source, path, "exec"), main.__dict__)
 
 
-def _exit_code(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    sys.stderr.write(f"{code}\n")
-    return 1
+def _without_template_frames(hook):
+    """``hook`` shown a traceback that starts where the program does, as ``python``'s would (the template's own
+    frames, and the runpy frames that started the template, cut)."""
+    def excepthook(kind, error, trace):
+        start, frame = trace, trace
+        while frame is not None:
+            if frame.tb_frame.f_code.co_filename == __file__:
+                start = frame.tb_next
+            frame = frame.tb_next
+        hook(kind, error.with_traceback(start), start)
+    return excepthook
 
 
 def _child(request: dict, fds: list[int]) -> None:
-    """In the forked child: its own session and output, the environment and directory asked for, then the program."""
-    import random
-
-    code = 1
+    """In the forked child: its own session and output, the environment and directory asked for, fresh random
+    seeds, then the program, whose end (a return, or anything it raises) ends this process through the interpreter
+    as ``python``'s would end: never back into the template's loop."""
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
@@ -287,20 +284,26 @@ def _child(request: dict, fds: list[int]) -> None:
         os.environ.update(request["env"])
         os.environ[request["parent_env"]] = str(os.getppid())  # the template: it exits when the test process does
         os.environ[SWITCH] = "0"  # what it starts for itself is its own child, as a launcher's are
+        import multiprocessing
+        import random
         import tempfile
+
+        import numpy
+        import torch
 
         tempfile.tempdir = None
         random.seed()
-        import numpy
-
         numpy.random.seed()
-        code = _run_as_main(request["args"])
-    except BaseException:  # noqa: BLE001 - whatever happens, this process must not return into the template's loop
+        torch.seed()
+        multiprocessing.current_process().authkey = os.urandom(32)  # (a fresh process draws its own)
+        sys.excepthook = _without_template_frames(sys.excepthook)
+    except BaseException:  # noqa: BLE001 - a failure here is the template's: reported, and never back into its loop
         import traceback
 
         traceback.print_exc()
-    finally:
-        os._exit(code)
+        os._exit(1)
+    _run_as_main(request["args"])
+    raise SystemExit(0)  # the program returned: the interpreter ends this process with status 0
 
 
 def serve(fd: int) -> None:

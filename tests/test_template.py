@@ -86,3 +86,18 @@ def test_each_environment_has_a_template_of_its_own_and_interpreter_flags_start_
             proc._reader.join(10)
         assert all("3/3" in "".join(proc.output) for proc in (plain, own, flagged))
         assert quiet.output == []
+
+
+def test_forked_programs_draw_their_own_seeds_as_programs_started_with_python_do():
+    """torch seeds its generator afresh in every process, as random and numpy do: children of one template shared
+    the template's seed (the same weights for every unseeded nn.Linear), and its multiprocessing authkey."""
+    program = ["-c", "import multiprocessing, random, numpy, torch; print(torch.initial_seed(), random.random(), "
+                     "numpy.random.random(), multiprocessing.current_process().authkey.hex())"]
+    with processes() as procs:
+        for _ in range(2):
+            procs.append(Proc(program))
+        assert [proc.popen.wait(60) for proc in procs] == [0, 0]
+        for proc in procs:
+            proc._reader.join(10)
+    first, second = (proc.output[0].split() for proc in procs)
+    assert all(a != b for a, b in zip(first, second)), (first, second)
