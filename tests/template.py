@@ -8,7 +8,10 @@ dmoe, then forks a child for each program the tests start.
 Each child is still a real program in a process of its own: its own pid, session, ports and output pipe; it imports
 dmoe afresh and runs ``-m module``, a script or ``-c`` code as ``__main__``, and exits with the status ``python``
 would give it (threads joined, ``atexit`` run, -2 after an uncaught KeyboardInterrupt, -N when killed by signal N).
-What differs: its parent is the template, which reaps it and reports its status (and which ``PARENT_ENV`` names, so
+What differs: after its threads are joined and its atexit callbacks run, it leaves without the interpreter's
+final clean-up (objects still alive finalised, files left open flushed: a second of CPU per program with torch's
+module graph; the demo's, benchmarks' and launchers' programs, started with python, still go through it); its
+parent is the template, which reaps it and reports its status (and which ``PARENT_ENV`` names, so
 a program still stops when the test process dies: the template exits with it); it shares the template's hash seed
 (its random generators, torch's too, and its multiprocessing authkey are drawn afresh; it inherits the
 template's atexit callbacks, loggers and warning filters: those of the libraries it preloaded). A program whose
@@ -45,7 +48,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "numpy", "grpc", "google.pro
            "cryptography.hazmat.primitives.asymmetric.ed25519")
 MAX_MESSAGE = 1 << 20
 # programs that import no torch start with python: they start in a fraction of a second anyway, and forked from the
-# template they would hold torch loaded, whose clean-up at exit cost a DHT node's stop 1.2 s instead of 0.06
+# template they would hold torch loaded (whose clean-up at exit, before the template skipped it, made a DHT node's
+# stop take 1.2 s instead of 0.06)
 WITHOUT_TORCH = ("dmoe.dht", "dmoe.cli.dht", "dmoe.directory")
 
 
@@ -225,7 +229,7 @@ def start(args: Sequence[str], env: dict[str, str], parent_env: str) -> ForkedPo
 def _run_as_main(args: list[str]) -> None:
     """What ``python *args`` runs once started. What the program raises (SystemExit, an error, KeyboardInterrupt) is
     left to the interpreter, which ends the process as it ends ``python``'s: the status, the traceback, threads
-    joined, atexit run, objects finalised, -2 after an uncaught KeyboardInterrupt."""
+    joined, atexit run, -2 after an uncaught KeyboardInterrupt (see :func:`_child` for what it skips)."""
     import importlib.machinery
     import runpy
     import types
@@ -302,7 +306,37 @@ def _child(request: dict, fds: list[int]) -> None:
 
         traceback.print_exc()
         os._exit(1)
-    _run_as_main(request["args"])
+    status: list[int | None] = [0]  # the status python would exit with (None: by SIGINT, as after an uncaught ^C)
+
+    def leave() -> None:
+        """Registered first, so run last: the interpreter has joined the threads and run the program's atexit
+        callbacks (and handled a SIGINT meanwhile as python does); what is left is its clean-up of torch's module
+        graph, a second of CPU per program that python-started ones pay too but which changes nothing outside."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        if status[0] is None:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(status[0])
+
+    import atexit as exits
+
+    exits.register(leave)
+    try:
+        _run_as_main(request["args"])
+    except SystemExit as exiting:  # the interpreter prints a message that is not a number
+        code = exiting.code
+        status[0] = 0 if code is None else code if isinstance(code, int) else 1
+        raise
+    except KeyboardInterrupt:
+        status[0] = None
+        raise
+    except BaseException:
+        status[0] = 1
+        raise
     raise SystemExit(0)  # the program returned: the interpreter ends this process with status 0
 
 
