@@ -270,8 +270,8 @@ def _without_template_frames(hook):
 
 def _child(request: dict, fds: list[int]) -> None:
     """In the forked child: its own session and output, the environment and directory asked for, fresh random
-    seeds, then the program, whose end (a return, or anything it raises) ends this process through the interpreter
-    as ``python``'s would end: never back into the template's loop."""
+    seeds, then the program, whose end (a return, or anything it raises) goes to the interpreter as ``python``'s
+    would, until :func:`leave` ends the process: never back into the template's loop."""
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
@@ -322,9 +322,7 @@ def _child(request: dict, fds: list[int]) -> None:
             os.kill(os.getpid(), signal.SIGINT)
         os._exit(status[0])
 
-    import atexit as exits
-
-    exits.register(leave)
+    atexit.register(leave)
     try:
         _run_as_main(request["args"])
     except SystemExit as exiting:  # the interpreter prints a message that is not a number
