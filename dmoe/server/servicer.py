@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 import torch
@@ -29,7 +29,7 @@ from dmoe.server.validation import RequestRejected, check_options, first_bad_val
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES, truncated
 from dmoe.wire.codec import (NONE, InvalidTensor, OutgoingTensor, TensorTooLarge, cut_into_parts, join_parts,
-                             message_bytes, pack, to_message)
+                             message_bytes, pack)
 from dmoe.wire.shared_memory import BadCall, MappedSegment, Refused, SegmentMaps
 from dmoe.wire.zerocopy import (BatchResponse, Message, Response, Result, batch_response_bytes,
                                 batch_response_message, parse_batch_request, parse_request, response_bytes,
@@ -711,7 +711,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             del tensors  # (its arrival's bytes count as its queued inputs now, until it is computed)
             self._answer_held(context, outputs, 1)  # (sent in parts: the tensors, and a part at a time besides)
             deadline = time.monotonic() + self.max_stream_seconds
-            for group in cut_into_parts([to_message(y) for y in outputs], self.stream_part_bytes):
+            for group in cut_into_parts(outputs, self.stream_part_bytes):
                 try:
                     await asyncio.wait_for(context.write(dmoe_pb2.ExpertResponse(tensors=group)),
                                            max(0.0, deadline - time.monotonic()))
@@ -767,7 +767,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
         started = time.perf_counter()
         try:
-            tensors = join_parts(groups, limit)
+            tensors = join_parts(_forgotten_as_read(groups), limit)
         except (InvalidTensor, TensorTooLarge) as error:
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, TensorTooLarge)
                     else grpc.StatusCode.INVALID_ARGUMENT)
@@ -781,6 +781,14 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
     async def backward_stream(self, request_iterator, context) -> None:
         await self._stream(BACKWARD, request_iterator, context)
+
+
+def _forgotten_as_read(groups: list[Any]) -> Iterator[Any]:
+    """Yields the groups in order, dropping each from the list as it goes: a received message is freed once its
+    parts are copied into the joined tensors, not held beside them to the end of the join."""
+    groups.reverse()
+    while groups:
+        yield groups.pop()
 
 
 def add_to_server(servicer: ExpertServicer, server: grpc.aio.Server) -> None:
