@@ -77,3 +77,16 @@ def test_an_expiration_beyond_max_expiration_is_refused_before_sending_by_stores
             Announcer(alice, refresh_period=limit / 2)  # its default expiration: 3 refresh periods
         assert alice.get("run4") == {} and alice.get("ffn9.1") == {}  # nothing was stored
         assert alice.store("run4", 1, "v", time.time() + limit - 5)  # up to the limit: stored
+
+
+def test_an_expiration_of_exactly_max_expiration_is_declared_every_time(peer: str) -> None:
+    """``declare`` checked the expiration and then signed it rounded *up* to the millisecond, past the limit its own
+    check allowed: a third of the starts of a server with ``--expiration 3600`` (or ``--refresh-period 1200``)
+    failed (review 89)."""
+    from dmoe.directory import declare_experts
+
+    with DHT(initial_peers=[peer]) as alice:
+        limit = alice.config.max_expiration
+        assert [declare_experts(alice, [f"ffn8.{i}.0"], "127.0.0.1:9000", limit) for i in range(20)] == [[True]] * 20
+        assert alice.store_many({"run5": {i: ("v", time.time() + limit) for i in range(20)}}) == {
+            "run5": {i: True for i in range(20)}}

@@ -101,6 +101,15 @@ def test_far_future_expirations_are_refused_when_signed_and_capped_when_not():
     assert storage.get(KEY)[2].expiration == 160.0
 
 
+def test_a_signed_expiration_up_to_the_clock_skew_beyond_max_expiration_is_kept():
+    """A writer allows itself max_expiration on its own clock: a node whose clock was half a second behind dropped
+    every such entry, silently (review 89). The same skew is allowed as for issue times."""
+    storage = RecordStorage(max_expiration=60.0, clock=lambda: 100.0)
+    assert storage.store(KEY, 1, *ALICE.entry(KEY, 1, "a:1", 160.0 + MAX_CLOCK_SKEW - 0.5, issued_us=100_500_000))
+    assert storage.get(KEY)[1].expiration == 160.0 + MAX_CLOCK_SKEW - 0.5  # as signed: not re-dated
+    assert not storage.store(KEY, 2, *ALICE.entry(KEY, 2, "a:1", 160.0 + MAX_CLOCK_SKEW + 0.5, issued_us=100_000_000))
+
+
 def test_a_node_refuses_new_records_past_max_records_but_refreshes_old_ones():
     now = [100.0]
     storage = RecordStorage(max_records=3, clock=lambda: now[0])

@@ -14,7 +14,7 @@ from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, listen_host, parse_endpoint
 from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
-from dmoe.dht.storage import Record, Subkey, check_expiration
+from dmoe.dht.storage import Record, Subkey, check_expiration, to_milliseconds
 from dmoe.endpoints import (
     announced_endpoint,
     bare_host,
@@ -135,7 +135,7 @@ class DHT:
             for subkey, (value, expiration_time) in entries.items():
                 check_entry(subkey, value, expiration_time, self.config.max_value_bytes)
                 check_expiration(expiration_time, self.config.max_expiration, now)
-                expiration_time = round(float(expiration_time), 3)  # signed exactly as sent
+                expiration_time = to_milliseconds(expiration_time)  # signed exactly as sent
                 signed[key][subkey] = self.node.identity.entry(digest(key), subkey, value, expiration_time)
         replies = self.run_coroutine(self.node.store_records(signed))
         return {key: dict(zip(signed[key], replies[key])) for key in signed}

@@ -18,6 +18,7 @@ Entries are signed (:mod:`dmoe.dht.signing`) and come in two kinds, told apart b
 from __future__ import annotations
 
 import ipaddress
+import math
 import time
 from collections import defaultdict
 from typing import Callable, Hashable, Iterator, NamedTuple, Sequence, Union
@@ -69,6 +70,12 @@ def check_expiration(expiration: float, max_expiration: float, now: float | None
     if ahead > max_expiration:
         raise ValueError(f"an expiration {ahead:.0f} s ahead is beyond max_expiration ({max_expiration:.0f} s): every "
                          f"node would refuse the entry")
+
+
+def to_milliseconds(expiration: float) -> float:
+    """An expiration as entries are signed and sent: to the millisecond (shorter in every reply), rounded down, so
+    that one checked against ``max_expiration`` (:func:`check_expiration`) stays within it."""
+    return math.floor(float(expiration) * 1000) / 1000
 
 
 def issue_time_fits(issued_us: int, expiration: float, now: float) -> bool:
@@ -221,7 +228,8 @@ class RecordStorage(IStorage):
 
     def store(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes = b"",
               signature: bytes = b"", issued_us: int = 0, *, sender: str = "") -> bool:
-        """Merges one entry; False if already expired, too far in the future (signed), issued after its expiration
+        """Merges one entry; False if already expired, too far in the future (signed: more than ``max_expiration``
+        and :data:`MAX_CLOCK_SKEW` ahead), issued after its expiration
         or more than :data:`MAX_CLOCK_SKEW` ahead of this node's clock, or older than what is held.
 
         Raises :class:`RecordFull` or :class:`NotOwner`. An unsigned expiration further than ``max_expiration``
@@ -233,8 +241,12 @@ class RecordStorage(IStorage):
         expiration = float(expiration)
         if expiration > now + self.max_expiration:
             if signature:
-                return False
-            expiration = now + self.max_expiration
+                # a writer's check allows max_expiration on its own clock: one a little ahead of this node's
+                # (as issue times may be) had every node drop an entry of exactly max_expiration (review 89)
+                if expiration > now + self.max_expiration + MAX_CLOCK_SKEW:
+                    return False
+            else:
+                expiration = now + self.max_expiration
         if expiration <= now or not issue_time_fits(issued_us, expiration, now):
             return False
         record = self._live(key)
