@@ -110,6 +110,42 @@ def test_a_signed_expiration_up_to_the_clock_skew_beyond_max_expiration_is_kept(
     assert not storage.store(KEY, 2, *ALICE.entry(KEY, 2, "a:1", 160.0 + MAX_CLOCK_SKEW + 0.5, issued_us=100_000_000))
 
 
+def test_an_owners_older_entry_replayed_after_its_newest_expired_is_refused_and_the_subkey_is_free_to_others():
+    """An owner's newest entry wins whatever its lifetime; once it had expired, a replay of an older, longer-lived
+    one was taken again: a server stopped after a run with a shorter --expiration came back at its old endpoint for
+    the rest of that entry's hour, and nobody could adopt the uid meanwhile (review 89)."""
+    now = [100.0]
+    storage = RecordStorage(max_expiration=600.0, clock=lambda: now[0])
+    old = ALICE.entry(KEY, 1, "old:1", 690.0, issued_us=95_000_000)  # run 1: 10 minutes
+    assert storage.store(KEY, 1, *old)
+    assert storage.store(KEY, 1, *ALICE.entry(KEY, 1, "new:1", 103.0, issued_us=100_000_000))  # run 2: 3 s
+    assert not storage.store(KEY, 1, *old)  # refused while the newest lives, as before
+    now[0] = 104.0
+    assert storage.get(KEY) is None
+    assert not storage.store(KEY, 1, *old), "a replayed older entry came back once the newest had expired"
+    assert storage.store(KEY, 1, *ALICE.entry(KEY, 1, "new:1", 200.0, issued_us=104_000_000))  # its owner, later
+    now[0] = 201.0
+    assert storage.store(KEY, 1, *MALLORY.entry(KEY, 1, "m:1", 300.0, issued_us=201_000_000))  # the cell is free
+    now[0] = 301.0
+    assert not storage.store(KEY, 1, *old), "another owner's entry in between freed the replay"
+
+
+def test_expired_entries_are_remembered_within_the_entry_cap_and_only_while_an_older_one_may_live():
+    now = [100.0]
+    storage = RecordStorage(max_expiration=600.0, max_entries=4, clock=lambda: now[0])
+    for subkey in range(12):
+        issued = now[0]
+        assert storage.store(KEY, subkey, *ALICE.entry(KEY, subkey, "a:1", issued + 5, issued_us=int(issued * 1e6)))
+        now[0] += 6
+        assert storage.get(KEY) is None
+    assert len(storage._expired) <= 4 and (KEY, 11, ALICE.public_key) in storage._expired
+    storage = RecordStorage(max_expiration=600.0, clock=lambda: now[0])
+    issued = now[0]
+    assert storage.store(KEY, 1, *ALICE.entry(KEY, 1, "a:1", issued + 600, issued_us=int(issued * 1e6)))
+    now[0] = issued + 600 + MAX_CLOCK_SKEW  # no older entry of Alice can be live now: nothing to remember
+    assert storage.get(KEY) is None and not storage._expired
+
+
 def test_a_node_refuses_new_records_past_max_records_but_refreshes_old_ones():
     now = [100.0]
     storage = RecordStorage(max_records=3, clock=lambda: now[0])

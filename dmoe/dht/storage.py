@@ -225,6 +225,12 @@ class RecordStorage(IStorage):
         #: per key, a time no later than its earliest expiration: until then nothing in it can have expired, so
         #: reading it needs no scan (nodes read records far more often than entries expire)
         self._soonest: dict[bytes, float] = {}
+        #: per (key, owned subkey, owner), the (issue time, expiration) of the last entry held there after it
+        #: expired, until no older entry of that owner can be live: an owner's latest entry wins (supersedes), and
+        #: once it had expired a replay of an older, longer-lived one was taken again (a stopped server whose last
+        #: run had a shorter --expiration came back at its old endpoint for up to an hour, review 89). At most
+        #: ``max_entries`` of them, the oldest forgotten first.
+        self._expired: dict[tuple[bytes, int, bytes], tuple[int, float]] = {}
 
     def store(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes = b"",
               signature: bytes = b"", issued_us: int = 0, *, sender: str = "") -> bool:
@@ -250,6 +256,9 @@ class RecordStorage(IStorage):
         if expiration <= now or not issue_time_fits(issued_us, expiration, now):
             return False
         record = self._live(key)
+        if (isinstance(subkey, int) and owner and (record is None or subkey not in record)
+                and (issued_us, expiration) <= self._expired.get((key, subkey, owner), (-1, 0.0))):
+            return False  # older than an entry of its owner that expired here: a replay
         if record is None:
             if len(self.data) >= self.max_records:
                 self._purge()
@@ -324,7 +333,7 @@ class RecordStorage(IStorage):
         expired = [s for s, entry in record.items() if entry.expiration <= now]
         senders = self._entry_senders.get(key, {})
         for subkey in expired:
-            del record[subkey]
+            self._remember(key, subkey, record.pop(subkey), now)
             self._forget(self.entries_of, senders.pop(subkey, ""))
         self.entries -= len(expired)
         if expired:
@@ -338,6 +347,20 @@ class RecordStorage(IStorage):
             return None
         self._soonest[key] = min(entry.expiration for entry in record.values())
         return record
+
+    def _remember(self, key: bytes, subkey: Subkey, entry: Entry, now: float) -> None:
+        """Keeps an expired owned entry's issue time while an older entry of its owner may still be live: one
+        issued before it expires at most ``max_expiration`` (and the clock skew nodes allow) after that."""
+        if not isinstance(subkey, int) or not entry.owner:
+            return
+        if entry.issued_us / 1_000_000 + self.max_expiration + MAX_CLOCK_SKEW <= now:
+            return
+        if len(self._expired) >= self.max_entries:
+            horizon = (now - self.max_expiration - MAX_CLOCK_SKEW) * 1_000_000
+            self._expired = {place: kept for place, kept in self._expired.items() if kept[0] > horizon}
+            while len(self._expired) >= self.max_entries:  # still full: the oldest remembered go first
+                del self._expired[next(iter(self._expired))]
+        self._expired[(key, subkey, entry.owner)] = (entry.issued_us, entry.expiration)
 
     def live(self, key: bytes) -> Record | None:
         """The live entries of ``key`` (None when none are left) without copying them: the caller must not change
