@@ -173,6 +173,7 @@ class PartResult:
     total_weight: float
     messages: list[dmoe_pb2.AveragedPart]  # what is streamed back, encoded once for every member
     values: torch.Tensor | None             # None when nobody contributed
+    released: bool = False                  # messages and values freed: every reader had them (see release)
 
     @classmethod
     def encode(cls, contributors: tuple[int, ...], total_weight: float, values: torch.Tensor | None,
@@ -189,6 +190,12 @@ class PartResult:
         if values is not None and compression != NONE:  # the owner keeps what the others will decode
             values = torch.cat([deserialize(m.values) for m in messages])
         return cls(contributors, total_weight, messages, values)
+
+    def release(self) -> None:
+        """Frees the average and its encoding (about twice the part) once nobody will read them again: the
+        servicer keeps a group's reducer for ``KEPT_GROUPS`` groups, and late streams and :meth:`PartReducer.drop`
+        read only the contributors. Streams that are still sending hold their own reference to the messages."""
+        self.messages, self.values, self.released = [], None, True
 
 
 class PartReducer:
@@ -213,6 +220,7 @@ class PartReducer:
         self.complete: set[int] = set()
         self.dropped: dict[int, str] = {}
         self.result: PartResult | None = None
+        self._answered: set[int] = set()  # members (the owner too) whose stream or own part had the answer, or ended
         self._done = asyncio.Event()
 
     def time_left(self) -> float:
@@ -327,6 +335,20 @@ class PartReducer:
         self.values.clear()
         self.result = PartResult.encode(contributors, total, values, self.compression, self.piece_elements)
         self._done.set()
+        self._release_if_answered()
+
+    def answered(self, sender: int) -> None:
+        """``sender``'s stream ended (the owner: its own part was read), answered or not: it reads the average no
+        more. Once the owner and every contributor are done with it, the average is freed (review 87 D4: the
+        servicer's last 8 groups each held their average twice, 8x the averaged tensors in a group of two). Late
+        streams are still refused as before: :meth:`begin` and :meth:`drop` read only the contributors."""
+        self._answered.add(sender)
+        self._release_if_answered()
+
+    def _release_if_answered(self) -> None:
+        if (self.result is not None and not self.result.released
+                and self._answered.issuperset(self.result.contributors) and self.owner in self._answered):
+            self.result.release()
 
     async def settled(self, timeout: float) -> None:
         """Returns once the part is averaged, or after ``timeout`` seconds."""
@@ -588,16 +610,19 @@ async def _own_part(reducer: PartReducer, me: int, weight: float, values: torch.
                     out: torch.Tensor) -> Outcome:
     """The owner's own values go into its reducer without a network hop (checked like anyone's)."""
     try:
-        reducer.begin(me, weight)
-        reducer.add(me, values)
-        reducer.finish(me)
-    except Refused as refused:
-        logger.warning("this peer's own values were refused: %s", refused.message)
-    result = await reducer.wait()
-    if result.values is None:
-        return Outcome(error="nobody contributed to this peer's own part")
-    problem = bad_values(result.values, max_abs_value=0.0)  # finite inputs can still overflow without a limit
-    if problem is not None:
-        return Outcome(error=f"the average of this peer's own part {problem}")
-    out.copy_(result.values)
-    return Outcome(result.contributors, result.total_weight)
+        try:
+            reducer.begin(me, weight)
+            reducer.add(me, values)
+            reducer.finish(me)
+        except Refused as refused:
+            logger.warning("this peer's own values were refused: %s", refused.message)
+        result = await reducer.wait()
+        if result.values is None:
+            return Outcome(error="nobody contributed to this peer's own part")
+        problem = bad_values(result.values, max_abs_value=0.0)  # finite inputs can still overflow without a limit
+        if problem is not None:
+            return Outcome(error=f"the average of this peer's own part {problem}")
+        out.copy_(result.values)
+        return Outcome(result.contributors, result.total_weight)
+    finally:
+        reducer.answered(me)

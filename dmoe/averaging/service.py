@@ -23,7 +23,8 @@ from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-#: groups whose reducers are kept (for late streams to get a clear answer); older ones are forgotten
+#: groups whose reducers are kept (for late streams to get a clear answer); older ones are forgotten. A kept reducer
+#: frees its average once the owner and every contributor had it (PartReducer.answered): only who contributed stays
 KEPT_GROUPS = 8
 #: rounds (the current one and the ones before) whose groups this peer still answers for
 KEPT_ROUNDS = 2
@@ -137,40 +138,44 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
         reducer, sender = None, None
         try:
             try:
-                first = await asyncio.wait_for(anext(request_iterator, None), self.join_timeout)
-            except asyncio.TimeoutError:
-                raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"no first message within {self.join_timeout:g}s of opening the stream") from None
-            if first is None:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              "empty stream: the first message must name the group and the sender")
-            reducer = await self._find(first.group_id, peer_machine(context.peer()))
-            reducer.authenticate(first.sender, first.weight, first.signature)
-            reducer.begin(first.sender, first.weight)
-            sender = first.sender
-            try:
-                await asyncio.wait_for(self._receive(reducer, sender, first, request_iterator, context),
-                                       reducer.time_left())
-            except asyncio.TimeoutError:
-                raise reducer.ban(sender, Refused(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, f"peer {sender} did not deliver its part of group "
-                    f"{reducer.group_id} within allreduce_timeout; dropped from the group")) from None
-            except Refused:
-                raise
-            except BaseException as error:  # the sender went away (cancelled, connection lost): not a refusal
-                reducer.drop(sender, f"its stream broke ({type(error).__name__})")
-                raise
-            result = await reducer.wait()
-            if sender in reducer.dropped:  # dropped after its values arrived (its own part was unreachable)
-                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                              f"peer {sender} is banned from group {reducer.group_id}: {reducer.dropped[sender]}")
-        except Refused as refused:
-            await context.abort(refused.code, refused.message)
-            return
-        for message in result.messages:
-            if self.pace is not None:
-                await self.pace.wait(message.ByteSize())
-            yield message
+                try:
+                    first = await asyncio.wait_for(anext(request_iterator, None), self.join_timeout)
+                except asyncio.TimeoutError:
+                    raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"no first message within {self.join_timeout:g}s of opening the stream") from None
+                if first is None:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "empty stream: the first message must name the group and the sender")
+                reducer = await self._find(first.group_id, peer_machine(context.peer()))
+                reducer.authenticate(first.sender, first.weight, first.signature)
+                reducer.begin(first.sender, first.weight)
+                sender = first.sender
+                try:
+                    await asyncio.wait_for(self._receive(reducer, sender, first, request_iterator, context),
+                                           reducer.time_left())
+                except asyncio.TimeoutError:
+                    raise reducer.ban(sender, Refused(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, f"peer {sender} did not deliver its part of group "
+                        f"{reducer.group_id} within allreduce_timeout; dropped from the group")) from None
+                except Refused:
+                    raise
+                except BaseException as error:  # the sender went away (cancelled, connection lost): not a refusal
+                    reducer.drop(sender, f"its stream broke ({type(error).__name__})")
+                    raise
+                result = await reducer.wait()
+                if sender in reducer.dropped:  # dropped after its values arrived (its own part was unreachable)
+                    raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"peer {sender} is banned from group {reducer.group_id}: {reducer.dropped[sender]}")
+            except Refused as refused:
+                await context.abort(refused.code, refused.message)
+                return
+            for message in result.messages:
+                if self.pace is not None:
+                    await self.pace.wait(message.ByteSize())
+                yield message
+        finally:
+            if sender is not None:  # this stream began: it reads the average no more, however it ended
+                reducer.answered(sender)
 
     @staticmethod
     async def _receive(reducer: PartReducer, sender: int, first: dmoe_pb2.AveragingPart,
