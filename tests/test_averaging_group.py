@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from dmoe.averaging.allreduce import PartReducer, Refused, allreduce, send_and_receive, sign_part
+from dmoe.averaging.allreduce import Outcome, PartReducer, Refused, _two_faced, allreduce, send_and_receive, sign_part
 from dmoe.averaging.matchmaking import Group, Member
 from dmoe.averaging.service import AveragingServicer
 from dmoe.dht import Identity
@@ -61,7 +61,9 @@ async def average(group: Sequence[Peer], channels: dict[str, grpc.aio.Channel], 
     def stub_for(endpoint: str) -> dmoe_pb2_grpc.AveragingServiceStub:
         if endpoint not in channels:
             channels[endpoint] = grpc.aio.insecure_channel(endpoint)
-        return dmoe_pb2_grpc.AveragingServiceStub(channels[endpoint])
+        stub = dmoe_pb2_grpc.AveragingServiceStub(channels[endpoint])
+        stub.owner = next(peer.peer_id for peer in group if peer.endpoint == endpoint)  # for misbehaving senders
+        return stub
 
     async def one(peer: Peer, tensor: torch.Tensor, weight: float):
         out = torch.empty_like(tensor)
@@ -116,3 +118,45 @@ def test_an_average_is_kept_until_the_owner_and_every_contributor_had_it():
             reducer.begin(3, 1.0)
         assert late.value.code == grpc.StatusCode.PERMISSION_DENIED and "within allreduce_timeout" in late.value.message
     asyncio.run(run())
+
+
+def test_a_member_that_signs_another_weight_for_each_owner_is_left_out_and_the_others_average():
+    """Review 87 D5: such a member made the owners' totals disagree; the retry was among the same members, so no
+    round ever averaged, and nobody was named. Its signatures, which the owners now forward, prove what it did."""
+    async def run():
+        async with peers(3) as (group, channels):
+            liar = group[2]
+
+            async def two_faced(stub, group_id, me, weight, *args, **kwargs):
+                weight += stub.owner  # another weight for each owner, each signed properly
+                kwargs["signature"] = sign_part(liar.identity, group_id, stub.owner, me, weight)
+                return await send_and_receive(stub, group_id, me, weight, *args, **kwargs)
+            liar.send = two_faced
+            return await average(group, channels, [torch.zeros(64), torch.full((64,), 1.0), torch.full((64,), 9.0)],
+                                 [1.0, 3.0, 1.0])
+
+    (first, held_first), (second, held_second), (liar, held_liar) = asyncio.run(run())
+    for result in (first, second):
+        assert result is not None and result.contributors == (1, 2) and result.attempts == 2, result
+        assert result.total_weight == 4.0 and result.dropped[3].startswith("signed different weights"), result.dropped
+    assert torch.equal(held_first, torch.full((64,), 0.75)) and torch.equal(held_second, torch.full((64,), 0.75))
+    assert liar is None and torch.equal(held_liar, torch.full((64,), 9.0))
+
+
+def test_only_a_members_own_signatures_name_it_two_faced():
+    member, other = Identity(), Identity()
+    keys = {1: other.public_key, 2: member.public_key}
+
+    def answer(owner: int, weight: float, signed_for: int, signed_weight: float | None = None) -> Outcome:
+        signature = sign_part(member, "g.0.x", signed_for, 2, weight if signed_weight is None else signed_weight)
+        return Outcome((1, 2), 1.0 + weight, weights=(1.0, weight), signatures=(b"", signature))
+
+    honest = answer(1, 1.0, signed_for=1)
+    # an owner that reports another weight for the member cannot back it: the member's signature for another
+    # owner, or of another weight, proves nothing, and the member is not named
+    assert _two_faced("g.0.x", {1: honest, 3: answer(3, 5.0, signed_for=1)}, keys) == {}
+    assert _two_faced("g.0.x", {1: honest, 3: answer(3, 5.0, signed_for=3, signed_weight=1.0)}, keys) == {}
+    assert _two_faced("g.0.y", {1: honest, 3: answer(3, 5.0, signed_for=3)}, keys) == {}  # made for another group
+    assert _two_faced("g.0.x", {1: honest, 3: answer(3, 1.0, signed_for=3)}, keys) == {}  # one weight: honest
+    proof = _two_faced("g.0.x", {1: honest, 3: answer(3, 5.0, signed_for=3)}, keys)
+    assert proof == {2: "signed different weights for different owners: 1.0 for owner 1, 5.0 for owner 3"}

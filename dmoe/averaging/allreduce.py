@@ -8,11 +8,15 @@ arrives, and once every member delivered (or was refused, broke its stream, was 
 sender (all-gather).
 
 Agreement: an owner's answer names the members its average is over (its contributors). A member keeps the result
-only if every part came back and all owners name the same contributors, itself included. Otherwise (an owner died
-or answered garbage, or a refused or dying member reached some owners and not others) the members retry among
-those every owner accepted, minus the owners that failed, which every survivor computes alike from the same
-answers. A member that cannot agree keeps its own values: a mix of parts averaged over different sets of peers is
-never written, and neither is anything non-finite.
+only if every part came back and all owners name the same contributors with the same total weight, itself
+included. Otherwise (an owner died or answered garbage, or a refused or dying member reached some owners and not
+others) the members retry among those every owner accepted, minus the owners that failed, which every survivor
+computes alike from the same answers. Owners' totals over the same contributors disagree when an owner lies or a
+member signed a different weight for each owner: an answer forwards, with each contributor's weight, the signature
+its stream carried for it, and a member whose own signatures name different weights for different owners is left
+out of the retry too (an owner cannot forge them, so no honest member is named). A member that cannot agree keeps
+its own values: a mix of parts averaged over different sets of peers is never written, and neither is anything
+non-finite.
 """
 from __future__ import annotations
 
@@ -174,10 +178,13 @@ class PartResult:
     messages: list[dmoe_pb2.AveragedPart]  # what is streamed back, encoded once for every member
     values: torch.Tensor | None             # None when nobody contributed
     released: bool = False                  # messages and values freed: every reader had them (see release)
+    weights: tuple[float, ...] = ()         # each contributor's weight, as it signed it for this owner ...
+    signatures: tuple[bytes, ...] = ()      # ... and its signature of it (b"": unsigned, in tests without keys)
 
     @classmethod
     def encode(cls, contributors: tuple[int, ...], total_weight: float, values: torch.Tensor | None,
-               compression: int, piece_elements: int) -> "PartResult":
+               compression: int, piece_elements: int, weights: Sequence[float] = (),
+               signatures: Sequence[bytes] = ()) -> "PartResult":
         messages = []
         for start in range(0, values.numel() if values is not None else 0, piece_elements):
             message = dmoe_pb2.AveragedPart()
@@ -187,9 +194,12 @@ class PartResult:
             messages.append(dmoe_pb2.AveragedPart())
         messages[0].contributors.extend(contributors)
         messages[0].total_weight = total_weight
+        messages[0].weights.extend(weights)
+        messages[0].signatures.extend(signatures)
         if values is not None and compression != NONE:  # the owner keeps what the others will decode
             values = torch.cat([deserialize(m.values) for m in messages])
-        return cls(contributors, total_weight, messages, values)
+        return cls(contributors, total_weight, messages, values, weights=tuple(weights),
+                   signatures=tuple(signatures))
 
     def release(self) -> None:
         """Frees the average and its encoding (about twice the part) once nobody will read them again: the
@@ -217,6 +227,7 @@ class PartReducer:
         self.values: dict[int, torch.Tensor] = {}
         self.filled: dict[int, int] = {}
         self.weights: dict[int, float] = {}
+        self.signatures: dict[int, bytes] = {}  # each sender's signature of its weight, forwarded in the answer
         self.complete: set[int] = set()
         self.dropped: dict[int, str] = {}
         self.result: PartResult | None = None
@@ -260,10 +271,11 @@ class PartReducer:
                           f"a stream under peer {sender}'s id in group {self.group_id} is not signed by the DHT key "
                           f"the group lists for it; refused")
 
-    def begin(self, sender: int, weight: float) -> None:
+    def begin(self, sender: int, weight: float, signature: bytes = b"") -> None:
         """A sender's stream starts: it must be a member, not banned, not already streaming, with a sane weight.
         A second stream is refused, and the first goes on: banning both handed anyone who could open one (or a
-        broken retry) the power to evict a member."""
+        broken retry) the power to evict a member. ``signature`` (its :meth:`authenticate`-d one) goes into the
+        answer with the weight, as evidence of what the sender signed for this owner."""
         if sender not in self.members:
             raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"peer {sender} is not a member of group {self.group_id}")
         if sender in self.dropped:
@@ -283,6 +295,7 @@ class PartReducer:
         self.values[sender] = torch.empty(self.length, dtype=DTYPE)
         self.filled[sender] = 0
         self.weights[sender] = weight
+        self.signatures[sender] = signature
         logger.debug("group %s: peer %s began sending its part", self.group_id, sender)
 
     def add(self, sender: int, piece: dmoe_pb2.Tensor | torch.Tensor) -> None:
@@ -333,7 +346,9 @@ class PartReducer:
             for sender, coefficient in zip(contributors[1:], coefficients[1:]):
                 values.add_(self.values[sender], alpha=coefficient)
         self.values.clear()
-        self.result = PartResult.encode(contributors, total, values, self.compression, self.piece_elements)
+        self.result = PartResult.encode(contributors, total, values, self.compression, self.piece_elements,
+                                        [self.weights[s] for s in contributors],
+                                        [self.signatures[s] for s in contributors])
         self._done.set()
         self._release_if_answered()
 
@@ -376,6 +391,8 @@ class Outcome:
     contributors: tuple[int, ...] | None = None
     total_weight: float = 0.0
     error: str | None = None
+    weights: tuple[float, ...] = ()      # per contributor: the weight the owner took, and the signature
+    signatures: tuple[bytes, ...] = ()   # it forwarded for it (both empty from an owner that predates them)
 
 
 #: seconds between a member's streams to an owner that did not know the group yet
@@ -431,6 +448,12 @@ async def _stream_part(stub: dmoe_pb2_grpc.AveragingServiceStub, group_id: str, 
         async for reply in call:
             if outcome.contributors is None:
                 outcome.contributors, outcome.total_weight = tuple(reply.contributors), reply.total_weight
+                outcome.weights, outcome.signatures = tuple(reply.weights), tuple(reply.signatures)
+                if outcome.weights or outcome.signatures:
+                    if not len(outcome.weights) == len(outcome.signatures) == len(outcome.contributors):
+                        return Outcome(error=f"malformed answer: {len(outcome.weights)} weights and "
+                                             f"{len(outcome.signatures)} signatures for "
+                                             f"{len(outcome.contributors)} contributors")
             try:
                 piece = decode_piece(reply.values, out.numel() - filled)
             except Refused as refused:
@@ -506,7 +529,8 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
             if end == start:
                 continue
             if member.peer_id == me:
-                tasks[me] = _own_part(reducer, me, weight, flat[start:end], out[start:end])
+                tasks[me] = _own_part(reducer, me, weight, flat[start:end], out[start:end],
+                                      sign_part(identity, group_id, me, me, weight) if identity else b"")
             else:
                 tasks[member.peer_id] = _dead_owner_leaves(reducer, member, reachable, send(
                     stub_for(member.endpoint), group_id, me, weight, flat[start:end], out[start:end],
@@ -519,8 +543,9 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
         outcomes = {owner: _checked(outcome, me, weight)
                     for owner, outcome in zip(tasks, await asyncio.gather(*tasks.values()))}
         failed = {owner: o.error for owner, o in outcomes.items() if o.error is not None}
-        # owners that name the same contributors with different totals disagree too: one of them lies, and which
-        # one cannot be told, so the round fails rather than take a weight that may be a lie
+        # owners that name the same contributors with different totals disagree too: an owner lies, or a member
+        # signed a different weight for each owner. The attempt fails rather than take a weight that may be a lie;
+        # a member's lie is proven by its own signatures, which the owners forward, and the retry leaves it out
         views = {(o.contributors, o.total_weight) for o in outcomes.values() if o.error is None}
 
         def why(pid: int, otherwise: str) -> str:  # this peer's own part knows why it left a member out
@@ -532,13 +557,19 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                 dropped.update({pid: why(pid, "refused or missing") for pid in ids if pid not in contributors})
                 return AllReduceResult(contributors, total, tuple(ids), dropped, attempt + 1)
         accepted = set(ids).intersection(*(contributors for contributors, _ in views)) if views else set()
+        two_faced = _two_faced(group_id, outcomes, {m.peer_id: m.key for m in members}) if len(views) > 1 else {}
         for owner, error in failed.items():
             dropped[owner] = error
         for pid in set(ids) - accepted - set(failed):  # the retry leaves them out too: say why
             dropped[pid] = why(pid, "refused by some owners" if views else "no owner answered")
-        survivors = [m for m in members if m.peer_id in accepted and m.peer_id not in failed]
-        logger.info("group %s attempt %d: owners failed %s, %d different answers; survivors %s",
-                 group.group_id, attempt + 1, failed or "none", len(views), [m.peer_id for m in survivors])
+        for pid, proof in two_faced.items():
+            logger.warning("group %s: peer %s %s; left out of the retry", group.group_id, pid, proof)
+            dropped[pid] = proof
+        survivors = [m for m in members if m.peer_id in accepted and m.peer_id not in failed
+                     and m.peer_id not in two_faced]
+        logger.info("group %s attempt %d: owners failed %s, %d different answers, %d members signed different "
+                    "weights; survivors %s", group.group_id, attempt + 1, failed or "none", len(views),
+                    len(two_faced), [m.peer_id for m in survivors])
         if (me not in {m.peer_id for m in survivors} or len(survivors) < min_group_size
                 or not any(m.bandwidth > 0 for m in survivors) or len(survivors) == len(members)):
             return None
@@ -560,6 +591,28 @@ def _parts(members: Sequence[Member], me: int, total: int,
     if end > start and not can_own:
         return [], "it gives this peer a part, but this peer is in client mode and cannot own one"
     return bounds, None
+
+
+def _two_faced(group_id: str, outcomes: Mapping[int, Outcome], keys: Mapping[int, bytes]) -> dict[int, str]:
+    """The members whose own signatures, as the owners forwarded them in ``outcomes``, name different weights for
+    different owners of ``group_id``: each with the proof, in words. An honest member signs one weight for every
+    owner, and an owner cannot make a member's signature for itself pass for one made for another owner (or group),
+    so nobody is named here by another's lie. Every member that read the same answers names the same members. Claims
+    that do not verify are ignored (they prove nothing)."""
+    claims: dict[int, dict[int, float]] = {}  # member -> owner -> the weight it signed for that owner
+    for owner in sorted(outcomes):
+        outcome = outcomes[owner]
+        if outcome.error is not None:
+            continue
+        seen: set[int] = set()  # one claim per member and owner: a list naming one many times costs one check
+        for pid, weight, signature in zip(outcome.contributors, outcome.weights, outcome.signatures):
+            key = keys.get(pid)
+            if key and pid not in seen and part_signed(key, group_id, owner, pid, weight, signature):
+                claims.setdefault(pid, {})[owner] = weight
+            seen.add(pid)
+    return {pid: "signed different weights for different owners: " +
+                 ", ".join(f"{weight!r} for owner {owner}" for owner, weight in by_owner.items())
+            for pid, by_owner in sorted(claims.items()) if len(set(by_owner.values())) > 1}
 
 
 def _checked(outcome: Outcome, me: int, weight: float) -> Outcome:
@@ -607,11 +660,12 @@ async def _dead_owner_leaves(reducer: PartReducer | None, owner: Member,
 
 
 async def _own_part(reducer: PartReducer, me: int, weight: float, values: torch.Tensor,
-                    out: torch.Tensor) -> Outcome:
-    """The owner's own values go into its reducer without a network hop (checked like anyone's)."""
+                    out: torch.Tensor, signature: bytes = b"") -> Outcome:
+    """The owner's own values go into its reducer without a network hop (checked like anyone's). ``signature``:
+    its :func:`sign_part` for itself, which its answer forwards as any member's."""
     try:
         try:
-            reducer.begin(me, weight)
+            reducer.begin(me, weight, signature)
             reducer.add(me, values)
             reducer.finish(me)
         except Refused as refused:
@@ -623,6 +677,7 @@ async def _own_part(reducer: PartReducer, me: int, weight: float, values: torch.
         if problem is not None:
             return Outcome(error=f"the average of this peer's own part {problem}")
         out.copy_(result.values)
-        return Outcome(result.contributors, result.total_weight)
+        return Outcome(result.contributors, result.total_weight, weights=result.weights,
+                       signatures=result.signatures)
     finally:
         reducer.answered(me)

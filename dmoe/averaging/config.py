@@ -12,7 +12,9 @@ from dmoe.wire.codec import parse_compression
 #: (any client may stream to it, and an unauthenticated stream keeps its first message while its group is looked up:
 #: at gRPC's usual 64 MiB, 8 streams of one machine held 0.9 GiB of a trainer's memory, review 77)
 MAX_PIECE_BYTES = 4 * 1024 * 1024
-#: what a message carries besides its values: ids, weights, a signature, the group id (at most 1 KiB)
+#: what a message carries besides its values: ids, weights, a signature, the group id (at most 1 KiB); an owner's
+#: first answer also lists each contributor's id, weight and signature, about 80 bytes each (20 KiB for a group of
+#: 256, the most subkeys a DHT record holds)
 MESSAGE_OVERHEAD_BYTES = 64 * 1024
 
 

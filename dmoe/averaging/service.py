@@ -148,7 +148,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                                   "empty stream: the first message must name the group and the sender")
                 reducer = await self._find(first.group_id, peer_machine(context.peer()))
                 reducer.authenticate(first.sender, first.weight, first.signature)
-                reducer.begin(first.sender, first.weight)
+                reducer.begin(first.sender, first.weight, first.signature)
                 sender = first.sender
                 try:
                     await asyncio.wait_for(self._receive(reducer, sender, first, request_iterator, context),

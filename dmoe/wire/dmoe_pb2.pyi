@@ -169,14 +169,18 @@ class AveragingPart(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., sender: _Optional[int] = ..., weight: _Optional[float] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class AveragedPart(_message.Message):
-    __slots__ = ("contributors", "total_weight", "values")
+    __slots__ = ("contributors", "total_weight", "values", "weights", "signatures")
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURES_FIELD_NUMBER: _ClassVar[int]
     contributors: _containers.RepeatedScalarFieldContainer[int]
     total_weight: float
     values: Tensor
-    def __init__(self, contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    signatures: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, contributors: _Optional[_Iterable[int]] = ..., total_weight: _Optional[float] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., weights: _Optional[_Iterable[float]] = ..., signatures: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("run_id",)
