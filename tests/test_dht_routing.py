@@ -43,6 +43,30 @@ def test_find_neighbors_returns_the_k_closest_contacts_the_table_knows():
     assert stock_short > 0, "stock kademlia no longer shows the defect this table fixes"
 
 
+def test_a_contact_is_removed_only_at_the_address_the_table_holds_it_at():
+    """Stock KBucket.remove_node deletes by id: removing an id named at any other address (as a crawl does once a
+    made-up address under a live contact's id stays silent) evicted the live contact (review 89)."""
+    class Pinger:  # a full bucket pings its oldest contact (and here learns nothing)
+        async def call_ping(self, node: Node) -> tuple[bool, None]:
+            return False, None
+
+    async def scenario() -> None:
+        rng = random.Random(3)
+        table = DHTRoutingTable(Pinger(), 2, _random_node(rng))
+        for _ in range(40):
+            table.add_contact(_random_node(rng))
+        held = table.contacts() + [node for bucket in table.buckets for node in bucket.replacement_nodes.values()]
+        assert len(held) > len(table.contacts()), "no replacements: the scenario is wrong"
+        for node in held:
+            table.remove_contact(Node(node.id, "203.0.113.66", 9))
+            assert table.holding(node) is node
+        for node in held:
+            table.remove_contact(Node(node.id, node.ip, node.port))  # another object, the same id and address
+            assert table.holding(node) is None
+
+    asyncio.run(scenario())
+
+
 def test_neighbours_stay_exact_while_contacts_come_and_go_and_the_asker_is_left_out():
     """find_neighbors remembers answers per key until the table changes: every answer must still equal a fresh
     sort of what the table holds, without the excluded address (here held by two contacts)."""

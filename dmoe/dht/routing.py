@@ -65,8 +65,19 @@ class DHTRoutingTable(RoutingTable):
         self._changed()
 
     def remove_contact(self, node: Node) -> None:
-        super().remove_contact(node)  # (a replacement may take its place: the set changes either way)
+        """Removes ``node``'s id if this table holds it at ``node``'s address (live or as a replacement; a replacement
+        may take a live contact's place). Stock kademlia removed the id wherever it lived, so the silence of any
+        address a reply named under a live contact's id evicted that contact (review 89)."""
+        held = self.holding(node)
+        if held is None or not held.same_home_as(node):
+            return
+        super().remove_contact(node)  # (the set changes either way)
         self._changed()
+
+    def holding(self, node: Node) -> Node | None:
+        """The contact (live, else a replacement) this table holds under ``node``'s id, wherever it is."""
+        bucket = self.buckets[self.get_bucket_for(node)]
+        return bucket.nodes.get(node.id) or bucket.replacement_nodes.get(node.id)
 
     def add_contact(self, node: Node) -> None:
         """Adds ``node`` (or moves its id to its new address), unless its bucket already holds
