@@ -14,6 +14,7 @@ from dmoe.dht import crawling
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.crawling import RecordCrawl
 from dmoe.dht.node import DHTNode
+from dmoe.dht.peers import peer_key
 from dmoe.dht.signing import Identity
 from tests.dht_nodes import in_process_swarm
 from tests.hostile_dht_peer import HostilePeer
@@ -114,7 +115,7 @@ def test_a_lookup_ends_at_its_deadline_whatever_its_peers_answer(monkeypatch):
                 replicas, _ = await asyncio.wait_for(crawl.run(), 10)
                 elapsed = time.monotonic() - started
                 assert elapsed < 2.2 * config.rpc_timeout, f"the search took {elapsed:.1f}s"
-                assert replicas and all(node.id in crawl.responded for node in replicas)
+                assert replicas and all(peer_key(node) in crawl.responded for node in replicas)
                 assert len(crawl.contacted) > len(crawl.responded), "the search ended on its own"
 
     asyncio.run(scenario())
@@ -126,7 +127,7 @@ def at(hostile: HostilePeer, nodes) -> list[Node]:
 
 
 def asked(crawl: RecordCrawl) -> list[Node]:
-    return [crawl.candidates[node_id] for node_id in crawl.contacted]
+    return [crawl.candidates[key] for key in crawl.contacted]
 
 
 @pytest.mark.parametrize("hijack", [False, True], ids=["hides", "hijacks"])

@@ -164,7 +164,8 @@ def test_a_request_to_another_spelling_of_a_live_node_s_ipv6_address_is_answered
             for spelling in ["0:0:0:0:0:0:0:1", "::0001", "0000:0000:0000:0000:0000:0000:0000:0001"] * 2:
                 ok, _ = await protocol.call_find_node(Node(honest.node.id, spelling, port), Node(b"x" * 20))
                 assert ok, f"the reply to a request sent to {spelling} was dropped"
-                assert not protocol.peers.recently_dead(honest.node.id)
+                assert not protocol.peers.recently_dead((honest.node.id, spelling, port))
+                assert not protocol.peers.recently_dead((honest.node.id, "::1", port))
             assert any(node.id == honest.node.id for node in protocol.router.contacts())
         finally:
             asker.stop()

@@ -19,7 +19,7 @@ from kademlia.protocol import KademliaProtocol
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.messages import (ID_BYTES, VALUES_HEADER, EncodedReplies, MalformedRequest, ReplyParser, check_id,
                                record_from_wire, record_to_wire, split_values_reply)
-from dmoe.dht.peers import EVICT_AFTER_FAILURES, PeerBook
+from dmoe.dht.peers import EVICT_AFTER_FAILURES, PeerBook, peer_key
 from dmoe.dht.routing import DHTRoutingTable, contact_machine
 from dmoe.dht.signing import Verifier
 from dmoe.dht.storage import (MAX_CLOCK_SKEW, Entry, NotOwner, Record, RecordFull, RecordStorage, sender_group,
@@ -200,13 +200,17 @@ class DHTProtocol(UDPTransport):
         replacement, if any, takes its place); after one silence, lookups already stop waiting for it.
 
         Evicting on the first timeout emptied routing tables during bursts of stores, when live nodes are
-        merely busy, and later stores then settled on nodes far from their keys, where no reader looks."""
+        merely busy, and later stores then settled on nodes far from their keys, where no reader looks.
+
+        Silences count against the id *at the address asked* (:func:`~dmoe.dht.peers.peer_key`), and evict only a
+        contact the table holds at that address: any reply may name a live node's id at an address that never
+        answers, and counted by id its silence marked the live node dead, then evicted it (review 89)."""
         if not result[0]:
-            if self.peers.failed(node.id):
+            if self.peers.failed(peer_key(node)):
                 logger.debug("no response from %s %d times, evicting it", node, EVICT_AFTER_FAILURES)
-                self.router.remove_contact(node)
+                self.router.remove_contact(node)  # (only if the table holds node.id at this address)
             return result
-        self.peers.answered(node.id)
+        self.peers.answered(peer_key(node))
         self.welcome_if_new(node, answered=True)
         return result
 
@@ -337,7 +341,7 @@ class DHTProtocol(UDPTransport):
         its records at their owners' next refresh or the next read's repair. (Stock kademlia also hashed the
         already hashed keys again here, handing records to the wrong nodes.)
         """
-        self.peers.heard_from(node.id)  # it just spoke to us (or answered)
+        self.peers.heard_from(peer_key(node))  # it just spoke to us (or answered), from this address
         if not self.router.is_new_node(node):
             return
         self.router.add_contact(node)
