@@ -117,6 +117,38 @@ def test_a_peer_naming_the_replicas_ids_at_silent_addresses_neither_hides_the_re
     asyncio.run(scenario())
 
 
+def test_a_peer_answering_under_the_replicas_ids_at_its_own_sockets_does_not_hide_their_records():
+    """The hostile peer named each replica's id at a socket of its own that answers (an empty record), faster than
+    the honest peer named the right addresses: the impersonators stand for the ids (they answered first), but the
+    real replicas are asked too, and a read that found nothing waits for them."""
+
+    async def scenario() -> None:
+        config = DHTConfig(num_replicas=5, rpc_timeout=1.0)
+        async with in_process_swarm(10, config) as nodes:
+            kid = digest(KEY)
+            entry = nodes[0].identity.entry(kid, "1", "10.0.0.1:5000", round(time.time() + 60, 3))
+            await nodes[0].set(KEY, {"1": entry})
+            replicas = [node for node in nodes if node.storage.get(kid)]
+            others = [node for node in nodes if not node.storage.get(kid)]
+            helper = max(others, key=lambda node: node.node.long_id ^ int.from_bytes(kid, "big"))
+            delay_datagrams(helper, 0.2)
+            reader = DHTNode(config)
+            try:
+                with Impersonator("chain", sockets=len(replicas) + 1) as hostile:
+                    Impersonator.fakes = [[replica.node.id.hex(), *hostile.addresses[index + 1]]
+                                          for index, replica in enumerate(replicas)]
+                    await reader.listen(0)
+                    reader.protocol.router.add_contact(contact(helper))
+                    reader.protocol.router.add_contact(Node(hostile.ids[0], *hostile.addresses[0]))
+                    record = await asyncio.wait_for(reader.get_record(KEY), 10)
+                    assert hostile.answered > 1, "the impersonators were not asked: the scenario is wrong"
+                    assert {subkey: e.value for subkey, e in record.items()} == {"1": entry.value}
+            finally:
+                reader.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_peer_naming_an_id_at_many_addresses_costs_a_crawl_one_of_them():
     """A home names one address per id (the first): twenty made-up addresses for each replica's id in every reply
     add one candidate per id, and the record is still read."""

@@ -31,7 +31,8 @@ peer named next: one hostile socket naming a key's replicas at silent addresses 
 silences then marked the replicas dead (review 89). So a crawl keeps up to :data:`ADDRESSES_PER_ID` addresses per id
 (at most one per home that named it, and the routing table's besides), asks each of them when the id is among the
 closest, and the id stands in its frontier and result at the first address that answered under it (the routing
-table's, once it answered). Records from every address that answered are merged, one vote per home as ever.
+table's, once it answered). Records from every address that answered are merged, one vote per home as ever, and a
+read that found nothing yet waits for the id's other addresses too (the one that answered first may be anyone's).
 
 An honest lookup reaches none of these: it follows a few hops, each of its nodes answers once, and its frontier
 settles on the closest nodes long before the deadline. (In simulated swarms of up to 400 nodes, with buckets of 3
@@ -479,10 +480,11 @@ class RecordCrawl:
                 # An empty answer waits for every live node still asked (a busy replica must not make a live record
                 # look dead), though not for nodes that timed out before once the frontier is full (else every
                 # look-up of an absent key waited an RPC timeout after churn); otherwise nobody late or suspect
-                # holds the search up. Nor does any address of a node that answered at another.
-                must_wait = [key for key in pending if answered_as.get(key[0], key) == key and (not frontier or (
+                # holds the search up, nor, once something was found, an address of a node that answered at
+                # another (until then it is waited for: the one that answered may be anyone's, holding nothing).
+                must_wait = [key for key in pending if not frontier or (
                     (key not in self.dead_suspects or horizon is None) if not found else
-                    key not in self.suspects and key not in slow))]
+                    key not in self.suspects and key not in slow and answered_as.get(key[0], key) == key)]
                 if all(peer_key(node) in self.responded for node in frontier) and (horizon is not None and found
                                                                                    or not must_wait):
                     nearest = frontier  # the closest that answered: none closer is dead or slow any more
