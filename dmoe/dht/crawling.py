@@ -296,7 +296,7 @@ class RecordCrawl:
 
     def _take(self, responder: Node, nodes: list[Node]) -> None:
         """Adds the contacts a reply named, within the crawl's bounds on rounds and on what one home may bring."""
-        target, candidates, self_id = self.target.long_id, self.candidates, self.self_id
+        target, self_id = self.target.long_id, self.self_id
         responder_key = peer_key(responder)
         distance = self.distance[responder_key]
         self._best = best = distance if self._best is None else min(self._best, distance)
