@@ -4,7 +4,9 @@ that receive replicas of their layer and whose ids are closest to each expert's 
 Hosts are read from the DHT (``{layer}/replica-hosts``, see :mod:`dmoe.replicas.records`): every server with a
 replica directory announces itself there. Each expert's hosts are ranked by :func:`~dmoe.replicas.records.distance`,
 so pushes of one expert land on the same few servers each time (their replica is replaced, not duplicated) and
-different experts spread over different servers. A host that refuses or cannot be reached is skipped for the next
+different experts spread over different servers. Of an expert's replicas, each endpoint and each machine (its IPv4
+address or IPv6 /64, or its hosts' shared machine token) holds at most one, however many keys announce it: keys
+cost nothing to make (:class:`_Whereabouts`). A host that refuses or cannot be reached is skipped for the next
 closest; a snapshot is pushed again only when the expert trained since, or after ``repush_every`` intervals
 (a host may have restarted with an empty directory).
 
@@ -29,18 +31,22 @@ within :data:`HEADER_TIMEOUT` or no later message within :data:`STALL_TIMEOUT`, 
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
+import socket
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 
 import grpc
 
 from dmoe.dht import DHT, Identity
+from dmoe.endpoints import bare_host, join_host_port, machine_of
 from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.records import SIGNER_HEX, Host, distance, hosts_key, own_subkey, parse_host
 from dmoe.replicas.snapshots import (
@@ -85,6 +91,11 @@ MIN_PUSH_SECONDS = 0.5
 #: the status codes of a push that did not reach a working replica service (the host's fault, for every expert)
 HOST_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                            grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED})
+#: seconds a host name's address is remembered once resolved (:class:`_Whereabouts`), and once it did not resolve
+NAME_TTL, UNRESOLVED_TTL = 300.0, 60.0
+#: seconds a push round waits for a host name to resolve: a name that takes longer (anyone may announce one whose
+#: DNS never answers) counts as unresolved, and its host is skipped, until it resolves
+RESOLVE_TIMEOUT = 2.0
 
 
 class ReplicaError(RuntimeError):
@@ -325,6 +336,89 @@ class _Failing:
     until: int       # the first round it may be tried again in
 
 
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _resolve(name: str) -> Address | None:
+    """The address a host name points to (IPv4 first, as gRPC and :func:`dmoe.endpoints.outbound_host` prefer),
+    None when it points nowhere."""
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        return ipaddress.ip_address(min(infos, key=lambda info: info[0] != socket.AF_INET)[4][0].split("%", 1)[0])
+    except (OSError, ValueError, UnicodeError):
+        return None
+
+
+class _Whereabouts:
+    """Where a host's endpoint is, as a round counts an expert's replicas (:meth:`of`): each *place* (the endpoint's
+    address and port) holds at most one, however many keys announce it or however its host is written, and so does
+    each *machine*, its IPv4 address or IPv6 /64 (:func:`~dmoe.endpoints.machine_of`, as the DHT and the adopters'
+    votes count machines): keys cost nothing to make, machines do, and a machine leaving takes all its endpoints
+    with it (review 88: one endpoint announced under the keys closest to an expert's took all its R replicas).
+
+    A loopback endpoint reaches only this machine's processes, never the announcer's if that is elsewhere. Where
+    this server's DHT peers are all on this machine (``local``: a local swarm, as in the demo and every test, all
+    of whose servers announce 127.0.0.1), each loopback endpoint is a machine of its own, as the DHT counts its
+    contacts there (:func:`~dmoe.dht.routing.contact_machine`); otherwise loopback is one machine, this one.
+
+    A host name is resolved, each at most once per :data:`NAME_TTL` (:data:`UNRESOLVED_TTL` when it pointed
+    nowhere), waiting at most :data:`RESOLVE_TIMEOUT`: one that does not resolve (in time) has no place."""
+
+    def __init__(self) -> None:
+        self._names: dict[str, tuple[Address | None, float]] = {}  # name -> (its address, monotonic expiry)
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._resolver = ThreadPoolExecutor(2, thread_name_prefix="dmoe-replica-resolve")
+
+    def of(self, endpoint: str, local: bool = True) -> tuple[str, str] | None:
+        """(place, machine) of ``endpoint``; None when its host names no address (a name resolving to none)."""
+        host, _, port = endpoint.rpartition(":")
+        address = self._address(bare_host(host).split("%", 1)[0])
+        if address is None:
+            return None
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        place = join_host_port(str(address), int(port) if port.isdigit() else port)
+        if address.is_loopback:
+            return place, place if local else "loopback"
+        return place, machine_of(address)
+
+    def _address(self, host: str) -> Address | None:
+        try:
+            return ipaddress.ip_address(host)
+        except ValueError:
+            pass
+        name, now = host.lower(), time.monotonic()
+        with self._lock:
+            known = self._names.get(name)
+            if known is not None and known[1] > now:
+                return known[0]
+            pending = self._pending.get(name)
+            if pending is None:
+                if len(self._names) >= 4096:  # (names are anyone's to announce: the expired ones go)
+                    self._names = {key: value for key, value in self._names.items() if value[1] > now}
+                try:
+                    pending = self._pending[name] = self._resolver.submit(self._lookup, name)
+                except RuntimeError:  # (closed)
+                    return None
+        try:
+            return pending.result(timeout=RESOLVE_TIMEOUT)
+        except (FutureTimeout, CancelledError):
+            with self._lock:  # (the lookup, when it ends, notes what it found)
+                self._names.setdefault(name, (None, time.monotonic() + UNRESOLVED_TTL))
+            return None
+
+    def _lookup(self, name: str) -> Address | None:
+        address = _resolve(name)
+        with self._lock:
+            self._names[name] = (address, time.monotonic() + (NAME_TTL if address is not None else UNRESOLVED_TTL))
+            self._pending.pop(name, None)
+        return address
+
+    def close(self) -> None:
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+
+
 class ReplicaPusher:
     """Pushes snapshots of ``server``'s experts to ``replicas`` hosts each, every ``interval`` seconds, from a
     thread it owns; :meth:`close` stops it and (by default) pushes once more.
@@ -343,7 +437,8 @@ class ReplicaPusher:
             out of the next rounds (see :data:`MAX_BACKOFF_ROUNDS`).
         workers: experts pushed at once.
         machine: this server's machine token (see :class:`~dmoe.replicas.ReplicaConfig`): no replica goes to a host
-            of the same machine, and at most one replica of an expert to each machine.
+            of the same machine, and at most one replica of an expert to each machine, whether hosts tell it by
+            their token or by their endpoint's address (see :class:`_Whereabouts`).
         store: the server's own replica store, where the experts that ``server`` serves with another backend than
             the one it was built with (adopted), and that its checkpoint does not save, are kept too (see the module
             doc); None: nowhere.
@@ -372,6 +467,7 @@ class ReplicaPusher:
         self._failing: dict[str | tuple[str, str], _Failing] = {}
         self._failing_lock = threading.Lock()
         self._placed_at: dict[str, float] = {}  # uid -> when a round last placed it (the longest ago go first)
+        self._where = _Whereabouts()  # where hosts' endpoints are: one replica of an expert per place and machine
         self._stop = threading.Event()
         self._round_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -432,18 +528,37 @@ class ReplicaPusher:
                         key=lambda host: (self._failed_before(uid, host.endpoint), distance(uid, host.key)))
         signed = self._keep(uid, backend) if not self._saved_otherwise(uid, backend) else None
         placed: list[str] = []
-        machines: set[str | None] = set()  # of the hosts placed: one replica per machine, which may leave whole
-        for _, endpoint, machine in ranked:
+        # of the hosts placed, their places, machines (see _Whereabouts) and machine tokens: at most one replica
+        # in each, since a machine may leave whole, and keys (so host entries) cost nothing to make
+        places: set[str] = set()
+        machines: set[str] = set()
+        tokens: set[str] = set()
+
+        def place_on(endpoint: str, place: str, machine: str, token: str | None) -> None:
+            placed.append(endpoint)
+            places.add(place)
+            machines.add(machine)
+            if token is not None:
+                tokens.add(token)
+
+        local = getattr(self.dht, "outbound_host", None) is None  # (no DHT peer on another machine)
+        for _, endpoint, token in ranked:
             if len(placed) == self.replicas:
                 break
-            if machine is not None and machine in machines:
+            if token is not None and token in tokens:
+                continue
+            where = self._where.of(endpoint, local)
+            if where is None:
+                logger.debug("%s not pushed to %s: its host resolves to no address", uid, endpoint)
+                continue
+            place, machine = where
+            if place in places or machine in machines:
                 continue
             held = self._pushed.get((uid, endpoint))
             if not force and held is not None and held.updates == backend.updates \
                     and now - held.at < self.repush_every * self.interval:
                 if self._still_holds(uid, endpoint, held, backend):
-                    placed.append(endpoint)  # it holds this state already
-                    machines.add(machine)
+                    place_on(endpoint, place, machine, token)  # it holds this state already
                     continue
                 self._pushed.pop((uid, endpoint), None)
             remaining = deadline - time.monotonic()
@@ -474,8 +589,7 @@ class ReplicaPusher:
             self._count("ok")
             self._succeeded(uid, endpoint)
             self._pushed[(uid, endpoint)] = _Pushed(signed.updates, now)
-            placed.append(endpoint)
-            machines.add(machine)
+            place_on(endpoint, place, machine, token)
         if placed:
             self._placed_at[uid] = now
         if len(placed) < self.replicas and ranked:
@@ -597,4 +711,5 @@ class ReplicaPusher:
             except Exception:  # noqa: BLE001 - shutting down anyway
                 logger.exception("the last replica push failed")
         self._pool.shutdown()
+        self._where.close()
         self.channels.close()

@@ -1,0 +1,147 @@
+"""Where a pusher puts an expert's R replicas (review 88 D1): each endpoint and each machine (an IPv4 address, an
+IPv6 /64, or a shared machine token) holds at most one, however many keys announce it, since keys cost nothing
+to make. Hosts are given to the pusher directly (no DHT); pushes go to in-process gRPC fake hosts on 127.0.0.1,
+or, for addresses no test can listen on, to a stand-in for ``push_snapshot``."""
+from __future__ import annotations
+
+import ipaddress
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from dmoe.dht import Identity
+from dmoe.replicas import ReplicaPusher
+from dmoe.replicas import pusher as pusher_module
+from dmoe.replicas.records import Host, distance
+from dmoe.wire import dmoe_pb2
+from tests.test_replicas import UID, expert_server, fake_host, train
+
+LOCAL = SimpleNamespace(outbound_host=None)  # a DHT whose peers are all on this machine (a local swarm)
+PUBLIC = SimpleNamespace(outbound_host="198.51.100.1")  # one whose peers are on other machines
+
+
+def keys_closest_first(count: int) -> list[Identity]:
+    """``count`` fresh keys, the closest to UID's key first: where hosts rank for its replicas."""
+    return sorted((Identity() for _ in range(count)), key=lambda key: distance(UID, key.public_key))
+
+
+def announced(*endpoints: str, tokens: tuple[str | None, ...] = ()) -> list[Host]:
+    """A host entry per endpoint, the first the closest to UID's key (keys are free: anyone grinds close ones)."""
+    tokens = tokens or (None,) * len(endpoints)
+    return [Host(key.public_key, endpoint, token)
+            for key, endpoint, token in zip(keys_closest_first(len(endpoints)), endpoints, tokens)]
+
+
+def pusher_of(hosts: list[Host], replicas: int, dht=LOCAL) -> ReplicaPusher:
+    server = expert_server(UID)
+    train(server.backends[UID], 2)
+    pusher = ReplicaPusher(server, dht, Identity(), replicas=replicas, interval=600)
+    pusher.hosts = lambda layers: {layer: list(hosts) for layer in layers}
+    return pusher
+
+
+@pytest.fixture
+def pushed(monkeypatch) -> list[str]:
+    """The endpoints pushed to, in order, by a stand-in for push_snapshot that every host takes."""
+    endpoints: list[str] = []
+
+    def push(stub, endpoint, signed, **kwargs) -> int:
+        endpoints.append(endpoint)
+        return signed.updates
+    monkeypatch.setattr(pusher_module, "push_snapshot", push)
+    return endpoints
+
+
+def test_one_endpoint_announced_under_the_closest_keys_takes_one_replica_and_the_honest_host_the_other():
+    """The review's repro: a host that keeps only the pushed headers (enough to answer "do you still hold it?")
+    announced its endpoint under the keys closest to the expert's, also spelled as a name and as an IPv4-mapped
+    IPv6 address; it took both of R=2 replicas, in every round, and the honest host farther away got none."""
+    got = {"hostile": 0, "honest": 0}
+
+    def handlers(name: str):
+        kept: list = []
+
+        def push(chunks, context):
+            first = next(chunks)
+            for _ in chunks:
+                pass  # (the bytes: thrown away)
+            got[name] += 1
+            kept[:] = [first.header]
+            return dmoe_pb2.ReplicaAck(updates=first.header.updates)
+
+        def fetch(query, context):
+            if not kept:
+                context.abort(grpc.StatusCode.NOT_FOUND, "none held")
+            yield dmoe_pb2.ReplicaChunk(header=kept[0])
+        return push, fetch
+
+    hostile, hostile_endpoint = fake_host(*handlers("hostile"))
+    honest, honest_endpoint = fake_host(*handlers("honest"))
+    port = hostile_endpoint.rpartition(":")[2]
+    hosts = announced(hostile_endpoint, hostile_endpoint, f"localhost:{port}", f"[::ffff:127.0.0.1]:{port}",
+                      honest_endpoint)
+    pusher = pusher_of(hosts, replicas=2)
+    try:
+        assert pusher.push_all() == {UID: [hostile_endpoint, honest_endpoint]}
+        train(pusher.server.backends[UID], 1)
+        assert pusher.push_all() == {UID: [hostile_endpoint, honest_endpoint]}
+        assert got == {"hostile": 2, "honest": 2}
+    finally:
+        pusher.close(push=False)
+        hostile.stop(0)
+        honest.stop(0)
+
+
+def test_hosts_on_one_machine_by_their_address_take_one_replica_of_an_expert(pushed, monkeypatch):
+    """Several ports of one IPv4 address (one also written IPv4-mapped), two addresses of one IPv6 /64, and two
+    host names pointing to one address (a wildcard DNS record makes any number) are one machine each: the closest
+    of each is placed, then the next machine's; a name that resolves to nothing (or not in time) is no host."""
+    names = {"a.example": "203.0.113.9", "b.example": "203.0.113.9", "slow.example": None}
+
+    def resolve(name: str):
+        if name == "slow.example":
+            time.sleep(1.0)
+        return ipaddress.ip_address(names[name]) if names.get(name) else None
+    monkeypatch.setattr(pusher_module, "_resolve", resolve)
+    monkeypatch.setattr(pusher_module, "RESOLVE_TIMEOUT", 0.2)
+    hosts = announced("203.0.113.5:1000", "203.0.113.5:2000", "[::ffff:203.0.113.5]:3000",
+                      "[2001:db8::1]:1000", "[2001:db8::2]:1000",
+                      "a.example:1000", "b.example:2000", "203.0.113.9:3000", "nowhere.example:1", "slow.example:1",
+                      "198.51.100.7:1000")
+    pusher = pusher_of(hosts, replicas=4)
+    try:
+        assert pusher.push_all() == {UID: ["203.0.113.5:1000", "[2001:db8::1]:1000", "a.example:1000",
+                                           "198.51.100.7:1000"]}
+        assert pushed == pusher.push_all()[UID] == ["203.0.113.5:1000", "[2001:db8::1]:1000", "a.example:1000",
+                                                    "198.51.100.7:1000"]
+    finally:
+        pusher.close(push=False)
+
+
+@pytest.mark.parametrize("dht, placed", [(LOCAL, ["127.0.0.1:1000", "localhost:2000", "127.0.0.2:1000"]),
+                                         (PUBLIC, ["127.0.0.1:1000", "203.0.113.5:1000"])])
+def test_loopback_endpoints_are_machines_of_their_own_in_a_local_swarm_and_one_machine_otherwise(
+        pushed, dht, placed):
+    """A local swarm (the demo, the tests) runs every server on 127.0.0.1, and a push to a loopback endpoint reaches
+    only this machine: there each endpoint counts as a machine, as the DHT counts contacts. A server whose peers
+    are on other machines pushes to loopback endpoints only into its own machine: one replica there at most."""
+    hosts = announced("127.0.0.1:1000", "127.0.0.1:1000", "localhost:2000", "127.0.0.2:1000", "[::1]:3000",
+                      "203.0.113.5:1000")
+    pusher = pusher_of(hosts, replicas=3, dht=dht)
+    try:
+        assert pusher.push_all(force=True) == {UID: placed}
+    finally:
+        pusher.close(push=False)
+
+
+def test_hosts_sharing_a_machine_token_still_take_one_replica(pushed):
+    """The processes of one ``dmoe-server --processes`` announce a token they share, at several addresses too."""
+    hosts = announced("127.0.0.1:1000", "127.0.0.1:2000", "203.0.113.5:1000", "203.0.113.6:1000",
+                      tokens=("m1", "m1", "m2", "m3"))
+    pusher = pusher_of(hosts, replicas=3)
+    try:
+        assert pusher.push_all() == {UID: ["127.0.0.1:1000", "203.0.113.5:1000", "203.0.113.6:1000"]}
+    finally:
+        pusher.close(push=False)
