@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import threading
 import time
 from concurrent import futures
@@ -26,6 +27,7 @@ from dmoe.replicas import (
     SnapshotRefused,
     check_state,
     fetch_snapshot,
+    load_into,
     open_body,
     push_snapshot,
     restore_newest,
@@ -409,3 +411,85 @@ def test_a_replica_that_became_older_than_the_one_held_during_its_push_is_refuse
     with pytest.raises(ReplicaError) as refused:  # (and at the header, as before)
         push_snapshot(holder.stub, holder.endpoint, r5)
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+# ---- review 88 D4: an optimizer state with buffers missing ----------------------------------------------------------
+
+def with_optimizer_state(snapshot: dmoe_pb2.Snapshot, edit) -> dmoe_pb2.Snapshot:
+    """``snapshot`` with its optimizer's per-parameter state edited (``edit(index, pairs)`` -> the [key, node]
+    pairs of the layout to keep), its tensors renumbered so that none is left out of the state."""
+    changed = dmoe_pb2.Snapshot()
+    changed.CopyFrom(snapshot)
+    tree = json.loads(changed.layout_json)
+    state = dict(dict(tree["d"])["optimizer"]["d"])["state"]  # (its nodes: edited in place)
+    state["d"] = [[index, {"d": pairs}] for index, per_parameter in state["d"]
+                  if (pairs := edit(index, per_parameter["d"])) is not None]
+    used: list[int] = []
+
+    def renumber(node):
+        if isinstance(node, dict):
+            if set(node) == {"t"}:
+                if node["t"] not in used:
+                    used.append(node["t"])
+                return {"t": used.index(node["t"])}
+            return {key: renumber(value) for key, value in node.items()}
+        return [renumber(value) for value in node] if isinstance(node, list) else node
+    tree = renumber(tree)
+    tensors = [changed.tensors[index] for index in used]
+    del changed.tensors[:]
+    changed.tensors.extend(tensors)
+    changed.layout_json = json.dumps(tree)
+    return changed
+
+
+def dropping(*keys: str):
+    return lambda index, pairs: [[key, node] for key, node in pairs if key not in keys]
+
+
+BROKEN_STATES = {
+    "without exp_avg_sq": (dropping("exp_avg_sq"), "holds ['exp_avg', 'step'], this server's Adam keeps"),
+    "without exp_avg_sq and step": (dropping("exp_avg_sq", "step"), "holds ['exp_avg'], this server's Adam keeps"),
+    "without step": (dropping("step"), "holds ['exp_avg', 'exp_avg_sq'], this server's Adam keeps"),
+    "with a buffer more": (lambda index, pairs: pairs + [["max_exp_avg_sq", dict(pairs)["exp_avg"]]],
+                           "holds ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step']"),
+    "with a step that is no tensor": (lambda index, pairs: [[key, {"v": 3.0} if key == "step" else node]
+                                                            for key, node in pairs], "step of parameter 0 is 3.0"),
+    "with a step of another shape": (lambda index, pairs: [[key, dict(pairs)["exp_avg"] if key == "step" else node]
+                                                           for key, node in pairs],
+                                     "optimizer state step of parameter 0 is"),
+    "with no state, claiming updates": (lambda index, pairs: None, "3 updates, but its optimizer state has taken no"),
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN_STATES)
+def test_an_optimizer_state_missing_a_buffer_or_the_step_count_is_refused(broken):
+    """An Adam state without exp_avg_sq passed the check, was held and adopted, and the adopted expert then failed
+    every training step with KeyError 'exp_avg_sq'; without its step counters the update count went unchecked and
+    the load failed (review 88). Each parameter's state must be empty or hold exactly what the receiver's own
+    optimizer keeps for it, each a tensor of its shape."""
+    edit, message = BROKEN_STATES[broken]
+    backend = trained("ffn0.1.2", 3)
+    snapshot = with_optimizer_state(take(backend), edit)
+    template = expert_server("ffn0.1.2").backends["ffn0.1.2"]
+    with pytest.raises(SnapshotRefused) as refused:
+        check_state(open_body(sign(snapshot, Identity()), max_tensors(template)), template)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in refused.value.message, \
+        refused.value.message
+
+
+def test_optimizer_states_that_fit_are_taken_and_train_on():
+    """What a genuine expert has: no state before its first step; none for a parameter that never had a gradient;
+    none at all for SGD without momentum, after any number of steps."""
+    untrained = expert_server("ffn0.1.2").backends["ffn0.1.2"]
+    one_parameter_unstepped = with_optimizer_state(take(trained("ffn0.1.2", 3)),
+                                                   lambda index, pairs: None if index == 0 else pairs)
+    sgd = ExpertServer.create("ffn0.1.2", "ffn", HIDDEN, optimizer="sgd", lr=0.01,
+                              config=ServerConfig(device="cpu")).backends["ffn0.1.2"]
+    for snapshot, template in [(take(untrained), expert_server("ffn0.1.2").backends["ffn0.1.2"]),
+                               (one_parameter_unstepped, expert_server("ffn0.1.2").backends["ffn0.1.2"]),
+                               (take(train(sgd, 2)), ExpertServer.create(
+                                   "ffn0.1.2", "ffn", HIDDEN, optimizer="sgd", lr=0.01,
+                                   config=ServerConfig(device="cpu")).backends["ffn0.1.2"])]:
+        load_into(template, snapshot, check_state(snapshot, template))
+        train(template, 1)
+        assert template.updates == snapshot.updates + 1
