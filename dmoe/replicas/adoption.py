@@ -107,6 +107,11 @@ MAX_FETCHES = 3
 #: seconds every holder has to show its replica's header (all are asked at once, so this is what holders that
 #: never answer cost an adoption, however many of them are announced; a holder sends it at once, from its disk)
 PROBE_TIMEOUT = 3.0
+#: seconds :meth:`Adopter.close` waits for the adopter's thread. Its probes and fetches end at the stop (within
+#: :data:`~dmoe.replicas.pusher.STOP_POLL`); what may remain is a DHT look-up or a claim under way, each bounded by
+#: the DHT's timeouts. Waited for without a bound, a fetch from a holder that trickles its bytes held a clean stop
+#: up to a minute per fetch, and a supervisor's SIGKILL then lost the server's last push (review 88)
+CLOSE_TIMEOUT = 5.0
 
 
 class Verified(NamedTuple):
@@ -160,7 +165,7 @@ def most_vouched(served: Mapping[str, str]) -> str | None:
 
 
 def vouched_signer(uid: str, announced: Sequence[Holder], channels: ReplicaChannels, *, max_bytes: int,
-                   timeout: float = PROBE_TIMEOUT) -> str | None:
+                   timeout: float = PROBE_TIMEOUT, stop: threading.Event | None = None) -> str | None:
     """The signer (key prefix) of ``uid``'s replicas that the most machines among the holders vouch for, or None.
 
     An entry of ``{uid}/replicas`` costs a key, which costs nothing, and may name any endpoint, so entries are not
@@ -168,12 +173,14 @@ def vouched_signer(uid: str, announced: Sequence[Holder], channels: ReplicaChann
     and a machine vouches for the signer of what it served. An attacker then needs more machines serving its
     snapshot than the expert has honest holders; honest holders only ever hold replicas signed by the key that
     owned the uid in the directory when they took them. One entry per holder (the record's subkey cap) bounds the
-    endpoints asked; they are all asked at once, within ``timeout`` seconds (:func:`fetch_headers`)."""
+    endpoints asked; they are all asked at once, within ``timeout`` seconds (:func:`fetch_headers`; ``stop`` set
+    ends the wait)."""
     endpoints = sorted({holder.endpoint for holder in announced})
     if not endpoints:
         return None
     served = {}
-    for endpoint, header in fetch_headers(channels, uid, endpoints, max_bytes=max_bytes, timeout=timeout).items():
+    for endpoint, header in fetch_headers(channels, uid, endpoints, max_bytes=max_bytes, timeout=timeout,
+                                          stop=stop).items():
         if isinstance(header, Exception):
             logger.debug("%s vouches for no replica of %s: %s", endpoint, uid, header)
         else:
@@ -198,7 +205,7 @@ def check_replica(signed: SignedSnapshot, signers: set[str], template: ExpertBac
 def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: ReplicaChannels, *, max_bytes: int,
                    store: ReplicaStore | None = None, announced: list[Holder] | None = None, timeout: float = 60.0,
                    max_fetches: int = MAX_FETCHES, owner: bytes | None = None,
-                   probe_timeout: float = PROBE_TIMEOUT) -> Verified | None:
+                   probe_timeout: float = PROBE_TIMEOUT, stop: threading.Event | None = None) -> Verified | None:
     """The replica of ``uid`` whose signed header counts the most updates among those that verify, as (signed,
     snapshot, checked state), or None.
 
@@ -215,6 +222,8 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
     nobody). Holding no replica and finding no owner, this server asks the holders which signer their machines
     vouch for (:func:`vouched_signer`) when their entries name more than one. A replica larger than any snapshot of
     ``template``'s experts can be (:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`) is refused at its header.
+    ``stop`` set (the server stopping) cancels the probes and fetches under way and starts no more: what was found
+    so far is returned.
     """
     own = store.header(uid) if store is not None else None
     max_bytes = min(max_bytes, max_snapshot_bytes(template))
@@ -226,20 +235,23 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
     named = {holder.signer for holder in announced}
     if own is None and owner is None and named:
         # one signer named: nobody to outvote (its replicas are still verified when fetched)
-        vouched = named.pop() if len(named) == 1 else vouched_signer(uid, announced, channels, max_bytes=max_bytes)
+        vouched = named.pop() if len(named) == 1 else vouched_signer(uid, announced, channels, max_bytes=max_bytes,
+                                                                     stop=stop)
     signers = expected_signers(own, owner, me, vouched)
     best = _try(uid, None, signers, template, channels, store, max_bytes, timeout, None) if own is not None else None
     fetches = 0
     for endpoint, header in _newer_headers(uid, announced, signers, channels, max_bytes, probe_timeout,
-                                           best.updates if best is not None else None):
+                                           best.updates if best is not None else None, stop):
         if best is not None and header.updates <= best.updates:
             break  # (sorted: nobody after it holds more either)
+        if stop is not None and stop.is_set():
+            break
         if fetches >= max_fetches:
             logger.warning("gave up looking for a newer replica of %s after %d fetches", uid, fetches)
             break
         fetches += 1
         found = _try(uid, endpoint, signers, template, channels, store, max_bytes, timeout,
-                     best.updates if best is not None else None)
+                     best.updates if best is not None else None, stop)
         if found is not None and (best is None or found.updates > best.updates):
             best = found
     if best is not None and own is not None and best.updates < own.updates:
@@ -249,7 +261,8 @@ def newest_replica(dht: DHT, uid: str, template: ExpertBackend, channels: Replic
 
 
 def _newer_headers(uid: str, announced: Sequence[Holder], signers: set[str], channels: ReplicaChannels,
-                   max_bytes: int, timeout: float, newer_than: int | None) -> list[tuple[str, dmoe_pb2.ReplicaHeader]]:
+                   max_bytes: int, timeout: float, newer_than: int | None,
+                   stop: threading.Event | None = None) -> list[tuple[str, dmoe_pb2.ReplicaHeader]]:
     """(endpoint, header) of the holders in ``announced`` that serve a replica signed by one of ``signers`` with
     more updates than ``newer_than`` (None: any), most updates first; asked side by side, each holder once,
     those announcing no more than ``newer_than`` not at all."""
@@ -260,7 +273,8 @@ def _newer_headers(uid: str, announced: Sequence[Holder], signers: set[str], cha
     if not counts:
         return []
     found, useless = [], []
-    for endpoint, header in fetch_headers(channels, uid, counts, max_bytes=max_bytes, timeout=timeout).items():
+    for endpoint, header in fetch_headers(channels, uid, counts, max_bytes=max_bytes, timeout=timeout,
+                                          stop=stop).items():
         try:
             if isinstance(header, Exception):
                 raise header
@@ -273,7 +287,7 @@ def _newer_headers(uid: str, announced: Sequence[Holder], signers: set[str], cha
             logger.warning("%s announced a replica of %s with %d updates but holds one with %d", endpoint, uid,
                            max(counts[endpoint]), header.updates)
         found.append((endpoint, header))
-    if useless:  # (one line: any key may announce many)
+    if useless and not (stop is not None and stop.is_set()):  # (one line: any key may announce many)
         logger.info("%d of %d holders of %s showed no newer replica it could use, e.g. %s", len(useless),
                     len(counts), uid, useless[0])
     # (stable: at equal counts, holders that announced what they hold first, then in the order announced)
@@ -282,18 +296,22 @@ def _newer_headers(uid: str, announced: Sequence[Holder], signers: set[str], cha
 
 
 def _try(uid: str, endpoint: str | None, signers: set[str], template: ExpertBackend, channels: ReplicaChannels,
-         store: ReplicaStore | None, max_bytes: int, timeout: float, newer_than: int | None) -> Verified | None:
+         store: ReplicaStore | None, max_bytes: int, timeout: float, newer_than: int | None,
+         stop: threading.Event | None = None) -> Verified | None:
     """The replica of ``uid`` held at ``endpoint`` (None: the one held here, in ``store``), verified, or None when
     it is of no use (logged); ``newer_than``: the updates of the best replica found so far (a fetched one with no
-    more is cancelled at its header)."""
+    more is cancelled at its header); ``stop`` set cancels the fetch."""
     try:
         if endpoint is None:
             signed = store.get(uid)
             return check_replica(signed, signers, template) if signed is not None else None
         signed = fetch_snapshot(channels.stub(endpoint), endpoint, uid, max_bytes=max_bytes, timeout=timeout,
-                                signers=signers, newer_than=newer_than)
+                                signers=signers, newer_than=newer_than, stop=stop)
         return check_replica(signed, signers, template)
     except Exception as error:  # noqa: BLE001 - see below
+        if stop is not None and stop.is_set():
+            logger.info("stopping: the fetch of %s's replica of %s was given up", endpoint, uid)
+            return None
         # any exception, not only the expected ones: the snapshot is untrusted input, and one the checks did not
         # foresee (an OverflowError from a +inf step count) crashed a new server's restore and aborted adoptions
         # (review 78)
@@ -542,6 +560,11 @@ class Adopter:
             raise
         if not ready:
             return []
+        if self._stop.is_set():  # (closing: a claim now would declare a uid that this server no longer serves)
+            for uid in ready:
+                self.server.remove_expert(uid)
+            logger.info("stopping: %s not claimed", ", ".join(ready))
+            return []
         try:
             won = claim(self.dht, list(ready), self.endpoint, self.expiration)
         except BaseException:
@@ -576,7 +599,9 @@ class Adopter:
         try:
             backend = self.server.backend_factory(uid)
             found = newest_replica(self.dht, uid, backend, self.channels, max_bytes=self.max_bytes, store=self.store,
-                                   announced=announced, owner=owner)
+                                   announced=announced, owner=owner, stop=self._stop)
+            if self._stop.is_set():
+                return None  # (closing: not claimed, see adopt)
             if found is None:
                 logger.warning("no usable replica of %s: not adopting it", uid)
                 return None
@@ -611,8 +636,18 @@ class Adopter:
             if self._stop.wait(max(0.0, self.check_period - (time.monotonic() - started))):
                 return
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Tells the thread to stop: the probes and fetches under way are cancelled, nothing more is claimed.
+        :meth:`close` waits for it."""
         self._stop.set()
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Stops the thread and waits for it, ``timeout`` seconds at most (logged when it takes longer: a DHT
+        look-up under way; the thread, a daemon, then ends by itself and claims nothing)."""
+        self.stop()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the replica adopter did not stop within %.0f s (a DHT look-up under way?): not "
+                               "waiting for it", timeout)
             self._thread = None

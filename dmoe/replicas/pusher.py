@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import weakref
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Iterator, Sequence
@@ -79,6 +79,8 @@ ANSWER_SECONDS_PER_MIB = 0.05
 #: that refused an expert's snapshot is for that expert; afterwards it is tried after the hosts that did not fail
 #: (so only when they are too few), until a push to it succeeds again
 MAX_BACKOFF_ROUNDS = 32
+#: seconds within which a fetch or a header probe of adoption's is cancelled once the server stops
+STOP_POLL = 0.1
 #: seconds to ask a host for the header of the replica it was pushed last (does it still hold it?)
 PROBE_TIMEOUT = 2.0
 #: seconds a fetch waits for the replica's header, its first message (a holder sends it at once, from its disk)
@@ -179,11 +181,16 @@ def push_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, signed:
 
 class _Watchdog:
     """Cancels a gRPC call whose deadline passed (:meth:`arm` sets it, again after each message): a holder that
-    sends nothing costs a fetch that long, not its whole timeout. One thread, until the ``with`` block ends."""
+    sends nothing costs a fetch that long, not its whole timeout; and, within :data:`STOP_POLL` seconds, one whose
+    ``stop`` is set (the server stopping: a holder that trickles its bytes kept a clean stop waiting up to the
+    fetch's whole timeout, and a supervisor's SIGKILL then lost the server's last push, review 88). One thread,
+    until the ``with`` block ends."""
 
-    def __init__(self, call: grpc.Call):
+    def __init__(self, call: grpc.Call, stop: threading.Event | None = None):
         self._call, self._deadline, self._why = call, math.inf, ""
+        self._stop = stop
         self.fired: str | None = None  # why it cancelled the call
+        self.stopped = False  # it cancelled the call because ``stop`` was set
         self._done = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="dmoe-replica-fetch-watchdog", daemon=True)
@@ -207,18 +214,24 @@ class _Watchdog:
     def _run(self) -> None:
         with self._changed:
             while not self._done:
+                if self._stop is not None and self._stop.is_set():
+                    self.fired, self.stopped = "stopping", True
+                    self._call.cancel()
+                    return
                 left = self._deadline - time.monotonic()
                 if left <= 0:
                     self.fired = self._why
                     self._call.cancel()
                     return
+                if self._stop is not None:  # (an Event cannot wake a Condition: looked at every STOP_POLL s)
+                    left = min(left, STOP_POLL)
                 self._changed.wait(None if left == math.inf else left)
 
 
 def fetch_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: str, *, max_bytes: int,
                    timeout: float | None = 60.0, signers: Collection[str] | None = None,
                    newer_than: int | None = None, header_timeout: float = HEADER_TIMEOUT,
-                   stall_timeout: float = STALL_TIMEOUT) -> SignedSnapshot:
+                   stall_timeout: float = STALL_TIMEOUT, stop: threading.Event | None = None) -> SignedSnapshot:
     """The replica of ``uid`` the server at ``endpoint`` holds, with its signature and bytes verified (its state is
     the caller's to check). Raises :class:`ReplicaError` (NOT_FOUND: none held) or :class:`SnapshotRefused`.
 
@@ -227,10 +240,13 @@ def fetch_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: s
     (None: any), or its update count not above ``newer_than`` (None: any); the rest of the bytes never come.
     ``timeout`` bounds the whole transfer, ``header_timeout`` the wait for the header and ``stall_timeout`` the
     wait for each later message (DEADLINE_EXCEEDED): a holder that takes the call and sends nothing, which any
-    key may announce, used to cost the whole timeout."""
+    key may announce, used to cost the whole timeout. ``stop`` set (the server stopping) cancels the fetch within
+    :data:`STOP_POLL` seconds, as CANCELLED, or before it starts."""
+    if stop is not None and stop.is_set():
+        raise ReplicaError(endpoint, grpc.StatusCode.CANCELLED, f"stopping: fetch of {uid} not started")
     header, pieces, total = None, [], 0
     call = stub.fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout)
-    with _Watchdog(call) as watchdog:
+    with _Watchdog(call, stop) as watchdog:
         watchdog.arm(header_timeout, f"sent no header within {header_timeout:g} s")
         try:
             for chunk in call:
@@ -251,6 +267,8 @@ def fetch_snapshot(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: s
                                           f"{endpoint} sent more bytes of {uid} than its header says")
                 pieces.append(chunk.data)
         except grpc.RpcError as error:
+            if watchdog.stopped:
+                raise ReplicaError(endpoint, grpc.StatusCode.CANCELLED, f"stopping: fetch of {uid} given up") from None
             if watchdog.fired is not None:
                 raise ReplicaError(endpoint, grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"{watchdog.fired}: fetch of {uid} given up") from None
@@ -292,24 +310,47 @@ def fetch_header(stub: dmoe_pb2_grpc.ReplicaServiceStub, endpoint: str, uid: str
 
 
 def fetch_headers(channels: ReplicaChannels, uid: str, endpoints: Collection[str], *, max_bytes: int,
-                  timeout: float = HEADER_TIMEOUT) -> dict[str, dmoe_pb2.ReplicaHeader | Exception]:
+                  timeout: float = HEADER_TIMEOUT,
+                  stop: threading.Event | None = None) -> dict[str, dmoe_pb2.ReplicaHeader | Exception]:
     """endpoint -> the header of the replica of ``uid`` it holds (:func:`fetch_header`), or why there is none
     (:class:`ReplicaError`, :class:`SnapshotRefused`). All are asked at once (up to :data:`PROBES_AT_ONCE`), so
     they answer within ``timeout`` however many never do: asked one after another, or a few at a time, each such
     endpoint (any key may announce any) cost its own. (A thread each: a call's message is only received while
-    someone waits for it, so one thread reading the calls in turn lost the headers that came meanwhile.)"""
+    someone waits for it, so one thread reading the calls in turn lost the headers that came meanwhile.)
+    ``stop`` set (the server stopping) cancels the calls still open within :data:`STOP_POLL` seconds (their
+    answers: CANCELLED), rather than the stop waiting ``timeout`` for endpoints that never answer (review 88)."""
     endpoints = list(endpoints)
     if not endpoints:
         return {}
+    calls: list[grpc.Call] = []
+    calls_lock = threading.Lock()
 
     def ask(endpoint: str) -> dmoe_pb2.ReplicaHeader | Exception:
         try:
-            return fetch_header(channels.stub(endpoint), endpoint, uid, max_bytes=max_bytes, timeout=timeout)
+            if stop is not None and stop.is_set():
+                raise ReplicaError(endpoint, grpc.StatusCode.CANCELLED, f"stopping: header of {uid} not asked for")
+            call = channels.stub(endpoint).fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout)
+            with calls_lock:
+                calls.append(call)
+            if stop is not None and stop.is_set():  # (set after the look above: the calls noted may be cancelled)
+                call.cancel()
+            try:
+                return _first_header(call, endpoint, uid, max_bytes)
+            finally:
+                call.cancel()  # (after the header: the rest of the bytes never come)
         except (ReplicaError, SnapshotRefused, ValueError) as error:
             return error
 
     with ThreadPoolExecutor(min(len(endpoints), PROBES_AT_ONCE), thread_name_prefix="dmoe-replica-probe") as pool:
-        return dict(zip(endpoints, pool.map(ask, endpoints)))
+        asked = [pool.submit(ask, endpoint) for endpoint in endpoints]
+        if stop is not None:
+            while wait(asked, timeout=STOP_POLL).not_done:
+                if stop.is_set():
+                    with calls_lock:
+                        for call in calls:
+                            call.cancel()
+                    break
+        return dict(zip(endpoints, (answer.result() for answer in asked)))
 
 
 def _first_header(call, endpoint: str, uid: str, max_bytes: int) -> dmoe_pb2.ReplicaHeader:
@@ -694,12 +735,19 @@ class ReplicaPusher:
             except Exception:  # noqa: BLE001 - the pusher outlives one bad round
                 logger.exception("a round of replica pushes failed")
 
+    def stop(self) -> None:
+        """Starts no more periodic rounds and abandons the pushes of the one under way; :meth:`close` then joins the
+        thread and makes the last round. Set together with the adopter's stop, before either thread is joined: the
+        pusher used to go on with its rounds (DHT reads, probes of its hosts) for as long as the adopter took to
+        stop (review 88)."""
+        self._stop.set()
+
     def close(self, push: bool = True) -> None:
         """Stops the thread, then (``push``) pushes every expert's last state, in at most ``timeout`` seconds: a
         clean stop loses no update unless its hosts are too slow for that. A round under way is abandoned, and no
         host that failed lately is tried."""
         stopping = time.monotonic()
-        self._stop.set()
+        self.stop()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

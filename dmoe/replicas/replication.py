@@ -134,7 +134,14 @@ class Replication:
                     self.config.directory, ", ".join(layers))
 
     def close(self, push: bool = True) -> None:
-        """Stops watching and pushing, then (``push``) pushes every expert's last state."""
+        """Stops watching and pushing, then (``push``) pushes every expert's last state. Both threads are told to
+        stop before either is waited for, and the adopter's probes and fetches end at once (its wait is bounded,
+        :data:`~dmoe.replicas.adoption.CLOSE_TIMEOUT`): the adopter used to be joined first, for as long as a fetch
+        from a holder that trickled its bytes took (up to a minute each), while the pusher went on with its
+        rounds, and a supervisor's SIGKILL then lost the last push (review 88)."""
+        if self.adopter is not None:
+            self.adopter.stop()
+        self.pusher.stop()
         if self.adopter is not None:
             self.adopter.close()
         self.pusher.close(push=push and self.adopter is not None)
