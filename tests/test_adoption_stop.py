@@ -1,9 +1,12 @@
-"""An adoption under way when its server stops (review 88): a clean stop ends the adoption's probes and fetches
-at once, claims nothing, and still makes its last push. Holders, hosts and DHT nodes are in-process (gRPC servers
-and DHT nodes on loopback)."""
+"""An adoption under way when its server stops, and a claim race that ties (review 88): a clean stop ends the
+adoption's probes and fetches at once, claims nothing, and still makes its last push; two holders whose claims
+split a uid's entry evenly (which readers see as nobody's) let their entries expire instead of refreshing them,
+so the cell is adopted soon after. Holders, hosts and DHT nodes are in-process (gRPC servers and DHT nodes on
+loopback)."""
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import threading
 import time
 from concurrent import futures
@@ -13,6 +16,8 @@ from typing import Iterator
 import grpc
 import pytest
 import torch
+from kademlia.node import Node
+from kademlia.utils import digest
 
 from dmoe.dht import DHT, Identity
 from dmoe.directory import get_experts
@@ -21,6 +26,7 @@ from dmoe.replicas.adoption import PROBE_TIMEOUT, Adopter
 from dmoe.replicas.records import SIGNER_HEX, Holder, hosts_key, replicas_key, server_subkey
 from dmoe.replicas.snapshots import signed_fields
 from dmoe.server import ExpertServer, ServerConfig
+from dmoe.uid import strict_prefixes
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
 
 UID = "ffn0.1.2"
@@ -210,4 +216,73 @@ def test_a_stop_during_an_adoptions_header_probe_ends_it_at_once_and_claims_noth
         time.sleep(0.5)  # (a thread left running would claim now)
         with DHT([node.endpoint], client_mode=True) as reader:
             assert get_experts(reader, [UID]) == [None]
+
+
+class Holding:
+    """What an Adopter uses of its server, around an unstarted one: serves nothing over the network, and keeps no
+    declaration alive (the claim's entries live their ``expiration``)."""
+
+    def __init__(self, endpoint: str):
+        self.real = expert_server(OWN)
+        self.endpoint, self.announcer = endpoint, None
+        self.backend_factory = self.real.backend_factory
+
+    @property
+    def backends(self):
+        return self.real.backends
+
+    def add_expert(self, uid, backend, announce=True):
+        self.real.add_expert(uid, backend, announce=False)
+
+    def remove_expert(self, uid):
+        return self.real.remove_expert(uid)
+
+
+def test_claims_that_tie_are_not_refreshed_by_their_losers_so_the_cell_is_adopted_once_they_expire(tmp_path):
+    """Two holders' claims of an emptied cell reached two of the DHT's four nodes each: readers find no owner (a tie
+    reads as nobody), both lose. Each claimed again at its next look, which refreshed its own half: the cell stayed
+    unserved for as long as both ran, although each claim's entries live only EXPIRATION seconds (review 88)."""
+    expiration = 4.0
+    owner = Identity()
+    replica = replica_of(owner, 3)
+    with ExitStack() as stack:
+        first = stack.enter_context(DHT())
+        a, b = Identity(), Identity()
+        node_a = stack.enter_context(DHT([first.endpoint], identity=a))
+        node_b = stack.enter_context(DHT([first.endpoint], identity=b))
+        fourth = stack.enter_context(DHT([first.endpoint]))
+        reader = stack.enter_context(DHT([first.endpoint], client_mode=True))
+        endpoints = {a: "127.0.0.1:1111", b: "127.0.0.1:2222"}
+        prefix, coordinate = strict_prefixes(UID)[-1]
+
+        def node_of(dht: DHT) -> Node:
+            host, port = dht.endpoint.rsplit(":", 1)
+            return Node(dht.node.node.id, host, int(port))
+        # the race's outcome: A's claim reached two of the four nodes first, B's the other two
+        expires = round(time.time() + expiration, 3)
+        for identity, dht, targets in ((a, node_a, (first, node_a)), (b, node_b, (node_b, fourth))):
+            entry = identity.entry(digest(prefix), coordinate, endpoints[identity], expires)
+            for target in targets:
+                assert dht.run_coroutine(dht.node.protocol.call_store(node_of(target), digest(prefix),
+                                                                      {coordinate: entry})) == [True]
+        assert get_experts(reader, [UID]) == [None]  # a tie: nobody's
+        holders = {}
+        channels = ReplicaChannels()
+        stack.callback(channels.close)
+        for identity, dht in ((a, node_a), (b, node_b)):
+            store = ReplicaStore(tempfile.mkdtemp(dir=tmp_path), MAX_BYTES)
+            store.put(replica)
+            server = Holding(endpoints[identity])
+            adopter = Adopter(server, dht, store, ["ffn0"], check_period=1.0, stagger=0.5,
+                              channels=channels, max_bytes=MAX_BYTES,
+                              expiration=expiration)
+            stack.callback(adopter.close)
+            holders[endpoints[identity]] = (server, adopter.start())
+        # (a loser's stray half, alone once the other half expired, names it for a while: not served there)
+        served = wait_until(lambda: (found := get_experts(reader, [UID])[0]) in holders
+                            and holders[found][1].adopted and found, 4 * expiration + 4,
+                            "one of the holders adopting the cell")
+        wait_until(lambda: [UID in server.backends for server, _ in holders.values()]
+                   == [endpoint == served for endpoint in holders], 5, f"{served} alone serving {UID}")
+        assert [len(adopter.adopted) for _, adopter in holders.values()] == [endpoint == served for endpoint in holders]
 

@@ -25,6 +25,7 @@ with no replica anywhere starts fresh, which is logged as lost training.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import defaultdict
@@ -76,9 +77,21 @@ logger = logging.getLogger(__name__)
 def claim(dht: DHT, uids: Sequence[str], endpoint: str, expiration: float, confirm_after: float = 0.5) -> list[str]:
     """Declares ``uids`` at ``endpoint`` and returns those this node's identity owns: the directory must name it the
     owner twice, ``confirm_after`` seconds apart (a rival's store may still be on its way at the first read). The
-    loser of a race stores nothing more, so its stray entries expire within ``expiration``."""
+    loser of a race stores nothing more, so its stray entries expire within ``expiration`` (:class:`Adopter` does
+    not claim a uid again before they have, see :func:`claim_stored`)."""
+    return claim_stored(dht, uids, endpoint, expiration, confirm_after)[1]
+
+
+def claim_stored(dht: DHT, uids: Sequence[str], endpoint: str, expiration: float,
+                 confirm_after: float = 0.5) -> tuple[list[str], list[str]]:
+    """:func:`claim`, returning (the uids whose declaration the DHT stored, those of them this node owns). A stored
+    declaration lives ``expiration`` seconds, won or lost: when two claims split the replicas of a uid's entry
+    evenly, readers find no owner (a tie reads as no entry, see :func:`dmoe.dht.storage.merge_records`), both
+    lose, and a loser that claimed again at its next look refreshed its half, so the tie lasted for as long as
+    both ran (review 88)."""
     me = dht.identity.public_key
-    won = [uid for uid, stored in zip(uids, declare_experts(dht, list(uids), endpoint, expiration)) if stored]
+    stored = [uid for uid, ok in zip(uids, declare_experts(dht, list(uids), endpoint, expiration)) if ok]
+    won = stored
     for attempt in range(2):
         if not won:
             break
@@ -86,7 +99,7 @@ def claim(dht: DHT, uids: Sequence[str], endpoint: str, expiration: float, confi
             time.sleep(confirm_after)
         entries = directory_entries(dht, won)
         won = [uid for uid in won if entries[uid] is not None and entries[uid].owner == me]
-    return won
+    return stored, won
 
 
 def read_holders(dht: DHT, uids: Sequence[str]) -> dict[str, list[Holder]]:
@@ -451,6 +464,9 @@ class Adopter:
         self.adopted: list[Adoption] = []
         self._empty: dict[str, tuple[float, int]] = {}  # uid -> (monotonic time first seen empty, rank)
         self._taken: set[str] = set()  # served uids the last look found owned by another key
+        # uid -> the monotonic time before which it is not claimed again: this server lost a claim of it, and its
+        # entries of that claim live until then (see :meth:`adopt`)
+        self._lost: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -520,7 +536,11 @@ class Adopter:
         entries = directory_entries(self.dht, held)
         now = time.monotonic()
         me = self.dht.identity.public_key
-        empty = [uid for uid in held if entries[uid] is None or entries[uid].owner == me]  # (own: a failed claim)
+        for uid in [uid for uid, until in self._lost.items() if until <= now or uid not in entries]:
+            del self._lost[uid]
+        # (own: a failed claim; a claim lost lately: not until its entries expired, see adopt)
+        empty = [uid for uid in held
+                 if uid not in self._lost and (entries[uid] is None or entries[uid].owner == me)]
         for uid in set(self._empty) - set(empty):
             del self._empty[uid]  # served again
         new = [uid for uid in empty if uid not in self._empty]
@@ -566,15 +586,27 @@ class Adopter:
             logger.info("stopping: %s not claimed", ", ".join(ready))
             return []
         try:
-            won = claim(self.dht, list(ready), self.endpoint, self.expiration)
+            stored, won = claim_stored(self.dht, list(ready), self.endpoint, self.expiration)
         except BaseException:
             for uid in ready:
                 self.server.remove_expert(uid)
             raise
+        # a lost claim's entries live ``expiration`` s where the DHT stored them: claimed again at the next look, they
+        # were refreshed, and a claim race that split a uid's replicas evenly (which readers see as nobody's) went
+        # on for as long as both claimants ran (review 88). Not claimed again until they expired (and a random part
+        # of a look more, so that the claimants come back apart), the uid is empty then, and the ranks order the
+        # claims anew.
+        again = time.monotonic() + self.expiration + random.uniform(0.0, self.check_period)
         for uid in ready:
             if uid not in won:
                 self.server.remove_expert(uid)
-                logger.info("%s was claimed by another server first: not adopting it", uid)
+                if uid not in stored:
+                    logger.info("%s was claimed by another server first: not adopting it", uid)
+                    continue
+                self._lost[uid] = again
+                logger.info("%s was claimed by another server first, or readers find no owner (a tie of claims): "
+                            "not adopting it, nor claiming it again for %.1f s, until this server's entries of it "
+                            "expired", uid, again - time.monotonic())
         if won and self.server.announcer is not None:
             self.server.announcer.add(won)  # keeps them declared from now on
         adoptions = []
