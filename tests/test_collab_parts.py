@@ -557,12 +557,64 @@ def test_a_state_download_counts_every_field_and_every_message_against_its_caps(
     served = {"messages": genuine}
     with StateServer(StateServicer("run", lambda: served["messages"])) as server:
         assert download_state(server.endpoint, "run", 10, *download_limits(list(model.parameters()))).step == 4
-        served["messages"] = [dmoe_pb2.StatePart(name="x" * (64 << 10)) for _ in range(40)]  # 2.5 MiB, no tensor
+        # 2.5 MiB, no tensor (not in names: a name on anything but a tensor's header ends the download at once)
+        served["messages"] = [dmoe_pb2.StatePart(optimizer_json="x" * (64 << 10)) for _ in range(40)]
         with pytest.raises(StateDownloadError, match="more than 1048576 bytes or 10000 messages"):
             download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20)
         served["messages"] = [dmoe_pb2.StatePart() for _ in range(1000)]  # empty: no bytes at all
         with pytest.raises(StateDownloadError, match="more than 1048576 bytes or 100 messages"):
             download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20, max_messages=100)
+
+
+def test_a_states_tensors_are_checked_on_their_headers_before_anything_of_theirs_is_decoded(monkeypatch):
+    """A UINT8 tensor declared float64 decoded to 8 times its bytes on the wire (a 1 MiB model drew a 92 MiB peak
+    from a download within its cap), and every tensor was decoded and copied before its shape was compared with the
+    model's (review 87): compression is refused, and a header that does not fit the model ends the stream there."""
+    from dmoe.wire.codec import UINT8, cut_into_parts, serialize
+
+    import dmoe.collab.state_sync as state_sync
+
+    model, opt = adam()
+    parameters = list(model.parameters())
+    genuine = encode_state(TrainingState.capture(4, "0123abcd", 2, parameters, opt), "run")
+    squeezed = copy.deepcopy(genuine)
+    squeezed[0].tensor.CopyFrom(serialize(parameters[0].detach().double(), UINT8))
+    squeezed[0].tensor.parts = 1
+    decoded: list[int] = []
+    real_deserialize = state_sync.deserialize
+    monkeypatch.setattr(state_sync, "deserialize", lambda t: decoded.append(1) or real_deserialize(t))
+    with pytest.raises(StateDownloadError, match=r"malformed state: tensor 'param\.0' is compressed \(UINT8\)"):
+        decode_state(squeezed, 1 << 20)  # refused even without the model to compare with
+    assert not decoded
+    big, big_opt = trained(hidden=8)  # parameter 0 is [8, 4] there, [3, 4] here
+    other = encode_state(TrainingState.capture(4, "0123abcd", 2, list(big.parameters()), big_opt), "run")
+    with pytest.raises(StateMismatch, match=r"parameter 0 has shape \[8, 4\] in the state, \[3, 4\] here"):
+        decode_state(other, 1 << 20, parameters)
+    wrong_moment = copy.deepcopy(genuine)
+    (moment,) = [m for m in wrong_moment if m.name == "opt.0.exp_avg"]
+    moment.tensor.CopyFrom(serialize(torch.zeros(3, 4, 64)))
+    moment.tensor.parts = 1
+    with pytest.raises(StateMismatch, match=r"optimizer state 'exp_avg' of parameter 0 has shape \[3, 4, 64\] in "
+                                            r"the state, the parameter \[3, 4\] here"):
+        decode_state(wrong_moment, 1 << 20, parameters)
+    assert not decoded
+    assert decode_state(genuine, 1 << 20, parameters).step == 4
+    # over the wire: a state of another model is cut at its first header, not read to its end
+    huge = torch.nn.Linear(4096, 4096)  # 64 MiB: 32 parts, far more than the stream's window
+    far = encode_state(TrainingState.capture(4, "0123abcd", 2, list(huge.parameters()),
+                                             torch.optim.SGD(huge.parameters(), lr=0.1)), "run")
+    sent: list[int] = []
+
+    class Counted(list):
+        def __iter__(self):
+            for index, message in enumerate(list.__iter__(self)):
+                sent.append(index)
+                yield message
+
+    with StateServer(StateServicer("run", lambda: Counted(far))) as server:
+        with pytest.raises(StateMismatch, match=r"parameter 0 has shape \[4096, 4096\] in the state, \[3, 4\] here"):
+            download_state(server.endpoint, "run", 10, 1 << 30, parameters=parameters)
+    assert len(sent) < len(far) // 2, (len(sent), len(far))  # not the whole state
 
 
 class WithScale(torch.nn.Module):

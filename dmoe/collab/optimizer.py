@@ -380,7 +380,7 @@ class CollaborativeOptimizer:
         check = _claim_check(claimed, at_most)
         try:
             downloaded = download_state(claimed.endpoint, self.run_id, self.config.state_timeout, *self._state_limits,
-                                        check_head=check)
+                                        check_head=check, parameters=self.parameters)
             check(downloaded.step, downloaded.lineage)
             with self.lock:
                 load_state(downloaded, self.parameters, self.opt)

@@ -32,7 +32,17 @@ from dmoe.collab.progress import MAX_GROUP_SIZE, RECORD_MAX_STEP, check_lineage
 from dmoe.endpoints import PortUnavailable, join_host_port, peer_machine, reachable_endpoint
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
 from dmoe.wire.channels import STREAM_PART_BYTES
-from dmoe.wire.codec import InvalidTensor, TensorTooLarge, cut_into_parts, deserialize, join_parts, serialize
+from dmoe.wire.codec import (
+    DTYPES,
+    NONE,
+    Compression,
+    InvalidTensor,
+    TensorTooLarge,
+    cut_into_parts,
+    deserialize,
+    join_parts,
+    serialize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -109,23 +119,97 @@ def _index(text: str) -> int | None:
     return int(text) if _INDEX.fullmatch(text) else None
 
 
-def decode_state(messages: Sequence[dmoe_pb2.StatePart], max_bytes: int) -> TrainingState:
+def decode_state(messages: Sequence[dmoe_pb2.StatePart], max_bytes: int,
+                 parameters: Sequence[torch.Tensor] | None = None) -> TrainingState:
     """The state a stream carried; raises :class:`StateDownloadError` for a malformed one, whatever breaks on it:
     the sender is any peer that publishes a record, and a payload that raised anything else (a RecursionError from
-    a deeply nested JSON) crashed the trainer that downloaded it instead of getting its sender banned."""
+    a deeply nested JSON) crashed the trainer that downloaded it instead of getting its sender banned.
+
+    Every tensor's header is checked before any tensor is joined or decoded (:class:`_Layout`): a compressed one is
+    malformed (:func:`encode_state` never compresses, and a UINT8 tensor declared float64 decoded to 8 times its
+    bytes on the wire, review 87), and given this trainer's ``parameters``, one of another shape or dtype than they
+    imply is refused with :class:`StateMismatch`, so that nothing of a size the model does not call for is
+    allocated: decoded, the tensors take no more memory than their bytes on the wire."""
     try:
-        return _decode_state(messages, max_bytes)
-    except StateDownloadError:
+        return _decode_state(messages, max_bytes, parameters)
+    except (StateDownloadError, StateMismatch):
         raise
     except Exception as error:  # noqa: BLE001 - any failure on a peer's payload is that peer's malformed state
         raise StateDownloadError(f"malformed state: {type(error).__name__}: {str(error)[:200]}") from None
 
 
-def _decode_state(messages: Sequence[dmoe_pb2.StatePart], max_bytes: int) -> TrainingState:
+class _Layout:
+    """What a state's tensors must be, checked on each one's header (the first message of its parts) as the
+    messages come: a name on each header and on nothing else (``param.<i>`` in order, or ``opt.<i>.<key>``), no
+    compression, and given ``parameters`` (the
+    trainer's, in the optimizer's order) their shapes and dtypes: ``param.<i>`` parameter i's, ``opt.<i>.<key>`` of
+    parameter i's shape (``step``: a scalar) and floating point where the parameter is. The rest (how many tensors,
+    values, keys, the optimizer's settings) is for :func:`_decode_state` and :func:`check_state`. Raises
+    :class:`StateDownloadError` for a malformed stream, :class:`StateMismatch` for a state of another model."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor] | None = None):
+        self.parameters = parameters
+        self.names: list[str] = []
+        self._params = 0
+
+    def see(self, message: dmoe_pb2.StatePart) -> None:
+        tensor = message.tensor  # the header's fields only: its buffer is not read (every read copies it)
+        if tensor.parts < 1:
+            if message.name:
+                raise StateDownloadError(f"malformed state: the name {_short(message.name)} on a tensor's "
+                                         f"continuation part")
+            return
+        if not message.name:
+            raise StateDownloadError("malformed state: a tensor without a name")
+        if tensor.compression != NONE:
+            raise StateDownloadError(f"malformed state: tensor {_short(message.name)} is compressed "
+                                     f"({Compression.Name(tensor.compression)}); a state's tensors are sent as "
+                                     f"they are")
+        self._expect(message.name, list(tensor.shape), tensor.dtype)
+        self.names.append(message.name)
+
+    def _expect(self, name: str, shape: list[int], dtype_name: str) -> None:
+        kind, _, rest = name.partition(".")
+        index, _, key = rest.partition(".")
+        if kind == "param" and rest == str(self._params):
+            index, self._params = self._params, self._params + 1
+        elif not (kind == "opt" and key and _index(index) is not None):
+            raise StateDownloadError(f"malformed state: unexpected tensor {_short(name)}")
+        if self.parameters is None:
+            return
+        dtype, index, count = DTYPES.get(dtype_name), int(index), len(self.parameters)
+        if dtype is None:
+            raise StateDownloadError(f"malformed state: tensor {_short(name)} has unknown dtype {_short(dtype_name)}")
+        if kind == "param":
+            if index >= count:
+                raise StateMismatch(f"the state holds more than {count} parameter tensors, this model {count}")
+            mine = self.parameters[index]
+            if shape != _shape(mine):
+                raise StateMismatch(f"parameter {index} has shape {shape} in the state, {_shape(mine)} here")
+            if dtype != mine.dtype:
+                raise StateMismatch(f"parameter {index} is {dtype} in the state, {mine.dtype} here")
+            return
+        if index >= count:
+            raise StateMismatch(f"the optimizer's state names parameter {index}; this model has {count}")
+        where, parameter = f"optimizer state {key!r} of parameter {index}", self.parameters[index]
+        if key == "step":
+            if shape or dtype == torch.bool:
+                raise StateMismatch(f"{where} is not a real scalar: {dtype} of shape {shape}")
+        elif shape != _shape(parameter):
+            raise StateMismatch(f"{where} has shape {shape} in the state, the parameter {_shape(parameter)} here")
+        elif parameter.is_floating_point() and not dtype.is_floating_point:
+            raise StateMismatch(f"{where} is {dtype}, not floating point")
+
+
+def _decode_state(messages: Sequence[dmoe_pb2.StatePart], max_bytes: int,
+                  parameters: Sequence[torch.Tensor] | None = None) -> TrainingState:
     if not messages:
         raise StateDownloadError("the state stream was empty")
     head = messages[0]
-    names = [m.name for m in messages if m.name]
+    layout = _Layout(parameters)
+    for message in messages:  # before anything is joined or decoded
+        layout.see(message)
+    names = layout.names
     try:
         tensors = [deserialize(t) for t in join_parts([[m.tensor] for m in messages], max_bytes)]
         extra = json.loads(head.optimizer_json)
@@ -607,7 +691,8 @@ CONNECT_TIMEOUT = 5.0
 
 def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
                    max_messages: int = 10_000, connect_timeout: float = CONNECT_TIMEOUT,
-                   check_head: Callable[[int, str], None] | None = None) -> TrainingState:
+                   check_head: Callable[[int, str], None] | None = None,
+                   parameters: Sequence[torch.Tensor] | None = None) -> TrainingState:
     """The state of the trainer at ``endpoint``; raises :class:`StateDownloadError` when it cannot be had. The
     stream is cut once its messages hold more than ``max_bytes`` in all (every field, not only the tensors: this
     bounds what is kept in memory) or number more than ``max_messages`` (an empty message holds no bytes, but its
@@ -617,8 +702,13 @@ def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
 
     ``check_head(step, lineage)`` sees the first message's step and lineage before anything else is read, and raises
     :class:`StateMismatch` to cut the stream there: records naming an honest trainer's endpoint with a claim it does
-    not serve had every reader pull that trainer's whole state, only to refuse it, at every step (review 77)."""
+    not serve had every reader pull that trainer's whole state, only to refuse it, at every step (review 77).
+
+    ``parameters``: this trainer's (the optimizer's order). Each tensor's header is checked against them as it
+    arrives (see :func:`decode_state`): a state of another model is cut at its first tensor that does not fit, with
+    :class:`StateMismatch`, and a compressed tensor ends the download as malformed."""
     messages, received = [], 0
+    layout = _Layout(parameters)
     with grpc.insecure_channel(endpoint, options=grpc_options()) as channel:
         if not _connects(channel, min(connect_timeout, timeout)):
             raise StateDownloadError(f"{endpoint}: UNAVAILABLE: no connection within "
@@ -639,10 +729,15 @@ def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
                     raise StateDownloadError(f"{endpoint} sent more than {max_bytes} bytes or {max_messages} "
                                              f"messages of state: far more than this model's parameters and "
                                              f"optimizer state")
+                try:
+                    layout.see(message)
+                except (StateDownloadError, StateMismatch):
+                    call.cancel()
+                    raise
                 messages.append(message)
         except grpc.RpcError as error:
             raise StateDownloadError(f"{endpoint}: {error.code().name}: {error.details()}", error.code()) from None
-    return decode_state(messages, max_bytes)
+    return decode_state(messages, max_bytes, parameters)
 
 
 def _connects(channel: grpc.Channel, timeout: float) -> bool:
