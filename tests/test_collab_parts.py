@@ -4,6 +4,7 @@ and whom to download from, the state's encoding, checks and gRPC service, and th
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import copy
 import json
@@ -1009,6 +1010,69 @@ def test_records_pointing_at_an_address_that_never_answers_cost_one_connection_t
     assert len(refused) == 1, caplog.text  # one try: the endpoint is banned, not only the peer id
     assert f"no state downloads from {endpoint} for 60 s" in caplog.text
     assert elapsed < 20, elapsed  # one 5 s connection timeout (and start-up), not 5 x 30 s
+
+
+class SlowServicer(StateServicer):
+    """A hostile state server: each download waits ``delay`` seconds (within the downloader's state_timeout), then
+    fails with INTERNAL (``fail``) or serves its state."""
+
+    def __init__(self, *args, delay: float, fail: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay, self.fail = delay, fail
+
+    async def download_state(self, request, context):
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            await context.abort(grpc.StatusCode.INTERNAL, "oops")
+        await super().download_state(request, context)
+
+
+def test_a_state_server_that_fails_slowly_is_banned_by_machine_whatever_the_error_and_peer_ids(bootstrap, caplog):
+    """Only UNAVAILABLE and DEADLINE_EXCEEDED banned a state server's machine: one that failed every download with
+    another status (or a state off the claim) just before state_timeout, named by records under ever new peer ids
+    (free to make), held every step() for about state_timeout, for good (review 87). Now any failure it is
+    responsible for bans its machine, and so does a refusal that may not be its fault (another step or lineage than
+    a record claimed) once it took long; such a refusal that came at once bans that record only, and the honest
+    trainer it named stays a source."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    torch.manual_seed(0)
+    ahead = WithScale()
+    ahead_opt = torch.optim.AdamW(ahead.parameters(), lr=0.01)
+    ahead(torch.randn(3, 4)).sum().backward()
+    ahead_opt.step()
+    capture = lambda step, lineage: encode_state(  # noqa: E731
+        TrainingState.capture(step, lineage, 3, list(ahead.parameters()), ahead_opt), "slow")
+    elsewhere, honest_state = capture(10, "deadbeef"), capture(7, "0123abcd")
+    with DHT([bootstrap], client_mode=True) as hostile, \
+            StateServer(SlowServicer("slow", lambda: None, delay=2.5, fail=True)) as failing, \
+            StateServer(SlowServicer("slow", lambda: elsewhere, delay=2.5, fail=False)) as off_claim, \
+            StateServer(StateServicer("slow", lambda: honest_state)) as honest:
+        now = time.time()
+        records = {pid: Progress(10, 0, 1.0, now, failing.endpoint, ACCUMULATING, "0123abcd", 3)
+                   for pid in (911, 912, 913)}
+        records.update({pid: Progress(10, 0, 1.0, now, off_claim.endpoint, ACCUMULATING, "0123abcd", 3)
+                        for pid in (921, 922, 923)})
+        records[931] = Progress(8, 0, 1.0, now, honest.endpoint, ACCUMULATING, "0123abcd", 3)  # not what it holds
+        records[932] = Progress(7, 0, 1.0, now, honest.endpoint, ACCUMULATING, "0123abcd", 3)  # its own
+        hostile.store_many({progress_key("slow"): {pid: (p.encode(), now + 60) for pid, p in records.items()}})
+        torch.manual_seed(1)
+        joiner = WithScale()
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "slow", 100, refresh_period=0.2,
+                progress_ttl=30.0, state_timeout=6.0, client_mode=True) as collab:
+            wait_until(lambda: collab.wait_for_trainers(count=20, timeout=0.2) and collab.local_step == 7)
+            assert (collab.lineage, collab.steps_downloaded) == ("0123abcd", 1)
+    text = caplog.text
+    # one try each (the records under its other ids then serve nothing), not one per peer id
+    assert len(re.findall(r"ignoring trainer 91\d .*INTERNAL: oops", text)) == 1, text
+    assert len(re.findall(r"ignoring trainer 92\d .*claims lineage 0123abcd at step 10 but serves deadbeef",
+                          text)) == 1, text
+    assert f"no state downloads from {failing.endpoint} for 60 s" in text
+    assert re.search(rf"no state downloads from {re.escape(off_claim.endpoint)} for 60 s \(its download took "
+                     rf"2\.\ds to come to nothing\)", text), text
+    assert re.search(r"ignoring trainer 931 .*claims step 8 but serves step 7", text), text
+    assert f"no state downloads from {honest.endpoint}" not in text  # it answered what it holds, at once
+    assert "downloaded the state at step 7 from trainer 932" in text
 
 
 def test_a_collaboration_refuses_a_minimum_group_above_two():

@@ -29,7 +29,9 @@ class CollaborationConfig:
         honest trainer overshoots the target by about one of its batches).
     max_clock_skew: a record stamped more than this many seconds in the future is refused.
     ban_time: seconds a peer is ignored after it claimed a step its state server could not back, or served a state
-        that does not fit the model.
+        that does not fit the model; its state server's machine is not downloaded from for as long (twice as long
+        each time it fails again, at most 16 times), unless the refusal may be no fault of the server's and came
+        quickly (see :func:`dmoe.collab.optimizer.slow_refusal`).
     grad_clip: clip the norm of the averaged gradient before each step (0: off); every trainer clips the same
         gradient, so the parameters stay equal.
     averaging_timeout: seconds one step may spend averaging (0: the averager's ``step_timeout``).

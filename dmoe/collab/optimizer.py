@@ -24,7 +24,11 @@ Joining, dying, falling behind:
 
 Bad input: records with absurd numbers are refused (see :mod:`~dmoe.collab.progress`); a trainer that claims a step
 its state server cannot back, or serves a state that does not fit this model (or breaks its download in any way),
-is logged and ignored for ``ban_time`` while training goes on.
+is logged and ignored for ``ban_time`` while training goes on. So is its state server's machine, whatever peer ids
+name it (twice as long each time it fails again), for every failed download but those that may be no fault of the
+server's (busy, or a record naming an honest trainer with a step or lineage it does not serve) and came to nothing
+quickly (:func:`slow_refusal`): peer ids cost nothing, and a server that failed each download just before
+``state_timeout``, under a new id each time, held every ``step()`` for that long (review 87).
 
 Threads: the progress tracker's (publish and read), the state server's event loop (and one for captures), the
 averager's two; all stop in :meth:`CollaborativeOptimizer.shutdown`.
@@ -70,6 +74,16 @@ logger = logging.getLogger(__name__)
 
 #: seconds a trainer whose state server is busy (RESOURCE_EXHAUSTED: serving its most downloads) is not asked again
 BUSY_BAN = 5.0
+#: seconds (at most; see :func:`slow_refusal`) a state download may take to end in a refusal that is not the server's
+#: fault (busy, or a step or lineage other than a record claimed for it) before its machine is banned all the same
+SLOW_REFUSAL = 5.0
+
+
+def slow_refusal(state_timeout: float) -> float:
+    """How long a download may take to come to nothing without its server's machine being banned: an honest server
+    refuses at once when busy, and its first message (step and lineage) follows its encoded state, which it keeps
+    for every joiner of a step; a quarter of ``state_timeout`` when that is shorter."""
+    return min(SLOW_REFUSAL, state_timeout / 4)
 
 
 def _lineage(*parts: Any) -> str:
@@ -378,6 +392,7 @@ class CollaborativeOptimizer:
             return False
         peer_id, claimed = chosen
         check = _claim_check(claimed, at_most)
+        started = time.monotonic()
         try:
             downloaded = download_state(claimed.endpoint, self.run_id, self.config.state_timeout, *self._state_limits,
                                         check_head=check, parameters=self.parameters)
@@ -388,6 +403,7 @@ class CollaborativeOptimizer:
                 self.group_size = downloaded.group_size
         except _BeyondLimit as error:  # it stepped on since its record was read: honest, and ahead of this trainer
             logger.info("no state downloaded from trainer %s: %s", peer_id, error)
+            self._ban_if_slow(claimed.endpoint, started)
             return False
         except _TooFarAhead as error:
             # honest when it stepped twice since its record was read (a trainer back from a pause reads records up
@@ -397,20 +413,29 @@ class CollaborativeOptimizer:
             now = self.tracker.state().peers.get(peer_id)
             if now is not None and now.endpoint == claimed.endpoint and now.step + 1 >= error.served:
                 logger.info("trainer %s stepped on since its record was read (%s); trying again", peer_id, error)
-                return False
-            self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}",
-                             seconds=min(BUSY_BAN, self.config.ban_time))
+            else:
+                self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}",
+                                 seconds=min(BUSY_BAN, self.config.ban_time))
+            self._ban_if_slow(claimed.endpoint, started)
+            return False
+        except _OffClaim as error:
+            # the record may be anyone's, naming an honest trainer's endpoint: that trainer answered what it holds,
+            # at once, and stays a source for the others' records (unless it took long to answer, see _ban_if_slow)
+            self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")
+            self._ban_if_slow(claimed.endpoint, started)
             return False
         except (StateDownloadError, StateMismatch) as error:
             code = getattr(error, "code", None)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy serving others (its limits): not a fault
                 self.tracker.ban(peer_id, f"its state at {claimed.endpoint} is not served now: {error}",
                                  seconds=min(BUSY_BAN, self.config.ban_time))
+                self._ban_if_slow(claimed.endpoint, started)
                 return False
+            # whatever the record, the server at that endpoint failed, refused or sent a state that does not fit:
+            # its machine is banned, not only this peer id, which costs nothing to make (review 87: a server that
+            # failed each download just before state_timeout, under a new id each time, held every step() for it)
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                seconds = self.tracker.ban_endpoint(claimed.endpoint)
-                logger.info("no state downloads from %s for %g s", claimed.endpoint, seconds)
+            self._ban_endpoint(claimed.endpoint)
             return False
         except Exception as error:  # noqa: BLE001 - the checks missed something: still that peer's state, not a crash
             # anyone who publishes a record one step ahead is downloaded from: what its payload breaks must not end
@@ -418,11 +443,25 @@ class CollaborativeOptimizer:
             logger.debug("the state of trainer %s broke its download", peer_id, exc_info=True)
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: it broke the download "
                                       f"({type(error).__name__}: {str(error)[:200]})")
+            self._ban_endpoint(claimed.endpoint)
             return False
         self.steps_downloaded += 1
         logger.info("downloaded the state at step %d from trainer %s (%s)", self.local_step, peer_id, claimed.endpoint)
         self._reset()
         return True
+
+    def _ban_endpoint(self, endpoint: str, why: str = "") -> None:
+        seconds = self.tracker.ban_endpoint(endpoint)
+        logger.info("no state downloads from %s for %g s%s", endpoint, seconds, why)
+
+    def _ban_if_slow(self, endpoint: str, started: float) -> None:
+        """Bans ``endpoint``'s machine when a download that it did not complete held this trainer longer than
+        :func:`slow_refusal`: an honest trainer refuses at once (busy) and answers its step and lineage within
+        moments, so a record naming it with a claim it does not serve costs that record only; a server that takes
+        its time to fail held the training loop for it, and would again under every new peer id."""
+        took = time.monotonic() - started
+        if took > slow_refusal(self.config.state_timeout):
+            self._ban_endpoint(endpoint, f" (its download took {took:.1f}s to come to nothing)")
 
     def _encoded_state(self) -> list | None:
         """The messages of this trainer's current state, encoded once per step for every joiner."""
@@ -504,6 +543,10 @@ class _TooFarAhead(StateMismatch):
         self.served = served
 
 
+class _OffClaim(StateMismatch):
+    """A state at another step or lineage than the record that named its trainer claimed."""
+
+
 class _BeyondLimit(StateMismatch):
     """A state past the step a download may take (:meth:`CollaborativeOptimizer.finish` takes none beyond its own)."""
 
@@ -518,9 +561,9 @@ def _claim_check(claimed: Progress, at_most: int | None) -> Callable[[int, str],
         if at_most is not None and step > at_most:
             raise _BeyondLimit(f"it serves step {step}, past step {at_most}, the last this download may take")
         if step < claimed.step:
-            raise StateMismatch(f"it claims step {claimed.step} but serves step {step}")
+            raise _OffClaim(f"it claims step {claimed.step} but serves step {step}")
         if step == claimed.step and lineage != claimed.lineage:
-            raise StateMismatch(f"it claims lineage {claimed.lineage} at step {claimed.step} but serves {lineage}")
+            raise _OffClaim(f"it claims lineage {claimed.lineage} at step {claimed.step} but serves {lineage}")
         if step > claimed.step + 1:
             raise _TooFarAhead(f"it claims step {claimed.step} but serves step {step}, more than one step further", step)
 

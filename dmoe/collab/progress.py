@@ -462,6 +462,9 @@ class ProgressTracker:
         if until <= now:
             seconds = min(2 * seconds, 16 * self.config.ban_time) if seconds else self.config.ban_time
             self._banned_endpoints[machine] = (now + seconds, seconds)
+        with self._lock:  # at once, not at the next read: records read meanwhile (new ids) name it too
+            self._peers = {pid: replace(p, endpoint=None) if p.endpoint is not None
+                           and endpoint_machine(p.endpoint) == machine else p for pid, p in self._peers.items()}
         return seconds
 
     def _refuse(self, peer_id: int, kind: str, message: str) -> None:
