@@ -939,6 +939,7 @@ def test_a_trainer_waits_for_the_partners_still_finishing_the_last_step_before_i
         first = collab.lineage
         model(torch.randn(8, 3)).sum().backward()
         assert collab.step(8) and collab.local_step == 1  # alone: nobody else
+        collab._left_partners = frozenset({partner.identity.public_key})  # as if that step's group had expected it
         key = progress_key("finishing")
         partner.store(key, 77, Progress(0, 8, 10.0, time.time(), None, AVERAGING, first, 0).encode(),
                       time.time() + 60)
@@ -957,6 +958,47 @@ def test_a_trainer_waits_for_the_partners_still_finishing_the_last_step_before_i
         thread.join()
         assert 0.8 < waited < 7.0, waited
         assert set(state.partners) == {77}
+
+
+def test_only_the_partners_of_the_last_step_are_waited_for_and_only_until_they_moved_on(bootstrap):
+    """The wait for partners still finishing the last step took any record at the step before, averaging, on the
+    lineage left: both public, so one forged record that was nobody's partner held every trainer for the
+    all-reduce timeout at every step, and made finish() fail (review 87). Only the keys the step expected count
+    now, each until a record it signed is at the new step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as partner, \
+            DHT([bootstrap], client_mode=True) as hostile, \
+            CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "forged-finish", 8,
+                                   refresh_period=0.2, progress_ttl=30.0, allreduce_timeout=6.0,
+                                   client_mode=True) as collab:
+        first = collab.lineage
+        model(torch.randn(8, 3)).sum().backward()
+        assert collab.step(8) and collab.local_step == 1
+        collab._left_partners = frozenset({partner.identity.public_key})  # as if that step's group had expected it
+        key = progress_key("forged-finish")
+        now = time.time()
+        hostile.store(key, 66, Progress(0, 0, 0.0, now, None, AVERAGING, first, 1).encode(), now + 60)
+        wait_until(lambda: 66 in collab.tracker.refresh_now())
+        started = time.monotonic()
+        collab._await_finishing(collab.tracker.state())
+        assert time.monotonic() - started < 1.0  # anyone's record: not waited for
+        # a partner's key with a record still averaging the last step and one at this step: it moved on
+        partner.store_many({key: {77: (Progress(0, 8, 10.0, now, None, AVERAGING, first, 0).encode(), now + 60),
+                                  78: (Progress(1, 0, 10.0, now, None, ACCUMULATING, collab.lineage, 1).encode(),
+                                       now + 60)}})
+        wait_until(lambda: {77, 78} <= set(collab.tracker.refresh_now()))
+        started = time.monotonic()
+        state = collab._await_finishing(collab.tracker.state())
+        assert time.monotonic() - started < 1.0
+        assert 78 in state.partners
+        # alone at its last step: nobody's record is waited for
+        collab._left_partners = frozenset()
+        partner.store(key, 78, Progress(0, 8, 10.0, now, None, AVERAGING, first, 0).encode(), now + 61)
+        wait_until(lambda: collab.tracker.refresh_now()[78].step == 0)
+        started = time.monotonic()
+        collab._await_finishing(collab.tracker.state())
+        assert time.monotonic() - started < 1.0
 
 
 def test_a_wait_for_reports_that_the_speeds_promised_in_vain_is_not_repeated_at_the_step(bootstrap):

@@ -154,6 +154,7 @@ class CollaborativeOptimizer:
         self.local_step = int(step)
         self.lineage = parameters_lineage(self.parameters)
         self._left_lineage: str | None = None  # the lineage of the step before (None: it came downloaded)
+        self._left_partners: frozenset[bytes] = frozenset()  # the DHT keys of the partners that step expected
         self.group_size = 0
         self.samples = 0
         self.steps_applied = self.steps_downloaded = 0
@@ -264,12 +265,22 @@ class CollaborativeOptimizer:
         and must average it with this trainer. A fast trainer that reached the target before they published
         would step without them, alone, and put them a lineage behind, to download its state and lose their
         samples (two trainers of a test did, 1 run in 2 on a loaded machine). Waits at most the averager's
-        all-reduce timeout (a partner killed while averaging stays in its record until it expires)."""
-        if self._left_lineage is None:
+        all-reduce timeout (a partner killed while averaging stays in its record until it expires).
+
+        Only for the partners that step expected, by the DHT keys that signed their records, and for each only
+        until a record it signed is at this step: the step and lineage are public, and one record of anyone's
+        claiming to average the step before held every trainer for the all-reduce timeout at every step (review
+        87)."""
+        if self._left_lineage is None or not self._left_partners:
             return state
         deadline = time.monotonic() + self.averager.config.allreduce_timeout
-        while any(p.step == self.local_step - 1 and p.phase == AVERAGING and p.lineage == self._left_lineage
-                  for p in state.peers.values()) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            records = self.tracker.signed_by(self._left_partners).values()
+            moved_on = {key for key, p in records if p.step >= self.local_step}
+            finishing = {key for key, p in records if p.step == self.local_step - 1 and p.phase == AVERAGING
+                         and p.lineage == self._left_lineage}
+            if not finishing - moved_on:
+                break
             time.sleep(self.config.refresh_period / 4)
             self.tracker.refresh_now()
             state = self.tracker.state()
@@ -326,11 +337,11 @@ class CollaborativeOptimizer:
         self.tracker.update(phase=AVERAGING)
         self.tracker.publish_now()  # partners that have not seen the target reached yet join on seeing this
         self.averager.round = step  # trainers meet in the round of their global step
+        expected = frozenset(self.tracker.owners(partners))
         info = self.averager.step(weight=float(samples), timeout=self.config.averaging_timeout or None,
-                                  group_size=len(partners) + 1, single_group=True,
-                                  expected_peers=self.tracker.owners(partners))
+                                  group_size=len(partners) + 1, single_group=True, expected_peers=set(expected))
         if info is not None:
-            self._apply(_lineage(self.lineage, info.group_id, info.contributors), len(info.contributors))
+            self._apply(_lineage(self.lineage, info.group_id, info.contributors), len(info.contributors), expected)
             logger.info("step %d: averaged %d samples of %d trainers (%.2fs matchmaking, %.2fs all-reduce)",
                         step, int(info.total_weight), len(info.contributors), info.matchmaking_s, info.allreduce_s)
             return
@@ -339,7 +350,7 @@ class CollaborativeOptimizer:
             if self._sync_if_needed():
                 return
         logger.warning("step %d: averaging failed; stepped alone with %d samples", step, samples)
-        self._apply(_lineage(self.lineage, "alone", self.peer_id), 1)
+        self._apply(_lineage(self.lineage, "alone", self.peer_id), 1, expected)
 
     def _wait_for_others(self, step: int) -> bool:
         """After a failed averaging: True once a trainer that serves its state is past ``step`` (as for
@@ -358,8 +369,9 @@ class CollaborativeOptimizer:
                 return False
             time.sleep(self.config.refresh_period / 4)
 
-    def _apply(self, lineage: str, group_size: int) -> None:
-        """Applies the accumulators (the mean gradient) as the global step, then resets them."""
+    def _apply(self, lineage: str, group_size: int, partners: frozenset[bytes] = frozenset()) -> None:
+        """Applies the accumulators (the mean gradient) as the global step, then resets them. ``partners``: the
+        DHT keys of the partners the step's averaging expected (:meth:`_await_finishing` waits for them)."""
         with self.lock, torch.no_grad():
             for p, accumulator in zip(self.parameters, self._accumulators):
                 p.grad = accumulator.to(p.dtype, copy=True)
@@ -368,7 +380,7 @@ class CollaborativeOptimizer:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.local_step += 1
-            self._left_lineage = self.lineage
+            self._left_lineage, self._left_partners = self.lineage, partners
             self.lineage, self.group_size = lineage, group_size
         self.steps_applied += 1
         self._reset()
@@ -400,6 +412,7 @@ class CollaborativeOptimizer:
             with self.lock:
                 load_state(downloaded, self.parameters, self.opt)
                 self.local_step, self.lineage, self._left_lineage = downloaded.step, downloaded.lineage, None
+                self._left_partners = frozenset()
                 self.group_size = downloaded.group_size
         except _BeyondLimit as error:  # it stepped on since its record was read: honest, and ahead of this trainer
             logger.info("no state downloaded from trainer %s: %s", peer_id, error)

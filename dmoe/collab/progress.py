@@ -438,6 +438,12 @@ class ProgressTracker:
         with self._lock:
             return {self._owners[pid] for pid in peer_ids if pid in self._owners}
 
+    def signed_by(self, keys: Iterable[bytes]) -> dict[int, tuple[bytes, Progress]]:
+        """The accepted records (as of the last read) that these DHT keys signed, each with its key."""
+        keys = set(keys)
+        with self._lock:
+            return {pid: (self._owners[pid], p) for pid, p in self._peers.items() if self._owners.get(pid) in keys}
+
     def ban(self, peer_id: int, reason: str, seconds: float | None = None) -> None:
         """Ignores ``peer_id``'s records for ``seconds`` (default ``config.ban_time``)."""
         seconds = self.config.ban_time if seconds is None else seconds
