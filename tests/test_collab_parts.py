@@ -963,8 +963,8 @@ def test_a_trainer_waits_for_the_partners_still_finishing_the_last_step_before_i
 def test_only_the_partners_of_the_last_step_are_waited_for_and_only_until_they_moved_on(bootstrap):
     """The wait for partners still finishing the last step took any record at the step before, averaging, on the
     lineage left: both public, so one forged record that was nobody's partner held every trainer for the
-    all-reduce timeout at every step, and made finish() fail (review 87). Only the keys the step expected count
-    now, each until a record it signed is at the new step."""
+    all-reduce timeout at every step, and made finish() fail (review 87). Only the keys seen at the step on its
+    lineage while this trainer was there count now, each until a record it signed is at the new step."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     with DHT([bootstrap], client_mode=True) as dht, DHT([bootstrap], client_mode=True) as partner, \
@@ -999,6 +999,13 @@ def test_only_the_partners_of_the_last_step_are_waited_for_and_only_until_they_m
         started = time.monotonic()
         collab._await_finishing(collab.tracker.state())
         assert time.monotonic() - started < 1.0
+        # who is waited for after a step: the keys of records read at its step and lineage while this trainer was
+        # there (partners, and one that joined too late for the group), not those read at the step before
+        hostile.store(key, 67, Progress(1, 0, 0.0, now, None, ACCUMULATING, collab.lineage, 1).encode(), now + 60)
+        wait_until(lambda: 67 in collab.tracker.refresh_now())
+        assert collab.tracker.companions() == {partner.identity.public_key, hostile.identity.public_key}
+        collab.tracker.update(step=2, lineage="0000aaaa")
+        assert collab.tracker.companions() == frozenset()
 
 
 def test_a_wait_for_reports_that_the_speeds_promised_in_vain_is_not_repeated_at_the_step(bootstrap):

@@ -267,10 +267,12 @@ class CollaborativeOptimizer:
         samples (two trainers of a test did, 1 run in 2 on a loaded machine). Waits at most the averager's
         all-reduce timeout (a partner killed while averaging stays in its record until it expires).
 
-        Only for the partners that step expected, by the DHT keys that signed their records, and for each only
-        until a record it signed is at this step: the step and lineage are public, and one record of anyone's
-        claiming to average the step before held every trainer for the all-reduce timeout at every step (review
-        87)."""
+        Only for the trainers seen at that step on that lineage while this trainer was there (its partners, and
+        those that joined late, too late for its group: a joiner that just downloaded the state, whose record this
+        trainer read while averaging), by the DHT keys that signed their records, and for each only until a record
+        it signed is at this step: the step and lineage are public, and one record of anyone's claiming to average
+        the step before, published once this trainer had moved on, held every trainer for the all-reduce timeout
+        at every step (review 87)."""
         if self._left_lineage is None or not self._left_partners:
             return state
         deadline = time.monotonic() + self.averager.config.allreduce_timeout
@@ -371,7 +373,9 @@ class CollaborativeOptimizer:
 
     def _apply(self, lineage: str, group_size: int, partners: frozenset[bytes] = frozenset()) -> None:
         """Applies the accumulators (the mean gradient) as the global step, then resets them. ``partners``: the
-        DHT keys of the partners the step's averaging expected (:meth:`_await_finishing` waits for them)."""
+        DHT keys of the partners the step's averaging expected; with the others seen at the step (the tracker's
+        companions), :meth:`_await_finishing` waits for them."""
+        partners = partners | self.tracker.companions()  # read before the step moves this trainer's record on
         with self.lock, torch.no_grad():
             for p, accumulator in zip(self.parameters, self._accumulators):
                 p.grad = accumulator.to(p.dtype, copy=True)

@@ -298,6 +298,8 @@ class ProgressTracker:
         self._peers: dict[int, Progress] = {}
         self._stamps: dict[int, tuple[float, float]] = {}  # peer: (its record's stamp, when first read here)
         self._owners: dict[int, bytes] = {}  # accepted peer: the DHT key that signed its record
+        # the DHT keys of records read at this trainer's (step, lineage) since it got there (see companions())
+        self._companions: tuple[tuple[int, str] | None, set[bytes]] = (None, set())
         self._unpublished = 0  # publishes in a row that no node took
         self._banned: dict[int, float] = {}
         self._banned_endpoints: dict[str, tuple[float, float]] = {}  # machine: (until, the ban's length)
@@ -414,6 +416,10 @@ class ProgressTracker:
             self._peers = accepted
             self._stamps = stamps
             self._owners = {subkey: record[subkey].owner for subkey in accepted}
+            companions = self._companions_now()
+            if self._progress is not None:
+                companions.update(self._owners[pid] for pid, p in accepted.items()
+                                  if (p.step, p.lineage) == (self._progress.step, self._progress.lineage))
         self.read_at = now
         if taken:
             self._draw_new_id()
@@ -437,6 +443,21 @@ class ProgressTracker:
         out). A trainer's averager declares itself with the same key: these are the peers its averaging expects."""
         with self._lock:
             return {self._owners[pid] for pid in peer_ids if pid in self._owners}
+
+    def companions(self) -> frozenset[bytes]:
+        """The DHT keys that signed records read at this trainer's step and lineage since it got there (by every
+        read: the tracker's own thread keeps reading while the trainer averages): the partners it knew of at that
+        step, and those that joined it late. Only they could still be finishing that step once this trainer has
+        moved on (:meth:`dmoe.collab.CollaborativeOptimizer._await_finishing`)."""
+        with self._lock:
+            return frozenset(self._companions_now())
+
+    def _companions_now(self) -> set[bytes]:
+        """(under the lock) The set of :meth:`companions`, emptied when this trainer's step or lineage changed."""
+        own = None if self._progress is None else (self._progress.step, self._progress.lineage)
+        if self._companions[0] != own:
+            self._companions = (own, set())
+        return self._companions[1]
 
     def signed_by(self, keys: Iterable[bytes]) -> dict[int, tuple[bytes, Progress]]:
         """The accepted records (as of the last read) that these DHT keys signed, each with its key."""
