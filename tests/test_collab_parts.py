@@ -571,7 +571,7 @@ def test_a_states_tensors_are_checked_on_their_headers_before_anything_of_theirs
     """A UINT8 tensor declared float64 decoded to 8 times its bytes on the wire (a 1 MiB model drew a 92 MiB peak
     from a download within its cap), and every tensor was decoded and copied before its shape was compared with the
     model's (review 87): compression is refused, and a header that does not fit the model ends the stream there."""
-    from dmoe.wire.codec import UINT8, cut_into_parts, serialize
+    from dmoe.wire.codec import UINT8, serialize
 
     import dmoe.collab.state_sync as state_sync
 
