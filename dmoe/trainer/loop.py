@@ -29,7 +29,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -663,14 +663,19 @@ def over_time(started: float, config: TrainConfig) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: GatedTransformerLM, data: TextData, config: TrainConfig) -> float:
-    """Mean loss over ``eval_batches`` validation windows; the same windows every time (fixed seed)."""
-    model.eval()
+def evaluation_windows(data: TextData, config: TrainConfig) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``eval_batches`` batches of ``batch_size`` validation windows (inputs, targets) :func:`evaluate` scores:
+    the same every time, drawn from one stream seeded by ``seed`` (so 4 batches of 8 are 1 batch of 32's windows)."""
     windows = torch.Generator().manual_seed(config.seed + 1)
-    losses = []
     for _ in range(config.eval_batches):
-        inputs, targets = data.batch("val", config.batch_size, config.seq_len, windows)
-        losses.append(model(inputs.to(config.device), targets.to(config.device))[1].item())
+        yield data.batch("val", config.batch_size, config.seq_len, windows)
+
+
+def evaluate(model: GatedTransformerLM, data: TextData, config: TrainConfig) -> float:
+    """Mean loss over the validation windows of :func:`evaluation_windows` (equal batches: the plain mean)."""
+    model.eval()
+    losses = [model(inputs.to(config.device), targets.to(config.device))[1].item()
+              for inputs, targets in evaluation_windows(data, config)]
     model.train()
     return sum(losses) / len(losses)
 
