@@ -38,6 +38,11 @@ class NoAliveExpertsError(RuntimeError):
     """Some rows got no answer from any expert (and ``allow_zero_outputs`` is off)."""
 
 
+class TooFewGradients(RuntimeError):
+    """A backward left some rows with fewer expert gradients than ``backward_k_min`` (see
+    :class:`~dmoe.client.moe.RemoteMixtureOfExperts`)."""
+
+
 @dataclass
 class MoEStats:
     """Cumulative counters; the trainer shows ``experts_dropped / experts_chosen`` over an interval."""

@@ -17,7 +17,7 @@ import torch
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
 from dmoe.client.failures import MAX_ABS_VALUE, MAX_CHUNKS, UNCHECKED, CallPolicy, malformed, refusal, wait_for_experts
-from dmoe.client.gating import MixtureBase
+from dmoe.client.gating import MixtureBase, TooFewGradients
 from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
                                        loss_scale, new_activation_id)
 from dmoe.timing import NO_LAPS, Laps, NoLaps
@@ -292,7 +292,7 @@ class _RemoteExperts(torch.autograd.Function):
         # answers is not failed again here, or every run with k_min < backward_k_min would stop at a dead server
         short = got < np.minimum(wanted, policy.backward_k_min)
         if bool(short.any()):
-            raise RuntimeError(
+            raise TooFewGradients(
                 f"{int(short.sum())} rows got fewer than backward_k_min={policy.backward_k_min} expert gradients "
                 f"in {policy.layer_name!r}"
             )
