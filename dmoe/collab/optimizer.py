@@ -151,6 +151,12 @@ class CollaborativeOptimizer:
             raise ValueError("the optimizer has no parameters")
         #: guards the parameters and the optimizer state: steps, downloads and snapshots for joiners
         self.lock = threading.RLock()
+        #: True from the first change a step or a downloaded state makes to the parameters, the optimizer state or
+        #: :attr:`local_step` until its last; it stays True when an exception (a second Ctrl-C) cut that short, and
+        #: they then hold parts of two steps. Most of :meth:`step` is waiting (for reports, for the partners, for
+        #: the all-reduce), which changes none of them: a trainer interrupted there still holds a complete step, and
+        #: can save it (review 90)
+        self.updating = False
         self.local_step = int(step)
         self.lineage = parameters_lineage(self.parameters)
         self._left_lineage: str | None = None  # the lineage of the step before (None: it came downloaded)
@@ -377,6 +383,7 @@ class CollaborativeOptimizer:
         companions), :meth:`_await_finishing` waits for them."""
         partners = partners | self.tracker.companions()  # read before the step moves this trainer's record on
         with self.lock, torch.no_grad():
+            self.updating = True
             for p, accumulator in zip(self.parameters, self._accumulators):
                 p.grad = accumulator.to(p.dtype, copy=True)
             if self.config.grad_clip:
@@ -386,6 +393,7 @@ class CollaborativeOptimizer:
             self.local_step += 1
             self._left_lineage, self._left_partners = self.lineage, partners
             self.lineage, self.group_size = lineage, group_size
+            self.updating = False
         self.steps_applied += 1
         self._reset()
 
@@ -414,10 +422,16 @@ class CollaborativeOptimizer:
                                         check_head=check, parameters=self.parameters)
             check(downloaded.step, downloaded.lineage)
             with self.lock:
-                load_state(downloaded, self.parameters, self.opt)
+                self.updating = True
+                try:
+                    load_state(downloaded, self.parameters, self.opt)
+                except Exception:  # refused before anything was written (a KeyboardInterrupt leaves it True)
+                    self.updating = False
+                    raise
                 self.local_step, self.lineage, self._left_lineage = downloaded.step, downloaded.lineage, None
                 self._left_partners = frozenset()
                 self.group_size = downloaded.group_size
+                self.updating = False
         except _BeyondLimit as error:  # it stepped on since its record was read: honest, and ahead of this trainer
             logger.info("no state downloaded from trainer %s: %s", peer_id, error)
             self._ban_if_slow(claimed.endpoint, started)
