@@ -20,10 +20,12 @@ from typing import Callable
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, parse_given
 from dmoe.cli.signals import InterruptingSignals
+from dmoe.client.gating import NoAliveExpertsError, TooFewGradients
 from dmoe.collab.progress import RecordTooLong
 from dmoe.endpoints import PortUnavailable
 from dmoe.trainer.data import DataError, DownloadError
-from dmoe.trainer.loop import CheckpointInUse, CorruptCheckpoint, Diverged, ResumeMismatch, TrainConfig, train
+from dmoe.trainer.loop import (CheckpointInUse, CorruptCheckpoint, Diverged, ExpertsFailed, ResumeMismatch, TrainConfig,
+                             train)
 
 
 EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
@@ -120,16 +122,18 @@ def port_error(error: PortUnavailable) -> str | None:
 
 #: what ends a training with a one-line message, no traceback (here and in dmoe-demo, which missed some: review 82):
 #: no corpus (or one too short), no DHT peer, a checkpoint of another model, damaged or in use by another trainer, a
-#: state endpoint too long to publish, or a run that diverged
+#: state endpoint too long to publish, a run that diverged, or experts that failed as --no-allow-zero-outputs or
+#: --backward-k-min ask (the loop saved the last complete step and names the flag: review 90)
 TRAINING_ERRORS = (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,
-                   Diverged)
+                   Diverged, ExpertsFailed, NoAliveExpertsError, TooFewGradients)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Exits 0 when the run ended, 130 when a stop signal (Ctrl-C, SIGTERM, SIGHUP; or the death of the program
     that launched it, see :func:`dmoe.cli.signals.orphaned`) ended it early (after saving the checkpoint, which
     ``--resume`` continues): a scheduler must not take a stopped run for a finished one; 1 when it diverged (the
-    loss stayed NaN or infinite; the last good checkpoint is kept)."""
+    loss stayed NaN or infinite; the last good checkpoint is kept) or failed (an error in a step, a closed output
+    aside: the last complete step is saved first, unless the error cut its update)."""
     keep_freed_memory()
     config = parse_config(argv)
     stepped: list[int] = []  # (steps taken: a stop signal after them came while the trainer closed)

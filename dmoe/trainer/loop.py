@@ -26,6 +26,7 @@ import dataclasses
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from dmoe.experts import expert_class_names
 from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import OPTIMIZERS, all_finite
 from dmoe.server.checkpoints import _fsync_directory as fsync_directory
-from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
+from dmoe.server.in_process import ExpertOptimizerConfig, InProcessExpert, in_process_experts
 from dmoe.server.server import check_device
 from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
 from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
@@ -281,7 +282,9 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
     data = TextData.from_file(config.data or shakespeare(config.data_dir), config.val_fraction, config.seq_len + 1)
     if config.data_shards > 1:
         data = data.shard(config.data_shard, config.data_shards, config.seq_len + 1)
-    with contextlib.ExitStack() as resources:  # closes the DHT node, remote layers and collaboration, also on Ctrl-C
+    # a failed write to stdout or stderr (a closed terminal or pipe) drops the output instead of ending the run
+    with unread_output_dropped(), contextlib.ExitStack() as resources:  # closes the DHT node, remote layers and
+        # collaboration, also on Ctrl-C
         lock = lock_checkpoint(checkpoint_path)  # before reading it: another trainer's save could replace it
         if lock is not None:
             resources.callback(lock.close)
@@ -328,28 +331,76 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         # until its step is counted: a checkpoint written in between would be labelled with one step and hold part
         # of the next, so none is. Remote experts step on their servers, in their checkpoints: the first change to
         # this one is the optimizer's step, and a second Ctrl-C in a remote backward (most of a step's time) threw
-        # away every complete step since the last checkpoint (review 82)
+        # away every complete step since the last checkpoint (review 82). A collaboration's step is mostly waiting:
+        # only its update counts (CollaborativeOptimizer.updating, review 90)
         half_done = False
         experts_step_in_backward = config.experts == "local"
         saving = cut_save = False  # a periodic checkpoint's write in progress; one cut short by a second signal
         validation_due = checkpoint_due = False  # an interval's, at a step that was skipped
         nonfinite = 0  # steps skipped in a row for a loss or gradient that is not finite
 
-        def save() -> None:
+        def save() -> bool:
+            """Writes the checkpoint of ``step``; False (with a warning) where a weight is not finite, the client's
+            or an in-process expert's (theirs are no parameters of the model: review 90)."""
             nonlocal saved
-            if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-                tqdm.write(f"warning: the model's weights are not finite at step {step}: the checkpoint is left as it "
-                           "was (" + (f"step {saved}" if saved is not None else "none written") + ")")
-                return
+            if not weights_finite(model):
+                tqdm.write(f"warning: the model's weights are not finite at step {step}: {left_as_it_was()}")
+                return False
             save_checkpoint(checkpoint_path, model, optimizer, config,
                             Progress(step, history, time.monotonic() - origin, minibatch), rng)
             saved = step
+            return True
+
+        def left_as_it_was() -> str:
+            return "the checkpoint is left as it was (" + (f"step {saved}" if saved is not None else "none written") \
+                + ")"
+
+        def save_to_the_end() -> bool:
+            """save() that a first stop signal does not cut (it marks the run stopped); a second one abandons the
+            write, leaving the file as it was. False then."""
+            nonlocal interrupted
+            with DeferredInterrupt(SAVE_NOTICE) as during:
+                try:
+                    save()
+                except KeyboardInterrupt:
+                    tqdm.write(f"interrupted while saving step {step}: {left_as_it_was()}")
+                    interrupted = True
+                    return False
+            interrupted = interrupted or during.requested
+            return True
+
+        def stopped_unsaved(why: str) -> dict:
+            tqdm.write(f"{why}: {left_as_it_was()}")
+            plot_path = plot_losses(history, out_dir / "loss.png")
+            return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
+                    "history": history, "interrupted": True, "checkpoint": checkpoint_path, "plot": plot_path}
+
+        def fail(error: Exception) -> Exception:
+            """What to raise for ``error`` (not Diverged), which ended the loop or its final validation, once the
+            last complete step is saved, unless ``error`` cut a step's update or the checkpoint's write (review 90:
+            a mixture layer's error, an out-of-memory... ended the run with every step since the last checkpoint
+            lost)."""
+            if saving:
+                said = f"while saving step {step}: {left_as_it_was()}"
+            elif half_done or (collab is not None and collab.updating):
+                said = f"in the middle of step {step + 1}: {left_as_it_was()}"
+            elif saved == step or (save_to_the_end() and saved == step):
+                said = f"after step {step}: the checkpoint holds step {step} (--resume goes on from there)"
+            else:  # (not finite: save() said so)
+                said = None
+            failed = experts_failed(error, step, saved)
+            if failed is None and said is not None:  # (its message says where the checkpoint is)
+                tqdm.write(f"{type(error).__name__} {said}")
+            return failed or error
 
         # SIGTERM and SIGHUP are stops as Ctrl-C is: the loop defers them to the end of its step, a checkpoint's
         # write to its end, and anything else ends at once (KeyboardInterrupt)
         with InterruptingSignals():
             bar = tqdm(total=config.steps, initial=step, unit="step", dynamic_ncols=True)
+            # deferred until the last checkpoint's write has begun, not only in the loop: a first signal that landed
+            # while the bar closed, before the save, ended the run unsaved (review 90)
             with DeferredInterrupt(STOP_NOTICE) as stop:  # a first Ctrl-C/SIGTERM/SIGHUP ends the step, then stops
+                failure: Exception | None = None
                 try:
                     if step == 0:
                         report_validation(model, data, config, step, history, origin)
@@ -385,9 +436,8 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                                        f"({nonfinite} in a row)")
                             if nonfinite >= MAX_NONFINITE_STEPS:
                                 raise Diverged(f"the loss or its gradient was not finite for {nonfinite} steps in a "
-                                               f"row (to step {step + 1}): the run diverged; the checkpoint is left as "
-                                               "it was (" + (f"step {saved}" if saved is not None else "none written")
-                                               + "); resume with a lower --lr or --expert-lr")
+                                               f"row (to step {step + 1}): the run diverged; {left_as_it_was()}; "
+                                               "resume with a lower --lr or --expert-lr")
                             rng = rng_state(config.device)
                             half_done = False
                             if collab is not None:
@@ -402,14 +452,27 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                             checkpoint_due |= crossed(step - 1, step, config.checkpoint_interval)
                             continue
                         nonfinite = 0
-                        half_done = True
-                        for group in optimizer.param_groups:  # (set here: a step abandoned before changes nothing)
+                        for group in optimizer.param_groups:  # (a step abandoned before changes nothing)
                             group["lr"] = learning_rate(step, config)
                         if collab is None:  # (clipped above, with --grad-clip)
+                            half_done = True
                             optimizer.step()
                             new_step = step + 1
                         else:  # clipping and the step happen on the collaboration's averaged gradient
-                            collab.step(inputs.shape[0])
+                            try:
+                                collab.step(inputs.shape[0])
+                            except BaseException:
+                                # most of collab.step waits (for reports, partners, the all-reduce), which changes
+                                # nothing: only a cut update is half a step (review 90: a second signal in the wait
+                                # left the checkpoint steps behind). An update done before the wait is counted
+                                half_done = half_done or collab.updating
+                                if not half_done and collab.local_step != step:
+                                    history["train"].append((collab.local_step, loss.item()))
+                                    step, minibatch = collab.local_step, minibatch + 1
+                                    rng = rng_state(config.device)
+                                    if on_step is not None:
+                                        on_step(step, model)
+                                raise
                             new_step = collab.local_step
                         history["train"].append((new_step, loss.item()))
                         previous, step, minibatch = step, new_step, minibatch + 1
@@ -438,87 +501,70 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                     interrupted = True
                     if saving:  # it cut a checkpoint's write: stop as a cut final write does, without writing again
                         cut_save = True
-                except BrokenPipeError:  # the output's reader is gone: only a stop if the launcher died
-                    if not orphaned():
-                        raise
-                    silence_output()
-                    interrupted = True
-                except Diverged:
+                except Exception as error:  # (Diverged too) handled once the bar is closed
+                    failure = error
+                try:
                     bar.close()
-                    raise
-            interrupted = interrupted or stop.requested
-            bar.close()
-            # ---- the end: checkpoint, final validation, curve, sample ----
-            if cut_save:  # the second signal meant "stop at once": not the same write again and a validation (review 82)
-                tqdm.write(f"interrupted while saving step {step}: the checkpoint is left as it was ("
-                           + (f"step {saved}" if saved is not None else "none written") + ")")
-                plot_path = plot_losses(history, out_dir / "loss.png")
-                return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
-                        "history": history, "interrupted": True, "checkpoint": checkpoint_path, "plot": plot_path}
-            if half_done:
-                tqdm.write(f"interrupted in the middle of step {step + 1}: the checkpoint is left as it was ("
-                           + (f"step {saved}" if saved is not None else "none written") + ")")
-                plot_path = plot_losses(history, out_dir / "loss.png")
-                return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
-                        "history": history, "interrupted": True, "checkpoint": checkpoint_path, "plot": plot_path}
-
-            def save_to_the_end() -> bool:
-                """save() that a first stop signal does not cut (it marks the run stopped); a second one abandons the
-                write, leaving the file as it was. False then."""
-                nonlocal interrupted
-                with DeferredInterrupt(SAVE_NOTICE) as during:
-                    try:
-                        save()
-                    except KeyboardInterrupt:
-                        tqdm.write(f"interrupted while saving step {step}: the checkpoint is left as it was ("
-                                   + (f"step {saved}" if saved is not None else "none written") + ")")
-                        interrupted = True
-                        return False
-                interrupted = interrupted or during.requested
-                return True
-
-            # from here a stop signal cuts short what is left (the final validation, the wait for the other
-            # trainers, the sample), except a checkpoint's write
-            val_loss, plot_path = math.nan, out_dir / "loss.png"
-            try:
-                if interrupted:  # save before anything else, in case a second Ctrl-C follows
-                    tqdm.write(f"interrupted at step {step}: saving the checkpoint and the loss curve")
-                    if not save_to_the_end():
-                        plot_path = plot_losses(history, plot_path)
+                except KeyboardInterrupt:  # a second signal: what it cuts is the bar's last drawing
+                    interrupted = True
+                interrupted = interrupted or stop.requested
+                if isinstance(failure, Diverged):  # its checkpoint stays the last good one
+                    raise failure
+                if failure is not None:
+                    raise fail(failure)
+                # ---- the end: checkpoint, final validation, curve, sample ----
+                if cut_save:  # the second signal meant "stop at once": not the same write again and a validation
+                    return stopped_unsaved(f"interrupted while saving step {step}")  # (review 82)
+                if half_done:
+                    return stopped_unsaved(f"interrupted in the middle of step {step + 1}")
+                if interrupted:  # saved before anything is written (nobody may read it: review 90), in case a second
+                    if not save_to_the_end():  # Ctrl-C follows
+                        plot_path = plot_losses(history, out_dir / "loss.png")
                         return {"final_val_loss": math.nan, "final_val_perplexity": math.nan, "step": step,
                                 "history": history, "interrupted": True, "checkpoint": checkpoint_path,
                                 "plot": plot_path}
+                    tqdm.write(f"interrupted at step {step}" + (": checkpoint written" if saved == step else ""))
+
+                # from here a stop signal cuts short what is left (the final validation, the wait for the other
+                # trainers, the sample), except a checkpoint's write; between those, the loop's deferral takes it
+                val_loss, plot_path, cut_after = math.nan, out_dir / "loss.png", False
                 try:
-                    if collab is not None and not interrupted:
-                        # no trainer still training the experts, and one model at the last step (a trainer whose last
-                        # averaging failed takes the canonical one here): every trainer then validates the same model
-                        if not collab.finish():
-                            tqdm.write(f"collaboration {config.collaborate!r}: the other trainers did not all reach "
-                                       f"step {step} on this trainer's model in time; this model may differ from "
-                                       f"theirs (see the warning above)")
-                        tqdm.write(f"collaboration {config.collaborate!r}: {collab.steps_applied} steps applied "
-                                   f"here, {collab.steps_downloaded} states downloaded")
-                    if not history["val"] or history["val"][-1][0] != step:
-                        report_validation(model, data, config, step, history, origin)
-                    val_loss = history["val"][-1][1]
+                    with InterruptingSignals():
+                        if collab is not None and not interrupted:
+                            # no trainer still training the experts, and one model at the last step (a trainer whose
+                            # last averaging failed takes the canonical one here): every trainer then validates the
+                            # same model
+                            if not collab.finish():
+                                tqdm.write(f"collaboration {config.collaborate!r}: the other trainers did not all "
+                                           f"reach step {step} on this trainer's model in time; this model may differ "
+                                           f"from theirs (see the warning above)")
+                            tqdm.write(f"collaboration {config.collaborate!r}: {collab.steps_applied} steps applied "
+                                       f"here, {collab.steps_downloaded} states downloaded")
+                        if not history["val"] or history["val"][-1][0] != step:
+                            report_validation(model, data, config, step, history, origin)
+                        val_loss = history["val"][-1][1]
                 except KeyboardInterrupt:
-                    if not interrupted:
-                        tqdm.write(f"interrupted at step {step}, after the training: saving the checkpoint")
+                    if collab is not None and collab.updating:  # in finish(), taking another trainer's state
+                        return stopped_unsaved(f"interrupted while taking the collaboration's state at step {step}")
+                    cut_after, interrupted = not interrupted, True
+                except Exception as error:  # the final validation's mixture layer, say
+                    raise fail(error)
+                if save_to_the_end() and cut_after:
+                    tqdm.write(f"interrupted at step {step}, after the training"
+                               + (": checkpoint written" if saved == step else ""))
+                try:
+                    with InterruptingSignals():
+                        plot_path = plot_losses(history, plot_path)
+                        interrupted = interrupted or stop.requested
+                        print(f"final validation loss {val_loss:.3f} perplexity {perplexity(val_loss):.2f} "
+                              f"(step {step}, {(time.monotonic() - origin) / 60:.1f} min)")
+                        print(f"loss curve: {plot_path}; checkpoint: {checkpoint_path}"
+                              + ("; resume with --resume" if interrupted else ""))
+                        if config.sample_bytes and not interrupted:
+                            print("sample:\n" + sample(model, config))
+                except KeyboardInterrupt:  # after the checkpoint: the curve or the sample cut short
                     interrupted = True
-                save_to_the_end()
-                plot_path = plot_losses(history, plot_path)
-                print(f"final validation loss {val_loss:.3f} perplexity {perplexity(val_loss):.2f} "
-                      f"(step {step}, {(time.monotonic() - origin) / 60:.1f} min)")
-                print(f"loss curve: {plot_path}; checkpoint: {checkpoint_path}"
-                      + ("; resume with --resume" if interrupted else ""))
-                if config.sample_bytes and not interrupted:
-                    print("sample:\n" + sample(model, config))
-            except KeyboardInterrupt:  # after the checkpoint: the curve or the sample cut short
-                interrupted = True
-            except BrokenPipeError:
-                if not orphaned():
-                    raise
-                interrupted = True
+            interrupted = interrupted or stop.requested
     return {"final_val_loss": val_loss, "final_val_perplexity": perplexity(val_loss), "step": step,
             "history": history, "interrupted": interrupted, "checkpoint": checkpoint_path, "plot": plot_path}
 
@@ -531,14 +577,99 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
-def silence_output() -> None:
-    """Points stdout and stderr at /dev/null: once the launcher is gone, nobody reads them, and a write to the
-    pipe it held would raise BrokenPipeError in the middle of saving."""
+def silence_output(fds: Sequence[int] = (1, 2)) -> None:
+    """Points stdout and stderr (the descriptors ``fds``) at /dev/null: once the launcher is gone, nobody reads
+    them, and a write to the pipe it held would raise BrokenPipeError in the middle of saving."""
     with contextlib.suppress(OSError):
         null = os.open(os.devnull, os.O_WRONLY)
-        for fd in (1, 2):
+        for fd in fds:
             os.dup2(null, fd)
         os.close(null)
+
+
+class UnreadDropped:
+    """``sys.stdout`` or ``sys.stderr`` while :func:`train` runs: a write or flush to it that fails (OSError: EPIPE
+    of a pipe whose reader is gone, as ``| head -1`` or a ``| tee`` stopped by the same Ctrl-C leave it; EIO of a
+    terminal that hung up) means that nobody reads it any more. Its descriptor is then pointed at /dev/null and
+    nothing more is written to it, and the run goes on: the error ended ``dmoe-train`` (status 1) with nothing
+    saved, also while it stopped on the SIGHUP of a closed terminal to save (review 90)."""
+
+    def __init__(self, stream):
+        self.stream, self.unread = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.unread:
+            try:
+                return self.stream.write(text)
+            except OSError:
+                self._unread()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.unread:
+            try:
+                self.stream.flush()
+            except OSError:
+                self._unread()
+
+    def _unread(self) -> None:
+        self.unread = True
+        with contextlib.suppress(OSError, ValueError):  # (a stream of no descriptor: a test's capture)
+            silence_output((self.stream.fileno(),))
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def unread_output_dropped():
+    """Puts :class:`UnreadDropped` in front of ``sys.stdout`` and ``sys.stderr``, and gives them back at the end."""
+    streams = sys.stdout, sys.stderr
+    guards = tuple(None if stream is None else UnreadDropped(stream) for stream in streams)
+    sys.stdout, sys.stderr = (guard or stream for guard, stream in zip(guards, streams))
+    try:
+        yield
+    finally:
+        if sys.stdout is guards[0]:
+            sys.stdout = streams[0]
+        if sys.stderr is guards[1]:
+            sys.stderr = streams[1]
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every weight a checkpoint of ``model`` holds is finite: its parameters, and those of its in-process
+    experts, which are no parameters of the model (:class:`~dmoe.server.in_process.InProcessExpert`): one of them
+    gone infinite by an update of finite gradients was kept as "the last good checkpoint" (review 90)."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        if isinstance(module, InProcessExpert):
+            tensors.extend(module.backend.module.parameters())
+    with torch.no_grad():
+        return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class ExpertsFailed(RuntimeError):
+    """A step's mixture layer raised as ``--no-allow-zero-outputs`` or ``--backward-k-min`` ask: the message names
+    the flag, and what the checkpoint holds (the last complete step, saved before)."""
+
+
+def experts_failed(error: BaseException, step: int, saved: int | None) -> ExpertsFailed | None:
+    """``error`` as :class:`ExpertsFailed` when a flag made a mixture layer raise it; None for any other error."""
+    if "dmoe.client" not in sys.modules:  # (the only source of these errors: imported when a layer was)
+        return None
+    from dmoe.client.gating import NoAliveExpertsError, TooFewGradients
+
+    if isinstance(error, NoAliveExpertsError):
+        why = str(error).replace("pass allow_zero_outputs=True to use zeros", "--allow-zero-outputs uses zeros")
+        flag = "--no-allow-zero-outputs"
+    elif isinstance(error, TooFewGradients):
+        why, flag = str(error).replace("backward_k_min=", "--backward-k-min "), "--backward-k-min"
+    else:
+        return None
+    failed = ExpertsFailed(f"the experts failed after step {step} ({flag}): {why}; "
+                           + (f"the checkpoint holds step {saved}" if saved is not None else "no checkpoint written"))
+    failed.__cause__ = error
+    return failed
 
 
 def crossed(previous: int, step: int, interval: int) -> bool:
