@@ -45,7 +45,8 @@ from tqdm import tqdm
 from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import ConfigError, read_toml
 from dmoe.cli.signals import InterruptingSignals
-from dmoe.cli.train import TRAINING_ERRORS, build_parser, parse_config, port_error
+from dmoe.cli.train import (EXPERT_FLAGS_REACH_SERVERS_ENV, TRAINING_ERRORS, build_parser,
+                            expert_flags_reach_servers, parse_config, port_error)
 from dmoe.endpoints import PortUnavailable
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
 from dmoe.server.checkpoints import FILENAME as EXPERTS_FILE
@@ -62,6 +63,10 @@ FINAL = re.compile(r"final validation loss (\S+) perplexity (\S+) \(step (\d+)")
 EXPERTS_DIR = "experts"  # in --out-dir: server{i}/, the --checkpoint-dir of server i
 SERVER_STOP_SECONDS = 60.0  # a stopping server writes its experts' last checkpoint: not to be cut short
 TRAINER_STOP_SECONDS = 60.0  # a trainer's step in flight may wait out an averaging round with trainers that stop too
+#: the environment of a collaboration's trainers: no bars (the demo shows one), and their --expert-* flags are
+#: accepted as reaching the experts (the demo started its servers with them; plain dmoe-train --experts remote
+#: refuses them)
+TRAINER_ENV = {"TQDM_DISABLE": "1", EXPERT_FLAGS_REACH_SERVERS_ENV: "1"}
 DESCRIPTION = ("Checkpoints: the trainer's in --out-dir, each expert server's in OUT_DIR/experts/server{i} (written "
                "when the demo ends, also on Ctrl-C); --resume resumes both, so the experts go on with the trainer "
                "(give the flags the demo was started with); without it both start afresh. One demo at a time per "
@@ -89,6 +94,7 @@ def demo_settings(trainers: int) -> Callable[[TrainConfig], None]:
     Checked with dmoe-train's default --experts local, --collaborate was always refused."""
     def settle(config: TrainConfig) -> None:
         config.experts, config.initial_peers = "remote", (PENDING_PEER,)
+        config.expert_flags_reach_servers = True  # (its servers start with the --expert-* flags)
         if trainers > 1:
             config.collaborate = config.collaborate or RUN_ID
             config.target_batch_size = config.target_batch_size or trainers * config.batch_size
@@ -162,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         except (DownloadError, OSError) as error:
             print(f"{PROG}: {error}", file=sys.stderr)
             return 1
-        parse_config(trainer_args(0, PENDING_PEER), prog=PROG)  # a flag that does not fit fails here, not later
+        # a flag that does not fit fails here, not later (checked as the trainers check it: TRAINER_ENV)
+        parse_config(trainer_args(0, PENDING_PEER), prog=PROG, settle=expert_flags_reach_servers)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     out_dir = Path(config.out_dir)
@@ -357,7 +364,7 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
     failure: tuple[int, int] | None = None
     with processes() as procs, DHT([initial_peers], client_mode=True) as dht:
         for i in range(trainers):
-            procs.append(Proc(["-m", "dmoe.cli.train", *trainer_args(i, initial_peers)], env={"TQDM_DISABLE": "1"}))
+            procs.append(Proc(["-m", "dmoe.cli.train", *trainer_args(i, initial_peers)], env=TRAINER_ENV))
         target = int(trainer_args(0, initial_peers)[trainer_args(0, initial_peers).index("--target-batch-size") + 1])
         observer = ProgressTracker(dht, run_id, CollaborationConfig(target, refresh_period=1.0))
         bar = tqdm(total=config.steps, unit="step", desc=f"{trainers} trainers", dynamic_ncols=True)

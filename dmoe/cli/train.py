@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from typing import Callable
@@ -87,26 +88,52 @@ COLLABORATION_FLAGS = ("target_batch_size", "averaging_host", "averaging_announc
 #: flags read only by the remote mixture layers (``--experts remote``)
 REMOTE_EXPERT_FLAGS = ("k_min", "forward_timeout", "backward_timeout", "timeout_after_k_min", "backward_k_min",
                        "max_abs_value", "allow_zero_outputs")
+#: flags read only by in-process experts (``--experts local``), or by the servers a program starts with them
+#: (dmoe-demo: :attr:`TrainConfig.expert_flags_reach_servers`)
+LOCAL_EXPERT_FLAGS = ("expert_cls", "expert_optimizer", "expert_lr", "expert_clip_grad_norm")
+#: what a server is started with instead of each of them
+SERVER_FLAGS = {"expert_cls": "--expert-cls", "expert_optimizer": "--optimizer", "expert_lr": "--lr",
+                "expert_clip_grad_norm": "--clip-grad-norm"}
+#: set in the environment of a dmoe-train process whose remote experts' servers were started with its --expert-*
+#: flags (dmoe-demo's collaborating trainers): those flags then do something, and are accepted
+EXPERT_FLAGS_REACH_SERVERS_ENV = "DMOE_EXPERT_FLAGS_REACH_SERVERS"
+
+
+def flag_name(name: str) -> str:
+    """The flag of a TrainConfig field: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
 
 
 def check_modes(config: TrainConfig, given: frozenset[str]) -> None:
     """Raises ValueError naming a flag that was ``given`` (on the command line or in the config file) and that the
     run would ignore: a collaboration's flag without ``--collaborate``, a remote expert's with ``--experts local``,
-    ``--balance-coef`` without ``--switch``. They were accepted and did nothing (review 72). Given, not set to
-    another value than the default: a program built on these flags (the demo) sets some itself."""
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-
+    ``--balance-coef`` without ``--switch``, an in-process expert's with ``--experts remote`` (unless the program
+    starts the servers with them, :attr:`TrainConfig.expert_flags_reach_servers`: the demo). They were accepted and
+    did nothing (reviews 72, 90). Given, not set to another value than the default: a program built on these flags
+    (the demo) sets some itself."""
     if config.collaborate is None:
         for name in COLLABORATION_FLAGS:
             if name in given:
-                raise ValueError(f"{flag(name)} is only used with --collaborate RUN_ID (this trainer trains alone)")
+                raise ValueError(f"{flag_name(name)} is only used with --collaborate RUN_ID (this trainer trains "
+                                 "alone)")
     if config.experts != "remote":
         for name in REMOTE_EXPERT_FLAGS:
             if name in given:
-                raise ValueError(f"{flag(name)} is only used with --experts remote (these experts are in-process)")
+                raise ValueError(f"{flag_name(name)} is only used with --experts remote (these experts are in-process)")
+    elif not config.expert_flags_take_effect():
+        for name in LOCAL_EXPERT_FLAGS:
+            if name in given:
+                role = "built" if name == "expert_cls" else "trained"
+                raise ValueError(f"{flag_name(name)} is only used with --experts local (remote experts are {role} by "
+                                 f"their servers: dmoe-server's {SERVER_FLAGS[name]} sets that)")
     if "balance_coef" in given and not config.switch:
         raise ValueError("--balance-coef is only used with --switch (the load-balancing loss of Switch gating)")
+
+
+def expert_flags_reach_servers(config: TrainConfig) -> None:
+    """``parse_config``'s ``settle`` for a trainer whose remote experts' servers were started with its --expert-*
+    flags (:data:`EXPERT_FLAGS_REACH_SERVERS_ENV`)."""
+    config.expert_flags_reach_servers = True
 
 
 #: the flag that sets the port of each server a trainer listens with (:attr:`PortUnavailable.service`)
@@ -135,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     loss stayed NaN or infinite; the last good checkpoint is kept) or failed (an error in a step, a closed output
     aside: the last complete step is saved first, unless the error cut its update)."""
     keep_freed_memory()
-    config = parse_config(argv)
+    config = parse_config(argv, settle=expert_flags_reach_servers
+                          if os.environ.get(EXPERT_FLAGS_REACH_SERVERS_ENV) == "1" else None)
     stepped: list[int] = []  # (steps taken: a stop signal after them came while the trainer closed)
     try:
         # SIGTERM and SIGHUP stop it as Ctrl-C does from the start, not only in the loop (which defers them to the

@@ -161,6 +161,16 @@ class TrainConfig:
     device: str = _option("cpu", "torch device of the client's layers")
     threads: int = _option(0, "torch CPU threads (0: torch's default)", non_negative(int))
 
+    #: not a flag: True where the ``--expert-*`` flags reach remote experts too, because the program that runs this
+    #: trainer started their servers with :meth:`expert_server_args` (dmoe-demo). Plain ``dmoe-train --experts
+    #: remote`` refuses those flags, and a resume announces their changes only where they take effect (review 90)
+    expert_flags_reach_servers = False
+
+    def expert_flags_take_effect(self) -> bool:
+        """Whether ``--expert-optimizer``, ``--expert-lr``, ``--expert-clip-grad-norm`` and ``--expert-cls`` train
+        (and build) this run's experts: in-process ones, or the demo's servers'."""
+        return self.experts == "local" or self.expert_flags_reach_servers
+
     def validate(self) -> None:
         """Raises ValueError naming the flag when options do not fit together."""
         for f in dataclasses.fields(self):  # inf or nan would train NaN to the end, or wait for ever
@@ -905,6 +915,9 @@ class CorruptCheckpoint(ValueError):
 CHECKPOINT_KEYS = ("step", "model", "optimizer", "history", "torch_rng", "config")
 #: settings that may change on resume and take effect (each step sets the client's learning rate anyway)
 CHANGEABLE = ("lr", "weight_decay", "expert_lr", "expert_clip_grad_norm", "grad_clip")
+#: of those, the experts' own: they take effect only where the --expert-* flags reach the experts
+#: (:meth:`TrainConfig.expert_flags_take_effect`); a remote trainer said they did, and they changed nothing (review 90)
+EXPERT_SETTINGS = ("expert_lr", "expert_clip_grad_norm")
 
 
 def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progress:
@@ -926,7 +939,9 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progre
     saved = state["config"]
     # the gating too: --switch routes by the router's probability over the whole grid (and adds the balance loss),
     # its gate's weights were learnt for the other routing
-    compared = ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "switch", "experts", "expert_cls")
+    compared = ("seq_len", "hidden", "layers", "heads", "grid", "k_best", "switch", "experts")
+    if config.expert_flags_take_effect():  # (remote experts are what their servers host, whatever this flag was)
+        compared += ("expert_cls",)
     if config.experts == "local":  # the checkpoint holds the in-process experts' optimizer states
         compared += ("expert_optimizer",)
     changed = [f"--{name.replace('_', '-')} was {saved[name]!r}, now {getattr(config, name)!r}"
@@ -941,6 +956,8 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progre
         group["weight_decay"] = config.weight_decay
         group["lr"] = learning_rate(state["step"], config)
     for name in CHANGEABLE:
+        if name in EXPERT_SETTINGS and not config.expert_flags_take_effect():
+            continue  # (a remote trainer's experts train on their servers, by the servers' flags)
         if name in saved and saved[name] != getattr(config, name):
             tqdm.write(f"resuming with --{name.replace('_', '-')} {getattr(config, name)!r} (the checkpoint was "
                        f"trained with {saved[name]!r})")
