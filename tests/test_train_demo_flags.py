@@ -18,7 +18,7 @@ from dmoe.cli import demo
 from dmoe.cli import train as train_program
 from dmoe.cli.train import parse_config
 from dmoe.trainer import loop as trainer
-from dmoe.trainer.loop import Progress, TrainConfig, load_checkpoint, save_checkpoint
+from dmoe.trainer.loop import Progress, TrainConfig, learning_rate, load_checkpoint, save_checkpoint, train
 
 torch.set_num_threads(1)
 REMOTE = ["--experts", "remote", "--initial-peers", "127.0.0.1:5000"]
@@ -143,6 +143,91 @@ def test_a_remote_trainer_resumed_says_nothing_of_the_experts_settings_that_its_
     demo_config.expert_cls = "ffn"
     with pytest.raises(trainer.ResumeMismatch, match="--expert-cls was 'transformer', now 'ffn'"):
         resume(path, demo_config, capsys)
+
+
+# ---- item 11: --checkpoint '', --steps on resume, the data split ----
+
+def test_an_empty_checkpoint_path_is_refused_as_an_empty_data_path_is(tmp_path, capsys):
+    """It meant OUT_DIR/checkpoint.pt, unsaid."""
+    assert usage_error(["--checkpoint", ""], capsys).startswith("dmoe-train: error: --checkpoint must name a file")
+    config_file = tmp_path / "c.toml"
+    config_file.write_text('checkpoint = ""\n')
+    assert "--checkpoint must name a file" in usage_error(["--config", str(config_file)], capsys)
+
+
+def test_a_resume_with_more_steps_says_how_the_learning_rate_moves(text_file, tmp_path, capsys):
+    """A finished 400-step run resumed with --steps 800: the cosine schedule is stretched, and the rate jumped 6x
+    without a word."""
+    path = checkpoint(tmp_path, settings(text_file, tmp_path, steps=400), 400)
+    _, said = resume(path, settings(text_file, tmp_path, steps=800), capsys)
+    before = learning_rate(400, settings(text_file, tmp_path, steps=400))
+    after = learning_rate(400, settings(text_file, tmp_path, steps=800))
+    assert after > 5 * before
+    assert (f"resuming with --steps 800 (the checkpoint was trained with 400): the learning rate goes from "
+            f"{before:.3g} to {after:.3g} at step 401 (warm-up and cosine decay now span 800 steps)") in said, said
+    _, said = resume(path, settings(text_file, tmp_path, steps=400), capsys)  # the same: nothing said
+    assert not [line for line in said if "learning rate" in line]
+    _, said = resume(path, settings(text_file, tmp_path, steps=300), capsys)  # no step left: no rate to speak of
+    assert not [line for line in said if "learning rate" in line]
+
+
+def test_a_resume_on_another_split_of_the_text_says_so(text_file, tmp_path, capsys):
+    """--data, --val-fraction and --data-shard(s) were neither compared nor announced: a larger --val-fraction
+    validated on text the checkpoint was trained on."""
+    path = checkpoint(tmp_path, settings(text_file, tmp_path), 2)
+    _, said = resume(path, settings(text_file, tmp_path, val_fraction=0.3), capsys)
+    assert ("resuming with --val-fraction 0.3 (the checkpoint was trained with 0.05): the validation tail now holds "
+            "text the checkpoint was trained on") in said
+    _, said = resume(path, settings(text_file, tmp_path, data_shard=1, data_shards=2), capsys)
+    assert "resuming with --data-shard 1 (the checkpoint was trained with 0)" in said
+    assert "resuming with --data-shards 2 (the checkpoint was trained with 1)" in said
+    other = tmp_path / "other.txt"
+    other.write_text(text_file.read_text())
+    _, said = resume(path, settings(other, tmp_path), capsys)
+    assert f"resuming on another text: {other.resolve()} (the checkpoint was trained on {text_file.resolve()})" in said
+    saved_with_other = checkpoint(tmp_path / "other", settings(other, tmp_path), 2)
+    other.write_text(text_file.read_text() + "more\n")
+    _, said = resume(saved_with_other, settings(other, tmp_path), capsys)
+    assert any(line.startswith(f"resuming on {other.resolve()}, which changed since the checkpoint") for line in said)
+    _, said = resume(path, settings(text_file, tmp_path), capsys)  # the same split: nothing said
+    assert said == [f"resumed from {path} at step 2"]
+
+
+def test_a_checkpoint_written_before_the_text_was_recorded_still_resumes(text_file, tmp_path, capsys):
+    path = checkpoint(tmp_path, settings(text_file, tmp_path), 2, drop=("text",))
+    progress, said = resume(path, settings(text_file, tmp_path), capsys)
+    assert progress.step == 2 and said == [f"resumed from {path} at step 2"]
+    _, said = resume(path, settings(text_file, tmp_path, val_fraction=0.3), capsys)  # (compared by its flags)
+    assert any(line.startswith("resuming with --val-fraction 0.3") for line in said)
+
+
+class StandInMixture(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.ffn = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return x + self.ffn(x)
+
+
+def test_a_finished_run_resumed_with_other_validation_flags_is_validated_again(text_file, tmp_path, capsys):
+    """It reprinted the figure stored at its step, measured on other windows, as the final validation loss."""
+    def run(**overrides):
+        config = TrainConfig(**{**dict(data=str(text_file), out_dir=str(tmp_path / "run"), seq_len=16, hidden=16,
+                                       layers=1, heads=2, grid=(2, 2), k_best=2, batch_size=4, steps=3, warmup_steps=1,
+                                       eval_interval=100, eval_batches=1, checkpoint_interval=1000, sample_bytes=0,
+                                       threads=1), **overrides})
+        return train(config, lambda i: StandInMixture(config.hidden))
+
+    first = run()
+    capsys.readouterr()
+    again = run(resume=True, eval_batches=6)
+    assert "validating step 3 again: --eval-batches changed since the checkpoint's validation" in \
+        capsys.readouterr().out
+    assert again["final_val_loss"] != first["final_val_loss"]
+    assert [step for step, _ in again["history"]["val"]] == [0, 3]  # replaced, not doubled
+    same = run(resume=True, eval_batches=6)  # now validated with these flags: its figure is kept
+    assert same["final_val_loss"] == again["final_val_loss"]
 
 
 if __name__ == "__main__":

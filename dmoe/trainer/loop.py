@@ -47,7 +47,7 @@ from dmoe.server.backend import OPTIMIZERS, all_finite
 from dmoe.server.checkpoints import _fsync_directory as fsync_directory
 from dmoe.server.in_process import ExpertOptimizerConfig, InProcessExpert, in_process_experts
 from dmoe.server.server import check_device
-from dmoe.trainer.data import VOCAB_SIZE, TextData, shakespeare
+from dmoe.trainer.data import SHAKESPEARE_FILE, VOCAB_SIZE, TextData, shakespeare
 from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
 
 
@@ -186,6 +186,8 @@ class TrainConfig:
             raise ValueError(f"--seed must be in 0..{2**32 - 1}, got {self.seed}")
         if self.data == "":
             raise ValueError("--data must name a text file (leave it out for the Shakespeare corpus)")
+        if self.checkpoint == "":  # (it meant the default OUT_DIR/checkpoint.pt, unsaid)
+            raise ValueError("--checkpoint must name a file (leave it out for OUT_DIR/checkpoint.pt)")
         if self.expert_cls not in expert_class_names():
             raise ValueError(f"--expert-cls: unknown class {self.expert_cls!r}; registered: "
                              f"{', '.join(expert_class_names())}")
@@ -885,7 +887,8 @@ def save_checkpoint(path: Path, model, optimizer, config: TrainConfig, progress:
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"step": progress.step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "history": progress.history, "seconds": progress.seconds, "minibatches": progress.minibatches,
-             **(rng_state(config.device) if rng is None else rng), "config": dataclasses.asdict(config)}
+             **(rng_state(config.device) if rng is None else rng), "config": dataclasses.asdict(config),
+             "text": text_record(config)}
     tmp = path.with_name(path.name + ".tmp")
     try:  # fsynced before the rename, as the servers' checkpoints are: a power loss leaves the old file or the new
         with open(tmp, "wb") as file:
@@ -918,6 +921,31 @@ CHANGEABLE = ("lr", "weight_decay", "expert_lr", "expert_clip_grad_norm", "grad_
 #: of those, the experts' own: they take effect only where the --expert-* flags reach the experts
 #: (:meth:`TrainConfig.expert_flags_take_effect`); a remote trainer said they did, and they changed nothing (review 90)
 EXPERT_SETTINGS = ("expert_lr", "expert_clip_grad_norm")
+#: the learning-rate schedule's length: a resume with another reshapes the schedule (the rate jumped 6x, unsaid)
+SCHEDULE = ("steps", "warmup_steps")
+#: which part of the text trains (the validation tail is always the whole held-out tail, see ``TextData.shard``)
+SPLIT = ("val_fraction", "data_shard", "data_shards")
+#: what picks the validation windows, besides the text and --val-fraction: a finished run resumed with others is
+#: validated again, not given its stored figure (measured on other windows) as the final one (review 90)
+VALIDATION = ("val_fraction", "eval_batches", "batch_size", "seed")
+
+
+def text_path(config: TrainConfig | dict) -> Path:
+    """The text file a run of ``config`` (a TrainConfig, or a checkpoint's dict of one) reads: ``--data``, or the
+    Shakespeare corpus cached in ``--data-dir``."""
+    values = dataclasses.asdict(config) if isinstance(config, TrainConfig) else config
+    return Path(values["data"]) if values.get("data") else Path(values.get("data_dir") or "data") / SHAKESPEARE_FILE
+
+
+def text_record(config: TrainConfig) -> dict:
+    """What a checkpoint keeps of the text it was trained on, for a resume to compare: its file (absolute) and
+    size in bytes (None where it cannot be read)."""
+    path = text_path(config)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = None
+    return {"path": str(path.resolve()), "bytes": size}
 
 
 def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progress:
@@ -961,14 +989,75 @@ def load_checkpoint(path: Path, model, optimizer, config: TrainConfig) -> Progre
         if name in saved and saved[name] != getattr(config, name):
             tqdm.write(f"resuming with --{name.replace('_', '-')} {getattr(config, name)!r} (the checkpoint was "
                        f"trained with {saved[name]!r})")
+    announce_schedule(saved, state["step"], config)
+    text_changed = announce_text(state, saved, config)
     torch.set_rng_state(state["torch_rng"].cpu())
     if "cuda_rng" in state and torch.device(config.device).type == "cuda" and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng"].cpu(), torch.device(config.device))
     history = Progress().history
     history.update({name: [tuple(point) for point in points] for name, points in state["history"].items()})
+    forget_stale_validation(history, state["step"], saved, config, text_changed)
     tqdm.write(f"resumed from {path} at step {state['step']}")
     # checkpoints written before these were kept: their time and batches are unknown, so counted from 0
     return Progress(state["step"], history, float(state.get("seconds", 0.0)), int(state.get("minibatches", 0)))
+
+
+def announce_schedule(saved: dict, step: int, config: TrainConfig) -> None:
+    """Says so when a resume with another ``--steps`` or ``--warmup-steps`` (to extend a finished run, say) moves the
+    learning rate: the cosine schedule is stretched over the new length, and the rate jumped (6x for a 400-step run
+    resumed with --steps 800) without a word (review 90). Nothing when no step is left to take."""
+    changed = [name for name in SCHEDULE if name in saved and saved[name] != getattr(config, name)]
+    if not changed or step >= config.steps:
+        return
+    before = learning_rate(step, dataclasses.replace(
+        config, **{name: saved[name] for name in (*SCHEDULE, "lr") if name in saved}))
+    flags = " ".join(f"--{name.replace('_', '-')} {getattr(config, name)}" for name in changed)
+    was = ", ".join(f"{saved[name]}" for name in changed)
+    tqdm.write(f"resuming with {flags} (the checkpoint was trained with {was}): the learning rate goes from "
+               f"{before:.3g} to {learning_rate(step, config):.3g} at step {step + 1} (warm-up and cosine decay now "
+               f"span {config.steps} steps)")
+
+
+def announce_text(state: dict, saved: dict, config: TrainConfig) -> bool:
+    """Says so when a resume trains or validates on other text than the checkpoint's: another file (or the same one
+    changed), another ``--val-fraction`` (a larger one validates on text the checkpoint was trained on), another
+    slice (``--data-shard(s)``): none was compared, nor said (review 90). Whether the text itself differs.
+    Checkpoints written before the file's record was kept are compared by their flags."""
+    record = state.get("text") if isinstance(state.get("text"), dict) else {}
+    now = text_path(config).resolve()
+    then = record.get("path") or str(text_path(saved).resolve())
+    changed = False
+    if then != str(now):
+        tqdm.write(f"resuming on another text: {now} (the checkpoint was trained on {then})")
+        changed = True
+    elif record.get("bytes") is not None:
+        size = text_record(config)["bytes"]
+        if size != record["bytes"]:
+            tqdm.write(f"resuming on {now}, which changed since the checkpoint: {size:,} bytes, it was trained on "
+                       f"{record['bytes']:,}")
+            changed = True
+    for name in SPLIT:
+        if name in saved and saved[name] != getattr(config, name):
+            grown = name == "val_fraction" and not changed and config.val_fraction > saved[name]
+            tqdm.write(f"resuming with --{name.replace('_', '-')} {getattr(config, name)!r} (the checkpoint was "
+                       f"trained with {saved[name]!r})"
+                       + (": the validation tail now holds text the checkpoint was trained on" if grown else ""))
+    return changed
+
+
+def forget_stale_validation(history: dict, step: int, saved: dict, config: TrainConfig, text_changed: bool) -> None:
+    """Drops the checkpoint's last validation figure when it was measured at its own step on other text or windows
+    and no step is left to take: the run's final validation then measures the model again, where it reprinted the
+    stored figure as the final one (review 90). (With steps left, the figure stays on the loss curve: the final
+    validation comes later anyway.)"""
+    changed = [f"--{name.replace('_', '-')}" for name in VALIDATION if name in saved and
+               saved[name] != getattr(config, name)] + (["the text"] if text_changed else [])
+    if not changed or step < config.steps or not history["val"] or history["val"][-1][0] != step:
+        return
+    history["val"].pop()
+    if history.get("val_seconds") and history["val_seconds"][-1][0] == step:
+        history["val_seconds"].pop()
+    tqdm.write(f"validating step {step} again: {', '.join(changed)} changed since the checkpoint's validation")
 
 
 def _as_tuple(value):
