@@ -336,7 +336,7 @@ def test_a_demo_training_in_process_whose_averaging_port_is_taken_names_the_flag
 
     monkeypatch.setattr(demo, "run_swarm", taken)
     assert demo.main(["--out-dir", str(tmp_path), "--collaborate", "r", "--target-batch-size", "8",
-                      "--experts", "remote", "--initial-peers", "127.0.0.1:1", "--averaging-port", "45200"]) == 2
+                      "--averaging-port", "45200"]) == 2  # (--experts, --initial-peers: the demo's, refused)
     assert capsys.readouterr().err.rstrip() == (
         "dmoe-demo: error: argument --averaging-port: the averager could not listen on 127.0.0.1:45200: another "
         "process listens there, or the host is not an address of this machine")

@@ -230,5 +230,30 @@ def test_a_finished_run_resumed_with_other_validation_flags_is_validated_again(t
     assert same["final_val_loss"] == again["final_val_loss"]
 
 
+# ---- item 10: dmoe-demo ----
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--experts", "local"], "--experts"),
+    (["--initial-peers", "10.0.0.1:31337"], "--initial-peers"),
+    (["--trainers", "2", "--data-shard", "1"], "--data-shard"),  # was refused as "must be below --data-shards 1"
+    (["--trainers", "2", "--data-shards", "4"], "--data-shards"),
+    (["--trainers", "2", "--wait-for-trainers", "5"], "--wait-for-trainers"),
+])
+def test_the_demo_refuses_the_dmoe_train_flags_it_sets_itself(flags, refused, text_file, tmp_path, monkeypatch,
+                                                              capsys):
+    """They were accepted and silently overridden."""
+    monkeypatch.setattr(demo, "run_swarm", lambda *args: pytest.fail("the swarm started"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), *flags])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(f"dmoe-demo: error: {refused} is set by dmoe-demo itself"), line
+
+
+def test_the_demo_still_takes_a_slice_of_the_text_for_its_one_trainer(text_file, tmp_path, monkeypatch):
+    config = parsed_demo(monkeypatch, text_file, tmp_path, "--data-shard", "1", "--data-shards", "2")["config"]
+    assert (config.data_shard, config.data_shards) == (1, 2)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

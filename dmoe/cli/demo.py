@@ -10,8 +10,10 @@ prints the validation perplexity and shuts everything down, also on Ctrl-C.
     python -m clients.swarm_demo --trainers 3          # a collaboration: three trainers, one model (DeDLOC)
 
 Every ``dmoe-train`` flag works here too (``--steps``, ``--grid``, ``--data``, ``--collaborate``, ...); ``--experts``
-and ``--initial-peers`` are set by the demo. A ``--config`` file sets dmoe-train's flags, as dmoe-train's does; the
-demo's own flags (``--servers``, ``--server-threads``, ``--trainers``, ``--verbose``) go on the command line. Across machines, the same pieces are three commands:
+and ``--initial-peers`` are set by the demo, and refused if given (with ``--trainers N`` also ``--data-shard``,
+``--data-shards`` and ``--wait-for-trainers``); the ``--expert-*`` flags train its servers' experts. A ``--config``
+file sets dmoe-train's flags, as dmoe-train's does; the demo's own flags (``--servers``, ``--server-threads``,
+``--trainers``, ``--verbose``) go on the command line. Across machines, the same pieces are three commands:
 ``dmoe-dht``, ``dmoe-server --initial-peers ...`` on each volunteer, ``dmoe-train --experts remote --initial-peers ...``;
 and with ``--collaborate RUN_ID --target-batch-size N`` on each volunteer trainer, four.
 
@@ -101,6 +103,16 @@ def demo_settings(trainers: int) -> Callable[[TrainConfig], None]:
     return settle
 
 
+def set_by_demo(trainers: int) -> dict[str, str]:
+    """dmoe-train's flags the demo sets itself, whatever is given (destination -> to what): each one given is
+    refused (``parse_config``'s ``reserved``); they were accepted and silently overridden (review 90)."""
+    flags = {"experts": "remote, the experts of its own servers", "initial_peers": "its own DHT node"}
+    if trainers > 1:
+        flags.update({"data_shard": "trainer i trains on slice i", "data_shards": "--trainers",
+                      "wait_for_trainers": "--trainers"})
+    return flags
+
+
 def check_config_keys(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """Exits naming the key when ``--config`` sets one of the demo's own flags: the file holds dmoe-train's flags
     (the collaboration's trainers read it too), and it was refused as an unknown key of dmoe-train."""
@@ -130,14 +142,12 @@ def help_parser(trainers: int) -> argparse.ArgumentParser:
     parser.prog, parser.description, parser.epilog = PROG, f"{summary} {DESCRIPTION}", None
     parser.set_defaults(**demo_defaults(trainers), **({"collaborate": RUN_ID} if trainers > 1 else {}))
     add_demo_arguments(parser.add_argument_group("the demo's own flags"))
-    set_by_demo = {"experts": "remote, the demo's servers' experts", "initial_peers": "the demo's DHT node"}
+    reserved = set_by_demo(trainers)
     if trainers > 1:
-        set_by_demo.update({"data_shard": "trainer i trains on slice i", "data_shards": "--trainers",
-                            "wait_for_trainers": "--trainers",
-                            "target_batch_size": "--trainers batches of --batch-size, unless given"})
+        reserved["target_batch_size"] = "--trainers batches of --batch-size, unless given"
     for action in parser._actions:
-        if action.dest in set_by_demo:
-            action.help = f"{action.help} [set by the demo: {set_by_demo[action.dest]}]"
+        if action.dest in reserved:
+            action.help = f"{action.help} [set by the demo: {reserved[action.dest]}]"
             action.default = argparse.SUPPRESS  # (what the demo gives is in the help)
         elif action.dest == "out_dir" and trainers > 1:
             action.help = f"{action.help} [trainer i's in OUT_DIR/trainer{{i}}]"
@@ -158,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         demo.error(f"argument --server-threads: must be at least 1, got {args.server_threads}")
     collaborative = args.trainers > 1
     check_config_keys(demo, rest)
-    config = parse_config(rest, defaults=demo_defaults(args.trainers), prog=PROG, settle=demo_settings(args.trainers))
+    config = parse_config(rest, defaults=demo_defaults(args.trainers), prog=PROG, settle=demo_settings(args.trainers),
+                          reserved=set_by_demo(args.trainers))
     if not 1 <= args.servers <= config.grid[0]:
         demo.error(f"argument --servers: must be between 1 and the first grid dimension ({config.grid[0]})")
     if collaborative:

@@ -19,7 +19,7 @@ import typing
 from typing import Callable
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, parse_given
+from dmoe.cli.config import DefaultsHelpFormatter, add_config_argument, command_line_values, parse_given
 from dmoe.cli.signals import InterruptingSignals
 from dmoe.client.gating import NoAliveExpertsError, TooFewGradients
 from dmoe.collab.progress import RecordTooLong
@@ -59,17 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None, defaults: dict | None = None, prog: str | None = None,
-                 settle: Callable[[TrainConfig], None] | None = None) -> TrainConfig:
+                 settle: Callable[[TrainConfig], None] | None = None,
+                 reserved: dict[str, str] | None = None) -> TrainConfig:
     """The flags (and ``--config`` file) as a checked TrainConfig. For a program built on dmoe-train's flags (the
     demo): ``defaults``, its own defaults, which a config file and the command line override, in that order;
     ``prog``, its name in error messages; ``settle(config)``, what it sets itself, applied before the check (the
-    demo's remote experts: a --collaborate checked before them was refused as needing --experts remote)."""
+    demo's remote experts: a --collaborate checked before them was refused as needing --experts remote);
+    ``reserved``, the flags it sets itself whatever is given (destination -> what it sets them to), each refused
+    when given: they were accepted and silently overridden (review 90)."""
     parser = build_parser()
     if prog is not None:
         parser.prog = prog
     if defaults:
         parser.set_defaults(**defaults)
     args, given = parse_given(parser, argv)
+    for name, what in (reserved or {}).items():
+        if name in given:
+            where = "" if name in command_line_values(parser, argv) else " (in the --config file)"
+            parser.error(f"{flag_name(name)}{where} is set by {parser.prog} itself ({what}); leave it out")
     config = TrainConfig(**{name: tuple(v) if isinstance(v, list) else v for name, v in vars(args).items()})
     if settle is not None:
         settle(config)
