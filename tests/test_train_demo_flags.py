@@ -17,6 +17,7 @@ import torch.nn as nn
 from dmoe.cli import demo
 from dmoe.cli import train as train_program
 from dmoe.cli.train import parse_config
+from dmoe.launch import Proc, SwarmConfig
 from dmoe.trainer import loop as trainer
 from dmoe.trainer.loop import Progress, TrainConfig, learning_rate, load_checkpoint, save_checkpoint, train
 
@@ -230,7 +231,7 @@ def test_a_finished_run_resumed_with_other_validation_flags_is_validated_again(t
     assert same["final_val_loss"] == again["final_val_loss"]
 
 
-# ---- item 10: dmoe-demo ----
+# ---- items 10, 9: dmoe-demo ----
 
 @pytest.mark.parametrize("flags, refused", [
     (["--experts", "local"], "--experts"),
@@ -253,6 +254,78 @@ def test_the_demo_refuses_the_dmoe_train_flags_it_sets_itself(flags, refused, te
 def test_the_demo_still_takes_a_slice_of_the_text_for_its_one_trainer(text_file, tmp_path, monkeypatch):
     config = parsed_demo(monkeypatch, text_file, tmp_path, "--data-shard", "1", "--data-shards", "2")["config"]
     assert (config.data_shard, config.data_shards) == (1, 2)
+
+
+def fake_swarm(monkeypatch, start):
+    """LocalSwarm replaced by one whose ``start(self)`` is ``start``."""
+    class FakeSwarm:
+        def __init__(self, config):
+            self.config, self.dht, self.servers, self.server_statuses = config, None, [], []
+            self.initial_peers, self.server_endpoints = "127.0.0.1:1", ["127.0.0.1:2"]
+
+        def start(self):
+            start(self)
+            return self
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def wait_declared(self):
+            pass
+
+    monkeypatch.setattr(demo, "LocalSwarm", FakeSwarm)
+
+
+def test_a_server_that_does_not_start_is_one_line_its_last(tmp_path, monkeypatch, capsys):
+    """The demo printed the server's whole output: 40 lines of usage above its error."""
+    usage = "\n".join(["usage: dmoe-server [-h]"] + [f"   [--flag{i}]" for i in range(40)]
+                      + ["dmoe-server: error: argument --checkpoint-dir: it holds other experts"])
+
+    def start(swarm):
+        swarm.servers.append(Proc(["-c", f"import sys; print({usage!r}); sys.exit(2)"]))
+        swarm.servers[0].wait_for("listening on")
+
+    fake_swarm(monkeypatch, start)
+    config = TrainConfig(experts="remote", initial_peers=("127.0.0.1:1",))
+    swarm_config = SwarmConfig(layers=("ffn0",), grid=(2, 2), n_servers=1, checkpoint_root=tmp_path / "experts")
+    assert demo.run_swarm(swarm_config, config, None, 1) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("dmoe-demo: the swarm did not start: server 0 exited with status 2: dmoe-server: error: "
+                       "argument --checkpoint-dir: it holds other experts (--verbose shows its whole output)"), err
+    assert len(err) == 1 and not (tmp_path / "experts" / demo.SWARM_FILE).exists()
+
+
+def test_a_demo_resumed_with_another_swarm_is_refused_naming_the_flag(text_file, tmp_path, monkeypatch, capsys):
+    """A --resume with another --servers ended in 40 lines of a server's usage naming --checkpoint-dir."""
+    out_dir = tmp_path / "out"
+    fake_swarm(monkeypatch, lambda swarm: None)
+    monkeypatch.setattr(demo, "train", lambda config: {"interrupted": False, "final_val_perplexity": 1.0, "step": 1})
+    flags = ["--data", str(text_file), "--out-dir", str(out_dir), "--grid", "4", "4"]
+    assert demo.main([*flags, "--servers", "2"]) == 0
+    record = json.loads((out_dir / "experts" / demo.SWARM_FILE).read_text())
+    assert record == {"servers": 2, "layers": 2, "grid": [4, 4], "hidden": 128, "expert_cls": "ffn"}
+    for i in range(2):  # what its servers wrote as they stopped
+        (out_dir / "experts" / f"server{i}").mkdir(parents=True)
+        (out_dir / "experts" / f"server{i}" / "experts.pt").write_bytes(b"experts")
+    capsys.readouterr()
+    monkeypatch.setattr(demo, "run_swarm", lambda *args: pytest.fail("the swarm started"))
+    assert demo.main([*flags, "--servers", "1", "--resume"]) == 1
+    assert capsys.readouterr().err == (
+        f"dmoe-demo: --resume: the experts checkpointed in {(out_dir / 'experts').resolve()} were trained by another "
+        "swarm: --servers was 2, now 1 (resume with the flags the demo was started with, or leave out --resume to "
+        "start afresh)\n")
+    assert demo.main([*flags[:-3], "--grid", "4", "2", "--servers", "2", "--resume"]) == 1
+    assert "--grid was 4 4, now 4 2" in capsys.readouterr().err
+    resumed = parsed_demo(monkeypatch, text_file, tmp_path, "--grid", "4", "4", "--servers", "2", "--resume")
+    assert resumed["config"].resume  # the same swarm: resumed
+    (out_dir / "experts" / demo.SWARM_FILE).unlink()  # a demo's directory from before the record: not refused here
+    assert parsed_demo(monkeypatch, text_file, tmp_path, "--grid", "4", "4", "--servers", "1", "--resume")
+    # started afresh: the experts and their swarm's record are forgotten
+    parsed_demo(monkeypatch, text_file, tmp_path, "--grid", "4", "4", "--servers", "1")
+    assert not list((out_dir / "experts").glob("server*/experts.pt"))
 
 
 if __name__ == "__main__":

@@ -27,14 +27,18 @@ before its final validation) stops the others and the demo (status 1), which say
 
 ``--resume`` resumes the whole model: the trainer (or each trainer) from its checkpoint in ``--out-dir``, and the
 experts from their servers' checkpoints, which each server keeps in ``OUT_DIR/experts/server{i}`` and writes when
-the demo ends (also on Ctrl-C). Without ``--resume`` both start afresh. A demo holds its ``--out-dir``: a second one
-given the same directory is refused.
+the demo ends (also on Ctrl-C), beside a record of the swarm that trained them (``swarm.json``: ``--servers``,
+``--layers``, ``--grid``, ``--hidden``, ``--expert-cls``): a ``--resume`` with another is refused, naming the flag.
+Without ``--resume`` both start afresh. A demo holds its ``--out-dir``: a second one given the same directory is
+refused.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import os
 import queue
 import re
 import sys
@@ -69,6 +73,8 @@ TRAINER_STOP_SECONDS = 60.0  # a trainer's step in flight may wait out an averag
 #: accepted as reaching the experts (the demo started its servers with them; plain dmoe-train --experts remote
 #: refuses them)
 TRAINER_ENV = {"TQDM_DISABLE": "1", EXPERT_FLAGS_REACH_SERVERS_ENV: "1"}
+#: in OUT_DIR/experts: the shape of the swarm whose servers checkpointed the experts there (its --servers, --grid, ...)
+SWARM_FILE = "swarm.json"
 DESCRIPTION = ("Checkpoints: the trainer's in --out-dir, each expert server's in OUT_DIR/experts/server{i} (written "
                "when the demo ends, also on Ctrl-C); --resume resumes both, so the experts go on with the trainer "
                "(give the flags the demo was started with); without it both start afresh. One demo at a time per "
@@ -193,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointDirectoryInUse, OSError) as error:
         print(f"{PROG}: --out-dir: {error}", file=sys.stderr)
         return 1
-    if config.resume:
-        warn_of_missing_experts(out_dir, experts_root, args.servers)
     swarm_config = SwarmConfig(
         layers=tuple(f"ffn{i}" for i in range(config.layers)), grid=tuple(config.grid), n_servers=args.servers,
         hidden_dim=config.hidden, expert_cls=config.expert_cls, threads_per_server=args.server_threads,
@@ -203,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         server_args=(*config.expert_server_args(), "--refresh-period", "5",
                      "--log-level", "INFO" if args.verbose else "WARNING"),
     )
+    if config.resume:
+        mismatch = swarm_mismatch(experts_root, swarm_shape(swarm_config))
+        if mismatch is not None:
+            print(f"{PROG}: {mismatch}", file=sys.stderr)
+            if run_lock is not None:
+                run_lock.close()
+            return 1
+        warn_of_missing_experts(out_dir, experts_root, args.servers)
     try:
         # SIGTERM and SIGHUP stop the demo as Ctrl-C does (its swarm and trainers stopped, their checkpoints
         # written); by default they killed it where it stood, and its children stopped on their own, unreported
@@ -266,6 +278,7 @@ def forget_experts(root: Path) -> None:
             finally:
                 if lock is not None:
                     lock.close()
+    (root / SWARM_FILE).unlink(missing_ok=True)  # (written again once the new swarm is up)
 
 
 def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trainers: int) -> int:
@@ -278,8 +291,10 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
     try:
         swarm.start()
     except (RuntimeError, TimeoutError) as error:  # e.g. a server whose checkpoint holds other experts
-        print(f"{PROG}: the swarm did not start: {error}", file=sys.stderr)
+        print(f"{PROG}: the swarm did not start: {start_failure(swarm, error)}", file=sys.stderr)
         return 1
+    if swarm_config.checkpoint_root is not None:  # its servers took (or made) the experts' checkpoints there
+        record_swarm(Path(swarm_config.checkpoint_root), swarm_shape(swarm_config))
     try:
         with swarm:
             print(f"swarm up in {time.monotonic() - started:.1f}s: DHT at {swarm.initial_peers}, "
@@ -302,6 +317,64 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
                       f"in {swarm_config.checkpoint_root} may be older than the trainer's; its last lines:\n{last}",
                       file=sys.stderr)
     return 0
+
+
+def start_failure(swarm: LocalSwarm, error: Exception) -> str:
+    """Which program of ``swarm`` did not start, and the last line it printed: its error (the whole output came
+    first, a server's 40 lines of usage, review 90); ``error`` as it is where it names none."""
+    for name, proc in [("its DHT node", swarm.dht), *((f"server {i}", p) for i, p in enumerate(swarm.servers))]:
+        if proc is None or not str(error).startswith(str(proc.args)):
+            continue
+        lines = [line.strip() for line in proc.output if line.strip()]
+        what = "did not start in time" if isinstance(error, TimeoutError) else \
+            f"exited with status {proc.popen.poll()}"
+        return f"{name} {what}: {lines[-1] if lines else '(it printed nothing)'} (--verbose shows its whole output)"
+    return str(error)
+
+
+#: the flag of each entry of a swarm's shape (:func:`swarm_shape`)
+SHAPE_FLAGS = {"servers": "--servers", "layers": "--layers", "grid": "--grid", "hidden": "--hidden",
+               "expert_cls": "--expert-cls"}
+
+
+def swarm_shape(swarm_config: SwarmConfig) -> dict:
+    """What the experts its servers checkpoint depend on: a resume with another finds other experts (or others'
+    slices) in the servers' checkpoints."""
+    return {"servers": swarm_config.n_servers, "layers": len(swarm_config.layers), "grid": list(swarm_config.grid),
+            "hidden": swarm_config.hidden_dim, "expert_cls": swarm_config.expert_cls}
+
+
+def record_swarm(root: Path, shape: dict) -> None:
+    """Writes ``shape`` beside the experts in ``root`` (:data:`SWARM_FILE`), for a ``--resume`` to compare."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (SWARM_FILE + ".tmp")
+    tmp.write_text(json.dumps(shape) + "\n")
+    os.replace(tmp, root / SWARM_FILE)
+
+
+def swarm_mismatch(root: Path, shape: dict) -> str | None:
+    """Why the experts checkpointed in ``root`` cannot be resumed by a swarm of ``shape``, naming the flags that
+    differ from the swarm that checkpointed them; None if they can, or if there are none to resume (or no record
+    of their swarm: a demo before the record was kept). A server then refused its checkpoint with 40 lines of its
+    usage, naming --checkpoint-dir, a flag the user never gave (review 90)."""
+    if not any(root.glob(f"server*/{EXPERTS_FILE}")):
+        return None
+    try:
+        recorded = json.loads((root / SWARM_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(recorded, dict):
+        return None
+    changed = [f"{flag} was {_shown(recorded[key])}, now {_shown(shape[key])}" for key, flag in SHAPE_FLAGS.items()
+               if key in recorded and recorded[key] != shape[key]]
+    if not changed:
+        return None
+    return (f"--resume: the experts checkpointed in {root} were trained by another swarm: {'; '.join(changed)} "
+            "(resume with the flags the demo was started with, or leave out --resume to start afresh)")
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def collaborative_args(rest: list[str], config: TrainConfig, trainers: int):
