@@ -1,4 +1,4 @@
-"""dmoe-train's and dmoe-demo's flags where they do nothing, and what a --resume says (review 90).
+"""dmoe-train's and dmoe-demo's flags where they do nothing, and what a --resume says (review 90, items 4, 9, 10, 11).
 
 Fast: flags are parsed, checkpoints written and read directly (a tiny model, no training) or by two runs of a few
 steps on stand-in mixture layers; the demo is run up to its swarm, which a stand-in replaces. No network.
@@ -231,7 +231,7 @@ def test_a_finished_run_resumed_with_other_validation_flags_is_validated_again(t
     assert same["final_val_loss"] == again["final_val_loss"]
 
 
-# ---- items 10, 9: dmoe-demo ----
+# ---- items 9, 10, 11: dmoe-demo ----
 
 @pytest.mark.parametrize("flags, refused", [
     (["--experts", "local"], "--experts"),
@@ -254,6 +254,17 @@ def test_the_demo_refuses_the_dmoe_train_flags_it_sets_itself(flags, refused, te
 def test_the_demo_still_takes_a_slice_of_the_text_for_its_one_trainer(text_file, tmp_path, monkeypatch):
     config = parsed_demo(monkeypatch, text_file, tmp_path, "--data-shard", "1", "--data-shards", "2")["config"]
     assert (config.data_shard, config.data_shards) == (1, 2)
+
+
+@pytest.mark.parametrize("spelled", [["--conf", "c.toml"], ["--confi=c.toml"], ["--config", "c.toml"],
+                                     ["--config=c.toml"]])
+def test_the_collaboration_s_trainers_get_the_config_file_however_argparse_took_it(spelled, tmp_path, monkeypatch):
+    """--conf (an abbreviation argparse accepts) stayed relative, and the trainers, which run from the repository's
+    root, did not find the file."""
+    monkeypatch.chdir(tmp_path)
+    out = demo.absolute_config(["--data", "c.toml", *spelled, "--steps", "2"])
+    assert out[:2] == ["--data", "c.toml"] and out[-2:] == ["--steps", "2"]
+    assert str(tmp_path / "c.toml") in " ".join(out), out
 
 
 def fake_swarm(monkeypatch, start):

@@ -407,13 +407,28 @@ def collaborative_args(rest: list[str], config: TrainConfig, trainers: int):
 
 
 def absolute_config(argv: list[str]) -> list[str]:
-    """``argv`` with the path of ``--config`` made absolute: the trainers run from the repository's root."""
-    out = list(argv)
-    for i, arg in enumerate(out):
-        if arg == "--config" and i + 1 < len(out):
-            out[i + 1] = str(Path(out[i + 1]).resolve())
-        elif arg.startswith("--config="):
-            out[i] = "--config=" + str(Path(arg.split("=", 1)[1]).resolve())
+    """``argv`` (dmoe-train's flags) with the path of ``--config`` made absolute, however argparse took it:
+    ``--config X``, ``--config=X`` or an abbreviation (``--conf X``, which stayed relative, and the trainers, which
+    run from the repository's root, did not find it: review 90)."""
+    options = build_parser()._option_string_actions
+
+    def dest(name: str) -> str | None:
+        """The destination argparse gives the option ``name`` (one it abbreviates included); None if none."""
+        if name in options:
+            return options[name].dest
+        found = {options[option].dest for option in options if option.startswith(name)}
+        return found.pop() if len(found) == 1 else None
+
+    out, i = list(argv), 0
+    while i < len(out):
+        name, equals, value = out[i].partition("=")
+        if name.startswith("--") and len(name) > 2 and dest(name) == "config":
+            if equals:
+                out[i] = f"{name}={Path(value).resolve()}"
+            elif i + 1 < len(out):
+                out[i + 1] = str(Path(out[i + 1]).resolve())
+                i += 1
+        i += 1
     return out
 
 
