@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from google.protobuf.message import DecodeError
 
 from dmoe.wire import dmoe_pb2
-from dmoe.wire.codec import NONE, GatheredRows, OutgoingTensor, TensorView
+from dmoe.wire.codec import MAX_NDIM, NONE, GatheredRows, OutgoingTensor, TensorView
 
 #: Messages shorter than this are parsed by protobuf: below it, protobuf's copies cost less than walking the fields
 #: in Python. Measured on a 16-item batch request: 1.4x slower in place at 64 KiB, even at 256 KiB, 26x faster at 4 MiB.
@@ -43,6 +43,13 @@ ZERO_COPY_MIN_BYTES = 256 * 1024
 #: (1024) items of 16 tensors of 8 dimensions each costs ~430k; a message of empty items stops at ~116k of them
 #: (~30 MiB of objects, where its 2 bytes each made ~80 times the message's size).
 MAX_FIELDS = 1 << 20
+#: Fields of numbers this version does not know that one message may hold (a newer peer adds a few), and the
+#: dimensions a tensor may have (:data:`~dmoe.wire.codec.MAX_NDIM`, which decoding refuses anyway): either read one at
+#: a time up to the budget, a 1 MiB request of a million dimensions held the server's loop 0.8 s (review 93).
+MAX_UNKNOWN_FIELDS = 64
+#: Tensors one request, answer or batch item may hold (an expert's schema has a few): 100k empty ones in a 1.3 MiB
+#: request cost the loop 0.6 s within the field budget
+MAX_TENSORS = 256
 #: What a nested message costs beyond its field.
 _NESTED_COST = 8
 
@@ -150,15 +157,21 @@ def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
     raise _Unusual("truncated or overlong varint")
 
 
-def _fields(data: bytes, pos: int, end: int, budget: _Budget):
+def _fields(data: bytes, pos: int, end: int, budget: _Budget, known: int):
     """(field number, wire type, value, value's end) of each field in ``data[pos:end]``: a varint's value, or a
-    length-delimited (or fixed-size) field's start (its bytes are ``data[value:value's end]``)."""
+    length-delimited (or fixed-size) field's start (its bytes are ``data[value:value's end]``). Fields numbered above
+    ``known`` (a newer peer's) are skipped by the caller, at most :data:`MAX_UNKNOWN_FIELDS` of them per message."""
+    unknown = 0
     while pos < end:
         budget.take()
         key, pos = _varint(data, pos, end)
         number, wire_type = key >> 3, key & 7
         if not 0 < number <= _MAX_FIELD_NUMBER:
             raise _Unusual(f"field number {number}")
+        if number > known:
+            unknown += 1
+            if unknown > MAX_UNKNOWN_FIELDS:
+                raise _Unusual(f"more than {MAX_UNKNOWN_FIELDS} unknown fields in one message")
         if wire_type == _VARINT:
             value, pos = _varint(data, pos, end)
             yield number, wire_type, value, pos
@@ -193,7 +206,7 @@ def _text(data: bytes, start: int, end: int) -> str:
 
 def _tensor(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> TensorView:
     tensor = TensorView()
-    for number, wire_type, value, stop in _fields(data, pos, end, budget):
+    for number, wire_type, value, stop in _fields(data, pos, end, budget, 7):
         if number == 1 and wire_type == _LEN:
             tensor.buffer = view[value:stop]
         elif number == 2 and wire_type == _LEN:  # packed, as protobuf writes repeated int64
@@ -201,8 +214,12 @@ def _tensor(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) 
                 budget.take()
                 dim, value = _varint(data, value, stop)
                 tensor.shape.append(_int64(dim))
+                if len(tensor.shape) > MAX_NDIM:
+                    raise _Unusual(f"a tensor of more than {MAX_NDIM} dimensions")
         elif number == 2 and wire_type == _VARINT:
             tensor.shape.append(_int64(value))
+            if len(tensor.shape) > MAX_NDIM:
+                raise _Unusual(f"a tensor of more than {MAX_NDIM} dimensions")
         elif number == 3 and wire_type == _LEN:
             tensor.dtype = _text(data, value, stop)
         elif number == 4 and wire_type == _VARINT:
@@ -217,11 +234,13 @@ def _tensor(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) 
 
 def _request(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> RequestView:
     request = RequestView()
-    for number, wire_type, value, stop in _fields(data, pos, end, budget):
+    for number, wire_type, value, stop in _fields(data, pos, end, budget, 4):
         if number == 1 and wire_type == _LEN:
             request.uid = _text(data, value, stop)
         elif number == 2 and wire_type == _LEN:
             budget.take(_NESTED_COST)
+            if len(request.tensors) >= MAX_TENSORS:
+                raise _Unusual(f"more than {MAX_TENSORS} tensors in one message")
             request.tensors.append(_tensor(data, view, value, stop, budget))
         elif number == 3 and wire_type == _VARINT:
             request.response_compression = _int32(value)
@@ -230,12 +249,16 @@ def _request(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget)
     return request
 
 
-def _elements(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget, read) -> list:
-    """The elements of a message whose one field (number 1) is a repeated message, each read by ``read``."""
+def _elements(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget, read,
+              limit: int | None = None) -> list:
+    """The elements of a message whose one field (number 1) is a repeated message, each read by ``read``; at most
+    ``limit`` of them."""
     elements = []
-    for number, wire_type, value, stop in _fields(data, pos, end, budget):
+    for number, wire_type, value, stop in _fields(data, pos, end, budget, 1):
         if number == 1 and wire_type == _LEN:
             budget.take(_NESTED_COST)
+            if limit is not None and len(elements) >= limit:
+                raise _Unusual(f"more than {limit} tensors in one message")
             elements.append(read(data, view, value, stop, budget))
     return elements
 
@@ -245,14 +268,16 @@ def _batch_request(data: bytes, view: memoryview, pos: int, end: int, budget: _B
 
 
 def _response(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> Response:
-    return Response(_elements(data, view, pos, end, budget, _tensor))
+    return Response(_elements(data, view, pos, end, budget, _tensor, MAX_TENSORS))
 
 
 def _result(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> Result:
     result = Result()
-    for number, wire_type, value, stop in _fields(data, pos, end, budget):
+    for number, wire_type, value, stop in _fields(data, pos, end, budget, 3):
         if number == 1 and wire_type == _LEN:
             budget.take(_NESTED_COST)
+            if len(result.tensors) >= MAX_TENSORS:
+                raise _Unusual(f"more than {MAX_TENSORS} tensors in one message")
             result.tensors.append(_tensor(data, view, value, stop, budget))
         elif number == 2 and wire_type == _VARINT:
             result.code = value & 0xFFFFFFFF
