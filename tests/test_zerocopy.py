@@ -347,3 +347,15 @@ def test_a_large_message_of_absurd_dimensions_fields_or_tensors_is_refused_at_th
     within = within.SerializeToString() + b"\x78\x01" * zc.MAX_UNKNOWN_FIELDS
     ours = zc.read_in_place(dmoe_pb2.ExpertRequest, within)
     assert len(ours.tensors) == 16 and ours.tensors[0].shape == [1] * 8
+
+
+@pytest.mark.parametrize("data", [b"\x8a\x80\x80\x80\x80\x00\x01a",        # uid's tag in 6 bytes
+                                  b"\x0a\x81\x80\x80\x80\x80\x00a"])       # its length in 6 bytes
+def test_an_overlong_tag_or_length_is_junk_as_protobuf_says(data):
+    """The reader took tags and lengths written in 6 bytes or more, which protobuf refuses (review 93)."""
+    with pytest.raises(DecodeError):
+        dmoe_pb2.ExpertRequest.FromString(data)
+    with pytest.raises(DecodeError):
+        zc.parse_request(data + b"\x7a" + zc._encode_varint(zc.ZERO_COPY_MIN_BYTES) + bytes(zc.ZERO_COPY_MIN_BYTES))
+    well_formed = b"\x0a\x01a" + b"\x7a" + zc._encode_varint(zc.ZERO_COPY_MIN_BYTES) + bytes(zc.ZERO_COPY_MIN_BYTES)
+    assert zc.parse_request(well_formed).uid == "a"  # read in place, past its unknown field

@@ -164,7 +164,10 @@ def _fields(data: bytes, pos: int, end: int, budget: _Budget, known: int):
     unknown = 0
     while pos < end:
         budget.take()
+        start = pos
         key, pos = _varint(data, pos, end)
+        if pos - start > 5:  # (protobuf reads a tag, and a length, in at most 5 bytes)
+            raise _Unusual("overlong field tag")
         number, wire_type = key >> 3, key & 7
         if not 0 < number <= _MAX_FIELD_NUMBER:
             raise _Unusual(f"field number {number}")
@@ -177,7 +180,10 @@ def _fields(data: bytes, pos: int, end: int, budget: _Budget, known: int):
             yield number, wire_type, value, pos
             continue
         if wire_type == _LEN:
+            start = pos
             length, pos = _varint(data, pos, end)
+            if pos - start > 5 or length >= 1 << 31:
+                raise _Unusual("overlong length")
         elif wire_type in (_I64, _I32):
             length = 8 if wire_type == _I64 else 4
         else:
