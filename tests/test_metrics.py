@@ -257,3 +257,19 @@ def test_steps_replayed_as_cuda_graphs_are_counted_as_the_backend_counts_them():
         metrics.observe_batch(hosted.backward_pool, [], time.monotonic(), 0.0, None)
     assert metrics.optimizer_steps.labels("g.0")._value.get() == backend.updates == 2
     assert metrics.optimizer_steps_skipped.labels("g.0")._value.get() == backend.skipped_steps == 2
+
+
+def test_calls_the_client_gave_up_on_are_counted_as_cancelled_not_as_server_errors():
+    """The layer cancels late experts all the time; their calls were counted with code UNKNOWN, the code of a
+    server's own error, so a healthy swarm showed a steady stream of errors (review 91)."""
+    from dmoe.server.faults import FaultConfig
+
+    config = ServerConfig(device="cpu", metrics_port=0, faults=FaultConfig(latency_ms=400))
+    with ExpertServer.create("late.[0:1]", "ffn", 4, config=config) as server:
+        for _ in range(2):
+            with pytest.raises(RemoteExpertError, match="DEADLINE_EXCEEDED"):
+                forward_future(server.endpoint, "late.0", [torch.randn(2, 4)], timeout=0.05).result(30)
+        samples = scrape_once(server.metrics.endpoint, "dmoe_requests_total", 2.0, expert="late.0",
+                              method="forward", code="CANCELLED")
+        assert value(samples, "dmoe_requests_total", expert="late.0", method="forward", code="CANCELLED") == 2.0
+        assert value(samples, "dmoe_requests_total", expert="late.0", method="forward", code="UNKNOWN") == 0.0
