@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -140,6 +141,16 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         finally:
             self._release_slot(client_machine(client_address[0]))
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed: a client that went away (reset, broken pipe, a scrape that timed out) at DEBUG
+        level, anything else as an error with its traceback, in the log. socketserver printed each to stderr, 31
+        lines a reset whatever the log level (review 91)."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            logger.debug("connection from %s ended: %r", client_address, error)
+        else:
+            logger.error("failed serving a connection from %s", client_address, exc_info=True)
+
     def _refuse(self, request: socket.socket, client: str, reason: str) -> None:
         """Answers 503 without blocking the accepting thread (a fresh socket's send buffer takes it whole), then
         closes: a silent close told a client nothing, and looked like a crash."""
@@ -207,7 +218,8 @@ class QuietHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-        logger.debug("%s %s", self.address_string(), format % args)
+        # escaped as http.server escapes it: a request line may carry a terminal's control sequences (review 91)
+        logger.debug("%s %s", self.address_string(), (format % args).translate(self._control_char_table))
 
 
 class ThrottledPage:

@@ -117,3 +117,24 @@ def test_a_page_asked_for_over_and_over_costs_at_most_its_share_of_the_time():
     assert all(later - earlier >= 0.5 for earlier, later in zip(rendered, rendered[1:]))
     with pytest.raises(ValueError, match="share"):
         ThrottledPage(render, share=0)
+
+
+def test_clients_that_reset_their_connection_write_nothing_to_stderr(capfd):
+    """socketserver printed a 31-line traceback to stderr for each reset connection, whatever the log level: a
+    Prometheus scrape that timed out, or anyone on purpose, flooded a server's stderr (review 91)."""
+    import struct
+
+    from dmoe.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics({})
+    port = int(metrics.serve("127.0.0.1", 0).rsplit(":", 1)[1])
+    try:
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                client.sendall(b"GET / HTTP/1.0\r\n")  # reset before its headers ended
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert response.status == 200  # served after them (each reset connection's thread has ended by now)
+    finally:
+        metrics.close()
+    assert "Traceback" not in capfd.readouterr().err
