@@ -263,9 +263,34 @@ def test_an_adoption_dated_ahead_of_this_clock_is_not_shown_as_recent():
     monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], GRID, dht=StandInDirectory("127.0.0.1:1", {
         adopted_key("ffn0"): record}))
     snapshot = monitor._empty()
+    snapshot["layers"][0]["experts"] = {f"ffn0.{cell}": {"endpoint": "127.0.0.1:2"} for cell in record}
     monitor._replication(snapshot)
     monitor.close()
     assert sorted(snapshot["layers"][0]["adopted"]) == ["ffn0.0.1", "ffn0.1.2"]  # not a day ahead, nor 2 h ago
+
+
+def test_replicas_are_counted_per_machine_and_adoptions_only_of_cells_served_now():
+    """One peer with free keys showed "xN replicas" on every cell, dead ones included, and outlined dead cells as
+    adopted: the page told the operator lost experts were safe (review 91). Holders count per machine (as the
+    adopters' votes count them), and an adoption shows only on a cell served now."""
+    from dmoe.dht import Identity
+    from dmoe.dht.storage import Entry
+    from dmoe.monitor import SwarmMonitor
+    from dmoe.replicas.records import adopted_key, replicas_key, server_subkey
+
+    now = time.time()
+    keys = [Identity().public_key for _ in range(5)]
+    holders = {server_subkey(key): Entry(f"{endpoint}/7/0123456789abcdef", now + 600, key)
+               for key, endpoint in zip(keys, ["10.0.0.9:1", "10.0.0.9:2", "10.0.0.9:3", "10.0.0.8:1", "[2001:db8::1]:5"])}
+    adopted = {"0.0": Entry(f"{now - 60:.0f}/3/3", now + 600), "0.1": Entry(f"{now - 60:.0f}/3/3", now + 600)}
+    monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], GRID, dht=StandInDirectory("127.0.0.1:1", {
+        replicas_key("ffn0.0.0"): holders, adopted_key("ffn0"): adopted}))
+    snapshot = monitor._empty()
+    snapshot["layers"][0]["experts"] = {"ffn0.0.1": {"endpoint": "127.0.0.1:2"}}  # ffn0.0.0 is dead
+    monitor._replication(snapshot)
+    monitor.close()
+    assert snapshot["layers"][0]["replicas"] == {"ffn0.0.0": 3}  # 10.0.0.9, 10.0.0.8, 2001:db8::/64
+    assert list(snapshot["layers"][0]["adopted"]) == ["ffn0.0.1"]
 
 
 def rotated_monitor(monkeypatch, polls: int, **limits):

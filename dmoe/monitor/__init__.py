@@ -9,6 +9,7 @@ snapshot at ``/api/swarm`` and a page at ``/`` that draws it as a heatmap per la
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ from dmoe.client.remote_expert import expert_info
 from dmoe.wire.channels import ChannelPool
 from dmoe.dht import DHT
 from dmoe.directory import alive_experts
-from dmoe.endpoints import reachable_endpoint
+from dmoe.endpoints import bare_host, machine_of, reachable_endpoint
 from dmoe.httpd import IDLE_TIMEOUT, MAX_CONNECTIONS, BoundedHTTPServer, HTTPLimits, HTTPThread, QuietHandler
 from dmoe.replicas.records import ADOPTION_MEMORY, adopted_key, adoptions, holders, replicas_key
 from dmoe.uid import grid_uids
@@ -232,13 +233,18 @@ class SwarmMonitor:
         recent_after = now - ADOPTION_MEMORY
         for layer in snapshot["layers"]:
             name = layer["name"]
-            counts = {uid: len(holders(records[replicas_key(uid)])) for uid in cells[name]}
+            # counted per machine, as the adopters' votes count holders: keys cost nothing, and one peer writing an
+            # entry per key showed any count on every cell, dead ones included (review 91). The counts are what is
+            # announced: a holder is not asked whether it holds the replica
+            local = getattr(self.dht, "outbound_host", None) is None  # every peer on this machine
+            counts = {uid: len({holding_machine(h.endpoint, local) for h in holders(records[replicas_key(uid)])})
+                      for uid in cells[name]}
             layer["replicas"] = {uid: count for uid, count in counts.items() if count}
-            in_grid = set(cells[name])
+            alive = set(layer.get("experts", {}))
             # (a time ahead of this clock is no recent adoption: anyone may write one, and it stayed "recent" for
-            # as long as the DHT kept it)
+            # as long as the DHT kept it; nor is one of a cell nobody serves now: a forged one outlined dead cells)
             layer["adopted"] = {a.uid: a.at for a in adoptions(name, records[adopted_key(name)])
-                                if a.uid in in_grid and recent_after <= a.at <= now + MAX_CLOCK_SKEW}
+                                if a.uid in alive and recent_after <= a.at <= now + MAX_CLOCK_SKEW}
             layer["adopted_last_hour"] = len(layer["adopted"])
 
     def snapshot(self) -> dict[str, Any]:
@@ -293,6 +299,20 @@ class SwarmMonitor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def holding_machine(endpoint: str, local: bool) -> str:
+    """The machine a replica holder's ``endpoint`` counts as (no name is resolved: a poll must not wait on DNS): an
+    IPv4 address or IPv6 /64, a host name as written; a loopback endpoint is a machine of its own in a local swarm
+    (``local``: every server announces 127.0.0.1 there), and one machine, this one, otherwise."""
+    host = bare_host(endpoint.rpartition(":")[0]).split("%", 1)[0]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower()
+    if address.is_loopback:
+        return endpoint if local else "loopback"
+    return machine_of(address)
 
 
 def page() -> bytes:
