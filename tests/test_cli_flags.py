@@ -172,6 +172,14 @@ def test_a_server_flag_given_where_it_does_nothing_is_refused_naming_what_it_nee
     assert line.startswith(f"dmoe-server: error: {says}"), line
 
 
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--replica-dir", "--identity"])
+def test_an_empty_server_path_is_refused_naming_the_flag(flag, capsys):
+    """``--checkpoint-dir ''`` (an unset shell variable) wrote into the current directory, under a new key at every
+    restart (review 92)."""
+    line = usage_error(run_server.main, [*SERVER, flag, ""], capsys)
+    assert line == f"dmoe-server: error: argument {flag}: must name a directory or file (leave it out for none)", line
+
+
 def test_a_server_flag_in_the_config_file_counts_as_given(tmp_path, capsys):
     path = tmp_path / "c.toml"
     path.write_text("replicas = 2\n")

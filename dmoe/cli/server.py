@@ -402,6 +402,11 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     flags given (:func:`~dmoe.cli.config.parse_given`); by default those whose value is not the default."""
     if given is None:
         given = flags_given(args, parser)
+    for flag in ("checkpoint_dir", "replica_dir", "identity"):
+        # an empty value (an unset shell variable) wrote into the current directory, under a new key at every
+        # restart, as the key file went unnamed (review 92)
+        if getattr(args, flag) is not None and not str(getattr(args, flag)).strip():
+            parser.error(f"argument --{flag.replace('_', '-')}: must name a directory or file (leave it out for none)")
     import_custom_modules(args, parser)
     if args.expert_cls not in expert_class_names():
         parser.error(f"argument --expert-cls: unknown class {args.expert_cls!r}; "
