@@ -525,6 +525,58 @@ def check_free_cells(uids: list[str], args: argparse.Namespace, parser: argparse
     logger.info("chose %d experts, free grid cells: %s", len(uids), ", ".join(uids))
 
 
+def trade_taken_cells(server: ExpertServer, args: argparse.Namespace, parser: argparse.ArgumentParser,
+                      rounds: int = 3) -> None:
+    """The cells ``--num-experts`` chose (or resumed from a checkpoint) that the read-back after their first
+    declaration finds owned by another key (:attr:`Announcer.first_taken`) are traded for cells still free, which
+    are declared and read back in turn (``rounds`` times at most); exits with the error of a full grid when this
+    server is left with none. Nothing reserved a cell between the read that chose it and its declaration: two
+    servers started together took the same one, and the loser served it to nobody, for good, checkpointing it
+    for every restart to resume (as one resumed a checkpointed cell that another took while it was down: review
+    92 D1). A taken cell with no free one to trade for stops being served, and stays in the checkpoint (a restart
+    must find as many experts as ``--num-experts`` asks for: it trades that cell then, if one is free)."""
+    announcer = server.announcer
+    dht = announcer.dht
+    taken = [uid for uid in announcer.first_taken if uid in server.backends]
+    for _ in range(rounds):
+        if not taken:
+            return
+        lost, traded = [], {}
+        for layer in args.layer:
+            cells = set(grid_uids(layer, args.grid))
+            gone = [uid for uid in taken if uid in cells]
+            if not gone:
+                continue
+            free = [uid for uid in free_experts(dht, [layer], args.grid, len(gone), avoid=partial(replicated, dht))
+                    if uid not in server.backends and uid not in taken]
+            traded.update(zip(gone, free))
+            lost.extend(gone[len(free):])
+        if len(lost) == len(server.backends):  # none left to serve: as if the grid had been full when it chose
+            checkpoints, server.checkpoints = server.checkpoints, None
+            if checkpoints is not None:
+                checkpoints.close(save=False)  # (a checkpoint it resumed stays as it was)
+            server.close()
+            logger.warning("%s: declared by another key as this server declared it, and no other cell is free",
+                           ", ".join(lost))
+            check_free_cells([], args, parser)
+        for uid, new in traded.items():
+            logger.warning("%s: declared by another key as this server declared it (another server chose it at the "
+                           "same moment, or took it while this one was down): serving the free cell %s instead",
+                           uid, new)
+            backend = server.backend_factory(new)
+            server.add_expert(new, backend)  # (declared at once)
+            if server.checkpoints is not None:
+                server.checkpoints.trade(uid, new, backend)
+            server.remove_expert(uid)
+        for uid in lost:
+            logger.warning("%s: declared by another key as this server declared it, and no other cell is free: no "
+                           "longer serving it (%d experts left)", uid, len(server.backends) - 1)
+            server.remove_expert(uid)
+        taken = [uid for uid in announcer.taken(list(traded.values())) if uid in server.backends]
+    if taken:
+        logger.warning("%s: still declared by other keys after %d trades: served to nobody", ", ".join(taken), rounds)
+
+
 def metrics_error(error: OSError, args: argparse.Namespace) -> str:
     """The usage error for a metrics endpoint that could not listen (the port taken, the host unknown), which
     ended in a traceback."""
@@ -582,6 +634,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list
     announcer = None
     if uids is None or replicas is not None:  # the DHT first: to see which cells are free, to find replicas
         announcer = join_dht(args, parser)
+    chosen = uids is None  # --num-experts: cells this server chose (or resumed), traded if taken once declared
     if uids is None and args.checkpoint_dir is not None:
         uids = saved_cells(args.checkpoint_dir, args, parser, args.num_experts * len(args.layer))
         if uids is not None:
@@ -624,6 +677,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list
         if args.metrics_port is None or server.metrics.endpoint is not None:
             raise
         parser.error(metrics_error(error, args))
+    if chosen and replicas is None:  # (with --replica-dir, a taken cell is dropped and adopted back as it empties)
+        try:
+            trade_taken_cells(server, args, parser)
+        except BaseException:
+            server.close()  # (nothing left running; a second close does nothing)
+            raise
     with StopSignals() as stop, server:
         if server.metrics.endpoint is not None:
             report(f"dmoe-server metrics on {server.metrics.endpoint}")

@@ -67,7 +67,7 @@ async def report_taken(node: DHTNode, uids: Sequence[str], endpoint: str, report
         if reported.get(uid) != entry.owner:
             logger.warning("%s: readers find it declared by another key (%s) at %s, not at %s: clients are sent "
                            "there until that key lets go of it", uid, entry.owner.hex()[:16], entry.value, endpoint)
-    for uid in set(reported) - set(taken):
+    for uid in set(reported).intersection(uids) - set(taken):  # (not one the server stopped serving meanwhile)
         logger.info("%s: readers find this server's declaration again", uid)
     return {uid: entry.owner for uid, entry in taken.items()}
 
@@ -99,6 +99,9 @@ class Announcer:
             logger.warning("expiration %.1fs <= refresh period %.1fs: experts will blink out between refreshes",
                            self.expiration, refresh_period)
         self.first_results: list[bool] = []
+        #: what the read-back after the first declaration found declared by other keys (uid -> that key); a
+        #: server that chose its cells itself (--num-experts) trades these for free ones (review 92 D1)
+        self.first_taken: dict[str, bytes] = {}
         self.uids: list[str] = []  # what is declared every refresh period (changed by add and remove)
         self.endpoint: str | None = None
         self._future: "asyncio.Future[None] | None" = None
@@ -134,6 +137,7 @@ class Announcer:
         logger.info("declared %d of %d experts at %s in the DHT (node %s)", sum(self.first_results), len(self.uids),
                     endpoint, self.dht.endpoint)
         reported = self.dht.run_coroutine(report_taken(self.dht.node, list(self.uids), endpoint, {}, self.expiration))
+        self.first_taken = dict(reported)
         # a first declaration that failed is made again at once (then retried as announce_forever retries its own
         # failures): declared=True waited a whole refresh period, clients finding none of its experts (review 85)
         self._future = asyncio.run_coroutine_threadsafe(
@@ -149,6 +153,12 @@ class Announcer:
         if self._future is None or not new:  # not started: start() declares them with the others
             return []
         return self.dht.run_coroutine(declare(self.dht.node, new, self.endpoint, self.expiration))
+
+    def taken(self, uids: Sequence[str]) -> dict[str, bytes]:
+        """Reads ``uids`` back as clients would: uid -> the other key readers find declaring it (as
+        :func:`report_taken`, which warns of each; a read that fails finds none)."""
+        return self.dht.run_coroutine(report_taken(self.dht.node, list(uids), self.endpoint or "", {},
+                                                   self.expiration)) if uids else {}
 
     def remove(self, uids: Sequence[str]) -> None:
         """Stops declaring ``uids``; their declarations expire on their own."""

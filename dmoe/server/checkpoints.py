@@ -280,6 +280,14 @@ class Checkpoints:
             logger.info("removing %s, left by a write that did not finish", stale)
             stale.unlink(missing_ok=True)
 
+    def trade(self, uid: str, new_uid: str, backend: ExpertBackend) -> None:
+        """Keeps ``new_uid`` (saved from ``backend``, or the backend serving it then) in place of ``uid``: a cell
+        that ``--num-experts`` chose, found owned by another key once declared, traded for a free one (review 92
+        D1: kept, every restart resumed the cell that no client reached)."""
+        with self._save_lock:
+            self.backends.pop(uid, None)
+            self.backends[new_uid] = backend
+
     # ---- saving ----
     def current(self) -> dict[str, ExpertBackend]:
         """uid -> the backend saved for it: the one serving it now, else the one it had (see ``serving``)."""
