@@ -334,3 +334,37 @@ def test_dmoe_servers_restarted_with_another_learning_rate_and_clipping_restore_
     with pytest.raises(CheckpointMismatch, match="hidden_dim was 8, now 16"):  # the shape still may not change
         ExpertServer.create("ck.[0:2]", "ffn", 16, lr=1e-4,
                             config=ServerConfig(device="cpu", checkpoint_dir=str(tmp_path)))
+
+
+def test_a_last_checkpoint_that_cannot_be_written_ends_the_server_in_one_line_saying_what_is_kept(tmp_path):
+    """A full disk (here: a file size limit, whose writes fail as ENOSPC's do) ended dmoe-server in two tracebacks,
+    158 lines whose last words were torch's zip writer's, with no word of which checkpoint survived (review 92)."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, 20 * 1024))
+
+    proc = subprocess.Popen([sys.executable, "-m", "dmoe.cli.server", "--experts", "ffn0.[0:2]", "--hidden-dim", "64",
+                             "--device", "cpu", "--port", "0", "--checkpoint-dir", str(tmp_path / "ck")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=limit_files)
+    try:
+        for line in proc.stdout:  # readiness: the listening line
+            if "listening on" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("dmoe-server: error: the last checkpoint could not be written to ") and \
+        "File too large" in last and "none was written by this run" in last, stderr
+    assert "Traceback" not in stderr, stderr

@@ -41,7 +41,8 @@ from dmoe.replicas.adoption import read_holders
 from dmoe.server import ExpertServer, ServerConfig
 from dmoe.server.backend import OPTIMIZERS
 from dmoe.locking import InUse, lock_existing
-from dmoe.server.checkpoints import CheckpointDirectoryInUse, CheckpointMismatch, CorruptCheckpoint, saved_uids
+from dmoe.server.checkpoints import (CheckpointDirectoryInUse, CheckpointMismatch, CheckpointNotWritten,
+                                     CorruptCheckpoint, saved_uids)
 from dmoe.server.faults import JITTERS, FaultConfig
 from dmoe.server.profile import format_stages
 from dmoe.server.runtime import AUTOCAST_DTYPES
@@ -711,7 +712,11 @@ def main(argv: list[str] | None = None) -> None:
         if lock is not None:
             lock.close()
         sys.exit(status)
-    serve(args, parser, uids)
+    try:
+        serve(args, parser, uids)
+    except CheckpointNotWritten as error:  # (the server is stopped: every other step of its close ran)
+        print(f"dmoe-server: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,21 @@ class CheckpointMismatch(ValueError):
     """The checkpoint in the directory was saved for other experts than the ones this server was asked to host."""
 
 
+class CheckpointNotWritten(RuntimeError):
+    """The last checkpoint could not be written (a full disk): what is lost, in one line (the program's last)."""
+
+
+def _first_os_error(error: BaseException) -> BaseException:
+    """The OSError under ``error`` (a full disk's, under torch's follow-on zip-writer error), else ``error``."""
+    seen, current = set(), error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return error
+
+
 class CorruptCheckpoint(ValueError):
     """The checkpoint file exists but cannot be read (not written by dmoe, or damaged on disk)."""
 
@@ -335,8 +350,16 @@ class Checkpoints:
         while not self._stop.wait(self.interval):
             try:
                 self.save()
-            except Exception:  # a full disk must not stop the server; the next period tries again
-                logger.exception("could not write the checkpoint to %s", self.path)
+            except Exception as error:  # a full disk must not stop the server; the next period tries again
+                logger.error("could not write the checkpoint to %s: %s (%s)", self.path, _first_os_error(error),
+                             self._kept())
+                logger.debug("the checkpoint's failure", exc_info=True)
+
+    def _kept(self) -> str:
+        """What the checkpoint file holds, as the saves left it."""
+        if self.last_saved is None:
+            return "none was written by this run"
+        return f"it holds the experts as of {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.last_saved))}"
 
     def close(self, save: bool = True) -> None:
         """Stops the timer thread, then (by default) writes a last checkpoint, then lets go of the directory."""
@@ -346,7 +369,13 @@ class Checkpoints:
             self._thread = None
         try:
             if save:
-                self.save()
+                try:
+                    self.save()
+                except Exception as error:
+                    # one line for the program to end with: a full disk ended a server in two tracebacks of 158
+                    # lines whose last words were torch's zip writer's (review 92)
+                    raise CheckpointNotWritten(f"the last checkpoint could not be written to {self.path}: "
+                                               f"{_first_os_error(error)} ({self._kept()})") from error
                 logger.info("final checkpoint written to %s", self.path)
         finally:
             with self._save_lock:

@@ -15,7 +15,7 @@ from dmoe.experts import ExpertBuildError, create_expert, expert_class, expert_s
 from dmoe.server.activations import ActivationCache
 from dmoe.server.backend import ExpertBackend, make_optimizer
 from dmoe.server.cuda_graphs import GraphSwitch
-from dmoe.server.checkpoints import Checkpoints
+from dmoe.server.checkpoints import CheckpointNotWritten, Checkpoints
 from dmoe.server.decoding import RejectUndecodable
 from dmoe.server.faults import FaultConfig, Faults
 from dmoe.server.metrics import ServerMetrics
@@ -486,7 +486,11 @@ class ExpertServer:
             try:
                 run()
             except BaseException as error:  # noqa: BLE001 - raised below, once the later steps have run
-                logger.exception("closing the server: %s failed", step)
+                if isinstance(error, CheckpointNotWritten):  # (says it all in one line; the cause at DEBUG)
+                    logger.error("closing the server: %s", error)
+                    logger.debug("the last checkpoint's failure", exc_info=True)
+                else:
+                    logger.exception("closing the server: %s failed", step)
                 first = first if first is not None else error
         logger.info("server stopped")
         if first is not None:
