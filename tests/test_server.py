@@ -628,8 +628,11 @@ def test_a_server_whose_last_checkpoint_fails_still_stops_everything_then_raises
         raise OSError(errno.ENOSPC, "No space left on device")
 
     server.checkpoints.save = disk_full
-    with pytest.raises(OSError, match="No space left"):
+    from dmoe.server.checkpoints import CheckpointNotWritten
+
+    with pytest.raises(CheckpointNotWritten, match="No space left on device") as raised:
         server.close()
+    assert isinstance(raised.value.__cause__, OSError)  # (the disk's error, kept as the cause)
     assert not any(thread.is_alive() for thread in server.runtime._threads)
     assert not server._loop_thread.is_alive()
     with socket.socket() as freed:  # the metrics port is free again
