@@ -180,6 +180,28 @@ def test_an_empty_server_path_is_refused_naming_the_flag(flag, capsys):
     assert line == f"dmoe-server: error: argument {flag}: must name a directory or file (leave it out for none)", line
 
 
+def test_either_way_of_naming_the_experts_on_the_command_line_overrides_the_other_in_the_config_file(tmp_path):
+    """A command-line flag overrides the file's key, but the file's ``num-experts`` made ``--experts`` a usage
+    error ("give either"), and the file's ``experts`` made ``--num-experts`` one (review 92)."""
+    chosen = tmp_path / "chosen.toml"
+    chosen.write_text('num-experts = 2\ngrid = [4, 4]\nlayer = ["ffn0"]\n')
+    named = tmp_path / "named.toml"
+    named.write_text('experts = "ffn0.[0:2]"\n')
+    parser = run_server.build_parser()
+    args, given = parse_given(parser, ["--config", str(chosen), "--experts", "a.[0:3]"],
+                              alternatives=run_server.EXPERT_CHOICES)
+    assert (args.experts, args.num_experts, args.grid, args.layer) == ("a.[0:3]", None, None, None)
+    assert run_server.expert_uids(args, parser) == ["a.0", "a.1", "a.2"] and "num_experts" not in given
+    parser = run_server.build_parser()
+    args, _ = parse_given(parser, ["--config", str(named), "--num-experts", "1", "--grid", "2", "--layer", "x"],
+                          alternatives=run_server.EXPERT_CHOICES)
+    assert (args.experts, args.num_experts) == (None, 1) and run_server.expert_uids(args, parser) is None
+    parser = run_server.build_parser()  # the file alone, and a flag of its own side, as before
+    args, _ = parse_given(parser, ["--config", str(chosen), "--num-experts", "3"],
+                          alternatives=run_server.EXPERT_CHOICES)
+    assert (args.num_experts, args.grid, args.layer) == (3, [4, 4], ["ffn0"])
+
+
 def test_a_server_flag_in_the_config_file_counts_as_given(tmp_path, capsys):
     path = tmp_path / "c.toml"
     path.write_text("replicas = 2\n")

@@ -244,14 +244,20 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     return parse_given(parser, argv)[0]
 
 
-def parse_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+def parse_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+                alternatives: Sequence[tuple[frozenset[str], frozenset[str]]] = ()
                 ) -> tuple[argparse.Namespace, frozenset[str]]:
     """:func:`parse_args`, and the destinations of the flags that were given: on the command line or as a key of
     the config file. A check such as "--checkpoint-interval needs --checkpoint-dir" asks this, not whether the value
     differs from the default: a user who typed the default was not told that the flag did nothing (review 72).
 
     A repeatable flag (``action="append"``) given on the command line replaces the file's list, as any other flag
-    overrides the file (argparse appended to it: a broken --custom-module of the file could not be replaced)."""
+    overrides the file (argparse appended to it: a broken --custom-module of the file could not be replaced).
+
+    ``alternatives``: pairs of sets of destinations that exclude each other (``--experts`` or ``--num-experts
+    --grid --layer``): one side given on the command line, and none of the other, drops what the file gives of the
+    other, as a flag overrides the file's key (the file's ``num-experts`` made ``--experts`` a usage error, review
+    92)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
@@ -265,6 +271,16 @@ def parse_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None = No
             if action.dest in from_file:
                 action.required = False
         parser.set_defaults(**from_file)
+        typed_first = command_line_values(parser, argv) if alternatives else {}
+        for one, other in alternatives:
+            for mine, theirs in ((one, other), (other, one)):
+                if mine & typed_first.keys() and not theirs & typed_first.keys():
+                    dropped = theirs & from_file.keys()
+                    for action in parser._actions:
+                        if action.dest in dropped:
+                            parser.set_defaults(**{action.dest: None})
+                    for dest in dropped:
+                        del from_file[dest]
     args = parser.parse_args(argv)  # (exits on a bad flag, so the parse below sees only good ones)
     typed = command_line_values(parser, argv)
     for action in parser._actions:

@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: the two ways to say which experts a server serves: on the command line, either one overrides the config file's
+EXPERT_CHOICES = ((frozenset({"experts"}), frozenset({"num_experts", "grid", "layer"})),)
+
 #: the DHT key file a server keeps in its --checkpoint-dir (or --replica-dir) when no --identity is given
 IDENTITY_FILE = "dht_identity.key"
 
@@ -701,7 +704,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()  # before any thread starts: every training step would page-fault otherwise
     parser = build_parser()
-    args, given = parse_given(parser, argv)
+    args, given = parse_given(parser, argv, alternatives=EXPERT_CHOICES)
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uids = check_args(args, parser, given)
