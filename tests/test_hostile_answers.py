@@ -429,3 +429,39 @@ def test_a_server_that_answers_forwards_and_stalls_backwards_is_avoided_for_long
         finally:
             release.set()
         assert backoffs == [1.0, 2.0, 4.0]
+
+
+def test_a_float16_callers_answers_and_gradients_beyond_float16_are_dropped_and_banned():
+    """Checked in float32 against max_abs_value (1e6) and cast to the caller's float16 only then, an answer of 7e4
+    became inf: the mixture (whatever the expert's weight) and the loss were inf/NaN, and the expert was neither
+    dropped nor banned; its input gradients the same (review 94)."""
+    from dmoe.client.failures import CallPolicy
+    from dmoe.client.moe import PlannedCall, _RemoteExperts
+    from dmoe.wire import ChannelPool
+    from dmoe.wire.codec import pack
+    from dmoe.wire.zerocopy import Result
+
+    honest, hostile = Result([pack(torch.randn(ROWS, HIDDEN))]), Result([pack(torch.full((ROWS, HIDDEN), 7e4))])
+    rows = np.arange(ROWS)
+    with ChannelPool(shared_memory=False, hold_calls=False) as pool, \
+            hostile_server(forward_batch=batch_answer(honest, hostile)) as endpoint:
+        policy = CallPolicy(channels=pool)
+        plan = [PlannedCall("ffn0.0.0", endpoint, rows, np.zeros(ROWS, dtype=np.int64)),
+                PlannedCall("ffn0.0.1", endpoint, rows, np.ones(ROWS, dtype=np.int64))]
+        out, alive = _RemoteExperts.apply(torch.empty(0, requires_grad=True), torch.randn(ROWS, HIDDEN).half(),
+                                          policy, plan, 2, False)
+        assert alive[:, 0].all() and not alive[:, 1].any() and torch.isfinite(out).all()
+        assert policy.bans.is_banned("ffn0.0.1", endpoint) and not policy.bans.is_banned("ffn0.0.0", endpoint)
+        # float32 callers take it, as before (within max_abs_value)
+        out, alive = _RemoteExperts.apply(torch.empty(0, requires_grad=True), torch.randn(ROWS, HIDDEN),
+                                          CallPolicy(channels=pool), plan, 2, False)
+        assert alive.all()
+    with ChannelPool(shared_memory=False, hold_calls=False) as pool, \
+            hostile_server(forward_batch=batch_answer(honest), backward_batch=batch_answer(hostile)) as endpoint:
+        policy = CallPolicy(channels=pool)
+        x = torch.randn(ROWS, HIDDEN).half().requires_grad_()
+        plan = [PlannedCall("ffn0.0.0", endpoint, rows, np.zeros(ROWS, dtype=np.int64))]
+        out, _ = _RemoteExperts.apply(torch.empty(0, requires_grad=True), x, policy, plan, 1, True)
+        out.float().sum().backward()
+        assert torch.isfinite(x.grad).all() and policy.stats.backward_failures == 1
+        assert policy.bans.is_banned("ffn0.0.0", endpoint)

@@ -235,7 +235,8 @@ class CallPolicy:
     def outcome(self, uid: str, endpoint: str, future: Future, backward: bool = False, *,
                  shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
                  problem: str | None | object = UNCHECKED,
-                 settlement: "Settlement | None" = None, cut: bool = False) -> list[torch.Tensor] | None:
+                 settlement: "Settlement | None" = None, cut: bool = False,
+                 limit: float | None | object = UNCHECKED) -> list[torch.Tensor] | None:
         """The future's result, or None after dropping the expert: banning whatever failed (the expert, or its whole
         server), unless the server refused the request as invalid.
 
@@ -267,7 +268,8 @@ class CallPolicy:
         hangs, say): never banned, it would be chosen again and waited for, the whole grace, every forward. A call
         that misses ``forward_timeout`` itself, or fails UNAVAILABLE or DEADLINE_EXCEEDED, bans its whole server.
 
-        ``problem``: what :func:`malformed` said of this answer already (the wait checks answers as they come,
+        ``limit``: the largest magnitude this answer may hold (:func:`answer_limit`; by default
+        :attr:`max_abs_value`). ``problem``: what :func:`malformed` said of this answer already (the wait checks answers as they come,
         :func:`wait_for_experts`), so that it is not checked twice. Backward failures are banned apart from forward
         ones (:mod:`dmoe.client.bans`). With ``settlement`` (:meth:`settling`), a server's failure is banned at the pass's
         end.
@@ -277,7 +279,7 @@ class CallPolicy:
         if future.done() and not future.cancelled() and error is None:
             result = future.result()
             if problem is UNCHECKED:
-                problem = malformed(result, shape, dtype, self.max_abs_value)
+                problem = malformed(result, shape, dtype, self.max_abs_value if limit is UNCHECKED else limit)
             if problem is None:
                 self.bans.succeed(uid, endpoint, backward=backward)
                 if settlement is not None:
@@ -420,6 +422,17 @@ def refusal(future: Future) -> bool:
     if not future.done() or future.cancelled():
         return False
     return getattr(future.exception(), "code", None) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def answer_limit(max_abs_value: float | None, dtype: torch.dtype, terms: int = 1) -> float | None:
+    """The largest magnitude an expert's answer may hold: ``max_abs_value`` (None: any), and no more than the
+    caller's ``dtype`` holds, divided by the ``terms`` added up per value (the experts' input gradients of a row).
+    Checked in float32 and cast afterwards, a float16 caller's answer of 7e4 passed 1e6 and became inf: the mixture
+    and the loss were inf/NaN whatever the expert's weight, and nobody was blamed (review 94)."""
+    if not dtype.is_floating_point:
+        return max_abs_value
+    largest = torch.finfo(dtype).max / max(1, terms)
+    return largest if not max_abs_value else min(max_abs_value, largest)
 
 
 def malformed(result: Sequence[torch.Tensor], shape: tuple[int, ...] | None,

@@ -16,7 +16,8 @@ import torch
 
 from dmoe.client.bans import BanConfig, Bans
 from dmoe.client.beam_search import PrefixCache, beam_search
-from dmoe.client.failures import MAX_ABS_VALUE, MAX_CHUNKS, UNCHECKED, CallPolicy, malformed, refusal, wait_for_experts
+from dmoe.client.failures import (MAX_ABS_VALUE, MAX_CHUNKS, UNCHECKED, CallPolicy, answer_limit, malformed, refusal,
+                                  wait_for_experts)
 from dmoe.client.gating import MixtureBase, TooFewGradients
 from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
                                        loss_scale, new_activation_id)
@@ -146,13 +147,15 @@ class _RemoteExperts(torch.autograd.Function):
 
         ids, sent, futures = send(plan, timeout)
         laps.lap("send")
+        # (the mixture is a convex sum of the answers: within the inputs' dtype when each answer is)
+        limit = answer_limit(policy.max_abs_value, inputs.dtype)
         n, d = len(inputs), inputs.shape[-1]
         # answers are checked as they come: one the layer will drop (NaN, a wrong shape) must not count towards
         # k_min, or a fast expert answering nonsense cuts the wait for the honest ones short
         problems: dict[int, str | None] = {}
 
         def accept(i: int) -> bool:
-            problems[i] = malformed(futures[i].result(), (len(plan[i].rows), d), WIRE_DTYPE, policy.max_abs_value)
+            problems[i] = malformed(futures[i].result(), (len(plan[i].rows), d), WIRE_DTYPE, limit)
             return problems[i] is None
 
         # stragglers cut by the k_min grace are dropped from this forward (banned only if cut again and again)
@@ -273,11 +276,14 @@ class _RemoteExperts(torch.autograd.Function):
         got = np.zeros(shape[0], dtype=np.int64)
         wanted = np.zeros(shape[0], dtype=np.int64)
         refused = []
+        # the experts' gradients of a row are summed (k of them at most), unscaled: a loss scale that overflows
+        # them is the scaler's to lower, not the experts' fault
+        limit = answer_limit(policy.max_abs_value, dtype, k)
         with policy.settling() as settlement:
             for (uid, endpoint, rows, _, _, rows_in), future in zip(answered, futures):
                 wanted[rows] += 1
                 result = policy.outcome(uid, endpoint, future, backward=True, shape=tuple(rows_in.shape),
-                                        dtype=WIRE_DTYPE, settlement=settlement)
+                                        dtype=WIRE_DTYPE, settlement=settlement, limit=limit)
                 if result is None:
                     if refusal(future):
                         refused.append((uid, endpoint))
