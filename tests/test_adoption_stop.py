@@ -14,8 +14,6 @@ from contextlib import ExitStack
 from typing import Iterator
 
 import grpc
-import pytest
-import torch
 from kademlia.node import Node
 from kademlia.utils import digest
 
@@ -25,35 +23,16 @@ from dmoe.replicas import ReplicaChannels, ReplicaConfig, Replication, ReplicaSt
 from dmoe.replicas.adoption import PROBE_TIMEOUT, Adopter
 from dmoe.replicas.records import SIGNER_HEX, Holder, hosts_key, replicas_key, server_subkey
 from dmoe.replicas.snapshots import signed_fields
-from dmoe.server import ExpertServer, ServerConfig
 from dmoe.uid import strict_prefixes
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
+from tests.test_adoption_newest import expert_server, train
+from tests.test_replicas import wait_until
 
 UID = "ffn0.1.2"
 OWN = "ffn0.0.0"  # what the holder serves itself
-HIDDEN = 8
 MAX_BYTES = 1 << 30
 
 
-def expert_server(uids: str = UID) -> ExpertServer:
-    """An unstarted server of adam-trained ffn experts (a template and a backend factory)."""
-    return ExpertServer.create(uids, "ffn", HIDDEN, optimizer="adam", lr=0.01, config=ServerConfig(device="cpu"))
-
-
-def train(backend, steps: int) -> None:
-    for _ in range(steps):
-        backend.backward(torch.randn(4, HIDDEN), torch.randn(4, HIDDEN))
-        backend.backward_calls += 1
-
-
-def wait_until(condition, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
 def replica_of(owner: Identity, steps: int):
