@@ -104,7 +104,7 @@ def test_hosts_on_one_machine_by_their_address_take_one_replica_of_an_expert(pus
         if name == "slow.example":
             time.sleep(1.0)
         return ipaddress.ip_address(names[name]) if names.get(name) else None
-    monkeypatch.setattr(pusher_module, "_resolve", resolve)
+    monkeypatch.setattr(pusher_module, "resolve_host", resolve)
     monkeypatch.setattr(pusher_module, "RESOLVE_TIMEOUT", 0.2)
     hosts = announced("203.0.113.5:1000", "203.0.113.5:2000", "[::ffff:203.0.113.5]:3000",
                       "[2001:db8::1]:1000", "[2001:db8::2]:1000",

@@ -23,9 +23,10 @@ from dmoe.client.remote_expert import expert_info
 from dmoe.wire.channels import ChannelPool
 from dmoe.dht import DHT
 from dmoe.directory import alive_experts
-from dmoe.endpoints import bare_host, machine_of, reachable_endpoint
+from dmoe.endpoints import reachable_endpoint
 from dmoe.httpd import IDLE_TIMEOUT, MAX_CONNECTIONS, BoundedHTTPServer, HTTPLimits, HTTPThread, QuietHandler
-from dmoe.replicas.records import ADOPTION_MEMORY, adopted_key, adoptions, holders, replicas_key
+from dmoe.replicas.records import (ADOPTION_MEMORY, adopted_key, adoptions, counted_machine, endpoint_host, holders,
+                                   replicas_key)
 from dmoe.uid import grid_uids
 
 logger = logging.getLogger(__name__)
@@ -305,14 +306,12 @@ def holding_machine(endpoint: str, local: bool) -> str:
     """The machine a replica holder's ``endpoint`` counts as (no name is resolved: a poll must not wait on DNS): an
     IPv4 address or IPv6 /64, a host name as written; a loopback endpoint is a machine of its own in a local swarm
     (``local``: every server announces 127.0.0.1 there), and one machine, this one, otherwise."""
-    host = bare_host(endpoint.rpartition(":")[0]).split("%", 1)[0]
+    host = endpoint_host(endpoint)
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         return host.lower()
-    if address.is_loopback:
-        return endpoint if local else "loopback"
-    return machine_of(address)
+    return counted_machine(address, endpoint, local)
 
 
 def page() -> bytes:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-import socket
 import threading
 import time
 import weakref
@@ -46,9 +45,10 @@ from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 import grpc
 
 from dmoe.dht import DHT, Identity
-from dmoe.endpoints import bare_host, join_host_port, machine_of
+from dmoe.endpoints import join_host_port
 from dmoe.replicas.metrics import ReplicaMetrics
-from dmoe.replicas.records import SIGNER_HEX, Host, distance, hosts_key, own_subkey, parse_host
+from dmoe.replicas.records import (SIGNER_HEX, Host, counted_machine, distance, endpoint_host, hosts_key, own_subkey,
+                                   parse_host, resolve_host)
 from dmoe.replicas.snapshots import (
     CHUNK_BYTES,
     SignedSnapshot,
@@ -380,16 +380,6 @@ class _Failing:
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
-def _resolve(name: str) -> Address | None:
-    """The address a host name points to (IPv4 first, as gRPC and :func:`dmoe.endpoints.outbound_host` prefer),
-    None when it points nowhere."""
-    try:
-        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-        return ipaddress.ip_address(min(infos, key=lambda info: info[0] != socket.AF_INET)[4][0].split("%", 1)[0])
-    except (OSError, ValueError, UnicodeError):
-        return None
-
-
 class _Whereabouts:
     """Where a host's endpoint is, as a round counts an expert's replicas (:meth:`of`): each *place* (the endpoint's
     address and port) holds at most one, however many keys announce it or however its host is written, and so does
@@ -413,16 +403,14 @@ class _Whereabouts:
 
     def of(self, endpoint: str, local: bool = True) -> tuple[str, str] | None:
         """(place, machine) of ``endpoint``; None when its host names no address (a name resolving to none)."""
-        host, _, port = endpoint.rpartition(":")
-        address = self._address(bare_host(host).split("%", 1)[0])
+        port = endpoint.rpartition(":")[2]
+        address = self._address(endpoint_host(endpoint))
         if address is None:
             return None
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
             address = address.ipv4_mapped
         place = join_host_port(str(address), int(port) if port.isdigit() else port)
-        if address.is_loopback:
-            return place, place if local else "loopback"
-        return place, machine_of(address)
+        return place, counted_machine(address, place, local)
 
     def _address(self, host: str) -> Address | None:
         try:
@@ -450,7 +438,7 @@ class _Whereabouts:
             return None
 
     def _lookup(self, name: str) -> Address | None:
-        address = _resolve(name)
+        address = resolve_host(name)
         with self._lock:
             self._names[name] = (address, time.monotonic() + (NAME_TTL if address is not None else UNRESOLVED_TTL))
             self._pending.pop(name, None)

@@ -90,21 +90,42 @@ class Holder(NamedTuple):
         return f"{self.endpoint}/{self.updates}/{self.signer}"
 
 
+def endpoint_host(endpoint: str) -> str:
+    """The host of a ``HOST:PORT`` endpoint, without brackets or an IPv6 zone."""
+    return bare_host(endpoint.rpartition(":")[0]).split("%", 1)[0]
+
+
+def resolve_host(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` is (an address itself) or points to (a name: IPv4 first, as gRPC and
+    :func:`dmoe.endpoints.outbound_host` prefer); None when it points nowhere."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return ipaddress.ip_address(min(infos, key=lambda info: info[0] != socket.AF_INET)[4][0].split("%", 1)[0])
+    except (OSError, ValueError, UnicodeError):
+        return None
+
+
+def counted_machine(address: ipaddress.IPv4Address | ipaddress.IPv6Address, place: str, local: bool) -> str:
+    """The machine an endpoint at ``address`` (``place``: the endpoint) counts as where one replica goes to each:
+    :func:`~dmoe.endpoints.machine_of`, but a loopback endpoint is a machine of its own in a local swarm (``local``:
+    every server announces 127.0.0.1 there, as the DHT counts its contacts) and one machine, this one, otherwise
+    (it reaches only this machine's processes)."""
+    if address.is_loopback:
+        return place if local else "loopback"
+    return machine_of(address)
+
+
 def holder_machine(endpoint: str) -> str | None:
     """The machine a holder's ``endpoint`` is on, as votes count it: its IPv4 address, or its IPv6 address's /64
     (one machine is commonly given a whole /64), a host name resolved first; None when it resolves to nothing.
     Keys cost nothing to make, machines do (as for the DHT's ``sender_group``, but loopback addresses count as
     themselves: this host's servers all announce 127.0.0.1, and tests play machines on 127.0.0.2, 127.0.0.3, ...)."""
-    host = bare_host(endpoint.rpartition(":")[0]).split("%", 1)[0]
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        try:  # a name: where it points (IPv4 first, as gRPC and dmoe.endpoints.outbound_host prefer)
-            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-            address = ipaddress.ip_address(min(infos, key=lambda info: info[0] != socket.AF_INET)[4][0])
-        except (OSError, ValueError):
-            return None
-    return machine_of(address)
+    address = resolve_host(endpoint_host(endpoint))
+    return None if address is None else machine_of(address)
 
 
 def own_subkey(subkey: object, owner: bytes) -> bool:
