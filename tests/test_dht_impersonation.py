@@ -4,9 +4,11 @@ made-up address count against the live node (as dead, or towards its eviction)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
+from typing import AsyncIterator, Iterator
 
 from kademlia.node import Node
 from kademlia.utils import digest
@@ -38,14 +40,46 @@ def contact(node: DHTNode) -> Node:
     return Node(node.node.id, *address(node))
 
 
-def silent_sockets(count: int) -> list[socket.socket]:
+@contextlib.contextmanager
+def silent_sockets(count: int) -> Iterator[list[socket.socket]]:
     """Bound UDP sockets nobody reads: addresses that never answer."""
-    sockets = []
-    for _ in range(count):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind(("127.0.0.1", 0))
-        sockets.append(sock)
-    return sockets
+    with contextlib.ExitStack() as stack:
+        sockets = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        yield sockets
+
+
+async def one_record(nodes: list[DHTNode]):
+    """Stores a record under KEY: (its key digest, its entry, the nodes holding it, the others)."""
+    kid = digest(KEY)
+    entry = nodes[0].identity.entry(kid, "1", "10.0.0.1:5000", round(time.time() + 60, 3))
+    await nodes[0].set(KEY, {"1": entry})
+    return (kid, entry, [node for node in nodes if node.storage.get(kid)],
+            [node for node in nodes if not node.storage.get(kid)])
+
+
+def far_and_late(others: list[DHTNode], kid: bytes) -> DHTNode:
+    """The honest node farthest from the key, handling datagrams late: its replies (naming the replicas right)
+    arrive after the hostile peer's."""
+    helper = max(others, key=lambda node: node.node.long_id ^ int.from_bytes(kid, "big"))
+    delay_datagrams(helper, 0.2)
+    return helper
+
+
+@contextlib.asynccontextmanager
+async def reader_knowing(config: DHTConfig, *contacts: Node) -> AsyncIterator[DHTNode]:
+    """A node whose routing table holds only ``contacts`` (a reader in a large swarm knows few nodes near a key)."""
+    reader = DHTNode(config)
+    try:
+        await reader.listen(0)
+        for known in contacts:
+            reader.protocol.router.add_contact(known)
+        yield reader
+    finally:
+        reader.stop()
 
 
 def asked(sock: socket.socket) -> bool:
@@ -72,25 +106,14 @@ def test_a_peer_naming_the_replicas_ids_at_silent_addresses_neither_hides_the_re
     async def scenario() -> None:
         config = DHTConfig(num_replicas=5, rpc_timeout=1.0)
         async with in_process_swarm(10, config) as nodes:
-            kid = digest(KEY)
-            entry = nodes[0].identity.entry(kid, "1", "10.0.0.1:5000", round(time.time() + 60, 3))
-            await nodes[0].set(KEY, {"1": entry})
-            replicas = [node for node in nodes if node.storage.get(kid)]
-            others = [node for node in nodes if not node.storage.get(kid)]
+            kid, entry, replicas, others = await one_record(nodes)
             assert replicas and others, "the scenario is wrong"
-            silent = silent_sockets(len(replicas))
-            fakes = {replica.node.id: sock.getsockname()[:2] for replica, sock in zip(replicas, silent)}
-            Impersonator.fakes = [[node_id.hex(), *where] for node_id, where in fakes.items()]
-            # an honest node far from the key, whose replies (naming the replicas right) arrive late
-            helper = max(others, key=lambda node: node.node.long_id ^ int.from_bytes(kid, "big"))
-            delay_datagrams(helper, 0.2)
-            reader = DHTNode(config)
-            try:
-                with Impersonator("chain", ids=[os.urandom(20)]) as hostile:
-                    await reader.listen(0)
-                    # a reader in a large swarm knows few nodes near a key: the far honest one, and the hostile one
-                    reader.protocol.router.add_contact(contact(helper))
-                    reader.protocol.router.add_contact(Node(hostile.ids[0], *hostile.addresses[0]))
+            helper = far_and_late(others, kid)
+            with silent_sockets(len(replicas)) as silent, Impersonator("chain", ids=[os.urandom(20)]) as hostile:
+                Impersonator.fakes = [[replica.node.id.hex(), *sock.getsockname()[:2]]
+                                      for replica, sock in zip(replicas, silent)]
+                async with reader_knowing(config, contact(helper), Node(hostile.ids[0], *hostile.addresses[0])) \
+                        as reader:
                     started = time.monotonic()
                     record = await asyncio.wait_for(reader.get_record(KEY), 10)
                     assert {subkey: e.value for subkey, e in record.items()} == {"1": entry.value}
@@ -109,10 +132,6 @@ def test_a_peer_naming_the_replicas_ids_at_silent_addresses_neither_hides_the_re
                     assert not any(book.recently_dead(peer_key(contact(replica))) for replica in replicas)
                     table = {node.id: (node.ip, node.port) for node in reader.protocol.router.contacts()}
                     assert all(table.get(replica.node.id, address(replica)) == address(replica) for replica in replicas)
-            finally:
-                reader.stop()
-                for sock in silent:
-                    sock.close()
 
     asyncio.run(scenario())
 
@@ -125,26 +144,16 @@ def test_a_peer_answering_under_the_replicas_ids_at_its_own_sockets_does_not_hid
     async def scenario() -> None:
         config = DHTConfig(num_replicas=5, rpc_timeout=1.0)
         async with in_process_swarm(10, config) as nodes:
-            kid = digest(KEY)
-            entry = nodes[0].identity.entry(kid, "1", "10.0.0.1:5000", round(time.time() + 60, 3))
-            await nodes[0].set(KEY, {"1": entry})
-            replicas = [node for node in nodes if node.storage.get(kid)]
-            others = [node for node in nodes if not node.storage.get(kid)]
-            helper = max(others, key=lambda node: node.node.long_id ^ int.from_bytes(kid, "big"))
-            delay_datagrams(helper, 0.2)
-            reader = DHTNode(config)
-            try:
-                with Impersonator("chain", sockets=len(replicas) + 1) as hostile:
-                    Impersonator.fakes = [[replica.node.id.hex(), *hostile.addresses[index + 1]]
-                                          for index, replica in enumerate(replicas)]
-                    await reader.listen(0)
-                    reader.protocol.router.add_contact(contact(helper))
-                    reader.protocol.router.add_contact(Node(hostile.ids[0], *hostile.addresses[0]))
+            kid, entry, replicas, others = await one_record(nodes)
+            helper = far_and_late(others, kid)
+            with Impersonator("chain", sockets=len(replicas) + 1) as hostile:
+                Impersonator.fakes = [[replica.node.id.hex(), *hostile.addresses[index + 1]]
+                                      for index, replica in enumerate(replicas)]
+                async with reader_knowing(config, contact(helper), Node(hostile.ids[0], *hostile.addresses[0])) \
+                        as reader:
                     record = await asyncio.wait_for(reader.get_record(KEY), 10)
                     assert hostile.answered > 1, "the impersonators were not asked: the scenario is wrong"
                     assert {subkey: e.value for subkey, e in record.items()} == {"1": entry.value}
-            finally:
-                reader.stop()
 
     asyncio.run(scenario())
 
@@ -156,19 +165,12 @@ def test_a_peer_naming_an_id_at_many_addresses_costs_a_crawl_one_of_them():
     async def scenario() -> None:
         config = DHTConfig(num_replicas=4, rpc_timeout=0.5)
         async with in_process_swarm(6, config) as nodes:
-            kid = digest(KEY)
-            entry = nodes[0].identity.entry(kid, "1", "10.0.0.1:5000", round(time.time() + 60, 3))
-            await nodes[0].set(KEY, {"1": entry})
-            replicas = [node for node in nodes if node.storage.get(kid)]
-            silent = silent_sockets(20)
-            Impersonator.fakes = [[replica.node.id.hex(), *sock.getsockname()[:2]]
-                                  for replica in replicas for sock in silent]
-            reader = DHTNode(config)
-            try:
-                with Impersonator("chain", ids=[os.urandom(20)]) as hostile:
-                    await reader.listen(0)
-                    reader.protocol.router.add_contact(Node(hostile.ids[0], *hostile.addresses[0]))
-                    reader.protocol.router.add_contact(contact(nodes[-1]))
+            kid, entry, replicas, _ = await one_record(nodes)
+            with silent_sockets(20) as silent, Impersonator("chain", ids=[os.urandom(20)]) as hostile:
+                Impersonator.fakes = [[replica.node.id.hex(), *sock.getsockname()[:2]]
+                                      for replica in replicas for sock in silent]
+                async with reader_knowing(config, Node(hostile.ids[0], *hostile.addresses[0]), contact(nodes[-1])) \
+                        as reader:
                     target = Node(kid)
                     crawl = RecordCrawl(reader.protocol, target, reader._starting_peers(target), config.read_width,
                                         hedge=True)
@@ -180,10 +182,6 @@ def test_a_peer_naming_an_id_at_many_addresses_costs_a_crawl_one_of_them():
                         named = [key for key in crawl.addresses.get(replica.node.id, []) if key[1:] in fake]
                         assert len(named) <= 1, named
                     assert sum(key[1:] in fake for key in crawl.contacted) <= len(replicas)
-            finally:
-                reader.stop()
-                for sock in silent:
-                    sock.close()
 
     asyncio.run(scenario())
 
