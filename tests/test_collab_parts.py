@@ -630,6 +630,16 @@ class WithScale(torch.nn.Module):
         return self.linear(x) * self.scale
 
 
+def stepped_with_scale() -> tuple[WithScale, torch.optim.Optimizer]:
+    """A :class:`WithScale` (seed 0) after one AdamW step: a state worth downloading."""
+    torch.manual_seed(0)
+    model = WithScale()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
 def test_a_zero_dimensional_parameter_has_a_lineage_and_its_state_survives_a_download():
     torch.manual_seed(0)
     model = WithScale()
@@ -1084,11 +1094,7 @@ def test_a_state_server_that_fails_slowly_is_banned_by_machine_whatever_the_erro
     a record claimed) once it took long; such a refusal that came at once bans that record only, and the honest
     trainer it named stays a source."""
     caplog.set_level(logging.INFO, logger="dmoe.collab")
-    torch.manual_seed(0)
-    ahead = WithScale()
-    ahead_opt = torch.optim.AdamW(ahead.parameters(), lr=0.01)
-    ahead(torch.randn(3, 4)).sum().backward()
-    ahead_opt.step()
+    ahead, ahead_opt = stepped_with_scale()
     capture = lambda step, lineage: encode_state(  # noqa: E731
         TrainingState.capture(step, lineage, 3, list(ahead.parameters()), ahead_opt), "slow")
     elsewhere, honest_state = capture(10, "deadbeef"), capture(7, "0123abcd")
@@ -1133,11 +1139,7 @@ def test_a_collaboration_refuses_a_minimum_group_above_two():
 
 def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best_serving_trainer(bootstrap, caplog):
     caplog.set_level(logging.INFO, logger="dmoe.collab")
-    torch.manual_seed(0)
-    ahead = WithScale()  # a 0-dimensional parameter too: its lineage, its state's download
-    ahead_opt = torch.optim.AdamW(ahead.parameters(), lr=0.01)
-    ahead(torch.randn(3, 4)).sum().backward()
-    ahead_opt.step()
+    ahead, ahead_opt = stepped_with_scale()  # a 0-dimensional parameter too: its lineage, its state's download
     good = encode_state(TrainingState.capture(7, "0123abcd", 3, list(ahead.parameters()), ahead_opt), "join")
     broken = TrainingState.capture(9, "0123abcd", 3, list(ahead.parameters()), ahead_opt)
     broken.optimizer["param_groups"][0]["params"] = 2  # once a TypeError that killed the joiner
@@ -1233,11 +1235,7 @@ def test_a_state_past_the_step_its_record_claims_is_refused_after_its_first_mess
     download that whole state before refusing it, at every step (review 77). The first message decides now; one
     step past the claim is taken (the trainer stepped between the read of its record and the download)."""
     caplog.set_level(logging.INFO, logger="dmoe.collab")
-    torch.manual_seed(0)
-    ahead = WithScale()
-    ahead_opt = torch.optim.AdamW(ahead.parameters(), lr=0.01)
-    ahead(torch.randn(3, 4)).sum().backward()
-    ahead_opt.step()
+    ahead, ahead_opt = stepped_with_scale()
     capture = lambda step, lineage: encode_state(  # noqa: E731
         TrainingState.capture(step, lineage, 2, list(ahead.parameters()), ahead_opt), "claim")
     far, next_one = capture(999_999_999, "deadbeef"), capture(3, "feedface")
