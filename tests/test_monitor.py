@@ -207,7 +207,12 @@ class StandInDirectory:
         self.endpoint, self.records = endpoint, records or {}
 
     def get_alive_continuations(self, prefixes, experts_under=()):
-        return {prefix: {coord: self.endpoint for coord in range(GRID[0])} for prefix in prefixes}
+        return {prefix: {coord: self.endpoint_of(f"{prefix}.{coord}") for coord in range(GRID[0])}
+                for prefix in prefixes}
+
+    def endpoint_of(self, prefix: str) -> str:
+        """The endpoint the directory names for ``prefix`` (a cell's uid, or a prefix of one)."""
+        return self.endpoint
 
     def get_many(self, keys):
         return {key: self.records.get(key, {}) for key in keys}
@@ -237,6 +242,62 @@ def test_closing_the_monitor_does_not_wait_for_a_poll_of_experts_that_do_not_ans
             monitor.close()
             closed_in = time.monotonic() - started
     assert closed_in < 5.0, f"close() took {closed_in:.1f} s"  # the poll had 32 calls of 3 s on 2 workers ahead
+
+
+def test_cells_declared_at_new_silent_endpoints_each_poll_neither_stretch_the_poll_nor_hide_the_servers(monkeypatch):
+    """Each cell cost an info_timeout of one of the monitor's threads, and anyone may declare free cells at new
+    silent addresses each period: 64 of them stretched a 2 s poll to 8 s (review 91), and the answering servers'
+    calls waited behind theirs. Now an endpoint is asked for one cell before the others, the servers that answered
+    last poll go first, and the poll ends max(period, info_timeout) after its calls began."""
+    import socket
+
+    from dmoe.monitor import SwarmMonitor
+
+    listeners: list[socket.socket] = []
+
+    def silent() -> str:  # a new address that accepts connections (the kernel does) and never answers
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        listeners.append(listener)
+        return f"127.0.0.1:{listener.getsockname()[1]}"
+
+    answering, one_silent = "127.0.0.1:1", silent()
+    fresh: dict[str, str] = {}
+
+    class Rotating(StandInDirectory):
+        def endpoint_of(self, prefix: str) -> str:  # row 0 answers, row 1 is one silent server, the rest rotate
+            row = prefix.split(".")[1]
+            return {"0": answering, "1": one_silent}.get(row) or fresh.setdefault(prefix, silent())
+
+    monitor = SwarmMonitor(["127.0.0.1:1"], ["ffn0"], GRID, dht=Rotating(""), period=0.5, info_timeout=0.5,
+                           workers=2)
+    asked: list[str] = []
+    real_info = monitor._info
+
+    def info(uid: str, endpoint: str):
+        asked.append(endpoint)
+        if endpoint == answering:
+            return {"forward_calls": 1, "backward_calls": 0}, 0.001
+        return real_info(uid, endpoint)
+    monkeypatch.setattr(monitor, "_info", info)
+    try:
+        took = []
+        for _ in range(4):
+            fresh.clear()  # 8 cells at 8 new silent addresses each poll
+            asked.clear()
+            started = time.monotonic()
+            snapshot = monitor.poll()
+            took.append(time.monotonic() - started)
+            assert asked.count(one_silent) <= 1, "each cell of a silent server was asked, not one"
+        assert max(took[1:]) < 1.5, f"polls took {[round(t, 1) for t in took]} s (12 silent cells on 2 threads)"
+        experts = snapshot["layers"][0]["experts"]
+        assert [uid for uid, expert in experts.items() if expert["reachable"]] == [f"ffn0.0.{i}" for i in range(4)]
+        assert len(experts) == 16
+    finally:
+        monitor.close()
+        for listener in listeners:
+            listener.close()
 
 
 def test_a_layer_named_twice_is_refused_it_counted_every_expert_twice(capsys):

@@ -17,7 +17,7 @@ import threading
 import time
 from http import HTTPStatus
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dmoe.client.remote_expert import expert_info
 from dmoe.wire.channels import ChannelPool
@@ -101,6 +101,7 @@ class SwarmMonitor:
         self._encoding = threading.Lock()  # pages asking at once wait for one encoding
         self._colors: dict[str, str] = {}
         self._hues = 0  # colors handed out: the next hue (not len(_colors), which shrinks as endpoints are forgotten)
+        self._answered: set[str] = set()  # endpoints that answered the latest poll: asked first in the next
         self._seen: dict[str, float] = {}  # endpoint -> time.monotonic() of the last poll that found it
         self._previous: dict[tuple[str, str], tuple[float, int]] = {}  # (uid, endpoint) -> (time, calls)
         self._lock = threading.Lock()
@@ -150,11 +151,13 @@ class SwarmMonitor:
             layer["alive"] = len(alive)
             layer["experts"] = {uid: {"endpoint": endpoint} for uid, endpoint in alive.items()}
             located.update(alive)
-        futures = {uid: self._pool.submit(self._info, uid, endpoint) for uid, endpoint in located.items()}
+        asked = self._ask(located)
         try:
             self._replication(snapshot)
         except Exception as error:  # noqa: BLE001 - the grid is worth showing without the replica counts
             logger.warning("reading the replication records from the DHT failed: %s", error)
+        answers = asked()
+        self._answered = {located[uid] for uid, (info, _) in answers.items() if info is not None}
         now = time.monotonic()
         servers: dict[str, dict[str, Any]] = {}
         latencies: dict[str, list[float]] = {}
@@ -162,7 +165,7 @@ class SwarmMonitor:
             for uid, expert in layer["experts"].items():
                 endpoint = expert["endpoint"]
                 self._seen[endpoint] = now
-                info, seconds = self._result(futures[uid])
+                info, seconds = answers[uid]
                 server = servers.setdefault(endpoint, {"endpoint": endpoint, "color": self.color(endpoint),
                                                        "experts": 0, "reachable": 0, "load": 0.0})
                 server["experts"] += 1
@@ -211,12 +214,49 @@ class SwarmMonitor:
         self._previous = {key: value for key, value in self._previous.items()
                           if key[1] in self._seen and now - value[0] <= self.forget_after}
 
-    def _result(self, future: concurrent.futures.Future) -> Any:
-        """``future``'s result, unless the monitor is closing: then :class:`_Closing` at once. A poll waiting on the
-        ``info`` calls of many unreachable experts held a Ctrl-C up for 20 s."""
+    def _ask(self, located: dict[str, str]) -> Callable[[], dict[str, tuple[dict[str, Any] | None, float]]]:
+        """Starts the ``info`` calls of a poll; the returned function waits for them: uid -> (info or None, seconds).
+
+        The experts of endpoints that answered the previous poll are asked first, all at once; every other endpoint
+        is asked for one of its experts, and for the others only once that one answered; whatever has not answered
+        ``max(period, info_timeout)`` after the calls began (or ``info_timeout`` after the wait began, if that is
+        later) is shown unreachable. Anyone may declare free cells at silent addresses, new ones each period: every
+        such cell cost an ``info_timeout`` of one of the ``workers`` threads, and 64 of them stretched a 2 s poll to
+        8 s and pushed the answering servers' calls behind theirs (review 91)."""
+        started = time.monotonic()
+        hosted: dict[str, list[str]] = {}
+        for uid, endpoint in located.items():
+            hosted.setdefault(endpoint, []).append(uid)
+        calls = {uid: self._pool.submit(self._info, uid, endpoint)
+                 for endpoint, uids in hosted.items() if endpoint in self._answered for uid in uids}
+        probed = [endpoint for endpoint in hosted if endpoint not in self._answered]
+        calls.update({hosted[endpoint][0]: self._pool.submit(self._info, hosted[endpoint][0], endpoint)
+                      for endpoint in probed})
+
+        def answers() -> dict[str, tuple[dict[str, Any] | None, float]]:
+            deadline = max(started + max(self.period, self.info_timeout), time.monotonic() + self.info_timeout)
+            found = {uid: self._result(calls[uid], deadline) for uids in hosted.values() for uid in uids[:1]}
+            for endpoint in probed:
+                first, *rest = hosted[endpoint]
+                if found[first][0] is None:  # no need to wait for each of its other cells to fail alike
+                    found.update({uid: found[first] for uid in rest})
+                else:
+                    calls.update({uid: self._pool.submit(self._info, uid, endpoint) for uid in rest})
+            found.update({uid: self._result(call, deadline) for uid, call in calls.items() if uid not in found})
+            return found
+        return answers
+
+    def _result(self, future: concurrent.futures.Future, deadline: float) -> tuple[dict[str, Any] | None, float]:
+        """``future``'s result, or no answer once ``deadline`` (``time.monotonic()``) has passed; unless the monitor
+        is closing: then :class:`_Closing` at once. A poll waiting on the ``info`` calls of many unreachable experts
+        held a Ctrl-C up for 20 s."""
         while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 and not future.done():
+                future.cancel()  # if it has not started: a worker free for the next poll
+                return None, self.info_timeout
             try:
-                return future.result(timeout=0.1)
+                return future.result(timeout=min(0.1, max(0.0, left)))
             except concurrent.futures.TimeoutError:
                 continue
             except concurrent.futures.CancelledError:
