@@ -257,7 +257,7 @@ def test_the_state_service_serves_its_run_and_refuses_others_with_a_clear_status
         assert download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20).step == 4
         with pytest.raises(StateDownloadError, match="NOT_FOUND: this trainer is in run 'run', not 'other'"):
             download_state(server.endpoint, "other", timeout=10, max_bytes=1 << 20)
-        with pytest.raises(StateDownloadError, match="more than 100 bytes"):
+        with pytest.raises(StateDownloadError, match="RESOURCE_EXHAUSTED.*larger than max"):  # one message: 423 B
             download_state(server.endpoint, "run", timeout=10, max_bytes=100)
     with pytest.raises(StateDownloadError, match="UNAVAILABLE"):
         download_state(server.endpoint, "run", timeout=5, max_bytes=1 << 20)  # the server is gone
@@ -565,6 +565,12 @@ def test_a_state_download_counts_every_field_and_every_message_against_its_caps(
         served["messages"] = [dmoe_pb2.StatePart() for _ in range(1000)]  # empty: no bytes at all
         with pytest.raises(StateDownloadError, match="more than 1048576 bytes or 100 messages"):
             download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20, max_messages=100)
+
+        # one message beyond the cap is refused by gRPC as it arrives: it was held whole (up to 64 MiB) first
+        served["messages"] = [dmoe_pb2.StatePart(optimizer_json="x" * (3 << 20))]
+        with pytest.raises(StateDownloadError, match="RESOURCE_EXHAUSTED") as refused:
+            download_state(server.endpoint, "run", timeout=10, max_bytes=1 << 20)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_a_states_tensors_are_checked_on_their_headers_before_anything_of_theirs_is_decoded(monkeypatch):

@@ -31,7 +31,7 @@ import torch
 from dmoe.collab.progress import MAX_GROUP_SIZE, RECORD_MAX_STEP, check_lineage
 from dmoe.endpoints import PortUnavailable, join_host_port, peer_machine, reachable_endpoint
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options
-from dmoe.wire.channels import STREAM_PART_BYTES
+from dmoe.wire.channels import MAX_MESSAGE_BYTES, STREAM_PART_BYTES
 from dmoe.wire.codec import (
     DTYPES,
     NONE,
@@ -709,7 +709,9 @@ def download_state(endpoint: str, run_id: str, timeout: float, max_bytes: int,
     :class:`StateMismatch`, and a compressed tensor ends the download as malformed."""
     messages, received = [], 0
     layout = _Layout(parameters)
-    with grpc.insecure_channel(endpoint, options=grpc_options()) as channel:
+    # no single message beyond the cap either: gRPC holds a message whole before the loop below can count it, and
+    # a peer sent one of 64 MiB (its limit) to a trainer whose whole state is a few MiB
+    with grpc.insecure_channel(endpoint, options=grpc_options(min(MAX_MESSAGE_BYTES, max_bytes + 1))) as channel:
         if not _connects(channel, min(connect_timeout, timeout)):
             raise StateDownloadError(f"{endpoint}: UNAVAILABLE: no connection within "
                                      f"{min(connect_timeout, timeout):g}s", grpc.StatusCode.UNAVAILABLE)
