@@ -6,6 +6,7 @@ import asyncio
 import secrets
 import threading
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 import grpc
@@ -13,13 +14,15 @@ import pytest
 import torch
 
 from dmoe import AveragerConfig
-from dmoe.dht import Identity
+from dmoe.dht import DHTConfig, Identity
+from dmoe.dht.messages import check_entry
 from dmoe.averaging import grid as moshpit
 from dmoe.averaging import matchmaking
 from dmoe.averaging.allreduce import (MAX_WEIGHT, Outcome, PartReducer, PartResult, Refused, SendPace, allreduce,
                                       bad_total, encode_piece, partition, sign_part)
-from dmoe.averaging.matchmaking import (MAX_PEER_ID, Declaration, Group, Matchmaker, Member, parse_declarations,
-                                        parse_group_entry, parse_member, peer_id_for)
+from dmoe.averaging.matchmaking import (MAX_PEER_ID, Declaration, Group, Matchmaker, Member, check_entry_fits,
+                                        declaration_value, parse_declarations, parse_group_entry, parse_member,
+                                        key_text, peer_id_for, published)
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.codec import FLOAT16, deserialize, serialize
 
@@ -183,10 +186,12 @@ class FakeDHT:
 
     def __init__(self):
         self.records: dict[str, dict[int, Entry]] = {}
+        self.config = DHTConfig()
 
     def store_many(self, records):
         for key, entries in records.items():
             for subkey, (value, expiration) in entries.items():
+                check_entry(subkey, value, expiration, self.config.max_value_bytes)  # as DHT.store_many does
                 self.records.setdefault(key, {})[subkey] = Entry(value, expiration, b"leader")
         return {key: {subkey: True for subkey in entries} for key, entries in records.items()}
 
@@ -237,7 +242,7 @@ def test_a_leader_cuts_the_parts_from_the_bandwidths_its_members_read_from_the_g
     dht = FakeDHT()
     me = Member(5, "127.0.0.1:1000", 94990151.83623111, KEY)
     leader = Matchmaker(dht, me, AveragerConfig(), threading.Event())
-    other = parse_group_entry(9, f"127.0.0.1:1001;54873527.695502765;{OTHER_KEY.hex()}")
+    other = parse_group_entry(9, f"127.0.0.1:1001;54873527.695502765;{O}")
     group = leader._lead(0, "run.0.*", [leader.me, other])
     read = tuple(parse_group_entry(pid, entry.value) for pid, entry in sorted(dht.records[group.group_id].items()))
     assert group.members == read
@@ -245,8 +250,30 @@ def test_a_leader_cuts_the_parts_from_the_bandwidths_its_members_read_from_the_g
         partition(10**6 + 1, [m.bandwidth for m in read])
 
 
+def test_a_leader_leaves_out_a_member_its_group_entry_cannot_hold_and_a_peer_that_never_fits_is_refused():
+    """A member's declaration fits the DHT's 96 bytes per value without the key a group entry adds: a leader that
+    took one whose endpoint was long stored a group the DHT refused, and its step raised (review 98)."""
+    long_endpoint = "[2001:db8:85a3:1111:2222:3333:8a2e:7334]:65535"  # 47 characters, declared with a 1-digit bandwidth
+    assert check_entry(1, declaration_value(Member(1, long_endpoint, 1.0), "0123abcd", "w"), 1e12, 96) is None
+    with pytest.raises(ValueError, match=r"over the DHT's max_value_bytes \(96\): announce a shorter host"):
+        check_entry_fits(Member(1, long_endpoint, 97331933.29226607, KEY), 96)
+    ipv6 = Member(1, "[2001:db8:85a3::8a2e:370:7334]:51000", 97331933.29226607, KEY)
+    check_entry_fits(ipv6, 96)
+    assert parse_group_entry(1, ipv6.entry()) == published(ipv6)
+    dht = FakeDHT()
+    leader = Matchmaker(dht, Member(5, "127.0.0.1:1000", 1.0, KEY), AveragerConfig(target_group_size=3,
+                                                                                  min_group_size=2), threading.Event())
+    now = time.time()
+    waiting = {pid: Declaration(replace(published(Member(pid, endpoint, 97331933.29226607)), key=OTHER_KEY), "w",
+                                now + 60, OTHER_KEY) for pid, endpoint in ((2**31 - 2, long_endpoint),
+                                                                           (2**31 - 1, "127.0.0.1:1001"))}
+    leader.me = replace(leader.me, peer_id=1)
+    group = leader._look(0, "run.0.*", waiting, {}, {}, matchmaking_ends=now, target=3)  # leads who is there
+    assert [m.peer_id for m in group.members] == [1, 2**31 - 1]
+
+
 KEY, OTHER_KEY = bytes(range(32)), bytes(range(32, 64))
-K, O = KEY.hex(), OTHER_KEY.hex()
+K, O = key_text(KEY), key_text(OTHER_KEY)
 
 
 @pytest.mark.parametrize("me, entries, reason", [

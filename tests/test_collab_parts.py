@@ -778,7 +778,7 @@ def test_records_stored_ahead_under_the_keys_of_steps_to_come_keep_no_trainer_fr
     of a smaller id than everyone's, which never leads, held every trainer up until its averaging timed out. A
     trainer's averaging now reads only the declarations of its partners (the DHT keys that signed their progress
     records), so each step averages the two trainers' samples."""
-    from dmoe.averaging.matchmaking import MAX_PEER_ID, new_salt, peer_id_for
+    from dmoe.averaging.matchmaking import MAX_PEER_ID, key_text, new_salt, peer_id_for
 
     torch.manual_seed(0)
     models = [torch.nn.Linear(4, 4) for _ in range(2)]
@@ -790,7 +790,7 @@ def test_records_stored_ahead_under_the_keys_of_steps_to_come_keep_no_trainer_fr
             key = f"ahead.grad.{step}.*"
             salts = [new_salt() for _ in range(2)]
             ids = [peer_id_for(hostile.identity.public_key, key, salt) for salt in salts]
-            member = f"127.0.0.1:9;1;{hostile.identity.public_key.hex()}"  # a group entry names the member's key
+            member = f"127.0.0.1:9;1;{key_text(hostile.identity.public_key)}"  # a group entry names the member's key
             hostile.store_many({f"{key}.{ids[0]}.{nonce}": {pid: (member, expiration) for pid in ids}})
             entries = {pid: (f"127.0.0.1:9;1;{salt};{state}", expiration)
                        for pid, salt, state in zip(ids, salts, [f"L2.{nonce}", "w"])}

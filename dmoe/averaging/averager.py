@@ -23,7 +23,7 @@ import torch
 from dmoe.averaging import grid as moshpit
 from dmoe.averaging.allreduce import MAX_WEIGHT, AllReduceResult, Outcome, SendPace, allreduce, send_and_receive
 from dmoe.averaging.config import MAX_PIECE_BYTES, MESSAGE_OVERHEAD_BYTES, AveragerConfig
-from dmoe.averaging.matchmaking import Matchmaker, Member
+from dmoe.averaging.matchmaking import Matchmaker, Member, check_entry_fits
 from dmoe.averaging.service import AveragingServicer
 from dmoe.dht import DHT
 from dmoe.endpoints import PortUnavailable, join_host_port, reachable_endpoint
@@ -127,6 +127,11 @@ class DecentralizedAverager:
             raise
         me = Member(0, self.endpoint, 0.0 if cfg.client_mode else cfg.bandwidth,  # its id: drawn each round
                     key=dht.identity.public_key)
+        try:
+            check_entry_fits(me, dht.config.max_value_bytes)
+        except ValueError:
+            self.shutdown()
+            raise
         self.matchmaker = Matchmaker(dht, me, cfg, self._stop)
         logger.info("averager of run %r (DHT key %s): %d values in %d tensors, %s", prefix,
                     dht.identity.public_key.hex()[:16], self.numel, len(self.tensors),

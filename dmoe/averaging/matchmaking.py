@@ -30,6 +30,7 @@ little longer (``margin``), so that those still read the group before giving up.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import math
@@ -50,8 +51,9 @@ WAITING, GONE, LEADING = "w", "x", "L"
 _LEADING = re.compile(r"L([0-9]{1,4})\.([0-9a-f]{8})")
 _SALT = re.compile(r"[0-9a-f]{8}")
 _PORT = re.compile(r"[0-9]{1,5}")
-#: a member's DHT key (Ed25519, 32 bytes) as a group entry names it
-_KEY = re.compile(r"[0-9a-f]{64}")  # ASCII: str.isdigit takes "²", which int refuses
+#: a member's DHT key (Ed25519, 32 bytes) as a group entry names it: unpadded base64url, 43 characters (in hex, 64
+#: of the DHT's 96 per value, an IPv6 endpoint left the entry over the limit and the leader's step raised: review 98)
+_KEY = re.compile(r"[A-Za-z0-9_-]{43}")  # ASCII: str.isdigit takes "²", which int refuses
 #: largest peer id: ids are owned int subkeys of the DHT, which must lie in [0, 2**31)
 MAX_PEER_ID = 2**31 - 1
 #: declarations tried, each under a new id, when the DHT refuses one (its id taken: only by chance or a lucky guess)
@@ -75,6 +77,11 @@ def peer_id_for(owner: bytes, key: str, salt: str) -> int:
     return int.from_bytes(digest, "big") % MAX_PEER_ID + 1
 
 
+def key_text(key: bytes) -> str:
+    """A DHT key as a group entry names it: unpadded base64url (43 characters for an Ed25519 key)."""
+    return base64.urlsafe_b64encode(key).rstrip(b"=").decode()
+
+
 @dataclass(frozen=True)
 class Member:
     """One member of a group as the leader published it."""
@@ -88,9 +95,9 @@ class Member:
         return f"{self.endpoint or '-'};{self.bandwidth:.6g}"
 
     def entry(self) -> str:
-        """What a leader stores for this member in its group: ``<endpoint>;<bandwidth>;<DHT key, hex>``. The key
-        tells the owners whose signature a stream under this member's id must carry (anyone can read the ids)."""
-        return f"{self.describe()};{self.key.hex()}"
+        """What a leader stores for this member in its group: ``<endpoint>;<bandwidth>;<DHT key, base64url>``. The
+        key tells the owners whose signature a stream under this member's id must carry (anyone can read the ids)."""
+        return f"{self.describe()};{key_text(self.key)}"
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,17 @@ def parse_group_entry(peer_id: int, value: str) -> Member:
     head, _, key_text = value.rpartition(";")
     if not _KEY.fullmatch(key_text):
         raise ValueError(f"bad member key {key_text!r}")
-    return replace(parse_member(peer_id, head), key=bytes.fromhex(key_text))
+    return replace(parse_member(peer_id, head), key=base64.urlsafe_b64decode(key_text + "="))
+
+
+def check_entry_fits(member: Member, max_value_bytes: int) -> None:
+    """Raises ValueError naming the endpoint when a group entry of ``member`` (with an Ed25519 key) would be longer
+    than the DHT takes: no leader could publish a group with this peer in it."""
+    entry = replace(member, key=member.key or bytes(32)).entry()
+    if len(entry) > max_value_bytes:
+        raise ValueError(f"this peer's group entry {entry!r} is {len(entry)} bytes, over the DHT's max_value_bytes "
+                         f"({max_value_bytes}): announce a shorter host than {member.endpoint!r}, or a bandwidth "
+                         f"of fewer digits than {member.bandwidth!r}")
 
 
 def published(member: Member) -> Member:
@@ -339,8 +356,11 @@ class Matchmaker:
             if self._expiration - now < self.margin + 2 * cfg.poll_period:
                 self._declare(key, WAITING, now + cfg.declaration_ttl + self.margin)
             return _WAIT
-        # this peer leads: the smallest waiting peer that no group has taken
-        available = [self.me] + [d.member for pid, d in sorted(waiting.items()) if d.expiration > now + self.margin]
+        # this peer leads: the smallest waiting peer that no group has taken (and that a group entry can hold: a
+        # declaration of a long endpoint fits the DHT's values without the key the entry adds, and made the store of
+        # the group raise in this peer's step)
+        available = [self.me] + [d.member for pid, d in sorted(waiting.items()) if d.expiration > now + self.margin
+                                 and len(d.member.entry()) <= self.dht.config.max_value_bytes]
         if (len(available) < target or now < settled) and now < matchmaking_ends:
             return _WAIT
         members = available[:target]
@@ -365,7 +385,7 @@ class Matchmaker:
             if all(result is True for result in results[group_id].values()):
                 results |= self.dht.store_many(
                     {key: {self.me.peer_id: (declaration_value(self.me, self.salt, state), self._expiration)}})
-        except TimeoutError as error:
+        except (TimeoutError, ValueError) as error:  # (ValueError: an entry the DHT refuses before sending it)
             results = {"error": {0: str(error)}}
         failed = [f"{subkey}: {result}" for record in results.values() for subkey, result in record.items()
                   if result is not True]
