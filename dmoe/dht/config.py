@@ -34,8 +34,11 @@ class DHTConfig:
         cannot exhaust a node's memory.
     max_entries: most entries (subkeys) of all its records together a node stores; stores of new ones beyond it are
         refused. Records times subkeys alone let a flood fill ~7 GiB; 2**19 entries of at most 96 bytes of value
-        and 96 of key and signature are about 250 MB of Python objects, and a swarm's directory needs about one
-        entry per expert (shared out over the nodes).
+        and 96 of key and signature are about 300 MB of Python objects, and a swarm's directory needs about one
+        entry per expert (shared out over the nodes). A flood of entries that expire at once and are stored again
+        also fills the memory of expired entries (as many again, at most: ~450 MB with the live ones), and with its
+        caches (signatures checked, replies) a node at every cap holds about 600 MB (measured, review 97): lower
+        ``max_entries`` (``dmoe-dht --max-entries``) on a machine with less memory to spare.
     sender_share: once a node holds half of ``max_records`` or ``max_entries``, one sending machine (an IPv4
         address, an IPv6 /64; not this host) gets no new record or entry there beyond this share of the cap, so one
         flooding machine cannot lock honest writers out (:class:`dmoe.dht.storage.RecordStorage`).
