@@ -15,6 +15,7 @@ from dmoe.dht import DHT
 from dmoe.directory import get_experts
 from dmoe.experts import create_expert
 from dmoe.server import ExpertBackend, ExpertServer, ServerConfig
+from dmoe.server.backend import make_optimizer
 from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint
 from tests.procs import Proc, processes
 
@@ -368,3 +369,61 @@ def test_a_last_checkpoint_that_cannot_be_written_ends_the_server_in_one_line_sa
     assert last.startswith("dmoe-server: error: the last checkpoint could not be written to ") and \
         "File too large" in last and "none was written by this run" in last, stderr
     assert "Traceback" not in stderr, stderr
+
+
+class UpThenDown(torch.nn.Module):
+    """A user's expert class as first written: ``up`` declared before ``down``."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.up = torch.nn.Linear(hidden_dim, 4 * hidden_dim)
+        self.down = torch.nn.Linear(4 * hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class DownThenUp(UpThenDown):
+    """The same class after an ordinary refactor: the same layers (names, shapes, forward), declared the other way."""
+
+    def __init__(self, hidden_dim: int):
+        torch.nn.Module.__init__(self)
+        self.down = torch.nn.Linear(4 * hidden_dim, hidden_dim)
+        self.up = torch.nn.Linear(hidden_dim, 4 * hidden_dim)
+
+
+def custom_backend(cls: type[torch.nn.Module]) -> ExpertBackend:
+    module = cls(HIDDEN)
+    return ExpertBackend("ck.0", module, [torch.randn(2, HIDDEN)], make_optimizer("adam", module.parameters(), 1e-3),
+                         expert_cls="updown")
+
+
+def test_a_checkpoint_of_the_same_layers_declared_in_another_order_is_refused_naming_the_order(tmp_path):
+    """Review 100 D1: names and shapes were compared ignoring their order while the optimizer state is restored by
+    position: each layer got the other's Adam moments, the weights went NaN and the process died of heap
+    corruption at the next step."""
+    first = custom_backend(UpThenDown)
+    first.backward(torch.randn(3, HIDDEN), torch.randn(3, HIDDEN))
+    Checkpoints(tmp_path, {"ck.0": first}, interval=None).close()
+    checkpoints = Checkpoints(tmp_path, {"ck.0": custom_backend(DownThenUp)}, interval=None)
+    with pytest.raises(CheckpointMismatch, match=r"parameter order differs .*: the checkpoint's up\.weight, up\.bias, "
+                                                 r"down\.weight, \.\.\. are requested as down\.weight"):
+        checkpoints.restore()
+    checkpoints.close(save=False)
+
+
+def test_a_backend_refuses_optimizer_buffers_that_do_not_fit_their_parameters_before_loading_anything():
+    """Review 100 D1: torch hands saved buffers to parameters by position and checks none of their shapes; the
+    fused Adam kernel did not either, and corrupted the heap."""
+    trained = custom_backend(UpThenDown)
+    trained.backward(torch.randn(3, HIDDEN), torch.randn(3, HIDDEN))
+    state = trained.state_dict()
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(HIDDEN, 4 * HIDDEN)  # down's shape, given to up
+    backend = custom_backend(UpThenDown)
+    before = {name: tensor.clone() for name, tensor in backend.module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"ck\.0: optimizer state exp_avg of parameter 0 is \[8, 32\], the parameter "
+                                         r"is \[32, 8\]"):
+        backend.load_state_dict(state)
+    torch.testing.assert_close(backend.module.state_dict(), before)
+    assert not backend.optimizer.state
+

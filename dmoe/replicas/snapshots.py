@@ -24,10 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
-import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, NamedTuple
 
@@ -42,14 +39,13 @@ from dmoe.dht.signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, verify
 from dmoe.replicas.records import SIGNER_HEX
 from dmoe.server.backend import ExpertBackend
 from dmoe.server.checkpoints import describe, fixed_hparams, to_host
+from dmoe.server.optimizer_state import MAX_UPDATES, check_optimizer_state, whole_steps
 from dmoe.uid import is_valid_uid
 from dmoe.wire import dmoe_pb2
 from dmoe.wire.codec import NONE, InvalidTensor, TensorTooLarge, deserialize, dtype_name, expected_numel, serialize
 
 logger = logging.getLogger(__name__)
 
-#: no expert trains this many steps; a count beyond it is a lie or a bug
-MAX_UPDATES = 10**12
 #: bytes of snapshot per streamed message
 CHUNK_BYTES = 1 << 20
 #: the parts of an expert's state that ``--replica-compression`` packs: the module's weights alone. The optimizer's
@@ -359,104 +355,17 @@ def check_state(snapshot: dmoe_pb2.Snapshot, template: ExpertBackend) -> Any:
     return state
 
 
-#: the shape of the stand-in parameters :func:`optimizer_buffers` steps: a buffer of this shape is one shaped like
-#: its parameter (Adam's moments), any other has that shape whatever the parameter's (its step counter: ``()``)
-_STAND_IN = (2, 3)
-#: optimizer -> what :func:`optimizer_buffers` found for it (a template's optimizer: checks of every replica ask)
-_BUFFERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[dict[Any, Any]] | None]" = \
-    weakref.WeakKeyDictionary()
-_BUFFERS_LOCK = threading.Lock()
-LIKE_PARAMETER = "like the parameter"
-
-
-def optimizer_buffers(optimizer: torch.optim.Optimizer) -> list[dict[Any, Any]] | None:
-    """Per parameter (in ``state_dict`` order), the state ``optimizer``'s class and settings keep for it once it
-    has stepped: key -> :data:`LIKE_PARAMETER` (a tensor of the parameter's shape), a tensor's shape (a tuple), or
-    None (no tensor). Found by stepping a copy of the optimizer over small stand-in parameters once, so it holds for
-    any optimizer (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``, and ``max_exp_avg_sq`` with amsgrad; SGD:
-    ``momentum_buffer`` with momentum, nothing without). None when that copy cannot be made or stepped."""
-    with _BUFFERS_LOCK:
-        if optimizer in _BUFFERS:
-            return _BUFFERS[optimizer]
-    try:
-        groups = []
-        for group in optimizer.param_groups:
-            stand_ins = [torch.zeros(_STAND_IN, dtype=p.dtype, device=p.device, requires_grad=True)
-                         for p in group["params"]]
-            for stand_in in stand_ins:
-                stand_in.grad = torch.ones_like(stand_in)
-            groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": stand_ins})
-        trial = type(optimizer)(groups)
-        trial.step()
-        state = trial.state_dict()["state"]
-        count = sum(len(group["params"]) for group in groups)
-        found: list[dict[Any, Any]] | None = [
-            {key: (LIKE_PARAMETER if tuple(value.shape) == _STAND_IN else tuple(value.shape))
-             if isinstance(value, torch.Tensor) else None for key, value in state.get(index, {}).items()}
-            for index in range(count)]
-    except Exception as error:  # noqa: BLE001 - an optimizer this cannot copy: its state's keys go unchecked
-        logger.warning("could not tell the per-parameter state of a %s (%s: %s): replicas' optimizer states are "
-                       "checked for their tensors' shapes only", type(optimizer).__name__, type(error).__name__,
-                       error)
-        found = None
-    with _BUFFERS_LOCK:
-        _BUFFERS[optimizer] = found
-    return found
-
-
 def _check_optimizer(optimizer: Any, template: ExpertBackend,
                      mismatch: Callable[[str], Exception]) -> tuple[list[TensorRef], bool]:
-    """Checks the optimizer state's per-parameter state against the parameters and the template's optimizer: each
-    parameter's is empty (it has not stepped) or holds exactly the buffers the template's optimizer keeps for it
-    (:func:`optimizer_buffers`), each a tensor of the right shape; a buffer missing made the adopted expert fail
-    every training step with a KeyError, a step counter missing left the update count unchecked (review 88).
-    Returns its step counters, and whether the template's optimizer counts its steps (then a replica with
-    updates must carry them)."""
-    if template.optimizer is None:
-        if optimizer is not None:
-            raise mismatch("it carries an optimizer state, this server's experts have no optimizer")
-        return [], False
-    shapes = [tuple(p.shape) for group in template.optimizer.param_groups for p in group["params"]]
-    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict) \
-            or not isinstance(optimizer.get("param_groups"), list):
-        raise mismatch("its optimizer state is not a torch optimizer's state_dict")
-    indices = [i for group in optimizer["param_groups"] if isinstance(group, dict)
-               for i in (group.get("params") if isinstance(group.get("params"), list) else [None])]
-    if len(optimizer["param_groups"]) != len(template.optimizer.param_groups) or sorted(
-            i for i in indices if isinstance(i, int)) != list(range(len(shapes))):
-        raise mismatch(f"its optimizer covers other parameters than the {len(shapes)} of this server's experts")
-    buffers = optimizer_buffers(template.optimizer)
-    if buffers is not None and len(buffers) != len(shapes):
-        buffers = None
-    counts_steps = buffers is not None and any(kept.get("step") == () for kept in buffers)
-    steps = []
-    for index, per_parameter in optimizer["state"].items():
-        if not isinstance(index, int) or not 0 <= index < len(shapes) or not isinstance(per_parameter, dict):
-            raise mismatch(f"optimizer state of unknown parameter {index!r}")
-        kept = buffers[index] if buffers is not None else None
-        if kept is not None and per_parameter and set(per_parameter) != set(kept):
-            raise mismatch(f"optimizer state of parameter {index} holds {sorted(map(str, per_parameter))[:8]}, "
-                           f"this server's {type(template.optimizer).__name__} keeps {sorted(map(str, kept))} for it")
-        for key, value in per_parameter.items():
-            want = kept.get(key) if kept is not None else None
-            if not isinstance(value, TensorRef):
-                if want is not None:
-                    raise mismatch(f"optimizer state {key} of parameter {index} is {repr(value)[:40]}, not a tensor")
-                continue
-            if value.compression != NONE:  # (see COMPRESSED_PARTS: loaded, it would wreck the next step)
-                raise mismatch(f"optimizer state {key} of parameter {index} is compressed; replicas carry the "
-                               "optimizer's state exact")
-            if kept is not None and want is None:
-                raise mismatch(f"optimizer state {key} of parameter {index} is a tensor, this server's "
-                               f"{type(template.optimizer).__name__} keeps none there")
-            shape = shapes[index] if want in (None, LIKE_PARAMETER) else want
-            if key == "step" and value.shape == () and want in (None, ()):
-                steps.append(value)
-            elif value.shape != shape:
-                raise mismatch(f"optimizer state {key} of parameter {index} is {list(value.shape)}, "
-                               + (f"the parameter is {list(shape)}" if shape == shapes[index] else
-                                  f"this server's optimizer keeps {list(shape)}"))
-    return steps, counts_steps
+    """:func:`~dmoe.server.optimizer_state.check_optimizer_state` on the snapshot's tensor references, which
+    also refuses a compressed buffer (see :data:`COMPRESSED_PARTS`: loaded, it would wreck the next step)."""
+    def exact(key: Any, index: int, ref: TensorRef) -> None:
+        if ref.compression != NONE:
+            raise mismatch(f"optimizer state {key} of parameter {index} is compressed; replicas carry the "
+                           "optimizer's state exact")
+
+    return check_optimizer_state(optimizer, template.optimizer, mismatch, tensor_types=(TensorRef,),
+                                 check_tensor=exact)
 
 
 def _check_updates(snapshot: dmoe_pb2.Snapshot, template: ExpertBackend, steps: list[TensorRef],
@@ -491,18 +400,13 @@ def _step_value(snapshot: dmoe_pb2.Snapshot, ref: TensorRef) -> str:
 
 
 def _step_count(snapshot: dmoe_pb2.Snapshot, ref: TensorRef) -> int | None:
-    """An optimizer's step counter as an int, or None unless it is a whole number of steps from 0 to
-    :data:`MAX_UPDATES`. A signer may send any value: ``int()`` of +inf raised OverflowError (of NaN, ValueError),
-    which no caller expected, and crashed a new server's restore and aborted whole adoptions (review 78)."""
+    """An optimizer's step counter as an int, or None unless it is a whole number of steps (:func:`whole_steps`):
+    a signer may send any value, and one that crashed a new server's restore aborted whole adoptions (review 78)."""
     try:
         value = deserialize(snapshot.tensors[ref.index].tensor).item()
     except Exception:  # noqa: BLE001 - an undecodable counter is no count
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None  # (a complex number, say)
-    if not math.isfinite(value) or value < 0 or value > MAX_UPDATES or value != int(value):
-        return None
-    return int(value)
+    return whole_steps(value)
 
 
 # ---- loading ----

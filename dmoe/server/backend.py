@@ -12,6 +12,7 @@ from torch import nn
 
 from dmoe.server.activations import ActivationCache, ActivationKey, KeptForward, SavedBytes, parameter_versions
 from dmoe.server.cuda_graphs import ExpertGraphs, GraphSwitch
+from dmoe.server.optimizer_state import check_optimizer_state
 from dmoe.wire.codec import DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,10 @@ def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
     overflows counts as non-finite too, which takes gradients summing past ~3e38."""
     sums = [t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype) for t in tensors]
     return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in sums])).all())
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _owned(rows: torch.Tensor) -> torch.Tensor:
@@ -407,16 +412,44 @@ class ExpertBackend:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
 
+    def check_state(self, state: Any) -> list[torch.Tensor]:
+        """Raises ValueError, naming the first tensor that does not fit, unless :meth:`load_state_dict` can load
+        ``state`` whole: the module's tensors by name, each of its shape (and floating-point where the module's is);
+        the optimizer's per-parameter buffers against the parameters they will be given to, by position
+        (:func:`check_optimizer_state`: a buffer of another shape corrupted the heap at the first fused step,
+        review 100 D1). Checked before anything is loaded, so that a refused state leaves the expert as it was.
+        Returns the optimizer's step counters."""
+        def refused(message: str) -> ValueError:
+            return ValueError(f"{self.name}: {message}")
+
+        if not isinstance(state, dict) or not isinstance(state.get("module"), dict):
+            raise refused("the state holds no module tensors")
+        module, expected = state["module"], self.module.state_dict()
+        if set(module) != set(expected):
+            raise refused(f"module tensors differ: missing {sorted(set(expected) - set(module))[:4]}, unexpected "
+                          f"{sorted(map(str, set(module) - set(expected)))[:4]}")
+        for name, tensor in expected.items():
+            saved = module[name]
+            if not isinstance(saved, torch.Tensor) or saved.shape != tensor.shape \
+                    or saved.is_floating_point() != tensor.is_floating_point() or saved.is_complex():
+                got = f"{list(saved.shape)} {_dtype(saved)}" if isinstance(saved, torch.Tensor) else repr(saved)[:40]
+                raise refused(f"module tensor {name} is {got}, the expert's is {list(tensor.shape)} {_dtype(tensor)}")
+        if self.optimizer is None or state.get("optimizer") is None:
+            return []  # (none saved: the optimizer starts afresh)
+        steps, _ = check_optimizer_state(state["optimizer"], self.optimizer, refused)
+        return steps
+
     def load_state_dict(self, state: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """Restores :meth:`state_dict`'s output. The optimizer keeps the settings of :data:`GIVEN_NOW` it was built
         with (the learning rate, unless a scheduler sets it; weight decay): returns those that differ from the
         saved ones, as ``{name: (saved, now)}``. Raises ValueError for the state of another kind of optimizer (its
-        per-parameter state would fail the first step with a KeyError)."""
+        per-parameter state would fail the first step with a KeyError), or one :meth:`check_state` refuses."""
         saved_optimizer = state.get("optimizer") if self.optimizer is not None else None
         saved_kind, kind = saved_optimizer_name(saved_optimizer), optimizer_name(self.optimizer)
         if saved_kind is not None and kind is not None and saved_kind != kind:
             raise ValueError(f"{self.name}: the saved optimizer state is {saved_kind!r}'s, this expert's optimizer "
                              f"is {kind!r}")
+        self.check_state(state)
         self.module.load_state_dict(state["module"])
         self._weights_changed()
         changed: dict[str, tuple[Any, Any]] = {}

@@ -414,7 +414,11 @@ def fixed_hparams(hparams_json: str) -> dict[str, Any]:
 
 
 def _compared(key: str, value: Any) -> Any:
-    """A description's part as compared (see :func:`fixed_hparams`)."""
+    """A description's part as compared (see :func:`fixed_hparams`). The parameters in their order: the optimizer's
+    state is restored by position, so a class whose layers were declared in another order (same names, same shapes)
+    got each layer's Adam moments on another layer, NaN weights and a corrupted heap (review 100 D1)."""
+    if key == "parameters":
+        return list(value.items())
     return fixed_hparams(value) if key == "hparams_json" else value
 
 
@@ -422,6 +426,11 @@ def _difference(key: str, saved: Any, wanted: Any) -> str:
     if key == "parameters":
         changed = [f"{name} {saved.get(name, 'absent')} -> {wanted.get(name, 'absent')}"
                    for name in sorted(set(saved) | set(wanted)) if saved.get(name) != wanted.get(name)]
+        if not changed:  # the same tensors, in another order
+            first = next(at for at, (old, new) in enumerate(zip(saved, wanted)) if old != new)
+            return (f"parameter order differs (the optimizer state is restored by position): the checkpoint's "
+                    f"{', '.join(list(saved)[first:first + 3])}, ... are requested as "
+                    f"{', '.join(list(wanted)[first:first + 3])}, ...")
         return "parameter shapes differ (checkpoint -> requested): " + ", ".join(changed[:4]) + (
             f" and {len(changed) - 4} more" if len(changed) > 4 else "")
     if key == "hparams_json":
