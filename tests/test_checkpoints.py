@@ -427,3 +427,58 @@ def test_a_backend_refuses_optimizer_buffers_that_do_not_fit_their_parameters_be
     torch.testing.assert_close(backend.module.state_dict(), before)
     assert not backend.optimizer.state
 
+
+def trained_server_checkpoint(directory) -> None:
+    server = ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, config=ServerConfig(device="cpu",
+                                                                                checkpoint_dir=str(directory)))
+    for backend in server.backends.values():
+        backend.backward(torch.randn(3, HIDDEN), torch.randn(3, HIDDEN))
+        backend.updates = 1
+    server.checkpoints.close()
+
+
+def set_key(mapping: dict, key, value) -> None:
+    mapping[key] = value
+
+
+# a change to expert ck.0 of a trained checkpoint, and what the refusal says of it
+DAMAGES = {
+    "a weight of another shape": (
+        lambda e: set_key(e["state"]["module"], "ffn.0.weight", torch.zeros(16, HIDDEN)),
+        "module tensor ffn.0.weight is [16, 8] float32, the expert's is [32, 8] float32"),
+    "no module": (lambda e: e["state"].pop("module"), "the state holds no module tensors"),
+    "hyperparameters that are no text": (lambda e: set_key(e["description"], "hparams_json", 5),
+                                         "hyperparameters are not a JSON object"),
+    "a NaN weight": (lambda e: e["state"]["module"]["ffn.0.weight"].fill_(float("nan")),
+                     "ck.0: module ffn.0.weight is not finite"),
+    "an update count that is no number": (lambda e: set_key(e, "updates", "many"), "updates is 'many', not a count"),
+    "Adam moments of another shape": (
+        lambda e: set_key(e["state"]["optimizer"], "state", {
+            i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1)} for i in range(6)}),
+        "optimizer state exp_avg of parameter 0 is [1], the parameter is [32, 8]"),
+    "Adam states listed for other parameters": (
+        lambda e: e["state"]["optimizer"]["param_groups"][0]["params"].reverse(),
+        "optimizer state exp_avg of parameter 0 is [32, 8], the parameter its place in the groups gives it to (5) "
+        "is [8]"),
+    "a step count that is no whole number": (
+        lambda e: [s["step"].fill_(1.5) for s in e["state"]["optimizer"]["state"].values()],
+        "its optimizer's step count 1.5 is not a whole number of steps"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_that_reads_is_refused_in_one_line_not_loaded_or_ended_in_a_traceback(
+        tmp_path, capsys, damage):
+    """Review 100 D7: these passed the checks of the file's structure, then ended dmoe-server in a KeyError, a
+    TypeError or a size mismatch, or were loaded: NaN weights served, a bad update count kept, Adam's buffers of
+    another shape corrupting the heap at the first step."""
+    trained_server_checkpoint(tmp_path)
+    change, words = DAMAGES[damage]
+    state = torch.load(tmp_path / FILENAME, weights_only=True)
+    change(state["experts"]["ck.0"])
+    torch.save(state, tmp_path / FILENAME)
+    with pytest.raises(CorruptCheckpoint) as error:
+        save_checkpoint(tmp_path)
+    assert words in str(error.value) and str(tmp_path / FILENAME) in str(error.value)
+    output = refused_here(capsys, server_args(tmp_path))
+    assert "argument --checkpoint-dir" in output and words in output and "Traceback" not in output, output

@@ -22,12 +22,13 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, ContextManager, Mapping
+from typing import IO, Any, Callable, ContextManager, Iterator, Mapping
 
 import torch
 
 from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import ExpertBackend, optimizer_name, saved_optimizer_name
+from dmoe.server.optimizer_state import MAX_UPDATES, whole_steps
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,11 @@ class Checkpoints:
                         and isinstance(e.get("description"), dict)
                         and all(key in e["description"] for key in DESCRIBED) for e in experts.values())):
             raise CorruptCheckpoint(f"{self.path} lacks parts of a dmoe experts checkpoint (altered by hand?)")
+        for uid, saved in experts.items():
+            unsound = _unsound(saved)
+            if unsound is not None:  # (they ended the server in a traceback, or were loaded: review 100 D7)
+                raise CorruptCheckpoint(f"{self.path} is not a sound dmoe experts checkpoint (altered by hand?): "
+                                        f"expert {uid}'s {unsound}; move it away to start these experts from scratch")
         return state
 
     def check(self, state: dict[str, Any]) -> None:
@@ -270,11 +276,20 @@ class Checkpoints:
             logger.info("no checkpoint in %s yet: experts start from their initial weights", self.directory)
             return False
         self.check(state)
+        for uid, backend in self.backends.items():  # all of them before any is loaded
+            self._check_state(uid, backend, state["experts"][uid]["state"])
         changed: dict[str, tuple[Any, Any]] = {}
         for uid, backend in self.backends.items():
             saved = state["experts"][uid]
             device = next((p.device for p in backend.module.parameters()), torch.device("cpu"))
-            for key, values in backend.load_state_dict(_to_device(saved["state"], device)).items():
+            try:
+                loaded = backend.load_state_dict(_to_device(saved["state"], device))
+            except (MemoryError, torch.cuda.OutOfMemoryError):
+                raise
+            except Exception as error:  # a state the checks let through: still the file's fault, in one line
+                raise CorruptCheckpoint(f"{self.path}: expert {uid} cannot be loaded from it ({type(error).__name__}: "
+                                        f"{error}); move it away to start these experts from scratch") from error
+            for key, values in loaded.items():
                 changed.setdefault(key, values)
             was = json.loads(saved["description"]["hparams_json"])
             if "clip_grad_norm" in was and "clip_grad_norm" in backend.hparams and \
@@ -288,6 +303,27 @@ class Checkpoints:
         for key, (was, now) in changed.items():  # the optimizers keep the settings given now
             logger.info("the experts now use %s %s (the checkpoint was trained with %s)", key, now, was)
         return True
+
+    def _check_state(self, uid: str, backend: ExpertBackend, state: dict[str, Any]) -> None:
+        """Raises CorruptCheckpoint unless ``backend`` can load ``state`` (:meth:`ExpertBackend.check_state`: the
+        tensors the description promised, optimizer buffers that fit their parameters) and every number in it is
+        finite, a whole count of steps where it counts them: a weight altered or damaged to NaN was served, a buffer
+        of another shape corrupted the heap at the first step (review 100 D1, D7)."""
+        def corrupt(reason: str) -> CorruptCheckpoint:
+            return CorruptCheckpoint(f"{self.path} does not hold what its description says (altered by hand, or "
+                                     f"damaged?): {reason}; move it away to start these experts from scratch")
+
+        try:
+            steps = backend.check_state(state)
+        except ValueError as error:
+            raise corrupt(str(error)) from None
+        # (exact, one tensor at a time: all_finite's sums may overflow where no element is infinite)
+        name = next((name for name, tensor in _floating_tensors(state) if not torch.isfinite(tensor).all()), None)
+        if name is not None:
+            raise corrupt(f"{uid}: {name} is not finite")
+        bad = next((step for step in steps if whole_steps(step.item()) is None), None)
+        if bad is not None:
+            raise corrupt(f"{uid}: its optimizer's step count {bad.item()!r} is not a whole number of steps")
 
     def _remove_stale_temp_files(self) -> None:
         # a temp file is left behind only by a process killed mid-write: it is never read, only removed
@@ -392,6 +428,47 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
     return value
+
+
+def _floating_tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(where, tensor) for each floating-point tensor in a state, e.g. ``module ffn.0.weight``."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _floating_tensors(item, f"{path} {key}".strip())
+    elif isinstance(value, (list, tuple)):
+        for at, item in enumerate(value):
+            yield from _floating_tensors(item, f"{path} {at}".strip())
+
+
+#: counters a checkpoint keeps per expert beside its state (missing in old ones)
+COUNTERS = ("forward_calls", "backward_calls", "updates")
+
+
+def _unsound(saved: dict[str, Any]) -> str | None:
+    """What of a checkpointed expert's description or counters could not have been written by :meth:`snapshot`, or
+    None: a hyperparameter text that is not a JSON object ended the server in a TypeError, a count of updates that is
+    no number was loaded as it was (review 100 D7)."""
+    description = saved["description"]
+    try:
+        hparams = json.loads(description["hparams_json"])
+    except (TypeError, ValueError):
+        hparams = None
+    if not isinstance(hparams, dict):
+        return f"hyperparameters are not a JSON object: {str(description['hparams_json'])[:40]!r}"
+    parameters = description["parameters"]
+    if not isinstance(description["expert_cls"], str) or not isinstance(parameters, dict) or not all(
+            isinstance(name, str) and isinstance(shape, list) and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+            for name, shape in parameters.items()):
+        return "description names no class or no parameter shapes"
+    for counter in COUNTERS:
+        count = saved.get(counter, 0)
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_UPDATES:
+            return f"{counter} is {str(count)[:40]!r}, not a count"
+    return None
 
 
 def _some(uids: list[str], limit: int = 5) -> str:
