@@ -5,6 +5,7 @@ steps on stand-in mixture layers; the demo is run up to its swarm, which a stand
 """
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import sys
@@ -59,7 +60,7 @@ def parsed_demo(monkeypatch, text_file, tmp_path, *flags: str) -> dict:
 
 @pytest.mark.parametrize("flag, value, server_flag", [
     ("--expert-lr", "0.5", "--lr"), ("--expert-optimizer", "sgd", "--optimizer"),
-    ("--expert-clip-grad-norm", "1", "--clip-grad-norm"), ("--expert-cls", "transformer", "--expert-cls")])
+    ("--expert-clip-grad-norm", "1", "--clip-grad-norm"), ("--expert-cls", "nop", "--expert-cls")])
 def test_dmoe_train_refuses_the_in_process_experts_flags_with_remote_experts(flag, value, server_flag, tmp_path,
                                                                             capsys):
     """They were accepted and ignored (the servers train remote experts by their own flags)."""
@@ -341,3 +342,32 @@ def test_a_demo_resumed_with_another_swarm_is_refused_naming_the_flag(text_file,
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ---- review 100 D2: an expert class that takes no [rows, hidden] ----
+
+def test_an_expert_class_that_takes_no_rows_of_hidden_is_refused_by_dmoe_train_and_the_demo(text_file, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """``--expert-cls transformer`` took the rows a mixture layer sends for one sequence: dmoe-train trained a model
+    whose tokens saw later tokens and other samples; the demo's servers refused every call and it ended with 0."""
+    line = usage_error(["--experts", "local", "--expert-cls", "transformer"], capsys)
+    assert line.startswith("dmoe-train: error: --expert-cls transformer: expert class 'transformer' takes "
+                           "[2, 32, 128] float32") and "one [rows, 128] tensor" in line, line
+    monkeypatch.setattr(demo, "run_swarm", lambda *args: pytest.fail("the swarm started"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), "--expert-cls", "transformer"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("dmoe-demo: error: --expert-cls transformer: ")
+    parse_config(["--experts", "local", "--expert-cls", "nop"])
+
+
+def test_in_process_experts_refuse_a_class_that_does_not_take_or_answer_rows_of_hidden():
+    from dmoe.server.in_process import ExpertOptimizerConfig, in_process_experts
+    importlib.import_module("tests.custom_experts")  # registers "widen" (answers rows twice as wide)
+
+    with pytest.raises(ValueError, match="expert class 'transformer' takes"):
+        in_process_experts("transformer", 8, ExpertOptimizerConfig())
+    build = in_process_experts("widen", 8, ExpertOptimizerConfig())
+    with pytest.raises(ValueError, match=r"expert class 'widen' answers rows of \[\[16\]\]"):
+        build("ffn0.0")
+    assert in_process_experts("ffn", 8, ExpertOptimizerConfig())("ffn0.0")(torch.randn(3, 8)).shape == (3, 8)

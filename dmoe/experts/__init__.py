@@ -6,11 +6,12 @@ from dmoe.experts.registry import (
     expert_class,
     expert_class_names,
     expert_seed,
+    mixture_input_problem,
     register_expert_class,
 )
 from dmoe.experts.zoo import TRANSFORMER_SEQ_LEN, FeedforwardExpert, NopExpert, TransformerExpert
 
 __all__ = [
     "ExpertBuildError", "ExpertClass", "FeedforwardExpert", "NopExpert", "TRANSFORMER_SEQ_LEN", "TransformerExpert", "create_expert",
-    "expert_class", "expert_class_names", "expert_seed", "register_expert_class",
+    "expert_class", "expert_class_names", "expert_seed", "mixture_input_problem", "register_expert_class",
 ]

@@ -66,6 +66,21 @@ def expert_class_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def mixture_input_problem(name: str, hidden_dim: int) -> str | None:
+    """Why a mixture-of-experts layer cannot use expert class ``name``, or None: the layer sends each expert one
+    ``[rows, hidden_dim]`` tensor, the tokens routed to it. The ``transformer`` expert (``[batch, seq, hidden]``)
+    took such rows for one unbatched sequence: every token attended to later tokens and to other samples, and a
+    trainer of a causal LM learned from the tokens it was to predict (review 100 D2). Its sample input is built on
+    the meta device: no memory, whatever ``hidden_dim``."""
+    with torch.device("meta"):
+        sample = expert_class(name).sample(2, hidden_dim)
+    if len(sample) == 1 and list(sample[0].shape) == [2, hidden_dim] and sample[0].is_floating_point():
+        return None
+    takes = " and ".join(f"{list(x.shape)} {str(x.dtype).removeprefix('torch.')}" for x in sample)
+    return (f"expert class {name!r} takes {takes} for a batch of 2, but a mixture layer sends each expert one "
+            f"[rows, {hidden_dim}] tensor of the tokens routed to it: it cannot be a mixture layer's expert")
+
+
 class ExpertBuildError(ValueError):
     """An expert class refused its arguments (``hidden_dim`` and the keyword arguments): what a program reports as
     a bad flag, told apart from any other failure while it builds a server."""

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dmoe.experts import create_expert, expert_class, expert_seed
+from dmoe.experts import create_expert, expert_class, expert_seed, mixture_input_problem
 from dmoe.server.backend import OPTIMIZERS, ExpertBackend, make_optimizer
 
 
@@ -104,13 +104,23 @@ class InProcessExpert(nn.Module):
 def in_process_experts(expert_cls: str, hidden_dim: int, optimizer: ExpertOptimizerConfig, *, seed: int = 0,
                        device: str | torch.device = "cpu") -> Callable[[str], InProcessExpert]:
     """An ``expert_factory`` for :class:`~dmoe.client.moe.LocalMixtureOfExperts`: expert ``uid`` starts from the
-    weights a server started with ``--seed seed`` gives it, and trains with ``optimizer``."""
+    weights a server started with ``--seed seed`` gives it, and trains with ``optimizer``. Raises ValueError for a
+    class whose experts do not take and answer one ``[rows, hidden_dim]`` tensor, what the layer sends and takes
+    back (:func:`~dmoe.experts.mixture_input_problem`)."""
     registered = expert_class(expert_cls)
+    problem = mixture_input_problem(expert_cls, hidden_dim)
+    if problem is not None:
+        raise ValueError(problem)
 
     def build(uid: str) -> InProcessExpert:
         module = create_expert(expert_cls, hidden_dim, seed=expert_seed(seed, uid)).to(device)
         with torch.random.fork_rng(devices=[]):  # the sample must not shift the client's initialisation
             sample = tuple(x.to(device) for x in registered.sample(2, hidden_dim))
-        return InProcessExpert(optimizer.backend(uid, module, sample, expert_cls=expert_cls))
+        backend = optimizer.backend(uid, module, sample, expert_cls=expert_cls)
+        answers = [list(schema.shape) for schema in backend.outputs_schema]
+        if answers != [[hidden_dim]]:
+            raise ValueError(f"expert class {expert_cls!r} answers rows of {answers}, but a mixture layer takes "
+                             f"back one [rows, {hidden_dim}] tensor: it cannot be a mixture layer's expert")
+        return InProcessExpert(backend)
 
     return build

@@ -41,7 +41,7 @@ from dmoe.cli.signals import DeferredInterrupt, InterruptingSignals, orphaned
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
 from dmoe.endpoints import is_loopback_ip
-from dmoe.experts import expert_class_names
+from dmoe.experts import expert_class_names, mixture_input_problem
 from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import OPTIMIZERS, all_finite
 from dmoe.server.checkpoints import _fsync_directory as fsync_directory
@@ -191,6 +191,9 @@ class TrainConfig:
         if self.expert_cls not in expert_class_names():
             raise ValueError(f"--expert-cls: unknown class {self.expert_cls!r}; registered: "
                              f"{', '.join(expert_class_names())}")
+        problem = mixture_input_problem(self.expert_cls, self.hidden) if self.expert_flags_take_effect() else None
+        if problem is not None:  # (the demo's servers refused every call of its layers, and it ended with status 0)
+            raise ValueError(f"--expert-cls {self.expert_cls}: {problem}")
         try:
             device = torch.device(self.device)
         except (RuntimeError, ValueError) as error:
