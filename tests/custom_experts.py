@@ -132,3 +132,27 @@ class HugeGradientExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(_Amplified.apply(x))
+
+
+@register_expert_class("one_row", lambda batch, hidden: torch.randn(batch, hidden))
+class OneRowExpert(nn.Module):
+    """Answers one row whatever the batch (a reduction over it): an output that does not keep the batch's rows."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).mean(0, keepdim=True)
+
+
+@register_expert_class("two_rows", lambda batch, hidden: torch.randn(batch, hidden))
+class TwoRowsExpert(nn.Module):
+    """Answers two rows whatever the batch: as many as a sample of 2 rows has, and no other batch."""
+
+    def __init__(self, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).mean(0, keepdim=True).expand(2, -1)

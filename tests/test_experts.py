@@ -1,6 +1,9 @@
 """Expert modules as the registry builds them."""
 from __future__ import annotations
 
+import importlib
+
+import pytest
 import torch
 
 from dmoe.experts import create_expert
@@ -25,8 +28,6 @@ def test_a_seeded_expert_is_reproducible_and_leaves_every_generator_as_it_was(mo
 
 def test_arguments_an_expert_class_refuses_raise_one_error_that_names_them():
     """Programs report it as a bad --expert-kwargs; any other failure while a server is built is not that flag's."""
-    import pytest
-
     from dmoe.experts import ExpertBuildError
 
     for kwargs in ({"expansion": -1}, {"dropout": 2.0}, {"no_such_argument": 1}):
@@ -39,3 +40,15 @@ def test_arguments_an_expert_class_refuses_raise_one_error_that_names_them():
 def test_unseeded_experts_draw_from_the_process_generator_and_differ():
     first, second = create_expert("ffn", 8), create_expert("ffn", 8)
     assert not torch.equal(first.state_dict()["ffn.0.weight"], second.state_dict()["ffn.0.weight"])
+
+
+@pytest.mark.parametrize("cls, rows, answer", [("one_row", 2, [1, 8]), ("two_rows", 3, [2, 8])])
+def test_an_expert_class_whose_output_does_not_keep_the_batch_is_refused_when_built_naming_it(cls, rows, answer):
+    """Review 100 D9: it was announced, and every call of it failed on the callers' side of the swarm."""
+    from dmoe.experts import ExpertBuildError
+    from dmoe.server import ExpertServer, ServerConfig
+    importlib.import_module("tests.custom_experts")  # registers both
+
+    with pytest.raises(ExpertBuildError) as error:
+        ExpertServer.create("x.0", cls, 8, config=ServerConfig(device="cpu"))
+    assert f"expert class {cls!r} answers a batch of {rows} rows with output 0 of shape {answer}" in str(error.value)

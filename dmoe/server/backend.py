@@ -175,7 +175,23 @@ class ExpertBackend:
         sample = tuple(x.to(device) for x in sample_input)
         self.inputs_schema = tuple(TensorSchema.of(x) for x in sample)
         with torch.no_grad():
-            self.outputs_schema = tuple(TensorSchema.of(y) for y in self._as_tuple(module(*sample)))
+            outputs = self._as_tuple(module(*sample))
+            self.outputs_schema = tuple(TensorSchema.of(y) for y in outputs)
+            self._check_rows(sample, outputs)
+            # again with one row more: an output of a fixed number of rows that happened to be the sample's
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                longer = tuple(torch.cat([x, x[:1]]) for x in sample)
+                self._check_rows(longer, self._as_tuple(module(*longer)))
+
+    def _check_rows(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Raises ValueError unless every output has the inputs' rows first: an expert that reduced over its batch
+        was announced, and failed every call, on the callers' side (review 100 D9)."""
+        rows = inputs[0].shape[0] if inputs and inputs[0].dim() else None
+        for at, y in enumerate(outputs):
+            if not isinstance(y, torch.Tensor) or rows is None or y.dim() == 0 or y.shape[0] != rows:
+                got = f"of shape {list(y.shape)}" if isinstance(y, torch.Tensor) else f"a {type(y).__name__}"
+                raise ValueError(f"expert class {self.expert_cls!r} answers a batch of {rows} rows with output {at} "
+                                 f"{got}: each output must keep the batch's rows first")
 
     @staticmethod
     def _as_tuple(outputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
