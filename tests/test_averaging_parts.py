@@ -3,6 +3,7 @@ Moshpit grid keys and coordinates, matchmaking records, settings."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import secrets
 import threading
 import time
@@ -234,6 +235,86 @@ def test_a_declaration_read_back_under_another_key_is_made_again_under_a_new_id(
     assert "the DHT nodes read give its id to another key" in caplog.text
     mine = parse_declarations(dht.records["run.0.*"], "run.0.*")
     assert set(mine) == {matchmaker.me.peer_id} and mine[matchmaker.me.peer_id].state == "x"  # gone, at the end
+
+
+class Killed(Exception):
+    """What a :class:`SharedDHT` view raises once its peer's process is dead: the search ends where it stood."""
+
+
+class SharedDHT:
+    """One peer's view of a DHT that several share (``records``): entries are owned by this view's key and vanish
+    once expired, as on the DHT; once ``killed`` (its peer's process died), every call raises :class:`Killed`."""
+
+    def __init__(self, records: dict):
+        self.records, self.identity, self.config, self.killed = records, Identity(), DHTConfig(), False
+
+    def store_many(self, records):
+        if self.killed:
+            raise Killed
+        for key, entries in records.items():
+            for subkey, (value, expiration) in entries.items():
+                check_entry(subkey, value, expiration, self.config.max_value_bytes)
+                self.records.setdefault(key, {})[subkey] = Entry(value, expiration, self.identity.public_key)
+        return {key: {subkey: True for subkey in entries} for key, entries in records.items()}
+
+    def get(self, key):
+        if self.killed:
+            raise Killed
+        now = time.time()
+        return {subkey: entry for subkey, entry in dict(self.records.get(key, {})).items() if entry.expiration > now}
+
+    def get_many(self, keys):
+        return {key: self.get(key) for key in keys}
+
+
+def searching(views: list[SharedDHT], config: AveragerConfig, deadline: float,
+              pool: concurrent.futures.Executor) -> list[concurrent.futures.Future]:
+    """A matchmaking search of round 0 of ``run`` per view, each in a thread of ``pool``."""
+    return [pool.submit(Matchmaker(view, Member(0, f"127.0.0.1:{1000 + i}", 1.0), config, threading.Event())
+                        .find_group, 0, "run.0.*", deadline) for i, view in enumerate(views)]
+
+
+def test_a_peer_that_dies_while_waiting_stops_holding_up_the_others_about_declaration_ttl_later(monkeypatch):
+    """A peer's first declaration lived matchmaking_time + declaration_ttl: when it drew the smallest id (1 in n
+    peers does) and died, every other peer of its key waited for it to lead that long, even with a full group there
+    (review 98 D3). Waiting peers now declare for declaration_ttl + margin and renew it as they poll."""
+    records: dict = {}
+    config = AveragerConfig(target_group_size=2, matchmaking_time=10.0, poll_period=0.05, declaration_ttl=0.5)
+    dying, *alive = [SharedDHT(records) for _ in range(3)]
+    small = next(salt for salt in (f"{i:08x}" for i in range(10**6))  # an id below everyone else's
+                 if peer_id_for(dying.identity.public_key, "run.0.*", salt) < min(
+                     peer_id_for(view.identity.public_key, "run.0.*", "ffffffff") for view in alive))
+    monkeypatch.setattr(matchmaking, "new_salt", lambda: "ffffffff" if records.get("run.0.*") else small)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        (dead,) = searching([dying], config, time.time() + 30, pool)
+        while not records.get("run.0.*"):  # it declared itself
+            time.sleep(0.01)
+        assert parse_declarations(records["run.0.*"], "run.0.*")  # under the id of the small salt
+        dying.killed = True  # neither renews its declaration nor withdraws it
+        start = time.monotonic()
+        groups = [future.result(timeout=60) for future in searching(alive, config, time.time() + 30, pool)]
+        took = time.monotonic() - start
+        with pytest.raises(Killed):
+            dead.result(timeout=10)
+    assert groups[0] is not None and groups[0] == groups[1] and len(groups[0].members) == 2
+    assert took < 5.0, took  # its declaration lapses after 0.5 + 1 s (the margin); it lived 10.5 s
+
+
+def test_a_waiting_peer_renews_a_short_declaration_as_long_as_it_waits():
+    """Alone, it waits to fill its own group (as a leader): its declaration stays readable throughout, yet never
+    lives more than declaration_ttl + margin ahead (review 98 D3)."""
+    records: dict = {}
+    config = AveragerConfig(target_group_size=2, matchmaking_time=2.5, poll_period=0.05, declaration_ttl=0.3)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        (search,) = searching([SharedDHT(records)], config, time.time() + 30, pool)
+        reader, ahead = SharedDHT(records), []
+        while not search.done():
+            now, found = time.time(), parse_declarations(reader.get("run.0.*"), "run.0.*")
+            if ahead or found:  # from its first declaration on
+                ahead.append(max((d.expiration - now for d in found.values()), default=0.0))
+            time.sleep(0.05)
+        assert search.result() is None  # nobody came
+    assert len(ahead) > 20 and 0.0 < min(ahead[:-1]) and max(ahead) <= 0.3 + 1.0 + 0.05, ahead
 
 
 def test_a_leader_cuts_the_parts_from_the_bandwidths_its_members_read_from_the_group_record():

@@ -49,8 +49,9 @@ class AveragerConfig:
         toward its DHT peers.
     poll_period: seconds between DHT reads while matchmaking.
     piece_bytes: bytes of values per streamed message (at most :data:`MAX_PIECE_BYTES`, 4 MiB).
-    declaration_ttl: seconds a matchmaking declaration lives past the declarer's deadline before a refresh, so
-        the others stop waiting for a peer that died soon after it declared.
+    declaration_ttl: seconds (plus a margin of ``max(1, 3 * poll_period)``) a waiting peer's matchmaking
+        declaration lives unless renewed; it renews it as it polls, so the others stop waiting for a peer that died
+        while waiting at most that long after.
     """
 
     target_group_size: int = 4

@@ -24,9 +24,10 @@ partners): it then reads only their declarations and its own, so nobody else's r
 a smaller waiting peer, take a place in its group, or make it give up. Anyone can store records under a round's
 key ahead of time, declarations and groups of ids it signs itself included.
 
-Waiting peers keep their declarations alive with short expirations, so a peer that dies while waiting stops
-holding the others up ``declaration_ttl`` seconds later; leaders take only peers whose declarations will live a
-little longer (``margin``), so that those still read the group before giving up.
+Waiting peers declare with short expirations (``declaration_ttl`` + ``margin``) and renew them as they poll, so a
+peer that dies while waiting stops holding the others up at most ``declaration_ttl`` + ``margin`` seconds later;
+leaders take only peers whose declarations will live a little longer (``margin``), so that those still read the group
+before giving up.
 """
 from __future__ import annotations
 
@@ -235,6 +236,21 @@ class Matchmaker:
         self.me = replace(self.me, peer_id=peer_id_for(identity, key, self.salt), key=identity)
         self._expiration = 0.0
 
+    def _waiting_expiration(self) -> float:
+        """When a declaration of this peer waiting expires unless renewed: soon, so that a peer that died stops
+        holding up the others (a first declaration that lived the whole matchmaking time held up every peer of the
+        key that long when its peer drew the smallest id and died, review 98 D3), and not before a leader that reads
+        it a little later still takes it (``margin``)."""
+        return time.time() + self.config.declaration_ttl + self.margin
+
+    def _keep_waiting(self, key: str) -> None:
+        """Renews this peer's waiting declaration once half its ``declaration_ttl`` has passed (at every poll with a
+        short one), so that it lives while this peer waits, whether for a smaller peer to lead or to fill its own
+        group."""
+        cfg = self.config
+        if self._expiration - time.time() < self.margin + max(cfg.declaration_ttl / 2, 2 * cfg.poll_period):
+            self._declare(key, WAITING, self._waiting_expiration())
+
     def _declare(self, key: str, state: str, expiration: float) -> bool | str:
         """Stores this peer's declaration in ``key``; True when a DHT node took it, else False (none answered) or
         the reason a node gave for refusing it (its id owned by another key, a full record). Failures are logged:
@@ -274,7 +290,7 @@ class Matchmaker:
         matchmaking_ends = time.time() + cfg.matchmaking_time
         for _ in range(DECLARE_TRIES):  # a refused id (taken by chance, or by a lucky guess) is replaced
             self._new_id(key)
-            if not isinstance(self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl), str):
+            if not isinstance(self._declare(key, WAITING, self._waiting_expiration()), str):
                 break
         self._expected = None if expected_peers is None else frozenset(expected_peers) | {
             self.dht.identity.public_key}
@@ -305,7 +321,7 @@ class Matchmaker:
                     logger.warning("peer %s in %s: the DHT nodes read give its id to another key; declaring under a "
                                    "new id", self.me.peer_id, key)
                     self._new_id(key)
-                    self._declare(key, WAITING, matchmaking_ends + cfg.declaration_ttl)
+                    self._declare(key, WAITING, self._waiting_expiration())
                     continue
             if declarations is not None and self._expected is not None:
                 declarations = {pid: d for pid, d in declarations.items() if d.owner in self._expected}
@@ -314,6 +330,7 @@ class Matchmaker:
                                      single_group, settled)
                 if outcome is not _WAIT:
                     return outcome
+            self._keep_waiting(key)
             self.stop.wait(cfg.poll_period * random.uniform(0.75, 1.25))
         self._declare(key, GONE, self._expiration)
         return None
@@ -352,9 +369,7 @@ class Matchmaker:
                 self._declare(key, GONE, now + cfg.declaration_ttl)
                 return None
         self._seen_waiting.update(waiting)
-        if any(pid < me for pid in waiting):  # a smaller peer leads; stay visible until it does
-            if self._expiration - now < self.margin + 2 * cfg.poll_period:
-                self._declare(key, WAITING, now + cfg.declaration_ttl + self.margin)
+        if any(pid < me for pid in waiting):  # a smaller peer leads; stay visible until it does (_keep_waiting)
             return _WAIT
         # this peer leads: the smallest waiting peer that no group has taken (and that a group entry can hold: a
         # declaration of a long endpoint fits the DHT's values without the key the entry adds, and made the store of
