@@ -317,6 +317,19 @@ def test_a_waiting_peer_renews_a_short_declaration_as_long_as_it_waits():
     assert len(ahead) > 20 and 0.0 < min(ahead[:-1]) and max(ahead) <= 0.3 + 1.0 + 0.05, ahead
 
 
+def test_a_leader_short_of_its_target_forms_its_group_before_the_deadline_of_a_short_step():
+    """With step(timeout=...) below matchmaking_time, a leader short of target_group_size waited out the
+    matchmaking time past the step's deadline: peers that were all there never averaged (review 98 D4)."""
+    records: dict = {}
+    config = AveragerConfig(target_group_size=4, matchmaking_time=30.0, poll_period=0.05)
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        groups = [future.result(timeout=60) for future in
+                  searching([SharedDHT(records) for _ in range(2)], config, time.time() + 3.0, pool)]
+    assert groups[0] is not None and groups[0] == groups[1] and len(groups[0].members) == 2
+    assert time.monotonic() - start < 3.0 - 0.5  # formed with time left for the all-reduce
+
+
 def test_a_leader_cuts_the_parts_from_the_bandwidths_its_members_read_from_the_group_record():
     # describe() keeps 6 significant digits: a leader cutting from its own unrounded bandwidth got other bounds
     # than everyone else, and every owner refused every stream as the wrong size

@@ -203,7 +203,8 @@ class DecentralizedAverager:
         were left unchanged (nobody to average with, or the group could not agree in time).
 
         weight: how much this peer's tensors count (samples since the last round); None: :attr:`weight`.
-        timeout: seconds for the whole step (default ``config.step_timeout``).
+        timeout: seconds for the whole step (default ``config.step_timeout``). Below ``matchmaking_time`` too, a
+            group short of its target forms in time: a quarter of it (at least a second) is left to the all-reduce.
         wait: False returns a ``concurrent.futures.Future`` at once; steps run one after another.
         group_size: this round's target group size, when the caller knows how many peers will come (default
             ``config.target_group_size``): a leader forms the group as soon as that many are waiting.

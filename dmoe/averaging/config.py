@@ -25,7 +25,9 @@ class AveragerConfig:
     target_group_size: most members of one group. With a Moshpit ``grid``, the grid's side (peers that share all
         coordinates but one are meant to average together).
     min_group_size: a peer that finds fewer members (itself included) when matchmaking ends averages with nobody.
-    matchmaking_time: seconds a leader waits for its group to fill up before it averages with whoever came.
+    matchmaking_time: seconds a leader waits for its group to fill up before it averages with whoever came (less
+        when a step's timeout is short: it then forms the group a quarter of that timeout, at least
+        ``max(1, 3 * poll_period)`` seconds, before the step's deadline, so that the all-reduce has time).
     allreduce_timeout: seconds a part's owner waits for every member's values (and a member for every owner's
         answer) in one attempt; a member that has not delivered by then is dropped from the group.
     max_retries: attempts after the first, among the members every survivor agrees on, when an attempt ends with

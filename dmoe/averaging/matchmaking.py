@@ -272,7 +272,9 @@ class Matchmaker:
                    target_group_size: int | None = None, single_group: bool = False,
                    expected_peers: Collection[bytes] | None = None) -> Group | None:
         """This peer's group for the round, or None when it found nobody before the matchmaking time (plus the
-        wait for smaller peers that were still alive) or the wall-clock ``deadline`` (``time.time()``) ran out.
+        wait for smaller peers that were still alive) or the wall-clock ``deadline`` (``time.time()``) ran out. A
+        leader short of its target forms its group with whoever came by the matchmaking time or, when that is sooner,
+        a quarter of the search's time (at least ``margin``) before the deadline, which leaves that to the all-reduce.
 
         ``target_group_size`` overrides the config's for this round (a caller that knows how many peers will come,
         such as a collaboration that counts its trainers, lets the leader form the group as soon as they are there).
@@ -287,7 +289,11 @@ class Matchmaker:
         """
         cfg = self.config
         target = cfg.target_group_size if target_group_size is None else target_group_size
-        matchmaking_ends = time.time() + cfg.matchmaking_time
+        start = time.time()
+        # a leader short of its target forms its group by the deadline at the latest, leaving the all-reduce a quarter
+        # of the search's time (at least `margin`): one that waited out a matchmaking_time past the deadline of a
+        # step(timeout=...) never averaged unless its group was full (review 98 D4)
+        matchmaking_ends = min(start + cfg.matchmaking_time, deadline - max(self.margin, (deadline - start) / 4))
         for _ in range(DECLARE_TRIES):  # a refused id (taken by chance, or by a lucky guess) is replaced
             self._new_id(key)
             if not isinstance(self._declare(key, WAITING, self._waiting_expiration()), str):
