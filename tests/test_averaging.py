@@ -928,16 +928,34 @@ def test_a_shutdown_as_matchmaking_ends_starts_no_all_reduce(bootstrap, monkeypa
 
 
 def test_channels_to_peers_of_long_ago_are_closed(bootstrap, monkeypatch):
-    """A long run with churn meets ever new peers: the averager keeps channels to the latest MAX_CHANNELS only."""
+    """A long run with churn meets ever new peers: the averager keeps channels to the MAX_CHANNELS it used last. It
+    closed the oldest created, even a peer's it used in every round (review 98 D5)."""
     monkeypatch.setattr(averager_module, "MAX_CHANNELS", 3)
     with DHT(initial_peers=[bootstrap]) as dht, DecentralizedAverager(make_tensors(0), dht, "channels") as averager:
         async def connect() -> list:
-            made = [averager._channel(f"127.0.0.1:{port}") for port in range(9001, 9006)]
+            made = [averager._channel(f"127.0.0.1:{port}") for port in range(9001, 9004)]
+            averager._stub("127.0.0.1:9001")  # met again
+            made += [averager._channel(f"127.0.0.1:{port}") for port in range(9004, 9006)]
             await asyncio.sleep(0.1)  # the evicted channels' close runs
             return made
 
         made = averager._run(connect(), timeout=10)
-        assert list(averager._channels) == ["127.0.0.1:9003", "127.0.0.1:9004", "127.0.0.1:9005"]
-        assert averager._channel("127.0.0.1:9005") is made[-1]
-        with pytest.raises(grpc.aio.UsageError):  # closed
-            averager._run(made[0].channel_ready(), timeout=10)
+        assert list(averager._channels) == ["127.0.0.1:9001", "127.0.0.1:9004", "127.0.0.1:9005"]
+        assert averager._channel("127.0.0.1:9005") is made[-1] and averager._channel("127.0.0.1:9001") is made[0]
+        for closed in made[1:3]:
+            with pytest.raises(grpc.aio.UsageError):
+                averager._run(closed.channel_ready(), timeout=10)
+
+
+def test_a_group_larger_than_the_channel_cache_averages_with_every_member(bootstrap, monkeypatch):
+    """The all-reduce fetches every owner's stub before its calls start: in a group of more than MAX_CHANNELS + 1
+    members, the fetch of one owner closed the channel of another fetched just before ("Channel is closed"), which
+    was dropped, in every round (review 98 D5). The round's channels now stay open until it ends. (2 stands for 64.)"""
+    monkeypatch.setattr(averager_module, "MAX_CHANNELS", 2)
+    with contextlib.ExitStack() as stack:
+        averagers = averaging_together(stack, bootstrap, "held", [torch.full((1000,), float(i)) for i in range(4)],
+                                       [{"allreduce_timeout": 5.0}] * 4)
+        infos = step_together(averagers)
+        assert all(info is not None and len(info.contributors) == 4 and not info.dropped for info in infos), infos
+        assert all(len(averager._channels) == 2 for averager in averagers)  # the others closed once the round ended
+        assert all(torch.equal(averager.tensors[0], torch.full((1000,), 1.5)) for averager in averagers)

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from typing import Any, Awaitable, Collection, Iterator, Mapping, Sequence
 
 import grpc
 import torch
@@ -23,7 +23,7 @@ import torch
 from dmoe.averaging import grid as moshpit
 from dmoe.averaging.allreduce import MAX_WEIGHT, AllReduceResult, Outcome, SendPace, allreduce, send_and_receive
 from dmoe.averaging.config import MAX_PIECE_BYTES, MESSAGE_OVERHEAD_BYTES, AveragerConfig
-from dmoe.averaging.matchmaking import Matchmaker, Member, check_entry_fits
+from dmoe.averaging.matchmaking import Group, Matchmaker, Member, check_entry_fits
 from dmoe.averaging.service import AveragingServicer
 from dmoe.dht import DHT
 from dmoe.endpoints import PortUnavailable, join_host_port, reachable_endpoint
@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds a check that a peer accepts connections may take before it counts as "cannot tell" (then: reachable)
 PROBE_TIMEOUT = 5.0
-#: channels to other peers kept open: the oldest beyond these are closed (and made again if their peer comes back)
+#: channels to other peers kept open: the least recently used beyond these are closed (and made again if their peer
+#: comes back), except those of the round in flight (a group may have more members)
 MAX_CHANNELS = 64
 
 
@@ -109,8 +110,9 @@ class DecentralizedAverager:
         self._stop = threading.Event()
         self._closed = False
         self._inflight: concurrent.futures.Future | None = None
-        # endpoint -> its channel and stub, oldest first (see MAX_CHANNELS)
+        # endpoint -> its channel and stub, least recently used first (see MAX_CHANNELS); on the loop's thread only
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, dmoe_pb2_grpc.AveragingServiceStub]] = OrderedDict()
+        self._held: frozenset[str] = frozenset()  # the endpoints of the round in flight: their channels stay open
         self._server: grpc.aio.Server | None = None
         self.servicer: AveragingServicer | None = None
         self.endpoint: str | None = None
@@ -172,13 +174,32 @@ class DecentralizedAverager:
     def _connection(self, endpoint: str) -> tuple[grpc.aio.Channel, dmoe_pb2_grpc.AveragingServiceStub]:
         pair = self._channels.get(endpoint)
         if pair is not None:
+            # least recently used first: by creation order, a peer met in every round was the next one closed (review 98 D5)
+            self._channels.move_to_end(endpoint)
             return pair
         channel = grpc.aio.insecure_channel(endpoint, options=grpc_options(MAX_PIECE_BYTES + MESSAGE_OVERHEAD_BYTES))
         pair = self._channels[endpoint] = channel, dmoe_pb2_grpc.AveragingServiceStub(channel)
-        while len(self._channels) > MAX_CHANNELS:  # peers of long ago: a run with churn meets ever new ones
-            _, (old, _) = self._channels.popitem(last=False)
-            asyncio.ensure_future(old.close(grace=self.config.allreduce_timeout))  # its calls (if any) may end
+        self._evict()
         return pair
+
+    def _evict(self) -> None:
+        """Closes the least recently used channels beyond MAX_CHANNELS (peers of long ago: a run with churn meets
+        ever new ones), never one of the round in flight: the all-reduce fetches every owner's stub before its calls
+        start, and one closed by the fetch of the next ("Channel is closed") dropped its owner and cost the round its
+        allreduce_timeout, in every round of a group of more than MAX_CHANNELS + 1 (review 98 D5)."""
+        for endpoint in [e for e in self._channels if e not in self._held][:max(0, len(self._channels) - MAX_CHANNELS)]:
+            old, _ = self._channels.pop(endpoint)
+            asyncio.ensure_future(old.close(grace=self.config.allreduce_timeout))  # its calls (if any) may end
+
+    async def _holding(self, group: Group, coro: Awaitable[AllReduceResult | None]) -> AllReduceResult | None:
+        """Awaits ``coro`` (the round's all-reduce) with the channels to ``group``'s members kept open (see
+        :meth:`_evict`); those beyond MAX_CHANNELS are closed once it ends."""
+        self._held = frozenset(m.endpoint for m in group.members if m.endpoint is not None)
+        try:
+            return await coro
+        finally:
+            self._held = frozenset()
+            self._evict()
 
     async def _reachable(self, endpoint: str) -> bool:
         """False when the peer at ``endpoint`` refuses connections (its process is gone); True when it is connected
@@ -250,13 +271,13 @@ class DecentralizedAverager:
         with self.lock:
             flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in self.tensors])
         out = torch.empty_like(flat)
-        running = asyncio.run_coroutine_threadsafe(allreduce(
+        running = asyncio.run_coroutine_threadsafe(self._holding(group, allreduce(
             group, me, flat, weight, out, stub_for=self._stub,
             register=self.servicer.register if self.servicer is not None else None,
             compression=self.compression, piece_elements=cfg.piece_bytes // 4, max_abs_value=cfg.max_abs_value,
             allreduce_timeout=cfg.allreduce_timeout, join_timeout=cfg.join_timeout, max_retries=cfg.max_retries,
             min_group_size=cfg.min_group_size, deadline=deadline, pace=self._pace, send=self._send_part,
-            reachable=self._reachable, identity=self.dht.identity), self._loop)
+            reachable=self._reachable, identity=self.dht.identity)), self._loop)
         self._inflight = running
         if self._stop.is_set():  # shutdown began after the check above but read no all-reduce in flight
             running.cancel()
