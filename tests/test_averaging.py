@@ -927,6 +927,23 @@ def test_a_shutdown_as_matchmaking_ends_starts_no_all_reduce(bootstrap, monkeypa
     assert not started and all(torch.equal(t, b) for t, b in zip(tensors, before))
 
 
+def test_peers_whose_step_counts_differ_meet_in_the_round_they_pass(bootstrap):
+    """The round is in the DHT key, and by default it is how many steps the averager took: a peer that stepped alone
+    once (or started late, or restarted) was a round apart from the others for good (review 98 D2). A step may name
+    its round, and the next one defaults to the round after it."""
+    with contextlib.ExitStack() as stack:
+        early, late = averagers = averaging_together(stack, bootstrap, "rounds", [torch.zeros(3), torch.ones(3)],
+                                                     [{}] * 2)
+        assert early.step(timeout=2.0) is None and early.round == 1  # nobody else up yet: round 0 alone
+        with pytest.raises(ValueError, match="round must be an int"):
+            late.step(round=-1)
+        named = [future.result(timeout=90) for future in [a.step(round=7, wait=False) for a in averagers]]
+        assert all(info is not None and info.round == 7 and len(info.contributors) == 2 for info in named), named
+        assert early.round == late.round == 8
+        assert all(info is not None and info.round == 8 for info in step_together(averagers))
+    assert all(torch.equal(averager.tensors[0], torch.full((3,), 0.5)) for averager in averagers)
+
+
 def test_channels_to_peers_of_long_ago_are_closed(bootstrap, monkeypatch):
     """A long run with churn meets ever new peers: the averager keeps channels to the MAX_CHANNELS it used last. It
     closed the oldest created, even a peer's it used in every round (review 98 D5)."""

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds a check that a peer accepts connections may take before it counts as "cannot tell" (then: reachable)
 PROBE_TIMEOUT = 5.0
+#: rounds are below this: owners read at most 18 digits of a group id's round
+MAX_ROUND = 10**18
 #: channels to other peers kept open: the least recently used beyond these are closed (and made again if their peer
 #: comes back), except those of the round in flight (a group may have more members)
 MAX_CHANNELS = 64
@@ -80,6 +82,12 @@ class DecentralizedAverager:
         config: :class:`AveragerConfig`; keyword arguments override its fields (``target_group_size=8``).
         coordinates: this peer's cell in ``config.grid``; default random. Peers placed one per cell of a full grid
             hold the exact average after ``len(grid)`` rounds.
+
+    Peers meet only peers of the same round (its number is in the DHT key, and picks the grid's free dimension). By
+    default a step's round is how many steps this averager took before (:attr:`round`), which agrees only among
+    peers that call :meth:`step` equally often from the start: one that starts late, steps while nobody else is up
+    or restarts never meets the others again. Otherwise pass ``step(round=...)`` a number the peers share (a global
+    step, as :class:`~dmoe.CollaborativeOptimizer` does, or ``int(time.time() // period)`` with clocks in sync).
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], dht: DHT, prefix: str = "run1",
@@ -102,7 +110,7 @@ class DecentralizedAverager:
         self.coordinates = (moshpit.check_coordinates(cfg.grid, coordinates) if coordinates is not None
                             else moshpit.random_coordinates(cfg.grid))
         self.compression = parse_compression(cfg.compression)
-        #: the next round's number: peers that call step equally often stay in the same round
+        #: the round of the next step given none: one more than the latest step's
         self.round = 0
         #: what this peer's tensors weigh when a step is given no weight (after a step: its group's mean weight)
         self.weight = 1.0
@@ -219,7 +227,7 @@ class DecentralizedAverager:
 
     def step(self, weight: float | None = None, timeout: float | None = None, wait: bool = True, *,
              group_size: int | None = None, single_group: bool = False, expected_peers: Collection[bytes] | None = None,
-             ) -> "GroupInfo | None | concurrent.futures.Future[GroupInfo | None]":
+             round: int | None = None) -> "GroupInfo | None | concurrent.futures.Future[GroupInfo | None]":
         """One round: find a group and average with it. Returns its :class:`GroupInfo`, or None when the tensors
         were left unchanged (nobody to average with, or the group could not agree in time).
 
@@ -238,6 +246,10 @@ class DecentralizedAverager:
             of ``expected_peers``; without them, it must hold a peer this one saw waiting in the round, so a peer
             that came after the group formed waits out ``matchmaking_time`` (anyone can store a group of ids it signs
             itself under a round's key ahead of time: it must not make peers give up).
+        round: the round to meet the others in: only peers stepping in the same round meet (see the class
+            docstring). Default :attr:`round`, this averager's count of steps, which agrees only among peers that
+            call step equally often from the start (one that stepped alone once was a round apart for good, review
+            98 D2). A step sets :attr:`round` to its own round + 1.
         """
         if self._closed:
             raise RuntimeError("this averager is shut down")
@@ -249,16 +261,20 @@ class DecentralizedAverager:
             expected_peers = frozenset(expected_peers)
             if not all(isinstance(key, bytes) for key in expected_peers):
                 raise TypeError("expected_peers are DHT public keys (bytes), such as DHT.identity.public_key")
-        future = self._executor.submit(self._step, weight, timeout, group_size, single_group, expected_peers)
+        if round is not None and (not isinstance(round, int) or isinstance(round, bool) or not 0 <= round < MAX_ROUND):
+            raise ValueError(f"round must be an int in [0, 10**18), got {round!r}")
+        future = self._executor.submit(self._step, weight, timeout, group_size, single_group, expected_peers, round)
         return future.result() if wait else future
 
     def _step(self, weight: float | None, timeout: float | None, group_size: int | None = None,
-              single_group: bool = False, expected_peers: frozenset[bytes] | None = None) -> GroupInfo | None:
+              single_group: bool = False, expected_peers: frozenset[bytes] | None = None,
+              round_number: int | None = None) -> GroupInfo | None:
         cfg = self.config
         started = time.monotonic()
         deadline = started + (cfg.step_timeout if timeout is None else timeout)
         weight = self.weight if weight is None else float(weight)
-        round_number, self.round = self.round, self.round + 1
+        round_number = self.round if round_number is None else round_number
+        self.round = round_number + 1
         key = moshpit.group_key(self.prefix, round_number, cfg.grid, self.coordinates)
         if self.servicer is not None:
             self._loop.call_soon_threadsafe(self.servicer.begin_round, round_number)
