@@ -81,9 +81,20 @@ def reachable_endpoint(host: str, port: int | str) -> str:
     return join_host_port("127.0.0.1" if host in WILDCARD_HOSTS else host, port)
 
 
+@functools.lru_cache(maxsize=4096)  # (asked of every DHT reply's contacts)
 def is_loopback_ip(ip: str) -> bool:
-    """Whether an IP literal (IPv4-mapped ones included), or "localhost", names this host over loopback."""
-    return ip.startswith("127.") or ip in ("::1", "localhost") or ip.startswith("::ffff:127.")
+    """Whether an IP literal (IPv4-mapped ones included, in any spelling), or "localhost", names this host over
+    loopback. Parsed, not matched by prefix: a host *name* such as ``127.evil.example`` is no loopback address, and
+    was offered the shared-memory path (review 99 D4)."""
+    if ip == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:  # a host name, or nothing
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def outbound_host(peers: Sequence[tuple[str, int]]) -> str | None:

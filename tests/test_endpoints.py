@@ -15,6 +15,7 @@ from dmoe.dht.node import listen_host
 from dmoe.endpoints import (
     announced_endpoint,
     bare_host,
+    is_loopback_ip,
     join_host_port,
     machine_address,
     outbound_host,
@@ -24,6 +25,7 @@ from dmoe.endpoints import (
 )
 from dmoe.monitor import MonitorServer
 from dmoe.server import ExpertServer, ServerConfig
+from dmoe.wire.shared_memory import is_local_endpoint
 
 
 def ipv6_loopback() -> bool:
@@ -64,6 +66,15 @@ def test_per_client_limits_count_a_machine_not_an_address():
     assert peer_machine("ipv4:10.0.0.1:5000") == peer_machine("ipv6:[::ffff:10.0.0.1]:7") == "10.0.0.1"
     assert peer_machine("ipv4:10.0.0.2:5000") == "10.0.0.2"
     assert peer_machine("unix:/tmp/socket") == "unix"
+
+
+def test_a_loopback_address_is_parsed_in_any_spelling_and_a_name_is_no_loopback_address():
+    """Review 99 D4: host *names* starting with 127. were taken for loopback (a remote server so named was offered
+    the shared-memory path), and spellings of ::1 were not."""
+    for host in ("127.0.0.1", "127.3.2.1", "::1", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1", "::ffff:7f00:1", "localhost"):
+        assert is_loopback_ip(host) and is_local_endpoint(join_host_port(host, 5000)), host
+    for host in ("127.evil.example", "127.0.0.1.nip.io", "10.0.0.1", "::2", "::ffff:10.0.0.1", "evil.localhost", ""):
+        assert not is_loopback_ip(host) and not is_local_endpoint(join_host_port(host, 5000)), host
 
 
 def test_a_node_given_no_host_listens_on_loopback_only_for_a_swarm_on_this_host():
