@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import functools
 import ipaddress
+import re
 import socket
 from typing import Sequence
 
@@ -37,6 +38,38 @@ def join_host_port(host: str, port: int | str) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+#: names gRPC reads as the scheme of a target (any case), not as a host: ``unix:1234`` dials the unix socket ``./1234``
+GRPC_SCHEMES = frozenset({"dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds", "google-c2p", "c2p",
+                          "fake"})
+#: a DNS host name: dot-separated labels of letters, digits, ``-`` (not at either end) and ``_`` (container names)
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]+(?<!-)(?:\.(?!-)[A-Za-z0-9_-]+(?<!-))*")
+
+
+@functools.lru_cache(maxsize=4096)  # (asked of every entry the directory reads; servers' endpoints repeat)
+def is_host_port(endpoint: str) -> bool:
+    """Whether ``endpoint`` is ``HOST:PORT`` that gRPC dials over TCP: an IPv4 address, an IPv6 one in brackets or a
+    DNS host name, and a port from 1 to 65535. What peers write into the DHT is dialed as a gRPC *target*, and
+    ``unix:/run/x.sock``, ``unix-abstract:name`` or ``dns://RESOLVER/h:1`` are targets too: a hostile declaration
+    sent trainers to a unix socket of their own machine (review 99 D3)."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or len(port) > 5 or not 0 < int(port) < 65536:
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        return _is_ip(host[1:-1], ipaddress.IPv6Address)
+    return _is_ip(host, ipaddress.IPv4Address) or (_HOST_NAME.fullmatch(host) is not None
+                                                    and host.lower() not in GRPC_SCHEMES)
+
+
+def _is_ip(text: str, kind: type) -> bool:
+    if not text.isascii() or "%" in text:  # (a scope id names an interface of the writer's machine: no one else's)
+        return False
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
 
 
 def bare_host(host: str) -> str:

@@ -485,6 +485,16 @@ def test_malformed_declarations_are_skipped():
     assert found[ids[1]].state == "L3.0123abcd" and found[ids[1]].owner == owners[1]
 
 
+@pytest.mark.parametrize("endpoint", ["unix:1234", "unix:/run/x.sock:1", "unix-abstract:name:1", "dns://h/h:1"])
+def test_a_member_at_a_grpc_target_that_is_no_host_port_is_refused(endpoint):
+    """Review 99 D3: members dial each other's endpoints as gRPC targets: unix:/path:1 was a unix socket of each
+    member's own machine."""
+    with pytest.raises(ValueError, match="bad endpoint"):
+        parse_member(1, f"{endpoint};1")
+    assert parse_member(1, "[::1]:1234;1").endpoint == "[::1]:1234"
+    assert parse_member(1, "node-1.example.org:1234;1").endpoint == "node-1.example.org:1234"
+
+
 def test_a_declaration_counts_only_under_the_id_its_owner_key_makes_in_that_record():
     """Ids are owned int subkeys, and the first key to store one owns it: an id anyone can store under is an id
     anyone can take first, in the predictable keys of rounds to come. So an id is a hash of the declarer's key, the

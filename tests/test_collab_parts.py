@@ -89,6 +89,8 @@ def test_a_record_is_checked_to_fit_up_to_a_billion_steps_and_a_full_length_ipv6
 @pytest.mark.parametrize("value", [
     "1;2;3", "x;2;3.0;1.0;-;a;0123abcd;1", "1;-2;3.0;1.0;-;a;0123abcd;1", "1;2;3.0;1.0;-;q;0123abcd;1",
     "1;2;3.0;1.0;-;a;XYZ;1", "1;2;3.0;1.0;host:0;a;0123abcd;1", "1;2;fast;1.0;-;a;0123abcd;1",
+    # gRPC targets that are no HOST:PORT: a unix socket of the reader's machine (review 99 D3)
+    "1;2;3.0;1.0;unix:1234;a;0123abcd;1", "1;2;3.0;1.0;unix:/run/x.sock:1;a;0123abcd;1",
 ])
 def test_malformed_progress_values_are_refused(value):
     with pytest.raises(ValueError):

@@ -12,8 +12,8 @@ from dmoe.dht import DHT
 from dmoe.dht.messages import find_value_reply, parse_find_value_reply
 from dmoe.dht.signing import Identity, Verifier, verify
 from dmoe.dht.storage import Entry
-from dmoe.directory import (Announcer, announce_forever, announcer, continuations, declaration_records,
-                            get_experts)
+from dmoe.directory import (Announcer, alive_experts, announce_forever, announcer, continuations,
+                            declaration_records, declare_experts, get_alive_continuations, get_experts)
 
 ALICE, MALLORY = Identity(), Identity()
 
@@ -115,6 +115,22 @@ def test_an_announcers_failed_first_declaration_is_retried_before_a_refresh_peri
             time.sleep(0.05)
         assert get_experts(dht, ["ffn0.0.0"]) == ["127.0.0.1:7000"], f"declared {len(started)} times"
         assert len(started) == 2  # once retried, and declared: the next refresh waits a refresh period
+
+
+def test_an_expert_declared_at_a_grpc_target_that_is_no_host_port_is_read_as_no_expert():
+    """Review 99 D3: clients dial a directory's endpoints as gRPC targets, and anyone may declare a free cell: one
+    declared at unix:/path sent trainers to a unix socket of their own machine. Every read of the directory drops
+    such entries (claims of a prefix too); HOST:PORT stays in every form. (Rows 2-5 hold only hostile entries.)"""
+    honest = {"d3.0.0": "127.0.0.1:1234", "d3.0.1": "[::1]:1234", "d3.1.0": "localhost:1234", "d3.1.1": "h-1.ex:80"}
+    hostile = {"d3.2.0": "unix:/run/x.sock", "d3.2.1": "unix-abstract:name", "d3.3.0": "unix:1234",
+               "d3.3.1": "UNIX:1234", "d3.4.0": "dns://8.8.8.8/h:1", "d3.4.1": "ipv4:127.0.0.1:1",
+               "d3.5.0": "vsock:1:2", "d3.5.1": "[::1:1234"}
+    with DHT() as dht:
+        for uid, endpoint in {**honest, **hostile}.items():
+            assert declare_experts(dht, [uid], endpoint) == [True], uid
+        assert alive_experts(dht, "d3", (6, 2)) == honest
+        assert get_experts(dht, [*honest, *hostile]) == [*honest.values()] + [None] * len(hostile)
+        assert sorted(get_alive_continuations(dht, ["d3"])["d3"]) == [0, 1]
 
 
 @pytest.mark.parametrize("flags, named", [(["--expiration", "4000"], "--expiration"),

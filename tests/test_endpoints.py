@@ -15,6 +15,7 @@ from dmoe.dht.node import listen_host
 from dmoe.endpoints import (
     announced_endpoint,
     bare_host,
+    is_host_port,
     is_loopback_ip,
     join_host_port,
     machine_address,
@@ -75,6 +76,18 @@ def test_a_loopback_address_is_parsed_in_any_spelling_and_a_name_is_no_loopback_
         assert is_loopback_ip(host) and is_local_endpoint(join_host_port(host, 5000)), host
     for host in ("127.evil.example", "127.0.0.1.nip.io", "10.0.0.1", "::2", "::ffff:10.0.0.1", "evil.localhost", ""):
         assert not is_loopback_ip(host) and not is_local_endpoint(join_host_port(host, 5000)), host
+
+
+def test_only_host_port_is_an_endpoint_and_no_other_grpc_target():
+    """Review 99 D3: what peers write into the DHT is dialed as a gRPC target, which unix:/path (and unix:1234, a
+    socket in the current directory) is too."""
+    for endpoint in ("127.0.0.1:1234", "[::1]:1234", "[2001:db8::7]:1", "localhost:1234", "node-1.example.org:65535",
+                     "my_service:80"):
+        assert is_host_port(endpoint), endpoint
+    for endpoint in ("unix:/run/x.sock", "unix:1234", "UNIX:1234", "unix-abstract:name", "vsock:1:2",
+                     "dns://8.8.8.8/h:1", "ipv4:127.0.0.1:1", "::1:1234", "[::1:1234", "[127.0.0.1]:1",
+                     "[fe80::1%eth0]:1", "-h:1", "a..b:1", "h:0", "h:65536", "h:١٢", "h:", ":1", "h"):
+        assert not is_host_port(endpoint), endpoint
 
 
 def test_a_node_given_no_host_listens_on_loopback_only_for_a_swarm_on_this_host():

@@ -1156,6 +1156,25 @@ def test_pushers_skip_hosts_at_another_keys_subkey(tmp_path):
             assert [host.endpoint for host in pusher.hosts(["ffn0"])["ffn0"]] == ["10.6.6.7:667"]
 
 
+def test_replication_records_naming_a_grpc_target_that_is_no_host_port_are_skipped():
+    """Review 99 D3: endpoints are dialed as gRPC targets: a host or holder announced at unix:/path had pushes and
+    probes sent to a unix socket of the reader's own machine."""
+    from dmoe.dht.storage import Entry
+    from dmoe.replicas.pusher import ReplicaPusher
+
+    holder = Identity()
+    subkey, expires = server_subkey(holder.public_key), time.time() + 60
+    for endpoint, kept in (("unix:/run/x.sock", False), ("unix:1234", False), ("[::1]:5000", True)):
+        assert [h.endpoint for h in holders({subkey: Entry(f"{endpoint}/9/abcd", expires, holder.public_key)})] == \
+            [endpoint] * kept
+    with DHT(identity=holder) as dht:
+        pusher = ReplicaPusher.__new__(ReplicaPusher)  # only hosts() is called: what it reads
+        pusher.dht, pusher.identity, pusher.machine = dht, Identity(), "this"
+        for endpoint, kept in (("unix:/run/x.sock", False), ("unix-abstract:x", False), ("localhost:5000", True)):
+            assert dht.store(hosts_key("ffn0"), subkey, host_value(endpoint, "m1"), expires)
+            assert [host.endpoint for host in pusher.hosts(["ffn0"])["ffn0"]] == [endpoint] * kept
+
+
 def test_a_key_that_takes_an_emptied_cell_cannot_replace_the_trained_replica_held_with_less(tmp_path):
     """A's expert, trained 6 steps, is held here; A leaves. Any key may declare the emptied cell first, and a holder
     took pushes from whichever key owns the uid: a squatter's untrained snapshot replaced A's training on every

@@ -45,13 +45,13 @@ from typing import Collection, Mapping, Sequence
 
 from dmoe.averaging.config import AveragerConfig
 from dmoe.dht import DHT
+from dmoe.endpoints import is_host_port
 
 logger = logging.getLogger(__name__)
 
 WAITING, GONE, LEADING = "w", "x", "L"
 _LEADING = re.compile(r"L([0-9]{1,4})\.([0-9a-f]{8})")
 _SALT = re.compile(r"[0-9a-f]{8}")
-_PORT = re.compile(r"[0-9]{1,5}")
 #: a member's DHT key (Ed25519, 32 bytes) as a group entry names it: unpadded base64url, 43 characters (in hex, 64
 #: of the DHT's 96 per value, an IPv6 endpoint left the entry over the limit and the leader's step raised: review 98)
 _KEY = re.compile(r"[A-Za-z0-9_-]{43}")  # ASCII: str.isdigit takes "²", which int refuses
@@ -116,11 +116,11 @@ class Group:
 
 
 def parse_endpoint(text: str) -> str | None:
-    """``HOST:PORT`` as declared, ``None`` for ``-`` (client mode); raises ValueError for anything else."""
+    """``HOST:PORT`` as declared, ``None`` for ``-`` (client mode); raises ValueError for anything else (a gRPC target
+    such as ``unix:/run/x.sock`` too, which members would dial on their own machine: review 99 D3)."""
     if text == "-":
         return None
-    host, _, port = text.rpartition(":")
-    if not host or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
+    if not is_host_port(text):
         raise ValueError(f"bad endpoint {text!r}")
     return text
 

@@ -39,7 +39,7 @@ from dmoe.dht import DHT
 from dmoe.dht.messages import check_entry
 from dmoe.dht.routing import contact_machine
 from dmoe.dht.throttle import ThrottledWarnings
-from dmoe.endpoints import bare_host
+from dmoe.endpoints import bare_host, is_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +107,8 @@ class Progress:
         if phase not in (ACCUMULATING, AVERAGING, GONE):
             raise ValueError(f"unknown phase {phase!r}")
         check_lineage(lineage)
-        if endpoint != "-":
-            host, _, port = endpoint.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"malformed endpoint {endpoint!r}")
+        if endpoint != "-" and not is_host_port(endpoint):  # (review 99 D3: unix:/... is a socket of the reader's)
+            raise ValueError(f"malformed endpoint {endpoint!r}")
         return cls(int(step), int(samples), float(speed), float(stamp), None if endpoint == "-" else endpoint,
                    phase, lineage, int(group_size))
 

@@ -3,7 +3,9 @@ each uid, and every alive expert of a layer's grid.
 
 All of them read the prefix records :mod:`dmoe.directory.declarations` writes, through the generic
 :meth:`dmoe.dht.DHT.get_many` (one batched look-up for all the keys of a call). Only entries validly signed for
-their record reach here: the DHT drops the rest as replies arrive.
+their record reach here: the DHT drops the rest as replies arrive. An entry whose endpoint is no ``HOST:PORT``
+(:func:`~dmoe.endpoints.is_host_port`) is read as absent: clients dial endpoints as gRPC targets, and a declaration
+at ``unix:/run/x.sock`` sent trainers to a unix socket of their own machine (review 99 D3).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Collection, Mapping, Protocol, Sequence, Union
 
 from dmoe.dht import DHT
 from dmoe.dht.storage import Record
+from dmoe.endpoints import is_host_port
 from dmoe.uid import is_valid_prefix, strict_prefixes
 
 Continuations = dict[int, str]
@@ -33,11 +36,12 @@ def continuations(record: Record, experts_only: bool = False) -> Continuations:
     owned entries count, as in :func:`get_experts`. Shared claims are anyone's to write (a server of a deeper grid
     under the same layer name, or anyone at all): read as experts, they sent a beam search's rows to an expert that
     nobody declared, at whatever endpoint their writer chose."""
-    found = {subkey: entry.value for subkey, entry in record.items() if isinstance(subkey, int)}
+    found = {subkey: entry.value for subkey, entry in record.items()
+             if isinstance(subkey, int) and is_host_port(entry.value)}
     if experts_only:
         return found
     for subkey, entry in record.items():
-        if isinstance(subkey, str) and subkey.isdigit() and len(subkey) < 10:
+        if isinstance(subkey, str) and subkey.isdigit() and len(subkey) < 10 and is_host_port(entry.value):
             found.setdefault(int(subkey), entry.value)
     return found
 
@@ -56,11 +60,12 @@ def get_alive_continuations(dht: DHT, prefixes: Sequence[str], experts_under: Co
 
 
 def get_experts(dht: DHT, uids: Sequence[str]) -> list[str | None]:
-    """The endpoint of each uid (its owner's, signed), or None when it is not declared or has expired."""
+    """The endpoint of each uid (its owner's, signed), or None when it is not declared, has expired or is declared at
+    no ``HOST:PORT``."""
     parents = [strict_prefixes(uid)[-1] for uid in uids]  # (record of the last strict prefix, last coordinate)
     records = dht.get_many([prefix for prefix, _ in parents])
     found = [records[prefix].get(coordinate) for prefix, coordinate in parents]
-    return [entry.value if entry is not None else None for entry in found]
+    return [entry.value if entry is not None and is_host_port(entry.value) else None for entry in found]
 
 
 class DirectoryReader:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Collection, Iterator, Sequence
 import grpc
 
 from dmoe.dht import DHT, Identity
-from dmoe.endpoints import join_host_port
+from dmoe.endpoints import is_host_port, join_host_port
 from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.records import (SIGNER_HEX, Host, counted_machine, distance, endpoint_host, hosts_key, own_subkey,
                                    parse_host, resolve_host)
@@ -505,12 +505,14 @@ class ReplicaPusher:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="dmoe-replica-push")
 
     def hosts(self, layers: Sequence[str]) -> dict[str, list[Host]]:
-        """layer -> every other server announcing it receives the layer's replicas, but those of this machine."""
+        """layer -> every other server announcing it receives the layer's replicas, but those of this machine, and
+        those announced at no ``HOST:PORT`` (a ``unix:/...`` target is a socket of this machine: review 99 D3)."""
         records = self.dht.get_many([hosts_key(layer) for layer in layers])
         found: dict[str, list[Host]] = {}
         for layer in layers:
             hosts = [Host(entry.owner, *parse_host(entry.value)) for subkey, entry in records[hosts_key(layer)].items()
                      if own_subkey(subkey, entry.owner)]
+            hosts = [host for host in hosts if is_host_port(host.endpoint)]
             found[layer] = [host for host in hosts if host.key != self.identity.public_key
                             and (host.machine is None or host.machine != self.machine)]
         return found

@@ -27,7 +27,7 @@ from typing import NamedTuple
 from dmoe.dht import DHT
 from dmoe.dht.messages import MAX_STR_SUBKEY
 from dmoe.dht.storage import Entry, Record
-from dmoe.endpoints import bare_host, machine_of
+from dmoe.endpoints import bare_host, is_host_port, machine_of
 from dmoe.uid import split_uid, strict_prefixes
 
 logger = logging.getLogger(__name__)
@@ -136,12 +136,14 @@ def own_subkey(subkey: object, owner: bytes) -> bool:
 
 
 def holders(record: Record) -> list[Holder]:
-    """The holders a ``{uid}/replicas`` record names, most updates first; entries that do not parse, or that sit
-    at another key's subkey (:func:`own_subkey`), are skipped."""
+    """The holders a ``{uid}/replicas`` record names, most updates first; entries that do not parse (an endpoint
+    that is no ``HOST:PORT`` included: review 99 D3), or that sit at another key's subkey (:func:`own_subkey`), are
+    skipped."""
     found = []
     for subkey, entry in record.items():
         parts = entry.value.rsplit("/", 2)
-        if not own_subkey(subkey, entry.owner) or len(parts) != 3 or not parts[1].isdigit():
+        if not own_subkey(subkey, entry.owner) or len(parts) != 3 or not parts[1].isdigit() \
+                or not is_host_port(parts[0]):
             continue
         found.append(Holder(parts[0], int(parts[1]), parts[2], entry.owner))
     return sorted(found, key=lambda h: -h.updates)
