@@ -72,6 +72,18 @@ def _is_ip(text: str, kind: type) -> bool:
     return True
 
 
+def check_host(host: str) -> None:
+    """Raises ValueError unless ``host`` is what a server can be announced at (``--announce-host``): an IP address
+    (IPv6 with or without brackets) or a DNS host name, with no port. ``HOST:PORT`` (natural to type behind NAT)
+    was announced as ``[HOST:PORT]:PORT``, which nobody can reach, and the server never learned why (review 99 D5)."""
+    if is_host_port(join_host_port(host, 1)):
+        return
+    if is_host_port(host):
+        raise ValueError(f"{host!r} is HOST:PORT: give the host alone (the port announced is the one the server "
+                         "listens on)")
+    raise ValueError(f"{host!r} is no host: an IP address (IPv6 with or without brackets) or a DNS name")
+
+
 def bare_host(host: str) -> str:
     """``host`` without IPv6 brackets: what a socket (not gRPC) binds."""
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host

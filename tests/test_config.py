@@ -9,11 +9,13 @@ import time
 
 import pytest
 
+from dmoe.averaging import AveragerConfig
 from dmoe.cli import dht as dht_program
 from dmoe.cli import monitor as monitor_program
 from dmoe.cli import server as run_server
 from dmoe.cli import train
 from dmoe.cli.config import default_shown, parse_args
+from dmoe.collab import CollaborationConfig
 from dmoe.directory import alive_experts, choose_experts
 from tests.procs import running
 
@@ -156,6 +158,42 @@ def test_the_largest_values_those_checks_allow_pass_them():
     assert run_server.check_args(args, parser) == ["ffn.0"]
     args = parser.parse_args([*SERVER, "--announce-host", "2001:db8::1"])  # announced as [2001:db8::1]:PORT
     assert run_server.check_args(args, parser) == ["ffn.0"]
+
+
+@pytest.mark.parametrize("host, words", [
+    ("203.0.113.5:8000", "'203.0.113.5:8000' is HOST:PORT: give the host alone"),
+    ("example.org:8000", "is HOST:PORT"),
+    ("[2001:db8::1]:8000", "is HOST:PORT"),
+    ("http://example.org", "is no host"),
+    ("[2001:db8::1", "is no host"),
+    ("2001:db8::1]", "is no host"),
+    ("unix", "is no host"),  # unix:PORT is a unix socket to gRPC
+])
+def test_an_announce_host_that_is_no_host_is_refused_naming_the_flag(host, words, capsys):
+    """Review 99 D5: each was announced as is, [203.0.113.5:8000]:PORT for one, and the server's experts were
+    reached by nobody. In every program that announces: the server, the trainer, and the configs behind them."""
+    parser = run_server.build_parser()
+    with pytest.raises(SystemExit):  # (not main: before, it served)
+        run_server.check_args(parser.parse_args([*SERVER, "--announce-host", host]), parser)
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("dmoe-server: error: argument --announce-host: ") and words in line, line
+    collaborating = ["--experts", "remote", "--initial-peers", "10.1.2.3:31337", "--collaborate", "run",
+                     "--target-batch-size", "64", "--averaging-host", "0.0.0.0"]
+    with pytest.raises(SystemExit):
+        train.parse_config([*collaborating, "--averaging-announce-host", host])
+    assert "--averaging-announce-host" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="announce_host"):
+        AveragerConfig(announce_host=host)
+    with pytest.raises(ValueError, match="state_announce_host"):
+        CollaborationConfig(target_batch_size=8, state_announce_host=host)
+
+
+def test_an_announce_host_in_any_form_of_an_address_or_name_is_taken():
+    parser = run_server.build_parser()
+    for host in ("203.0.113.5", "2001:db8::1", "[2001:db8::1]", "node-1.example.org", "localhost"):
+        assert run_server.check_args(parser.parse_args([*SERVER, "--announce-host", host]), parser) == ["ffn.0"]
+        assert AveragerConfig(announce_host=host).announce_host == host
+        assert CollaborationConfig(target_batch_size=8, state_announce_host=host).state_announce_host == host
 
 
 @pytest.mark.parametrize("kwargs, words", [

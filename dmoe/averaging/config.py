@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dmoe.endpoints import check_host
 from dmoe.wire.channels import STREAM_PART_BYTES
 from dmoe.wire.codec import parse_compression
 
@@ -97,6 +98,11 @@ class AveragerConfig:
             raise ValueError(f"piece_bytes must be between 1024 and {MAX_PIECE_BYTES} (what every peer's averaging port "
                              f"reads), got {self.piece_bytes}")
         parse_compression(self.compression)  # raises ValueError naming the choices
+        if self.announce_host:  # (review 99 D5: HOST:PORT was announced as [HOST:PORT]:PORT)
+            try:
+                check_host(self.announce_host)
+            except ValueError as error:
+                raise ValueError(f"announce_host: {error}") from None
 
     @property
     def step_timeout(self) -> float:

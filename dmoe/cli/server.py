@@ -34,7 +34,7 @@ from dmoe.cli.signals import StopSignals
 from dmoe.dht import DHT, DHTConfig, Identity, parse_endpoint
 from dmoe.dht.messages import VALUE_PATTERN
 from dmoe.directory import Announcer, choose_experts, free_experts
-from dmoe.endpoints import host_at_fault, join_host_port
+from dmoe.endpoints import check_host, host_at_fault, join_host_port
 from dmoe.experts import ExpertBuildError, expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.replicas.adoption import read_holders
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     dht.add_argument("--announce-host", default=None,
                      help="host that clients and other servers are told to call this server's experts at, where "
                           "it is not --host (behind NAT, e.g. a cloud VM's public address; default: --host, or for "
-                          "0.0.0.0 this machine's address toward its DHT peers)")
+                          "0.0.0.0 this machine's address toward its DHT peers); a host alone, without a port")
     dht.add_argument("--refresh-period", type=duration(), default=10.0,
                      help="seconds between re-declarations of the experts")
     dht.add_argument("--expiration", type=duration(), default=None,
@@ -358,7 +358,8 @@ def import_custom_modules(args: argparse.Namespace, parser: argparse.ArgumentPar
 
 def check_announce_host(host: str | None, parser: argparse.ArgumentParser) -> None:
     """Refuses an ``--announce-host`` that no DHT node would store as the experts' endpoint (with any port): the
-    server found out only once it had built its experts and bound its port, with a traceback."""
+    server found out only once it had built its experts and bound its port, with a traceback; and one that is no
+    host (:func:`~dmoe.endpoints.check_host`), which the server announced, for nobody to reach."""
     if not host:  # (empty: not given)
         return
     endpoint = join_host_port(host, 65535)
@@ -366,6 +367,10 @@ def check_announce_host(host: str | None, parser: argparse.ArgumentParser) -> No
     if len(endpoint.encode()) > limit or VALUE_PATTERN.fullmatch(endpoint) is None:
         parser.error(f"argument --announce-host: {host!r} cannot be announced: HOST:PORT must be printable ASCII "
                      f"without spaces, quotes or backslashes, of at most {limit} bytes")
+    try:
+        check_host(host)  # (review 99 D5: HOST:PORT was announced as [HOST:PORT]:PORT)
+    except ValueError as error:
+        parser.error(f"argument --announce-host: {error}")
 
 
 #: flags that only do something with another: (flag's destination, what it needs, whether the args have it)

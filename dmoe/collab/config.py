@@ -6,6 +6,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from dmoe.endpoints import check_host
+
 #: a run id is one DHT key component: letters, digits, dashes and underscores
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -74,6 +76,11 @@ class CollaborationConfig:
                              f"({self.refresh_period}): records would expire between refreshes")
         if not 0 <= self.state_port < 65536:
             raise ValueError(f"state_port must be in 0..65535, got {self.state_port}")
+        if self.state_announce_host:  # (review 99 D5, as AveragerConfig.announce_host)
+            try:
+                check_host(self.state_announce_host)
+            except ValueError as error:
+                raise ValueError(f"state_announce_host: {error}") from None
 
     @property
     def max_samples(self) -> float:

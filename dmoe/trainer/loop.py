@@ -40,7 +40,7 @@ from dmoe.cli.config import duration, non_negative, port_number, positive
 from dmoe.cli.signals import DeferredInterrupt, InterruptingSignals, orphaned
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
-from dmoe.endpoints import is_loopback_ip
+from dmoe.endpoints import check_host, is_loopback_ip
 from dmoe.experts import expert_class_names, mixture_input_problem
 from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import OPTIMIZERS, all_finite
@@ -236,6 +236,11 @@ class TrainConfig:
             if self.averaging_port and self.averaging_port == self.state_port and not self.averaging_client_mode:
                 raise ValueError(f"--averaging-port and --state-port must differ (the averager and the state server "
                                  f"each listen on their own port), both are {self.state_port}")
+            if self.averaging_announce_host:  # (review 99 D5: HOST:PORT was announced as [HOST:PORT]:PORT)
+                try:
+                    check_host(self.averaging_announce_host)
+                except ValueError as error:
+                    raise ValueError(f"--averaging-announce-host: {error}") from None
             self._check_averaging_host()
 
     def _check_averaging_host(self) -> None:
