@@ -12,12 +12,14 @@ import torch
 
 from dmoe import launch
 from dmoe.cli import server as server_program
-from dmoe.cli.server_processes import announcement, child_args, terminal_signals_ignored
+from dmoe.cli.server_processes import announcement, child_args, deal_cells, terminal_signals_ignored
 from dmoe.cli.signals import StopSignals
 from dmoe.client.remote_expert import backward_future, forward_future
 from dmoe.dht import DHT
 from dmoe.directory import get_experts
 from dmoe.experts import create_expert, expert_seed
+from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
+from dmoe.server.checkpoints import FORMAT as CHECKPOINT_FORMAT
 from dmoe.server.checkpoints import Checkpoints
 from dmoe.uid import expand_pattern
 from tests.procs import Proc, children_by_parent, processes
@@ -205,6 +207,33 @@ def test_a_checkpoint_of_one_process_is_not_dealt_out_among_several(tmp_path, ca
     assert exit_info.value.code == 2
     assert "server of 1 process: start it with no --processes" in capsys.readouterr().err
     assert not (tmp_path / "processes.json").exists()
+
+
+@pytest.mark.parametrize("processes, per_layer, kept", [
+    (2, 1, {0: ["ffn0.0.0"]}),  # the restart's fresh cell was ffn0's: ffn1 had no expert at all
+    (2, 1, {1: ["ffn1.3.3"]}),
+    (3, 2, {0: ["ffn0.0.0", "ffn1.0.0"]}),  # child 1's share is of ffn0, child 2's of ffn1
+    (3, 2, {1: ["ffn0.1.1"]}),
+])
+def test_a_restart_where_some_processes_lost_their_checkpoints_keeps_num_experts_in_every_layer(
+        tmp_path, processes, per_layer, kept):
+    """Review 99 D1: --num-experts is a count per layer, and a process without a checkpoint (it died before its
+    first, or its directory was lost) took its fresh cells from the first layer alone."""
+    for index, uids in kept.items():
+        (tmp_path / f"process-{index}").mkdir()
+        torch.save({"format": CHECKPOINT_FORMAT, "experts": {uid: {} for uid in uids}},
+                   tmp_path / f"process-{index}" / CHECKPOINT_FILENAME)
+    parser = server_program.build_parser()
+    args = parser.parse_args(["--num-experts", str(per_layer), "--layer", "ffn0", "ffn1", "--grid", "4", "4",
+                              "--processes", str(processes), "--checkpoint-dir", str(tmp_path)])
+    with DHT() as dht:  # an empty directory: this server's processes are all down, restarting
+        dealt = deal_cells(args, parser, dht)
+    total = 2 * per_layer
+    assert [len(uids) for uids in dealt] == [len(range(index, total, processes)) for index in range(processes)]
+    assert all(dealt[index] == uids for index, uids in kept.items())
+    cells = [uid for uids in dealt for uid in uids]
+    assert len(set(cells)) == total
+    assert sorted(uid.split(".")[0] for uid in cells) == ["ffn0"] * per_layer + ["ffn1"] * per_layer, dealt
 
 
 def test_the_program_line_names_every_process_once():

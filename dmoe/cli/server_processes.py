@@ -53,6 +53,7 @@ from dmoe.dht import DHT, Identity
 from dmoe.directory import free_experts
 from dmoe.server.checkpoints import FILENAME as CHECKPOINT_FILENAME
 from dmoe.server.checkpoints import CheckpointDirectoryInUse, lock_directory, write_atomically
+from dmoe.uid import split_uid
 
 logger = logging.getLogger("dmoe.cli.server")
 
@@ -136,19 +137,34 @@ def deal_cells(args: argparse.Namespace, parser: argparse.ArgumentParser, dht: D
             parser.error(f"argument --processes: {count} processes need as many free cells, and only {len(uids)} "
                          f"of the grids of --layer {' '.join(args.layer)} are free")
         return [uids[index::count] for index in range(count)]
-    per_layer = min(math.prod(args.grid), args.num_experts + len(kept))  # room for the kept cells, left out below
-    fresh = [uid for uid in free_experts(dht, args.layer, args.grid, per_layer) if uid not in set(kept)]
-    fresh = fresh[:total - len(kept)]
-    if fresh:
-        logger.info("chose %d more experts, free grid cells: %s", len(fresh), ", ".join(fresh))
-    dealt = []
-    for index, uids in enumerate(saved):
-        if uids is None:
-            uids, fresh = fresh[:sizes[index]], fresh[sizes[index]:]
-            if not uids:
-                parser.error(f"argument --num-experts: process {index} holds no checkpoint, and no cell of the "
-                             f"grids of --layer {' '.join(args.layer)} is left free for it")
-        dealt.append(uids)
+    # --num-experts is a count per layer: each layer is asked for what its kept cells lack, and a child without a
+    # checkpoint gets the layers of its share as the first start dealt them (of the cells listed layer after layer,
+    # the one at position p is of layer p // num_experts). All taken from the first layer, the fresh cells could
+    # leave another layer with no expert at all (review 99 D1).
+    fresh: dict[str, list[str]] = {}
+    for layer in args.layer:
+        lacking = args.num_experts - sum(split_uid(uid)[0] == layer for uid in kept)  # (kept: no uid twice)
+        # (num_experts asked for: room for the kept cells, which the directory may show free, left out here)
+        chosen = free_experts(dht, [layer], args.grid, min(math.prod(args.grid), args.num_experts))
+        fresh[layer] = [uid for uid in chosen if uid not in kept][:max(0, lacking)]
+    chosen = [uid for uids in fresh.values() for uid in uids]
+    if chosen:
+        logger.info("chose %d more experts, free grid cells: %s", len(chosen), ", ".join(chosen))
+    dealt = [uids if uids is not None else [] for uids in saved]
+    new = [index for index, uids in enumerate(saved) if uids is None]
+    for index in new:
+        for position in range(index, total, count):
+            cells = fresh[args.layer[position // args.num_experts]]
+            dealt[index] += cells[:1]
+            del cells[:1]
+    leftover = [uid for uids in fresh.values() for uid in uids]  # (only where the kept cells were dealt otherwise)
+    for index in new:
+        missing = sizes[index] - len(dealt[index])
+        dealt[index] += leftover[:missing]
+        del leftover[:missing]
+        if not dealt[index]:
+            parser.error(f"argument --num-experts: process {index} holds no checkpoint, and no cell of the "
+                         f"grids of --layer {' '.join(args.layer)} is left free for it")
     return dealt
 
 
