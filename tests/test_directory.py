@@ -133,6 +133,16 @@ def test_an_expert_declared_at_a_grpc_target_that_is_no_host_port_is_read_as_no_
         assert sorted(get_alive_continuations(dht, ["d3"])["d3"]) == [0, 1]
 
 
+def test_an_announcer_refuses_an_announce_host_that_is_no_host():
+    """Review 99 D5: ``HOST:PORT`` was announced as ``[HOST:PORT]:PORT``, which nobody can reach."""
+    with DHT() as dht:
+        for host in ("203.0.113.5:8000", "[::1", "2001:db8::1]", "unix"):
+            with pytest.raises(ValueError, match="announce_host"):
+                Announcer(dht, announce_host=host)
+        for host in ("203.0.113.5", "2001:db8::1", "[2001:db8::1]", "node.example.org"):
+            assert Announcer(dht, announce_host=host).announce_host == host
+
+
 @pytest.mark.parametrize("flags, named", [(["--expiration", "4000"], "--expiration"),
                                           (["--refresh-period", "1500"], "--refresh-period")])
 def test_the_directory_program_refuses_declarations_no_node_would_keep_naming_the_flag(flags, named, capsys):

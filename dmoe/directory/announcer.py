@@ -8,6 +8,7 @@ from typing import Sequence
 
 from dmoe.dht import DHT, DHTConfig, DHTNode, Identity
 from dmoe.directory.declarations import declare, taken_by_others
+from dmoe.endpoints import check_host
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ class Announcer:
                  announce_host: str | None = None, owns_dht: bool = False):
         if refresh_period <= 0:
             raise ValueError("refresh_period must be positive")
+        if announce_host:  # (review 99 D5: HOST:PORT was announced as [HOST:PORT]:PORT, for nobody to reach)
+            try:
+                check_host(announce_host)
+            except ValueError as error:
+                raise ValueError(f"announce_host: {error}") from None
         self.dht, self.owns_dht = dht, owns_dht
         self.refresh_period, self.announce_host = refresh_period, announce_host
         self.expiration = 3 * refresh_period if expiration is None else expiration
@@ -120,7 +126,11 @@ class Announcer:
             logger.warning("no DHT identity given: signing declarations with an ephemeral key, so after a restart "
                            "this server's uids stay owned by the old key until its declarations expire")
         dht = DHT(initial_peers=initial_peers, host=host, port=port, config=config, identity=identity)
-        return cls(dht, owns_dht=True, **options)
+        try:
+            return cls(dht, owns_dht=True, **options)
+        except BaseException:  # (options refused: the node is nobody's to close)
+            dht.close()
+            raise
 
     def start(self, uids: Sequence[str], endpoint: str) -> list[bool]:
         """Declares ``uids`` at ``endpoint`` now and keeps them declared until :meth:`close`; returns, per uid,
