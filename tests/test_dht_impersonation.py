@@ -224,6 +224,7 @@ def test_silences_at_a_made_up_address_neither_mark_nor_evict_the_contact_at_its
             protocol = node.protocol
             victim = Node(os.urandom(20), "198.51.100.7", 4000)
             protocol.router.add_contact(victim)
+            protocol.router.add_contact(Node(os.urandom(20), "198.51.100.8", 4000))  # (a table's last one is kept)
             fake = Node(victim.id, "203.0.113.66", 9)  # what a hostile reply named: the victim's id, a dead address
             for _ in range(EVICT_AFTER_FAILURES):
                 protocol.handle_call_response((False, None), fake)

@@ -15,11 +15,19 @@ from kademlia.utils import digest
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.crawling import RecordCrawl
 from dmoe.dht.messages import canonical_host, valid_address
+from dmoe.dht.peers import peer_key
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, check_expiration, missing_entries
 
 logger = logging.getLogger(__name__)
+
+#: seconds between attempts to join the swarm again while the routing table holds fewer than ``alpha`` contacts
+#: (review 97 D1: see :meth:`DHTNode.rejoin_if_lonely`)
+REJOIN_PERIOD = 5.0
+#: while no contact answers, the first attempt comes this many seconds after the last, each next one twice as late,
+#: up to REJOIN_PERIOD: most outages are short, and a node cut off reads nothing until it is back
+REJOIN_FIRST = 0.5
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -76,6 +84,14 @@ class DHTNode(Server):
                                                     max_entries=self.config.max_entries,
                                                     sender_share=self.config.sender_share)
         self.protocol: DHTProtocol | None = None
+        #: where :meth:`bootstrap` joined, as given: a node whose contacts all fell silent joins again through them
+        #: (a client-mode node is nobody's contact, so nothing else could ever refill its table: review 97 D1)
+        self.initial_peers: list[tuple[str, int]] = []
+        self.rejoin_loop: asyncio.TimerHandle | None = None
+        self._rejoining: asyncio.Task | None = None
+        self._last_rejoin = float("-inf")  # (protocol clock) when the last attempt started
+        self._failed_rejoins = 0  # attempts since the node was cut off that nobody answered
+        self._cut_off = False  # warned that no contact answers, and not yet that one does again
 
     def _create_protocol(self) -> DHTProtocol:
         return DHTProtocol(self.node, self.storage, self.config)
@@ -93,6 +109,7 @@ class DHTNode(Server):
             logger.debug("could not enlarge the UDP receive buffer", exc_info=True)
         logger.info("DHT node %s bound to UDP %s:%d", self.node.id.hex()[:8], host, bound_port)
         self.refresh_table()
+        self._watch_contacts()
         return host, bound_port
 
     def refresh_table(self, interval: float | None = None) -> None:
@@ -108,15 +125,89 @@ class DHTNode(Server):
                                for node_id in self.protocol.get_refresh_ids()))
 
     async def bootstrap(self, addrs: Iterable[tuple[str, int]]) -> list[Node]:
-        """Pings the given peers and crawls towards our own id to fill the routing table; returns who answered."""
+        """Pings the given peers and crawls towards our own id to fill the routing table; returns who answered. The
+        peers are kept: the node joins through them again whenever its contacts run low (:meth:`rejoin_if_lonely`)."""
+        addrs = list(addrs)
+        self.initial_peers = list(dict.fromkeys([*self.initial_peers, *addrs]))
+        return await self._join(addrs)
+
+    async def _join(self, addrs: Sequence[tuple[str, int]], attempts: int = 3) -> list[Node]:
+        """Pings ``addrs`` and crawls towards our own id from those that answered; returns them. A contact of the
+        table at an address asked counts as silent if it did not answer, and goes if it answered under another id
+        (a node restarted at its address: the old id is gone for good)."""
         assert self.protocol is not None
-        found = await asyncio.gather(*(self._ping(addr) for addr in addrs))
+        found = await asyncio.gather(*(self._ping(addr, attempts) for addr in addrs))
         peers = [node for node in found if node is not None]
+        answered = {(peer.ip, peer.port): peer for peer in peers}
+        asked = set(addrs)
+        for contact in self.protocol.router.contacts():
+            peer = answered.get((contact.ip, contact.port))
+            if peer is None and (contact.ip, contact.port) in asked:
+                self.protocol.handle_call_response((False, None), contact)
+            elif peer is not None and peer.id != contact.id:
+                self.protocol.router.remove_contact(contact)
+                self.protocol.welcome_if_new(peer, answered=True)  # (if the old id left it no room)
         if peers:
             await RecordCrawl(self.protocol, self.node, peers, self.config.ksize, fetch_records=False).run()
         return peers
 
-    async def _ping(self, address: tuple[str, int]) -> Node | None:
+    def _watch_contacts(self) -> None:
+        """Re-joins (in the background) when the routing table runs low (:meth:`rejoin_if_lonely`). Buckets are
+        refreshed only every ``routing_refresh_period``, and only from contacts the table still holds."""
+        self.rejoin_if_lonely()
+        self.rejoin_loop = asyncio.get_running_loop().call_later(REJOIN_FIRST, self._watch_contacts)
+
+    def rejoin_if_lonely(self) -> None:
+        """With fewer than ``alpha`` contacts, pings the initial peers and the table's silent contacts again and
+        crawls from those that answer, in the background: once per :data:`REJOIN_PERIOD`, and while no contact
+        answers from :data:`REJOIN_FIRST` on, backing off to that period. Logs a warning when no contact answers any
+        more, and when one does again."""
+        assert self.protocol is not None
+        router = self.protocol.router
+        size = router.size()
+        if size >= self.config.alpha or not self.initial_peers:  # (a swarm's first node is joined, not joining)
+            self._report_cut_off(False, size)
+            return
+        self._report_cut_off(all(self.protocol.peers.recently_dead(peer_key(contact)) for contact in router.contacts()),
+                             size)
+        wait = min(REJOIN_PERIOD, REJOIN_FIRST * 2 ** self._failed_rejoins) if self._cut_off else REJOIN_PERIOD
+        now = self.protocol.clock()
+        if self._rejoining is None and now - self._last_rejoin >= wait:
+            self._last_rejoin = now
+            self._rejoining = task = asyncio.ensure_future(self._rejoin())
+            self.protocol.adopt(task)
+
+    async def _rejoin(self) -> None:
+        assert self.protocol is not None
+        try:
+            silent = [(contact.ip, contact.port) for contact in self.protocol.router.contacts()
+                      if self.protocol.peers.recently_dead(peer_key(contact))]
+            # one ping each: another attempt follows soon enough
+            if await self._join(list(dict.fromkeys([*self.initial_peers, *silent])), attempts=1):
+                self._report_cut_off(False, self.protocol.router.size())
+            else:
+                self._failed_rejoins += 1
+        finally:
+            self._rejoining = None
+
+    def _report_cut_off(self, cut_off: bool, size: int) -> None:
+        if cut_off and not self._cut_off:
+            logger.warning("DHT node %s: none of its %d contacts answers; until one does, reads find nothing and "
+                           "stores reach no other node (joining again through its initial peers %s)",
+                           self.node.id.hex()[:8], size, self.initial_peers)
+            self._failed_rejoins = 0
+        elif self._cut_off and not cut_off:
+            logger.info("DHT node %s is back in the swarm: %d contacts", self.node.id.hex()[:8], size)
+        self._cut_off = cut_off
+
+    def _joined(self) -> bool:
+        """Before a look-up or store: re-joins if contacts are few (:meth:`rejoin_if_lonely`); False when no contact
+        answers. A look-up then has nobody to ask: asking its silent contacts cost it an RPC timeout and found
+        nothing."""
+        self.rejoin_if_lonely()
+        return not self._cut_off
+
+    async def _ping(self, address: tuple[str, int], attempts: int = 3) -> Node | None:
         """Pings an initial peer, resolving a host name first (contacts learnt from peers must be IP literals), at
         its IP's canonical spelling (the contact it becomes is named so to others)."""
         assert self.protocol is not None
@@ -130,11 +221,13 @@ class DHTNode(Server):
                 logger.warning("cannot resolve initial peer %s:%s: %s", host, port, error)
                 return None
             host, port = infos[0][4][:2]
-        return await self.protocol.ping_address((canonical_host(host), port))
+        return await self.protocol.ping_address((canonical_host(host), port), attempts)
 
     async def find_nodes(self, key_id: bytes, width: int) -> list[Node]:
         """The ``width`` closest responding nodes to a 20-byte id."""
         assert self.protocol is not None
+        if not self._joined():
+            return []
         target = Node(key_id)
         peers = self.protocol.router.find_neighbors(target, k=max(width, self.config.alpha))
         nodes, _ = await RecordCrawl(self.protocol, target, peers, width, fetch_records=False).run()
@@ -164,7 +257,7 @@ class DHTNode(Server):
         assert self.protocol is not None
         target = Node(digest(key))
         local = self.storage.get(target.id) or {}
-        peers = self._starting_peers(target)
+        peers = self._starting_peers(target) if self._joined() else []
         if not peers:
             return local
         crawl = RecordCrawl(self.protocol, target, peers, self.config.read_width, hedge=True)
@@ -269,7 +362,7 @@ class DHTNode(Server):
         """
         assert self.protocol is not None
         target = Node(digest(key))
-        peers = self._starting_peers(target)
+        peers = self._starting_peers(target) if self._joined() else []
         if not peers:
             return 0
         # not hedged: a busy close node is exactly the one that may lack the entries
@@ -291,5 +384,7 @@ class DHTNode(Server):
 
     def stop(self) -> None:
         super().stop()
+        if self.rejoin_loop is not None:
+            self.rejoin_loop.cancel()
         if self.protocol is not None:
             self.protocol.close_tasks()

@@ -103,6 +103,7 @@ class DHTProtocol(UDPTransport):
         if not ok or not isinstance(node_id, bytes) or len(node_id) != ID_BYTES:
             return None
         node = Node(node_id, address[0], address[1])
+        self.peers.answered(peer_key(node))
         self.welcome_if_new(node, answered=True)
         return node
 
@@ -204,11 +205,20 @@ class DHTProtocol(UDPTransport):
 
         Silences count against the id *at the address asked* (:func:`~dmoe.dht.peers.peer_key`), and evict only a
         contact the table holds at that address: any reply may name a live node's id at an address that never
-        answers, and counted by id its silence marked the live node dead, then evicted it (review 89)."""
+        answers, and counted by id its silence marked the live node dead, then evicted it (review 89).
+
+        The table's last contact is kept (as Kademlia keeps a stale contact that has no replacement): a few seconds
+        of silence (a network blip, a suspended laptop) evicted every contact, and a node with none never joined
+        again; kept, it is pinged again while nothing else answers
+        (:meth:`~dmoe.dht.node.DHTNode.rejoin_if_lonely`), and the node is back once it answers (review 97 D1)."""
         if not result[0]:
             if self.peers.failed(peer_key(node)):
-                logger.debug("no response from %s %d times, evicting it", node, EVICT_AFTER_FAILURES)
-                self.router.remove_contact(node)  # (only if the table holds node.id at this address)
+                if self.router.size() > 1:
+                    logger.debug("no response from %s %d times, evicting it", node, EVICT_AFTER_FAILURES)
+                    self.router.remove_contact(node)  # (only if the table holds node.id at this address)
+                else:
+                    logger.debug("no response from %s %d times; kept: the table holds no other contact", node,
+                                 EVICT_AFTER_FAILURES)
             return result
         self.peers.answered(peer_key(node))
         self.welcome_if_new(node, answered=True)

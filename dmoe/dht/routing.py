@@ -111,6 +111,10 @@ class DHTRoutingTable(RoutingTable):
         """Every live contact in the table."""
         return [node for bucket in self.buckets for node in bucket.get_nodes()]
 
+    def size(self) -> int:
+        """How many live contacts the table holds (without listing them: asked before every look-up)."""
+        return len(self._by_id()[1])
+
     def find_neighbors(self, node: Node, k: int | None = None, exclude: Node | None = None) -> list[Node]:
         """The min(k, known) contacts closest to ``node`` by XOR distance, closest first, other than ``node`` and
         those at ``exclude``'s address."""
