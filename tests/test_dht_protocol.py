@@ -7,6 +7,7 @@ import os
 import random
 import socket
 import time
+from collections import Counter
 
 import msgpack
 import pytest
@@ -15,11 +16,13 @@ from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode
-from dmoe.dht.protocol import HANDOVER_BURST, HANDOVER_PERIOD, KEYS_BURST, KEYS_PER_SECOND, DHTProtocol
+from dmoe.dht.protocol import (HANDOVER_BURST, HANDOVER_PERIOD, KEYS_BURST, KEYS_PER_SECOND, PING_BACK_BURST,
+                                PING_BACKS_IN_FLIGHT, DHTProtocol)
 from dmoe.dht.messages import split_values_reply
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import RecordStorage
 from dmoe.dht.transport import HEADER_BYTES, REQUEST, RESPONSE
+from tests.dht_nodes import in_process_swarm
 
 
 def test_a_newcomer_closest_to_a_key_is_handed_its_record():
@@ -142,6 +145,55 @@ def test_a_made_up_id_gets_no_records_until_its_address_answers_a_ping_of_ours_u
         finally:
             peer.close()
             node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_requests_from_forged_sources_plant_no_contact_and_cost_one_ping_per_address_few_in_all():
+    """Review 97 D2: a request from a forged source put a contact at any address into the table before it ever
+    answered; the node named it to every asker, whose look-ups then sent requests there. An asker is added once it
+    answered a ping of ours, and a flood of forged requests draws at most one ping per address at a time, at most
+    PING_BACK_BURST per machine and PING_BACKS_IN_FLIGHT in all."""
+    async def scenario() -> None:
+        config = DHTConfig(rpc_timeout=0.3)
+        async with in_process_swarm(2, config) as (node, other):
+            pings: list[tuple[str, int]] = []
+            sendto = node.protocol.transport.sendto
+
+            def counting(data: bytes, address=None) -> None:
+                if data[:1] == REQUEST and msgpack.unpackb(data[HEADER_BYTES:])[0] == "ping":
+                    pings.append(address[:2])
+                return sendto(data, address)
+
+            node.protocol.transport.sendto = counting
+            key = int.from_bytes(digest("ffn0"), "big")
+            forged = [(f"198.51.100.{machine}", 53 + port) for machine in range(1, 21) for port in range(6)]
+            for attempt in range(2):  # (the same forged address twice: still one ping in flight)
+                for index, source in enumerate(forged):  # ids next to a key every trainer reads
+                    fake_id = (key ^ (index + 1)).to_bytes(20, "big")
+                    node.protocol.datagram_received(REQUEST + os.urandom(20) + msgpack.packb(["ping", [fake_id]]),
+                                                    source)
+            assert not [c for c in node.protocol.router.contacts() if c.ip.startswith("198.51.100.")]
+            deadline = time.monotonic() + 5
+            while len(pings) < PING_BACKS_IN_FLIGHT:  # (the pings go out from tasks)
+                assert time.monotonic() < deadline, f"{len(pings)} pings back"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(config.rpc_timeout + 0.2)  # the pings time out: still nothing planted, none sent more
+            assert not [c for c in node.protocol.router.contacts() if c.ip.startswith("198.51.100.")]
+            assert len(pings) == PING_BACKS_IN_FLIGHT and len(set(pings)) == len(pings)
+            assert max(Counter(ip for ip, _ in pings).values()) == PING_BACK_BURST
+            # an honest newcomer that asks, and answers the ping back, is added
+            newcomer = DHTNode(config)
+            try:
+                await newcomer.listen(0)
+                assert await newcomer.protocol.call_find_node(
+                    Node(node.node.id, *node.transport.get_extra_info("sockname")[:2]), newcomer.node)
+                deadline = time.monotonic() + 5
+                while node.protocol.router.is_new_node(newcomer.node):
+                    assert time.monotonic() < deadline, "an honest asker that answered was never added"
+                    await asyncio.sleep(0.02)
+            finally:
+                newcomer.stop()
 
     asyncio.run(scenario())
 

@@ -41,6 +41,13 @@ HANDOVER_BURST = 4
 HANDOVER_PERIOD = 2.0
 #: machines whose hand-over budget is remembered at most (the longest idle are forgotten first)
 HANDOVER_MACHINES = 4096
+#: askers not in the routing table yet that are being pinged back at once at most (:meth:`DHTProtocol.welcome_if_new`),
+#: one per address: a flood of asks from forged sources must not become a flood of pings at the forged addresses
+PING_BACKS_IN_FLIGHT = 64
+#: ping-backs to the askers of one machine: a burst of this many,
+PING_BACK_BURST = 4
+#: then one per this many seconds
+PING_BACK_PERIOD = 1.0
 #: keys a machine's look-ups (find_value, find_values, find_node) may cost a neighbour search per second, after a
 #: burst of KEYS_BURST: a search and its encoding cost ~50 us of the node's only loop, and one datagram may ask 128
 #: (review 70: 1.8 Mbit/s of random keys from one peer took a node off the DHT). Keys whose contacts are remembered
@@ -87,6 +94,9 @@ class DHTProtocol(UDPTransport):
         self.handovers = MachineBudgets(1.0 / HANDOVER_PERIOD, HANDOVER_BURST, HANDOVER_MACHINES,
                                         clock=lambda: self.clock())
         self.lookups = MachineBudgets(KEYS_PER_SECOND, KEYS_BURST, clock=lambda: self.clock())
+        #: ping-backs to askers (see welcome_if_new): the addresses pinged and not answered yet, and per machine
+        self._pinging_back: set[tuple[str, int]] = set()
+        self.ping_backs = MachineBudgets(1.0 / PING_BACK_PERIOD, PING_BACK_BURST, clock=lambda: self.clock())
 
     # ---- asking -------------------------------------------------------------------------------------------
     async def call_ping(self, node_to_ask: Node) -> tuple[bool, Any]:
@@ -335,39 +345,58 @@ class DHTProtocol(UDPTransport):
 
     # ---- replication to newcomers -------------------------------------------------------------------------
     def welcome_if_new(self, node: Node, answered: bool = False) -> None:
-        """Adds a new contact, and hands it the records it is now among the closest replicas of (Kademlia's
-        hand-over: the closest holder of a record gives it to a newcomer closer still).
+        """Adds a new contact once it answered a request of ours, and hands it the records it is now among the
+        closest replicas of (Kademlia's hand-over: the closest holder of a record gives it to a newcomer closer still).
 
-        answered: ``node`` has just answered a request of ours, so its address is real (else it asked us something,
-        from an address and under an id that nothing proves yet: it is pinged first).
+        answered: ``node`` has just answered a request of ours, so its address is real. Else it asked us something,
+        from an address and under an id that nothing proves yet: it is pinged back first, and added once it answers
+        under that id (:meth:`_ping_back`). A contact added on its request alone could be planted at any address by
+        a request with a forged source; the node then named it to every asker, whose look-ups sent requests there
+        (review 97 D2; BEP 5 likewise names only nodes that answered).
 
         Stock kademlia ran the hand-over for every request under an id it did not hold: it walked the whole storage
         with a neighbour search per key (1.3 s of the node's only loop at 20,000 records, for one 30-byte ping
         under a made-up id, which a full bucket keeps "new" as a replacement), and stored records on whatever
         address the request came from. Here a contact gets records only once it entered a bucket (not merely the
-        replacements), answered a request of ours (a ping, answered under its id, when it was the one asking), and
-        its machine has hand-overs left (:data:`HANDOVER_BURST`, then one per :data:`HANDOVER_PERIOD` s); the
-        records are picked in one pass over the keys (:meth:`records_to_hand_over`). A newcomer denied them gets
-        its records at their owners' next refresh or the next read's repair. (Stock kademlia also hashed the
-        already hashed keys again here, handing records to the wrong nodes.)
+        replacements) and its machine has hand-overs left (:data:`HANDOVER_BURST`, then one per
+        :data:`HANDOVER_PERIOD` s); the records are picked in one pass over the keys (:meth:`records_to_hand_over`).
+        A newcomer denied them gets its records at their owners' next refresh or the next read's repair. (Stock
+        kademlia also hashed the already hashed keys again here, handing records to the wrong nodes.)
         """
         self.peers.heard_from(peer_key(node))  # it just spoke to us (or answered), from this address
         if not self.router.is_new_node(node):
             return
+        if not answered:
+            held = self.router.holding(node)  # (a replacement answered once already, at its address)
+            if held is None or not held.same_home_as(node):
+                self._ping_back(node)
+                return
         self.router.add_contact(node)
         if self.router.is_new_node(node) or not self.storage.data or not self._may_hand_over(node):
             return  # among a full bucket's replacements, or left out (its machine's share of the bucket), or idle
-        if answered:
-            self._hand_over(node)
-        else:
-            self.spawn(self._hand_over_once_answered(node))
+        self._hand_over(node)
 
-    async def _hand_over_once_answered(self, node: Node) -> None:
-        ok, node_id = await self.call_ping(node)
-        if ok and node_id != node.id:  # its address answers under another id: nothing backs the one it claimed
-            self.router.remove_contact(node)
-        elif ok and not self.router.is_new_node(node):
-            self._hand_over(node)
+    def _ping_back(self, node: Node) -> None:
+        """Pings an asker not yet in the table, unless its address is being pinged already, or
+        :data:`PING_BACKS_IN_FLIGHT` addresses are, or its machine has no ping-backs left (:data:`PING_BACK_BURST`,
+        then one per :data:`PING_BACK_PERIOD` s): one ping per forged request at most, and few in all. An asker
+        left out is pinged on a later request."""
+        address = (node.ip, node.port)
+        if address in self._pinging_back or len(self._pinging_back) >= PING_BACKS_IN_FLIGHT:
+            return
+        if not self.ping_backs.take(contact_machine(node.ip, node.port)):
+            return
+        self._pinging_back.add(address)
+        self.spawn(self._welcome_once_answered(node))
+
+    async def _welcome_once_answered(self, node: Node) -> None:
+        try:
+            ok, node_id = await self.request((node.ip, node.port), "ping", self.own_id)
+        finally:
+            self._pinging_back.discard((node.ip, node.port))
+        if ok and node_id == node.id:  # (under another id: nothing backs the one it claimed)
+            self.peers.answered(peer_key(node))
+            self.welcome_if_new(node, answered=True)
 
     def _hand_over(self, node: Node) -> None:
         for key, record in self.records_to_hand_over(node):
