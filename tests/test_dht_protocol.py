@@ -253,3 +253,31 @@ def test_a_machines_lookups_beyond_its_budget_get_records_without_contacts():
     assert all(reply["nodes"] != "[]" for reply in ask(flooder, [os.urandom(20) for _ in range(8)]))
     # keys held nowhere are not remembered encoded: a flood of them leaves the records readers ask for in place
     assert len(protocol.encoded._records) <= 1
+
+
+def test_a_full_record_is_read_whole_beside_a_large_ksize_and_settings_it_could_not_fit_are_refused():
+    """Anyone may fill a record. With a large --ksize its find_value reply (the record beside that many IPv6
+    contacts) outgrew one datagram and became an error: every reader lost its honest entries with the rest (review
+    97). The record now goes without the contacts, and a max_value_bytes x max_record_subkeys whose full record could
+    not fit is refused."""
+    with pytest.raises(ValueError, match=r"max_record_subkeys \(256\) x max_value_bytes \(128\)"):
+        DHTConfig(max_value_bytes=128)
+    config = DHTConfig(ksize=100)
+    protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(config.max_record_subkeys, config.max_expiration), config)
+    sent = []
+
+    class Transport:
+        def sendto(self, data, address):
+            sent.append(data)
+    protocol.transport = Transport()
+    for i in range(3 * config.ksize):
+        protocol.router.add_contact(Node(os.urandom(20), f"2001:db8:{i:x}:ffff:ffff:ffff:ffff:ffff", 65535))
+    key, writer = os.urandom(20), Identity()
+    for subkey in range(2**31 - config.max_record_subkeys, 2**31):
+        entry = writer.entry(key, subkey, "~" * config.max_value_bytes, time.time() + 3000.1234567)
+        assert protocol.storage.store(key, subkey, entry.value, entry.expiration, entry.owner, entry.signature)
+    for request in (["find_value", [b"", key]], ["find_values", [b"", [key, os.urandom(20)]]]):  # (client mode)
+        protocol._handle_request(os.urandom(20), request, ("10.0.0.1", 5000))
+        reply = msgpack.unpackb(sent.pop()[1 + 20:])
+        record = (split_values_reply(reply)[0] if request[0] == "find_values" else reply)["record"]
+        assert record.count("~" * config.max_value_bytes) == config.max_record_subkeys, request[0]

@@ -7,6 +7,13 @@ from dataclasses import dataclass
 MAX_SOCKET_BUFFER_BYTES = 2**31 - 1
 
 
+#: bytes of a find_value reply of a full record besides its entries (measured: 27, with room to spare)
+FULL_REPLY_BYTES = 64
+#: bytes of one entry in a find_value reply besides its value: owner key, signature, subkey, expiration, JSON
+#: (measured: 148 for an int subkey; a str one of 10 characters takes 2 more)
+ENTRY_REPLY_BYTES = 152
+
+
 @dataclass
 class DHTConfig:
     """Knobs of a dmoe DHT node.
@@ -99,6 +106,14 @@ class DHTConfig:
         bad = [name for name in at_least_one if getattr(self, name) < 1]
         if bad or self.socket_buffer_bytes < 0:
             raise ValueError(f"{', '.join(bad) or 'socket_buffer_bytes'} must be at least {1 if bad else 0}")
+        from dmoe.dht.transport import HEADER_BYTES, MAX_DATAGRAM_BYTES  # (it imports this module)
+        full = FULL_REPLY_BYTES + self.max_record_subkeys * (self.max_value_bytes + ENTRY_REPLY_BYTES)
+        if full > MAX_DATAGRAM_BYTES - HEADER_BYTES:
+            # anyone may fill a record: its reply, over one datagram, was replaced by an error, and its honest entries
+            # were lost with the others to every reader (review 97)
+            raise ValueError(f"max_record_subkeys ({self.max_record_subkeys}) x max_value_bytes "
+                             f"({self.max_value_bytes}): a full record's reply would take up to {full} bytes, over "
+                             f"one datagram's {MAX_DATAGRAM_BYTES - HEADER_BYTES}")
         if self.socket_buffer_bytes > MAX_SOCKET_BUFFER_BYTES:  # setsockopt takes a C int (a bigger one: TypeError)
             raise ValueError(f"socket_buffer_bytes must be at most {MAX_SOCKET_BUFFER_BYTES}, got "
                              f"{self.socket_buffer_bytes}")

@@ -18,16 +18,19 @@ from kademlia.protocol import KademliaProtocol
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.messages import (ID_BYTES, VALUES_HEADER, EncodedReplies, MalformedRequest, ReplyParser, check_id,
-                               record_from_wire, record_to_wire, split_values_reply)
+                               encode_contacts, record_from_wire, record_to_wire, split_values_reply)
 from dmoe.dht.peers import EVICT_AFTER_FAILURES, PeerBook, peer_key
 from dmoe.dht.routing import DHTRoutingTable, contact_machine
 from dmoe.dht.signing import Verifier
 from dmoe.dht.storage import (MAX_CLOCK_SKEW, Entry, NotOwner, Record, RecordFull, RecordStorage, sender_group,
                               supersedes)
 from dmoe.dht.throttle import MachineBudgets, ThrottledWarnings
-from dmoe.dht.transport import REPLY_BUDGET_BYTES, UDPTransport, chunk_entries
+from dmoe.dht.transport import HEADER_BYTES, MAX_DATAGRAM_BYTES, REPLY_BUDGET_BYTES, UDPTransport, chunk_entries
 
 logger = logging.getLogger(__name__)
+
+#: the most bytes of a reply's record, signatures and contacts that leave room for its framing in one datagram
+REPLY_ROOM = MAX_DATAGRAM_BYTES - HEADER_BYTES - 64
 
 #: Keys per find_values request (22 bytes each, well under the request limit).
 MAX_KEYS_PER_REQUEST = 128
@@ -316,7 +319,12 @@ class DHTProtocol(UDPTransport):
         key = check_id(key, "key")
         source = self._sender(sender, nodeid)
         contacts = self.encoded.contacts(self.router, key, self.router.ksize, source, self._budget(sender))
-        return self.encoded.value_reply(self.storage, key, contacts)
+        reply = self.encoded.value_reply(self.storage, key, contacts)
+        if len(reply["record"]) + len(reply["auth"]) + len(reply["nodes"]) > REPLY_ROOM:
+            # the record first: a full one beside a large --ksize's contacts outgrew the datagram, and the reply
+            # became an error, honest entries lost with the rest (review 97); the asker has other nodes' contacts
+            reply = self.encoded.value_reply(self.storage, key, encode_contacts(()))
+        return reply
 
     def _budget(self, sender: tuple[str, int]) -> Callable[[], bool]:
         """Takes one key of the sender's machine's look-up budget (:data:`KEYS_PER_SECOND`), if it has one left."""
@@ -337,6 +345,8 @@ class DHTProtocol(UDPTransport):
             reply = self.encoded.value_reply(self.storage, key, self.encoded.contacts(self.router, key, width, source,
                                                                                       budget))
             record, auth, contacts = reply["record"].encode(), reply["auth"], reply["nodes"].encode()
+            if not parts and VALUES_HEADER.size + len(record) + len(auth) + len(contacts) > REPLY_ROOM:
+                contacts = encode_contacts(()).encode()  # the first key's record, at least (see rpc_find_value)
             size += VALUES_HEADER.size + len(record) + len(auth) + len(contacts)
             if parts and size > REPLY_BUDGET_BYTES:
                 break
