@@ -241,3 +241,39 @@ def test_the_demo_s_usage_errors_name_the_demo_and_say_what_a_config_file_sets(t
     config.write_text("steps = 3\n")  # dmoe-train's flags it sets
     assert parsed_demo(monkeypatch, text_file, tmp_path, "--config", str(config), "--steps", "2")["config"].steps == 2
     assert parsed_demo(monkeypatch, text_file, tmp_path, "--config", str(config))["config"].steps == 3
+
+
+class StandInSwarm:
+    """What run_swarm sees of a LocalSwarm whose one server exits with ``status`` as it stops."""
+
+    def __init__(self, status: int):
+        self.status, self.server_statuses = status, []
+        self.initial_peers, self.server_endpoints = "127.0.0.1:1", ["127.0.0.1:2"]
+        self.servers = [Proc(["-c", "print('dmoe-server: error: the last checkpoint could not be written')"])]
+
+    def start(self):
+        return self
+
+    def wait_declared(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.servers[0].popen.wait(30)
+        self.server_statuses = [self.status]
+
+
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_a_server_that_could_not_write_its_experts_last_checkpoint_fails_the_demo(monkeypatch, tmp_path, capsys,
+                                                                                  trainers):
+    """Review 96 D-med-1: the demo said so and exited 0, where dmoe-server (and --processes) exit 1."""
+    monkeypatch.setattr(demo, "train", lambda config: {"interrupted": False, "final_val_perplexity": 9.0, "step": 3})
+    monkeypatch.setattr(demo, "run_trainers", lambda *args: 0)
+    swarm_config = demo.SwarmConfig(layers=("ffn0",), grid=(2, 2), n_servers=1, checkpoint_root=tmp_path)
+    for status, expected in ((1, 1), (0, 0)):
+        monkeypatch.setattr(demo, "LocalSwarm", lambda config: StandInSwarm(status))
+        trainer_args = (lambda i, peers: []) if trainers > 1 else None
+        assert demo.run_swarm(swarm_config, TrainConfig(layers=1, grid=(2, 2)), trainer_args, trainers) == expected
+    assert "dmoe-demo: server 0 did not stop cleanly (exit status 1)" in capsys.readouterr().err

@@ -301,22 +301,29 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
                   f"servers at {', '.join(swarm.server_endpoints)}", flush=True)
             swarm.wait_declared()
             if trainer_args is not None:
-                return run_trainers(swarm.initial_peers, trainer_args, trainers, config)
-            config.initial_peers = (swarm.initial_peers,)
-            result = train(config)
-            print(f"demo {'interrupted' if result['interrupted'] else 'done'}: validation perplexity "
-                  f"{result['final_val_perplexity']:.2f} after {result['step']} steps; shutting the swarm down "
-                  f"(the servers checkpoint their experts in {swarm_config.checkpoint_root})", flush=True)
-            if result["interrupted"]:
-                raise KeyboardInterrupt
+                status = run_trainers(swarm.initial_peers, trainer_args, trainers, config)
+            else:
+                config.initial_peers = (swarm.initial_peers,)
+                result = train(config)
+                print(f"demo {'interrupted' if result['interrupted'] else 'done'}: validation perplexity "
+                      f"{result['final_val_perplexity']:.2f} after {result['step']} steps; shutting the swarm down "
+                      f"(the servers checkpoint their experts in {swarm_config.checkpoint_root})", flush=True)
+                if result["interrupted"]:
+                    raise KeyboardInterrupt
+                status = 0
     finally:
-        for i, status in enumerate(swarm.server_statuses):
-            if status != 0:  # with what it said last: the demo shows no server output unless --verbose
+        for i, server_status in enumerate(swarm.server_statuses):
+            if server_status != 0:  # with what it said last: the demo shows no server output unless --verbose
                 last = "".join(swarm.servers[i].output[-5:]).rstrip() or "(nothing)"
-                print(f"{PROG}: server {i} did not stop cleanly (exit status {status}): its experts' checkpoint "
-                      f"in {swarm_config.checkpoint_root} may be older than the trainer's; its last lines:\n{last}",
-                      file=sys.stderr)
-    return 0
+                print(f"{PROG}: server {i} did not stop cleanly (exit status {server_status}): its experts' "
+                      f"checkpoint in {swarm_config.checkpoint_root} may be older than the trainer's; its last "
+                      f"lines:\n{last}", file=sys.stderr)
+    # a server whose experts' last checkpoint was not written fails the run, as it fails dmoe-server and
+    # dmoe-server --processes: the demo exited 0, and a later --resume paired the trainer with older experts
+    # (review 96 D-med-1)
+    if status == 0 and any(swarm.server_statuses):
+        return 1
+    return status
 
 
 def start_failure(swarm: LocalSwarm, error: Exception) -> str:
