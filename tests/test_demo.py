@@ -277,3 +277,38 @@ def test_a_server_that_could_not_write_its_experts_last_checkpoint_fails_the_dem
         trainer_args = (lambda i, peers: []) if trainers > 1 else None
         assert demo.run_swarm(swarm_config, TrainConfig(layers=1, grid=(2, 2)), trainer_args, trainers) == expected
     assert "dmoe-demo: server 0 did not stop cleanly (exit status 1)" in capsys.readouterr().err
+
+
+def test_a_resume_with_another_count_of_trainers_is_refused_and_experts_without_a_trainer_checkpoint_warned_of(
+        text_file, tmp_path, monkeypatch, capsys):
+    """Review 96 D-med-2: a --resume with another --trainers resumed the experts and started the dense part from
+    step 0 (its checkpoints are elsewhere for each count), refused by nothing, and exited 0."""
+    monkeypatch.setattr(demo, "LocalSwarm", lambda config: StandInSwarm(0))
+    monkeypatch.setattr(demo, "run_trainers", lambda *args: 0)
+    monkeypatch.setattr(demo, "train", lambda config: {"interrupted": False, "final_val_perplexity": 9.0, "step": 3})
+    out_dir = tmp_path / "out"
+    flags = ["--data", str(text_file), "--out-dir", str(out_dir), "--servers", "1"]
+    assert demo.main([*flags, "--trainers", "2"]) == 0  # records its swarm (the stand-in's servers save nothing)
+    (out_dir / "experts" / "server0").mkdir()
+    (out_dir / "experts" / "server0" / "experts.pt").write_bytes(b"")  # what a server saved as the demo stopped
+    capsys.readouterr()
+
+    assert demo.main([*flags, "--resume"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("dmoe-demo: --resume: ") and "--trainers was 2, now 1" in error, error
+
+    assert demo.main([*flags, "--trainers", "2", "--resume"]) == 0  # killed before the trainers' first checkpoint
+    error = capsys.readouterr().err
+    assert "dmoe-demo: warning: --resume: the experts resume from their checkpoints" in error, error
+    assert f"no trainer checkpoint is at {out_dir.resolve() / 'trainer0' / 'checkpoint.pt'}, " in error, error
+
+    for i in range(2):
+        (out_dir / f"trainer{i}").mkdir(exist_ok=True)
+        (out_dir / f"trainer{i}" / "checkpoint.pt").write_bytes(b"")
+    assert demo.main([*flags, "--trainers", "2", "--resume"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    (out_dir / "experts" / "swarm.json").write_text('{"servers": 1}\n')  # the record of an older demo
+    assert demo.main([*flags, "--resume"]) == 0
+    error = capsys.readouterr().err
+    assert f"no trainer checkpoint is at {out_dir.resolve() / 'checkpoint.pt'}: " in error, error
+    assert f"trainer checkpoints are at {out_dir.resolve() / 'trainer0' / 'checkpoint.pt'}, " in error, error

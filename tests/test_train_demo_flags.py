@@ -318,7 +318,7 @@ def test_a_demo_resumed_with_another_swarm_is_refused_naming_the_flag(text_file,
     flags = ["--data", str(text_file), "--out-dir", str(out_dir), "--grid", "4", "4"]
     assert demo.main([*flags, "--servers", "2"]) == 0
     record = json.loads((out_dir / "experts" / demo.SWARM_FILE).read_text())
-    assert record == {"servers": 2, "layers": 2, "grid": [4, 4], "hidden": 128, "expert_cls": "ffn"}
+    assert record == {"servers": 2, "layers": 2, "grid": [4, 4], "hidden": 128, "expert_cls": "ffn", "trainers": 1}
     for i in range(2):  # what its servers wrote as they stopped
         (out_dir / "experts" / f"server{i}").mkdir(parents=True)
         (out_dir / "experts" / f"server{i}" / "experts.pt").write_bytes(b"experts")

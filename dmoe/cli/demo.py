@@ -28,7 +28,8 @@ before its final validation) stops the others and the demo (status 1), which say
 ``--resume`` resumes the whole model: the trainer (or each trainer) from its checkpoint in ``--out-dir``, and the
 experts from their servers' checkpoints, which each server keeps in ``OUT_DIR/experts/server{i}`` and writes when
 the demo ends (also on Ctrl-C), beside a record of the swarm that trained them (``swarm.json``: ``--servers``,
-``--layers``, ``--grid``, ``--hidden``, ``--expert-cls``): a ``--resume`` with another is refused, naming the flag.
+``--layers``, ``--grid``, ``--hidden``, ``--expert-cls``, ``--trainers``): a ``--resume`` with another is refused,
+naming the flag.
 Without ``--resume`` both start afresh. A demo holds its ``--out-dir``: a second one given the same directory is
 refused.
 """
@@ -208,13 +209,14 @@ def main(argv: list[str] | None = None) -> int:
                      "--log-level", "INFO" if args.verbose else "WARNING"),
     )
     if config.resume:
-        mismatch = swarm_mismatch(experts_root, swarm_shape(swarm_config))
+        mismatch = swarm_mismatch(experts_root, swarm_shape(swarm_config, args.trainers))
         if mismatch is not None:
             print(f"{PROG}: {mismatch}", file=sys.stderr)
             if run_lock is not None:
                 run_lock.close()
             return 1
         warn_of_missing_experts(out_dir, experts_root, args.servers)
+        warn_of_missing_trainers(out_dir, experts_root, trainer_checkpoints(config, args.trainers))
     try:
         # SIGTERM and SIGHUP stop the demo as Ctrl-C does (its swarm and trainers stopped, their checkpoints
         # written); by default they killed it where it stood, and its children stopped on their own, unreported
@@ -266,6 +268,37 @@ def warn_of_missing_experts(out_dir: Path, experts_root: Path, servers: int) -> 
               f"from their initial weights while the trainer resumes from its checkpoint", file=sys.stderr)
 
 
+def trainer_checkpoints(config: TrainConfig, trainers: int) -> list[Path]:
+    """Where the trainer keeps its checkpoint, or each trainer of a collaboration of ``trainers`` (absolute: the
+    trainers run from the repository's root)."""
+    out_dir = Path(config.out_dir).resolve()
+    checkpoint = Path(config.checkpoint).resolve() if config.checkpoint is not None else None
+    if trainers == 1:
+        return [checkpoint or out_dir / "checkpoint.pt"]
+    if checkpoint is not None:
+        return [checkpoint.with_name(f"{checkpoint.stem}.trainer{i}{checkpoint.suffix}") for i in range(trainers)]
+    return [out_dir / f"trainer{i}" / "checkpoint.pt" for i in range(trainers)]
+
+
+def warn_of_missing_trainers(out_dir: Path, experts_root: Path, checkpoints: list[Path]) -> None:
+    """Says so when ``--resume`` finds the experts' checkpoints and no trainer checkpoint where this demo's trainers
+    look (``checkpoints``): the dense part starts from step 0 against trained experts (the demo was killed before
+    the trainer's first checkpoint, which its servers outlived long enough to save theirs), and the trainer's one
+    "no checkpoint at" line was all that said it (review 96 D-med-2). Names any other trainer checkpoint found in
+    ``out_dir`` (another ``--trainers`` keeps them elsewhere)."""
+    if not any(experts_root.glob(f"server*/{EXPERTS_FILE}")) or any(path.exists() for path in checkpoints):
+        return
+    others = sorted(str(path.resolve()) for path in out_dir.glob("**/checkpoint.pt")
+                    if path.resolve() not in checkpoints)
+    where = ""
+    if others:
+        shown = ", ".join(others[:3]) + " ..." * (len(others) > 3)
+        where = f"; trainer checkpoints are at {shown} (another --trainers?)"
+    print(f"{PROG}: warning: --resume: the experts resume from their checkpoints in {experts_root}, but no trainer "
+          f"checkpoint is at {', '.join(map(str, checkpoints))}: the dense part starts from step 0 against trained "
+          f"experts{where} (leave out --resume to start both afresh)", file=sys.stderr)
+
+
 def forget_experts(root: Path) -> None:
     """Removes the experts the servers checkpointed under ``root``, so that a demo started without ``--resume``
     trains new ones with its new trainer. Each server directory is locked meanwhile: a server still stopping (of a
@@ -294,7 +327,7 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
         print(f"{PROG}: the swarm did not start: {start_failure(swarm, error)}", file=sys.stderr)
         return 1
     if swarm_config.checkpoint_root is not None:  # its servers took (or made) the experts' checkpoints there
-        record_swarm(Path(swarm_config.checkpoint_root), swarm_shape(swarm_config))
+        record_swarm(Path(swarm_config.checkpoint_root), swarm_shape(swarm_config, trainers))
     try:
         with swarm:
             print(f"swarm up in {time.monotonic() - started:.1f}s: DHT at {swarm.initial_peers}, "
@@ -341,14 +374,16 @@ def start_failure(swarm: LocalSwarm, error: Exception) -> str:
 
 #: the flag of each entry of a swarm's shape (:func:`swarm_shape`)
 SHAPE_FLAGS = {"servers": "--servers", "layers": "--layers", "grid": "--grid", "hidden": "--hidden",
-               "expert_cls": "--expert-cls"}
+               "expert_cls": "--expert-cls", "trainers": "--trainers"}
 
 
-def swarm_shape(swarm_config: SwarmConfig) -> dict:
+def swarm_shape(swarm_config: SwarmConfig, trainers: int) -> dict:
     """What the experts its servers checkpoint depend on: a resume with another finds other experts (or others'
-    slices) in the servers' checkpoints."""
+    slices) in the servers' checkpoints. With them the count of trainers, which keep their checkpoints elsewhere
+    for each count: a resume with another resumed the experts and started the dense part from step 0, and wrote a
+    second run's trainer checkpoints beside the first's (review 96 D-med-2)."""
     return {"servers": swarm_config.n_servers, "layers": len(swarm_config.layers), "grid": list(swarm_config.grid),
-            "hidden": swarm_config.hidden_dim, "expert_cls": swarm_config.expert_cls}
+            "hidden": swarm_config.hidden_dim, "expert_cls": swarm_config.expert_cls, "trainers": trainers}
 
 
 def record_swarm(root: Path, shape: dict) -> None:
@@ -394,7 +429,7 @@ def collaborative_args(rest: list[str], config: TrainConfig, trainers: int):
     target = config.target_batch_size or trainers * config.batch_size
     out_dir = Path(config.out_dir).resolve()
     rest = absolute_config(rest)
-    checkpoint = Path(config.checkpoint).resolve() if config.checkpoint is not None else None
+    checkpoints = trainer_checkpoints(config, trainers)
 
     def trainer_args(i: int, initial_peers: str) -> list[str]:
         # what each trainer needs its own of: ports counted up from fixed ones, a checkpoint file
@@ -402,8 +437,8 @@ def collaborative_args(rest: list[str], config: TrainConfig, trainers: int):
         for flag, port in (("--averaging-port", config.averaging_port), ("--state-port", config.state_port)):
             if port:
                 own += [flag, str(port + i)]
-        if checkpoint is not None:
-            own += ["--checkpoint", str(checkpoint.with_name(f"{checkpoint.stem}.trainer{i}{checkpoint.suffix}"))]
+        if config.checkpoint is not None:
+            own += ["--checkpoint", str(checkpoints[i])]
         return [*rest, *data, "--steps", str(config.steps), "--max-minutes", str(config.max_minutes),
                 "--experts", "remote", "--initial-peers", initial_peers,
                 "--collaborate", config.collaborate or RUN_ID, "--target-batch-size", str(target),
