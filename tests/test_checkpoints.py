@@ -16,7 +16,7 @@ from dmoe.directory import get_experts
 from dmoe.experts import create_expert
 from dmoe.server import ExpertBackend, ExpertServer, ServerConfig
 from dmoe.server.backend import make_optimizer
-from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint
+from dmoe.server.checkpoints import FILENAME, CheckpointMismatch, Checkpoints, CorruptCheckpoint, saved_uids
 from tests.procs import Proc, processes
 
 HIDDEN = 8
@@ -169,6 +169,18 @@ def test_damaged_checkpoint_is_refused_not_loaded(tmp_path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # what a non-atomic writer could leave
     with pytest.raises(CorruptCheckpoint, match="cannot be read"):
         save_checkpoint(tmp_path)
+
+
+def test_an_unreadable_checkpoint_is_refused_in_one_line_naming_the_file(tmp_path):
+    """Review 96 D-low-3: torch's five lines of advice on weights_only came within the error, and the demo, which
+    shows a server's last line, showed the advice only."""
+    (tmp_path / FILENAME).write_bytes(b"garbage")
+    for read in (lambda: Checkpoints(tmp_path, {}).read(), lambda: saved_uids(tmp_path)):
+        with pytest.raises(CorruptCheckpoint) as error:
+            read()
+        assert "\n" not in str(error.value) and str(error.value).startswith(f"{tmp_path / FILENAME} cannot be read ("), \
+            str(error.value)
+    assert str(error.value).endswith(")")  # (saved_uids' ends with torch's first line)
 
 
 # A child process that saves 64 MiB of expert state once and prints how much its peak memory grew meanwhile.

@@ -312,3 +312,20 @@ def test_a_resume_with_another_count_of_trainers_is_refused_and_experts_without_
     error = capsys.readouterr().err
     assert f"no trainer checkpoint is at {out_dir.resolve() / 'checkpoint.pt'}: " in error, error
     assert f"trainer checkpoints are at {out_dir.resolve() / 'trainer0' / 'checkpoint.pt'}, " in error, error
+
+
+def test_a_server_that_fails_to_start_is_reported_by_its_error_line_not_its_last_line():
+    """Review 96 D-low-3: the demo showed the last line of a multi-line error, which named neither file nor flag."""
+    output = ["2026-11-28 09:16:16 INFO dmoe.dht.node: DHT node bound to UDP 127.0.0.1:1\n",
+              "usage: dmoe-server [-h] [--experts EXPERTS]\n",
+              "dmoe-server: error: argument --checkpoint-dir: /x/server1/experts.pt cannot be read (UnpicklingError: "
+              "Weights only load failed.\n",
+              "Please file an issue\n", "Unsupported operand 103\n", "\n",
+              "Check the documentation of torch.load ...); move it away to start these experts from scratch\n"]
+    assert demo.failure_lines(output) == ("dmoe-server: error: argument --checkpoint-dir: /x/server1/experts.pt "
+                                          "cannot be read (UnpicklingError: Weights only load failed. / Please file an "
+                                          "issue / Unsupported operand 103")
+    assert demo.failure_lines(["Traceback (most recent call last):\n", "  ...\n", "RuntimeError: boom\n"]) == \
+        "RuntimeError: boom"
+    assert demo.failure_lines([f"dmoe-dht: error: {'x' * 900}\n"]) == f"dmoe-dht: error: {'x' * 483} ..."
+    assert demo.failure_lines([]) == "(it printed nothing)"

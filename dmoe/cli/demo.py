@@ -360,16 +360,35 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
 
 
 def start_failure(swarm: LocalSwarm, error: Exception) -> str:
-    """Which program of ``swarm`` did not start, and the last line it printed: its error (the whole output came
-    first, a server's 40 lines of usage, review 90); ``error`` as it is where it names none."""
+    """Which program of ``swarm`` did not start, and what it said of why (:func:`failure_lines`; the whole output
+    came first, a server's 40 lines of usage, review 90); ``error`` as it is where it names none."""
     for name, proc in [("its DHT node", swarm.dht), *((f"server {i}", p) for i, p in enumerate(swarm.servers))]:
         if proc is None or not str(error).startswith(str(proc.args)):
             continue
-        lines = [line.strip() for line in proc.output if line.strip()]
         what = "did not start in time" if isinstance(error, TimeoutError) else \
             f"exited with status {proc.popen.poll()}"
-        return f"{name} {what}: {lines[-1] if lines else '(it printed nothing)'} (--verbose shows its whole output)"
+        return f"{name} {what}: {failure_lines(proc.output)} (--verbose shows its whole output)"
     return str(error)
+
+
+#: a dmoe program's error line (argparse's form, which they use for their own errors too)
+ERROR_LINE = re.compile(r"dmoe-[\w-]+: error: ")
+#: at most this many lines of a program's error, each cut at :data:`FAILURE_LINE_CHARS` characters
+FAILURE_LINES = 3
+FAILURE_LINE_CHARS = 500
+
+
+def failure_lines(output: list[str]) -> str:
+    """What a program that failed said of why: its last error line (``dmoe-server: error: ...``, which names the
+    flag and the file) and the lines that continue it, bounded; else its last line. The last line alone was the
+    tail of a multi-line error, naming neither the file nor the flag (review 96 D-low-3)."""
+    lines = [line.strip() for line in output if line.strip()]
+    if not lines:
+        return "(it printed nothing)"
+    starts = [i for i, line in enumerate(lines) if ERROR_LINE.match(line)]
+    shown = lines[starts[-1]:][:FAILURE_LINES] if starts else lines[-1:]
+    return " / ".join(line if len(line) <= FAILURE_LINE_CHARS else line[:FAILURE_LINE_CHARS] + " ..."
+                      for line in shown)
 
 
 #: the flag of each entry of a swarm's shape (:func:`swarm_shape`)

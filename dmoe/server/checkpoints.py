@@ -66,6 +66,13 @@ class CheckpointDirectoryInUse(InUse):
     """Another process (a server) holds the checkpoint directory."""
 
 
+def _first_line(error: Exception) -> str:
+    """The error's type and the first line of its message: torch's unpickling errors run to five lines of advice on
+    ``weights_only``, which buried the file's name and what to do in a one-line error (review 96 D-low-3)."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def lock_directory(directory: str | os.PathLike, holder_kind: str = "server") -> IO[str] | None:
     """Takes the exclusive lock on ``directory/.lock`` (created, with the directory, if missing) and returns the
     open lock file, which holds it until closed (or the process ends, however it ends). Raises
@@ -86,7 +93,7 @@ def saved_uids(directory: str | os.PathLike) -> list[str] | None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
-        raise CorruptCheckpoint(f"{path} cannot be read ({type(error).__name__}: {error})") from None
+        raise CorruptCheckpoint(f"{path} cannot be read ({_first_line(error)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or not isinstance(state.get("experts"), dict):
         raise CorruptCheckpoint(f"{path} is not a dmoe experts checkpoint")
     return sorted(state["experts"])
@@ -214,7 +221,7 @@ class Checkpoints:
         try:
             state = torch.load(self.path, map_location="cpu", weights_only=True)
         except Exception as error:
-            raise CorruptCheckpoint(f"{self.path} cannot be read ({type(error).__name__}: {error}); move it away "
+            raise CorruptCheckpoint(f"{self.path} cannot be read ({_first_line(error)}); move it away "
                                     "to start these experts from scratch") from None
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise CorruptCheckpoint(f"{self.path} is not a dmoe experts checkpoint")
