@@ -5,9 +5,11 @@ processes), the trainer in process.
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
 import textwrap
+import threading
 import time
 
 import pytest
@@ -329,3 +331,42 @@ def test_a_server_that_fails_to_start_is_reported_by_its_error_line_not_its_last
         "RuntimeError: boom"
     assert demo.failure_lines([f"dmoe-dht: error: {'x' * 900}\n"]) == f"dmoe-dht: error: {'x' * 483} ..."
     assert demo.failure_lines([]) == "(it printed nothing)"
+
+
+def test_ctrl_c_on_a_collaboration_says_what_the_demo_waits_for_and_shows_the_trainers_stopping(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """Review 96 D-low-5: after the first Ctrl-C the demo said nothing while its trainers saved (tens of seconds with
+    an averaging round in flight), and a second Ctrl-C killed them unsaved. Stand-in trainers that save on SIGINT."""
+    trainer = textwrap.dedent("""
+        import pathlib, signal, sys, time
+        def stop(signum, frame):
+            print("stopping after the step in flight, then saving the checkpoint", flush=True)
+            time.sleep(0.5)
+            print("checkpoint saved", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGINT, stop)
+        print("step 1", flush=True)
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(60)
+    """)
+    ready = [tmp_path / f"trainer{i}" for i in range(2)]
+    monkeypatch.setattr(demo, "Proc", lambda args, env=None: Proc(["-c", trainer, str(ready[int(args[-1])])], env))
+
+    def ctrl_c_once_both_run() -> None:
+        deadline = time.monotonic() + 60
+        while not all(path.exists() for path in ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with running("-m", "dmoe.dht", "--port", "0") as dht:
+        peer = dht.endpoint()
+        threading.Thread(target=ctrl_c_once_both_run, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            demo.run_trainers(peer, lambda i, peers: ["--target-batch-size", "8", "--data-shard", str(i)], 2,
+                              TrainConfig(steps=10))
+    out, err = capsys.readouterr()
+    assert "dmoe-demo: interrupted: stopping 2 trainers, each after its step in flight and then saving its " \
+           "checkpoint (up to 60 s; interrupt again to kill them unsaved)" in err, err
+    for i in range(2):
+        assert f"[trainer {i}] stopping after the step in flight, then saving the checkpoint\n" in out, out
+        assert f"[trainer {i}] checkpoint saved\n" in out, out

@@ -493,12 +493,18 @@ def absolute_config(argv: list[str]) -> list[str]:
     return out
 
 
-def stop_trainers(procs: list[Proc]) -> None:
-    """SIGINT, not the SIGKILL of processes(): each trainer finishes its step in flight and saves its checkpoint."""
+def stop_trainers(procs: list[Proc], relay: Callable[[], None] = lambda: None) -> None:
+    """SIGINT, not the SIGKILL of processes(): each trainer finishes its step in flight and saves its checkpoint
+    (SIGKILL for those still running after :data:`TRAINER_STOP_SECONDS`). ``relay`` shows their lines meanwhile."""
     for proc in procs:
         proc.interrupt()
+    deadline = time.monotonic() + TRAINER_STOP_SECONDS
+    while any(proc.alive for proc in procs) and time.monotonic() < deadline:
+        relay()
+        time.sleep(0.2)
     for proc in procs:
-        proc.stop(TRAINER_STOP_SECONDS)
+        proc.stop(0.0)  # (what is still running)
+    relay()
 
 
 def failed_trainer(procs: list[Proc], ended: set[int], finals: dict[int, re.Match]) -> tuple[int, int] | None:
@@ -523,6 +529,24 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
     ended: set[int] = set()  # the trainers whose output has all been read
     failure: tuple[int, int] | None = None
     with processes() as procs, DHT([initial_peers], client_mode=True) as dht:
+
+        def relay() -> None:
+            """Shows the trainers' new lines, and notes each one's final validation and end of output."""
+            for i, proc in enumerate(procs):
+                while True:
+                    try:
+                        line = proc.lines.get_nowait()
+                    except queue.Empty:
+                        break
+                    if line is None:
+                        ended.add(i)
+                        continue
+                    found = FINAL.search(line)
+                    if found:
+                        finals[i] = found
+                    if line.strip() and "resumed from" not in line:
+                        tqdm.write(f"[trainer {i}] {line.rstrip()}")
+
         for i in range(trainers):
             procs.append(Proc(["-m", "dmoe.cli.train", *trainer_args(i, initial_peers)], env=TRAINER_ENV))
         target = int(trainer_args(0, initial_peers)[trainer_args(0, initial_peers).index("--target-batch-size") + 1])
@@ -530,20 +554,7 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
         bar = tqdm(total=config.steps, unit="step", desc=f"{trainers} trainers", dynamic_ncols=True)
         try:
             while any(proc.alive for proc in procs) or any(not proc.lines.empty() for proc in procs):
-                for i, proc in enumerate(procs):
-                    while True:
-                        try:
-                            line = proc.lines.get_nowait()
-                        except queue.Empty:
-                            break
-                        if line is None:
-                            ended.add(i)
-                            continue
-                        found = FINAL.search(line)
-                        if found:
-                            finals[i] = found
-                        if line.strip() and "resumed from" not in line:
-                            bar.write(f"[trainer {i}] {line.rstrip()}")
+                relay()
                 view = observer.state()
                 step = min(view.top_step, bar.total)  # a progress record may claim any step: the bar stays in range
                 if step > bar.n:
@@ -557,7 +568,13 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
                     break
                 time.sleep(0.2)
         except KeyboardInterrupt:  # (the trainers run in sessions of their own: the terminal's Ctrl-C is ours only)
-            stop_trainers(procs)
+            # said here, and the trainers' lines shown as they stop: nothing was, for as long as an averaging round
+            # in flight takes, and a second Ctrl-C killed them unsaved (review 96 D-low-5)
+            running = sum(proc.alive for proc in procs)
+            tqdm.write(f"{PROG}: interrupted: stopping {running} trainers, each after its step in flight and then "
+                       f"saving its checkpoint (up to {TRAINER_STOP_SECONDS:.0f} s; interrupt again to kill them "
+                       "unsaved)", file=sys.stderr)
+            stop_trainers(procs, relay)
             raise
         finally:
             bar.close()
@@ -565,7 +582,7 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
         if failure is not None:  # (a Ctrl-C meanwhile: processes() kills them)
             print(f"{PROG}: trainer {failure[0]} exited with status {failure[1]} before it finished (its last "
                   "lines are above): stopping the other trainers", file=sys.stderr, flush=True)
-            stop_trainers(procs)
+            stop_trainers(procs, relay)
     for i in range(trainers):
         if i in finals:
             loss, perplexity, step = finals[i].groups()
