@@ -12,7 +12,8 @@ import torch
 
 from dmoe import launch
 from dmoe.cli import server as server_program
-from dmoe.cli.server_processes import announcement, child_args, deal_cells, terminal_signals_ignored
+from dmoe.cli.server_processes import (announcement, check_port_ranges, child_args, deal_cells,
+                                        terminal_signals_ignored)
 from dmoe.cli.signals import StopSignals
 from dmoe.client.remote_expert import backward_future, forward_future
 from dmoe.dht import DHT
@@ -198,6 +199,23 @@ def test_more_processes_than_experts_are_refused_naming_the_flag(flags, capsys):
         server_program.main(flags)
     assert exit_info.value.code == 2
     assert "--processes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("metrics_offset", [1, -2, 0])
+def test_overlapping_port_and_metrics_port_ranges_are_refused_naming_both_flags(metrics_offset, capsys):
+    """Review 96 D-low-1: process 0's metrics endpoint took process 1's gRPC port, which died ~20 s later blaming
+    "another process"."""
+    port = 40000
+    with pytest.raises(SystemExit) as exit_info:
+        server_program.main(["--experts", "ffn.[0:3]", "--processes", "3", "--port", str(port), "--metrics-port",
+                             str(port + metrics_offset)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith("dmoe-server: error: argument --metrics-port: ") and "--port and --metrics-port must be " \
+        f"at least --processes (3) apart, got {port} and {port + metrics_offset}" in error, error
+    args = server_program.build_parser().parse_args(["--experts", "ffn.[0:3]", "--processes", "3", "--port",
+                                                     str(port), "--metrics-port", str(port + 3)])
+    check_port_ranges(args, server_program.build_parser())  # (no overlap: nothing said)
 
 
 def test_a_checkpoint_of_one_process_is_not_dealt_out_among_several(tmp_path, capsys):

@@ -116,6 +116,17 @@ def _check_layout(directory: Path, args: argparse.Namespace, parser: argparse.Ar
             parser.error(f"argument --checkpoint-dir: {error}")
 
 
+def check_port_ranges(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Process I listens on --port + I and serves its metrics on --metrics-port + I (both TCP): exits naming both
+    flags when those ranges overlap. A child's metrics endpoint took a sibling's gRPC port, and one of them died ~20 s
+    later blaming "another process", at a port the user never typed (review 96 D-low-1)."""
+    port, metrics_port = args.port, args.metrics_port
+    if port and metrics_port and abs(port - metrics_port) < args.processes:
+        parser.error(f"argument --metrics-port: process I listens on --port + I and serves its metrics on "
+                     f"--metrics-port + I, so --port and --metrics-port must be at least --processes "
+                     f"({args.processes}) apart, got {port} and {metrics_port}")
+
+
 def deal_cells(args: argparse.Namespace, parser: argparse.ArgumentParser, dht: DHT) -> list[list[str]]:
     """Each child's uids with ``--num-experts``: those its checkpoint holds (so the same command resumes the same
     experts), and for children with none, free cells other than those."""
@@ -251,6 +262,7 @@ def announcement(lines: list[list[str]], kind: str) -> str | None:
 def serve_in_processes(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list[str] | None) -> int:
     """Runs ``args.processes`` children until a stop signal or a child's death; returns the exit status."""
     count = args.processes
+    check_port_ranges(args, parser)  # (before the DHT node and any child start)
     machine = secrets.token_hex(8)  # the children's replicas go to other machines, one per machine
     try:
         dht = DHT(initial_peers=args.initial_peers, host=args.host, port=args.dht_port)
