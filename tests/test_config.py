@@ -1,6 +1,7 @@
 """Config files for dmoe programs, choosing experts by count on a grid, and the programs' flag errors."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 import signal
@@ -444,6 +445,25 @@ def test_dht_program_exits_promptly_on_signal(signum):
         dht.popen.send_signal(signum)
         assert dht.popen.wait(30) == 0
         assert time.monotonic() - started < 10  # generous: the CI machine is shared; a hang would take 30
+
+
+def test_the_dht_program_leaves_an_ignored_sigint_ignored_as_the_server_does():
+    """Review 96 D-low-4: a node started in a script's background (SIGINT ignored) stopped on a Ctrl-C meant for
+    the script's foreground, while the script's servers stayed up."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    seen: dict[str, object] = {}
+
+    async def start(node):  # once the node is up, before it says it listens
+        seen["sigint"] = signal.getsignal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)  # still a stop
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        asyncio.run(dht_program.run(dht_program.parse_args(["--port", "0"]), start))
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert seen["sigint"] == signal.SIG_IGN
 
 
 def test_the_metrics_endpoint_may_stay_on_another_interface_than_the_experts():

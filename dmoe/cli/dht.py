@@ -5,9 +5,9 @@
 Prints one line ``dmoe-dht listening on HOST:PORT`` once the node is up; pass that address to others as
 ``--initial-peers``. ``--num-nodes N`` runs N nodes on one event loop in this process (swarm tests and benchmarks on
 few cores). What the first node stores is signed with the key in ``--identity PATH`` (created if absent) or an
-ephemeral one. Stops cleanly on SIGINT, SIGTERM or SIGHUP (unless ignored: nohup), also while joining. Any
-flag may come from a TOML file (``--config``). Programs built on this one (``python -m dmoe.directory``) add what
-their first node stores (:data:`Start`).
+ephemeral one. Stops cleanly on SIGINT, SIGTERM or SIGHUP (unless ignored: nohup, or a script's background job),
+also while joining. Any flag may come from a TOML file (``--config``). Programs built on this one (``python -m
+dmoe.directory``) add what their first node stores (:data:`Start`).
 """
 from __future__ import annotations
 
@@ -15,13 +15,12 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import signal
 import sys
 from typing import Awaitable, Callable, Sequence
 
 from dmoe.cli.config import MAX_SECONDS, DefaultsHelpFormatter, add_config_argument, port_number
 from dmoe.cli.config import parse_args as parse_with_config
-from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned
+from dmoe.cli.signals import ORPHAN_CHECK_PERIOD, orphaned, unignored_stop_signals
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, parse_endpoint
 from dmoe.dht.signing import Identity
@@ -102,10 +101,9 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
     config = DHTConfig(**{field.name: getattr(args, field.name) for field in FLAG_FIELDS})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    signums = [signal.SIGINT, signal.SIGTERM]
-    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # not under nohup
-        signums.append(signal.SIGHUP)
-    for signum in signums:
+    # an ignored one stays ignored, as in dmoe-server: SIGINT too, which stopped a DHT node started in a script's
+    # background (SIGINT ignored) on a Ctrl-C meant for the script's foreground (review 96 D-low-4)
+    for signum in unignored_stop_signals():
         loop.add_signal_handler(signum, stop.set)
 
     async def stop_when_orphaned() -> None:

@@ -23,6 +23,13 @@ def orphaned() -> bool:
     return parent is not None and parent.isdigit() and os.getppid() != int(parent)
 
 
+def unignored_stop_signals() -> list[int]:
+    """The stop signals (SIGINT, SIGTERM, SIGHUP) this process does not ignore, the ones a program handles: one
+    ignored when it starts stays ignored (SIGHUP under ``nohup``, SIGINT in a job a script started in its
+    background, which a Ctrl-C meant for the script's foreground must not stop)."""
+    return [signum for signum in StopSignals.SIGNALS if signal.getsignal(signum) != signal.SIG_IGN]
+
+
 class StopSignals:
     """Waits in the main thread for SIGINT, SIGTERM or SIGHUP (a closed terminal or SSH session), whichever thread
     of the process the kernel hands it to. A signal ignored when it enters is left ignored: SIGHUP under ``nohup``,
@@ -45,9 +52,8 @@ class StopSignals:
         self._writer.setblocking(False)
         self.received: list[int] = []
         self._old_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
-        ignored = {s for s in self.SIGNALS if signal.getsignal(s) == signal.SIG_IGN}
         self._old_handlers = {s: signal.signal(s, lambda signum, _: self.received.append(signum))
-                              for s in self.SIGNALS if s not in ignored}
+                              for s in unignored_stop_signals()}
         return self
 
     def wait(self, timeout: float | None = None) -> int | None:
