@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"listening on (\S+:\d+)")
+#: seconds between the stop signals :meth:`Proc.stop` sends a program that has not said it is ready yet
+RESEND_PERIOD = 1.0
 
 
 def announced(output: Sequence[str], kind: str = "listening on") -> list[str]:
@@ -44,6 +46,13 @@ def announced(output: Sequence[str], kind: str = "listening on") -> list[str]:
 
 def _do_nothing(signum: int, frame: object) -> None:
     """A handler that stands in for SIG_IGN (see :func:`sigint_default_in_children`)."""
+
+
+def children_take_sigint() -> bool:
+    """Whether a child started now takes SIGINT as a stop: not where this process ignores SIGINT and, in a thread
+    other than the main one, cannot keep its children from inheriting that (:func:`sigint_default_in_children`)."""
+    return threading.current_thread() is threading.main_thread() or \
+        signal.getsignal(signal.SIGINT) != signal.SIG_IGN
 
 
 @contextlib.contextmanager
@@ -67,21 +76,32 @@ def sigint_default_in_children() -> Iterator[None]:
 class Proc:
     """A child Python process whose stdout is read by a thread, so readiness lines can be awaited.
 
-    The child runs in its own process group, so :meth:`kill` takes its children with it. dmoe's programs stop by
-    themselves within a second or two if this process dies without stopping them (see :func:`dmoe.cli.signals.orphaned`).
+    The child runs in its own process group, so :meth:`kill` takes its children with it, and in the repository's
+    root (so that ``-m dmoe...`` runs this checkout): a relative path in its arguments is taken from there. dmoe's
+    programs stop by themselves within a second or two if this process dies without stopping them (see
+    :func:`dmoe.cli.signals.orphaned`). ``ready``: the line the program prints once it handles its stop signal
+    itself (:data:`LISTENING` for dmoe's servers and DHT nodes), which :meth:`stop` watches for; None for a program
+    whose second stop signal means more than its first (a trainer's: stop at once).
     """
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False):
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False,
+                 ready: "re.Pattern[str] | str | None" = None):
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         full_env.update(env or {})
         full_env[PARENT_ENV] = str(os.getpid())  # dmoe programs stop when this process dies without stopping them
         self.args = list(args)
         self.echo = echo
+        self.ready = re.compile(ready) if isinstance(ready, str) else ready
+        # a child that inherits an ignored SIGINT (started from a thread other than the main one of a process that
+        # ignores it) is stopped with SIGTERM, which every dmoe program takes as a stop; SIGINT left it to SIGKILL
+        # after the stop timeout, its last checkpoint unwritten (review 96 D-low-2)
+        self.stop_signal = signal.SIGINT if children_take_sigint() else signal.SIGTERM
         self.popen = self._start(self.args, full_env)
         self.lines: "queue.Queue[str | None]" = queue.Queue()
         self.output: list[str] = []
         self._endpoint: str | None = None
-        self.interrupted = False  # SIGINT sent (by interrupt())
+        self.interrupted = False  # the stop signal sent (by interrupt())
+        self._heard = True  # no stop signal to send again (see stop())
         self._reader = threading.Thread(target=self._read, name=f"reader-{self.popen.pid}", daemon=True)
         self._reader.start()
 
@@ -140,23 +160,48 @@ class Proc:
         self.popen.wait()
 
     def interrupt(self) -> None:
-        """SIGINT, like Ctrl-C: asks for a clean shutdown without waiting for it."""
+        """The stop signal (SIGINT, like Ctrl-C, to the process group; see ``stop_signal``): asks for a clean shutdown
+        without waiting for it."""
+        if not self.interrupted:  # sent before the program said it was ready: it may not have been heard
+            self._heard = self.ready is None or self._announced()
         self.interrupted = True
+        self._send_stop_signal()
+
+    def _send_stop_signal(self) -> None:
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGINT)
+                if self.stop_signal == signal.SIGINT:
+                    os.killpg(self.popen.pid, signal.SIGINT)
+                else:  # (to the program only: the children of dmoe-server --processes are their parent's to stop)
+                    os.kill(self.popen.pid, self.stop_signal)
+
+    def _announced(self) -> bool:
+        return self.ready is not None and any(self.ready.search(line) for line in self.output)
 
     def stop(self, timeout: float = 10.0) -> int:
-        """SIGINT (a clean shutdown, like Ctrl-C; not again if :meth:`interrupt` sent it already), then SIGKILL if it
-        does not exit in time. A second SIGINT could land after the program left its signal handling, as it writes
-        its last checkpoint or exits, and kill it there (a demo's server exited with status -2)."""
+        """The stop signal (a clean shutdown, like Ctrl-C), then SIGKILL if it does not exit in ``timeout`` seconds.
+
+        Sent once to a program that had said it was ready (its ``ready`` line) when it was sent first (here or by
+        :meth:`interrupt`): a second SIGINT could land after the program left its signal handling, as it writes its
+        last checkpoint or exits, and kill it there (a demo's server exited with status -2). Sent every
+        :data:`RESEND_PERIOD` s to one that had not, until it says it is ready, and once more then: Python can drop a
+        SIGINT that lands during the program's imports (raised inside importlib's callback, "Exception ignored"),
+        and the program then served until it was killed at the timeout (review 96 D-low-2)."""
         if self.popen.poll() is None:
             if not self.interrupted:
                 self.interrupt()
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    self.popen.wait(max(0.0, min(RESEND_PERIOD, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        self.kill()
+                        break
+                    if not self._heard:
+                        self._heard = self._announced()  # (then this one is its last)
+                        self._send_stop_signal()
         return self.popen.wait()
 
 
@@ -225,10 +270,10 @@ class LocalSwarm:
         cfg = self.config
         env = {"OMP_NUM_THREADS": str(cfg.threads_per_server), **cfg.env}
         try:
-            self.dht = Proc(["-m", "dmoe.dht", "--host", cfg.host, "--port", "0"], env, cfg.echo)
+            self.dht = Proc(["-m", "dmoe.dht", "--host", cfg.host, "--port", "0"], env, cfg.echo, LISTENING)
             self.initial_peers = self.dht.endpoint(timeout)
             for pattern in split_grid(cfg.layers, cfg.grid, cfg.n_servers):
-                self.servers.append(Proc(self.server_command(pattern), env, cfg.echo))
+                self.servers.append(Proc(self.server_command(pattern), env, cfg.echo, LISTENING))
             self.server_endpoints = [server.endpoint(timeout) for server in self.servers]
         except BaseException:
             self.close()
@@ -269,7 +314,7 @@ class LocalSwarm:
             old.kill()
         pattern = old.args[old.args.index("--experts") + 1]
         env = {"OMP_NUM_THREADS": str(self.config.threads_per_server), **self.config.env}
-        self.servers[index] = Proc(self.server_command(pattern), env, self.config.echo)
+        self.servers[index] = Proc(self.server_command(pattern), env, self.config.echo, LISTENING)
         self.server_endpoints[index] = self.servers[index].endpoint(timeout)
         return self.server_endpoints[index]
 

@@ -11,9 +11,10 @@ import time
 
 import pytest
 
+from dmoe import launch
 from dmoe.cli.signals import ORPHAN_CHECK_PERIOD
 from dmoe.launch import LocalSwarm, SwarmConfig
-from tests.procs import Proc, running
+from tests.procs import Proc, processes, running
 
 # a launcher that starts a DHT node and an expert server, reports their pids, then waits to be killed
 LAUNCHER = textwrap.dedent("""
@@ -94,3 +95,71 @@ def test_a_launcher_that_ignores_ctrl_c_starts_programs_that_a_sigint_still_stop
         proc.wait_for("launcher ignores", timeout=60)
         assert proc.popen.wait(30) == 0
     assert "child ignores False\n" in proc.output and "launcher ignores True\n" in proc.output, proc.output
+
+
+# a program that drops its first two SIGINTs, as Python drops one that lands during its imports, and then says it is
+# ready and stops on the next
+DROPS_TWO_SIGINTS = textwrap.dedent("""
+    import signal, sys, time
+    dropped = []
+    signal.signal(signal.SIGINT, lambda signum, frame: dropped.append(signum))
+    print("starting", flush=True)
+    while len(dropped) < 2:
+        time.sleep(0.01)
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(0))
+    print("dmoe-test listening on 127.0.0.1:1", flush=True)
+    time.sleep(60)
+""")
+# a program that is ready at once and takes 2 s to stop (its last checkpoint); its status: the SIGINTs it got
+COUNTS_SIGINTS = textwrap.dedent("""
+    import signal, sys, time
+    got = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    print("dmoe-test listening on 127.0.0.1:1", flush=True)
+    while not got:
+        time.sleep(0.01)
+    time.sleep(2)
+    sys.exit(len(got))
+""")
+
+
+def test_a_stop_signal_lost_while_a_program_starts_is_sent_again_until_it_is_ready_and_once_then():
+    """Review 96 D-low-2: Python can drop a SIGINT during a program's imports; Proc.stop never sent another, and a
+    swarm closed as it started (a Ctrl-C, a server that failed) waited out the stop timeout, then SIGKILLed a server
+    that had gone on to serve."""
+    with processes() as procs:
+        procs.append(proc := launch.Proc(["-c", DROPS_TWO_SIGINTS], ready=launch.LISTENING))
+        proc.wait_for("starting")
+        started = time.monotonic()
+        assert proc.stop(timeout=20) == 0, proc.output
+        assert time.monotonic() - started < 10
+        # one that said it was ready gets one: a second could land as it writes its last checkpoint
+        procs.append(proc := launch.Proc(["-c", COUNTS_SIGINTS], ready=launch.LISTENING))
+        proc.wait_for(launch.LISTENING)
+        assert proc.stop(timeout=20) == 1
+
+
+def test_a_launcher_thread_that_cannot_give_its_children_sigint_back_stops_them_with_sigterm():
+    """Review 96 D-low-2: a launcher thread other than the main one, in a process that ignores SIGINT, starts
+    children that ignore it too (only the main thread can set a handler meanwhile): Proc.stop's SIGINT went unheard,
+    and they were SIGKILLed after the stop timeout, their last checkpoints unwritten."""
+    launcher = textwrap.dedent("""
+        import signal, threading, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from dmoe.launch import Proc
+        def run():
+            child = Proc(["-c", "import signal, sys, time; "
+                          "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+                          "print('child ignores', signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True); "
+                          "time.sleep(60)"])
+            print(child.wait_for("child ignores .*").group(0), flush=True)
+            started = time.monotonic()
+            print("stopped with", child.stop(timeout=20), "in", round(time.monotonic() - started), "s", flush=True)
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    """)
+    with running("-c", launcher) as proc:
+        proc.wait_for("stopped with", timeout=60)
+        assert proc.popen.wait(30) == 0
+    assert "child ignores True\n" in proc.output and "stopped with 0 in 0 s\n" in proc.output, proc.output
