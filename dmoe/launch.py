@@ -237,13 +237,22 @@ class SwarmConfig:
     expert_cls: str = "ffn"
     host: str = "127.0.0.1"
     threads_per_server: int = 1
-    server_args: Sequence[str] = ()          # extra dmoe-server flags (optimizer, lr, refresh period, ...)
+    # extra dmoe-server flags (optimizer, lr, refresh period, ...); a relative path in them is taken from the
+    # repository's root, where the servers run
+    server_args: Sequence[str] = ()
     echo: bool = False                       # copy the programs' output to stderr
     env: dict[str, str] = field(default_factory=dict)
     # server i checkpoints its experts in CHECKPOINT_ROOT/server{i} (--checkpoint-dir), so a swarm started again with
-    # the same root, grid and servers resumes them; None: no checkpoints
+    # the same root, grid and servers resumes them; None: no checkpoints. Relative: to this process's working
+    # directory as the config is made (made absolute then)
     checkpoint_root: str | os.PathLike | None = None
     stop_timeout: float = 10.0               # seconds a stopping server may take (its last checkpoint) before SIGKILL
+
+    def __post_init__(self) -> None:
+        # the servers run in the repository's root: a relative root was written under the checkout, and
+        # checkpoint_dir() named another place (review 96 D-low-6)
+        if self.checkpoint_root is not None:
+            self.checkpoint_root = Path(self.checkpoint_root).absolute()
 
 
 def split_grid(layers: Sequence[str], grid: Sequence[int], n_servers: int) -> list[str]:

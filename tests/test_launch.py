@@ -163,3 +163,16 @@ def test_a_launcher_thread_that_cannot_give_its_children_sigint_back_stops_them_
         proc.wait_for("stopped with", timeout=60)
         assert proc.popen.wait(30) == 0
     assert "child ignores True\n" in proc.output and "stopped with 0 in 0 s\n" in proc.output, proc.output
+
+
+def test_a_relative_checkpoint_root_is_taken_from_the_callers_directory_not_the_repositorys(tmp_path, monkeypatch):
+    """Review 96 D-low-6: the servers run in the repository's root, and wrote a relative root under the checkout,
+    while checkpoint_dir() named the caller's."""
+    monkeypatch.chdir(tmp_path)
+    swarm = LocalSwarm(SwarmConfig(n_servers=2, checkpoint_root="ckpt"))
+    monkeypatch.chdir(launch.ROOT)  # (taken when the config was made)
+    pattern = launch.split_grid(swarm.config.layers, swarm.config.grid, 2)[1]
+    expected = tmp_path.resolve() / "ckpt" / "server1"
+    assert swarm.checkpoint_dir(pattern) == expected
+    command = swarm.server_command(pattern)
+    assert command[command.index("--checkpoint-dir") + 1] == str(expected)
