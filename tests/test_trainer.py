@@ -8,6 +8,7 @@ last test uses the library's ``LocalMixtureOfExperts`` through ``--experts local
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import math
 import os
@@ -742,6 +743,56 @@ def test_a_checkpoint_write_is_fsynced_and_a_failed_one_leaves_no_temp_file(text
     with pytest.raises(OSError, match="No space left"):
         trainer.save_checkpoint(path, model, optimizer, config, trainer.Progress(step=2))
     assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
+
+
+class FullDisk:
+    """A file that takes ``room`` bytes, then fails as a full disk does (ENOSPC): torch's zip writer then raises its
+    own RuntimeError ("unexpected pos ...") over that OSError, as on a real full disk."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def test_a_full_disk_at_a_checkpoint_ends_dmoe_train_in_one_line_naming_the_file_and_keeps_the_last_one(
+        text_file, tmp_path, monkeypatch, capsys):
+    """It ended in a two-part traceback whose last line was torch's "unexpected pos 7273280 vs 7273172", naming
+    neither the file nor the full disk (review 100 D3)."""
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: stand_in_factory(config))
+    opened = []
+
+    def full_at_the_second_save(path, mode="r", *args, **kwargs):
+        file = open(path, mode, *args, **kwargs)
+        if str(path).endswith(".tmp"):
+            opened.append(path)
+            return FullDisk(file, room=4096) if len(opened) == 2 else file
+        return file
+
+    monkeypatch.setattr(trainer, "open", full_at_the_second_save, raising=False)
+    path = tmp_path / "ckpt" / "checkpoint.pt"
+    with pytest.raises(SystemExit) as exit_info:
+        train_program.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), "--checkpoint", str(path),
+                            "--steps", "3", "--checkpoint-interval", "1", "--seq-len", "32", "--hidden", "32",
+                            "--heads", "2", "--grid", "2", "2", "--k-best", "2", "--eval-batches", "1",
+                            "--sample-bytes", "0", "--threads", "1"])
+    assert str(exit_info.value.code) == (f"dmoe-train: step 2's checkpoint cannot be written to {path}: No space left "
+                                         "on device; the checkpoint is left as it was (step 1)")
+    assert "RuntimeError" not in capsys.readouterr().out  # no other line about it
+    assert torch.load(path, weights_only=True)["step"] == 1 and not list(path.parent.glob("*.tmp"))
 
 
 @pytest.mark.parametrize("first, then", [(False, True), (True, False)], ids=["topk-then-switch", "switch-then-topk"])

@@ -44,6 +44,7 @@ from dmoe.endpoints import check_host, is_loopback_ip
 from dmoe.experts import expert_class_names, mixture_input_problem
 from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import OPTIMIZERS, all_finite
+from dmoe.server.checkpoints import _first_os_error as first_os_error
 from dmoe.server.checkpoints import _fsync_directory as fsync_directory
 from dmoe.server.in_process import ExpertOptimizerConfig, InProcessExpert, in_process_experts
 from dmoe.server.server import check_device
@@ -366,8 +367,11 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
             if not weights_finite(model):
                 tqdm.write(f"warning: the model's weights are not finite at step {step}: {left_as_it_was()}")
                 return False
-            save_checkpoint(checkpoint_path, model, optimizer, config,
-                            Progress(step, history, time.monotonic() - origin, minibatch), rng)
+            try:
+                save_checkpoint(checkpoint_path, model, optimizer, config,
+                                Progress(step, history, time.monotonic() - origin, minibatch), rng)
+            except CheckpointNotWritten as error:  # (what the file still holds: review 100 D3)
+                raise CheckpointNotWritten(f"{error}; {left_as_it_was()}") from error
             saved = step
             return True
 
@@ -400,14 +404,23 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
             last complete step is saved, unless ``error`` cut a step's update or the checkpoint's write (review 90:
             a mixture layer's error, an out-of-memory... ended the run with every step since the last checkpoint
             lost)."""
-            if saving:
+            if isinstance(error, CheckpointNotWritten):  # (its message says what the file holds)
+                said = None
+            elif saving:
                 said = f"while saving step {step}: {left_as_it_was()}"
             elif half_done or (collab is not None and collab.updating):
                 said = f"in the middle of step {step + 1}: {left_as_it_was()}"
-            elif saved == step or (save_to_the_end() and saved == step):
+            elif saved == step:
                 said = f"after step {step}: the checkpoint holds step {step} (--resume goes on from there)"
-            else:  # (not finite: save() said so)
-                said = None
+            else:
+                try:
+                    written = save_to_the_end() and saved == step
+                except CheckpointNotWritten as unsaved:  # said, and ``error`` is still what ended the run
+                    tqdm.write(str(unsaved))
+                    written = False
+                # (not written and not finite: save() said so)
+                said = f"after step {step}: the checkpoint holds step {step} (--resume goes on from there)" \
+                    if written else None
             failed = experts_failed(error, step, saved)
             if failed is None and said is not None:  # (its message says where the checkpoint is)
                 tqdm.write(f"{type(error).__name__} {said}")
@@ -904,10 +917,21 @@ def save_checkpoint(path: Path, model, optimizer, config: TrainConfig, progress:
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk, or a second Ctrl-C: no partial temp file left behind
+    except BaseException as error:  # a full disk, or a second Ctrl-C: no partial temp file left behind
         tmp.unlink(missing_ok=True)
+        cause = first_os_error(error)
+        if isinstance(error, Exception) and isinstance(cause, OSError):
+            # a full disk's OSError comes wrapped in torch's zip-writer RuntimeError ("unexpected pos ..."), which
+            # ended dmoe-train in a two-part traceback naming neither the file nor the cause (review 100 D3)
+            raise CheckpointNotWritten(f"step {progress.step}'s checkpoint cannot be written to {path}: "
+                                       f"{cause.strerror or cause}") from error
         raise
     fsync_directory(path.parent)
+
+
+class CheckpointNotWritten(OSError):
+    """A checkpoint could not be written (a full disk, an I/O error): the file is left as it was. An OSError, so
+    that dmoe-train and dmoe-demo end in its one line."""
 
 
 class ResumeMismatch(ValueError):
