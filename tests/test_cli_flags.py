@@ -17,7 +17,7 @@ from dmoe.cli import dht as dht_program
 from dmoe.cli import monitor as monitor_program
 from dmoe.cli import server as run_server
 from dmoe.cli import train
-from dmoe.cli.config import MAX_SECONDS, duration, parse_args, parse_given
+from dmoe.cli.config import MAX_SECONDS, MAX_THREADS, duration, parse_args, parse_given
 from dmoe.directory.__main__ import parse_directory_args
 from dmoe.server.server import check_device
 from tests.procs import running
@@ -178,6 +178,19 @@ def test_an_empty_server_path_is_refused_naming_the_flag(flag, capsys):
     restart (review 92)."""
     line = usage_error(run_server.main, [*SERVER, flag, ""], capsys)
     assert line == f"dmoe-server: error: argument {flag}: must name a directory or file (leave it out for none)", line
+
+
+@pytest.mark.parametrize("flag", ["--torch-threads", "--workers"])
+def test_an_absurd_server_thread_count_is_refused_naming_the_flag_as_dmoe_train_s_threads_is(flag, capsys):
+    """--torch-threads 100000 died of a segmentation fault with no word, --workers 100000 grew the server to 21k
+    threads and then a traceback (review 100 D4)."""
+    parser = run_server.build_parser()
+    for count in (MAX_THREADS + 1, 100000):
+        args, given = parse_given(parser, [*SERVER, flag, str(count)])
+        line = usage_error(lambda _: run_server.check_args(args, parser, given), None, capsys)
+        assert line.startswith(f"dmoe-server: error: argument {flag} {count} is absurd (at most {MAX_THREADS};"), line
+    args, given = parse_given(parser, [*SERVER, flag, str(MAX_THREADS)])
+    assert run_server.check_args(args, parser, given) == ["ffn0.0", "ffn0.1"]
 
 
 def test_either_way_of_naming_the_experts_on_the_command_line_overrides_the_other_in_the_config_file(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -68,6 +69,19 @@ def non_negative(kind: type) -> Callable[[str], Any]:
 #: beyond it, in a thread long after the flags were read: a --forward-timeout of 1e10 lost every expert, a
 #: --checkpoint-interval of 1e10 the checkpoint thread (review 72). No wait a user means is longer than a year.
 MAX_SECONDS = 365 * 24 * 3600.0
+
+
+#: the most threads a thread-count flag may ask for (dmoe-train's --threads, dmoe-server's --torch-threads and
+#: --workers): torch crashed on 100000 (dmoe-server died of a segmentation fault with no word), and 100000 compute
+#: workers grew the server to 21k threads before it died in a traceback (review 100 D4)
+MAX_THREADS = 1024
+
+
+def check_thread_count(flag: str, value: int | None) -> None:
+    """Raises ValueError naming ``flag`` for a thread count above :data:`MAX_THREADS` (None: not given)."""
+    if value is not None and value > MAX_THREADS:
+        raise ValueError(f"{flag} {value} is absurd (at most {MAX_THREADS}; this machine has {os.cpu_count()} "
+                         "cores)")
 
 
 def duration(unit: str = "s", *, zero: bool = False) -> Callable[[str], float]:

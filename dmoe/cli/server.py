@@ -27,8 +27,8 @@ from typing import IO, Callable
 import torch
 
 from dmoe.cli.allocator import keep_freed_memory
-from dmoe.cli.config import (DefaultsHelpFormatter, add_config_argument, duration, non_negative, parse_given,
-                             port_number, positive)
+from dmoe.cli.config import (DefaultsHelpFormatter, add_config_argument, check_thread_count, duration, non_negative,
+                             parse_given, port_number, positive)
 from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
 from dmoe.dht import DHT, DHTConfig, Identity, parse_endpoint
@@ -429,6 +429,11 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
         check_device(device)
     except ValueError as error:
         parser.error(f"argument --device: {error}")
+    for flag in ("torch_threads", "workers"):  # (review 100 D4: a segfault, or 21k threads, with no word)
+        try:
+            check_thread_count(f"--{flag.replace('_', '-')}", getattr(args, flag))
+        except ValueError as error:
+            parser.error(f"argument {error}")
     if args.cuda_graphs and (args.workers or 1) > 1:
         parser.error(f"argument --cuda-graphs: needs one compute worker per process, got --workers {args.workers} "
                      "(more processes with --processes instead)")

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dmoe.cli.config import duration, non_negative, port_number, positive
+from dmoe.cli.config import MAX_THREADS, duration, non_negative, port_number, positive
 from dmoe.cli.signals import DeferredInterrupt, InterruptingSignals, orphaned
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
@@ -56,9 +56,6 @@ from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
 SAVE_NOTICE = "stopping once the checkpoint is written (Ctrl-C again: stop at once, leaving the last one as it was)"
 #: steps in a row whose loss or gradient is not finite (each skipped) after which the run stops as diverged
 MAX_NONFINITE_STEPS = 10
-
-#: the most torch threads --threads may ask for (torch crashed on 100000)
-MAX_THREADS = 1024
 
 #: said, after the signal's name, at the loop's first stop signal (:class:`~dmoe.cli.signals.DeferredInterrupt`)
 STOP_NOTICE = "stopping after the step in flight, then saving the checkpoint (Ctrl-C again: stop at once)"
@@ -178,7 +175,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
-        if self.threads > MAX_THREADS:
+        if self.threads > MAX_THREADS:  # (torch crashed on 100000)
             raise ValueError(f"--threads {self.threads} is absurd (at most {MAX_THREADS}; this machine has "
                              f"{os.cpu_count()} cores, and 0 lets torch choose)")
         if not self.dropout < 1:
