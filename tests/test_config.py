@@ -80,6 +80,21 @@ def test_missing_config_file_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "cannot read it" in err
 
 
+@pytest.mark.parametrize("main", [run_server.main, train.parse_config, dht_program.main, monitor_program.main],
+                         ids=["server", "train", "dht", "monitor"])
+@pytest.mark.parametrize("content, where", [
+    ('experts = "ffn0.0.0"\n# r\xe9seau du labo\n'.encode("latin-1"), "byte 0xe9 on line 2: invalid continuation byte"),
+    ('experts = "ffn0.0.0"\n'.encode("utf-16"), "byte 0xff on line 1: invalid start byte"),  # Notepad's "Unicode"
+], ids=["latin-1", "utf-16"])
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_the_file(tmp_path, capsys, main, content, where):
+    """Every program ended in a UnicodeDecodeError traceback (review 100 D5)."""
+    path = tmp_path / "c.toml"
+    path.write_bytes(content)
+    err = usage_error(main, ["--config", str(path)], capsys)
+    assert err.count("\n") == 1 and err.endswith(f": error: config {path}: not UTF-8 text (a TOML file must be "
+                                                  f"UTF-8): {where}\n"), err
+
+
 def test_trainer_config_file_with_tuples_and_booleans(tmp_path, capsys):
     path = write(tmp_path, 'steps = 5\ngrid = [2, 2]\nresume = true\nexperts = "remote"\n'
                            'initial-peers = ["1.2.3.4:5"]\n')

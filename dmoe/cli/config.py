@@ -154,9 +154,17 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """The TOML file's top-level table; raises :class:`ConfigError` saying why it cannot be read."""
     try:
         with open(path, "rb") as file:
-            return tomllib.load(file)
+            data = file.read()
     except OSError as error:
         raise ConfigError(f"cannot read it: {error.strerror or error}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:  # a Latin-1 comment, a UTF-16 file: every program ended in a traceback
+        line = data.count(b"\n", 0, error.start) + 1  # (review 100 D5)
+        raise ConfigError(f"not UTF-8 text (a TOML file must be UTF-8): byte 0x{data[error.start]:02x} on line "
+                          f"{line}: {error.reason}") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"not valid TOML: {error}") from None
 
