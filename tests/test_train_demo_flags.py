@@ -157,6 +157,23 @@ def test_an_empty_checkpoint_path_is_refused_as_an_empty_data_path_is(tmp_path, 
     assert "--checkpoint must name a file" in usage_error(["--config", str(config_file)], capsys)
 
 
+@pytest.mark.parametrize("flag", ["--out-dir", "--data-dir"])
+def test_an_empty_directory_flag_is_refused_as_an_empty_checkpoint_path_is(flag, tmp_path, capsys):
+    """--out-dir "" (an unset shell variable) wrote the checkpoint, its lock and the loss curve into the current
+    directory, and a --resume resumed whatever checkpoint.pt was there (review 100 D10)."""
+    said = f"dmoe-train: error: {flag} must name a directory (leave it out for the default)"
+    assert usage_error([flag, ""], capsys) == said
+    config_file = tmp_path / "c.toml"
+    config_file.write_text(f'{flag[2:]} = " "\n')
+    assert usage_error(["--config", str(config_file)], capsys) == said
+
+
+def test_an_empty_config_path_is_refused_naming_the_flag(capsys):
+    """It read as "config : cannot read it: No such file or directory"."""
+    assert usage_error(["--config", ""], capsys) == \
+        "dmoe-train: error: argument --config: must name a TOML file (leave it out for none)"
+
+
 def test_a_resume_with_more_steps_says_how_the_learning_rate_moves(text_file, tmp_path, capsys):
     """A finished 400-step run resumed with --steps 800: the cosine schedule is stretched, and the rate jumped 6x
     without a word."""

@@ -284,6 +284,8 @@ def parse_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None = No
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     from_file: dict[str, Any] = {}
+    if known.config is not None and not known.config.strip():  # (an unset shell variable: "config : cannot read")
+        parser.exit(2, f"{parser.prog}: error: argument --config: must name a TOML file (leave it out for none)\n")
     if known.config is not None:
         try:
             from_file = config_defaults(parser, read_toml(known.config))

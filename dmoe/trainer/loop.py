@@ -186,6 +186,10 @@ class TrainConfig:
             raise ValueError("--data must name a text file (leave it out for the Shakespeare corpus)")
         if self.checkpoint == "":  # (it meant the default OUT_DIR/checkpoint.pt, unsaid)
             raise ValueError("--checkpoint must name a file (leave it out for OUT_DIR/checkpoint.pt)")
+        for name in ("out_dir", "data_dir"):  # an unset shell variable: the checkpoint, its lock and the curve went
+            # into the current directory, and a --resume resumed whatever checkpoint.pt was there (review 100 D10)
+            if not getattr(self, name).strip():  # ("the default": the demo's --out-dir is not dmoe-train's)
+                raise ValueError(f"--{name.replace('_', '-')} must name a directory (leave it out for the default)")
         if self.expert_cls not in expert_class_names():
             raise ValueError(f"--expert-cls: unknown class {self.expert_cls!r}; registered: "
                              f"{', '.join(expert_class_names())}")
