@@ -138,6 +138,27 @@ def test_checkpoint_of_other_experts_is_refused_naming_the_difference(tmp_path, 
     assert words in str(error.value)
 
 
+@pytest.mark.parametrize("saved, now", [({}, {"expansion": 4}), ({"expansion": 4, "dropout": 0.0}, {}),
+                                        ({}, {"dropout": 0})])
+def test_an_expert_argument_spelled_out_at_its_default_restores_the_checkpoint_written_without_it(tmp_path, saved,
+                                                                                                   now):
+    """The same expert either way, but the restart was refused: "expansion was None, now 4" (review 100 D6)."""
+    save_checkpoint(tmp_path, cls_kwargs=saved)
+    server = ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, cls_kwargs=now,
+                                 config=ServerConfig(device="cpu", checkpoint_dir=str(tmp_path)))
+    saved_state = Checkpoints(tmp_path, {}).read()
+    torch.testing.assert_close(server.backends["ck.1"].module.state_dict(),
+                               saved_state["experts"]["ck.1"]["state"]["module"])
+    server.checkpoints.close(save=False)
+
+
+def test_an_expert_argument_changed_from_its_default_is_refused_naming_both_values(tmp_path):
+    save_checkpoint(tmp_path)
+    with pytest.raises(CheckpointMismatch, match="hyperparameters differ: expansion was 4, now 2"):
+        ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, cls_kwargs={"expansion": 2},
+                            config=ServerConfig(device="cpu", checkpoint_dir=str(tmp_path)))
+
+
 def test_same_experts_with_another_seed_are_restored(tmp_path):
     save_checkpoint(tmp_path)
     server = ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, seed=7,

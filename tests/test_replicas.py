@@ -114,6 +114,21 @@ def test_a_replica_trained_with_another_learning_rate_and_clipping_fits_and_keep
     torch.testing.assert_close(target.module.state_dict(), source.module.state_dict())
 
 
+def test_a_replica_of_an_expert_whose_arguments_were_spelled_out_at_their_defaults_fits_one_built_without_them():
+    """As a restart from a checkpoint: the same expert, refused as "hyperparameters differ" (review 100 D6)."""
+    source = ExpertServer.create(UID, "ffn", HIDDEN, cls_kwargs={"expansion": 4}, optimizer="adam", lr=0.01,
+                                 config=ServerConfig(device="cpu")).backends[UID]
+    train(source, 1)
+    target = expert_server().backends[UID]
+    snapshot = open_body(sign(take(source), Identity()))
+    load_into(target, snapshot, check_state(snapshot, target))
+    torch.testing.assert_close(target.module.state_dict(), source.module.state_dict())
+    other = ExpertServer.create(UID, "ffn", HIDDEN, cls_kwargs={"expansion": 2}, optimizer="adam", lr=0.01,
+                                config=ServerConfig(device="cpu")).backends[UID]
+    with pytest.raises(SnapshotRefused, match="expansion 4 \\(here 2\\)"):
+        check_state(snapshot, other)
+
+
 def test_a_loaded_snapshot_trains_on_exactly_as_the_expert_it_was_taken_from():
     source = expert_server().backends["ffn0.1.2"]
     train(source, 3)

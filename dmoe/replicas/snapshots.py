@@ -38,7 +38,7 @@ from dmoe.dht import Identity
 from dmoe.dht.signing import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, verify
 from dmoe.replicas.records import SIGNER_HEX
 from dmoe.server.backend import ExpertBackend
-from dmoe.server.checkpoints import describe, fixed_hparams, to_host
+from dmoe.server.checkpoints import describe, fixed_hparams, to_host, with_default_arguments
 from dmoe.server.optimizer_state import MAX_UPDATES, check_optimizer_state, whole_steps
 from dmoe.uid import is_valid_uid
 from dmoe.wire import dmoe_pb2
@@ -326,11 +326,13 @@ def check_state(snapshot: dmoe_pb2.Snapshot, template: ExpertBackend) -> Any:
     want = describe(template)
     if snapshot.expert_cls != want["expert_cls"]:
         raise mismatch(f"expert class {snapshot.expert_cls!r}, here {want['expert_cls']!r}")
-    try:
-        hparams = fixed_hparams(snapshot.hparams_json)
+    try:  # (an argument spelled out at its default is the same expert as one left out: review 100 D6)
+        hparams = fixed_hparams(with_default_arguments({"expert_cls": snapshot.expert_cls,
+                                                        "hparams_json": snapshot.hparams_json})["hparams_json"])
     except ValueError:
         raise mismatch("its hyperparameters are not a JSON object") from None
-    here = fixed_hparams(want["hparams_json"])  # the seed, learning rate and clipping may differ (MAY_CHANGE)
+    # the seed, learning rate and clipping may differ (MAY_CHANGE)
+    here = fixed_hparams(with_default_arguments(want)["hparams_json"])
     if hparams != here:
         changed = [f"{k} {hparams.get(k)!r} (here {here.get(k)!r})" for k in sorted(set(hparams) | set(here))
                    if hparams.get(k) != here.get(k)]

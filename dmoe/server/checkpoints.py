@@ -16,6 +16,7 @@ of writing its experts over the first one's (and removing the first one's temp f
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import IO, Any, Callable, ContextManager, Iterator, Mapping
 
 import torch
 
+from dmoe.experts import expert_class
 from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import ExpertBackend, optimizer_name, saved_optimizer_name
 from dmoe.server.optimizer_state import MAX_UPDATES, whole_steps
@@ -256,7 +258,7 @@ class Checkpoints:
         shared = sorted(set(saved) & set(self.backends))
         by_difference: dict[str, list[str]] = {}  # the same change usually applies to every expert: say it once
         for uid in shared:
-            want, have = describe(self.backends[uid]), saved[uid]["description"]
+            want, have = (with_default_arguments(d) for d in (describe(self.backends[uid]), saved[uid]["description"]))
             for key in DESCRIBED:
                 if _compared(key, want[key]) != _compared(key, have[key]):
                     by_difference.setdefault(_difference(key, have[key], want[key]), []).append(uid)
@@ -495,6 +497,33 @@ def fixed_hparams(hparams_json: str) -> dict[str, Any]:
     if not isinstance(hparams, dict):
         raise ValueError("the hyperparameters are not a JSON object")
     return {name: setting for name, setting in hparams.items() if name not in MAY_CHANGE}
+
+
+def with_default_arguments(description: dict[str, Any]) -> dict[str, Any]:
+    """``description`` (:func:`describe`'s) with its hyperparameters completed by the defaults of its class's
+    constructor: an argument spelled out at its default builds the same expert as one left out, yet a restart with
+    ``--expert-kwargs '{"expansion": 4}'`` was refused against a checkpoint written without it ("expansion was None,
+    now 4", review 100 D6). Arguments given are kept as given (what the checkpoint and ``info`` say); as it is for a
+    class not registered here, a constructor without a signature, or hyperparameters that are not a JSON object."""
+    try:
+        hparams = json.loads(description["hparams_json"])
+        parameters = list(inspect.signature(expert_class(description["expert_cls"]).cls).parameters.values())
+    except (KeyError, TypeError, ValueError):  # (json's and inspect's errors are ValueErrors)
+        return description
+    if not isinstance(hparams, dict):
+        return description
+    defaults = {}
+    for parameter in parameters[1:]:  # (the first is hidden_dim, always given)
+        if parameter.default is inspect.Parameter.empty or parameter.name in hparams or parameter.kind not in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+            continue
+        try:  # as JSON has it: a tuple default then equals the list a given one was saved as
+            defaults[parameter.name] = json.loads(json.dumps(parameter.default, default=str, allow_nan=False))
+        except ValueError:  # (nan, which equals nothing: left out, as before)
+            continue
+    if not defaults:
+        return description
+    return {**description, "hparams_json": json.dumps({**defaults, **hparams}, sort_keys=True, default=str)}
 
 
 def _compared(key: str, value: Any) -> Any:
