@@ -33,6 +33,25 @@ def usage_error(call, argv, capsys) -> str:
     return capsys.readouterr().err.rstrip("\n").split("\n")[-1]
 
 
+# ---- sizes ---------------------------------------------------------------------------------------------------------
+
+def test_parameter_bytes_counted_on_the_meta_device_are_those_of_the_module_built_for_real():
+    """(review 100 D8) Counted without memory or initialisation: what a size flag is checked against."""
+    from dmoe.cli.sizes import parameter_bytes
+    from dmoe.experts import create_expert
+    from dmoe.trainer.model import GatedTransformerLM, ModelConfig
+
+    builds = [lambda: GatedTransformerLM(ModelConfig(hidden=48, n_heads=2, seq_len=20), lambda i: torch.nn.Identity()),
+              lambda: create_expert("transformer", 16), lambda: create_expert("ffn", 8, expansion=3),
+              lambda: torch.nn.Linear(3, 5).half()]
+    for build in builds:
+        assert parameter_bytes(build) == sum(p.numel() * p.element_size() for p in build().parameters())
+    assert parameter_bytes(lambda: torch.nn.Linear(2**40, 2**20, bias=False)) == 2**62  # (4 EiB: nothing taken)
+    ones = torch.ones(2)
+    ones.add_(1)  # in-place operations outside its build still run
+    assert ones.tolist() == [2.0, 2.0]
+
+
 # ---- durations ---------------------------------------------------------------------------------------------------
 
 def test_a_duration_is_positive_finite_and_at_most_a_year_in_its_unit():

@@ -248,6 +248,35 @@ def test_expert_kwargs_that_build_an_expert_failing_on_its_sample_input_are_a_us
     assert "RuntimeError: The size of tensor a (8) must match the size of tensor b (4)" in line, line
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--hidden-dim", "99999999999999999999"], "argument --hidden-dim 99999999999999999999 is absurd (at most 1048576)"),
+    (["--hidden-dim", str(2**20)], "argument --hidden-dim: 1 expert of --expert-cls ffn --hidden-dim 1048576: its "
+                                   "parameters and their gradients alone take 65,536.1 GiB, more than the "),
+    (["--expert-kwargs", '{"expansion": 1000000000000}'],
+     'argument --expert-kwargs: 1 expert of --expert-cls ffn --hidden-dim 8 --expert-kwargs {"expansion": '
+     '1000000000000}: its parameters and their gradients alone take '),
+    # a size torch cannot represent: the message went on with some 40 lines of C++ frames
+    (["--expert-kwargs", '{"expansion": 99999999999999999999}'], "Overflow when unpacking long long"),
+])
+def test_an_absurd_expert_size_is_one_line_naming_the_flag_that_sets_it(flags, words, capsys):
+    """--hidden-dim 99999999999999999999 ended in 40 lines of C++ frames blaming --expert-kwargs, not given; an
+    expert too large for the machine in torch's allocator error (review 100 D8)."""
+    assert words in one_error_line(usage_error(run_server.main, [*SERVER, *flags], capsys))
+
+
+def test_a_class_that_builds_no_expert_without_kwargs_is_refused_naming_the_class_not_the_kwargs(tmp_path, capsys):
+    module = tmp_path / "broken.py"
+    module.write_text("from torch import nn\nfrom dmoe.experts import register_expert_class\n\n\n"
+                      "@register_expert_class('broken_init', lambda batch, hidden: None)\n"
+                      "class Broken(nn.Module):\n"
+                      "    def __init__(self, hidden_dim):\n"
+                      "        raise ValueError('not today')\n")
+    line = one_error_line(usage_error(run_server.main, [*SERVER, "--custom-module", str(module), "--expert-cls",
+                                                        "broken_init"], capsys))
+    assert line == ("dmoe-server: error: argument --expert-cls: broken_init (with --hidden-dim 8) builds no expert: "
+                    "ValueError: not today"), line
+
+
 def test_ports_taken_at_start_are_usage_errors_naming_the_flag(capsys):
     """A taken --metrics-port ended in an OSError traceback, and a taken --dht-port was reported as a bad
     --initial-peers (review 49), with --processes too."""

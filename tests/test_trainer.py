@@ -185,6 +185,12 @@ def test_command_line_trains_on_data_file_and_prints_final_perplexity(text_file,
     (["--balance-coef", "inf"], "argument --balance-coef: must be finite, got inf"),
     (["--lr", "nan"], "--lr"),
     (["--threads", "100000"], "--threads 100000 is absurd"),
+    # torch's allocator traceback, naming no flag (review 100 D8)
+    (["--hidden", "1000000000", "--heads", "1"], "--hidden 1000000000 is absurd (at most 1048576)"),
+    (["--hidden", "65536", "--heads", "1", "--experts", "remote", "--initial-peers", "127.0.0.1:1"],
+     "the model of --hidden 65536 --layers 2 --seq-len 64: its parameters and their gradients alone take 256.2 GiB"),
+    (["--grid", "1000", "1000"], "the model of --hidden 128 --layers 2 --seq-len 64 --grid 1000 1000: its parameters"),
+    (["--seq-len", "99999999999999999999"], "is too large to build: TypeError: "),
 ])
 def test_bad_flag_values_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -743,6 +749,26 @@ def test_a_checkpoint_write_is_fsynced_and_a_failed_one_leaves_no_temp_file(text
     with pytest.raises(OSError, match="No space left"):
         trainer.save_checkpoint(path, model, optimizer, config, trainer.Progress(step=2))
     assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_model_the_free_memory_cannot_hold_ends_dmoe_train_in_one_line_naming_the_size_flags(text_file, tmp_path,
+                                                                                               monkeypatch):
+    """One that fits the machine's memory, but not what is free of it: torch's allocator traceback (review 100
+    D8)."""
+    def out_of_memory(*args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 1024000000000 bytes.\nframe #0: c10::Error::Error")
+
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: stand_in_factory(config))
+    monkeypatch.setattr(trainer.GatedTransformerLM, "to", out_of_memory)  # (on the device: the first allocation)
+    with pytest.raises(SystemExit) as exit_info:
+        train_program.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), "--steps", "2",
+                            "--seq-len", "32", "--hidden", "32", "--heads", "2", "--grid", "2", "2", "--k-best", "2",
+                            "--threads", "1"])
+    assert str(exit_info.value.code) == (
+        "dmoe-train: the model of --hidden 32 --layers 2 --seq-len 32 --grid 2 2 does not fit in the memory of "
+        "--device cpu: RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+        "allocate memory: you tried to allocate 1024000000000 bytes.")
 
 
 class FullDisk:

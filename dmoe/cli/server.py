@@ -31,11 +31,12 @@ from dmoe.cli.config import (DefaultsHelpFormatter, add_config_argument, check_t
                              parse_given, port_number, positive)
 from dmoe.cli.dht import check_declaration_expiration
 from dmoe.cli.signals import StopSignals
+from dmoe.cli.sizes import check_trainable, check_width, parameter_bytes
 from dmoe.dht import DHT, DHTConfig, Identity, parse_endpoint
 from dmoe.dht.messages import VALUE_PATTERN
 from dmoe.directory import Announcer, choose_experts, free_experts
 from dmoe.endpoints import check_host, host_at_fault, join_host_port
-from dmoe.experts import ExpertBuildError, expert_class_names
+from dmoe.experts import ExpertBuildError, create_expert, expert_class_names
 from dmoe.replicas import ReplicaConfig, Replication
 from dmoe.replicas.adoption import read_holders
 from dmoe.server import ExpertServer, ServerConfig
@@ -458,6 +459,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
     replica_config(args, parser)
     check_declaration_expiration(parser, args.refresh_period, args.expiration)  # (the server was invisible)
     count = len(uids) if uids is not None else args.num_experts * len(args.layer)
+    check_expert_size(args, parser, device, count)
     if args.processes > count:
         parser.error(f"argument --processes: {args.processes} processes need at least as many experts, got {count}")
     for flag in ("port", "dht_port", "metrics_port"):  # the processes' ports count up from nonzero ones
@@ -470,6 +472,29 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser,
         logger.info("one process serves these %d experts on the GPU: --processes 4 carried about twice the rows on an "
                     "H100 (benchmarks/README.md, \"On a GPU\")", count)
     return uids
+
+
+def check_expert_size(args: argparse.Namespace, parser: argparse.ArgumentParser, device: torch.device,
+                      count: int) -> None:
+    """Exits naming the flag for a ``--hidden-dim`` above :data:`~dmoe.cli.sizes.MAX_WIDTH`, and for experts whose
+    parameters and gradients alone exceed the memory of ``device`` (counted without building them; on a CPU all
+    ``count`` of them, on a GPU one, as ``--processes`` may spread them over several): torch's sizes overflowed in
+    some 40 lines of C++ frames blaming ``--expert-kwargs``, not given, or its allocator refused (review 100 D8)."""
+    try:
+        check_width("--hidden-dim", args.hidden_dim)
+    except ValueError as error:
+        parser.error(f"argument {error}")
+    try:
+        one = parameter_bytes(lambda: create_expert(args.expert_cls, args.hidden_dim, **args.expert_kwargs))
+    except Exception:  # noqa: BLE001 - (the real build reports what the class refuses, naming the flag)
+        return
+    kwargs = f" --expert-kwargs {json.dumps(args.expert_kwargs)}" if args.expert_kwargs else ""
+    held = count if device.type == "cpu" else 1
+    try:
+        check_trainable(f"{held} expert{'s' * (held > 1)} of --expert-cls {args.expert_cls} --hidden-dim "
+                        f"{args.hidden_dim}{kwargs}", one * held, device)
+    except ValueError as error:
+        parser.error(f"argument {'--expert-kwargs' if kwargs else '--hidden-dim'}: {error}")
 
 
 def server_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerConfig:
@@ -665,6 +690,10 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser, uids: list
     except ExpertBuildError as error:  # arguments the class does not take, or values it refuses
         cause = error.__cause__
         reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
+        reason = reason.strip().splitlines()[0]  # (torch's messages go on with some 40 lines of C++ frames)
+        if not args.expert_kwargs:  # (--expert-kwargs was named, given or not: review 100 D8)
+            parser.error(f"argument --expert-cls: {args.expert_cls} (with --hidden-dim {args.hidden_dim}) builds no "
+                         f"expert: {reason}")
         parser.error(f"argument --expert-kwargs: {json.dumps(args.expert_kwargs)} (with --expert-cls "
                      f"{args.expert_cls} --hidden-dim {args.hidden_dim}) builds no expert: {reason}")
     server.announcer = announcer or join_dht(args, parser)

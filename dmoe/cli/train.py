@@ -25,8 +25,8 @@ from dmoe.client.gating import NoAliveExpertsError, TooFewGradients
 from dmoe.collab.progress import RecordTooLong
 from dmoe.endpoints import PortUnavailable
 from dmoe.trainer.data import DataError, DownloadError
-from dmoe.trainer.loop import (CheckpointInUse, CorruptCheckpoint, Diverged, ExpertsFailed, ResumeMismatch, TrainConfig,
-                             train)
+from dmoe.trainer.loop import (CheckpointInUse, CorruptCheckpoint, Diverged, ExpertsFailed, ModelTooLarge, ResumeMismatch,
+                             TrainConfig, train)
 
 
 EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
@@ -157,9 +157,10 @@ def port_error(error: PortUnavailable) -> str | None:
 #: what ends a training with a one-line message, no traceback (here and in dmoe-demo, which missed some: review 82):
 #: no corpus (or one too short), no DHT peer, a checkpoint of another model, damaged or in use by another trainer, a
 #: state endpoint too long to publish, a run that diverged, or experts that failed as --no-allow-zero-outputs or
-#: --backward-k-min ask (the loop saved the last complete step and names the flag: review 90)
+#: --backward-k-min ask (the loop saved the last complete step and names the flag: review 90), a model the memory
+#: free cannot hold (review 100 D8)
 TRAINING_ERRORS = (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,
-                   Diverged, ExpertsFailed, NoAliveExpertsError, TooFewGradients)
+                   Diverged, ExpertsFailed, NoAliveExpertsError, TooFewGradients, ModelTooLarge)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,15 +38,17 @@ from tqdm import tqdm
 
 from dmoe.cli.config import MAX_THREADS, duration, non_negative, port_number, positive
 from dmoe.cli.signals import DeferredInterrupt, InterruptingSignals, orphaned
+from dmoe.cli.sizes import check_trainable, check_width, parameter_bytes
 from dmoe.collab.config import check_run_id
 from dmoe.dht.node import listen_host, parse_endpoint
 from dmoe.endpoints import check_host, is_loopback_ip
-from dmoe.experts import expert_class_names, mixture_input_problem
+from dmoe.experts import create_expert, expert_class_names, mixture_input_problem
 from dmoe.locking import InUse, lock_file
 from dmoe.server.backend import OPTIMIZERS, all_finite
 from dmoe.server.checkpoints import _first_os_error as first_os_error
 from dmoe.server.checkpoints import _fsync_directory as fsync_directory
 from dmoe.server.in_process import ExpertOptimizerConfig, InProcessExpert, in_process_experts
+from dmoe.server.runtime import is_out_of_memory
 from dmoe.server.server import check_device
 from dmoe.trainer.data import SHAKESPEARE_FILE, VOCAB_SIZE, TextData, shakespeare
 from dmoe.trainer.model import GatedTransformerLM, ModelConfig, MoEFactory
@@ -213,6 +215,7 @@ class TrainConfig:
                 raise ValueError(f"--initial-peers: {error}") from None
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
+        check_width("--hidden", self.hidden)
         if self.k_best > math.prod(self.grid):
             raise ValueError(f"--k-best {self.k_best} is more than the {math.prod(self.grid)} experts of --grid")
         if self.k_best == 1 and not self.switch:
@@ -228,6 +231,7 @@ class TrainConfig:
             raise ValueError(f"--val-fraction must be below 1, got {self.val_fraction}")
         if self.data_shard >= self.data_shards:
             raise ValueError(f"--data-shard {self.data_shard} must be below --data-shards {self.data_shards}")
+        self._check_model_fits()
         if self.collaborate is not None:
             if self.experts != "remote":
                 raise ValueError("--collaborate needs --experts remote: in-process experts would differ between "
@@ -244,6 +248,28 @@ class TrainConfig:
                 except ValueError as error:
                     raise ValueError(f"--averaging-announce-host: {error}") from None
             self._check_averaging_host()
+
+    def sizes(self) -> str:
+        """The flags that size the model, as given: what an error about its size names."""
+        grid = f" --grid {' '.join(map(str, self.grid))}" if self.experts == "local" else ""
+        return f"--hidden {self.hidden} --layers {self.layers} --seq-len {self.seq_len}{grid}"
+
+    def _check_model_fits(self) -> None:
+        """Refuses a model whose parameters (the client's and the in-process experts') and their gradients alone
+        exceed the memory of ``--device``, counted without building it: torch's allocator ended the run in a
+        traceback naming no flag (review 100 D8)."""
+        try:
+            client = parameter_bytes(lambda: GatedTransformerLM(self.model_config(), lambda i: torch.nn.Identity()))
+        except (RuntimeError, TypeError, OverflowError, ValueError) as error:  # sizes torch cannot represent
+            raise ValueError(f"the model of {self.sizes()} is too large to build: {first_line(error)}") from None
+        experts = 0
+        if self.experts == "local":
+            try:
+                one = parameter_bytes(lambda: create_expert(self.expert_cls, self.hidden))
+            except Exception:  # noqa: BLE001 - (the expert's real build says what is wrong with it)
+                one = 0
+            experts = one * math.prod(self.grid) * self.layers
+        check_trainable(f"the model of {self.sizes()}", client + experts, torch.device(self.device))
 
     def _check_averaging_host(self) -> None:
         """Trainers on other machines must reach this one's averager and state server: a loopback address would be
@@ -319,8 +345,14 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         if moe_factory is None:
             moe_factory = make_moe_factory(config, resources) if dht is None else \
                 make_moe_factory(config, resources, dht=dht)
-        model = GatedTransformerLM(config.model_config(), moe_factory)
-        model.to(config.device)
+        try:
+            model = GatedTransformerLM(config.model_config(), moe_factory)
+            model.to(config.device)
+        except Exception as error:  # (one that fits the device's memory in all, but not what is free of it)
+            if not is_out_of_memory(error):
+                raise
+            raise ModelTooLarge(f"the model of {config.sizes()} does not fit in the memory of --device "
+                                f"{config.device}: {first_line(error)}") from None
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         resumed = load_checkpoint(checkpoint_path, model, optimizer, config) if config.resume else Progress()
         step, history, minibatch = resumed.step, resumed.history, resumed.minibatches
@@ -933,6 +965,15 @@ def save_checkpoint(path: Path, model, optimizer, config: TrainConfig, progress:
 class CheckpointNotWritten(OSError):
     """A checkpoint could not be written (a full disk, an I/O error): the file is left as it was. An OSError, so
     that dmoe-train and dmoe-demo end in its one line."""
+
+
+class ModelTooLarge(MemoryError):
+    """The model could not be built for want of memory (review 100 D8: a traceback, naming no flag)."""
+
+
+def first_line(error: BaseException) -> str:
+    """``error``'s message up to its first line break: torch's own messages go on with C++ frames."""
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
 
 class ResumeMismatch(ValueError):
