@@ -22,6 +22,7 @@ from dmoe.server import ExpertBackend, ExpertServer, Runtime, ServerConfig, make
 from dmoe.server.runtime import PoolRemoved
 from dmoe.server.transfer import Transfers
 from tests.procs import running
+from tests.test_bad_input import wait_until
 
 
 # ---- ExpertBackend ---------------------------------------------------------------------------------------------
@@ -141,6 +142,34 @@ def test_runtime_serves_the_pool_with_the_oldest_task_first():
         for future in futures:
             future.result(30)
     assert order == ["b", "c", "a"]  # b's second task joined its first in one batch
+
+
+def test_a_task_cancelled_while_queued_leaves_its_pool_and_frees_its_inputs_at_once():
+    """Review 95 D1: a cancelled task stayed in its pool, inputs and all, until a worker reached that pool; and the
+    pool kept the place of the cancelled task among the others."""
+    order: list[str] = []
+
+    def recorder(name):
+        return lambda x: (order.append(name), (x,))[1]
+
+    with Runtime() as runtime:
+        gate = Gate()
+        blocker = runtime.create_pool("gate", gate, 100)
+        pools = {name: runtime.create_pool(name, recorder(name), 100) for name in "ab"}
+        runtime.submit(blocker, torch.zeros(1))
+        assert gate.entered.wait(30)
+        x = torch.randn(4, 8)
+        inputs = weakref.ref(x)
+        cancelled = runtime.submit(pools["a"], x)
+        del x
+        futures = [runtime.submit(pools[name], torch.zeros(1)) for name in "ba"]
+        assert cancelled.cancel()
+        assert len(pools["a"]) == 1 and inputs() is None
+        gate.opened.set()
+        for future in futures:
+            future.result(30)
+        assert cancelled.cancelled()
+    assert order == ["b", "a"]  # a's oldest task is now younger than b's
 
 
 def test_a_failing_batch_fails_only_its_tasks_and_the_runtime_keeps_serving():
@@ -752,6 +781,24 @@ def test_a_server_refuses_requests_beyond_its_queued_memory_and_takes_them_again
         for answer in answers:
             torch.testing.assert_close(answer.result(30)[0], big)
         assert server.servicer.queued_bytes == 0
+
+
+def test_requests_past_their_deadline_while_queued_leave_the_server_as_they_stop_counting():
+    """Review 95 D1: a request cancelled or past its deadline stopped counting against --max-queued-mb at once,
+    while its inputs stayed in its task pool until a worker reached that pool: with the workers busy, a client
+    sending requests with a short deadline had every one taken, and their inputs piled up counted by nobody."""
+    x = torch.randn(128, 1024)  # 512 KiB of inputs per request
+    config = ServerConfig(device="cpu", max_queued_mb=1, shared_memory=False)
+    with ExpertServer.create("nop.0", "nop", 1024, config=config) as server:
+        pool = server.servicer.experts["nop.0"].forward_pool
+        with server.runtime.paused():  # (workers busy: a long batch, a checkpoint's snapshot)
+            for _ in range(4):  # twice the budget in all, each taken as the last one stopped counting
+                with pytest.raises(RemoteExpertError) as late:
+                    forward_future(server.endpoint, "nop.0", [x], timeout=0.2).result(30)
+                assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                wait_until(lambda: server.servicer.queued_bytes == 0)
+                assert len(pool) == 0
+        torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)
 
 
 @pytest.mark.parametrize("clip_grad_norm", [None, 1.0])

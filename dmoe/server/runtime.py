@@ -13,7 +13,7 @@ import torch
 
 from dmoe.server.activations import ActivationKey
 from dmoe.server.profile import StageClock
-from dmoe.server.task_pool import ProcessFn, Task, TaskPool
+from dmoe.server.task_pool import ProcessFn, Task, TaskFuture, TaskPool
 from dmoe.server.transfer import Transfers, make_transfers
 
 BatchObserver = Callable[[TaskPool, Sequence[Task], float, float, "BaseException | None"], None]
@@ -145,10 +145,11 @@ class Runtime:
     def submit(self, pool: TaskPool, *inputs: torch.Tensor,
                activation_id: ActivationKey | None = None) -> "Future[list[torch.Tensor]]":
         """Queues one request for ``pool`` (all tensors share the first, batch dimension), from any thread; the
-        future gets its outputs. ``activation_id``: what its kept forward is named by, if any."""
+        future gets its outputs (cancelling it before a worker takes it drops the task from the pool at once).
+        ``activation_id``: what its kept forward is named by, if any."""
         if not inputs:
             raise ValueError("a task needs at least one tensor")
-        task = Task(tuple(inputs), Future(), rows=inputs[0].shape[0], activation_id=activation_id)
+        task = Task(tuple(inputs), TaskFuture(self), rows=inputs[0].shape[0], activation_id=activation_id)
         with self._cond:
             if self._closed:
                 task.future.set_exception(RuntimeError("the server is shutting down"))
@@ -156,11 +157,27 @@ class Runtime:
             if pool.removed:
                 task.future.set_exception(PoolRemoved(f"{pool.name} was removed from this server"))
                 return task.future
-            pool.tasks.append(task)
+            pool.tasks[task.future] = task
+            task.future.pool = pool  # (never the task: a future must not keep inputs alive that left their pool)
             if len(pool.tasks) == 1:
                 heapq.heappush(self._ready, (task.seq, pool))
                 self._cond.notify()
         return task.future
+
+    def dequeue(self, pool: TaskPool, future: TaskFuture) -> None:
+        """Takes the task of a future being cancelled out of ``pool``, if it still waits there (called by
+        :meth:`TaskFuture.cancel`); the pool's place among the ready ones follows its new oldest task."""
+        with self._cond:
+            task = pool.tasks.pop(future, None)
+            if task is None:  # taken by a worker already, or failed by close()
+                return
+            future.pool = None
+            if pool.tasks and task.seq > pool.oldest().seq:
+                return  # not its oldest: its place stays
+            self._ready = [entry for entry in self._ready if entry[1] is not pool]
+            if pool.tasks:
+                self._ready.append((pool.oldest().seq, pool))
+            heapq.heapify(self._ready)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -202,13 +219,14 @@ class Runtime:
                     continue
                 batch: list[Task] = []
                 rows = 0
-                while pool.tasks and (not batch or rows + pool.tasks[0].rows <= pool.max_batch_size):
-                    task = pool.tasks.popleft()
+                while pool.tasks and (not batch or rows + pool.oldest().rows <= pool.max_batch_size):
+                    task = pool.tasks.popitem(last=False)[1]
+                    task.future.pool = None
                     if task.future.set_running_or_notify_cancel():  # False: the caller gave up already
                         batch.append(task)
                         rows += task.rows
                 if pool.tasks:
-                    heapq.heappush(self._ready, (pool.tasks[0].seq, pool))
+                    heapq.heappush(self._ready, (pool.oldest().seq, pool))
                 if batch:
                     return pool, batch
             return None
@@ -338,7 +356,9 @@ class Runtime:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            leftovers = [task for _, pool in self._ready for task in pool.tasks]
+            leftovers = [task for _, pool in self._ready for task in pool.tasks.values()]
+            for task in leftovers:
+                task.future.pool = None
             for _, pool in self._ready:
                 pool.tasks.clear()
             self._ready.clear()
