@@ -486,6 +486,8 @@ def test_shared_memory_answers_sent_inline_count_as_plain_answers_do():
 def test_a_small_request_padded_into_a_large_message_counts_as_the_message():
     """Review 55: --max-queued-mb counted a request's tensor bytes while its inputs, views of the message, kept the
     whole message alive: one-row requests padded to 60 MiB counted 4 KiB each (40 of them: 1.3 GiB uncounted)."""
+    from dmoe.server.servicer import QUEUED_CALL_BYTES
+
     hidden = 64
     config = ServerConfig(device="cpu", max_queued_mb=64.0)
     with ExpertServer.create("nop.[0:1]", "nop", hidden, config=config) as server:
@@ -509,7 +511,7 @@ def test_a_small_request_padded_into_a_large_message_counts_as_the_message():
                 torch.testing.assert_close(deserialize(stub.forward(message, timeout=30).tensors[0]), x)
             batch = dmoe_pb2.BatchRequest(items=[padded, plain])
             assert [r.code for r in stub.forward_batch(batch, timeout=30).results] == [0, 0]
-        assert seen[0] < 4096 and seen[1] >= 4 << 20  # the plain request's bytes, then the padded message's
+        assert seen[0] == QUEUED_CALL_BYTES and seen[1] >= 4 << 20  # a queued call's least, then the padded message
         assert max(seen[2:]) >= 4 << 20  # the batch's message, counted once for its items
         assert servicer.queued_bytes == 0 and servicer.queued_by_host == {}
 

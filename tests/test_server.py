@@ -801,6 +801,36 @@ def test_requests_past_their_deadline_while_queued_leave_the_server_as_they_stop
         torch.testing.assert_close(forward_future(server.endpoint, "nop.0", [x]).result(30)[0], x)
 
 
+def test_tiny_queued_requests_count_at_least_what_a_waiting_call_costs_the_server():
+    """Review 95 D2: a queued request counted only its tensors' bytes, while its call, coroutine, task and future
+    cost the server ~30 KiB: one-row requests were never refused by --max-queued-mb, however many waited."""
+    from dmoe.server.servicer import QUEUED_CALL_BYTES, QUEUED_ITEM_BYTES
+
+    x = torch.randn(1, 4)
+    config = ServerConfig(device="cpu", max_queued_mb=1, shared_memory=False)
+    with ExpertServer.create("nop.[0:2]", "nop", 4, config=config) as server:
+        servicer, pools = server.servicer, [server.servicer.experts[f"nop.{i}"].forward_pool for i in range(2)]
+        fits = 2**20 // QUEUED_CALL_BYTES
+        with server.runtime.paused():
+            calls = [forward_future(server.endpoint, "nop.0", [x]) for _ in range(fits + 8)]
+            wait_until(lambda: sum(call.done() for call in calls) + len(pools[0]) == len(calls))
+            assert len(pools[0]) == fits and servicer.queued_bytes == fits * QUEUED_CALL_BYTES
+            for call in calls[fits:]:  # (sent last: queued last)
+                with pytest.raises(RemoteExpertError, match="--max-queued-mb") as refused:
+                    call.result(30)
+                assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in calls[:fits]:
+            torch.testing.assert_close(call.result(30)[0], x)
+        wait_until(lambda: servicer.queued_bytes == 0)
+        with server.runtime.paused():  # a batch call's items count QUEUED_ITEM_BYTES each: 256 take the budget
+            items = forward_futures([("nop.1", server.endpoint, [x], None)] * (2**20 // QUEUED_ITEM_BYTES))
+            wait_until(lambda: len(pools[1]) == len(items))
+            with pytest.raises(RemoteExpertError, match="--max-queued-mb"):
+                forward_future(server.endpoint, "nop.0", [x]).result(30)
+        for item in items:
+            torch.testing.assert_close(item.result(30)[0], x)
+
+
 @pytest.mark.parametrize("clip_grad_norm", [None, 1.0])
 def test_an_sgd_expert_survives_large_allowed_gradients_only_clipped_and_the_server_says_so(clip_grad_norm, caplog):
     """Review 55: --max-abs-value bounds each value, not a step; two backwards of 4096 rows at 1e6 (allowed) wrecked

@@ -140,6 +140,14 @@ UNARY_ANSWER_COPIES = 3
 #: one-row calls nobody read took a server from 249 to 351 MiB, ~5 KiB each): counted for every answered call, so
 #: that many small answers nobody reads are bounded too
 ANSWERED_CALL_BYTES = 8 * 1024
+#: what a call whose request waits for the experts holds in the server's memory at least, whatever its inputs' size
+#: (its gRPC call and handler, the runtime's task and future, the decoded tensors: 15000 one-row calls queued took a
+#: server ~26-37 KiB each, counted ~100 bytes each): counted for every queued call, so that many tiny requests are
+#: bounded by --max-queued-mb too (review 95 D2)
+QUEUED_CALL_BYTES = 32 * 1024
+#: the same for each item of a batch call, whose items share the call (measured: ~5 KiB per one-row item queued, in
+#: calls of 64 or 256 items); the call counts :data:`QUEUED_CALL_BYTES` at least in all
+QUEUED_ITEM_BYTES = 4 * 1024
 
 
 @dataclass(eq=False)
@@ -237,7 +245,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             purpose) cannot queue up the server's memory; a request alone is never refused for its size here.
             Streamed requests count their messages as they arrive, and may count at most :data:`STREAMS_SHARE` of it
             while anything else is queued or arriving. A request read in place counts the whole message its inputs
-            keep alive (padding a small request does not make it count less), and answers count from their
+            keep alive (padding a small request does not make it count less), every queued call counts at least
+            :data:`QUEUED_CALL_BYTES` (each item of a batch :data:`QUEUED_ITEM_BYTES`), and answers count from their
             computation until their call ends (:data:`UNARY_ANSWER_COPIES`): a client that never reads its answers
             would otherwise hold them in memory uncounted; one host's answers not taken beyond
             :data:`HOST_SHARE` of this refuse that host's requests.
@@ -478,12 +487,13 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
 
     def _submit(self, kind: str, expert: HostedExpert, inputs: Sequence[torch.Tensor], key: ActivationKey | None,
                 reserved: bool = False, arrival: Arrival | None = None, host: str = "",
-                message_bytes: int = 0) -> "Future[list[torch.Tensor]]":
+                message_bytes: int = 0, floor: int = QUEUED_CALL_BYTES) -> "Future[list[torch.Tensor]]":
         """Queues a decoded request on the expert's forward or backward pool: the runtime's future. Its inputs are
         counted as queued until it is done (:meth:`_reserve`, unless the caller ``reserved`` them; a streamed
         request's ``arrival``, admitted as it arrived, is counted as its inputs instead, whatever the budget), or
-        ``message_bytes`` if more: the message its inputs are views of."""
-        nbytes = max(sum(x.nbytes for x in inputs), message_bytes)
+        ``message_bytes`` if more (the message its inputs are views of), or ``floor`` if more still (what waiting
+        costs the server whatever the inputs' size)."""
+        nbytes = max(sum(x.nbytes for x in inputs), message_bytes, floor)
         if arrival is not None:
             with self._queued_lock:
                 self.arriving_bytes -= arrival.bytes
@@ -556,10 +566,13 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
                                             item.activation_id, shared, host))
             except RequestRejected as rejected:
                 decoded.append(Result(code=rejected.code.value[0], message=rejected.message))
-        inputs_bytes = sum(x.nbytes for entry in decoded if isinstance(entry, tuple) for x in entry[1])
+        inputs_bytes = sum(max(sum(x.nbytes for x in entry[1]), QUEUED_ITEM_BYTES)  # (as _submit counts each)
+                           for entry in decoded if isinstance(entry, tuple))
         # the items' inputs are views of one message, which the call keeps alive: what it holds beyond their bytes
-        # counts too, until they are all done (small inputs in a padded message count as the whole message)
-        extra = max(0, _message_bytes([t for item in items for t in item.tensors]) - inputs_bytes)
+        # counts too, until they are all done (small inputs in a padded message count as the whole message), and
+        # the call counts QUEUED_CALL_BYTES at least
+        extra = max(0, _message_bytes([t for item in items for t in item.tensors]) - inputs_bytes,
+                    QUEUED_CALL_BYTES - inputs_bytes)
         try:  # the call's items are queued together: one check of their bytes, as for a call of its own
             self._reserve(inputs_bytes + extra, host)
         except RequestRejected as rejected:
@@ -569,7 +582,7 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
             queued: list[Result | tuple[str, Future, int]] = [
                 entry if isinstance(entry, Result) else
                 (item.uid, self._submit(kind, *entry, kept_key(host, item.activation_id), reserved=True,
-                                                 host=host),
+                                                 host=host, floor=QUEUED_ITEM_BYTES),
                  item.response_compression)
                 for item, entry in zip(items, decoded)]
             await _all_done([entry[1] for entry in queued if isinstance(entry, tuple)])
