@@ -433,6 +433,42 @@ def test_a_uid_removed_and_served_again_drops_its_kept_forwards_and_frees_the_ol
         assert all(not torch.equal(p, q) for p, q in zip(backend.module.parameters(), before))
 
 
+def test_a_forward_queued_before_its_expert_was_removed_keeps_nothing_of_the_removed_expert():
+    """Review 95 D3: remove_expert forgot the uid's kept forwards at once, but a forward with an activation id queued
+    before it ran after it and kept its graph: the removed expert's weights stayed alive, uncounted, until the TTL."""
+    from dmoe.server import ExpertServer, ServerConfig
+
+    with ExpertServer.create("e.[0:2]", "ffn", HIDDEN, config=ServerConfig(device="cpu", workers=1)) as server:
+        with server.runtime.paused():
+            queued = forward_future(server.endpoint, "e.1", [torch.randn(4, HIDDEN)], activation_id=b"k" * 16)
+            deadline = time.monotonic() + 30
+            while not len(server.servicer.experts["e.1"].forward_pool):
+                assert time.monotonic() < deadline, "the forward was never queued"
+                time.sleep(0.01)
+            removed = weakref.ref(next(server.remove_expert("e.1").module.parameters()))
+        assert queued.result(30)[0].shape == (4, HIDDEN)  # queued before the removal: it still runs
+        assert len(server.activations) == 0
+        deadline = time.monotonic() + 30  # (a worker may still hold the last batch's backend a moment)
+        while gc.collect() is not None and removed() is not None:
+            assert time.monotonic() < deadline, "the removed expert's weights are still referenced"
+            time.sleep(0.05)
+
+
+def test_a_forward_running_as_its_expert_is_removed_keeps_nothing():
+    """Review 95 D3: the same when the removal comes while the forward computes, after it looked at its cache."""
+    cached, _, cache = twin_backends()
+    compute = cached.module.forward
+
+    def removed_meanwhile(*inputs):  # what remove_expert does, from another thread, while the batch runs
+        cached.activations = None
+        cache.forget(cached.name)
+        return compute(*inputs)
+
+    cached.module.forward = removed_meanwhile
+    cached.forward(torch.randn(4, HIDDEN), segments=[(b"k", 4)])  # (alone: it keeps its graph)
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
 @needs_ipv6  # (without it, one host cannot be two machines)
 def test_a_client_flooding_a_servers_cache_leaves_another_machines_kept_forward_in_place():
     """Over IPv4 and IPv6 loopback one host is two machines to the server: the flood over one must not make the

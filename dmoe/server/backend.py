@@ -248,8 +248,16 @@ class ExpertBackend:
         if graph is not None:  # the entry holds the outputs too: an up-projection's outweigh what autograd saves
             for y in graph:
                 saved.pack(y)  # counted once, whether a saved tensor, an input or new
-        cache.put(self.name, segments[0][0], KeptForward(leaves, graph, self.weights_stamp(), saved.nbytes))
+        self._keep(cache, segments[0][0], KeptForward(leaves, graph, self.weights_stamp(), saved.nbytes))
         return self._to_schema(tuple(y.detach() for y in outputs))
+
+    def _keep(self, cache: ActivationCache, activation_id: ActivationKey, kept: KeptForward) -> None:
+        """Puts ``kept`` into ``cache``, unless this backend left it meanwhile (``activations`` set to None: its
+        server removed it, then forgot its uid's entries). A forward queued before the removal ran after it, and its
+        graph held the removed expert's weights, uncounted, until it expired (review 95 D3)."""
+        cache.put(self.name, activation_id, kept)
+        if self.activations is not cache:  # (checked after the put: the remover's forget may have come before it)
+            cache.discard(self.name, activation_id)
 
     def weights_stamp(self) -> tuple[object, tuple[int, ...]]:
         """What a kept graph must still match to be used (:mod:`dmoe.server.activations`): this backend's token,
@@ -270,8 +278,8 @@ class ExpertBackend:
         start = 0
         for activation_id, rows in segments:
             if activation_id is not None:
-                cache.put(self.name, activation_id,
-                          KeptForward.inputs_only([_owned(x[start:start + rows]) for x in inputs]))
+                self._keep(cache, activation_id,
+                           KeptForward.inputs_only([_owned(x[start:start + rows]) for x in inputs]))
             start += rows
 
     def _forward_no_grad(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -302,15 +302,19 @@ class ExpertServer:
     def remove_expert(self, uid: str) -> ExpertBackend:
         """Stops serving ``uid`` (calls get NOT_FOUND; its declaration is no longer refreshed and expires) and
         returns its backend. Requests already queued for it still run; then the server keeps no reference to the
-        backend (its task pools leave the runtime, its kept forwards the activation cache), so it is freed once the
-        caller drops it. Raises KeyError if it is not served here."""
+        backend (its task pools leave the runtime, its kept forwards the activation cache, which it keeps nothing in
+        from now on: its ``activations`` is None), so it is freed once the caller drops it. Raises KeyError if it is
+        not served here."""
         with self._experts_lock:
             hosted = self.servicer.experts.pop(uid)
             self.backends.pop(uid, None)
             self.metrics.remove_expert(uid)
             self.runtime.remove_pool(hosted.forward_pool)
             self.runtime.remove_pool(hosted.backward_pool)
-            if self.activations is not None:  # its graphs hold its weights, and must not serve a later backend
+            # its forwards still queued or running keep nothing from now on (review 95 D3); then those it kept go:
+            # their graphs hold its weights, and must not serve a later backend
+            hosted.backend.activations = None
+            if self.activations is not None:
                 self.activations.forget(uid)
         if self.announcer is not None and self.port is not None:
             self.announcer.remove([uid])
