@@ -7,7 +7,7 @@ the autograd graph of its forward. The backward naming the same id may leave the
 FAILED_PRECONDITION if it no longer holds them, and the client sends them again), and when the graph is still
 valid it only runs the backward pass: about a third less compute than recomputing the forward.
 
-A kept graph is used only when it gives exactly what recomputing would:
+A kept graph is used only when it computes what recomputing would:
 - the expert's weights are unchanged since the forward: the same backend object (a uid removed and served again
   is another backend, whose weights differ), with no optimizer step or ``load_state_dict`` since (an optimizer step
   of the expert drops all of its graphs, as autograd saved the old weights; the inputs stay). This is told by a
@@ -15,7 +15,11 @@ A kept graph is used only when it gives exactly what recomputing would:
   default) change the weights without bumping ``_version`` (review 84), and
 - the backward computes on the very inputs of the forward (compared element for element when sent again).
 Otherwise, or when the graph was evicted (byte budget, age) or never kept (the forward shared a batch with other
-requests), backward recomputes the forward as before. So the cache changes speed and traffic, never results.
+requests), backward recomputes the forward as before. So the cache changes speed and traffic, not what is computed:
+a backward batch of one request gives bit for bit what recomputing gives. In a batch of several requests, each kept
+graph's backward adds its parameter gradients on its own and the recomputed rows add theirs together, so the step
+equals recomputing's up to the order of floating-point sums, not bit for bit (review 95 D4); how the runtime joins
+requests into batches, which depends on timing, changes those sums the same way.
 
 The budget is shared fairly between the machines that call: the servicer names a request's kept forward by
 (caller's machine, activation_id), and when room must be made the machine holding the most (bytes, plus
