@@ -613,6 +613,9 @@ class RecordingAnnouncer:
     def start(self, uids, endpoint):
         self.calls.append(("start", tuple(uids), endpoint))
 
+    def stop_refreshing(self):
+        self.calls.append(("stop_refreshing",))
+
     def close(self):
         self.calls.append(("close",))
 
@@ -626,7 +629,7 @@ def test_in_process_server_announces_serves_and_closes_quickly():
         assert announcer.calls == [("start", ("nop.0", "nop.1"), server.endpoint)]
         started = time.monotonic()
     elapsed = time.monotonic() - started
-    assert announcer.calls[-1] == ("close",)
+    assert announcer.calls[1:] == [("stop_refreshing",), ("close",)]
     assert elapsed < server.config.shutdown_grace, f"close took {elapsed:.2f}s with no calls in flight"
     assert not any(thread.is_alive() for thread in server.runtime._threads)
 
@@ -667,6 +670,32 @@ def test_a_server_whose_last_checkpoint_fails_still_stops_everything_then_raises
     with socket.socket() as freed:  # the metrics port is free again
         freed.bind((server.config.host, metrics_port))
     server.close()  # closed already: returns at once
+
+
+def test_a_closing_server_stops_declaring_its_experts_once_it_no_longer_answers(tmp_path):
+    """Review 99 D2: close() refreshed the experts' declarations until its last checkpoint and replica pushes were
+    done, with gRPC already stopped: clients kept choosing experts nobody answered for, and replica holders (which
+    adopt a cell once its declaration expired) waited that long on top of the expiration."""
+    from dmoe.dht import DHT
+    from dmoe.directory import Announcer, get_experts
+
+    with DHT(host="127.0.0.1") as dht:
+        announcer = Announcer(dht, refresh_period=0.5, expiration=1.5)
+        config = ServerConfig(device="cpu", workers=1, checkpoint_dir=str(tmp_path))
+        server = ExpertServer.create("ffn.0", "ffn", 8, config=config, announcer=announcer).start()
+        assert get_experts(dht, ["ffn.0"]) != [None]
+        last_checkpoint, seen = server.checkpoints.close, []
+
+        def slow_last_checkpoint(**kwargs):  # (a large checkpoint on a slow disk, or replicas pushed long)
+            deadline = time.monotonic() + 10 * announcer.expiration
+            while get_experts(dht, ["ffn.0"]) != [None] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen.append(get_experts(dht, ["ffn.0"]))
+            return last_checkpoint(**kwargs)
+
+        server.checkpoints.close = slow_last_checkpoint
+        server.close()
+    assert seen == [[None]]  # expired while the server was still closing
 
 
 # ---- the dmoe-server program -----------------------------------------------------------------------------------

@@ -82,8 +82,8 @@ class Announcer:
     announce_host: replaces the host of the endpoint others are told (a public address behind NAT).
 
     The refreshing runs as a task on the DHT's loop (no thread of its own); :meth:`close` cancels it. This is what
-    an :class:`~dmoe.server.ExpertServer` calls ``start(uids, endpoint)`` on once it listens, and ``close()`` on
-    before it stops.
+    an :class:`~dmoe.server.ExpertServer` calls ``start(uids, endpoint)`` on once it listens, ``stop_refreshing()``
+    on once it no longer answers, and ``close()`` on before it stops.
     """
 
     def __init__(self, dht: DHT, *, refresh_period: float = 10.0, expiration: float | None = None,
@@ -174,10 +174,16 @@ class Announcer:
         """Stops declaring ``uids``; their declarations expire on their own."""
         self.uids[:] = [uid for uid in self.uids if uid not in set(uids)]
 
-    def close(self) -> None:
-        """Stops refreshing (the declarations then expire on their own), and closes the DHT node if it owns it."""
+    def stop_refreshing(self) -> None:
+        """Stops refreshing (the declarations then expire on their own), leaving the DHT node running: a closing
+        server stops as soon as it no longer answers, while its last checkpoint and replica pushes still use the
+        node (review 99 D2)."""
         if self._future is not None:
             self._future.cancel()  # thread-safe: cancels the task on the DHT's loop
+
+    def close(self) -> None:
+        """Stops refreshing (the declarations then expire on their own), and closes the DHT node if it owns it."""
+        self.stop_refreshing()
         if self.owns_dht:
             self.dht.close()
 

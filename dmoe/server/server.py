@@ -476,8 +476,8 @@ class ExpertServer:
             self._sweep = None
 
     def close(self) -> None:
-        """Lets in-flight calls finish (up to ``shutdown_grace`` s), writes the last checkpoint, pushes the
-        experts' last replicas, stops announcing, stops both threads.
+        """Lets in-flight calls finish (up to ``shutdown_grace`` s), stops refreshing the experts' declarations,
+        writes the last checkpoint, pushes the experts' last replicas, closes the announcer, stops both threads.
 
         Every step runs even when an earlier one failed (each failure is logged), so a final checkpoint that cannot
         be written still leaves no thread running and no port bound; then the first failure is raised.
@@ -507,12 +507,16 @@ class ExpertServer:
         steps: list[tuple[str, Callable[[], Any]]] = []
         if started and self._grpc_server is not None:
             steps.append(("the gRPC server", self._stop_grpc))
+        if self.announcer is not None:  # nobody answers for its experts now: declarations refreshed through the
+            # steps below (a checkpoint, replica pushes) sent clients to them, and kept replica holders from
+            # adopting them for that long on top of their expiration (review 99 D2)
+            steps.append(("the announcer's refreshing", self.announcer.stop_refreshing))
         if checkpoints is not None:  # after in-flight calls finished, before the runtime stops, and first of all
             # what may take long (pushes to other hosts): a supervisor's stop timeout must not cut the disk's copy
             steps.append(("the last checkpoint", lambda: checkpoints.close(save=started)))
         if replication is not None:  # after in-flight calls, while the DHT node (the announcer's) still runs
             steps.append(("replication", lambda: replication.close(push=started)))
-        if self.announcer is not None:
+        if self.announcer is not None:  # (its DHT node, after replication's last use of it)
             steps.append(("the announcer", self.announcer.close))
         steps.append(("the runtime", self.runtime.close))
         if self.activations is not None:
