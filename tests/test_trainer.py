@@ -284,6 +284,22 @@ def test_a_token_whose_experts_all_failed_passes_through_its_block_unchanged():
     torch.testing.assert_close(block(h), after_attention)
 
 
+def test_validation_runs_the_model_without_autograd(text_file, tmp_path):
+    """no_grad on the generator of validation windows held only while its own code ran: each validation forward
+    built a graph, and remote experts kept its inputs for a backward that never came (review 104)."""
+    config = tiny(text_file, tmp_path)
+    grad_enabled = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            grad_enabled.append(torch.is_grad_enabled())
+            return x
+    model = GatedTransformerLM(config.model_config(), lambda i: Probe())
+    data = trainer.TextData.from_file(str(text_file), config.val_fraction, config.seq_len + 1)
+    assert math.isfinite(trainer.evaluate(model, data, config))
+    assert grad_enabled and not any(grad_enabled)
+
+
 class ZeroMixture(nn.Module):
     def forward(self, x):
         return torch.zeros_like(x)

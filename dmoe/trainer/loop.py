@@ -859,7 +859,6 @@ def over_time(started: float, config: TrainConfig) -> bool:
     return bool(config.max_minutes) and time.monotonic() - started > 60 * config.max_minutes
 
 
-@torch.no_grad()
 def evaluation_windows(data: TextData, config: TrainConfig) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The ``eval_batches`` batches of ``batch_size`` validation windows (inputs, targets) :func:`evaluate` scores:
     the same every time, drawn from one stream seeded by ``seed`` (so 4 batches of 8 are 1 batch of 32's windows)."""
@@ -868,8 +867,12 @@ def evaluation_windows(data: TextData, config: TrainConfig) -> Iterator[tuple[to
         yield data.batch("val", config.batch_size, config.seq_len, windows)
 
 
+@torch.no_grad()
 def evaluate(model: GatedTransformerLM, data: TextData, config: TrainConfig) -> float:
-    """Mean loss over the validation windows of :func:`evaluation_windows` (equal batches: the plain mean)."""
+    """Mean loss over the validation windows of :func:`evaluation_windows` (equal batches: the plain mean). Without
+    autograd around the model's calls: no_grad on the generator of windows held only while its own code ran, so each
+    validation forward built a graph, and remote experts kept its inputs for a backward that never came (review
+    104)."""
     model.eval()
     losses = [model(inputs.to(config.device), targets.to(config.device))[1].item()
               for inputs, targets in evaluation_windows(data, config)]
