@@ -140,6 +140,21 @@ def test_balance_loss_is_switch_formula_per_dimension_and_one_for_a_uniform_rout
     assert torch.allclose(layer.balance_loss, torch.tensor(1.0, dtype=torch.double))
 
 
+def test_the_balance_loss_under_autocast_counts_every_token_and_local_experts_may_answer_in_its_dtype():
+    """Tokens were counted per coordinate in the scores' dtype: under bfloat16 autocast the count stopped at 256,
+    and the loss of 4096 tokens was 0.125 where float32 gave 1.01; and a local expert ending in a Linear answered in
+    bfloat16, which the layer refused to scatter into its float32 buffer (review 104)."""
+    torch.manual_seed(8)
+    layer = LocalMixtureOfExperts(4, (3, 2), "ffn0", k_best=1, switch=True, expert_factory=lambda uid: nn.Linear(4, 4))
+    x = torch.randn(4096, 4)
+    layer(x)
+    exact = layer.balance_loss.item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.shape == x.shape
+    assert layer.balance_loss.item() == pytest.approx(exact, rel=0.05)
+
+
 def test_minimising_the_balance_loss_spreads_tokens_over_the_grid():
     torch.manual_seed(7)
     layer = make_layer(k_best=1, switch=True)

@@ -152,9 +152,11 @@ class MixtureBase(nn.Module):
         rows = max(len(grid_scores[0]), 1)  # an empty batch gives 0 (not the NaN of a mean over no rows)
         terms = []
         for dim, (size, scores) in enumerate(zip(self.grid, grid_scores)):
-            share = torch.zeros(size, dtype=scores.dtype, device=scores.device).index_add_(
-                0, coords[:, :, dim][valid], torch.ones(int(valid.sum()), dtype=scores.dtype, device=scores.device))
-            terms.append(size * (share / routed * torch.softmax(scores, dim=-1).sum(0) / rows).sum())
+            # counted exactly and in float32: in the scores' dtype under autocast the count stopped at 256 (bfloat16)
+            # or 2048 (float16), and the loss of 4096 tokens was 8x too small (review 104)
+            dtype = torch.promote_types(scores.dtype, torch.float32)
+            share = torch.bincount(coords[:, :, dim][valid], minlength=size).to(dtype)
+            terms.append(size * (share / routed * torch.softmax(scores.to(dtype), dim=-1).sum(0) / rows).sum())
         return torch.stack(terms).mean()
 
     def _choose(self, grid_scores: list[torch.Tensor]) -> list[list[str]]:
@@ -287,8 +289,10 @@ class LocalMixtureOfExperts(MixtureBase):
         alive[rows_t, slots_t] = True
         laps.lap("wait")  # in process, "waiting for the experts" is their compute
         # one differentiable scatter of every expert's rows (not one full copy of the buffer per expert)
-        out = flat.new_zeros(flat.shape[0], self.k_best, outputs[0].shape[-1]).index_put((rows_t, slots_t),
-                                                                                       torch.cat(outputs))
+        # (in the input's dtype: under autocast an expert ending in a Linear answers in the autocast dtype, which
+        # index_put refused to put into the buffer: review 104)
+        out = flat.new_zeros(flat.shape[0], self.k_best, outputs[0].shape[-1]).index_put(
+            (rows_t, slots_t), torch.cat(outputs).to(flat.dtype))
         self.stats.experts_chosen += len(groups)
         laps.lap("gather")
         return out, alive
