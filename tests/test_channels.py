@@ -97,12 +97,12 @@ def test_replica_channels_let_go_of_endpoints_nobody_used_lately():
     new endpoints every round."""
     from dmoe.replicas import ReplicaChannels
 
-    channels = ReplicaChannels(idle_seconds=0.05)
+    channels = ReplicaChannels(idle_seconds=1.0)  # (20 channels made within it, however loaded: 0.05 s was not)
     try:
         for port in range(1, 21):
             channels.stub(f"127.0.0.1:{port}")
         assert len(channels.pool.endpoints()) == 20
-        time.sleep(0.2)  # (at least that long, however loaded)
+        time.sleep(1.2)  # (at least that long, however loaded)
         channels.stub("127.0.0.1:99")
         assert channels.pool.endpoints() == ["127.0.0.1:99"] and channels.pool.let_go == 20
     finally:
