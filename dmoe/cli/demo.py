@@ -547,12 +547,12 @@ def run_trainers(initial_peers: str, trainer_args, trainers: int, config: TrainC
                     if line.strip() and "resumed from" not in line:
                         tqdm.write(f"[trainer {i}] {line.rstrip()}")
 
-        for i in range(trainers):
-            procs.append(Proc(["-m", "dmoe.cli.train", *trainer_args(i, initial_peers)], env=TRAINER_ENV))
         target = int(trainer_args(0, initial_peers)[trainer_args(0, initial_peers).index("--target-batch-size") + 1])
         observer = ProgressTracker(dht, run_id, CollaborationConfig(target, refresh_period=1.0))
         bar = tqdm(total=config.steps, unit="step", desc=f"{trainers} trainers", dynamic_ncols=True)
-        try:
+        try:  # (the trainers started in it: a Ctrl-C as soon as they run stops them as it says)
+            for i in range(trainers):
+                procs.append(Proc(["-m", "dmoe.cli.train", *trainer_args(i, initial_peers)], env=TRAINER_ENV))
             while any(proc.alive for proc in procs) or any(not proc.lines.empty() for proc in procs):
                 relay()
                 view = observer.state()
