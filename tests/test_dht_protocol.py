@@ -104,7 +104,8 @@ def test_the_records_handed_to_a_newcomer_are_picked_in_one_pass_as_a_neighbour_
 
 def test_a_made_up_id_gets_no_records_until_its_address_answers_a_ping_of_ours_under_it():
     """A request under an id the node did not hold made it store records at the request's source address at once:
-    a spoofed or made-up sender was handed records (and cost the node a scan of its storage per datagram)."""
+    a spoofed or made-up sender was handed records (and cost the node a scan of its storage per datagram). Records
+    go to the id the address answers a ping of ours under, once it did."""
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         node = DHTNode(DHTConfig(rpc_timeout=0.5))
@@ -138,10 +139,11 @@ def test_a_made_up_id_gets_no_records_until_its_address_answers_a_ping_of_ours_u
                 msg_id = got[0][0]
                 peer.sendto(RESPONSE + msg_id + msgpack.packb(answer_as), (host, port))
                 stores = [args for _, (name, args) in await requests_within(0.5) if name == "store"]
-                if answer_as != claimed:  # it answered under another id: nothing backs the one it claimed
-                    assert stores == [] and node.protocol.router.contacts() == []
-                else:  # the only contact, so the closest to every key after this node: handed every record
-                    assert sorted(args[1] for args in stores) == sorted(digest(f"rec{i}") for i in range(5))
+                # the id that answered is the contact (under another id: nothing backs the one it claimed, review
+                # 101), the only one, so the closest to every key after this node: handed every record
+                assert [contact.id for contact in node.protocol.router.contacts()] == [answer_as]
+                assert sorted(args[1] for args in stores) == sorted(digest(f"rec{i}") for i in range(5))
+                node.protocol.router.remove_contact(node.protocol.router.contacts()[0])
         finally:
             peer.close()
             node.stop()
@@ -194,6 +196,34 @@ def test_requests_from_forged_sources_plant_no_contact_and_cost_one_ping_per_add
                     await asyncio.sleep(0.02)
             finally:
                 newcomer.stop()
+
+    asyncio.run(scenario())
+
+
+def test_requests_forged_from_an_honest_nodes_address_under_made_up_ids_do_not_keep_it_out():
+    """Review 101: each forged ping from an honest node's address spent a ping back of its machine, the honest
+    answer (under its real id, not the made-up one) was thrown away, and the node's own requests found no ping back
+    left: 3 forged packets a second kept it out for good. The id that answers at the address is the one added."""
+    async def scenario() -> None:
+        config = DHTConfig(rpc_timeout=0.3)
+        async with in_process_swarm(1, config) as (node,):
+            node.protocol.clock = lambda: 1000.0  # (no ping back comes back to the machine meanwhile)
+            honest = DHTNode(config)
+            try:
+                address = await honest.listen(0)
+                there = Node(node.node.id, *node.transport.get_extra_info("sockname")[:2])
+                honest.protocol.router.add_contact(there)  # (it knows the node: it pings nobody back)
+                for _ in range(PING_BACK_BURST + 1):  # its machine's ping backs, all spent on made-up ids
+                    node.protocol.datagram_received(
+                        REQUEST + os.urandom(20) + msgpack.packb(["ping", [os.urandom(20)]]), address)
+                    while node.protocol._pinging_back:
+                        await asyncio.sleep(0.01)
+                for _ in range(3):
+                    await honest.protocol.call_find_node(there, honest.node)
+                    await asyncio.sleep(0.1)
+                assert not node.protocol.router.is_new_node(honest.node), "kept out by requests forged from its address"
+            finally:
+                honest.stop()
 
     asyncio.run(scenario())
 

@@ -404,9 +404,13 @@ class DHTProtocol(UDPTransport):
             ok, node_id = await self.request((node.ip, node.port), "ping", self.own_id)
         finally:
             self._pinging_back.discard((node.ip, node.port))
-        if ok and node_id == node.id:  # (under another id: nothing backs the one it claimed)
-            self.peers.answered(peer_key(node))
-            self.welcome_if_new(node, answered=True)
+        # whatever id answers at the address is the one its answer proves (not only the id the request claimed):
+        # a request forged from an honest node's address under made-up ids spent that machine's ping-backs, each
+        # answer was thrown away, and the honest node was never added (review 101)
+        if ok and isinstance(node_id, bytes) and len(node_id) == ID_BYTES:
+            answered = Node(node_id, node.ip, node.port)
+            self.peers.answered(peer_key(answered))
+            self.welcome_if_new(answered, answered=True)
 
     def _hand_over(self, node: Node) -> None:
         for key, record in self.records_to_hand_over(node):
