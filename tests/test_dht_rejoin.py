@@ -18,7 +18,7 @@ from kademlia.utils import digest
 from dmoe.dht import DHT, DHTConfig, parse_endpoint
 from dmoe.dht import node as node_module
 from dmoe.dht.node import DHTNode
-from dmoe.dht.peers import EVICT_AFTER_FAILURES
+from dmoe.dht.peers import EVICT_AFTER_FAILURES, peer_key
 from tests.dht_nodes import in_process_swarm
 from tests.procs import processes
 from tests.test_dht import dht_proc, wait_until
@@ -109,7 +109,7 @@ def test_a_node_whose_last_contact_is_gone_joins_again_through_its_initial_peer(
 
 def test_a_node_cut_off_from_a_dead_initial_peer_reads_at_once_and_pings_it_a_few_times_a_period(caplog):
     """Only the first read, before the node knew its contacts silent, waits for them; the initial peer is pinged
-    in the background, backing off to once per REJOIN_PERIOD, however often the node reads."""
+    in the background, at most once per REJOIN_FIRST however often the node reads."""
 
     async def scenario() -> None:
         async with in_process_swarm(2, FAST) as (first, other):
@@ -137,10 +137,55 @@ def test_a_node_cut_off_from_a_dead_initial_peer_reads_at_once_and_pings_it_a_fe
                     await asyncio.sleep(0.05)
                 elapsed = time.monotonic() - started
                 assert waited <= 1
-                # (REJOIN_FIRST after the last attempt, then twice as late each time, up to the period)
-                assert 2 <= len(attempts) <= 3 + elapsed / REJOIN_PERIOD, (len(attempts), elapsed)
+                # (a read REJOIN_FIRST after the last attempt at most: review 101)
+                assert 2 <= len(attempts) <= 2 + elapsed / node_module.REJOIN_FIRST, (len(attempts), elapsed)
                 assert logged(caplog, logging.WARNING, "none of its") == 1
             finally:
                 reader.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_read_of_a_node_cut_off_for_long_tries_to_join_again_at_once_not_after_its_backoff(monkeypatch):
+    """Backed off to REJOIN_PERIOD (5 s) after a long outage, a cut-off node's reads found nothing for up to that
+    long after its peer was back, and said so to nobody (review 101): a read tries again REJOIN_FIRST after the last
+    attempt."""
+    async def scenario() -> None:
+        monkeypatch.setattr(node_module, "REJOIN_PERIOD", 5.0)  # (the default: the fixture's would hide the wait)
+        async with in_process_swarm(1, FAST) as (first,):
+            reader = DHTNode(FAST, client_mode=True)
+            try:
+                await reader.listen(0)
+                await reader.bootstrap([address(first)])
+                key = digest("ffn0")
+                first.storage.store(key, 1, "hello", *first.identity.entry(key, 1, "hello", time.time() + 60)[1:])
+                # as after a long outage: every contact silent, many attempts failed, the last one a second ago
+                for contact in reader.protocol.router.contacts():
+                    for _ in range(EVICT_AFTER_FAILURES - 1):
+                        reader.protocol.peers.failed(peer_key(contact))
+                reader._cut_off, reader._failed_rejoins = True, 10
+                reader._last_rejoin = reader.protocol.clock() - 1.0
+                deadline = time.monotonic() + 2.0
+                while 1 not in await reader.get_record("ffn0"):
+                    assert time.monotonic() < deadline, "the read waited out the backoff"
+                    await asyncio.sleep(0.05)
+            finally:
+                reader.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_given_its_own_address_among_its_initial_peers_is_not_its_own_contact():
+    """Counted as a contact, a node itself hid the loss of its last real one: that one was evicted as not the last,
+    no cut-off was noticed, and the node's look-ups asked only itself from then on (review 101)."""
+    async def scenario() -> None:
+        async with in_process_swarm(1, FAST) as (first,):
+            node = DHTNode(FAST)
+            try:
+                await node.listen(0)
+                await node.bootstrap([address(first), address(node)])
+                assert [contact.id for contact in node.protocol.router.contacts()] == [first.node.id]
+            finally:
+                node.stop()
 
     asyncio.run(scenario())

@@ -157,11 +157,13 @@ class DHTNode(Server):
         self.rejoin_if_lonely()
         self.rejoin_loop = asyncio.get_running_loop().call_later(REJOIN_FIRST, self._watch_contacts)
 
-    def rejoin_if_lonely(self) -> None:
+    def rejoin_if_lonely(self, reading: bool = False) -> None:
         """With fewer than ``alpha`` contacts, pings the initial peers and the table's silent contacts again and
         crawls from those that answer, in the background: once per :data:`REJOIN_PERIOD`, and while no contact
-        answers from :data:`REJOIN_FIRST` on, backing off to that period. Logs a warning when no contact answers any
-        more, and when one does again."""
+        answers from :data:`REJOIN_FIRST` on, backing off to that period; or, for a look-up (``reading``) while no
+        contact answers, :data:`REJOIN_FIRST` after the last attempt: backed off, reads found nothing for up to 5 s
+        after the peer was back (review 101). Logs a warning when no contact answers any more, and when one does
+        again."""
         assert self.protocol is not None
         router = self.protocol.router
         size = router.size()
@@ -170,7 +172,9 @@ class DHTNode(Server):
             return
         self._report_cut_off(all(self.protocol.peers.recently_dead(peer_key(contact)) for contact in router.contacts()),
                              size)
-        wait = min(REJOIN_PERIOD, REJOIN_FIRST * 2 ** self._failed_rejoins) if self._cut_off else REJOIN_PERIOD
+        wait = REJOIN_PERIOD
+        if self._cut_off:
+            wait = REJOIN_FIRST if reading else min(REJOIN_PERIOD, REJOIN_FIRST * 2 ** self._failed_rejoins)
         now = self.protocol.clock()
         if self._rejoining is None and now - self._last_rejoin >= wait:
             self._last_rejoin = now
@@ -204,7 +208,7 @@ class DHTNode(Server):
         """Before a look-up or store: re-joins if contacts are few (:meth:`rejoin_if_lonely`); False when no contact
         answers. A look-up then has nobody to ask: asking its silent contacts cost it an RPC timeout and found
         nothing."""
-        self.rejoin_if_lonely()
+        self.rejoin_if_lonely(reading=True)
         return not self._cut_off
 
     async def _ping(self, address: tuple[str, int], attempts: int = 3) -> Node | None:

@@ -373,6 +373,8 @@ class DHTProtocol(UDPTransport):
         A newcomer denied them gets its records at their owners' next refresh or the next read's repair. (Stock
         kademlia also hashed the already hashed keys again here, handing records to the wrong nodes.)
         """
+        if node.id == self.source_node.id:  # this node itself (its own address among its initial peers, a forged
+            return  # request): counted as a contact, it hid the loss of the last real one (review 101)
         self.peers.heard_from(peer_key(node))  # it just spoke to us (or answered), from this address
         if not self.router.is_new_node(node):
             return
