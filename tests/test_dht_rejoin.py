@@ -48,6 +48,20 @@ def address(node: DHTNode) -> tuple[str, int]:
     return node.protocol.transport.get_extra_info("sockname")[:2]
 
 
+def hold(node: DHTNode, key: str) -> None:
+    """Stores ``key``'s entry 1 ("hello") on ``node`` alone."""
+    key_id = digest(key)
+    node.storage.store(key_id, 1, "hello", *node.identity.entry(key_id, 1, "hello", time.time() + 60)[1:])
+
+
+async def read_within(reader: DHTNode, seconds: float, failure: str) -> None:
+    """Reads ``ffn0`` every 50 ms until it holds entry 1 (see :func:`hold`), for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while 1 not in await reader.get_record("ffn0"):
+        assert time.monotonic() < deadline, failure
+        await asyncio.sleep(0.05)
+
+
 def test_a_client_mode_node_reads_again_once_its_only_peer_paused_through_several_reads_is_back(caplog):
     with processes() as procs, caplog.at_level(logging.INFO, logger="dmoe.dht.node"):
         boot = dht_proc(procs)
@@ -92,15 +106,11 @@ def test_a_node_whose_last_contact_is_gone_joins_again_through_its_initial_peer(
             try:
                 await reader.listen(0)
                 await reader.bootstrap([address(first)])
-                key = digest("ffn0")
-                first.storage.store(key, 1, "hello", *first.identity.entry(key, 1, "hello", time.time() + 60)[1:])
+                hold(first, "ffn0")
                 router = reader.protocol.router
                 router.remove_contact(next(contact for contact in router.contacts() if contact.id == first.node.id))
                 gone.stop()
-                deadline = time.monotonic() + REJOINED_WITHIN
-                while 1 not in await reader.get_record("ffn0"):
-                    assert time.monotonic() < deadline, "the node never joined its initial peer again"
-                    await asyncio.sleep(0.05)
+                await read_within(reader, REJOINED_WITHIN, "the node never joined its initial peer again")
             finally:
                 reader.stop()
 
@@ -157,18 +167,14 @@ def test_a_read_of_a_node_cut_off_for_long_tries_to_join_again_at_once_not_after
             try:
                 await reader.listen(0)
                 await reader.bootstrap([address(first)])
-                key = digest("ffn0")
-                first.storage.store(key, 1, "hello", *first.identity.entry(key, 1, "hello", time.time() + 60)[1:])
+                hold(first, "ffn0")
                 # as after a long outage: every contact silent, many attempts failed, the last one a second ago
                 for contact in reader.protocol.router.contacts():
                     for _ in range(EVICT_AFTER_FAILURES - 1):
                         reader.protocol.peers.failed(peer_key(contact))
                 reader._cut_off, reader._failed_rejoins = True, 10
                 reader._last_rejoin = reader.protocol.clock() - 1.0
-                deadline = time.monotonic() + 2.0
-                while 1 not in await reader.get_record("ffn0"):
-                    assert time.monotonic() < deadline, "the read waited out the backoff"
-                    await asyncio.sleep(0.05)
+                await read_within(reader, 2.0, "the read waited out the backoff")
             finally:
                 reader.stop()
 

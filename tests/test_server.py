@@ -125,11 +125,14 @@ def test_runtime_joins_queued_tasks_up_to_max_batch_size_and_splits_results():
     assert batches == [6, 6, 3]
 
 
+def recording(order: list[str]):
+    """A factory of pools' process functions that note each batch's pool name in ``order``."""
+    return lambda name: lambda x: (order.append(name), (x,))[1]
+
+
 def test_runtime_serves_the_pool_with_the_oldest_task_first():
     order: list[str] = []
-
-    def recorder(name):
-        return lambda x: (order.append(name), (x,))[1]
+    recorder = recording(order)
 
     with Runtime() as runtime:
         gate = Gate()
@@ -148,9 +151,7 @@ def test_a_task_cancelled_while_queued_leaves_its_pool_and_frees_its_inputs_at_o
     """Review 95 D1: a cancelled task stayed in its pool, inputs and all, until a worker reached that pool; and the
     pool kept the place of the cancelled task among the others."""
     order: list[str] = []
-
-    def recorder(name):
-        return lambda x: (order.append(name), (x,))[1]
+    recorder = recording(order)
 
     with Runtime() as runtime:
         gate = Gate()
