@@ -181,9 +181,11 @@ def test_a_read_of_a_node_cut_off_for_long_tries_to_join_again_at_once_not_after
     asyncio.run(scenario())
 
 
-def test_a_node_given_its_own_address_among_its_initial_peers_is_not_its_own_contact():
+def test_a_node_given_its_own_address_among_its_initial_peers_is_not_its_own_contact(caplog):
     """Counted as a contact, a node itself hid the loss of its last real one: that one was evicted as not the last,
-    no cut-off was noticed, and the node's look-ups asked only itself from then on (review 101)."""
+    no cut-off was noticed, and the node's look-ups asked only itself from then on; and a node whose only initial
+    peer was itself (one list handed to every node, the bootstrap node included) warned it was cut off every 0.5 s
+    (review 101)."""
     async def scenario() -> None:
         async with in_process_swarm(1, FAST) as (first,):
             node = DHTNode(FAST)
@@ -193,5 +195,15 @@ def test_a_node_given_its_own_address_among_its_initial_peers_is_not_its_own_con
                 assert [contact.id for contact in node.protocol.router.contacts()] == [first.node.id]
             finally:
                 node.stop()
+        alone = DHTNode(FAST)
+        try:
+            await alone.listen(0)
+            await alone.bootstrap([address(alone)])
+            await asyncio.sleep(4 * node_module.REJOIN_FIRST)
+            assert alone.initial_peers == [] and alone.protocol.router.contacts() == []
+        finally:
+            alone.stop()
 
-    asyncio.run(scenario())
+    with caplog.at_level(logging.INFO, logger="dmoe.dht.node"):
+        asyncio.run(scenario())
+    assert logged(caplog, logging.WARNING, "none of its") == 0

@@ -137,7 +137,11 @@ class DHTNode(Server):
         (a node restarted at its address: the old id is gone for good)."""
         assert self.protocol is not None
         found = await asyncio.gather(*(self._ping(addr, attempts) for addr in addrs))
-        peers = [node for node in found if node is not None]
+        # an address that answers under this node's own id is itself (one list of peers handed to every node of a
+        # swarm, the bootstrap node included): no peer to join through, which it warned of every 0.5 s (review 101)
+        itself = [addr for addr, node in zip(addrs, found) if node is not None and node.id == self.node.id]
+        self.initial_peers = [addr for addr in self.initial_peers if addr not in itself]
+        peers = [node for node in found if node is not None and node.id != self.node.id]
         answered = {(peer.ip, peer.port): peer for peer in peers}
         asked = set(addrs)
         for contact in self.protocol.router.contacts():
