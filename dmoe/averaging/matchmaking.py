@@ -24,8 +24,9 @@ partners): it then reads only their declarations and its own, so nobody else's r
 a smaller waiting peer, take a place in its group, or make it give up. Anyone can store records under a round's
 key ahead of time, declarations and groups of ids it signs itself included.
 
-Waiting peers declare with short expirations (``declaration_ttl`` + ``margin``) and renew them as they poll, so a
-peer that dies while waiting stops holding the others up at most ``declaration_ttl`` + ``margin`` seconds later;
+Waiting peers declare with short expirations (``declaration_ttl`` + ``margin``, plus :data:`CLOCK_SKEW` for the
+clocks' skew) and renew them as they poll; readers judge a waiting declaration by its renewals on their own clock,
+so a peer that dies while waiting stops holding the others up at most ``declaration_ttl`` + ``margin`` seconds later;
 leaders take only peers whose declarations will live a little longer (``margin``), so that those still read the group
 before giving up.
 """
@@ -41,7 +42,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from dmoe.averaging.config import AveragerConfig
 from dmoe.dht import DHT
@@ -57,6 +58,8 @@ _SALT = re.compile(r"[0-9a-f]{8}")
 _KEY = re.compile(r"[A-Za-z0-9_-]{43}")  # ASCII: str.isdigit takes "²", which int refuses
 #: largest peer id: ids are owned int subkeys of the DHT, which must lie in [0, 2**31)
 MAX_PEER_ID = 2**31 - 1
+#: seconds of clock skew a waiting declaration's expiration allows for: the DHT's nodes drop it by their own clocks
+CLOCK_SKEW = 5.0
 #: declarations tried, each under a new id, when the DHT refuses one (its id taken: only by chance or a lucky guess)
 DECLARE_TRIES = 3
 
@@ -227,6 +230,9 @@ class Matchmaker:
         self._ignored: set[str] = set()  # groups of this search refused as unworkable: said once, not every poll
         self._expected: frozenset[bytes] | None = None  # the DHT keys whose declarations this search reads
         self._seen_waiting: set[int] = set()  # peers this search saw waiting, in no group
+        # pid -> (its waiting declaration's expiration, time.monotonic() when this search first read that one)
+        self._seen_expiration: dict[int, tuple[float, float]] = {}
+        self.clock: Callable[[], float] = time.time  # (a test's skewed clock)
         self.margin = max(1.0, 3 * config.poll_period)
 
     def _new_id(self, key: str) -> None:
@@ -241,14 +247,29 @@ class Matchmaker:
         holding up the others (a first declaration that lived the whole matchmaking time held up every peer of the
         key that long when its peer drew the smallest id and died, review 98 D3), and not before a leader that reads
         it a little later still takes it (``margin``)."""
-        return time.time() + self.config.declaration_ttl + self.margin
+        # (plus a clock skew's allowance: the DHT's nodes and the readers judge it by their own clocks, and one
+        # a couple of seconds behind dropped out of every group: review 102; readers judge a declaration alive by
+        # its renewals, on their own clock, not by its expiration: see _renewed)
+        return self.clock() + max(self.config.declaration_ttl, 2 * self.config.poll_period) + self.margin + CLOCK_SKEW
+
+    def _renewed(self, pid: int, declaration: Declaration) -> bool:
+        """Whether the waiting ``declaration`` of ``pid`` was renewed (or first seen) within ``declaration_ttl`` +
+        ``margin`` by this peer's clock (``time.monotonic``): its peer renews it every half ttl while it waits, and
+        a peer that died stops holding up the others that long after its last renewal, whatever its expiration
+        (which carries an allowance for skew) and whatever the clocks' skew."""
+        now = time.monotonic()
+        seen = self._seen_expiration.get(pid)
+        if seen is None or seen[0] != declaration.expiration:
+            seen = self._seen_expiration[pid] = (declaration.expiration, now)
+        return now - seen[1] < max(self.config.declaration_ttl, 2 * self.config.poll_period) + self.margin
 
     def _keep_waiting(self, key: str) -> None:
         """Renews this peer's waiting declaration once half its ``declaration_ttl`` has passed (at every poll with a
         short one), so that it lives while this peer waits, whether for a smaller peer to lead or to fill its own
         group."""
         cfg = self.config
-        if self._expiration - time.time() < self.margin + max(cfg.declaration_ttl / 2, 2 * cfg.poll_period):
+        if self._expiration - self.clock() < CLOCK_SKEW + self.margin + max(cfg.declaration_ttl / 2,
+                                                                             2 * cfg.poll_period):
             self._declare(key, WAITING, self._waiting_expiration())
 
     def _declare(self, key: str, state: str, expiration: float) -> bool | str:
@@ -289,7 +310,7 @@ class Matchmaker:
         """
         cfg = self.config
         target = cfg.target_group_size if target_group_size is None else target_group_size
-        start = time.time()
+        start = self.clock()
         # a leader short of its target forms its group by the deadline at the latest, leaving the all-reduce a quarter
         # of the search's time (at least `margin`): one that waited out a matchmaking_time past the deadline of a
         # step(timeout=...) never averaged unless its group was full (review 98 D4)
@@ -301,16 +322,17 @@ class Matchmaker:
         self._expected = None if expected_peers is None else frozenset(expected_peers) | {
             self.dht.identity.public_key}
         self._seen_waiting = set()
+        self._seen_expiration = {}
         # no group is led before the peers that declared about when this one did can be read: a leader that formed a
         # full group at once with the waiting peers it saw first could take one that a smaller peer, declared but not
         # yet readable, took too (two groups claiming one peer: one of them fails its all-reduce). A round of one
         # group of everyone needs no wait: its leader sees all the peers it expects
-        settled = min(time.time() + self.margin, matchmaking_ends) if not single_group else 0.0
+        settled = min(self.clock() + self.margin, matchmaking_ends) if not single_group else 0.0
         self._ignored.clear()
         groups: dict[int, Group] = {}  # leader id -> group read completely
         unreadable: dict[int, float] = {}  # leader id -> since when its group could not be read in full
         redraws = 0
-        while not self.stop.is_set() and time.time() < deadline:
+        while not self.stop.is_set() and self.clock() < deadline:
             try:
                 record = self.dht.get(key)
                 declarations = parse_declarations(record, key)
@@ -353,7 +375,7 @@ class Matchmaker:
         for leader in sorted(groups):
             if me in groups[leader].peer_ids:
                 return groups[leader]
-        now = time.time()
+        now = self.clock()
         for pid in leaders:
             if pid not in groups:
                 unreadable.setdefault(pid, now)
@@ -362,7 +384,8 @@ class Matchmaker:
         if any(pid not in groups and now - unreadable[pid] < self.margin for pid in leaders):
             return _WAIT
         taken = {pid for group in groups.values() for pid in group.peer_ids}
-        waiting = {pid: d for pid, d in declarations.items() if d.state == WAITING and pid not in taken}
+        waiting = {pid: d for pid, d in declarations.items()
+                   if d.state == WAITING and pid not in taken and self._renewed(pid, d)}
         waiting.pop(me, None)
         if single_group and not waiting:
             # a group this peer could have been in: led by a peer it expects, or one it saw waiting in this search
@@ -395,7 +418,7 @@ class Matchmaker:
         cfg = self.config
         nonce = secrets.token_hex(4)
         group_id = f"{key}.{self.me.peer_id}.{nonce}"
-        expiration = time.time() + cfg.matchmaking_time + cfg.declaration_ttl + 10.0
+        expiration = self.clock() + cfg.matchmaking_time + cfg.declaration_ttl + 10.0
         self._expiration = max(expiration, self._expiration + 0.01)
         state = f"{LEADING}{len(members)}.{nonce}"
         try:
@@ -412,7 +435,7 @@ class Matchmaker:
                   if result is not True]
         if failed:
             logger.warning("could not publish group %s (%s); averaging with no one", group_id, ", ".join(failed))
-            self._declare(key, GONE, time.time() + cfg.declaration_ttl)
+            self._declare(key, GONE, self.clock() + cfg.declaration_ttl)
             return None
         # the values the others read from the record, not this peer's own: they cut the parts from those
         members = sorted((published(m) for m in members), key=lambda m: m.peer_id)
