@@ -13,9 +13,13 @@ In-process, two baselines doing the server's work without the network, with the 
   what a server does when it holds no activations for a backward.
 
 Both this process and the server use dmoe.cli.allocator.keep_freed_memory(), as dmoe-server does, and the same
-torch thread count; the server spreads them over ``--workers`` (two of one thread each for 2 threads on a CPU,
-computing different experts at once) where the baselines use them inside each operation: pass
-``--server-workers 1`` to place threads the same way.
+torch thread count, ``--threads``: on a CPU 1 by default, so that both sides compute one expert at a time on one
+thread. With more, the server spreads them over ``--workers`` (two of one thread each for 2 threads on a CPU,
+computing different experts at once) where the baselines use them inside each operation (``--server-workers 1``
+places them the same way); and two OpenMP threads in one operation stall whenever another process runs, which
+slows the baselines far more than the server's single-threaded workers: on a 2-core machine at load 14-17,
+``--quick`` printed speeds of up to 23 from that alone (review 103 D1). The 1-minute load average is printed for
+every round, and rounds that ran with a load above the machine's cores are named.
 
     python benchmarks/bench_layer.py                 # h=1024, 4x4 grid, top-4, batches 16 64 256, 3 rounds
     python benchmarks/bench_layer.py --quick         # small and fast (what the test suite runs)
@@ -65,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import sys
 import time
@@ -106,7 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "round's moves by several hundredths on a quiet 2-core VM); use an odd number for a "
                              "median that is one round's")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads, the same for server and baseline")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads, the same for server and baseline (default: 1 on a CPU, where the server "
+                             "would otherwise compute two experts at once on threads of their own while each "
+                             "baseline operation used both; 2 on a GPU)")
     parser.add_argument("--client-threads", type=int, default=None,
                         help="torch threads of this process while it runs the remote layer, whose own compute is "
                              "only the gate (default: --threads)")
@@ -145,6 +153,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.hidden, args.batches, args.steps, args.warmup = 64, [8, 32], 3, 1
     args.rounds = args.rounds or (1 if args.quick else 3)
+    if args.threads is None:  # one thread a side on a CPU: the same placement for server and baselines (review 103 D1)
+        args.threads = 1 if torch.device(args.device).type == "cpu" else 2
     return args
 
 
@@ -207,6 +217,23 @@ def goal_verdicts(rows: list[dict]) -> list[tuple[int, float, float, bool]]:
     Judged on ``ratio_vs_best`` only: a slower baseline (autocast's) cannot make a goal met."""
     return [(r["batch"], GOALS[r["batch"]], r["ratio_vs_best"], r["ratio_vs_best"] >= GOALS[r["batch"]])
             for r in rows if r["batch"] in GOALS]
+
+
+def load_report(loads: dict[int, list[float]], cores: int) -> str:
+    """The 1-minute load average after each batch size's steps, round by round, and a warning naming the rounds that
+    ran under a load above ``cores``: other processes then took CPU from the timed steps, and a variant that stalled
+    moved those rounds' ratios (review 103 D1)."""
+    rounds = list(zip(*loads.values()))  # per round: the load after each batch size, in the order they ran
+    lines = [f"load (1-minute load average of this machine's {cores} cores after each batch size's steps, "
+             f"batches {' '.join(map(str, loads))}): "
+             + "; ".join(f"round {i + 1}: " + " ".join(f"{load:.1f}" for load in round_)
+                         for i, round_ in enumerate(rounds))]
+    loaded = [str(i + 1) for i, round_ in enumerate(rounds) if max(round_) > cores]
+    if loaded:
+        lines.append(f"WARNING: round(s) {', '.join(loaded)} ran under a load above the {cores} cores: other "
+                     "processes took CPU from the timed steps, and their speeds compare the variants' stalls as much "
+                     "as the variants")
+    return "\n".join(lines)
 
 
 def local_step_fn(layer: LocalMixtureOfExperts, lr: float):
@@ -286,11 +313,13 @@ def main(argv=None) -> list[dict]:
                     profile.start()
         rounds: dict[int, list[dict[str, float]]] = {batch: [] for batch in args.batches}
         served: dict[int, dict[str, float]] = {}  # per batch size: what the server did in the timed steps
+        loads: dict[int, list[float]] = {batch: [] for batch in args.batches}  # per batch size, one per round
         for _ in range(args.rounds):
             for batch in args.batches:
                 rounds[batch].append(time_steps(variants, batch, args.hidden, args.steps, args.warmup, device,
                                                 args.autocast, after_warmup=after_warmup,
                                                 under_autocast={"local", "recompute"}))
+                loads[batch].append(os.getloadavg()[0])
                 served[batch] = add(served.get(batch, {}), difference(read_counts(metrics), window["start"]))
                 for profile in (stages, client_stages):
                     if profile is not None:
@@ -300,6 +329,7 @@ def main(argv=None) -> list[dict]:
             share = shared_share(served[batch])
             rows.append({"batch": batch, **summarise_rounds(timed), "dropped": remote.stats.experts_dropped,
                          "shared_memory_share": "" if share is None else round(share, 4),
+                         "load_avg_per_round": " ".join(f"{load:.2f}" for load in loads[batch]),
                          **({"graph_forward_replays": int(served[batch]["graph_forward_replays"]),
                              "graph_train_replays": int(served[batch]["graph_train_replays"])}
                             if args.cuda_graphs else {})})
@@ -353,6 +383,7 @@ def main(argv=None) -> list[dict]:
           + ("; vs best in-proc: against the faster of in-proc under autocast and in-proc fp32, per round"
              if fp32 else "")
           + "; via shm: the share of the server's calls in the timed steps that came through shared memory")
+    print(load_report(loads, os.cpu_count() or 1))
     warning = shared_memory_warning({f"batch {b}": shared_share(c) for b, c in served.items()}, args.shared_memory)
     if warning:
         print(warning)

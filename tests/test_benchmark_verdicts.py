@@ -159,6 +159,25 @@ def test_layer_goal_is_judged_against_the_fastest_in_process_layer_not_the_autoc
     assert bench_layer.goal_verdicts([{**fast, "batch": 16}]) == []  # no goal at 16
 
 
+def test_layer_compares_one_thread_a_side_on_a_cpu_by_default():
+    """Review 103 D1: the baselines ran 2 torch threads inside each operation against a server of two 1-thread
+    workers; under load the 2-thread baseline stalled and the ratio was inflated up to 23x."""
+    from dmoe.server.server import compute_workers
+
+    args = bench_layer.parse_args([])
+    assert args.threads == 1
+    assert compute_workers(args.server_workers, torch.device("cpu"), args.threads) == (1, None)  # one 1-thread worker
+    assert bench_layer.parse_args(["--device", "cuda"]).threads == 2
+    assert bench_layer.parse_args(["--threads", "2"]).threads == 2
+
+
+def test_layer_load_report_names_the_rounds_run_under_load():
+    report = bench_layer.load_report({16: [0.5, 3.4], 64: [1.2, 1.0]}, cores=2)
+    assert "round 1: 0.5 1.2; round 2: 3.4 1.0" in report
+    assert "WARNING: round(s) 2 ran under a load above the 2 cores" in report
+    assert "WARNING" not in bench_layer.load_report({16: [0.5, 1.9]}, cores=2)
+
+
 # ---- bench_throughput --------------------------------------------------------------------------------------------
 
 def test_throughput_range_pairs_each_round_with_its_own_limit():

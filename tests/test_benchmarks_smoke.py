@@ -209,6 +209,10 @@ def test_layer_benchmark_quick_writes_sane_csv(tmp_path):
         assert float(r["shared_memory_share"]) == 0, r
     assert "WARNING: shared memory was asked for, but no call went through it at batch 8, batch 32" in stdout
     assert "goals" not in stdout  # no goal at batches 8 and 32
+    # the load of every round, printed and in the CSV (review 103 D1)
+    assert re.search(r"^load \(1-minute load average .*: round 1: [\d.]+ [\d.]+; round 2: [\d.]+ [\d.]+$", stdout,
+                     re.M), stdout
+    assert all(len(r["load_avg_per_round"].split()) == 2 for r in rows), rows
 
 
 def test_dht_benchmark_small_swarm_finds_exactly_what_brute_force_finds(tmp_path):
