@@ -25,7 +25,7 @@ Measured:
 The last line reads ``max_updates_lost=... longest_empty_cell_s=... loss_ratio=...``.
 
     python benchmarks/bench_churn.py                      # 6 servers, 10 minutes of churn
-    python benchmarks/bench_churn.py --smoke              # 2 servers, one kill, half a minute: does it run at all
+    python benchmarks/bench_churn.py --smoke              # 2 servers, one kill, 3 s of training: does it run at all
 """
 from __future__ import annotations
 
@@ -100,6 +100,7 @@ class Swarm:
         self.empty_spells: list[float] = []
         self.history: dict[str, deque] = {uid: deque(maxlen=64) for uid in CELLS}  # (monotonic, updates)
         self.stop = threading.Event()
+        self.training = threading.Event()  # set by the trainer once its first step is done
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.dht_procs: list[Proc] = []
@@ -152,7 +153,13 @@ class Swarm:
 
     def _churn(self) -> None:
         joins: list[float] = []
-        started = time.monotonic()  # lifetimes count from the start of training, not of the processes
+        # lifetimes count from the trainer's first step, not from the processes' start: building the model and its
+        # first searches took a loaded smoke run's whole training time, and its kill came before any step (review
+        # 103 D2)
+        while not self.training.wait(0.5):
+            if self.stop.is_set():
+                return
+        started = time.monotonic()
         for server in self.servers:
             server.dies_at = started + self.lifetime()
         self.servers[0].dies_at = started + self.args.first_kill  # a run that kills at all
@@ -274,19 +281,23 @@ class Swarm:
             self.client.close()
 
 
-def train_run(args, data: TextData, peers: list[str], *, minutes: float | None, steps: int | None) -> dict:
+def train_run(args, data: TextData, peers: list[str], *, minutes: float | None, steps: int | None,
+              first_step: threading.Event | None = None) -> dict:
     """The trainer's loop (dmoe.trainer.loop) for ``minutes`` or ``steps``, whichever is given; the learning rate is
-    constant after warm-up, so runs of different lengths train alike step for step."""
+    constant after warm-up, so runs of different lengths train alike step for step. The minutes count from the end
+    of the first step (then ``first_step`` is set): the model's construction and its first call's searches took all
+    of a loaded smoke run's 3 s, which then trained 0 steps (review 103 D2)."""
     config = TrainConfig(experts="remote", initial_peers=tuple(peers), hidden=args.hidden, seq_len=args.seq_len,
                          batch_size=args.batch_size, layers=len(LAYERS), grid=GRID, steps=10**9, lr=3e-3,
                          warmup_steps=50, eval_batches=8, forward_timeout=5, backward_timeout=5,
                          timeout_after_k_min=0.5, seed=args.seed)
     torch.manual_seed(args.seed)
-    started, step, losses = time.monotonic(), 0, []
+    started, step, losses = None, 0, []
     with contextlib.ExitStack() as resources:
         model = GatedTransformerLM(config.model_config(), make_moe_factory(config, resources))
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-        while (steps is None or step < steps) and (minutes is None or time.monotonic() - started < 60 * minutes):
+        while (steps is None or step < steps) and (minutes is None or started is None
+                                                   or time.monotonic() - started < 60 * minutes):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, config)
             inputs, targets = data.batch("train", config.batch_size, config.seq_len,
@@ -298,9 +309,13 @@ def train_run(args, data: TextData, peers: list[str], *, minutes: float | None, 
             optimizer.step()
             step += 1
             losses.append(loss.item())
+            if started is None:
+                started = time.monotonic()
+                if first_step is not None:
+                    first_step.set()
             if step % 100 == 0:
                 print(f"  step {step}: loss {sum(losses[-100:]) / 100:.3f}", file=sys.stderr, flush=True)
-        seconds = time.monotonic() - started
+        seconds = time.monotonic() - started if started is not None else 0.0
         val = evaluate(model, data, config)
         chosen, dropped = model.moe_counters()
     return {"steps": step, "seconds": seconds, "val_loss": val, "dropped_share": dropped / chosen if chosen else 0}
@@ -311,7 +326,8 @@ def run(args, data: TextData, workdir: Path, churn: bool, steps: int | None) -> 
     swarm = Swarm(args, workdir / ("churn" if churn else "calm"), churn, args.seed)
     try:
         swarm.start(expert_args)
-        result = train_run(args, data, swarm.peers, minutes=args.minutes if churn else None, steps=steps)
+        result = train_run(args, data, swarm.peers, minutes=args.minutes if churn else None, steps=steps,
+                           first_step=swarm.training)
         if churn:  # the fates of the last kills' experts settle within an expiration or so
             deadline = time.monotonic() + args.expiration + 30
             while any(len(k.lost) + len(k.fresh) < len(k.before) for k in swarm.kills) \
@@ -323,13 +339,25 @@ def run(args, data: TextData, workdir: Path, churn: bool, steps: int | None) -> 
     return result, swarm
 
 
-def goal_failures(kills: int, fresh: int, unresolved: int, worth: list[float], longest_empty: float,
-                  expiration: float, ratio: float) -> list[str]:
-    """The goals missed: ``kills`` servers killed (none: nothing was tested), ``fresh`` experts back with no replica
-    and ``unresolved`` ones, ``worth``: each adopted expert's lost updates in push intervals' worth (at most 1),
-    ``longest_empty``: the longest spell of an empty cell in seconds (at most ``expiration`` + 10), ``ratio``: the
-    churn run's final validation loss over the calm run's (at most 1.05; NaN misses)."""
+def training_failures(churn_steps: int, calm_steps: int) -> list[str]:
+    """What makes the runs' figures empty, even in a smoke run: a churn run of no step (its "updates lost 0" and
+    loss ratio 1.000 compared two untrained models, review 103 D2), a calm run of fewer steps than the churn run's."""
     failures = []
+    if churn_steps < 1:
+        failures.append("the churn run made no training step")
+    if calm_steps < churn_steps:
+        failures.append(f"the calm run made {calm_steps} of the {churn_steps} steps asked")
+    return failures
+
+
+def goal_failures(kills: int, fresh: int, unresolved: int, worth: list[float], longest_empty: float,
+                  expiration: float, ratio: float, churn_steps: int, calm_steps: int) -> list[str]:
+    """The goals missed: the runs' training (:func:`training_failures`), ``kills`` servers killed (none: nothing was
+    tested), ``fresh`` experts back with no replica and ``unresolved`` ones, ``worth``: each adopted expert's lost
+    updates in push intervals' worth (at most 1), ``longest_empty``: the longest spell of an empty cell in seconds
+    (at most ``expiration`` + 10), ``ratio``: the churn run's final validation loss over the calm run's (at most
+    1.05; NaN misses)."""
+    failures = training_failures(churn_steps, calm_steps)
     if not kills:
         failures.append("no server was killed")
     if fresh or unresolved or max(worth, default=0) > 1:
@@ -362,7 +390,7 @@ def main() -> None:
                         help="a text file to train on (default: the demo's Shakespeare corpus; --smoke: a tiny verse)")
     parser.add_argument("--smoke", action="store_true",
                         help="2 servers, 3 s of training with one early kill and one server joining; goals are "
-                             "reported, not enforced")
+                             "reported, not enforced, except that both runs train")
     args = parser.parse_args()
     if args.smoke:  # one kill early on, one server joining after it, a short calm run (2 servers: the fewest that
         # show an adoption; each server more cost the test suite seconds of CPU to start, twice)
@@ -408,10 +436,11 @@ def main() -> None:
           f"{args.expiration + 10:.0f}s = expiration + 10 s)")
     print(f"final validation loss churn/calm: {ratio:.3f} (goal <= 1.05)")
     failures = goal_failures(len(swarm.kills), len(fresh), unresolved, worth, swarm.longest_empty, args.expiration,
-                             ratio)
+                             ratio, churned["steps"], calm["steps"])
     print("goals met" if not failures else "goals missed: " + "; ".join(failures))
     print(f"max_updates_lost={max_lost} longest_empty_cell_s={swarm.longest_empty:.1f} loss_ratio={ratio:.3f}")
-    sys.exit(1 if failures and not args.smoke else 0)
+    # a smoke run reports its goals, but one that trained nothing did not run at all
+    sys.exit(1 if (failures and not args.smoke) or training_failures(churned["steps"], calm["steps"]) else 0)
 
 
 if __name__ == "__main__":

@@ -93,9 +93,12 @@ def test_collab_goals_pass_at_or_below_the_goals_and_fail_above():
 
 
 def test_churn_goals_pass_a_good_run_and_fail_each_miss():
-    good = dict(kills=2, fresh=0, unresolved=0, worth=[0.4, 1.0], longest_empty=15.0, expiration=6.0, ratio=1.05)
+    good = dict(kills=2, fresh=0, unresolved=0, worth=[0.4, 1.0], longest_empty=15.0, expiration=6.0, ratio=1.05,
+                churn_steps=40, calm_steps=40)
     assert bench_churn.goal_failures(**good) == []
-    for change, failure in [({"kills": 0}, "no server was killed"),
+    for change, failure in [({"churn_steps": 0, "calm_steps": 0}, "the churn run made no training step"),
+                            ({"calm_steps": 39}, "the calm run made 39 of the 40 steps asked"),
+                            ({"kills": 0}, "no server was killed"),
                             ({"fresh": 1}, "training lost beyond one push interval"),
                             ({"unresolved": 1}, "training lost beyond one push interval"),
                             ({"worth": [1.01]}, "training lost beyond one push interval"),

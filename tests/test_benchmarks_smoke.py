@@ -307,6 +307,10 @@ def test_averaging_benchmark_small_runs_and_a_full_grid_is_exact(tmp_path):
 
 def test_churn_benchmark_smoke_kills_a_server_and_adopts_its_experts():
     stdout = run_benchmark("bench_churn.py", "--smoke")
+    # both runs trained, the calm one as many steps as the churn one (review 103 D2: 0 steps each printed "goals met")
+    churn_steps, calm_steps = (int(re.search(rf"^{run}: +(\d+) steps in", stdout, re.M).group(1))
+                               for run in ("churn", "calm"))
+    assert churn_steps >= 1 and calm_steps == churn_steps, stdout
     summary = next(line for line in stdout.splitlines() if " kills, " in line)
     kills, adopted = int(summary.split()[0]), int(summary.split(", ")[2].split()[0])
     assert kills >= 1 and adopted >= 1, stdout  # the killed server's experts came back from replicas
