@@ -8,7 +8,10 @@ what benchmarks/server_counts.py reads from a server's metrics.
 from __future__ import annotations
 
 import math
+import random
 import sys
+import threading
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -118,6 +121,40 @@ def test_chaos_verdict_passes_a_good_run_and_fails_each_miss():
     assert bench_chaos.verdict(calm, {**chaotic, "final_val_loss": 2.2}, 1.05)[1] == [
         "chaos/calm validation loss 1.100 > 1.05"]
     assert len(bench_chaos.verdict(calm, {**chaotic, "final_val_loss": math.nan}, 1.05)[1]) == 1
+
+
+class FakeServer:
+    def __init__(self, killed: list[float]):
+        self.killed = killed
+
+    def kill(self) -> None:
+        self.killed.append(time.monotonic())
+
+
+def test_chaos_first_kill_comes_its_seconds_after_the_first_training_step():
+    """Review 103 D3: the first kill came after a gap drawn from seed 0 (7.4 s at --quick's mean of 4 s), after the
+    whole quick run; it now counts from the trainer's first step and comes --first-kill seconds after it."""
+    killed: list[float] = []
+    swarm = SimpleNamespace(servers=[FakeServer(killed)], dht_nodes=[FakeServer(killed)],
+                            restart_server=lambda index: "restarted", restart_dht_node=lambda index: "restarted")
+    stop, training, events = threading.Event(), threading.Event(), []
+    thread = threading.Thread(target=bench_chaos.chaos, args=(swarm, stop, random.Random(0), 4.0, (30.0, 30.0),
+                                                              events, training, 0.3))
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert killed == []  # no training yet: no kill, however long the swarm took to start
+        trained = time.monotonic()
+        training.set()
+        deadline = trained + 10
+        while not killed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert killed and 0.3 <= killed[0] - trained < 4.0, killed  # the drawn gap would be 7.4 s
+        assert events[0]["event"] == "kill server 0"  # the first victim is an expert server
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
 
 
 # ---- bench_latency -----------------------------------------------------------------------------------------------

@@ -336,6 +336,20 @@ def test_collab_benchmark_smoke_compares_one_trainer_with_a_collaboration_and_on
     assert float(last["max_param_gap"]) < 1e-5, stdout  # the trainers held the same parameters after every step
 
 
+def test_chaos_benchmark_quick_kills_a_server_early_in_training_and_passes(tmp_path):
+    """Review 103 D3: --quick's first kill was drawn at 7.4 s, after its whole run: it always failed for want of one.
+    (Fewer steps and DHT nodes than --quick's, and an earlier kill, to keep the test short.)"""
+    stdout = run_benchmark("bench_chaos.py", "--quick", "--steps", "40", "--dht-nodes", "2", "--first-kill", "0.5",
+                           "--results", str(tmp_path))
+    assert stdout.strip().splitlines()[-1] == "PASS", stdout[-3000:]
+    (path,) = tmp_path.glob("chaos_*.csv")
+    calm, chaotic = read_csv(path)
+    assert (calm["run"], calm["kills"], chaotic["run"]) == ("calm", "0", "chaos")
+    assert int(chaotic["server_kills"]) >= 1 and int(chaotic["steps"]) == int(calm["steps"]) == 40, chaotic
+    first = re.search(r"^  t= +([\d.]+)s kill server \d", stdout, re.M)  # seconds after the trainer's first step
+    assert first and 0.5 <= float(first.group(1)) < 3, stdout[-3000:]
+
+
 def test_a_killed_benchmark_takes_every_process_it_started_along(tmp_path):
     """Review 54: a smoke test that timed out killed the benchmark alone, and the processes it had started, in
     sessions of their own, ran on (a bench_averaging sink for over a minute)."""
