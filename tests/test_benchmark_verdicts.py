@@ -123,6 +123,23 @@ def test_chaos_verdict_passes_a_good_run_and_fails_each_miss():
     assert len(bench_chaos.verdict(calm, {**chaotic, "final_val_loss": math.nan}, 1.05)[1]) == 1
 
 
+def test_collab_gap_meter_compares_only_steps_that_two_trainers_held(tmp_path):
+    """Review 103 D5: a step only one trainer saved (the other killed) counted as compared, with a gap of 0."""
+    dirs = [tmp_path / "t0", tmp_path / "t1"]
+    for d in dirs:
+        d.mkdir()
+    base = torch.ones(4)
+    for step, held_by in ((1, dirs), (2, dirs), (3, dirs[:1]), (4, dirs[:1])):
+        for i, d in enumerate(held_by):
+            torch.save(base + step + 1e-3 * i, d / f"step{step}.pt")
+    meter = bench_collab.GapMeter(dirs)
+    meter.killed_at[1] = 2  # trainer 1 was killed at step 2: its step 2 does not count
+    meter.done.update((0, 1))
+    meter.poll(final=True)
+    assert list(meter.gaps) == [1] and meter.gaps[1] > 0  # steps 2-4: trainer 0's alone
+    assert not [f for d in dirs for f in d.glob("step*.pt")]  # all read and deleted
+
+
 class FakeServer:
     def __init__(self, killed: list[float]):
         self.killed = killed
