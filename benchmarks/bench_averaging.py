@@ -54,6 +54,7 @@ from dmoe.averaging.grid import check_coordinates  # noqa: E402
 from dmoe.launch import Proc, processes  # noqa: E402
 from dmoe.wire import STREAM_PART_BYTES, dmoe_pb2, dmoe_pb2_grpc, grpc_options  # noqa: E402
 from dmoe.wire.codec import serialize  # noqa: E402
+from options import RESULTS  # noqa: E402  (benchmarks/)
 
 SCRIPT = str(Path(__file__).resolve())
 
@@ -323,7 +324,7 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--allreduce-timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSVs")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="directory for the CSVs")
     # internal: the processes this script starts
     parser.add_argument("--role", choices=["main", "sink", "source", "peers"], default="main", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)

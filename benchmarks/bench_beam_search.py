@@ -24,6 +24,7 @@ import torch
 
 from dmoe.client.beam_search import DENSE_MAX_PREFIXES, PrefixCache, beam_search, prefix_records
 from dmoe.uid import join_uid, strict_prefixes
+from options import RESULTS  # benchmarks/
 
 
 class Records:
@@ -55,7 +56,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batches", nargs="+", type=int, default=[16, 64, 256, 1024])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=9, help="searches timed per case (the median is printed)")
-    parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "results",
+    parser.add_argument("--results", type=Path, default=RESULTS,
                         help="directory for the CSV")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig  # noqa: E402
 from dmoe.trainer.loop import TrainConfig, make_moe_factory, train  # noqa: E402
+from options import RESULTS, parse_with_quick  # noqa: E402  (benchmarks/)
 
 
 class ChaosSwarm(LocalSwarm):
@@ -173,7 +174,7 @@ def verdict(calm: dict, chaotic: dict, max_loss_ratio: float) -> tuple[float, li
     return ratio, failures
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--servers", type=int, default=4)
     parser.add_argument("--dht-nodes", type=int, default=8, help="DHT nodes in all, besides the servers' own")
@@ -191,15 +192,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-loss-ratio", type=float, default=1.05,
                         help="PASS needs the chaos run's final validation loss within this factor of the calm run's")
-    parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="directory for the CSV")
     parser.add_argument("--quick", action="store_true",
-                        help="2 servers, 3 DHT nodes, 60 steps, the first kill 1 s after the first step: a smoke run")
-    args = parser.parse_args()
-    if args.quick:
-        args.servers, args.dht_nodes, args.steps, args.mean_gap, args.max_downtime = 2, 3, 60, 4.0, 4.0
-        args.first_kill = 1.0
+                        help="2 servers, 3 DHT nodes, 60 steps, the first kill 1 s after the first step: a smoke run "
+                             "(flags given with it keep their values)")
+    args = parse_with_quick(parser, argv, dict(servers=2, dht_nodes=3, steps=60, mean_gap=4.0, max_downtime=4.0,
+                                               first_kill=1.0))
     if args.dht_nodes < 1 or args.servers < 1:
         parser.error("--servers and --dht-nodes must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         from tests.test_chaos import verse

@@ -55,6 +55,7 @@ from dmoe.trainer.loop import TrainConfig, batch_generator, evaluate, learning_r
 from dmoe.trainer.model import GatedTransformerLM  # noqa: E402
 from dmoe.uid import grid_uids  # noqa: E402
 from dmoe.wire import ChannelPool, dmoe_pb2  # noqa: E402
+from options import DATA, parse_with_quick  # noqa: E402  (benchmarks/)
 
 LAYERS, GRID = ("ffn0", "ffn1"), (4, 4)
 CELLS = [uid for layer in LAYERS for uid in grid_uids(layer, GRID)]
@@ -369,7 +370,7 @@ def goal_failures(kills: int, fresh: int, unresolved: int, worth: list[float], l
     return failures
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="minutes of training under churn")
     parser.add_argument("--servers", type=int, default=6, help="expert servers at the start")
@@ -390,14 +391,20 @@ def main() -> None:
                         help="a text file to train on (default: the demo's Shakespeare corpus; --smoke: a tiny verse)")
     parser.add_argument("--smoke", action="store_true",
                         help="2 servers, 3 s of training with one early kill and one server joining; goals are "
-                             "reported, not enforced, except that both runs train")
-    args = parser.parse_args()
-    if args.smoke:  # one kill early on, one server joining after it, a short calm run (2 servers: the fewest that
-        # show an adoption; each server more cost the test suite seconds of CPU to start, twice)
-        args.servers, args.min_alive, args.minutes, args.first_kill, args.mean_lifetime = 2, 1, 0.05, 2.0, 1e6
-        args.join_delay, args.replica_interval, args.hidden, args.seq_len = (0.5, 1.0), 2.0, 16, 16
+                             "reported, not enforced, except that both runs train; flags given with it keep their "
+                             "values")
+    # one kill early on, one server joining after it, a short calm run (2 servers: the fewest that show an adoption;
+    # each server more cost the test suite seconds of CPU to start, twice)
+    args = parse_with_quick(parser, argv, dict(servers=2, min_alive=1, minutes=0.05, first_kill=2.0, mean_lifetime=1e6,
+                                               join_delay=(0.5, 1.0), replica_interval=2.0, hidden=16, seq_len=16),
+                            flag="smoke")
     if args.min_alive >= args.servers:
         parser.error("--min-alive must be below --servers")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.data is not None:
@@ -407,7 +414,7 @@ def main() -> None:
 
             corpus = verse(Path(tmp) / "verse.txt")
         else:
-            corpus = shakespeare(ROOT / "data")
+            corpus = shakespeare(DATA)
         data = TextData.from_file(corpus, 0.05, args.seq_len + 1)
         churned, swarm = run(args, data, Path(tmp), churn=True, steps=None)
         print(f"churn: {churned['steps']} steps in {churned['seconds']:.0f}s, val loss {churned['val_loss']:.3f}, "

@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes  # noqa: E402
+from options import DATA, parse_with_quick  # noqa: E402  (benchmarks/)
 
 GOALS = {"ratio": 1.03, "killed_ratio": 1.05, "max_param_gap": 1e-5}
 #: what a trainer logs for each step it applies: the samples of the step
@@ -264,15 +265,7 @@ def missed_goals(figures: dict[str, float]) -> list[str]:
             if not (figures[name] < goal if name == "max_param_gap" else figures[name] <= goal)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--child":
-        save = None
-        rest = argv[1:]
-        if rest[:1] == ["--save-dir"]:
-            save, rest = rest[1], rest[2:]
-        plot = rest[:1] != ["--no-plot"]
-        return child(save, rest if plot else rest[1:], plot)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=240, help="optimizer steps S of every run")
     parser.add_argument("--batch", type=int, default=32, help="batch B of the single trainer = the target batch size")
@@ -291,21 +284,34 @@ def main(argv: list[str] | None = None) -> int:
                         help="trainers' --progress-ttl: how long a killed trainer is still counted")
     parser.add_argument("--matchmaking-time", type=float, default=5.0, help="trainers' --matchmaking-time")
     parser.add_argument("--data", help="text file (default: the Shakespeare corpus)")
-    parser.add_argument("--data-dir", default=str(ROOT / "data"))
+    parser.add_argument("--data-dir", default=str(DATA),
+                        help="where the Shakespeare corpus is fetched and kept (default: the checkout's data/)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     parser.add_argument("--keep", action="store_true", help="keep the trainers' logs (in a temporary folder)")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model, a few steps, a generated text, the three runs at once: does it run (goals "
-                             "reported, not enforced)")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        args.steps, args.batch, args.hidden, args.heads, args.seq_len, args.layers = 6, 8, 16, 2, 16, 1
-        args.grid, args.k_best, args.eval_batches, args.timeout = [2, 2], 2, 2, 120.0
-        # the three runs at once load the machine: a trainer late by more than the matchmaking time steps alone
-        # (and its parameters part from the other's), as test_collab.py's trainers did with 4 s
-        args.trainers, args.refresh_period, args.progress_ttl, args.matchmaking_time = 2, 0.25, 2.0, 8.0
+                             "reported, not enforced; flags given with it keep their values)")
+    # the three runs at once load the machine: a trainer late by more than the matchmaking time steps alone (and its
+    # parameters part from the other's), as test_collab.py's trainers did with 4 s
+    args = parse_with_quick(parser, argv, dict(steps=6, batch=8, hidden=16, heads=2, seq_len=16, layers=1, grid=[2, 2],
+                                               k_best=2, eval_batches=2, timeout=120.0, trainers=2,
+                                               refresh_period=0.25, progress_ttl=2.0, matchmaking_time=8.0),
+                            flag="smoke")
     if args.trainers < 2 or args.batch % args.trainers:
         parser.error(f"--batch {args.batch} must be a multiple of --trainers {args.trainers} (at least 2)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        save = None
+        rest = argv[1:]
+        if rest[:1] == ["--save-dir"]:
+            save, rest = rest[1], rest[2:]
+        plot = rest[:1] != ["--no-plot"]
+        return child(save, rest if plot else rest[1:], plot)
+    args = parse_args(argv)
     from dmoe.trainer.data import shakespeare
 
     work = Path(tempfile.mkdtemp(prefix="bench_collab_"))

@@ -36,6 +36,7 @@ from dmoe.client.beam_search import PrefixCache, beam_search, brute_force_top_k 
 from dmoe.dht import DHT, DHTConfig  # noqa: E402
 from dmoe.launch import Proc, processes  # noqa: E402
 from dmoe.uid import grid_uids  # noqa: E402
+from options import RESULTS  # noqa: E402  (benchmarks/)
 
 FIELDS = ["nodes", "phase", "searches", "batch", "k", "p50_ms", "p95_ms", "max_ms", "success_rate", "load_avg"]
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="declarers' refresh period (long: the after-kill phase sees no owner refresh)")
     parser.add_argument("--settle", type=float, default=15.0,
                         help="seconds between the declarers' first declaration and the first timed search")
-    parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="directory for the CSV")
     parser.add_argument("--quick", action="store_true", help="N = 16, 64 and 20 searches per phase")
     args = parser.parse_args(argv)
     if args.quick:

@@ -29,6 +29,7 @@ from dmoe.client.remote_expert import forward_future  # noqa: E402
 from dmoe.experts import create_expert, expert_seed  # noqa: E402
 from dmoe.launch import Proc  # noqa: E402
 from dmoe.wire import grpc_options  # noqa: E402
+from options import RESULTS  # noqa: E402  (benchmarks/)
 from tests import fuzzing  # noqa: E402
 
 HIDDEN, MAX_BATCH = 8, 32
@@ -41,7 +42,7 @@ def main() -> None:
     parser.add_argument("--tcp-junk", type=int, default=1_000, help="raw junk streams on the TCP port")
     parser.add_argument("--rss-bound-mib", type=float, default=128.0,
                         help="fail when the server's RSS grows by more than this after warm-up")
-    parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="directory for the CSV")
     parser.add_argument("--quick", action="store_true", help="300 cases and 50 junk streams: a smoke run")
     args = parser.parse_args()
     if args.quick:

@@ -19,13 +19,20 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from options import RESULTS  # benchmarks/
 
-def main() -> None:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=8.0, help="payload size in MiB")
     parser.add_argument("--calls", type=int, default=30, help="timed round trips (and copies)")
-    parser.add_argument("--results", type=Path, default=Path("results"), help="directory for the CSV")
-    args = parser.parse_args()
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="directory for the CSV (default: the checkout's results/)")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     size = int(args.mib * 2**20)
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)

@@ -48,6 +48,7 @@ from dmoe.client.remote_expert import backward_future, forward_future, new_activ
 from dmoe.dht import DHT
 from dmoe.launch import LocalSwarm, SwarmConfig, split_grid
 from dmoe.uid import expand_pattern
+from options import RESULTS, parse_with_quick  # benchmarks/
 
 MODES = ("dmoe", "pipeline", "pipeline-mb", "pipeline-async", "shallow", "shallow-async")
 
@@ -74,14 +75,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sweeps, alternately ascending and descending, averaged (cancels the drift of a "
                              "shared machine's load)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="directory for the CSV and PNG (default: the checkout's results/)")
     parser.add_argument("--tag", default=None, help="file name stem (default: latency or latency_quick)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--quick", action="store_true", help="0 and 20 ms, tiny model, half-second windows")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.hidden, args.grid, args.k, args.batch, args.servers = 32, [2, 2], 2, 8, 1
-        args.latencies, args.trainers, args.window, args.warmup, args.min_steps = [0, 20], 8, 0.5, 0.2, 1.0
+    parser.add_argument("--quick", action="store_true",
+                        help="0 and 20 ms, tiny model, half-second windows (flags given with it keep their values)")
+    args = parse_with_quick(parser, argv, dict(hidden=32, grid=[2, 2], k=2, batch=8, servers=1, latencies=[0, 20],
+                                               trainers=8, window=0.5, warmup=0.2, min_steps=1.0))
     if args.servers > args.grid[0]:
         parser.error(f"argument --servers: at most the first grid axis ({args.grid[0]})")
     args.modes = [m for m in MODES if m in args.modes]  # in table order

@@ -93,6 +93,7 @@ from dmoe.server.runtime import AUTOCAST_DTYPES
 from dmoe.server.server import compute_workers
 from dmoe.wire import ChannelPool
 from dmoe.wire.codec import parse_compression
+from options import RESULTS, parse_with_quick  # benchmarks/
 from server_counts import (add, difference, format_share, graphs_summary, graphs_warning, read_counts,  # benchmarks/
                            shared_memory_warning, shared_share)
 
@@ -104,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--steps", type=int, default=15, help="timed forward+backward steps per batch size")
-    parser.add_argument("--rounds", type=int, default=None,
+    parser.add_argument("--rounds", type=int, default=3,
                         help="times every batch size is measured, in turns (default 3, --quick 1); the ratio printed "
                              "is the median of the rounds' ratios (with an even number of rounds the mean of the middle "
                              "two: with 2, the mean of both), with the lowest and highest, and each round's (one "
@@ -145,14 +146,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--client-profile", action="store_true",
                         help="time the remote layer's own stages (gate, search, copies, sending, waiting, gathering; "
                              "dmoe.client.gating.CLIENT_STAGES) and print them per step")
-    parser.add_argument("--results", type=Path, default=Path("results"))
-    parser.add_argument("--quick", action="store_true", help="h=64, batches 8 32, 3 steps")
-    args = parser.parse_args(argv)
-    if args.rounds is not None and args.rounds < 1:
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="directory for the CSV (default: the checkout's results/)")
+    parser.add_argument("--quick", action="store_true",
+                        help="h=64, batches 8 32, 3 steps after 1 of warm-up, 1 round (flags given with it keep their "
+                             "values)")
+    args = parse_with_quick(parser, argv, dict(hidden=64, batches=[8, 32], steps=3, warmup=1, rounds=1))
+    if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.quick:
-        args.hidden, args.batches, args.steps, args.warmup = 64, [8, 32], 3, 1
-    args.rounds = args.rounds or (1 if args.quick else 3)
     if args.threads is None:  # one thread a side on a CPU: the same placement for server and baselines (review 103 D1)
         args.threads = 1 if torch.device(args.device).type == "cpu" else 2
     return args

@@ -45,6 +45,7 @@ from torch import nn
 
 from dmoe.launch import LocalSwarm, SwarmConfig
 from dmoe.trainer.loop import TrainConfig, make_moe_factory, train
+from options import DATA, RESULTS, parse_with_quick  # benchmarks/
 
 VARIANTS = ("local", "remote", "remote-faulty", "no-experts")
 GOALS = {"remote": 1.03, "remote-faulty": 1.08}
@@ -66,10 +67,13 @@ PRESETS = {
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="real")
-    parser.add_argument("--quick", action="store_true", help="the tiny preset with little latency, one seed")
+    parser.add_argument("--quick", action="store_true",
+                        help="the tiny preset with little latency (20 ms), one seed (flags given with it keep their "
+                             "values)")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
     parser.add_argument("--data", default=None, help="text file (default: the Shakespeare corpus)")
-    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--data-dir", default=str(DATA),
+                        help="where the Shakespeare corpus is fetched and kept (default: the checkout's data/)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="one run per variant and seed")
     parser.add_argument("--latency-ms", type=float, default=200.0, help="mean latency of the faulty run")
@@ -84,13 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each in its own process; the faulty runs (which mostly wait) start "
                              "first. Losses do not depend on it; wall times and dropped calls do (shared cores)")
-    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="directory for the CSV, the PNG and the runs' checkpoints (default: the checkout's "
+                             "results/)")
     parser.add_argument("--tag", default=None, help="file name stem (default: quality_<preset>)")
     parser.add_argument("--report-only", action="store_true",
                         help="exit 0 even when a goal is missed (smoke runs too short for the goals to mean anything)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.preset, args.latency_ms, args.seeds = "tiny", 20.0, args.seeds[:1]
+    args = parse_with_quick(parser, argv, dict(preset="tiny", latency_ms=20.0, seeds=[0]))
     if "local" not in args.variants:
         parser.error("argument --variants: must include local (ratios are relative to it)")
     if args.jobs < 1:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from dmoe.client.remote_expert import backward_future, forward_future  # noqa: E402
 from dmoe.launch import LocalSwarm, SwarmConfig  # noqa: E402
 from dmoe.uid import expand_pattern  # noqa: E402
+from options import RESULTS  # noqa: E402  (benchmarks/)
 from tests.fuzzing import rss_bytes  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="rows per request")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline of each call")
     parser.add_argument("--sample", type=float, default=5.0, help="seconds between memory samples")
-    parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="directory for the CSV")
     args = parser.parse_args()
 
     config = SwarmConfig(layers=("soak",), grid=(4, 4), n_servers=args.servers, hidden_dim=args.hidden,

@@ -68,6 +68,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from options import RESULTS  # noqa: E402 (benchmarks/)
 from server_counts import (count_samples, difference, format_share, graphs_summary,  # noqa: E402 (benchmarks/)
                            graphs_warning, shared_memory_warning, shared_share)
 
@@ -421,7 +422,7 @@ def main() -> None:
                         help="concurrent requests per client process of every case (default: the preset's)")
     parser.add_argument("--profile", action="store_true",
                         help="run the server with --profile and print its stage times after each case")
-    parser.add_argument("--results", type=Path, default=ROOT / "results", help="directory for the CSV")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="directory for the CSV")
     parser.add_argument("--worker", choices=["client", "limit"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

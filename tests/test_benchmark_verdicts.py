@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_chaos  # noqa: E402
 import bench_churn  # noqa: E402
 import bench_collab  # noqa: E402
+import bench_grpc_echo  # noqa: E402
 import bench_latency  # noqa: E402
 import bench_layer  # noqa: E402
 import bench_quality  # noqa: E402
@@ -172,6 +174,46 @@ def test_chaos_first_kill_comes_its_seconds_after_the_first_training_step():
         stop.set()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_chaos_quick_asks_for_an_early_first_kill_and_keeps_the_flags_given_with_it():
+    quick = bench_chaos.parse_args(["--quick"])
+    assert quick.first_kill is not None and quick.first_kill < 2 and quick.steps == 60
+    assert bench_chaos.parse_args([]).first_kill is None
+    given = bench_chaos.parse_args(["--quick", "--steps", "30", "--first-kill", "0.5", "--mean-gap", "9"])
+    assert (given.steps, given.first_kill, given.mean_gap, given.servers) == (30, 0.5, 9.0, 2)
+
+
+@pytest.mark.parametrize("module, flag, given, expected, quick", [
+    # (the flags given beside --quick or --smoke: their values; and one value --quick sets where none is given)
+    (bench_layer, "--quick", ["--steps", "7", "--warmup", "4", "--batches", "4", "--hidden", "16"],
+     {"steps": 7, "warmup": 4, "batches": [4], "hidden": 16}, {"rounds": 1}),
+    (bench_latency, "--quick", ["--hidden", "16", "--latencies", "0", "5", "--trainers", "3", "--window", "2"],
+     {"hidden": 16, "latencies": [0.0, 5.0], "trainers": 3, "window": 2.0}, {"grid": [2, 2], "servers": 1}),
+    (bench_quality, "--quick", ["--preset", "small", "--latency-ms", "50", "--seeds", "3", "4"],
+     {"preset": "small", "latency_ms": 50.0, "seeds": [3, 4]}, {}),
+    (bench_churn, "--smoke", ["--servers", "4", "--minutes", "0.1", "--hidden", "32"],
+     {"servers": 4, "minutes": 0.1, "hidden": 32}, {"min_alive": 1, "first_kill": 2.0}),
+    (bench_collab, "--smoke", ["--steps", "4", "--trainers", "4", "--matchmaking-time", "3"],
+     {"steps": 4, "trainers": 4, "matchmaking_time": 3.0}, {"batch": 8, "hidden": 16}),
+])
+def test_quick_and_smoke_keep_the_flags_given_with_them(module, flag, given, expected, quick):
+    """Review 103 D4: --quick (--smoke) overwrote the flags given with it, silently."""
+    args = module.parse_args([flag, *given])
+    assert {name: getattr(args, name) for name in expected} == expected
+    assert {name: getattr(args, name) for name in quick} == quick
+    plain = module.parse_args(given)  # without the flag, the same values and the usual defaults elsewhere
+    assert {name: getattr(plain, name) for name in expected} == expected
+
+
+def test_results_and_the_corpus_go_to_the_checkout_wherever_a_benchmark_starts(tmp_path, monkeypatch):
+    """Review 103 D6: four benchmarks wrote results/ (and bench_quality fetched the corpus into data/) in the current
+    directory, the others into the checkout."""
+    monkeypatch.chdir(tmp_path)
+    for module in (bench_layer, bench_latency, bench_quality, bench_grpc_echo, bench_chaos):
+        assert module.parse_args([]).results.resolve() == (ROOT / "results").resolve(), module.__name__
+    for module in (bench_quality, bench_collab):
+        assert Path(module.parse_args([]).data_dir).resolve() == (ROOT / "data").resolve(), module.__name__
 
 
 # ---- bench_latency -----------------------------------------------------------------------------------------------
