@@ -9,8 +9,11 @@ the messages carry), :mod:`~dmoe.dht.peers` (who failed to answer).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import os
 import time
+from hashlib import blake2b
 from typing import Any, Callable, NamedTuple
 
 from kademlia.node import Node
@@ -25,7 +28,8 @@ from dmoe.dht.signing import Verifier
 from dmoe.dht.storage import (MAX_CLOCK_SKEW, Entry, NotOwner, Record, RecordFull, RecordStorage, sender_group,
                               supersedes)
 from dmoe.dht.throttle import MachineBudgets, ThrottledWarnings
-from dmoe.dht.transport import HEADER_BYTES, MAX_DATAGRAM_BYTES, REPLY_BUDGET_BYTES, UDPTransport, chunk_entries
+from dmoe.dht.transport import (HEADER_BYTES, MAX_DATAGRAM_BYTES, REPLY_BUDGET_BYTES, UDPTransport, chunk_entries,
+                                peer_address)
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +48,17 @@ HANDOVER_BURST = 4
 HANDOVER_PERIOD = 2.0
 #: machines whose hand-over budget is remembered at most (the longest idle are forgotten first)
 HANDOVER_MACHINES = 4096
-#: askers not in the routing table yet that are being pinged back at once at most (:meth:`DHTProtocol.welcome_if_new`),
-#: one per address: a flood of asks from forged sources must not become a flood of pings at the forged addresses
-PING_BACKS_IN_FLIGHT = 64
-#: ping-backs to the askers of one machine: a burst of this many,
+#: ping-backs to the askers of one machine (:meth:`DHTProtocol.welcome_if_new`), and askers of one machine added on
+#: their answers: a burst of this many,
 PING_BACK_BURST = 4
 #: then one per this many seconds
 PING_BACK_PERIOD = 1.0
+#: a ping back's message id is a token of the address pinged and the window of this many seconds it was sent in: its
+#: answer is taken for one to two windows (:meth:`DHTProtocol.ping_back_token`)
+PING_BACK_WINDOW = 10.0
+#: the most bytes of a ping's reply (its 20-byte node id, framed): a larger reply under a ping back's token is dropped
+#: before it is decoded
+PING_REPLY_BYTES = HEADER_BYTES + 32
 #: keys a machine's look-ups (find_value, find_values, find_node) may cost a neighbour search per second, after a
 #: burst of KEYS_BURST: a search and its encoding cost ~50 us of the node's only loop, and one datagram may ask 128
 #: (review 70: 1.8 Mbit/s of random keys from one peer took a node off the DHT). Keys whose contacts are remembered
@@ -97,9 +105,10 @@ class DHTProtocol(UDPTransport):
         self.handovers = MachineBudgets(1.0 / HANDOVER_PERIOD, HANDOVER_BURST, HANDOVER_MACHINES,
                                         clock=lambda: self.clock())
         self.lookups = MachineBudgets(KEYS_PER_SECOND, KEYS_BURST, clock=lambda: self.clock())
-        #: ping-backs to askers (see welcome_if_new): the addresses pinged and not answered yet, and per machine
-        self._pinging_back: set[tuple[str, int]] = set()
+        #: per machine: ping-backs to its askers, and askers added on their answers (see welcome_if_new)
         self.ping_backs = MachineBudgets(1.0 / PING_BACK_PERIOD, PING_BACK_BURST, clock=lambda: self.clock())
+        self.admissions = MachineBudgets(1.0 / PING_BACK_PERIOD, PING_BACK_BURST, clock=lambda: self.clock())
+        self._token_key = os.urandom(32)  # keys the ping backs' tokens (see ping_back_token)
 
     # ---- asking -------------------------------------------------------------------------------------------
     async def call_ping(self, node_to_ask: Node) -> tuple[bool, Any]:
@@ -389,30 +398,63 @@ class DHTProtocol(UDPTransport):
         self._hand_over(node)
 
     def _ping_back(self, node: Node) -> None:
-        """Pings an asker not yet in the table, unless its address is being pinged already, or
-        :data:`PING_BACKS_IN_FLIGHT` addresses are, or its machine has no ping-backs left (:data:`PING_BACK_BURST`,
-        then one per :data:`PING_BACK_PERIOD` s): one ping per forged request at most, and few in all. An asker
-        left out is pinged on a later request."""
-        address = (node.ip, node.port)
-        if address in self._pinging_back or len(self._pinging_back) >= PING_BACKS_IN_FLIGHT:
-            return
+        """Pings an asker not yet in the table, unless its machine has no ping-backs left (:data:`PING_BACK_BURST`,
+        then one per :data:`PING_BACK_PERIOD` s): one ping per forged request at most, a few per machine. An asker
+        left out is pinged on a later request.
+
+        The ping keeps no state here: its message id is a token of the address (:meth:`ping_back_token`), and an
+        answer carrying it is recognised by the token alone (:meth:`unawaited_reply`). Each ping back used to be
+        awaited, and at most 64 at once: forged requests from many addresses, whose pings nobody answers, held them
+        all (~700 a second; 3 of 8 newcomers were added in 10 s), and honest askers meanwhile were not pinged at all
+        (review 101 D2). Now a forged request costs one small datagram, sent to where the request claims to come
+        from, beside the reply it gets anyway: no amplification, and no global cap, which a flood past it would
+        fill as it filled the one in flight."""
         if not self.ping_backs.take(contact_machine(node.ip, node.port)):
             return
-        self._pinging_back.add(address)
-        self.spawn(self._welcome_once_answered(node))
+        address = peer_address((node.ip, node.port))
+        self.send_unawaited((node.ip, node.port), self.ping_back_token(address, self._token_window()), "ping",
+                            self.own_id)
 
-    async def _welcome_once_answered(self, node: Node) -> None:
-        try:
-            ok, node_id = await self.request((node.ip, node.port), "ping", self.own_id)
-        finally:
-            self._pinging_back.discard((node.ip, node.port))
-        # whatever id answers at the address is the one its answer proves (not only the id the request claimed):
-        # a request forged from an honest node's address under made-up ids spent that machine's ping-backs, each
-        # answer was thrown away, and the honest node was never added (review 101)
-        if ok and isinstance(node_id, bytes) and len(node_id) == ID_BYTES:
-            answered = Node(node_id, node.ip, node.port)
-            self.peers.answered(peer_key(answered))
-            self.welcome_if_new(answered, answered=True)
+    def _token_window(self) -> int:
+        return int(self.clock() // PING_BACK_WINDOW)
+
+    def ping_back_token(self, address: tuple[str, int], window: int) -> bytes:
+        """A ping back's message id: the window of :data:`PING_BACK_WINDOW` s it went out in (its last byte), then a
+        keyed hash (by a secret of this node) of that window and the address pinged
+        (:func:`~dmoe.dht.transport.peer_address`). Only whoever receives the ping learns it; a forged reply cannot
+        make one up for another address."""
+        digest = blake2b(f"ping back {window} {address[0]} {address[1]}".encode(), key=self._token_key,
+                         digest_size=ID_BYTES - 1).digest()
+        return bytes([window & 0xFF]) + digest
+
+    def unawaited_reply(self, msg_id: bytes, address: tuple[str, int], size: int) -> Callable[[Any], None] | None:
+        """An answer to a ping back (:meth:`_ping_back`): a reply of a ping's size whose message id is the token of
+        the address it comes from, of this window or the last (told by its first byte: one hash at most, and most
+        stray replies need none)."""
+        if size > PING_REPLY_BYTES:
+            return None
+        window = self._token_window()
+        if msg_id[0] != window & 0xFF:
+            window -= 1  # sent in the last window, or no token at all
+        if msg_id[0] != window & 0xFF or not hmac.compare_digest(msg_id, self.ping_back_token(address, window)):
+            return None
+        return lambda node_id: self._ping_back_answered(address, node_id)
+
+    def _ping_back_answered(self, address: tuple[str, int], node_id: Any) -> None:
+        """Adds the node that answered a ping back at ``address``, as far as its machine may add new contacts
+        (:data:`PING_BACK_BURST`, then one per :data:`PING_BACK_PERIOD` s): a token is good for any number of
+        answers in its window, and one answer per id would add ids at that address as fast as it sends them.
+
+        Whatever id answers at the address is the one its answer proves (not only the id the request claimed): a
+        request forged from an honest node's address under made-up ids spent that machine's ping-backs, each answer
+        was thrown away, and the honest node was never added (review 101)."""
+        if not isinstance(node_id, bytes) or len(node_id) != ID_BYTES:
+            return
+        answered = Node(node_id, *address)
+        self.peers.answered(peer_key(answered))
+        if self.router.is_new_node(answered) and not self.admissions.take(contact_machine(*address)):
+            return
+        self.welcome_if_new(answered, answered=True)
 
     def _hand_over(self, node: Node) -> None:
         for key, record in self.records_to_hand_over(node):

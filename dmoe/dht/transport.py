@@ -118,14 +118,17 @@ class UDPTransport(RPCProtocol):
                                addr)
             return
         msg_id = data[1:HEADER_BYTES]
+        unawaited: Callable[[Any], None] | None = None
         if kind == RESPONSE:
             # a reply to no request of ours (or from another address than asked) is dropped before it is decoded:
             # replies are not capped as requests are, and a spoofed 64 KB one took 7 ms of the loop (review 89)
             pending = self._outstanding.get(msg_id)
             if pending is None:
-                logger.debug("ignoring late or unknown response from %s", addr)
-                return
-            if peer_address(addr) != pending.address:
+                unawaited = self.unawaited_reply(msg_id, peer_address(addr), len(data))
+                if unawaited is None:
+                    logger.debug("ignoring late or unknown response from %s", addr)
+                    return
+            elif peer_address(addr) != pending.address:
                 self.warnings.warn("misdirected", addr[0], "ignoring response from %s to a request sent to %s", addr,
                                    pending.address)
                 return
@@ -136,8 +139,16 @@ class UDPTransport(RPCProtocol):
             return
         if kind == REQUEST:
             self._handle_request(msg_id, payload, addr)
+        elif unawaited is not None:
+            unawaited(payload)
         else:
             self._accept_response(msg_id, payload, addr)
+
+    def unawaited_reply(self, msg_id: bytes, address: tuple[str, int], size: int) -> Callable[[Any], None] | None:
+        """What handles a reply of ``size`` bytes from ``address`` (:func:`peer_address`) whose message id is no
+        outstanding request's: a request sent by :meth:`send_unawaited` whose message id the subclass can recognise
+        (checked before the reply is decoded). None (this transport's answer): the reply is dropped."""
+        return None
 
     def _accept_response(self, msg_id: bytes, data: Any, address: tuple[str, int]) -> None:
         pending = self._outstanding.get(msg_id)
@@ -237,6 +248,16 @@ class UDPTransport(RPCProtocol):
         else:
             self.transport.sendto(REQUEST + msg_id + payload, address)
         return future
+
+    def send_unawaited(self, address: tuple[str, int], msg_id: bytes, name: str, *args: Any) -> None:
+        """Sends a request under ``msg_id`` and keeps nothing: no future, no timeout, no slot. Its reply comes to
+        :meth:`unawaited_reply`, which must recognise ``msg_id`` from the reply alone; for requests that many
+        peers, some of them forged sources that never answer, may draw at once (review 101 D2)."""
+        payload = msgpack.packb([name, list(args)])
+        if len(payload) > MAX_REQUEST_BYTES:
+            raise MessageTooLarge(f"{name} request of {len(payload)} bytes exceeds {MAX_REQUEST_BYTES}")
+        if self.transport is not None and valid_port(address[1]):
+            self.transport.sendto(REQUEST + msg_id + payload, address)
 
     async def request(self, address: tuple[str, int], name: str, *args: Any,
                       on_sent: Callable[[], None] | None = None) -> tuple[bool, Any]:
