@@ -242,18 +242,46 @@ def test_a_large_message_skips_unknown_fields_as_protobuf_does_and_junk_in_it_is
             zc.parse_request(junk)
 
 
-def test_the_largest_valid_batches_our_writers_make_are_read_in_place():
-    """MAX_BATCH_ITEMS items of 16 tensors of 8 dimensions each (a backward's inputs and gradients): within budget."""
-    x = torch.randn(1, 1, 1, 1, 1, 1, 1, 16)
-    for tensors in (6, 16):
-        data = zc.batch_request_message([(f"ffn.{i}", [pack(x) for _ in range(tensors)], b"id%d" % i)
-                                         for i in range(MAX_BATCH_ITEMS)]).join()
-        parsed = zc.parse_batch_request(data)
-        assert isinstance(parsed, zc.BatchRequestView) and len(parsed.items) == MAX_BATCH_ITEMS
-        assert all(len(item.tensors) == tensors for item in parsed.items)
-    answer = zc.batch_response_bytes(zc.BatchResponse([zc.Result([pack(x) for _ in range(16)])
-                                                       for _ in range(MAX_BATCH_ITEMS)]))
-    assert len(zc.parse_batch_response(answer).results) == MAX_BATCH_ITEMS
+@pytest.mark.parametrize("shapes", [
+    [(1, 1024)], [(1, 1024)] * 2,             # a forward's and a backward's of an ffn expert (4 KiB buffers: padded)
+    [(1, 32, 64)] * 3,                        # a transformer's backward of 2 inputs
+    [(1,) * 7 + (1024,)] * 16,                # 16 tensors of 8 dimensions each
+])
+@pytest.mark.parametrize("compression", [NONE, UINT8])
+def test_the_largest_batches_clients_send_and_their_answers_are_read_in_place(shapes, compression):
+    """A client packs as many items in a batch as :func:`zc.item_fields` says fit the reader's budget (review 106):
+    that many, every one at its largest, are read in place, requests and answers alike; an ffn's whole
+    MAX_BATCH_ITEMS do."""
+    count = min(MAX_BATCH_ITEMS, zc.MAX_FIELDS // zc.item_fields(shapes))
+    tensors = [pack(torch.full(shape, 1e6), compression) for shape in shapes]
+    data = zc.batch_request_message([("ffn.%d.%d" % (i, i) + "x" * 200, tensors, bytes(range(64)) * 2)
+                                     for i in range(count)], compression).join()
+    parsed = zc.parse_batch_request(data)
+    assert isinstance(parsed, zc.BatchRequestView) and len(parsed.items) == count
+    assert all(len(item.tensors) == len(shapes) for item in parsed.items)
+    answer = zc.batch_response_bytes(zc.BatchResponse([zc.Result(tensors)] * count))
+    assert len(zc.parse_batch_response(answer).results) == count
+    if len(shapes) <= 2 and len(shapes[0]) <= 3:
+        assert count == MAX_BATCH_ITEMS  # common experts' batches are not split
+
+
+def test_a_client_splits_a_batch_that_its_answers_would_take_past_the_budget(monkeypatch):
+    """Items of 1 input whose expected answers hold 16 tensors each: the answers, not the requests, decide."""
+    from dmoe.client import remote_expert
+    groups = []
+
+    def batch_call(method, endpoint, items, **kwargs):
+        groups.append(len(items))
+        return [None] * len(items)
+
+    monkeypatch.setattr(remote_expert, "_batch_call", batch_call)
+    x, outputs = torch.randn(1, 8), [((1, 1024), torch.float32)] * 16
+    remote_expert.forward_futures([(f"e.{i}", "127.0.0.1:1", [x], None) for i in range(MAX_BATCH_ITEMS)],
+                                  expect=[outputs] * MAX_BATCH_ITEMS)
+    per_call = zc.MAX_FIELDS // zc.item_fields([shape for shape, _ in outputs])
+    assert sum(groups) == MAX_BATCH_ITEMS and max(groups) == per_call < MAX_BATCH_ITEMS
+    answer = zc.batch_response_bytes(zc.BatchResponse([zc.Result([pack(torch.randn(1, 1024))] * 16)] * per_call))
+    assert len(zc.parse_batch_response(answer).results) == per_call
 
 
 @pytest.mark.parametrize("message_cls, element", [
@@ -269,8 +297,9 @@ def test_a_message_of_many_tiny_fields_is_refused_before_it_becomes_that_many_ob
     data = element * (max(1, (2 << 20) // len(element)))
     tracemalloc.start()
     try:
-        # (refused by the field budget, or sooner by the limits on tensors and dimensions)
-        with pytest.raises(DecodeError, match="over the budget|more than 256 tensors|more than 8 dimensions"):
+        # (refused by the field budget, or sooner by the limits on tensors, dimensions and items)
+        with pytest.raises(DecodeError, match="over the budget|more than 256 tensors|more than 8 dimensions|"
+                                              "more than 1024 (items|results)"):
             zc.read_in_place(message_cls, data)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -359,3 +388,113 @@ def test_an_overlong_tag_or_length_is_junk_as_protobuf_says(data):
         zc.parse_request(data + b"\x7a" + zc._encode_varint(zc.ZERO_COPY_MIN_BYTES) + bytes(zc.ZERO_COPY_MIN_BYTES))
     well_formed = b"\x0a\x01a" + b"\x7a" + zc._encode_varint(zc.ZERO_COPY_MIN_BYTES) + bytes(zc.ZERO_COPY_MIN_BYTES)
     assert zc.parse_request(well_formed).uid == "a"  # read in place, past its unknown field
+
+
+def _nested(number: int, body: bytes) -> bytes:
+    return _key(number, 2) + zc._encode_varint(len(body)) + body
+
+
+#: 256 KiB in a field no reader knows (15): a message read in place whatever else it holds
+_LARGE = _nested(15, bytes(zc.ZERO_COPY_MIN_BYTES))
+
+
+def _request_with(fields: bytes) -> bytes:
+    return _LARGE + fields
+
+
+def _tensor_with(fields: bytes) -> bytes:
+    return _LARGE + _nested(2, fields)
+
+
+def _result_with(fields: bytes) -> bytes:
+    return _LARGE + _nested(1, fields)
+
+
+@pytest.mark.parametrize("build, parse, field, most", [
+    (_request_with, zc.parse_request, b"\x0a\x01a", 1),            # ExpertRequest.uid
+    (_request_with, zc.parse_request, b"\x18\x01", 1),             # .response_compression
+    (_request_with, zc.parse_request, b"\x22\x01a", 1),            # .activation_id
+    (_tensor_with, zc.parse_request, b"\x0a\x01a", 1),             # Tensor.buffer
+    (_tensor_with, zc.parse_request, b"\x1a\x01a", 1),             # .dtype
+    (_tensor_with, zc.parse_request, b"\x20\x01", 1),              # .compression
+    (_tensor_with, zc.parse_request, b"\x2a\x01a", 1),             # .aux
+    (_tensor_with, zc.parse_request, b"\x30\x01", 1),              # .parts
+    (_tensor_with, zc.parse_request, b"\x3a\x00", 2),              # .pad: one each side of a buffer
+    (_tensor_with, zc.parse_request, b"\x12\x00", 8),              # .shape, packed fields holding no dimension
+    (_result_with, zc.parse_batch_response, b"\x10\x01", 1),       # ExpertResult.code
+    (_result_with, zc.parse_batch_response, b"\x1a\x01a", 1),      # .message
+    (_request_with, zc.parse_request, b"\x08\x01", 63),            # uid as a varint: unknown, as _LARGE is
+    (_tensor_with, zc.parse_request, b"\x18\x01", 64),             # dtype as a varint: unknown
+])
+def test_a_large_message_holding_more_copies_of_a_field_than_writers_write_is_refused(build, parse, field, most):
+    """protobuf keeps the last copy of a repeated single field, so a million of them make a valid message: read one
+    at a time, 2 MiB of them held a server's loop 1-8 s (review 106). Writers write each once (a pad each side of
+    an aligned buffer, one packed shape): a copy more is refused, at once; a small message is protobuf's, as ever."""
+    for copies in (most, most + 1):
+        data = build(field * copies)
+        protobuf_cls = dmoe_pb2.BatchResponse if parse is zc.parse_batch_response else dmoe_pb2.ExpertRequest
+        protobuf_cls.FromString(data)  # valid protobuf either way
+        if copies == most:
+            assert not isinstance(parse(data), protobuf_cls)  # read in place
+        else:
+            with pytest.raises(DecodeError, match="twice|more than"):
+                parse(data)
+            small = data[len(_LARGE):]
+            assert fields(zc.read_in_place(protobuf_cls, small)) == fields(protobuf_cls.FromString(small))
+
+
+@pytest.mark.parametrize("parse, words", [(zc.parse_batch_request, "items"), (zc.parse_batch_response, "results")])
+def test_a_large_batch_is_refused_at_its_first_item_past_max_batch_items(parse, words):
+    """Its items were all read before any count was checked (review 106): here past the 1025th the message is
+    cut, and the refusal says too many, not cut."""
+    items = _LARGE + b"\x0a\x00" * MAX_BATCH_ITEMS
+    assert len(getattr(parse(items), words)) == MAX_BATCH_ITEMS
+    with pytest.raises(DecodeError, match=f"more than {MAX_BATCH_ITEMS} {words}"):
+        parse(items + b"\x0a\x00" + b"\x0a\x05cut")
+
+
+class _CountedBytes(bytes):
+    """Bytes that count the reads of their items and slices (the reader's Python-level work on a message)."""
+
+    reads = 0
+
+    def __getitem__(self, key):
+        _CountedBytes.reads += 1
+        return bytes.__getitem__(self, key)
+
+
+def test_the_readers_work_on_any_message_is_bounded_by_a_small_budget_not_by_its_size():
+    """Read in Python at ~1 us a field on the server's one event loop, junk of 2 MiB held it for seconds at the
+    budget of 2**20 (review 106): the budget is now what an honest batch needs, every field, dimension and varint
+    byte costs a unit, and the reader reads at most 2 bytes per unit, whatever the message (counted reads, not a
+    clock). Refusals of what no writer writes come within the first items."""
+    slow = _key((1 << 29) - 1, 0) + zc._encode_varint((1 << 64) - 1)  # an unknown field: 5-byte tag, 10-byte value
+
+    def batch(item: bytes, count: int) -> bytes:
+        return _nested(1, item) * count
+
+    worst = {  # reader, message, at most how many reads
+        "repeated scalars": (zc._request, b"\x0a\x01x" + b"\x18\x01" * (1 << 20), 10),
+        "pads": (zc._request, _nested(2, b"\x3a\x00" * (1 << 20)), 20),
+        "empty items": (zc._batch_request, b"\x0a\x00" * (1 << 20), 2 * MAX_BATCH_ITEMS + 10),
+        "empty results": (zc._batch_response, b"\x0a\x00" * (1 << 20), 2 * MAX_BATCH_ITEMS + 10),
+        "unknown fields in items": (zc._batch_request, batch(b"\x78\x01" * 64, 1024), None),
+        "slow unknown fields": (zc._batch_request, batch(slow * 64, 1024), None),
+        "tensors of slow unknown fields": (zc._batch_request, batch(_nested(2, slow * 64) * 256, 3), None),
+        "tensors of unpacked dimensions": (zc._batch_request, batch(_nested(2, b"\x10\x01" * 8) * 256, 1024), None),
+        "tensors of 10-byte dimensions": (zc._batch_request, batch(_nested(
+            2, _nested(2, zc._encode_varint(-1) * 8) + b"\x3a\x00" * 2) * 256, 8), None),
+        "empty tensors": (zc._batch_request, batch(b"\x12\x00" * 256, 1024), None),
+        "results of tensors": (zc._batch_response, batch(_nested(1, b"\x10\x01" * 8) * 256, 1024), None),
+        "16 tensors of 8 dimensions": (zc._batch_request, zc.batch_request_message(
+            [("e.0", [pack(torch.zeros((1,) * 8))] * 16, b"id")] * MAX_BATCH_ITEMS).join(), None),
+    }
+    for name, (read, raw, most) in worst.items():
+        data = _CountedBytes(raw)
+        _CountedBytes.reads = 0
+        try:
+            read(data, memoryview(data), 0, len(data), zc._Budget(zc.MAX_FIELDS))
+        except (zc._Unusual, DecodeError):
+            pass
+        assert _CountedBytes.reads <= (most or 2 * zc.MAX_FIELDS + 16), (name, _CountedBytes.reads)
+    assert zc.MAX_FIELDS <= 1 << 17  # ~20-30 ms of a server's CPU at most, refused or not

@@ -27,7 +27,7 @@ from dmoe.wire.channels import MAX_STATUS_CHARS, described, truncated
 from dmoe.wire.codec import (DTYPES, FLOAT16, NONE, UINT8, UINT8_BLOCK, InvalidTensor, TensorTooLarge, Compression,
                              cut_into_parts, deserialize, dtype_name, encoded_bytes, join_parts, pack,
                              parse_compression, serialize)
-from dmoe.wire.zerocopy import batch_request_message, request_message
+from dmoe.wire.zerocopy import MAX_FIELDS, batch_request_message, item_fields, request_message
 
 logger = logging.getLogger(__name__)
 
@@ -404,8 +404,10 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
 def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compression: int | str,
              channels: ChannelPool | None, unary_limit: int,
              expect: Sequence[Expected | None]) -> "list[Future[list[torch.Tensor]]]":
-    """Sends ``items`` with one batch call per server (more if they exceed one message or ``MAX_BATCH_ITEMS``);
-    an item too large for one message goes alone, streamed. ``expect``: each item's answer (None: unknown)."""
+    """Sends ``items`` with one batch call per server (more if they exceed one message, ``MAX_BATCH_ITEMS``, or
+    the fields a message read in place may hold, :data:`dmoe.wire.zerocopy.MAX_FIELDS`, in the request or the
+    answer expected); an item too large for one message goes alone, streamed. ``expect``: each item's answer (None:
+    unknown, taken to be as large as its request)."""
     channels = channels or ChannelPool.default()
     compression = parse_compression(compression)
     futures: list[Future | None] = [None] * len(items)
@@ -414,7 +416,7 @@ def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compr
         by_endpoint.setdefault(endpoint, []).append(i)
     for endpoint, indices in by_endpoint.items():
         packs: list[list[tuple[int, str, Sequence[torch.Tensor], bytes | None]]] = [[]]
-        size = 0
+        size = fields = 0
         for i in indices:
             uid, _, tensors, activation_id = items[i]
             nbytes = sum(encoded_bytes(t, compression) for t in tensors)
@@ -423,11 +425,14 @@ def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compr
                                    channels=channels, unary_limit=unary_limit, activation_id=activation_id,
                                    expect=expect[i])
                 continue
-            if packs[-1] and (size + nbytes > unary_limit or len(packs[-1]) >= MAX_BATCH_ITEMS):
+            cost = max(item_fields([t.shape for t in tensors]), item_fields([shape for shape, _ in expect[i] or ()]))
+            if packs[-1] and (size + nbytes > unary_limit or len(packs[-1]) >= MAX_BATCH_ITEMS
+                              or fields + cost > MAX_FIELDS):
                 packs.append([])
-                size = 0
+                size = fields = 0
             packs[-1].append((i, uid, tensors, activation_id))
             size += nbytes
+            fields += cost
         for group in filter(None, packs):
             sent = _batch_call(method, endpoint, [(uid, tensors, activation_id)
                                                   for _, uid, tensors, activation_id in group],

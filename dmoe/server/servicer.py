@@ -27,11 +27,11 @@ from dmoe.server.runtime import PoolRemoved, Runtime, is_out_of_memory
 from dmoe.server.task_pool import TaskPool
 from dmoe.server.validation import RequestRejected, check_options, first_bad_values, validate
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
-from dmoe.wire.channels import MAX_BATCH_ITEMS, STREAM_PART_BYTES, truncated
+from dmoe.wire.channels import STREAM_PART_BYTES, truncated
 from dmoe.wire.codec import (NONE, InvalidTensor, OutgoingTensor, TensorTooLarge, cut_into_parts, join_parts,
                              message_bytes, pack)
 from dmoe.wire.shared_memory import BadCall, MappedSegment, Refused, SegmentMaps
-from dmoe.wire.zerocopy import (BatchResponse, Message, Response, Result, batch_response_bytes,
+from dmoe.wire.zerocopy import (MAX_BATCH_ITEMS, BatchResponse, Message, Response, Result, batch_response_bytes,
                                 batch_response_message, parse_batch_request, parse_request, response_bytes,
                                 response_message)
 

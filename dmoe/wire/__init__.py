@@ -2,7 +2,6 @@
 without copies (:mod:`dmoe.wire.zerocopy`), and their payload through shared memory between a client and a server
 on one host (:mod:`dmoe.wire.shared_memory`)."""
 from dmoe.wire.channels import (
-    MAX_BATCH_ITEMS,
     MAX_MESSAGE_BYTES,
     STREAM_PART_BYTES,
     ChannelPool,
@@ -21,6 +20,7 @@ from dmoe.wire.codec import (
     parse_compression,
     serialize,
 )
+from dmoe.wire.zerocopy import MAX_BATCH_ITEMS
 
 __all__ = [
     "FLOAT16", "NONE", "UINT8", "MAX_BATCH_ITEMS", "MAX_MESSAGE_BYTES", "STREAM_PART_BYTES", "ChannelPool",

@@ -16,8 +16,6 @@ from dmoe.wire.zerocopy import ANSWER_PARSERS, Message
 
 #: Unary messages up to this size; larger payloads go through the streaming calls in parts.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-#: The most items (experts' requests) in one forward_batch/backward_batch call; servers refuse more.
-MAX_BATCH_ITEMS = 1024
 #: Size of one streamed part: well under any limit, big enough that per-message overhead is negligible.
 STREAM_PART_BYTES = 2 * 1024 * 1024
 

@@ -9,13 +9,14 @@ were most of the server path's time next to a GPU's compute (benchmarks/README.m
   :func:`parse_batch_response`): a message of at least :data:`ZERO_COPY_MIN_BYTES` is walked in Python and its
   tensors' buffers are ``memoryview`` slices of the received bytes; :func:`dmoe.wire.codec.deserialize` turns
   them into tensors without a copy. The views have the attribute names of the generated messages, so code reads
-  either. Unknown fields are skipped, as protobuf skips them (a newer peer's additions). A message is read within
-  a budget of :data:`MAX_FIELDS` (each field read costs 1, each nested message 8 more: its own objects): every
-  field read becomes a Python object, and a message of empty items, tensors or dimensions (two bytes each) made ~80
-  times its size of them (seconds of the loop's time and gigabytes for a 64 MiB request). What the walk cannot read (truncation, bad
-  UTF-8, groups) is junk: ``DecodeError``. Smaller messages go to protobuf directly (their copies cost less than a
-  walk in Python, and their size bounds what protobuf builds), as do small unusual ones, so protobuf decides
-  exactly as before there.
+  either. Unknown fields are skipped, as protobuf skips them (a newer peer's additions), a few per message. A
+  message is read within a budget of :data:`MAX_FIELDS` units (a field, a dimension: 1; a varint of 2 bytes or
+  more: 1 a byte; a nested message: 8 more, its own objects), what an honest batch needs: the walk runs on the
+  server's one event loop, and no message holds it more than ~20-30 ms. Copies of a field beyond what writers
+  write (a single field twice, a third pad) and a batch's item past :data:`MAX_BATCH_ITEMS` are refused where they
+  start (review 106). What the walk cannot read (truncation, bad UTF-8, groups) or refuses is junk:
+  ``DecodeError``. Smaller messages go to protobuf directly (their copies cost less than a walk in Python, and
+  their size bounds what protobuf builds), as do small unusual ones, so protobuf decides exactly as before there.
 - **Writing** (:func:`request_message`, :func:`batch_request_message`, :func:`response_message`,
   :func:`batch_response_message`, of tensors from :func:`dmoe.wire.codec.pack`): a :data:`Message`'s bytes are one
   ``b"".join`` of its small headers and its tensors' memory (or the same chunks written into shared memory), one
@@ -38,19 +39,26 @@ from dmoe.wire.codec import MAX_NDIM, NONE, GatheredRows, OutgoingTensor, Tensor
 #: in Python. Measured on a 16-item batch request: 1.4x slower in place at 64 KiB, even at 256 KiB, 26x faster at 4 MiB.
 ZERO_COPY_MIN_BYTES = 256 * 1024
 
-#: The budget of one message read in place: each field read (shape dimensions included) costs 1, each nested
-#: message (an item, a tensor, a result) 8 more, as it builds objects of its own. A valid batch of MAX_BATCH_ITEMS
-#: (1024) items of 16 tensors of 8 dimensions each costs ~430k; a message of empty items stops at ~116k of them
-#: (~30 MiB of objects, where its 2 bytes each made ~80 times the message's size).
-MAX_FIELDS = 1 << 20
-#: Fields of numbers this version does not know that one message may hold (a newer peer adds a few), and the
-#: dimensions a tensor may have (:data:`~dmoe.wire.codec.MAX_NDIM`, which decoding refuses anyway): either read one at
-#: a time up to the budget, a 1 MiB request of a million dimensions held the server's loop 0.8 s (review 93).
+#: The budget of one message read in place, in units of about the same time whatever the message is made of: a
+#: field or a dimension costs 1, a varint of 2 bytes or more 1 a byte, a nested message (an item, a tensor, a
+#: result) :data:`_NESTED_COST` more. It bounds the objects a message makes (a 2-byte empty item became ~80 bytes of
+#: them, review 93) and the time its walk holds the server's one event loop, ~0.2 us a unit: at 2**20, 2 MiB
+#: requests of repeated fields held it 1-8 s each, and ~1.5 MiB/s of them made an honest forward wait 5 s (review
+#: 106). This is what honest batches need: MAX_BATCH_ITEMS items of an ffn's forward (1 tensor) cost ~40k, of its
+#: backward (2) ~64k; clients split a batch whose request or answer would cost more (:func:`item_fields`).
+MAX_FIELDS = 1 << 17
+#: Fields of numbers (or wire types) this version does not know that one message (a tensor, an item, a result, a
+#: batch) may hold: a newer peer adds a few. A 1 MiB request of a million of them, or of dimensions, held the
+#: server's loop 0.8 s (review 93); the fields this version knows may repeat no more than writers repeat them
+#: (:class:`_Layout`): once, twice for ``Tensor.pad``, :data:`~dmoe.wire.codec.MAX_NDIM` dimensions (review 106).
 MAX_UNKNOWN_FIELDS = 64
 #: Tensors one request, answer or batch item may hold (an expert's schema has a few): 100k empty ones in a 1.3 MiB
 #: request cost the loop 0.6 s within the field budget
 MAX_TENSORS = 256
-#: What a nested message costs beyond its field.
+#: The most items (experts' requests) in one forward_batch/backward_batch call, and results in its answer; servers
+#: refuse more. The reader refuses the first item past it, rather than read them all first (review 106).
+MAX_BATCH_ITEMS = 1024
+#: What a nested message costs beyond its field: an empty one took as long as ~9 plain fields.
 _NESTED_COST = 8
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -82,11 +90,11 @@ class _Unusual(Exception):
 
 
 class TooManyFields(DecodeError):
-    """A message over the :data:`MAX_FIELDS` budget (empty items, tensors or dimensions by the hundred thousand)."""
+    """A message over the :data:`MAX_FIELDS` budget (tensors, dimensions or unknown fields by the ten thousand)."""
 
 
 class _Budget:
-    """The fields a message may still hold."""
+    """The units of :data:`MAX_FIELDS` a message may still spend."""
 
     __slots__ = ("left",)
 
@@ -96,8 +104,59 @@ class _Budget:
     def take(self, cost: int = 1) -> None:
         self.left -= cost
         if self.left < 0:
-            raise TooManyFields(f"a message over the budget of {MAX_FIELDS} fields (nested messages cost "
-                                f"{1 + _NESTED_COST} each)")
+            raise self.spent()
+
+    @staticmethod
+    def spent() -> TooManyFields:
+        return TooManyFields(f"a message over the budget of {MAX_FIELDS} fields (nested messages cost "
+                             f"{1 + _NESTED_COST} each)")
+
+
+class _Layout:
+    """The fields of one message type that this version reads: by field number, the wire types it takes, and the
+    most copies a writer (ours or protobuf's) puts in one message. protobuf keeps the last of repeated copies of a
+    single field, so a message of a million copies of one is valid; read one at a time in Python, they held a
+    server's event loop for seconds (review 106). A field of another number or wire type is unknown (a newer
+    peer's): skipped, as protobuf skips it, at most :data:`MAX_UNKNOWN_FIELDS` of them."""
+
+    __slots__ = ("message", "wire_types", "most", "names")
+
+    def __init__(self, message: str, fields: dict[int, tuple[str, tuple[int, ...], int]]):
+        size = max(fields) + 1
+        self.message = message
+        self.wire_types = [0] * size  # a bit per wire type taken
+        self.most, self.names = [0] * size, [""] * size
+        for number, (name, wire_types, most) in fields.items():
+            self.wire_types[number] = sum(1 << wire_type for wire_type in wire_types)
+            self.most[number], self.names[number] = most, name
+
+    def too_many(self, number: int) -> _Unusual:
+        most, name = self.most[number], self.names[number]
+        if most == 1:
+            return _Unusual(f"{self.message}.{name} twice")
+        return _Unusual(f"more than {most} {name} in one {self.message}")
+
+
+_TENSOR = _Layout("Tensor", {1: ("buffer", (_LEN,), 1), 2: ("shape fields", (_LEN, _VARINT), MAX_NDIM),
+                             3: ("dtype", (_LEN,), 1), 4: ("compression", (_VARINT,), 1), 5: ("aux", (_LEN,), 1),
+                             6: ("parts", (_VARINT,), 1), 7: ("pads", (_LEN,), 2)})  # (a pad each side of a buffer)
+_REQUEST = _Layout("ExpertRequest", {1: ("uid", (_LEN,), 1), 2: ("tensors", (_LEN,), MAX_TENSORS),
+                                     3: ("response_compression", (_VARINT,), 1), 4: ("activation_id", (_LEN,), 1)})
+_RESPONSE = _Layout("ExpertResponse", {1: ("tensors", (_LEN,), MAX_TENSORS)})
+_BATCH_REQUEST = _Layout("BatchRequest", {1: ("items", (_LEN,), MAX_BATCH_ITEMS)})
+_RESULT = _Layout("ExpertResult", {1: ("tensors", (_LEN,), MAX_TENSORS), 2: ("code", (_VARINT,), 1),
+                                   3: ("message", (_LEN,), 1)})
+_BATCH_RESPONSE = _Layout("BatchResponse", {1: ("results", (_LEN,), MAX_BATCH_ITEMS)})
+
+
+def item_fields(shapes: Sequence[Sequence[int]]) -> int:
+    """At most what a batch item (or an answer's result) holding tensors of these shapes costs the reader's budget,
+    every field written and every length in 5 bytes: a writer keeps a batch, and the answer it expects, within
+    :data:`MAX_FIELDS` (review 106)."""
+    nested = 1 + _NESTED_COST + 5  # its field, its objects, its length
+    tensors = sum(nested + 7 + 10 + sum(1 if 0 <= dim < 0x80 else 1 + len(_encode_varint(dim)) for dim in shape)
+                  for shape in shapes)  # 7 fields, 2 lengths (buffer, aux), packed dimensions
+    return nested + 3 + 10 + tensors  # uid, compression and activation id (or code and message), 2 lengths
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -157,41 +216,72 @@ def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
     raise _Unusual("truncated or overlong varint")
 
 
-def _fields(data: bytes, pos: int, end: int, budget: _Budget, known: int):
-    """(field number, wire type, value, value's end) of each field in ``data[pos:end]``: a varint's value, or a
-    length-delimited (or fixed-size) field's start (its bytes are ``data[value:value's end]``). Fields numbered above
-    ``known`` (a newer peer's) are skipped by the caller, at most :data:`MAX_UNKNOWN_FIELDS` of them per message."""
+def _long_varint(data: bytes, pos: int, end: int, budget: _Budget) -> tuple[int, int]:
+    """:func:`_varint`, for one not read inline (two bytes or more), at a unit of the budget per byte: a field of a
+    5-byte tag and a 10-byte value took 25 times as long as a one-byte field (review 106)."""
+    value, stop = _varint(data, pos, end)
+    budget.left -= stop - pos
+    return value, stop
+
+
+def _fields(data: bytes, pos: int, end: int, budget: _Budget, layout: _Layout):
+    """(field number, wire type, value, value's end) of each field of ``layout`` in ``data[pos:end]``: a varint's
+    value, or a length-delimited field's start (its bytes are ``data[value:value's end]``). Other fields are skipped
+    here, at most :data:`MAX_UNKNOWN_FIELDS` of them; a copy of a field beyond what writers write is
+    :class:`_Unusual`. (One-byte tags, varints and lengths, most of a message's, are read inline: 4 times faster.)"""
+    wire_types, most = layout.wire_types, layout.most
+    known = len(wire_types)
+    copies = [0] * known
     unknown = 0
     while pos < end:
-        budget.take()
-        start = pos
-        key, pos = _varint(data, pos, end)
-        if pos - start > 5:  # (protobuf reads a tag, and a length, in at most 5 bytes)
-            raise _Unusual("overlong field tag")
+        budget.left -= 1
+        if budget.left < 0:
+            raise budget.spent()
+        key = data[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            start = pos
+            key, pos = _long_varint(data, pos, end, budget)
+            if pos - start > 5:  # (protobuf reads a tag, and a length, in at most 5 bytes)
+                raise _Unusual("overlong field tag")
         number, wire_type = key >> 3, key & 7
         if not 0 < number <= _MAX_FIELD_NUMBER:
             raise _Unusual(f"field number {number}")
-        if number > known:
+        if wire_type == _VARINT:
+            value = data[pos] if pos < end else 0x80
+            if value < 0x80:
+                pos += 1
+            else:
+                value, pos = _long_varint(data, pos, end, budget)
+            stop = pos
+        else:
+            if wire_type == _LEN:
+                length = data[pos] if pos < end else 0x80
+                if length < 0x80:
+                    pos += 1
+                else:
+                    start = pos
+                    length, pos = _long_varint(data, pos, end, budget)
+                    if pos - start > 5 or length >= 1 << 31:
+                        raise _Unusual("overlong length")
+            elif wire_type == _I64 or wire_type == _I32:
+                length = 8 if wire_type == _I64 else 4
+            else:
+                raise _Unusual(f"wire type {wire_type}")
+            if length > end - pos:
+                raise _Unusual("length past the end")
+            value = pos
+            pos = stop = pos + length
+        if number < known and wire_types[number] >> wire_type & 1:
+            copies[number] += 1
+            if copies[number] > most[number]:
+                raise layout.too_many(number)
+            yield number, wire_type, value, stop
+        else:  # a field this version does not know: skipped, as protobuf skips it
             unknown += 1
             if unknown > MAX_UNKNOWN_FIELDS:
-                raise _Unusual(f"more than {MAX_UNKNOWN_FIELDS} unknown fields in one message")
-        if wire_type == _VARINT:
-            value, pos = _varint(data, pos, end)
-            yield number, wire_type, value, pos
-            continue
-        if wire_type == _LEN:
-            start = pos
-            length, pos = _varint(data, pos, end)
-            if pos - start > 5 or length >= 1 << 31:
-                raise _Unusual("overlong length")
-        elif wire_type in (_I64, _I32):
-            length = 8 if wire_type == _I64 else 4
-        else:
-            raise _Unusual(f"wire type {wire_type}")
-        if length > end - pos:
-            raise _Unusual("length past the end")
-        yield number, wire_type, pos, pos + length
-        pos += length
+                raise _Unusual(f"more than {MAX_UNKNOWN_FIELDS} unknown fields in one {layout.message}")
 
 
 def _int32(value: int) -> int:
@@ -212,88 +302,86 @@ def _text(data: bytes, start: int, end: int) -> str:
 
 def _tensor(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> TensorView:
     tensor = TensorView()
-    for number, wire_type, value, stop in _fields(data, pos, end, budget, 7):
-        if number == 1 and wire_type == _LEN:
+    for number, wire_type, value, stop in _fields(data, pos, end, budget, _TENSOR):
+        if number == 1:
             tensor.buffer = view[value:stop]
-        elif number == 2 and wire_type == _LEN:  # packed, as protobuf writes repeated int64
-            while value < stop:
+        elif number == 2:
+            if wire_type == _LEN:  # packed, as protobuf writes repeated int64
+                while value < stop:
+                    budget.take()
+                    dim = data[value]
+                    if dim < 0x80:
+                        value += 1
+                    else:
+                        dim, value = _long_varint(data, value, stop, budget)
+                    tensor.shape.append(_int64(dim))
+                    if len(tensor.shape) > MAX_NDIM:
+                        raise _Unusual(f"a tensor of more than {MAX_NDIM} dimensions")
+            else:  # a dimension of its own: a unit as a packed one, and one for its field
                 budget.take()
-                dim, value = _varint(data, value, stop)
-                tensor.shape.append(_int64(dim))
+                tensor.shape.append(_int64(value))
                 if len(tensor.shape) > MAX_NDIM:
                     raise _Unusual(f"a tensor of more than {MAX_NDIM} dimensions")
-        elif number == 2 and wire_type == _VARINT:
-            tensor.shape.append(_int64(value))
-            if len(tensor.shape) > MAX_NDIM:
-                raise _Unusual(f"a tensor of more than {MAX_NDIM} dimensions")
-        elif number == 3 and wire_type == _LEN:
+        elif number == 3:
             tensor.dtype = _text(data, value, stop)
-        elif number == 4 and wire_type == _VARINT:
+        elif number == 4:
             tensor.compression = _int32(value)
-        elif number == 5 and wire_type == _LEN:
+        elif number == 5:
             tensor.aux = data[value:stop]
-        elif number == 6 and wire_type == _VARINT:
+        elif number == 6:
             tensor.parts = value & 0xFFFFFFFF
-        # else: padding (7), or a field this version does not know: skipped, as protobuf skips it
+        # else: padding (7), skipped
     return tensor
 
 
 def _request(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> RequestView:
     request = RequestView()
-    for number, wire_type, value, stop in _fields(data, pos, end, budget, 4):
-        if number == 1 and wire_type == _LEN:
+    for number, wire_type, value, stop in _fields(data, pos, end, budget, _REQUEST):
+        if number == 1:
             request.uid = _text(data, value, stop)
-        elif number == 2 and wire_type == _LEN:
+        elif number == 2:
             budget.take(_NESTED_COST)
-            if len(request.tensors) >= MAX_TENSORS:
-                raise _Unusual(f"more than {MAX_TENSORS} tensors in one message")
             request.tensors.append(_tensor(data, view, value, stop, budget))
-        elif number == 3 and wire_type == _VARINT:
+        elif number == 3:
             request.response_compression = _int32(value)
-        elif number == 4 and wire_type == _LEN:
+        else:
             request.activation_id = data[value:stop]
     return request
 
 
-def _elements(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget, read,
-              limit: int | None = None) -> list:
+def _elements(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget, read, layout: _Layout) -> list:
     """The elements of a message whose one field (number 1) is a repeated message, each read by ``read``; at most
-    ``limit`` of them."""
+    the layout's most of them (the first one past it is refused, not read)."""
     elements = []
-    for number, wire_type, value, stop in _fields(data, pos, end, budget, 1):
-        if number == 1 and wire_type == _LEN:
-            budget.take(_NESTED_COST)
-            if limit is not None and len(elements) >= limit:
-                raise _Unusual(f"more than {limit} tensors in one message")
-            elements.append(read(data, view, value, stop, budget))
+    for _, _, value, stop in _fields(data, pos, end, budget, layout):
+        budget.take(_NESTED_COST)
+        elements.append(read(data, view, value, stop, budget))
     return elements
 
 
 def _batch_request(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> BatchRequestView:
-    return BatchRequestView(_elements(data, view, pos, end, budget, _request))
+    return BatchRequestView(_elements(data, view, pos, end, budget, _request, _BATCH_REQUEST))
 
 
 def _response(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> Response:
-    return Response(_elements(data, view, pos, end, budget, _tensor, MAX_TENSORS))
+    return Response(_elements(data, view, pos, end, budget, _tensor, _RESPONSE))
 
 
 def _result(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> Result:
     result = Result()
-    for number, wire_type, value, stop in _fields(data, pos, end, budget, 3):
-        if number == 1 and wire_type == _LEN:
+    for number, wire_type, value, stop in _fields(data, pos, end, budget, _RESULT):
+        if number == 1:
             budget.take(_NESTED_COST)
-            if len(result.tensors) >= MAX_TENSORS:
-                raise _Unusual(f"more than {MAX_TENSORS} tensors in one message")
             result.tensors.append(_tensor(data, view, value, stop, budget))
-        elif number == 2 and wire_type == _VARINT:
+        elif number == 2:
             result.code = value & 0xFFFFFFFF
-        elif number == 3 and wire_type == _LEN:
+        else:
             result.message = _text(data, value, stop)
     return result
 
 
 def _batch_response(data: bytes, view: memoryview, pos: int, end: int, budget: _Budget) -> BatchResponse:
-    return BatchResponse(_elements(data, view, pos, end, budget, _result))
+    return BatchResponse(_elements(data, view, pos, end, budget, _result, _BATCH_RESPONSE))
 
 
 def _parser(read, message_cls, min_bytes: int | None = None):
