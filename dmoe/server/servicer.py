@@ -231,7 +231,8 @@ class ExpertServicer(dmoe_pb2_grpc.ExpertServiceServicer):
         faults: injected latency and failures for experiments (:mod:`dmoe.server.faults`); None: none.
         reject_nonfinite: answer INVALID_ARGUMENT to requests whose floating-point tensors hold NaN or Inf.
         max_abs_value: answer INVALID_ARGUMENT to requests holding finite values of a larger magnitude (None: no limit).
-        max_batch_items: batch calls with more items are refused (RESOURCE_EXHAUSTED).
+        max_batch_items: batch calls with more items are refused (RESOURCE_EXHAUSTED; a request read in place is
+            refused at its 1025th item as it is read, INVALID_ARGUMENT).
         stages: where to add each request's ``decode`` and ``encode`` time (:mod:`dmoe.server.profile`); None: none.
         shared_memory: the clients' segments this server maps for ``call_shared`` (:mod:`dmoe.wire.shared_memory`);
             None: it refuses them, and clients on this host call the plain way.
