@@ -1,8 +1,8 @@
-"""An adoption under way when its server stops, and a claim race that ties (review 88): a clean stop ends the
-adoption's probes and fetches at once, claims nothing, and still makes its last push; two holders whose claims
-split a uid's entry evenly (which readers see as nobody's) let their entries expire instead of refreshing them,
-so the cell is adopted soon after. Holders, hosts and DHT nodes are in-process (gRPC servers and DHT nodes on
-loopback)."""
+"""An adoption under way when its server stops, and claims or declarations that tie (reviews 88, 105): a clean stop
+ends the adoption's probes and fetches at once, claims nothing, and still makes its last push; two holders whose
+claims split a uid's entry evenly (which readers see as nobody's) let their entries expire instead of refreshing
+them, so the cell is adopted soon after; of two servers whose own declarations split it so, one gives way. Holders,
+hosts and DHT nodes are in-process (gRPC servers and DHT nodes on loopback)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,21 +18,32 @@ from kademlia.node import Node
 from kademlia.utils import digest
 
 from dmoe.dht import DHT, Identity
-from dmoe.directory import get_experts
+from dmoe.directory import Announcer, get_experts
 from dmoe.replicas import ReplicaChannels, ReplicaConfig, Replication, ReplicaStore, sign, take
 from dmoe.replicas.adoption import PROBE_TIMEOUT, Adopter
-from dmoe.replicas.records import SIGNER_HEX, Holder, hosts_key, replicas_key, server_subkey
+from dmoe.replicas.records import SIGNER_HEX, Holder, distance, hosts_key, replicas_key, server_subkey
 from dmoe.replicas.snapshots import signed_fields
+from dmoe.server import ExpertServer, ServerConfig
 from dmoe.uid import strict_prefixes
 from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
-from tests.test_adoption_newest import expert_server, train
+from tests.test_adoption_newest import HIDDEN, expert_server, train
 from tests.test_replicas import wait_until
 
 UID = "ffn0.1.2"
 OWN = "ffn0.0.0"  # what the holder serves itself
 MAX_BYTES = 1 << 30
+PREFIX, COORDINATE = strict_prefixes(UID)[-1]  # where UID's directory entry is: its owned subkey in this record
 
 
+def node_of(dht: DHT) -> Node:
+    host, port = dht.endpoint.rsplit(":", 1)
+    return Node(dht.node.node.id, host, int(port))
+
+
+def store_entry(by: DHT, on: DHT, identity: Identity, endpoint: str, expiration: float) -> None:
+    """Stores ``identity``'s directory entry of UID (at ``endpoint``) on the node ``on`` alone, sent by ``by``."""
+    entry = identity.entry(digest(PREFIX), COORDINATE, endpoint, round(time.time() + expiration, 3))
+    assert by.run_coroutine(by.node.protocol.call_store(node_of(on), digest(PREFIX), {COORDINATE: entry})) == [True]
 
 
 def replica_of(owner: Identity, steps: int):
@@ -232,18 +243,10 @@ def test_claims_that_tie_are_not_refreshed_by_their_losers_so_the_cell_is_adopte
         fourth = stack.enter_context(DHT([first.endpoint]))
         reader = stack.enter_context(DHT([first.endpoint], client_mode=True))
         endpoints = {a: "127.0.0.1:1111", b: "127.0.0.1:2222"}
-        prefix, coordinate = strict_prefixes(UID)[-1]
-
-        def node_of(dht: DHT) -> Node:
-            host, port = dht.endpoint.rsplit(":", 1)
-            return Node(dht.node.node.id, host, int(port))
         # the race's outcome: A's claim reached two of the four nodes first, B's the other two
-        expires = round(time.time() + expiration, 3)
         for identity, dht, targets in ((a, node_a, (first, node_a)), (b, node_b, (node_b, fourth))):
-            entry = identity.entry(digest(prefix), coordinate, endpoints[identity], expires)
             for target in targets:
-                assert dht.run_coroutine(dht.node.protocol.call_store(node_of(target), digest(prefix),
-                                                                      {coordinate: entry})) == [True]
+                store_entry(dht, target, identity, endpoints[identity], expiration)
         assert get_experts(reader, [UID]) == [None]  # a tie: nobody's
         holders = {}
         channels = ReplicaChannels()
@@ -265,3 +268,98 @@ def test_claims_that_tie_are_not_refreshed_by_their_losers_so_the_cell_is_adopte
                    == [endpoint == served for endpoint in holders], 5, f"{served} alone serving {UID}")
         assert [len(adopter.adopted) for _, adopter in holders.values()] == [endpoint == served for endpoint in holders]
 
+
+
+def test_of_two_servers_whose_first_declarations_tie_the_one_farther_from_the_uid_gives_way_keeping_its_training(
+        tmp_path):
+    """Two --replica-dir servers choose UID at the same moment; their first declarations reach the record's nodes
+    in opposite orders, two each: readers find no owner (a tie reads as nobody's). Each kept serving UID and
+    refreshing its own half, as long as both ran, and no client ever found it (review 105 D4). Now the server
+    whose key is farther from UID's key gives way: it keeps what it trained as a replica held in its store, and
+    the other's next refresh, once the half of the one that gave way expired, makes it UID's owner."""
+    expiration = 3.0
+    with ExitStack() as stack:
+        first = stack.enter_context(DHT())
+        a, b = Identity(), Identity()
+        node_a = stack.enter_context(DHT([first.endpoint], identity=a))
+        node_b = stack.enter_context(DHT([first.endpoint], identity=b))
+        fourth = stack.enter_context(DHT([first.endpoint]))
+        reader = stack.enter_context(DHT([first.endpoint], client_mode=True))
+        # the race's outcome: A's first declaration reached two of the four nodes first, B's the other two
+        for identity, dht, targets in ((a, node_a, (first, node_a)), (b, node_b, (node_b, fourth))):
+            for target in targets:
+                store_entry(dht, target, identity, "127.0.0.1:1", expiration)
+        assert get_experts(reader, [UID]) == [None]
+        servers = {}
+        for identity, dht, steps in ((a, node_a, 3), (b, node_b, 5)):
+            server = ExpertServer.create(UID, "ffn", HIDDEN, optimizer="adam", lr=0.01,
+                                         config=ServerConfig(device="cpu", host="127.0.0.1"),
+                                         announcer=Announcer(dht, refresh_period=0.5, expiration=expiration))
+            train(server.backends[UID], steps)
+            Replication(server, ReplicaConfig(tempfile.mkdtemp(dir=tmp_path), replicas=0, check_period=0.5))
+            servers[identity] = stack.enter_context(server)  # (started: declares UID, refused on the other half)
+        keeps, gives = sorted(servers, key=lambda identity: distance(UID, identity.public_key))
+        winner, loser = servers[keeps], servers[gives]
+        wait_until(lambda: get_experts(reader, [UID]) == [winner.endpoint] and UID not in loser.backends,
+                   5 * expiration, f"{winner.endpoint} alone serving {UID}, found by clients")
+        assert UID in winner.backends
+        held = loser.replication.store.header(UID)  # its training, held as a replica of UID (adopted if it empties)
+        assert held.signer == gives.public_key and held.updates == (3 if gives is a else 5)
+        assert not loser.replication.adopter.adopted
+
+
+def hand_over(node: DHT, identity: Identity, expiration: float) -> None:
+    """``node`` holds ``identity``'s entry of UID in place of the one it held (as a node of the record that lost
+    its entries, or joined the record's replicas anew, and took another key's store first would)."""
+    entry = identity.entry(digest(PREFIX), COORDINATE, "127.0.0.1:1", round(time.time() + expiration, 3))
+
+    async def swap() -> None:
+        node.node.storage.data[digest(PREFIX)].pop(COORDINATE, None)
+        assert node.node.storage.store(digest(PREFIX), COORDINATE, *entry)
+    node.run_coroutine(swap())
+
+
+def test_a_tie_made_later_by_another_key_or_with_a_stale_entry_does_not_make_a_server_give_way(tmp_path):
+    """A server's entry of UID is held by two of the four nodes, a key closer to UID's key holds the other two:
+    readers find no owner. A server that owned UID (read itself its owner at two looks) never gives way then,
+    since any key may store first on a node that lost the owner's entry (a hostile one): it would take a live
+    server's cell. A server that never owned it does not give way to an entry that is not issued anew either (a
+    stale one, which expires by itself), but only to a live rival closer to UID's key."""
+    expiration = 60.0
+    me = Identity()
+    rival = Identity()
+    while distance(UID, rival.public_key) >= distance(UID, me.public_key):
+        rival = Identity()  # (closer: the rival a server that never owned UID gives way to)
+    with ExitStack() as stack:
+        first = stack.enter_context(DHT())
+        own = stack.enter_context(DHT([first.endpoint], identity=me))
+        third, fourth = (stack.enter_context(DHT([first.endpoint])) for _ in range(2))
+        reader = stack.enter_context(DHT([first.endpoint], client_mode=True))
+        server = ExpertServer.create(UID, "ffn", HIDDEN, optimizer="adam", lr=0.01,
+                                     config=ServerConfig(device="cpu", host="127.0.0.1"),
+                                     announcer=Announcer(own, refresh_period=30.0, expiration=expiration))
+        train(server.backends[UID], 2)
+        stack.enter_context(server)  # (declares UID on the four nodes)
+        channels = ReplicaChannels()
+        stack.callback(channels.close)
+
+        def adopter() -> Adopter:
+            return Adopter(server, own, ReplicaStore(tempfile.mkdtemp(dir=tmp_path), MAX_BYTES), ["ffn0"],
+                           check_period=1.0, stagger=0.0, channels=channels, max_bytes=MAX_BYTES,
+                           expiration=expiration)
+        owner = adopter()
+        assert owner.drop_taken() == owner.drop_taken() == []  # UID read as its own twice: it owns UID
+        for node in (third, fourth):
+            hand_over(node, rival, expiration)
+        assert get_experts(reader, [UID]) == [None]  # a tie
+        for _ in range(2):
+            for node in (third, fourth):
+                hand_over(node, rival, expiration)  # (issued anew: a live rival)
+            assert owner.drop_taken() == [] and UID in server.backends
+        newcomer = adopter()  # one that never read itself UID's owner (its first declaration tied)
+        assert newcomer.drop_taken() == newcomer.drop_taken() == []  # the rival's entry not issued anew: stale
+        for node in (third, fourth):
+            hand_over(node, rival, expiration)
+        assert newcomer.drop_taken() == [UID] and UID not in server.backends
+        held = newcomer.store.header(UID)
+        assert held.signer == me.public_key and held.updates == 2

@@ -327,13 +327,16 @@ def test_a_tie_between_owners_reads_as_absent_and_is_reported():
     honest = {5: ALICE.entry(KEY, 5, "a:1", 150.0)}
     lying = {5: MALLORY.entry(KEY, 5, "evil:1", 900.0)}
     disputes: dict = {}
+    ties: dict = {}  # (with whom: a server whose declaration ties learns it, review 105 D4)
     merged = merge_records([honest, dict(honest), lying, dict(lying)], now=100.0,
-                           voters=["10.0.0.1", "10.0.0.2", "10.6.6.6", "10.7.7.7"], disputes=disputes)
+                           voters=["10.0.0.1", "10.0.0.2", "10.6.6.6", "10.7.7.7"], disputes=disputes, ties=ties)
     assert 5 not in merged and disputes[5].startswith("2 votes to 2")
+    assert sorted(entry.value for entry in ties[5]) == ["a:1", "evil:1"]
     disputes.clear()
+    ties.clear()
     merged = merge_records([honest, dict(honest), lying], now=100.0, voters=["10.0.0.1", "10.0.0.2", "10.6.6.6"],
-                           disputes=disputes)
-    assert merged[5].value == "a:1" and disputes[5].startswith("2 votes to 1")
+                           disputes=disputes, ties=ties)
+    assert merged[5].value == "a:1" and disputes[5].startswith("2 votes to 1") and not ties
 
 
 def test_an_owner_s_last_issued_entry_wins_whatever_its_expiration_and_its_older_ones_replay_nowhere():

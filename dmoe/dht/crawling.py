@@ -51,7 +51,7 @@ from dmoe.dht.messages import MalformedRequest, as_seen_from, parse_nodes
 from dmoe.dht.peers import Peer, peer_key
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.routing import contact_machine
-from dmoe.dht.storage import Record, merge_records
+from dmoe.dht.storage import Entry, Record, Subkey, merge_records
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class RecordCrawl:
         self.sent: dict[Peer, float] = {}  # contact -> loop time its request left (after waiting for a slot)
         self.records: list[Record] = []
         self.held_at: dict[Peer, Record] = {}  # what each responding contact holds: the vote (see run)
+        # owned subkeys that run read as absent because owners tied, and the tied owners' entries (merge_records)
+        self.ties: dict[Subkey, list[Entry]] = {}
         # node id -> what it holds at the address that stands for it (see answered_as), for read repair
         self.held: dict[bytes, Record] = {}
         # nodes that recently failed to answer or answered late: still asked (a busy machine makes live nodes
@@ -515,7 +517,7 @@ class RecordCrawl:
             held.append(local)
             voters.append(LOCAL_VOTER)
         disputes: dict = {}
-        merged = merge_records(held, voters=voters, disputes=disputes)
+        merged = merge_records(held, voters=voters, disputes=disputes, ties=self.ties)
         for subkey, how in disputes.items():  # a hijack (or the rare overlap of an expired owner and its successor)
             self.protocol.refusals.warn("contested", self.target.id.hex(), "replicas of record %s disagree on the "
                                         "owner of subkey %s (%s)%s", self.target.id.hex()[:16], subkey, how,

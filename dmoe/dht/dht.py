@@ -14,7 +14,7 @@ from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, listen_host, parse_endpoint
 from dmoe.dht.messages import check_entry
 from dmoe.dht.signing import Identity
-from dmoe.dht.storage import Record, Subkey, check_expiration, to_milliseconds
+from dmoe.dht.storage import Entry, Record, Subkey, check_expiration, to_milliseconds
 from dmoe.endpoints import (
     announced_endpoint,
     bare_host,
@@ -145,9 +145,10 @@ class DHT:
         expiration, owner, signature, issued_us)}``; empty when nothing is stored."""
         return self.get_many([key])[key]
 
-    def get_many(self, keys: Sequence[str]) -> dict[str, Record]:
-        """:meth:`get` for several keys, looked up concurrently."""
-        return self.run_coroutine(self.node.get_records(list(keys)))
+    def get_many(self, keys: Sequence[str], ties: dict[str, dict[Subkey, list[Entry]]] | None = None
+                 ) -> dict[str, Record]:
+        """:meth:`get` for several keys, looked up concurrently; ``ties``: see :meth:`DHTNode.get_records`."""
+        return self.run_coroutine(self.node.get_records(list(keys), ties))
 
     def close(self) -> None:
         """Stops the node and its loop thread; safe to call twice. Calls in flight end in RuntimeError."""

@@ -18,7 +18,16 @@ from dmoe.dht.messages import canonical_host, valid_address
 from dmoe.dht.peers import peer_key
 from dmoe.dht.protocol import DHTProtocol
 from dmoe.dht.signing import Identity
-from dmoe.dht.storage import NotOwner, Record, RecordFull, RecordStorage, check_expiration, missing_entries
+from dmoe.dht.storage import (
+    Entry,
+    NotOwner,
+    Record,
+    RecordFull,
+    RecordStorage,
+    Subkey,
+    check_expiration,
+    missing_entries,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +269,10 @@ class DHTNode(Server):
         """
         return self.protocol.router.find_neighbors(target, k=max(self.config.ksize, 2 * self.config.read_width))
 
-    async def get_record(self, key: str) -> Record:
-        """Merges what the ``read_width`` closest responding nodes (and this node) hold for ``key``."""
+    async def get_record(self, key: str, ties: dict[Subkey, list[Entry]] | None = None) -> Record:
+        """Merges what the ``read_width`` closest responding nodes (and this node) hold for ``key``. ``ties``:
+        filled with the owned subkeys read as absent because the replicas' owners tied (see
+        :func:`~dmoe.dht.storage.merge_records`)."""
         assert self.protocol is not None
         target = Node(digest(key))
         local = self.storage.get(target.id) or {}
@@ -270,6 +281,8 @@ class DHTNode(Server):
             return local
         crawl = RecordCrawl(self.protocol, target, peers, self.config.read_width, hedge=True)
         nearest, record = await crawl.run(local)
+        if ties is not None:
+            ties.update(crawl.ties)
         if record and self.config.read_repair:
             # a replica that died was replaced by a node that holds nothing yet: give it what the others hold
             for node in nearest:
@@ -278,10 +291,16 @@ class DHTNode(Server):
                     self.protocol.spawn(self.protocol.call_store(node, target.id, missing))
         return record
 
-    async def get_records(self, keys: Sequence[str]) -> dict[str, Record]:
-        """Concurrent :meth:`get_record` for distinct keys."""
+    async def get_records(self, keys: Sequence[str],
+                          ties: dict[str, dict[Subkey, list[Entry]]] | None = None) -> dict[str, Record]:
+        """Concurrent :meth:`get_record` for distinct keys; ``ties``: filled with key -> its ties, for those with
+        any."""
         unique = list(dict.fromkeys(keys))
-        records = await asyncio.gather(*(self.get_record(key) for key in unique))
+        found: dict[str, dict[Subkey, list[Entry]]] = {key: {} for key in unique}
+        records = await asyncio.gather(*(self.get_record(key, found[key] if ties is not None else None)
+                                         for key in unique))
+        if ties is not None:
+            ties.update({key: tied for key, tied in found.items() if tied})
         return dict(zip(unique, records))
 
     async def store_record(self, key: str, record: Record, nodes: list[Node] | None = None) -> list[bool | str]:

@@ -113,14 +113,17 @@ def merge_entry(record: Record, subkey: Subkey, entry: Entry) -> bool:
 
 
 def merge_records(records: list[Record], now: float | None = None, voters: Sequence[Hashable] | None = None,
-                  disputes: dict[Subkey, str] | None = None) -> Record:
+                  disputes: dict[Subkey, str] | None = None, ties: dict[Subkey, list[Entry]] | None = None) -> Record:
     """Per subkey, the newest live entry among ``records`` (:func:`supersedes`: an owner's latest issued, a shared
     claim's longest living; one record per responding replica, the same record object may appear several times,
     once per replica that sent identical bytes).
 
     For an owned (int) subkey that replicas give to different owners (a lying replica), the owner held by the most
     voters wins; a tie between owners gives no entry (it went to the one expiring last, which a hijacker always
-    signs far ahead). ``disputes``: filled with each such subkey and who held it (to log). ``voters``: per record, who sent it, where votes are counted per
+    signs far ahead). ``disputes``: filled with each such subkey and who held it (to log). ``ties``: filled with each
+    subkey read as absent for a tie, and the latest entry of every owner that tied for the most votes (a server
+    whose own declaration ties with another's learns with whom, signed, see
+    :meth:`dmoe.replicas.adoption.Adopter.drop_taken`). ``voters``: per record, who sent it, where votes are counted per
     machine (:func:`~dmoe.dht.routing.contact_machine` of the replica's address): one machine answering under
     several node ids is one vote however many of its replies are merged. Without it, each record is a vote.
 
@@ -171,6 +174,8 @@ def merge_records(records: list[Record], now: float | None = None, voters: Seque
             # no entry: a tie went to the later expiration, which a hijacker always signs (an hour ahead), so one
             # hostile machine and one replica it had poisoned (by a hand-over) beat the owner's two
             merged.pop(subkey, None)
+            if ties is not None:
+                ties[subkey] = [latest[owner] for owner in ranked if len(votes[owner]) == len(votes[ranked[0]])]
         else:
             merged[subkey] = latest[ranked[0]]
     return merged

@@ -19,8 +19,9 @@ served when their turn comes. Adopting means:
    ``{layer}/adopted`` for the live swarm page.
 
 A new server that chooses a cell (``--num-experts``) does step 1-2 before it serves (:func:`restore_newest`); its
-first declaration is its claim, and :func:`drop_unowned` stops it serving any cell another server owns. An expert
-with no replica anywhere starts fresh, which is logged as lost training.
+first declaration is its claim, and :func:`drop_unowned` stops it serving any cell another server owns; of two that
+chose one cell at once and whose declarations tie (readers find nobody), one gives way (:meth:`Adopter._give_way`).
+An expert with no replica anywhere starts fresh, which is logged as lost training.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 import grpc
 
 from dmoe.dht import DHT
+from dmoe.dht.storage import Entry
 from dmoe.directory import declare_experts
 from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.pusher import ReplicaChannels, ReplicaError, check_wanted, fetch_headers, fetch_snapshot
@@ -61,6 +63,8 @@ from dmoe.replicas.snapshots import (
     max_snapshot_bytes,
     max_tensors,
     open_body,
+    sign,
+    take,
 )
 from dmoe.replicas.store import HeldReplica, ReplicaStore
 from dmoe.server.backend import ExpertBackend
@@ -464,6 +468,13 @@ class Adopter:
         self.adopted: list[Adoption] = []
         self._empty: dict[str, tuple[float, int]] = {}  # uid -> (monotonic time first seen empty, rank)
         self._taken: set[str] = set()  # served uids the last look found owned by another key
+        # served uids this server read itself the owner of: at the last look (_owning), at two looks in a row or
+        # by a claim it won (_owned: it holds the uid, and never gives way in a tie, see drop_taken)
+        self._owning: set[str] = set()
+        self._owned: set[str] = set()
+        # served uids that read as nobody's because this server's entry ties with another key's: uid -> (monotonic
+        # time first seen, the rival's entry then), see drop_taken
+        self._tied: dict[str, tuple[float, Entry]] = {}
         # uid -> the monotonic time before which it is not claimed again: this server lost a claim of it, and its
         # entries of that claim live until then (see :meth:`adopt`)
         self._lost: dict[str, float] = {}
@@ -506,7 +517,8 @@ class Adopter:
 
     def drop_taken(self) -> list[str]:
         """Stops serving the experts whose uid another key owns in the directory at two looks in a row (one may
-        catch a store on its way); returns them. Owning a uid lasts while its declarations do, so this server lost
+        catch a store on its way), and those whose entry ties with another key's that this server gives way to
+        (:meth:`_give_way`); returns them. Owning a uid lasts while its declarations do, so this server lost
         it: it was paused or cut off for longer (a laptop asleep), and another server adopted the expert and trains
         it. Served on, the stale copy also took the uid back when that adopter left, and the adopter's training
         was lost. Dropped, the uid is a replica this server may hold like any other, adopted from the newest
@@ -514,9 +526,16 @@ class Adopter:
         served = list(self.server.backends)
         if not served:
             self._taken.clear()
+            self._owning.clear()
+            self._owned.clear()
+            self._tied.clear()
             return []
         me = self.dht.identity.public_key
-        entries = directory_entries(self.dht, served)
+        ties: dict[str, list[Entry]] = {}
+        entries = directory_entries(self.dht, served, ties)
+        owning = {uid for uid in served if entries[uid] is not None and entries[uid].owner == me}
+        self._owned = (self._owned & set(served)) | (owning & self._owning)
+        self._owning = owning
         taken = {uid for uid in served if entries[uid] is not None and entries[uid].owner != me}
         dropped = sorted(taken & self._taken)
         self._taken = taken - set(dropped)
@@ -525,7 +544,74 @@ class Adopter:
             logger.warning("%s is another server's now (%s, at %s): this one lost it (paused or cut off for longer "
                            "than its declarations last) and stops serving its stale copy", uid,
                            entries[uid].owner.hex()[:SIGNER_HEX], entries[uid].value)
-        return dropped
+        return dropped + self._give_way({uid: tied for uid, tied in ties.items() if uid in self.server.backends})
+
+    def _give_way(self, ties: Mapping[str, list[Entry]]) -> list[str]:
+        """Stops serving the uids of ``ties`` (uid -> the entries of the keys whose replicas of its directory entry
+        tie, as read now) that this server gives way to another key in; returns them.
+
+        Each node keeps the first key that stored a uid's entry, and readers read a tie as nobody's: two servers
+        whose first declarations of one cell reached its record's nodes in opposite orders (two ``--num-experts``
+        servers choosing one free cell at the same moment) both served it and refreshed their halves for as long
+        as both ran, and no client ever found it (review 105 D4). One must stop declaring it, so that its half
+        expires and the other's next refresh takes those nodes:
+
+        * a server that owned the uid (read itself its owner at two looks in a row, or won its claim) never gives
+          way: a key that reached some of the nodes later (a new node of the record taken first by a hostile key,
+          a partition healing) would otherwise take a live server's cell;
+        * nor to an entry that was not issued anew since the tie was first seen: a stale one expires by itself;
+        * otherwise it gives way to a live rival closer to the uid's key (the rule both sides read alike), and to
+          a farther one too once the tie has lasted long enough for that one to have given way and its entries to
+          have expired (it owned the uid, or plays by no rule): two ``expiration``.
+
+        Giving way keeps the expert's training: its snapshot goes into this server's own store (unless a newer
+        replica is held there), which its checkpoint, if any, keeps too, so this server holds it as a replica,
+        announces it, and adopts it back when the cell empties (its rival left), from the newest replica; not
+        before its own entries have expired (as after a lost claim, :meth:`adopt`)."""
+        me = self.dht.identity.public_key
+        now = time.monotonic()
+        for uid in set(self._tied) - set(ties):
+            del self._tied[uid]  # the tie ended
+        given = []
+        for uid, tied in ties.items():
+            rivals = sorted((entry for entry in tied if entry.owner != me),
+                            key=lambda entry: distance(uid, entry.owner))
+            if uid in self._owned or not rivals:
+                self._tied.pop(uid, None)
+                continue
+            rival = rivals[0]
+            seen = self._tied.get(uid)
+            if seen is None or seen[1].owner != rival.owner:
+                self._tied[uid] = (now, rival)
+                logger.info("%s reads as nobody's: this server's declaration ties with %s's (at %s)", uid,
+                            rival.owner.hex()[:SIGNER_HEX], rival.value)
+                continue
+            since, first = seen
+            # (this server's own entry not among the tied ones: it has fewer replicas than both)
+            closer = len(rivals) == len(tied) or distance(uid, rival.owner) < distance(uid, me)
+            if rival.issued_us > first.issued_us and (closer or now - since >= 2 * self.expiration):
+                given.append(uid)
+        for uid in given:
+            del self._tied[uid]
+            self._keep_given(uid)
+            self.server.remove_expert(uid)
+            self._lost[uid] = time.monotonic() + self.expiration + random.uniform(0.0, self.check_period)
+            logger.warning("%s: this server's declaration ties with another key's, and readers find nobody (the two "
+                           "reached the record's nodes in opposite orders): this server gives way, holding the "
+                           "expert as a replica, and adopts it back if its cell empties", uid)
+        return given
+
+    def _keep_given(self, uid: str) -> None:
+        """Writes the snapshot of ``uid``, served here, into this server's own store, unless a replica with more
+        updates is held there: this server gives it way (:meth:`_give_way`) and keeps its training."""
+        backend = self.server.backends[uid]
+        held = self.store.header(uid)
+        if held is not None and held.updates > backend.updates:
+            return
+        try:
+            self.store.put(sign(take(backend, self.server.runtime.paused), self.dht.identity))
+        except (OSError, SnapshotRefused) as error:  # a full disk, a budget too small: its checkpoint, if any, keeps it
+            logger.warning("could not keep the snapshot of %s in %s: %s", uid, self.store.directory, error)
 
     def watch(self) -> list[str]:
         """Looks at the cells of the replicas held; adopts those empty long enough. Returns the uids adopted."""
@@ -607,6 +693,7 @@ class Adopter:
                 logger.info("%s was claimed by another server first, or readers find no owner (a tie of claims): "
                             "not adopting it, nor claiming it again for %.1f s, until this server's entries of it "
                             "expired", uid, again - time.monotonic())
+        self._owned.update(won)  # (read back twice: owned, see drop_taken)
         if won and self.server.announcer is not None:
             self.server.announcer.add(won)  # keeps them declared from now on
         adoptions = []

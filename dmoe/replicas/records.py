@@ -178,13 +178,23 @@ def adoptions(layer: str, record: Record) -> list[Adoption]:
     return found
 
 
-def directory_entries(dht: DHT, uids: list[str]) -> dict[str, Entry | None]:
+def directory_entries(dht: DHT, uids: list[str],
+                      ties: dict[str, list[Entry]] | None = None) -> dict[str, Entry | None]:
     """Each uid's entry in the expert directory (its endpoint, signed by its owner), None when nobody declares it.
 
     The entry is the uid's owned subkey in the record of its last strict prefix (:mod:`dmoe.directory.declarations`).
+    ``ties``: filled with uid -> the tied owners' entries, for the uids read as None because the replicas of their
+    entry went to different keys in equal numbers (:func:`~dmoe.dht.storage.merge_records`).
     """
     places = {uid: strict_prefixes(uid)[-1] for uid in uids}
-    records = dht.get_many(list({prefix for prefix, _ in places.values()}))
+    prefixes = list({prefix for prefix, _ in places.values()})
+    if ties is None:
+        records = dht.get_many(prefixes)
+    else:
+        tied: dict[str, dict] = {}
+        records = dht.get_many(prefixes, ties=tied)
+        ties.update({uid: tied[prefix][coordinate] for uid, (prefix, coordinate) in places.items()
+                     if coordinate in tied.get(prefix, {})})
     return {uid: records[prefix].get(coordinate) for uid, (prefix, coordinate) in places.items()}
 
 
