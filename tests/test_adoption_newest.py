@@ -27,7 +27,7 @@ from dmoe.replicas import (
     sign,
     take,
 )
-from dmoe.replicas.adoption import MAX_FETCHES, PROBE_TIMEOUT, Adopter, expected_signers, most_vouched
+from dmoe.replicas.adoption import MAX_FETCHES, PROBE_TIMEOUT, Adopter, expected_signers, most_vouched, read_holders
 from dmoe.replicas.records import SIGNER_HEX, Holder, replicas_key, server_subkey
 from dmoe.client import expert_info
 from dmoe.replicas.snapshots import SignedSnapshot, max_snapshot_bytes, signed_fields
@@ -418,3 +418,35 @@ def test_at_equal_signed_counts_a_holder_that_announced_what_it_holds_is_fetched
         channels.close()
     assert found.signed.header.sha256 == newest.header.sha256 and honest.fetches == 2
     assert all(liar.fetches == 1 for liar in liars)  # asked for the header only
+
+
+def test_a_holders_rank_counts_only_the_machines_whose_signed_header_shows_a_newer_replica(swarm, lineage, tmp_path):
+    """The holder of the owner's replica after 5 updates ranks itself among the holders of UID's replica: it waits
+    ``stagger`` seconds per holder ranked before it. Every announced holder with a higher count was counted,
+    answering or not: 200 throwaway entries at an endpoint nobody answers at made it wait 400 s (review 105 D6).
+    Now only holders whose signed header shows a newer replica of a signer it trusts count, one per machine: the
+    honest holder of the newest replica, and one machine that serves it (a genuine header, replayed) at three
+    ports."""
+    owner, (old, middle, newest) = lineage
+    store = ReplicaStore(tmp_path, MAX_BYTES)
+    store.put(middle)
+    swarm.holder(newest, 8, owner, host="127.0.0.2")
+    for _ in range(3):
+        swarm.holder(newest, 8, owner, host="127.0.0.4")
+    attacker, poisoned = Identity(), expert_server().backends[UID]
+    train(poisoned, 20)
+    swarm.holder(sign(take(poisoned), attacker), 20, attacker, host="127.0.0.3")  # a signer it does not trust
+    swarm.holder(old, 10**9, owner, host="127.0.0.5")  # holds fewer updates than announced, and than this one
+    for i in range(6, 9):
+        swarm.announce(f"127.0.0.{i}:1", 10**9, owner)  # nobody answers there
+    node, channels = swarm.node(), ReplicaChannels()
+    announced = read_holders(node, [UID])[UID]
+    assert len(announced) == 9
+    adopter = Adopter(expert_server("ffn0.0.0"), node, store, ["ffn0"], check_period=1.0, stagger=2.0,
+                      channels=channels, max_bytes=MAX_BYTES, expiration=30.0)
+    started = time.monotonic()
+    try:
+        assert adopter.rank(UID, announced) == 2
+    finally:
+        channels.close()
+    assert time.monotonic() - started < PROBE_TIMEOUT + 1

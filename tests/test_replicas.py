@@ -1262,7 +1262,7 @@ def test_holder_entries_at_an_endpoint_that_never_answers_delay_an_adoption_by_o
         with processes() as procs:
             procs.append(dht_node := Proc(["-m", "dmoe.dht", "--port", "0"]))
             peer = dht_node.endpoint()
-            # (no stagger: the entries' counts rank this holder last, a limit of its own, review 53)
+            # (no stagger: no rank, whose own probe of the holders is review 105's, only the adoption's probe)
             procs.append(holder := Proc(server_args(peer, "ffn0.0.0", tmp_path / "h", "--adoption-stagger", "0")))
             procs.append(owner := Proc(server_args(peer, uid, tmp_path / "a")))
             endpoint = holder.endpoint()

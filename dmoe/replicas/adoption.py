@@ -4,8 +4,9 @@ it under the same uid, from the newest replica anyone holds.
 Every ``check_period`` the :class:`Adopter` announces what its server holds (``{uid}/replicas``) and that it
 receives replicas (``{layer}/replica-hosts``), and looks up the cells of the experts it holds replicas of. A cell
 found empty is adopted after ``stagger`` seconds per holder ranked before this one (most updates first, then the
-closest to the expert's key), so the holder of the newest replica usually goes first and the others find the cell
-served when their turn comes. Adopting means:
+closest to the expert's key; only holders whose signed header was seen count, one per machine, see
+:meth:`Adopter.rank`), so the holder of the newest replica usually goes first and the others find the cell served
+when their turn comes. Adopting means:
 
 1. fetching the newest replica that verifies (this server's own, or another holder's: its signature, its bytes,
    its signer one this server trusts with the expert (:func:`expected_signers`), its state fitting this server's
@@ -509,11 +510,36 @@ class Adopter:
 
     def rank(self, uid: str, announced: Sequence[Holder]) -> int:
         """How many of the holders of ``uid``'s replica go before this server: more updates, or as many and closer
-        to the expert's key. Not knowing the others (the DHT did not answer), it goes first: the claim settles it."""
+        to the expert's key. Not knowing the others (the DHT did not answer), it goes first: the claim settles it.
+
+        Announced counts and entries cost nothing, so the holders announcing more are asked for their replica's
+        header (signed; all at once, within :data:`PROBE_TIMEOUT`, as :func:`newest_replica` asks them), and only
+        those whose header shows a replica of a signer this server trusts (:func:`expected_signers`) that goes
+        before its own count, one per machine (:func:`~dmoe.replicas.records.holder_machine`): each announced
+        holder counted, answering or not, and 200 throwaway entries at an endpoint nobody answers at made the
+        holder of the newest replica wait 200 staggers (400 s) before it adopted (review 105 D6)."""
+        if not self.stagger:
+            return 0  # (a rank waits nothing then: no holder is asked)
         held = self.store.header(uid)
         me = self.dht.identity.public_key
         mine = (-(held.updates if held is not None else 0), distance(uid, me))
-        return sum((-h.updates, distance(uid, h.holder)) < mine for h in announced if h.holder != me)
+        closest: dict[str, int] = {}  # endpoint -> the distance of the closest key announcing it ahead of this one
+        for h in announced:
+            if h.holder != me and (-h.updates, distance(uid, h.holder)) < mine:
+                closest[h.endpoint] = min(distance(uid, h.holder), closest.get(h.endpoint, distance(uid, h.holder)))
+        if not closest:
+            return 0
+        signers = expected_signers(held, None, me)
+        machines = set()
+        for endpoint, header in fetch_headers(self.channels, uid, closest, max_bytes=self.max_bytes,
+                                              timeout=PROBE_TIMEOUT, stop=self._stop).items():
+            if isinstance(header, Exception) or header.signer.hex()[:SIGNER_HEX] not in signers \
+                    or not (-header.updates, closest[endpoint]) < mine:
+                continue
+            machine = holder_machine(endpoint)
+            if machine is not None:
+                machines.add(machine)
+        return len(machines)
 
     def drop_taken(self) -> list[str]:
         """Stops serving the experts whose uid another key owns in the directory at two looks in a row (one may
