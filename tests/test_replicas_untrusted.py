@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent import futures
 from contextlib import ExitStack
+from contextlib import closing as contextlib_closing
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -35,10 +36,11 @@ from dmoe.replicas import (
     take,
 )
 from dmoe.replicas.adoption import Adopter
+from dmoe.replicas.pusher import PROBES_AT_ONCE, fetch_headers
 from dmoe.replicas.records import SIGNER_HEX, Holder, directory_entries, replicas_key, server_subkey
-from dmoe.replicas.snapshots import SignedSnapshot, max_tensors, signed_fields
+from dmoe.replicas.snapshots import CHUNK_BYTES, SignedSnapshot, max_tensors, signed_fields
 from dmoe.server import ExpertServer, ServerConfig
-from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, serialize
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc, grpc_options, serialize
 from tests.test_replicas import wait_until
 
 HIDDEN = 8
@@ -199,8 +201,8 @@ class LiveHolder:
         self._thread.start()
 
         async def start() -> tuple[grpc.aio.Server, int]:
-            server = grpc.aio.server()
-            dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(self.servicer, server)
+            server = grpc.aio.server(options=grpc_options())  # (a server's: messages of up to 64 MiB)
+            self.servicer.add_to_server(server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             return server, port
@@ -493,3 +495,70 @@ def test_optimizer_states_that_fit_are_taken_and_train_on():
         load_into(template, snapshot, check_state(snapshot, template))
         train(template, 1)
         assert template.updates == snapshot.updates + 1
+
+
+# ---- review 105 D1: messages larger than an honest one -------------------------------------------------------------
+
+def test_a_holders_first_message_larger_than_an_honest_one_is_refused_unread(stack):
+    """A header probe or a fetch read the holder's whole first message (up to gRPC's 64 MiB) before it looked at the
+    header: one machine announcing many ports made an adopting or starting server hold ~75 MiB per port, all at
+    once. An honest holder sends its header alone, then at most CHUNK_BYTES a message."""
+    uid, owner = "ffn0.1.2", Identity()
+    signed = sign(take(trained(uid, 2)), owner)
+
+    class Fat(dmoe_pb2_grpc.ReplicaServiceServicer):
+        def fetch(self, request, context):
+            yield dmoe_pb2.ReplicaChunk(header=signed.header, data=bytes(8 << 20))
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=grpc_options())
+    dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(Fat(), server)
+    endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    stack.callback(server.stop, None)
+    channels = stack.enter_context(contextlib_closing(ReplicaChannels()))
+    answer = fetch_headers(channels, uid, [endpoint], max_bytes=MAX_BYTES)[endpoint]
+    assert isinstance(answer, ReplicaError) and answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED, answer
+    with pytest.raises(ReplicaError) as refused:
+        fetch_snapshot(channels.stub(endpoint), endpoint, uid, max_bytes=MAX_BYTES)
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_header_probes_keep_a_bounded_number_of_calls_open_however_many_holders_are_announced(stack):
+    """All of a uid's announced holders (up to 256) were asked at once, each call holding what its holder sent."""
+    asked: list[float] = []  # when each call came
+
+    class Silent(dmoe_pb2_grpc.ReplicaServiceServicer):
+        def fetch(self, request, context):
+            asked.append(time.monotonic())
+            while context.is_active():
+                time.sleep(0.02)
+            yield dmoe_pb2.ReplicaChunk()
+
+    count = 40  # (a record holds up to 256)
+    server = grpc.server(futures.ThreadPoolExecutor(count + 8))
+    dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(Silent(), server)
+    endpoints = [f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for _ in range(count)]
+    server.start()
+    stack.callback(server.stop, None)
+    channels = stack.enter_context(contextlib_closing(ReplicaChannels()))
+    answers = fetch_headers(channels, "ffn0.1.2", endpoints, max_bytes=MAX_BYTES, timeout=2.0)
+    assert all(isinstance(answer, ReplicaError) and answer.code == grpc.StatusCode.DEADLINE_EXCEEDED
+               for answer in answers.values())
+    first_wave = [moment for moment in asked if moment < min(asked) + 1.0]  # (the next comes 2 s later)
+    assert len(asked) == count and len(first_wave) == PROBES_AT_ONCE <= 32, sorted(m - min(asked) for m in asked)
+
+
+def test_a_pushed_message_larger_than_an_honest_one_is_refused_with_a_clear_status(stack, tmp_path):
+    """A push's first message was taken (and parsed) up to the server's 64 MiB before anything was checked."""
+    owner, uid = Identity(), "ffn0.1.2"
+    holder = LiveHolder(stack, tmp_path)
+    holder.owners[uid] = owner.public_key
+    signed = sign(take(trained(uid, 3)), owner)
+    channel = stack.enter_context(grpc.insecure_channel(holder.endpoint, options=grpc_options()))
+    stub = dmoe_pb2_grpc.ReplicaServiceStub(channel)  # (a pusher's channel that sends messages of up to 64 MiB)
+    for data in (bytes(CHUNK_BYTES + 1), bytes(8 << 20)):
+        error = refusal(stub, iter([dmoe_pb2.ReplicaChunk(header=signed.header, data=data)]))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert f"bytes in one message: this server takes at most {CHUNK_BYTES}" in error.details()
+    assert push_snapshot(holder.stub, holder.endpoint, signed) == 3 and holder.held(uid) == 3
+

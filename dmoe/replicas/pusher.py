@@ -27,7 +27,8 @@ was one it was built with, and its training since the adoption was lost even on 
 The fetching end (adoption's) is here too: :func:`fetch_snapshot` gives up on a holder that sends no header
 within :data:`HEADER_TIMEOUT` or no later message within :data:`STALL_TIMEOUT`, not only at its whole timeout, and
 :func:`fetch_headers` asks many holders for their replica's header at once, so that endpoints that never answer
-(anyone may announce any) cost a few seconds in all.
+(anyone may announce any) cost a few seconds per :data:`PROBES_AT_ONCE` of them. No replica channel takes a
+message larger than a chunk of bytes and a header (:data:`~dmoe.replicas.snapshots.MESSAGE_BYTES`).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ from dmoe.replicas.records import (SIGNER_HEX, Host, counted_machine, distance, 
                                    parse_host, resolve_host)
 from dmoe.replicas.snapshots import (
     CHUNK_BYTES,
+    MESSAGE_BYTES,
     SignedSnapshot,
     SnapshotRefused,
     check_body,
@@ -85,9 +87,12 @@ STOP_POLL = 0.1
 PROBE_TIMEOUT = 2.0
 #: seconds a fetch waits for the replica's header, its first message (a holder sends it at once, from its disk)
 HEADER_TIMEOUT = 5.0
-#: replica headers asked for at once (:func:`fetch_headers`): a record holds at most 256 entries (the DHT's
-#: ``max_record_subkeys``), so all of a uid's holders are asked at once
-PROBES_AT_ONCE = 256
+#: replica headers asked for at once (:func:`fetch_headers`; a record holds at most 256 entries, the DHT's
+#: ``max_record_subkeys``). Each probe may receive one message of up to :data:`~dmoe.replicas.snapshots.MESSAGE_BYTES`
+#: before its header is checked: all 256 at once held up to 256 of them (with gRPC's 64 MiB limit, 75 MiB each
+#: measured: one machine announcing many ports OOM-killed an adopting or starting server, review 105 D1). Endpoints
+#: that never answer then cost ``timeout`` per this many of them
+PROBES_AT_ONCE = 32
 #: seconds a push needs at least: a round's deadline closer than this starts no more pushes
 MIN_PUSH_SECONDS = 0.5
 #: the status codes of a push that did not reach a working replica service (the host's fault, for every expert)
@@ -115,7 +120,10 @@ class ReplicaChannels:
     anyone: every endpoint ever asked held a connection for good (review 59)."""
 
     def __init__(self, idle_seconds: float = 600.0) -> None:
-        self.pool = ChannelPool(shared_memory=False, hold_calls=False, idle_seconds=idle_seconds)
+        # no message larger than a replica stream's (review 105 D1): gRPC reads a whole message before anyone can
+        # look at it, and a header probe's first message was read up to 64 MiB
+        self.pool = ChannelPool(max_message_bytes=MESSAGE_BYTES, shared_memory=False, hold_calls=False,
+                                idle_seconds=idle_seconds)
 
     def stub(self, endpoint: str) -> dmoe_pb2_grpc.ReplicaServiceStub:
         return dmoe_pb2_grpc.ReplicaServiceStub(self.pool.channel(endpoint))
@@ -313,9 +321,10 @@ def fetch_headers(channels: ReplicaChannels, uid: str, endpoints: Collection[str
                   timeout: float = HEADER_TIMEOUT,
                   stop: threading.Event | None = None) -> dict[str, dmoe_pb2.ReplicaHeader | Exception]:
     """endpoint -> the header of the replica of ``uid`` it holds (:func:`fetch_header`), or why there is none
-    (:class:`ReplicaError`, :class:`SnapshotRefused`). All are asked at once (up to :data:`PROBES_AT_ONCE`), so
-    they answer within ``timeout`` however many never do: asked one after another, or a few at a time, each such
-    endpoint (any key may announce any) cost its own. (A thread each: a call's message is only received while
+    (:class:`ReplicaError`, :class:`SnapshotRefused`). :data:`PROBES_AT_ONCE` are asked at once, the next as soon
+    as one answered, so endpoints that never answer (any key may announce any) cost ``timeout`` per that many of
+    them, not each its own; and what the probes hold at once is bounded (review 105 D1: all 256 at once, each up to
+    a 64 MiB message, made a server hold gigabytes). (A thread each: a call's message is only received while
     someone waits for it, so one thread reading the calls in turn lost the headers that came meanwhile.)
     ``stop`` set (the server stopping) cancels the calls still open within :data:`STOP_POLL` seconds (their
     answers: CANCELLED), rather than the stop waiting ``timeout`` for endpoints that never answer (review 88)."""
@@ -358,11 +367,18 @@ def _first_header(call, endpoint: str, uid: str, max_bytes: int) -> dmoe_pb2.Rep
         first = next(call, None)
     except grpc.RpcError as error:
         raise ReplicaError(endpoint, error.code(), error.details() or "") from None
-    if first is None or not first.HasField("header") or first.header.uid != uid:
+    header = None
+    if first is not None and first.HasField("header"):
+        header = dmoe_pb2.ReplicaHeader()
+        header.CopyFrom(first.header)  # (a part of a message keeps all of it alive, its bytes too)
+    # nor does a refusal keep it: its traceback holds this frame for as long as the caller keeps the answer, and
+    # all the probes' answers are kept together (review 105 D1)
+    del first
+    if header is None or header.uid != uid:
         raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "malformed",
                               f"{endpoint} answered a fetch of {uid} without its header")
-    check_header(first.header, max_bytes)
-    return first.header
+    check_header(header, max_bytes)
+    return header
 
 
 @dataclass
@@ -480,6 +496,8 @@ class ReplicaPusher:
                  machine: str | None = None, store: ReplicaStore | None = None):
         if replicas < 0 or interval <= 0:
             raise ValueError(f"replicas must be >= 0 and interval positive, got {replicas} and {interval}")
+        if not 0 < chunk_bytes <= CHUNK_BYTES:  # (holders take no larger message: review 105 D1)
+            raise ValueError(f"chunk_bytes must be in 1..{CHUNK_BYTES}, got {chunk_bytes}")
         self.server, self.dht, self.identity = server, dht, identity
         self.replicas, self.interval, self.compression = replicas, interval, compression
         self.metrics, self.chunk_bytes, self.repush_every, self.timeout = metrics, chunk_bytes, repush_every, timeout

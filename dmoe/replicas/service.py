@@ -13,13 +13,16 @@ meanwhile). A refused push never
 touches what was held: the new replica is written (atomically) only after every check passed. Accepted replicas
 count in the share of the budget of the machine that pushed them (see :mod:`dmoe.replicas.store`).
 
-What a call may cost the server is bounded. A push may announce no more bytes than a snapshot of this server's
-experts can take (:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`); its bytes go to a temporary file as they arrive, not to memory, and the
-state is checked (the one step that holds a whole snapshot in memory) one push at a time. A fetch reads the
-replica's file a message at a time, as the caller reads. Pushes and fetches open at once are capped, in all and
-per calling machine, and so are the bytes that open pushes announce, in all and per machine (a share of the budget:
-:data:`ANNOUNCED_SHARE_PER_MACHINE`) (RESOURCE_EXHAUSTED naming the cap); a call that sends or reads nothing for
-``stall_seconds`` is ended (DEADLINE_EXCEEDED), and so is a push that falls behind a minimum rate
+What a call may cost the server is bounded. A push's message may carry no more than
+:data:`~dmoe.replicas.snapshots.CHUNK_BYTES` of the replica, and one larger than an honest message is refused
+unparsed (:meth:`ReplicaServicer.add_to_server`; gRPC still reads it whole, up to the server's message limit). A
+push may announce no more bytes than a snapshot of this server's experts can take
+(:func:`~dmoe.replicas.snapshots.max_snapshot_bytes`); its bytes go to a temporary file as they arrive, not to
+memory, and the state is checked (the one step that holds a whole snapshot in memory) one push at a time. A fetch
+reads the replica's file a message at a time, as the caller reads. Pushes and fetches open at once are capped, in
+all and per calling machine, and so are the bytes that open pushes announce, in all and per machine (a share of the
+budget: :data:`ANNOUNCED_SHARE_PER_MACHINE`) (RESOURCE_EXHAUSTED naming the cap); a call that sends or reads nothing
+for ``stall_seconds`` is ended (DEADLINE_EXCEEDED), and so is a push that falls behind a minimum rate
 (:data:`MIN_PUSH_BYTES_PER_SECOND` after :data:`PUSH_ALLOWANCE_SECONDS`), so that neither idle calls nor calls
 trickling a byte at a time can hold the caps.
 """
@@ -39,6 +42,7 @@ from dmoe.replicas.metrics import ReplicaMetrics
 from dmoe.replicas.records import SIGNER_HEX
 from dmoe.replicas.snapshots import (
     CHUNK_BYTES,
+    MESSAGE_BYTES,
     SnapshotRefused,
     check_header,
     check_state,
@@ -83,6 +87,19 @@ ANNOUNCED_SHARE_PER_MACHINE = 0.25
 LINEAGE_SECONDS = 600.0
 
 
+class Oversized:
+    """A push's message larger than :data:`~dmoe.replicas.snapshots.MESSAGE_BYTES`, left unparsed (see
+    :meth:`ReplicaServicer.add_to_server`)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def parse_chunk(data: bytes) -> "dmoe_pb2.ReplicaChunk | Oversized":
+    """A push's message, or :class:`Oversized` (no honest one is larger: its parse would copy it once more)."""
+    return Oversized(len(data)) if len(data) > MESSAGE_BYTES else dmoe_pb2.ReplicaChunk.FromString(data)
+
+
 class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
     """Implements ``ReplicaService`` of proto/dmoe.proto over a :class:`ReplicaStore`.
 
@@ -112,6 +129,8 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                  stall_seconds: float = STALL_SECONDS, lineage_seconds: float = LINEAGE_SECONDS,
                  push_allowance: float = PUSH_ALLOWANCE_SECONDS, min_push_rate: float = MIN_PUSH_BYTES_PER_SECOND,
                  machine_share: float = ANNOUNCED_SHARE_PER_MACHINE):
+        if not 0 < chunk_bytes <= CHUNK_BYTES:  # (the replica channels take no larger message: review 105 D1)
+            raise ValueError(f"chunk_bytes must be in 1..{CHUNK_BYTES}, got {chunk_bytes}")
         self.store, self.template, self.owner_of = store, template, owner_of
         self.lineage_seconds = lineage_seconds
         self.metrics, self.chunk_bytes = metrics, chunk_bytes
@@ -126,6 +145,23 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
         self._announced_by: Counter = Counter()  # machine -> bytes its open pushes announced
         self._checking = asyncio.Semaphore(1)  # (bound to the gRPC loop at its first use)
         self.accepted = 0
+
+    def add_to_server(self, server) -> None:
+        """Registers this service on ``server`` (a ``grpc.aio.Server``) as
+        ``dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server`` does, but with :func:`parse_chunk` for a push's
+        messages. gRPC caps messages per server, not per method, and the server's cap is its experts' (64 MiB by
+        default): a push is refused at its first message larger than an honest one, before that is parsed too
+        (review 105 D1)."""
+        handlers = {
+            "push": grpc.stream_unary_rpc_method_handler(
+                self.push, request_deserializer=parse_chunk,
+                response_serializer=dmoe_pb2.ReplicaAck.SerializeToString),
+            "fetch": grpc.unary_stream_rpc_method_handler(
+                self.fetch, request_deserializer=dmoe_pb2.ReplicaQuery.FromString,
+                response_serializer=dmoe_pb2.ReplicaChunk.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("dmoe.ReplicaService", handlers),))
+        server.add_registered_method_handlers("dmoe.ReplicaService", handlers)
 
     @contextlib.contextmanager
     def _slot(self, kind: str, machine: str) -> Iterator[None]:
@@ -172,12 +208,19 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
         if left <= 0 and slow is not None:
             raise slow()
         try:
-            return await asyncio.wait_for(anext(chunks, None), min(self.stall_seconds, left))
+            chunk = await asyncio.wait_for(anext(chunks, None), min(self.stall_seconds, left))
         except asyncio.TimeoutError:
             if left < self.stall_seconds and slow is not None:
                 raise slow() from None
             raise SnapshotRefused(grpc.StatusCode.DEADLINE_EXCEEDED, "stalled",
                                   f"the push of {what} sent nothing for {self.stall_seconds:g} s") from None
+        # no honest pusher sends more than CHUNK_BYTES of bytes a message (review 105 D1); see add_to_server
+        size = chunk.size if isinstance(chunk, Oversized) else len(chunk.data) if chunk is not None else 0
+        if size > CHUNK_BYTES:
+            raise SnapshotRefused(grpc.StatusCode.INVALID_ARGUMENT, "too_large",
+                                  f"the push of {what} sent {size} bytes in one message: this server takes at most "
+                                  f"{CHUNK_BYTES} bytes of a replica per message")
+        return chunk
 
     async def _receive(self, chunks: AsyncIterator[dmoe_pb2.ReplicaChunk], source: str) -> int:
         first = await self._next(chunks, "a replica")

@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 #: bytes of snapshot per streamed message
 CHUNK_BYTES = 1 << 20
+#: the largest message of a replica stream: a chunk of bytes and the header (a few hundred bytes), with room to
+#: spare. No honest message is larger, so the replica channels take none larger, and a holder's push none: with
+#: gRPC's usual 64 MiB, every endpoint an adopter probed could make it hold 64 MiB for a header (review 105 D1)
+MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
 #: the parts of an expert's state that ``--replica-compression`` packs: the module's weights alone. The optimizer's
 #: state goes exact: Adam's second moments are squares of gradients, mostly below float16's smallest value (6e-8)
 #: late in training, and uint8 blocks round the small ones of a block down to its smallest; loaded as 0 (or far too

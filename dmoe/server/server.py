@@ -23,7 +23,7 @@ from dmoe.server.profile import StageClock
 from dmoe.server.runtime import Runtime, is_out_of_memory
 from dmoe.server.servicer import ExpertServicer, HostedExpert, add_to_server
 from dmoe.uid import check_uid, expand_pattern
-from dmoe.wire import MAX_MESSAGE_BYTES, dmoe_pb2_grpc, grpc_options, parse_compression
+from dmoe.wire import MAX_MESSAGE_BYTES, grpc_options, parse_compression
 from dmoe.wire.shared_memory import SWEEP_SECONDS as SEGMENT_SWEEP_SECONDS
 from dmoe.wire.shared_memory import SegmentMaps
 
@@ -432,7 +432,7 @@ class ExpertServer:
                                  interceptors=[RejectUndecodable(), self.metrics.interceptor()])
         add_to_server(self.servicer, server)
         if self.replication is not None:
-            dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(self.replication.servicer, server)
+            self.replication.servicer.add_to_server(server)
         address = join_host_port(self.config.host, self.config.port)
         try:
             port = server.add_insecure_port(address)
