@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from dmoe.dht import Identity
-from dmoe.replicas import ReplicaPusher
+from dmoe.replicas import ReplicaPusher, ReplicaStore, sign, take
 from dmoe.replicas import pusher as pusher_module
 from dmoe.replicas.records import Host, distance
 from dmoe.wire import dmoe_pb2
@@ -145,3 +145,27 @@ def test_hosts_sharing_a_machine_token_still_take_one_replica(pushed):
         assert pusher.push_all() == {UID: ["127.0.0.1:1000", "203.0.113.5:1000", "203.0.113.6:1000"]}
     finally:
         pusher.close(push=False)
+
+
+def test_a_stale_adopted_copy_does_not_replace_the_new_owners_newer_replica_in_the_servers_own_store(tmp_path):
+    """Review 105 D5: each round wrote an adopted expert's snapshot into the server's own store over whatever was
+    held of it. A server still serving a stale copy of a cell another server adopted and trained since replaced
+    the new owner's newer replica, pushed to it, with its own, and announced and adopted that again."""
+    me, new_owner = Identity(), Identity()
+    with ReplicaStore(tmp_path, 1 << 30) as store:
+        server = expert_server("ffn0.0.0")
+        pusher = ReplicaPusher(server, LOCAL, me, replicas=0, interval=600, store=store)  # (built before adopting)
+        try:
+            stale = server.backend_factory(UID)
+            train(stale, 3)
+            server.add_expert(UID, stale, announce=False)
+            newer = expert_server(UID).backends[UID]
+            train(newer, 10)
+            store.put(sign(take(newer), new_owner))  # the new owner's push
+            pusher.push_all()
+            assert store.header(UID).signer == new_owner.public_key and store.header(UID).updates == 10
+            train(stale, 8)  # more than the replica held: its own training is kept, as before
+            pusher.push_all()
+            assert store.header(UID).signer == me.public_key and store.header(UID).updates == 11
+        finally:
+            pusher.close(push=False)

@@ -61,7 +61,8 @@ from dmoe.replicas.snapshots import (
     sign,
     take,
 )
-from dmoe.replicas.store import ReplicaStore
+from dmoe.replicas.service import LINEAGE_SECONDS
+from dmoe.replicas.store import HeldReplica, ReplicaStore
 from dmoe.uid import split_uid
 from dmoe.wire import NONE, ChannelPool, dmoe_pb2, dmoe_pb2_grpc
 
@@ -704,23 +705,41 @@ class ReplicaPusher:
 
     def _keep(self, uid: str, backend) -> SignedSnapshot | None:
         """Writes the snapshot of an adopted expert into this server's own store when it trained since the one kept
-        there (or that one is another owner's); returns it for the pushes (None when nothing was written, or the
-        pushes are compressed: the copy kept here is exact, as a checkpoint is)."""
+        there (or that one is another owner's, with no more updates: see :meth:`_newer_held`); returns it for the
+        pushes (None when nothing was written, or the pushes are compressed: the copy kept here is exact, as a
+        checkpoint is)."""
         if self.store is None:
             return None
-        held = self.store.header(uid)
+        held = self.store.held().get(uid)
         if held is not None and held.signer == self.identity.public_key and held.updates == backend.updates:
             return None
         if self._unkept.get(uid) == backend.updates:  # refused at these updates already: not again every round
             return None
+        if self._newer_held(uid, backend.updates, held) is not None:
+            self._unkept[uid] = backend.updates
+            return None
         signed = sign(take(backend, self.server.runtime.paused), self.identity)
         try:
-            self.store.put(signed)
+            self.store.put(signed, check=lambda now_held: self._newer_held(uid, signed.updates, now_held))
             self._unkept.pop(uid, None)
         except (OSError, SnapshotRefused) as error:  # a full disk, or a budget too small: the pushes still go
             self._unkept[uid] = backend.updates
-            logger.warning("could not keep the snapshot of adopted %s in %s: %s", uid, self.store.directory, error)
+            log = logger.info if getattr(error, "reason", None) == "older" else logger.warning
+            log("could not keep the snapshot of adopted %s in %s: %s", uid, self.store.directory, error)
         return signed if self.compression == NONE else None
+
+    def _newer_held(self, uid: str, updates: int, held: HeldReplica | None) -> SnapshotRefused | None:
+        """Why this server's snapshot of ``uid`` with ``updates`` may not replace ``held`` in its own store: that
+        is another signer's with more updates, pushed within :data:`~dmoe.replicas.service.LINEAGE_SECONDS` (the
+        rule a push must pass, see :func:`~dmoe.replicas.service._older`). A stale adopted copy, still served for a
+        look or two after another server adopted the cell, replaced the new owner's newer replica, and was then
+        announced and adopted again as this server's own (review 105 D5)."""
+        if held is None or held.signer == self.identity.public_key or held.updates <= updates \
+                or time.time() - held.received_at >= LINEAGE_SECONDS:
+            return None
+        return SnapshotRefused(grpc.StatusCode.FAILED_PRECONDITION, "older",
+                               f"the replica of {uid} held here has {held.updates} updates, signed by "
+                               f"{held.signer.hex()[:SIGNER_HEX]}: more than this server's {updates}")
 
     def _count(self, result: str) -> None:
         if self.metrics is not None:

@@ -211,10 +211,12 @@ class ReplicaStore:
         self._evicted(evicted, header.uid)
         return evicted
 
-    def put(self, signed: SignedSnapshot, source: str | None = None) -> list[str]:
+    def put(self, signed: SignedSnapshot, source: str | None = None,
+            check: Callable[[HeldReplica | None], SnapshotRefused | None] | None = None) -> list[str]:
         """Writes ``signed`` (already checked) over whatever was held of its expert; returns the uids whose
         replicas were removed to make room (see the module doc: ``source`` is the machine that pushed it, None
-        for a replica of this server's own). Raises SnapshotRefused when it alone exceeds the budget."""
+        for a replica of this server's own). Raises SnapshotRefused when it alone exceeds the budget, or when
+        ``check``, given what is held of its expert under the store's lock, says why it may not replace that."""
         header_bytes = signed.header.SerializeToString()
         data = b"".join((MAGIC, len(header_bytes).to_bytes(_LENGTH_BYTES, "big"), header_bytes, signed.body))
         if len(data) > self.budget_bytes:
@@ -222,6 +224,9 @@ class ReplicaStore:
                                   f"replica of {signed.uid} has {len(data)} bytes, more than this server's replica "
                                   f"budget of {self.budget_bytes}")
         with self._lock:
+            refused = check(self._held.get(signed.uid)) if check is not None else None
+            if refused is not None:
+                raise refused
             incoming = HeldReplica(signed.header, len(data), time.time(), source)
             evicted = self._to_evict(signed.uid, incoming)
             # written first: a write that fails (a full disk) must not cost the replicas it would evict; the budget
