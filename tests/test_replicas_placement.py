@@ -5,6 +5,7 @@ or, for addresses no test can listen on, to a stand-in for ``push_snapshot``."""
 from __future__ import annotations
 
 import ipaddress
+import threading
 import time
 from types import SimpleNamespace
 
@@ -145,6 +146,59 @@ def test_hosts_sharing_a_machine_token_still_take_one_replica(pushed):
         assert pusher.push_all() == {UID: ["127.0.0.1:1000", "203.0.113.5:1000", "203.0.113.6:1000"]}
     finally:
         pusher.close(push=False)
+
+
+def test_host_names_that_never_resolve_cost_a_round_one_bound_and_hold_no_stop(monkeypatch):
+    """Review 105 D3: each host name was resolved in turn (RESOLVE_TIMEOUT each) before the round's deadline or the
+    stop was looked at: names whose DNS never answers, ranked before the honest host, held a round past its
+    deadline, left the honest host without a push, and held a clean stop (close() joined the round) as long. They
+    are looked up at once now, under one bound, and a stop ends the wait; the last push still goes."""
+    released, rounds = threading.Event(), threading.Event()
+
+    def black_hole(name: str):  # an attacker's domain whose name server never answers
+        released.wait(30)
+        return None
+    monkeypatch.setattr(pusher_module, "resolve_host", black_hole)
+    monkeypatch.setattr(pusher_module, "RESOLVE_TIMEOUT", 0.5)
+    got: list[int] = []
+
+    def push(chunks, context):
+        first = next(chunks)
+        for _ in chunks:
+            pass
+        got.append(first.header.updates)
+        return dmoe_pb2.ReplicaAck(updates=first.header.updates)
+
+    def fetch(query, context):
+        context.abort(grpc.StatusCode.NOT_FOUND, "none held")
+        yield  # (a generator: grpc's unary-stream handler)
+
+    honest, endpoint = fake_host(push, fetch)
+    hosts = announced(*(f"h{i}.attacker.example:4000" for i in range(10)), endpoint)
+    pusher = pusher_of(hosts, replicas=1)
+    try:
+        started = time.monotonic()
+        assert pusher.push_all(deadline=started + 2.0, interruptible=True) == {UID: [endpoint]}
+        assert time.monotonic() - started < 1.5 and got == [2]
+        # new names, and a wait far longer than a stop may take: a periodic round under way when the server stops
+        hosts[:0] = announced(*(f"g{i}.attacker.example:4000" for i in range(10)))
+        monkeypatch.setattr(pusher_module, "RESOLVE_TIMEOUT", 30.0)
+
+        def reading(layers):
+            rounds.set()
+            return {layer: list(hosts) for layer in layers}
+        pusher.hosts = reading
+        pusher.interval = 0.1
+        train(pusher.server.backends[UID], 1)
+        pusher.start()
+        assert rounds.wait(10)
+        stopping = time.monotonic()
+        pusher.close()
+        assert time.monotonic() - stopping < 3 and got[-1] == 3  # the last push, to the honest host
+    finally:
+        released.set()
+        pusher.close(push=False)
+        honest.stop(0)
 
 
 def test_a_stale_adopted_copy_does_not_replace_the_new_owners_newer_replica_in_the_servers_own_store(tmp_path):

@@ -101,9 +101,18 @@ HOST_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE
                            grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED})
 #: seconds a host name's address is remembered once resolved (:class:`_Whereabouts`), and once it did not resolve
 NAME_TTL, UNRESOLVED_TTL = 300.0, 60.0
-#: seconds a push round waits for a host name to resolve: a name that takes longer (anyone may announce one whose
-#: DNS never answers) counts as unresolved, and its host is skipped, until it resolves
+#: seconds a push round waits for its host names to resolve, all looked up at once at its start (within its
+#: deadline): a name that takes longer (anyone may announce one whose DNS never answers) counts as unresolved, and
+#: its host is skipped, until it resolves. Each name used to be waited for in turn as its host came up, before the
+#: round's deadline or a stop was looked at: 30 such names held a round, and a clean stop, for a minute (review
+#: 105 D3)
 RESOLVE_TIMEOUT = 2.0
+#: host names looked up at once, and at most queued for a look-up: a look-up whose DNS never answers holds a thread
+#: until the system resolver gives up; the names beyond these wait for a later round
+RESOLVERS, MAX_PENDING_NAMES = 8, 64
+#: seconds :meth:`ReplicaPusher.close` waits for a round under way to end (its pushes are abandoned at once, a host
+#: probe or a DHT read may take a few seconds more) before it makes the last push anyway (review 105 D3)
+CLOSE_TIMEOUT = 5.0
 
 
 class ReplicaError(RuntimeError):
@@ -410,18 +419,20 @@ class _Whereabouts:
     contacts there (:func:`~dmoe.dht.routing.contact_machine`); otherwise loopback is one machine, this one.
 
     A host name is resolved, each at most once per :data:`NAME_TTL` (:data:`UNRESOLVED_TTL` when it pointed
-    nowhere), waiting at most :data:`RESOLVE_TIMEOUT`: one that does not resolve (in time) has no place."""
+    nowhere), waiting at most :data:`RESOLVE_TIMEOUT`: one that does not resolve (in time) has no place.
+    :meth:`resolve` looks up many names at once, under one bound, and :meth:`of` then waits for none."""
 
     def __init__(self) -> None:
         self._names: dict[str, tuple[Address | None, float]] = {}  # name -> (its address, monotonic expiry)
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
-        self._resolver = ThreadPoolExecutor(2, thread_name_prefix="dmoe-replica-resolve")
+        self._resolver = ThreadPoolExecutor(RESOLVERS, thread_name_prefix="dmoe-replica-resolve")
 
-    def of(self, endpoint: str, local: bool = True) -> tuple[str, str] | None:
-        """(place, machine) of ``endpoint``; None when its host names no address (a name resolving to none)."""
+    def of(self, endpoint: str, local: bool = True, wait: float = RESOLVE_TIMEOUT) -> tuple[str, str] | None:
+        """(place, machine) of ``endpoint``; None when its host names no address (a name resolving to none, or
+        not within ``wait`` seconds)."""
         port = endpoint.rpartition(":")[2]
-        address = self._address(endpoint_host(endpoint))
+        address = self._address(endpoint_host(endpoint), wait)
         if address is None:
             return None
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
@@ -429,30 +440,69 @@ class _Whereabouts:
         place = join_host_port(str(address), int(port) if port.isdigit() else port)
         return place, counted_machine(address, place, local)
 
-    def _address(self, host: str) -> Address | None:
+    def resolve(self, endpoints: Collection[str], until: float, stop: threading.Event | None = None) -> None:
+        """Looks up the host names of ``endpoints`` not known yet, all at once, and waits for them until ``until``
+        (a ``time.monotonic()`` time) or ``stop`` is set, whichever comes first: names whose DNS never answers cost
+        a round this long in all, not each :data:`RESOLVE_TIMEOUT` (review 105 D3)."""
+        pending: dict[str, Future] = {}
+        for endpoint in endpoints:
+            name = endpoint_host(endpoint).lower()
+            if name not in pending and not _is_address(name):
+                found = self._lookup_of(name)
+                if isinstance(found, Future):
+                    pending[name] = found
+        waiting = set(pending.values())
+        while waiting:
+            left = until - time.monotonic()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                break
+            waiting = wait(waiting, timeout=min(left, STOP_POLL)).not_done
+        for name, future in pending.items():
+            if not future.done():
+                self._unresolved(name)
+
+    def _address(self, host: str, wait: float) -> Address | None:
         try:
             return ipaddress.ip_address(host)
         except ValueError:
             pass
-        name, now = host.lower(), time.monotonic()
+        name = host.lower()
+        found = self._lookup_of(name)
+        if not isinstance(found, Future):
+            return found
+        try:
+            return found.result(timeout=wait)
+        except (FutureTimeout, CancelledError):
+            self._unresolved(name)
+            return None
+
+    def _lookup_of(self, name: str) -> Address | None | Future:
+        """The address of ``name`` when known, else its look-up (started now if none is under way); None when it is
+        neither (too many look-ups under way, or this is closed)."""
+        now = time.monotonic()
         with self._lock:
             known = self._names.get(name)
             if known is not None and known[1] > now:
                 return known[0]
             pending = self._pending.get(name)
             if pending is None:
+                if len(self._pending) >= MAX_PENDING_NAMES:  # (look-ups that hang pile up: names are anyone's)
+                    return None
                 if len(self._names) >= 4096:  # (names are anyone's to announce: the expired ones go)
                     self._names = {key: value for key, value in self._names.items() if value[1] > now}
                 try:
                     pending = self._pending[name] = self._resolver.submit(self._lookup, name)
                 except RuntimeError:  # (closed)
                     return None
-        try:
-            return pending.result(timeout=RESOLVE_TIMEOUT)
-        except (FutureTimeout, CancelledError):
-            with self._lock:  # (the lookup, when it ends, notes what it found)
-                self._names.setdefault(name, (None, time.monotonic() + UNRESOLVED_TTL))
-            return None
+            return pending
+
+    def _unresolved(self, name: str) -> None:
+        """Notes a name that did not resolve in time (its look-up, when it ends, notes what it found)."""
+        now = time.monotonic()
+        with self._lock:
+            known = self._names.get(name)
+            if known is None or known[1] <= now:
+                self._names[name] = (None, now + UNRESOLVED_TTL)
 
     def _lookup(self, name: str) -> Address | None:
         address = resolve_host(name)
@@ -463,6 +513,14 @@ class _Whereabouts:
 
     def close(self) -> None:
         self._resolver.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class ReplicaPusher:
@@ -542,32 +600,50 @@ class ReplicaPusher:
         hosts that take it, and an adopted one into this server's own store; returns uid -> the endpoints that hold
         it now. No push starts after ``deadline`` (a ``time.monotonic()`` time; None: none), and none runs past
         it; the experts placed longest ago go first. ``interruptible``: :meth:`close` abandons the round's pushes;
-        ``last`` (the round of a clean stop): no host that failed lately is tried."""
-        with self._round_lock:
-            if deadline is None:
-                deadline = float("inf")
-            backends = dict(self.server.backends)
-            if not backends:
-                return {}
-            try:
-                hosts = self.hosts(sorted({split_uid(uid)[0] for uid in backends})) if self.replicas else {}
-            except Exception as error:  # noqa: BLE001 - a DHT hiccup: the next round tries again
-                logger.warning("could not read the replica hosts from the DHT: %s", error)
-                hosts = {}  # adopted experts are still kept here
-            else:
-                announced = {host.endpoint for found in hosts.values() for host in found}
-                self._forget_failures(announced)
-                # and what hosts that announce themselves no more were pushed: anyone may announce new endpoints
-                # every round, and each one pushed to was remembered for good
-                self._pushed = {key: pushed for key, pushed in self._pushed.items()
-                                if key[1] in announced and key[0] in backends}
-            order = sorted(backends, key=lambda uid: self._placed_at.get(uid, float("-inf")))
-            pushes = {uid: self._pool.submit(self._push_one, uid, backends[uid], hosts.get(split_uid(uid)[0], []),
-                                             force, deadline, interruptible, last)
-                      for uid in order}
-            placed = {uid: push.result() for uid, push in pushes.items()}
-            self.rounds += 1
-            return placed
+        ``last`` (the round of a clean stop): no host that failed lately is tried. A round still under way (its
+        thread not stopped in time, see :meth:`close`) holds this one back until ``deadline`` at most."""
+        if deadline is None:
+            deadline = float("inf")
+        wait_for = -1 if deadline == float("inf") else max(0.0, deadline - time.monotonic())
+        if not self._round_lock.acquire(timeout=wait_for):
+            logger.warning("a round of replica pushes was still under way at the next one's deadline: none made")
+            return {}
+        try:
+            return self._round(force, deadline, interruptible, last)
+        finally:
+            self._round_lock.release()
+
+    def _round(self, force: bool, deadline: float, interruptible: bool, last: bool) -> dict[str, list[str]]:
+        backends = dict(self.server.backends)
+        if not backends:
+            return {}
+        try:
+            hosts = self.hosts(sorted({split_uid(uid)[0] for uid in backends})) if self.replicas else {}
+        except Exception as error:  # noqa: BLE001 - a DHT hiccup: the next round tries again
+            logger.warning("could not read the replica hosts from the DHT: %s", error)
+            hosts = {}  # adopted experts are still kept here
+        else:
+            announced = {host.endpoint for found in hosts.values() for host in found}
+            self._forget_failures(announced)
+            # and what hosts that announce themselves no more were pushed: anyone may announce new endpoints
+            # every round, and each one pushed to was remembered for good
+            self._pushed = {key: pushed for key, pushed in self._pushed.items()
+                            if key[1] in announced and key[0] in backends}
+        # every host name of the round looked up at once, under one bound (review 105 D3)
+        self._where.resolve([host.endpoint for found in hosts.values() for host in found],
+                            until=min(deadline, time.monotonic() + RESOLVE_TIMEOUT),
+                            stop=self._stop if interruptible else None)
+        order = sorted(backends, key=lambda uid: self._placed_at.get(uid, float("-inf")))
+        pushes = {uid: self._pool.submit(self._push_one, uid, backends[uid], hosts.get(split_uid(uid)[0], []),
+                                         force, deadline, interruptible, last)
+                  for uid in order}
+        placed = {uid: push.result() for uid, push in pushes.items()}
+        self.rounds += 1
+        return placed
+
+    def _local(self) -> bool:
+        """Whether every DHT peer of this server is on this machine (a local swarm: see :class:`_Whereabouts`)."""
+        return getattr(self.dht, "outbound_host", None) is None
 
     def _push_one(self, uid: str, backend, hosts: list[Host], force: bool, deadline: float,
                   interruptible: bool, last: bool) -> list[str]:
@@ -591,15 +667,18 @@ class ReplicaPusher:
             if token is not None:
                 tokens.add(token)
 
-        local = getattr(self.dht, "outbound_host", None) is None  # (no DHT peer on another machine)
+        local = self._local()
         for _, endpoint, token in ranked:
             if len(placed) == self.replicas:
                 break
+            if time.monotonic() >= deadline or (interruptible and self._stop.is_set()):
+                logger.info("the round's time is up: %s placed on %d of %d hosts", uid, len(placed), self.replicas)
+                break
             if token is not None and token in tokens:
                 continue
-            where = self._where.of(endpoint, local)
+            where = self._where.of(endpoint, local, wait=0)  # (looked up at the round's start: see _round)
             if where is None:
-                logger.debug("%s not pushed to %s: its host resolves to no address", uid, endpoint)
+                logger.debug("%s not pushed to %s: its host resolves to no address (in time)", uid, endpoint)
                 continue
             place, machine = where
             if place in places or machine in machines:
@@ -769,22 +848,31 @@ class ReplicaPusher:
         stop (review 88)."""
         self._stop.set()
 
-    def close(self, push: bool = True) -> None:
-        """Stops the thread, then (``push``) pushes every expert's last state, in at most ``timeout`` seconds: a
-        clean stop loses no update unless its hosts are too slow for that. A round under way is abandoned, and no
-        host that failed lately is tried."""
+    def close(self, push: bool = True, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Stops the thread, then (``push``) pushes every expert's last state, in at most ``self.timeout`` seconds:
+        a clean stop loses no update unless its hosts are too slow for that. A round under way is abandoned, and no
+        host that failed lately is tried. The thread is waited for ``timeout`` seconds at most (logged when it takes
+        longer; the last round then waits for it within its own deadline): it was waited for without a bound, and
+        a round held by host names that never resolve kept a clean stop for a minute, until a supervisor's SIGKILL
+        lost the last push (review 105 D3)."""
         stopping = time.monotonic()
         self.stop()
+        stuck = False
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            stuck = self._thread.is_alive()
+            if stuck:
+                logger.warning("the replica pusher's round did not end within %.0f s of the stop: not waiting for "
+                               "it", timeout)
             self._thread = None
         if push:
             try:
                 placed = self.push_all(deadline=stopping + self.timeout, last=True)
                 logger.info("last replicas pushed: %d experts to %d hosts",
-                            sum(1 for endpoints in placed.values() if endpoints), len({endpoint for endpoints in placed.values() for endpoint in endpoints}))
+                            sum(1 for endpoints in placed.values() if endpoints),
+                            len({endpoint for endpoints in placed.values() for endpoint in endpoints}))
             except Exception:  # noqa: BLE001 - shutting down anyway
                 logger.exception("the last replica push failed")
-        self._pool.shutdown()
+        self._pool.shutdown(wait=not stuck, cancel_futures=stuck)  # (a stuck round's pushes end with the channels)
         self._where.close()
         self.channels.close()
