@@ -122,12 +122,13 @@ def test_hosts_on_one_machine_by_their_address_take_one_replica_of_an_expert(pus
 
 
 @pytest.mark.parametrize("dht, placed", [(LOCAL, ["127.0.0.1:1000", "localhost:2000", "127.0.0.2:1000"]),
-                                         (PUBLIC, ["127.0.0.1:1000", "203.0.113.5:1000"])])
-def test_loopback_endpoints_are_machines_of_their_own_in_a_local_swarm_and_one_machine_otherwise(
+                                         (PUBLIC, ["203.0.113.5:1000"])])
+def test_loopback_endpoints_are_machines_of_their_own_in_a_local_swarm_and_this_machine_otherwise(
         pushed, dht, placed):
     """A local swarm (the demo, the tests) runs every server on 127.0.0.1, and a push to a loopback endpoint reaches
     only this machine: there each endpoint counts as a machine, as the DHT counts contacts. A server whose peers
-    are on other machines pushes to loopback endpoints only into its own machine: one replica there at most."""
+    are on other machines pushes to loopback endpoints only into its own machine, which holds none of its replicas
+    (they would leave with it): it took one (review 105 D2)."""
     hosts = announced("127.0.0.1:1000", "127.0.0.1:1000", "localhost:2000", "127.0.0.2:1000", "[::1]:3000",
                       "203.0.113.5:1000")
     pusher = pusher_of(hosts, replicas=3, dht=dht)
@@ -146,6 +147,23 @@ def test_hosts_sharing_a_machine_token_still_take_one_replica(pushed):
         assert pusher.push_all() == {UID: ["127.0.0.1:1000", "203.0.113.5:1000", "203.0.113.6:1000"]}
     finally:
         pusher.close(push=False)
+
+
+@pytest.mark.parametrize("dht", [LOCAL, PUBLIC])
+def test_hosts_announced_at_the_pushers_own_endpoint_take_none_of_its_replicas(pushed, dht):
+    """Review 105 D2: anyone may announce a server's own endpoint as a host of its layer, under a key closer to an
+    expert's than the honest hosts': the server pushed its replicas to itself (R=1: every one), where they die
+    with it. Its own endpoint, however written, and its machine count as taken before any host."""
+    pusher = pusher_of([], replicas=1, dht=dht)
+    pusher.server.start()
+    try:
+        own = pusher.server.endpoint
+        hosts = announced(own, f"localhost:{own.rpartition(':')[2]}", "203.0.113.5:1000")
+        pusher.hosts = lambda layers: {layer: list(hosts) for layer in layers}
+        assert pusher.push_all() == {UID: ["203.0.113.5:1000"]} and pushed == ["203.0.113.5:1000"]
+    finally:
+        pusher.close(push=False)
+        pusher.server.close()
 
 
 def test_host_names_that_never_resolve_cost_a_round_one_bound_and_hold_no_stop(monkeypatch):

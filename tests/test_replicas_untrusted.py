@@ -497,7 +497,7 @@ def test_optimizer_states_that_fit_are_taken_and_train_on():
         assert template.updates == snapshot.updates + 1
 
 
-# ---- review 105 D1: messages larger than an honest one -------------------------------------------------------------
+# ---- review 105 D1: messages larger than an honest one; D2: a replica of the holder's own ----------------------------
 
 def test_a_holders_first_message_larger_than_an_honest_one_is_refused_unread(stack):
     """A header probe or a fetch read the holder's whole first message (up to gRPC's 64 MiB) before it looked at the
@@ -562,3 +562,14 @@ def test_a_pushed_message_larger_than_an_honest_one_is_refused_with_a_clear_stat
         assert f"bytes in one message: this server takes at most {CHUNK_BYTES}" in error.details()
     assert push_snapshot(holder.stub, holder.endpoint, signed) == 3 and holder.held(uid) == 3
 
+
+def test_a_push_signed_by_the_holders_own_key_is_refused(stack, tmp_path):
+    """Anyone may announce a server's own endpoint as a host: its pusher pushed its replicas to itself, and its own
+    service took them (the signer owns the uid), where they die with it."""
+    me, uid = Identity(), "ffn0.1.2"
+    holder = LiveHolder(stack, tmp_path, own_key=me.public_key)
+    holder.owners[uid] = me.public_key
+    with pytest.raises(ReplicaError) as refused:
+        push_snapshot(holder.stub, holder.endpoint, sign(take(trained(uid, 3)), me))
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED and "this server's own key" in refused.value.message
+    assert holder.store.header(uid) is None

@@ -9,7 +9,8 @@ Series:
                                             older, too_large, truncated, digest, malformed, mismatch, updates,
                                             layer: of a layer this server does not hold replicas of, busy: too
                                             many pushes at once, stalled: a push that sent nothing for a minute,
-                                            slow: a push that fell behind the minimum rate)
+                                            slow: a push that fell behind the minimum rate, own: signed by this
+                                            server's own key)
     dmoe_replicas_adopted_total             experts this server adopted from a replica
     dmoe_replicas_started_fresh_total       experts this server started from fresh weights although their cell may
                                             have trained before: no replica of them anywhere (lost training)

@@ -629,24 +629,54 @@ class ReplicaPusher:
             # every round, and each one pushed to was remembered for good
             self._pushed = {key: pushed for key, pushed in self._pushed.items()
                             if key[1] in announced and key[0] in backends}
-        # every host name of the round looked up at once, under one bound (review 105 D3)
-        self._where.resolve([host.endpoint for found in hosts.values() for host in found],
+        # every host name of the round (and this server's own) looked up at once, under one bound (review 105 D3)
+        own = self._own_endpoints()
+        self._where.resolve([host.endpoint for found in hosts.values() for host in found] + own,
                             until=min(deadline, time.monotonic() + RESOLVE_TIMEOUT),
                             stop=self._stop if interruptible else None)
+        mine = self._places_of(own)
         order = sorted(backends, key=lambda uid: self._placed_at.get(uid, float("-inf")))
         pushes = {uid: self._pool.submit(self._push_one, uid, backends[uid], hosts.get(split_uid(uid)[0], []),
-                                         force, deadline, interruptible, last)
+                                         force, deadline, interruptible, last, mine)
                   for uid in order}
         placed = {uid: push.result() for uid, push in pushes.items()}
         self.rounds += 1
         return placed
+
+    def _own_endpoints(self) -> list[str]:
+        """Where this server is reached: its own endpoint and the one it announces (none before it started)."""
+        endpoints = []
+        try:
+            endpoints.append(self.server.endpoint)
+        except (AttributeError, RuntimeError):  # (not started: no port yet)
+            pass
+        announcer = getattr(self.server, "announcer", None)
+        if announcer is not None and getattr(announcer, "endpoint", None):
+            endpoints.append(announcer.endpoint)
+        return endpoints
+
+    def _places_of(self, own: list[str]) -> tuple[set[str], set[str]]:
+        """The places and machines (see :class:`_Whereabouts`) of this server's ``own`` endpoints, and of this
+        machine: each expert's replicas count them as taken before any host (review 105 D2). Anyone may announce
+        this server's own endpoint as a host, under a key closer to an expert's than the honest hosts': the
+        server pushed its replicas to itself, where they die with it (its own service now refuses them too)."""
+        local = self._local()
+        places, machines = set(), set()
+        for endpoint in own:
+            where = self._where.of(endpoint, local, wait=0)
+            if where is not None:
+                places.add(where[0])
+                machines.add(where[1])
+        if not local:  # (a loopback endpoint is this machine then)
+            machines.add(counted_machine(ipaddress.IPv4Address("127.0.0.1"), "127.0.0.1:0", local))
+        return places, machines
 
     def _local(self) -> bool:
         """Whether every DHT peer of this server is on this machine (a local swarm: see :class:`_Whereabouts`)."""
         return getattr(self.dht, "outbound_host", None) is None
 
     def _push_one(self, uid: str, backend, hosts: list[Host], force: bool, deadline: float,
-                  interruptible: bool, last: bool) -> list[str]:
+                  interruptible: bool, last: bool, mine: tuple[set[str], set[str]]) -> list[str]:
         now = time.monotonic()
         # closest first; hosts that failed lately left out, those that failed before tried after the others
         leave_out = self._failed_before if last else self._backing_off
@@ -656,9 +686,10 @@ class ReplicaPusher:
         placed: list[str] = []
         # of the hosts placed, their places, machines (see _Whereabouts) and machine tokens: at most one replica
         # in each, since a machine may leave whole, and keys (so host entries) cost nothing to make
-        places: set[str] = set()
-        machines: set[str] = set()
-        tokens: set[str] = set()
+        # (this server's own places and machine count as taken: review 105 D2)
+        places: set[str] = set(mine[0])
+        machines: set[str] = set(mine[1])
+        tokens: set[str] = {self.machine} if self.machine is not None else set()
 
         def place_on(endpoint: str, place: str, machine: str, token: str | None) -> None:
             placed.append(endpoint)

@@ -96,7 +96,7 @@ class Replication:
         # the layers this server announces itself a host of, and the only ones whose replicas it takes
         self.layers = sorted({split_uid(uid)[0] for uid in server.backends} | set(config.layers))
         self.servicer = ReplicaServicer(self.store, self.template, lambda uid: owner_of(dht, uid), self.metrics,
-                                        layers=self.layers)
+                                        layers=self.layers, own_key=dht.identity.public_key)
         self.pusher = ReplicaPusher(server, dht, dht.identity, replicas=config.replicas, interval=config.interval,
                                     compression=parse_compression(config.compression), metrics=self.metrics,
                                     channels=self.channels, machine=config.machine, store=self.store)

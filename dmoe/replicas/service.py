@@ -119,6 +119,7 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
             :data:`ANNOUNCED_SHARE_PER_MACHINE`).
         lineage_seconds: how long a replica held here is kept from another signer's with fewer updates, since its
             own signer last pushed it (see :func:`_older`).
+        own_key: this server's public key: a replica it signed is refused, since it would die with this server.
     """
 
     def __init__(self, store: ReplicaStore, template: ExpertBackend, owner_of: OwnerLookup,
@@ -128,11 +129,11 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
                  max_fetches: tuple[int, int] = (MAX_FETCHES, MAX_FETCHES_PER_MACHINE),
                  stall_seconds: float = STALL_SECONDS, lineage_seconds: float = LINEAGE_SECONDS,
                  push_allowance: float = PUSH_ALLOWANCE_SECONDS, min_push_rate: float = MIN_PUSH_BYTES_PER_SECOND,
-                 machine_share: float = ANNOUNCED_SHARE_PER_MACHINE):
+                 machine_share: float = ANNOUNCED_SHARE_PER_MACHINE, own_key: bytes | None = None):
         if not 0 < chunk_bytes <= CHUNK_BYTES:  # (the replica channels take no larger message: review 105 D1)
             raise ValueError(f"chunk_bytes must be in 1..{CHUNK_BYTES}, got {chunk_bytes}")
         self.store, self.template, self.owner_of = store, template, owner_of
-        self.lineage_seconds = lineage_seconds
+        self.lineage_seconds, self.own_key = lineage_seconds, own_key
         self.metrics, self.chunk_bytes = metrics, chunk_bytes
         self.layers = frozenset(layers) if layers is not None else None
         self.max_bytes = min(max_snapshot_bytes(template), store.budget_bytes)
@@ -319,6 +320,12 @@ class ReplicaServicer(dmoe_pb2_grpc.ReplicaServiceServicer):
         """Why a replica signed as ``header`` may not replace ``held`` (None: nothing is held) while ``owner`` owns
         its uid (None: nobody), or None when it may."""
         signer = header.signer
+        if self.own_key is not None and signer == self.own_key:
+            # anyone may announce this server's own endpoint as a host of its layer: its pusher then sent its
+            # replicas here, where they die with it, and nothing else held them (review 105 D2)
+            return SnapshotRefused(grpc.StatusCode.PERMISSION_DENIED, "own",
+                                   f"the replica of {header.uid} is signed by this server's own key: its replicas "
+                                   f"belong on other servers")
         if owner != signer and not (owner is None and held is not None and held.signer == signer):
             named = f"the directory names {owner.hex()[:SIGNER_HEX]}" if owner else "nobody declares it now"
             if owner is None:
