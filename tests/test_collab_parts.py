@@ -1122,7 +1122,8 @@ def test_a_state_server_that_fails_slowly_is_banned_by_machine_whatever_the_erro
         joiner = WithScale()
         with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
                 torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "slow", 100, refresh_period=0.2,
-                progress_ttl=30.0, state_timeout=6.0, client_mode=True) as collab:
+                progress_ttl=30.0, state_timeout=6.0, client_mode=True,
+                failed_download_share=1.0) as collab:  # (no pause after the slow failures: one try each here)
             wait_until(lambda: collab.wait_for_trainers(count=20, timeout=0.2) and collab.local_step == 7)
             assert (collab.lineage, collab.steps_downloaded) == ("0123abcd", 1)
     text = caplog.text
@@ -1136,6 +1137,94 @@ def test_a_state_server_that_fails_slowly_is_banned_by_machine_whatever_the_erro
     assert re.search(r"ignoring trainer 931 .*claims step 8 but serves step 7", text), text
     assert f"no state downloads from {honest.endpoint}" not in text  # it answered what it holds, at once
     assert "downloaded the state at step 7 from trainer 932" in text
+
+
+def test_every_spelling_and_name_of_one_failing_state_server_is_one_machine(bootstrap, caplog, monkeypatch):
+    """A host name was a machine of its own in every spelling (``localhost``, ``Localhost``: DNS ignores case) and
+    every name of a wildcard domain another, so records naming one failing server anew each held every step() for
+    its delay, up to state_timeout each (review 107 D1). A name is resolved before its download now, and the
+    address dialed is the one banned."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *args, **kwargs: real(  # a wildcard domain of its own
+        "127.0.0.1" if str(host).lower().endswith(".evil.example") else host, *args, **kwargs))
+    with DHT([bootstrap], client_mode=True) as hostile, \
+            StateServer(SlowServicer("names", lambda: None, delay=0.3, fail=True)) as failing:
+        port = failing.endpoint.rpartition(":")[2]
+        names = ["localhost", "Localhost", "LOCALHOST", "a1.evil.example", "A2.evil.example", "a3.EVIL.example"]
+        now = time.time()
+        hostile.store_many({progress_key("names"): {961 + i: (Progress(
+            10, 0, 1.0, now, f"{name}:{port}", ACCUMULATING, "0123abcd", 3).encode(), now + 60)
+            for i, name in enumerate(names)}})
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dht, "names", 100, refresh_period=0.2,
+                progress_ttl=30.0, client_mode=True) as collab:
+            # one record tried and banned, every other one seen to name the same machine, without a try
+            wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2)
+                       and len(collab.collaboration.peers) == len(names) - 1
+                       and all(p.endpoint is None for p in collab.collaboration.peers.values()))
+            assert collab.local_step == 0
+    assert len(re.findall(r"ignoring trainer 96\d .*INTERNAL: oops", caplog.text)) == 1, caplog.text
+    assert re.search(rf"no state downloads from a\d\.evil\.example:{port} for 60 s \(it is 127\.0\.0\.1:{port}, "
+                     rf"banned\)", caplog.text, re.IGNORECASE), caplog.text
+
+
+def test_downloads_that_come_to_nothing_take_a_bounded_share_of_the_training_loop_whatever_their_sources(
+        bootstrap, caplog):
+    """Records are free to write and may name any address (one that drops packets, a new port of loopback, a new
+    name): each failing source, banned after its failure, was followed by the next one at the next step(), and one
+    peer held every trainer's step() for a connection timeout (or up to state_timeout) per batch, without end
+    (review 107 D1). After a download that came to nothing none is tried for nine times as long now (the default
+    failed_download_share, a tenth)."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    servers = [StateServer(SlowServicer("share", lambda: None, delay=0.3, fail=True)) for _ in range(6)]
+    try:
+        with DHT([bootstrap], client_mode=True) as hostile, DHT([bootstrap], client_mode=True) as dht:
+            now = time.time()
+            hostile.store_many({progress_key("share"): {971 + i: (Progress(
+                10, 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60)
+                for i, server in enumerate(servers)}})  # each port of loopback a machine of its own
+            model = torch.nn.Linear(3, 2)
+            with CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "share", 10**6,
+                                        refresh_period=0.2, progress_ttl=30.0, client_mode=True) as collab:
+                started, in_step = time.monotonic(), 0.0  # (the constructor tried one of them)
+                while time.monotonic() - started < 2.5:  # batches of 0.1 s
+                    time.sleep(0.1)
+                    model(torch.randn(4, 3)).sum().backward()
+                    before = time.monotonic()
+                    collab.step(4)
+                    in_step += time.monotonic() - before
+                    collab.zero_grad()
+    finally:
+        for server in servers:
+            server.close()
+    failed = re.findall(r"ignoring trainer 97\d .*INTERNAL: oops", caplog.text)
+    assert len(failed) <= 2, caplog.text  # one at the start; none for 2.7 s after it
+    assert in_step < 0.4, in_step  # (one failure: 0.3 s)
+
+
+def test_bans_of_state_servers_machines_are_dropped_once_expired():
+    """Every address a record named and a download failed at stayed banned in memory for the whole run (review
+    107 D1); names count in any case and port."""
+    from dmoe.collab.progress import MAX_BANNED, endpoint_machine
+
+    class Offline:  # the tracker's thread reads and publishes nothing
+        config = type("DHTConfig", (), {"max_value_bytes": 96, "call_timeout": 1.0})()
+
+        def get(self, key):
+            raise TimeoutError
+
+    tracker = ProgressTracker(Offline(), "bans", replace(CONFIG, ban_time=0.001))
+    try:
+        for index in range(3 * MAX_BANNED):
+            tracker.ban_endpoint(f"10.{index // 250}.{index % 250}.1:5000")
+            if index % MAX_BANNED == MAX_BANNED - 1:
+                time.sleep(0.01)
+        assert len(tracker._banned_endpoints) <= MAX_BANNED
+    finally:
+        tracker.close()
+    assert endpoint_machine("Localhost:1") == endpoint_machine("localhost:1") != endpoint_machine("localhost:2")
+    assert endpoint_machine("EVIL.example:443") == endpoint_machine("evil.example:80")
 
 
 def test_a_collaboration_refuses_a_minimum_group_above_two():
@@ -1167,8 +1256,9 @@ def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best
         joiner = WithScale()
         with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
                 torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "join", 100, refresh_period=0.2,
-                progress_ttl=30.0, client_mode=True) as collab:
-            collab.wait_for_trainers(count=10, timeout=2.0)  # reads and syncs again meanwhile
+                progress_ttl=30.0, client_mode=True,
+                failed_download_share=1.0) as collab:  # (the next source a refresh period after each refusal)
+            wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2) and collab.local_step == 7)
             assert (collab.local_step, collab.lineage, collab.steps_downloaded) == (7, "0123abcd", 1)
             assert all(torch.equal(mine, theirs) for mine, theirs in zip(joiner.parameters(), ahead.parameters()))
     assert re.search(r"ignoring trainer 903 .*: its state at \S+ was refused: the optimizer's parameter groups "
@@ -1223,9 +1313,10 @@ def test_a_hostile_state_server_gets_banned_and_the_trainer_keeps_training(boots
             joiner = WithScale()
             with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
                     torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "poison", 100, refresh_period=0.2,
-                    progress_ttl=30.0, client_mode=True) as collab:
-                collab.wait_for_trainers(count=10, timeout=1.0)
-                wait_until(lambda: all(f"ignoring trainer {pid} " in caplog.text for pid in ids))
+                    progress_ttl=30.0, client_mode=True,
+                    failed_download_share=1.0) as collab:  # (the next source a refresh period after each refusal)
+                wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2)
+                           and all(f"ignoring trainer {pid} " in caplog.text for pid in ids))
                 joiner(torch.randn(3, 4)).sum().backward()
                 assert collab.step(3) is False  # accumulated, not crashed
                 assert (collab.local_step, collab.steps_downloaded, collab.samples) == (0, 0, 3)

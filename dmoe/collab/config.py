@@ -43,6 +43,10 @@ class CollaborationConfig:
     state_announce_host: the host the others are told for the state server, as ``AveragerConfig.announce_host``.
     finish_timeout: at the end of training, seconds :meth:`CollaborativeOptimizer.finish` waits for the live peers
         to reach the last step.
+    failed_download_share: the most of a trainer's time that state downloads which come to nothing may take, whatever
+        their sources: after one that took ``t`` seconds, none is tried for ``t * (1 / share - 1)`` (and at least a
+        refresh period, doubling with each such download in a row). Records are free to write and may name any
+        address (review 107).
     """
 
     target_batch_size: int
@@ -58,6 +62,7 @@ class CollaborationConfig:
     state_port: int = 0
     state_announce_host: str | None = None
     finish_timeout: float = 60.0
+    failed_download_share: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.target_batch_size, bool) or not isinstance(self.target_batch_size, int) \
@@ -69,6 +74,8 @@ class CollaborationConfig:
         for name in ("ban_time", "grad_clip", "averaging_timeout", "finish_timeout"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.failed_download_share <= 1:
+            raise ValueError(f"failed_download_share must be in (0, 1], got {self.failed_download_share}")
         if not self.max_samples_ratio >= 1:
             raise ValueError(f"max_samples_ratio must be at least 1, got {self.max_samples_ratio}")
         if self.progress_ttl < 2 * self.refresh_period:

@@ -25,10 +25,13 @@ Joining, dying, falling behind:
 Bad input: records with absurd numbers are refused (see :mod:`~dmoe.collab.progress`); a trainer that claims a step
 its state server cannot back, or serves a state that does not fit this model (or breaks its download in any way),
 is logged and ignored for ``ban_time`` while training goes on. So is its state server's machine, whatever peer ids
-name it (twice as long each time it fails again), for every failed download but those that may be no fault of the
-server's (busy, or a record naming an honest trainer with a step or lineage it does not serve) and came to nothing
-quickly (:func:`slow_refusal`): peer ids cost nothing, and a server that failed each download just before
-``state_timeout``, under a new id each time, held every ``step()`` for that long (review 87).
+and host names name it (twice as long each time it fails again), for every failed download but those that may be no
+fault of the server's (busy, or a record naming an honest trainer with a step or lineage it does not serve) and came
+to nothing quickly (:func:`slow_refusal`): peer ids cost nothing, and
+a server that failed each download just before ``state_timeout``, under a new id each time, held every ``step()``
+for that long (review 87). Records are free to write and may name any address, so whatever their sources,
+downloads that come to nothing take at most ``config.failed_download_share`` of the trainer's time: after one,
+none is tried for a while (review 107).
 
 Threads: the progress tracker's (publish and read), the state server's event loop (and one for captures), the
 averager's two; all stop in :meth:`CollaborativeOptimizer.shutdown`.
@@ -56,8 +59,10 @@ from dmoe.collab.progress import (
     CollaborationState,
     Progress,
     ProgressTracker,
+    resolve_endpoint,
 )
 from dmoe.collab.state_sync import (
+    CONNECT_TIMEOUT,
     StateDownloadError,
     StateMismatch,
     StateServer,
@@ -77,6 +82,9 @@ BUSY_BAN = 5.0
 #: seconds (at most; see :func:`slow_refusal`) a state download may take to end in a refusal that is not the server's
 #: fault (busy, or a step or lineage other than a record claimed for it) before its machine is banned all the same
 SLOW_REFUSAL = 5.0
+#: seconds at most that downloads pause after a quick one that came to nothing (one that took longer pauses them for
+#: longer: see :meth:`CollaborativeOptimizer._pause_downloads`)
+DOWNLOAD_PAUSE_CAP = 30.0
 
 
 def slow_refusal(state_timeout: float) -> float:
@@ -172,6 +180,8 @@ class CollaborativeOptimizer:
         self._state_limits = download_limits(self.parameters)  # (bytes, messages)
         self._served: tuple[tuple[int, str], list] | None = None
         self._rng = random.Random()
+        self._failed_downloads = 0  # state downloads in a row that came to nothing (see _pause_downloads)
+        self._downloads_paused_until = 0.0  # time.monotonic() before which no state download is tried
         self._closed = False
         self.averager: DecentralizedAverager | None = None
         self.state_server: StateServer | None = None
@@ -409,16 +419,53 @@ class CollaborativeOptimizer:
     # ---- joining and catching up ----
     def _sync_if_needed(self, at_most: int | None = None) -> bool:
         """Downloads the state when this trainer is behind or off the canonical lineage; True when it did.
-        ``at_most``: only a state of that step or before (:meth:`finish` takes none beyond the last step)."""
+        ``at_most``: only a state of that step or before (:meth:`finish` takes none beyond the last step).
+
+        After a download that came to nothing, none is tried for a while (:meth:`_pause_downloads`), whatever the
+        source: records are free to write, each may name an address nobody answers at or a new name of one failing
+        server, and each such record cost every trainer's ``step()`` a connection timeout, or up to
+        ``state_timeout``, one after another without end (review 107 D1)."""
         state = self.tracker.state()
         chosen = state.source(self._rng)
         if chosen is None or (at_most is not None and chosen[1].step > at_most):
             return False
-        peer_id, claimed = chosen
+        if time.monotonic() < self._downloads_paused_until:
+            return False
+        started = time.monotonic()
+        if self._download(*chosen, at_most):
+            self._failed_downloads = 0
+            return True
+        self._pause_downloads(time.monotonic() - started)
+        return False
+
+    def _pause_downloads(self, took: float) -> None:
+        """After a download that came to nothing in ``took`` seconds: none for ``took * (1 / share - 1)``, so that
+        such downloads take at most ``config.failed_download_share`` of this trainer's time, and at least a refresh
+        period, twice as long for each one in a row (up to :data:`DOWNLOAD_PAUSE_CAP`; a success, or a pause long
+        past, starts again)."""
+        now = time.monotonic()
+        if now > self._downloads_paused_until + DOWNLOAD_PAUSE_CAP:
+            self._failed_downloads = 0
+        self._failed_downloads += 1
+        pause = max(took * (1 / self.config.failed_download_share - 1),
+                    min(self.config.refresh_period * 2 ** min(self._failed_downloads - 1, 20), DOWNLOAD_PAUSE_CAP))
+        self._downloads_paused_until = now + pause
+        logger.debug("no state downloads for %.1f s (a download came to nothing in %.1f s, %d in a row)", pause, took,
+                     self._failed_downloads)
+
+    def _download(self, peer_id: int, claimed: Progress, at_most: int | None) -> bool:
+        """Downloads and loads the state of ``peer_id``'s record ``claimed``; False when it came to nothing (logged,
+        and the record or its server's machine banned as it deserves)."""
         check = _claim_check(claimed, at_most)
         started = time.monotonic()
+        dialed = claimed.endpoint
         try:
-            downloaded = download_state(claimed.endpoint, self.run_id, self.config.state_timeout, *self._state_limits,
+            # the address dialed is the one banned if it fails: every name of a wildcard domain is a new name
+            dialed = resolve_endpoint(claimed.endpoint, min(CONNECT_TIMEOUT, self.config.state_timeout))
+            if self.tracker.endpoint_banned(dialed):  # a name of a machine banned under another
+                self._ban_endpoint(claimed.endpoint, dialed, f" (it is {dialed}, banned)")
+                return False
+            downloaded = download_state(dialed, self.run_id, self.config.state_timeout, *self._state_limits,
                                         check_head=check, parameters=self.parameters)
             check(downloaded.step, downloaded.lineage)
             with self.lock:
@@ -434,11 +481,11 @@ class CollaborativeOptimizer:
                 self.updating = False
         except _BeyondLimit as error:  # it stepped on since its record was read: honest, and ahead of this trainer
             logger.info("no state downloaded from trainer %s: %s", peer_id, error)
-            self._ban_if_slow(claimed.endpoint, started)
+            self._refused(claimed.endpoint, dialed, started)
             return False
         except _TooFarAhead as error:
             # honest when it stepped twice since its record was read (a trainer back from a pause reads records up
-            # to a refresh period old): its record read now says so, and it is downloaded from at the next call.
+            # to a refresh period old): its record read now says so, and it is downloaded from at the next call
             # A record still claiming less than it serves names someone else's endpoint: banned, briefly
             self.tracker.refresh_now()
             now = self.tracker.state().peers.get(peer_id)
@@ -447,26 +494,26 @@ class CollaborativeOptimizer:
             else:
                 self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}",
                                  seconds=min(BUSY_BAN, self.config.ban_time))
-            self._ban_if_slow(claimed.endpoint, started)
+            self._refused(claimed.endpoint, dialed, started)
             return False
         except _OffClaim as error:
             # the record may be anyone's, naming an honest trainer's endpoint: that trainer answered what it holds,
-            # at once, and stays a source for the others' records (unless it took long to answer, see _ban_if_slow)
+            # at once, and stays a source for the others' records (unless it took long to answer, see _refused)
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")
-            self._ban_if_slow(claimed.endpoint, started)
+            self._refused(claimed.endpoint, dialed, started)
             return False
-        except (StateDownloadError, StateMismatch) as error:
+        except (StateDownloadError, StateMismatch, OSError) as error:  # (OSError: its host name did not resolve)
             code = getattr(error, "code", None)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy serving others (its limits): not a fault
                 self.tracker.ban(peer_id, f"its state at {claimed.endpoint} is not served now: {error}",
                                  seconds=min(BUSY_BAN, self.config.ban_time))
-                self._ban_if_slow(claimed.endpoint, started)
+                self._refused(claimed.endpoint, dialed, started)
                 return False
             # whatever the record, the server at that endpoint failed, refused or sent a state that does not fit:
             # its machine is banned, not only this peer id, which costs nothing to make (review 87: a server that
             # failed each download just before state_timeout, under a new id each time, held every step() for it)
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")
-            self._ban_endpoint(claimed.endpoint)
+            self._ban_endpoint(claimed.endpoint, dialed)
             return False
         except Exception as error:  # noqa: BLE001 - the checks missed something: still that peer's state, not a crash
             # anyone who publishes a record one step ahead is downloaded from: what its payload breaks must not end
@@ -474,25 +521,26 @@ class CollaborativeOptimizer:
             logger.debug("the state of trainer %s broke its download", peer_id, exc_info=True)
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: it broke the download "
                                       f"({type(error).__name__}: {str(error)[:200]})")
-            self._ban_endpoint(claimed.endpoint)
+            self._ban_endpoint(claimed.endpoint, dialed)
             return False
         self.steps_downloaded += 1
         logger.info("downloaded the state at step %d from trainer %s (%s)", self.local_step, peer_id, claimed.endpoint)
         self._reset()
         return True
 
-    def _ban_endpoint(self, endpoint: str, why: str = "") -> None:
-        seconds = self.tracker.ban_endpoint(endpoint)
+    def _ban_endpoint(self, endpoint: str, dialed: str, why: str = "") -> None:
+        seconds = self.tracker.ban_endpoint(endpoint, dialed)
         logger.info("no state downloads from %s for %g s%s", endpoint, seconds, why)
 
-    def _ban_if_slow(self, endpoint: str, started: float) -> None:
-        """Bans ``endpoint``'s machine when a download that it did not complete held this trainer longer than
-        :func:`slow_refusal`: an honest trainer refuses at once (busy) and answers its step and lineage within
-        moments, so a record naming it with a claim it does not serve costs that record only; a server that takes
-        its time to fail held the training loop for it, and would again under every new peer id."""
+    def _refused(self, endpoint: str, dialed: str, started: float) -> None:
+        """Bans the machine of ``endpoint`` (``dialed``: the address it resolved to) after a download it refused in
+        a way that may be no fault of its server, when that held this trainer longer than :func:`slow_refusal`: an
+        honest trainer refuses at once (busy) and answers its step and lineage within moments, so a record naming it
+        with a claim it does not serve costs that record only; a server that takes its time to fail held the
+        training loop for it, and would again under every new peer id."""
         took = time.monotonic() - started
         if took > slow_refusal(self.config.state_timeout):
-            self._ban_endpoint(endpoint, f" (its download took {took:.1f}s to come to nothing)")
+            self._ban_endpoint(endpoint, dialed, f" (its download took {took:.1f}s to come to nothing)")
 
     def _encoded_state(self) -> list | None:
         """The messages of this trainer's current state, encoded once per step for every joiner."""

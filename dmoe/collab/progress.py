@@ -24,9 +24,11 @@ be that far behind) are refused with a logged message; liveness is judged on the
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import random
+import socket
 import threading
 import time
 from collections import Counter
@@ -39,7 +41,7 @@ from dmoe.dht import DHT
 from dmoe.dht.messages import check_entry
 from dmoe.dht.routing import contact_machine
 from dmoe.dht.throttle import ThrottledWarnings
-from dmoe.endpoints import bare_host, is_host_port
+from dmoe.endpoints import bare_host, is_host_port, join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ MAX_GROUP_SIZE = 256
 #: a trainer's record must fit the DHT's value limit up to this step: no collaboration gets near a billion steps,
 #: and an endpoint that only fits for fewer would make the trainer vanish from the others' view in mid-run
 RECORD_MAX_STEP = 10**9 - 1
-#: banned peer ids kept before the expired bans are dropped
+#: banned peer ids (and state servers' machines) kept before the expired bans are dropped
 MAX_BANNED = 1024
 
 
@@ -271,9 +273,53 @@ class CollaborationState:
 
 
 def endpoint_machine(endpoint: str) -> str:
-    """The machine a ``HOST:PORT`` is on, as the DHT counts contacts (:func:`dmoe.dht.routing.contact_machine`)."""
+    """The machine a ``HOST:PORT`` is on, as the DHT counts contacts (:func:`dmoe.dht.routing.contact_machine`). A
+    host name counts as one machine whatever its case (DNS ignores it) and port, ``localhost`` as each loopback
+    ``ip:port`` does: every spelling and port of one name was a machine of its own, each record naming one server
+    anew got past its ban (review 107 D1). Names are not resolved here (no DNS in a read of the records): a
+    download resolves the name first (:func:`resolve_endpoint`) and bans the address too."""
     host, _, port = endpoint.rpartition(":")
-    return contact_machine(bare_host(host), int(port) if port.isdigit() else 0)
+    host = bare_host(host)
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        host = host.lower()
+        return f"{host}:{port}" if host == "localhost" else host
+    return contact_machine(host, int(port) if port.isdigit() else 0)
+
+
+def resolve_endpoint(endpoint: str, timeout: float) -> str:
+    """``endpoint`` with its host name resolved to an IP address (IPv4 where it has both, as the DHT listens), or as
+    it is when its host is one; raises OSError when the name does not resolve within ``timeout`` seconds. A download
+    dials the address it resolved, so that the ban of a server that failed is the ban of the machine it dialed: a
+    record may name any host name, and every name of a wildcard domain, each a new name, led to one server (review
+    107 D1). The look-up runs in a thread of its own: the DNS server of a hostile name may take its time to answer,
+    and ``getaddrinfo`` has no timeout."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        ipaddress.ip_address(bare_host(host).split("%", 1)[0])
+        return endpoint
+    except ValueError:
+        pass
+    found: list = []
+
+    def look_up() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM))
+        except (OSError, UnicodeError) as error:  # (an IDNA-invalid name raises UnicodeError)
+            found.append(error)
+
+    thread = threading.Thread(target=look_up, name="dmoe-collab-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not found:
+        raise TimeoutError(f"{host} did not resolve within {timeout:g}s")
+    if isinstance(found[0], BaseException):
+        raise OSError(f"{host} does not resolve: {found[0]}")
+    if not found[0]:
+        raise OSError(f"{host} resolves to no address")
+    *_, address = min(found[0], key=lambda info: info[0] != socket.AF_INET)
+    return join_host_port(address[0], port)
 
 
 class ProgressTracker:
@@ -406,8 +452,7 @@ class ProgressTracker:
                 continue
             # extrapolated from when it was first read here, on this clock
             progress = replace(progress, time=first_read[1])
-            if progress.endpoint is not None and \
-                    self._banned_endpoints.get(endpoint_machine(progress.endpoint), (0.0,))[0] > now:
+            if progress.endpoint is not None and self.endpoint_banned(progress.endpoint):
                 progress = replace(progress, endpoint=None)  # no state to download there, for now
             accepted[subkey] = progress
         with self._lock:
@@ -474,23 +519,36 @@ class ProgressTracker:
         with self._lock:
             self._peers.pop(peer_id, None)
 
-    def ban_endpoint(self, endpoint: str) -> float:
+    def ban_endpoint(self, endpoint: str, dialed: str | None = None) -> float:
         """Downloads no state from ``endpoint``'s machine (no connection could be made to it) for
         ``config.ban_time``, twice as long each time it fails again after its ban (at most 16 times as long);
         returns how long. Any record naming that machine meanwhile counts as one serving no state: anyone can
         publish records pointing at an address that drops packets, under as many peer ids as they like, and each try
         costs the trainer a connection timeout. By machine (an IPv4 address, an IPv6 /64; on loopback each
-        ip:port), not by ``HOST:PORT``: a new port for every record got past a ban of the last one (review 53)."""
+        ip:port), not by ``HOST:PORT``: a new port for every record got past a ban of the last one (review 53).
+        ``dialed``: the address ``endpoint``'s host name resolved to (:func:`resolve_endpoint`), whose machine is
+        banned, and the name with it, until then (review 107 D1)."""
         now = time.time()
-        machine = endpoint_machine(endpoint)
+        machine = endpoint_machine(dialed or endpoint)
         until, seconds = self._banned_endpoints.get(machine, (0.0, 0.0))
         if until <= now:
+            if len(self._banned_endpoints) >= MAX_BANNED:  # (review 107 D1: one entry per address ever tried)
+                self._banned_endpoints = {key: ban for key, ban in self._banned_endpoints.items() if ban[0] > now}
             seconds = min(2 * seconds, 16 * self.config.ban_time) if seconds else self.config.ban_time
-            self._banned_endpoints[machine] = (now + seconds, seconds)
+            until = now + seconds
+            self._banned_endpoints[machine] = (until, seconds)
+        banned = {machine}
+        if dialed is not None and endpoint_machine(endpoint) != machine:
+            banned.add(endpoint_machine(endpoint))
+            self._banned_endpoints[endpoint_machine(endpoint)] = (until, seconds)
         with self._lock:  # at once, not at the next read: records read meanwhile (new ids) name it too
             self._peers = {pid: replace(p, endpoint=None) if p.endpoint is not None
-                           and endpoint_machine(p.endpoint) == machine else p for pid, p in self._peers.items()}
+                           and endpoint_machine(p.endpoint) in banned else p for pid, p in self._peers.items()}
         return seconds
+
+    def endpoint_banned(self, endpoint: str) -> bool:
+        """Whether ``endpoint``'s machine is banned now (see :meth:`ban_endpoint`)."""
+        return self._banned_endpoints.get(endpoint_machine(endpoint), (0.0,))[0] > time.time()
 
     def _refuse(self, peer_id: int, kind: str, message: str) -> None:
         with self._warnings_lock:
