@@ -1203,6 +1203,64 @@ def test_downloads_that_come_to_nothing_take_a_bounded_share_of_the_training_loo
     assert in_step < 0.4, in_step  # (one failure: 0.3 s)
 
 
+class Leapfrog(StateServicer):
+    """A hostile state server whose every download, after ``delay`` (within slow_refusal), refuses in a way that may
+    be no fault of its own: a head two steps past its record, which it raises by one meanwhile to explain it
+    ("stepped on since its record was read"), or (``off_claim``) a head of another lineage than its record claims,
+    published under a fresh peer id each time."""
+
+    def __init__(self, *args, dht: DHT, delay: float, off_claim: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dht, self.delay, self.off_claim = dht, delay, off_claim
+        self.claim, self.peer_id, self.endpoint, self.downloads = 10, 981, "", 0
+
+    def publish(self) -> None:
+        now = time.time()
+        self.dht.store(progress_key(self.run_id), self.peer_id, Progress(
+            self.claim, 0, 1.0, now, self.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60)
+
+    async def download_state(self, request, context):
+        self.downloads += 1
+        served = self.claim if self.off_claim else self.claim + 2
+        if self.off_claim:
+            self.peer_id += 1
+        else:
+            self.claim += 1
+        await asyncio.get_running_loop().run_in_executor(None, self.publish)
+        await asyncio.sleep(self.delay)
+        await context.write(dmoe_pb2.StatePart(run_id=self.run_id, step=served,
+                                               lineage="deadbeef" if self.off_claim else "0123abcd"))
+        await asyncio.sleep(10)  # the trainer cancels after the head
+
+
+@pytest.mark.parametrize("off_claim", [False, True], ids=["stepped on", "off claim"])
+def test_a_state_server_refusing_just_within_slow_refusal_again_and_again_is_banned(bootstrap, caplog, off_claim):
+    """A refusal that may be no fault of the server (a state two steps past a record raised one step meanwhile, or
+    off a claim made under a fresh peer id) banned nothing when it came within slow_refusal, and one such server
+    held every step() for that long, forever (review 107 D2). Its machine is banned at its second one in a row."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    run = "off-claim" if off_claim else "stepped-on"
+    with DHT([bootstrap], client_mode=True) as hostile:
+        servicer = Leapfrog(run, lambda: None, dht=hostile, delay=0.3, off_claim=off_claim)
+        with StateServer(servicer) as server:
+            servicer.endpoint = server.endpoint
+            servicer.publish()
+            model = torch.nn.Linear(3, 2)
+            with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1), dht, run, 10**6, refresh_period=0.2,
+                    progress_ttl=30.0, client_mode=True) as collab:
+                wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2)
+                           and f"no state downloads from {server.endpoint}" in caplog.text)
+                for _ in range(10):
+                    model(torch.randn(4, 3)).sum().backward()
+                    collab.step(4)
+                    time.sleep(0.05)
+                assert collab.local_step == 0
+        assert servicer.downloads == 2, caplog.text
+    assert f"no state downloads from {server.endpoint} for 60 s (2 downloads from its machine in a row came to " \
+           f"nothing)" in caplog.text
+
+
 def test_bans_of_state_servers_machines_are_dropped_once_expired():
     """Every address a record named and a download failed at stayed banned in memory for the whole run (review
     107 D1); names count in any case and port."""

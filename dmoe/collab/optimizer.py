@@ -26,8 +26,8 @@ Bad input: records with absurd numbers are refused (see :mod:`~dmoe.collab.progr
 its state server cannot back, or serves a state that does not fit this model (or breaks its download in any way),
 is logged and ignored for ``ban_time`` while training goes on. So is its state server's machine, whatever peer ids
 and host names name it (twice as long each time it fails again), for every failed download but those that may be no
-fault of the server's (busy, or a record naming an honest trainer with a step or lineage it does not serve) and came
-to nothing quickly (:func:`slow_refusal`): peer ids cost nothing, and
+fault of the server's (busy, or a record naming an honest trainer with a step or lineage it does not serve), came to
+nothing quickly (:func:`slow_refusal`) and followed no other such one from that machine: peer ids cost nothing, and
 a server that failed each download just before ``state_timeout``, under a new id each time, held every ``step()``
 for that long (review 87). Records are free to write and may name any address, so whatever their sources,
 downloads that come to nothing take at most ``config.failed_download_share`` of the trainer's time: after one,
@@ -56,6 +56,7 @@ from dmoe.collab.progress import (
     ACCUMULATING,
     AVERAGING,
     LINEAGE_CHARS,
+    STRIKES_TO_BAN,
     CollaborationState,
     Progress,
     ProgressTracker,
@@ -486,7 +487,8 @@ class CollaborativeOptimizer:
         except _TooFarAhead as error:
             # honest when it stepped twice since its record was read (a trainer back from a pause reads records up
             # to a refresh period old): its record read now says so, and it is downloaded from at the next call
-            # A record still claiming less than it serves names someone else's endpoint: banned, briefly
+            # (unless a refusal from its machine came just before: see _refused). A record still claiming less than
+            # it serves names someone else's endpoint: banned, briefly
             self.tracker.refresh_now()
             now = self.tracker.state().peers.get(peer_id)
             if now is not None and now.endpoint == claimed.endpoint and now.step + 1 >= error.served:
@@ -498,7 +500,8 @@ class CollaborativeOptimizer:
             return False
         except _OffClaim as error:
             # the record may be anyone's, naming an honest trainer's endpoint: that trainer answered what it holds,
-            # at once, and stays a source for the others' records (unless it took long to answer, see _refused)
+            # at once, and stays a source for the others' records (unless it took long to answer, or did so before
+            # too: see _refused)
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")
             self._refused(claimed.endpoint, dialed, started)
             return False
@@ -523,6 +526,7 @@ class CollaborativeOptimizer:
                                       f"({type(error).__name__}: {str(error)[:200]})")
             self._ban_endpoint(claimed.endpoint, dialed)
             return False
+        self.tracker.endpoint_served(dialed)
         self.steps_downloaded += 1
         logger.info("downloaded the state at step %d from trainer %s (%s)", self.local_step, peer_id, claimed.endpoint)
         self._reset()
@@ -534,13 +538,18 @@ class CollaborativeOptimizer:
 
     def _refused(self, endpoint: str, dialed: str, started: float) -> None:
         """Bans the machine of ``endpoint`` (``dialed``: the address it resolved to) after a download it refused in
-        a way that may be no fault of its server, when that held this trainer longer than :func:`slow_refusal`: an
-        honest trainer refuses at once (busy) and answers its step and lineage within moments, so a record naming it
-        with a claim it does not serve costs that record only; a server that takes its time to fail held the
-        training loop for it, and would again under every new peer id."""
+        a way that may be no fault of its server, when that held this trainer longer than :func:`slow_refusal`, or
+        when its refusals came :data:`~dmoe.collab.progress.STRIKES_TO_BAN` times in a row. An honest trainer
+        refuses at once (busy) and answers its step and lineage within moments, so a record naming it with a claim
+        it does not serve costs that record only; a server that takes its time to fail held the training loop for
+        it, and would again under every new peer id; one that refused just within that time, under fresh peer ids
+        or with its record raised one step to explain it, was never banned (review 107 D2)."""
         took = time.monotonic() - started
         if took > slow_refusal(self.config.state_timeout):
             self._ban_endpoint(endpoint, dialed, f" (its download took {took:.1f}s to come to nothing)")
+        elif self.tracker.strike_endpoint(dialed):
+            self._ban_endpoint(endpoint, dialed, f" ({STRIKES_TO_BAN} downloads from its machine in a row came to "
+                                                 f"nothing)")
 
     def _encoded_state(self) -> list | None:
         """The messages of this trainer's current state, encoded once per step for every joiner."""

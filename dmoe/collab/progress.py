@@ -56,6 +56,9 @@ MAX_GROUP_SIZE = 256
 RECORD_MAX_STEP = 10**9 - 1
 #: banned peer ids (and state servers' machines) kept before the expired bans are dropped
 MAX_BANNED = 1024
+#: downloads in a row from one machine, each within ``ban_time`` of the last, that came to nothing for a reason
+#: that may be no fault of its server (busy, another step than claimed), before its machine is banned all the same
+STRIKES_TO_BAN = 2
 
 
 def check_lineage(lineage: object) -> str:
@@ -347,6 +350,7 @@ class ProgressTracker:
         self._unpublished = 0  # publishes in a row that no node took
         self._banned: dict[int, float] = {}
         self._banned_endpoints: dict[str, tuple[float, float]] = {}  # machine: (until, the ban's length)
+        self._strikes: dict[str, tuple[int, float]] = {}  # machine: (refusals in a row, wall clock of the last)
         # one warning per peer and reason an hour, 100 an hour in all: a writer cycling fresh ids under malformed
         # entries logged a line per id (90 a second in review 77's repro) and grew a set of them without bound
         self._warnings = ThrottledWarnings(logger, period=3600.0, max_per_period=100)
@@ -541,6 +545,7 @@ class ProgressTracker:
         if dialed is not None and endpoint_machine(endpoint) != machine:
             banned.add(endpoint_machine(endpoint))
             self._banned_endpoints[endpoint_machine(endpoint)] = (until, seconds)
+        self._strikes.pop(machine, None)
         with self._lock:  # at once, not at the next read: records read meanwhile (new ids) name it too
             self._peers = {pid: replace(p, endpoint=None) if p.endpoint is not None
                            and endpoint_machine(p.endpoint) in banned else p for pid, p in self._peers.items()}
@@ -549,6 +554,26 @@ class ProgressTracker:
     def endpoint_banned(self, endpoint: str) -> bool:
         """Whether ``endpoint``'s machine is banned now (see :meth:`ban_endpoint`)."""
         return self._banned_endpoints.get(endpoint_machine(endpoint), (0.0,))[0] > time.time()
+
+    def strike_endpoint(self, endpoint: str) -> bool:
+        """Counts a download from ``endpoint`` that came to nothing for a reason that may be no fault of its server
+        (busy, or a state at another step than a record claimed for it); True at the :data:`STRIKES_TO_BAN`-th
+        such download from its machine within ``ban_time`` with none that succeeded between them: then ban it. Each
+        of them was forgiven, and one server that refused every download just within ``slow_refusal``, under fresh
+        peer ids or with its record raised to explain it, held every ``step()`` for that long (review 107 D2)."""
+        now = time.time()
+        machine = endpoint_machine(endpoint)
+        if len(self._strikes) >= MAX_BANNED:
+            self._strikes = {key: strike for key, strike in self._strikes.items()
+                             if strike[1] + self.config.ban_time > now}
+        count, last = self._strikes.get(machine, (0, 0.0))
+        count = count + 1 if last + self.config.ban_time > now else 1
+        self._strikes[machine] = (count, now)
+        return count >= STRIKES_TO_BAN
+
+    def endpoint_served(self, endpoint: str) -> None:
+        """A download from ``endpoint`` succeeded: its refusals before do not count toward a ban."""
+        self._strikes.pop(endpoint_machine(endpoint), None)
 
     def _refuse(self, peer_id: int, kind: str, message: str) -> None:
         with self._warnings_lock:
