@@ -1261,6 +1261,27 @@ def test_a_state_server_refusing_just_within_slow_refusal_again_and_again_is_ban
            f"nothing)" in caplog.text
 
 
+def test_finish_waits_for_the_trainers_it_trained_with_not_for_anyones_record_behind(bootstrap, caplog):
+    """Anyone's record kept at a lower step made every trainer's finish() wait finish_timeout and say its model
+    may differ from the others' (review 107 D3): it is named and not waited for now."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    with DHT([bootstrap], client_mode=True) as hostile, DHT([bootstrap], client_mode=True) as dht:
+        now = time.time()
+        hostile.store(progress_key("behind"), 777, Progress(0, 0, 0.0, now, None, ACCUMULATING, "0123abcd",
+                                                            0).encode(), now + 60)
+        model = torch.nn.Linear(3, 2)
+        with CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "behind", 4,
+                                    refresh_period=0.2, progress_ttl=30.0, client_mode=True) as collab:
+            model(torch.randn(4, 3)).sum().backward()
+            assert collab.step(4) and collab.local_step == 1  # alone: 777 is on another lineage
+            assert 777 in collab.collaboration.peers
+            started = time.monotonic()
+            assert collab.finish(timeout=5.0) is True
+            assert time.monotonic() - started < 2.0
+    assert "not waited for trainers [777], behind or on another lineage: none trained with this one" in caplog.text
+    assert "still behind" not in caplog.text
+
+
 def test_bans_of_state_servers_machines_are_dropped_once_expired():
     """Every address a record named and a download failed at stayed banned in memory for the whole run (review
     107 D1); names count in any case and port."""
@@ -1474,7 +1495,7 @@ def test_finish_takes_no_state_past_its_own_step(bootstrap, caplog):
         now = time.time()
         hostile.store(progress_key("fin"), 941, Progress(5, 0, 1.0, now, server.endpoint, ACCUMULATING, "0000aaaa",
                                                          256).encode(), now + 60)
-        assert collab.finish(timeout=1.5) is False
+        assert collab.finish(timeout=1.5) is True  # 941 never trained with it (review 107 D3): not waited for
         assert (collab.local_step, collab.steps_downloaded) == (5, 0)
     assert "no state downloaded from trainer 941: it serves step 6, past step 5, the last this download may " \
            "take" in caplog.text

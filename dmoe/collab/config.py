@@ -41,8 +41,8 @@ class CollaborationConfig:
     state_host, state_port: where this trainer serves its state to joiners (port 0 picks a free one). A trainer in
         client mode (``AveragerConfig.client_mode``) serves nothing and only downloads.
     state_announce_host: the host the others are told for the state server, as ``AveragerConfig.announce_host``.
-    finish_timeout: at the end of training, seconds :meth:`CollaborativeOptimizer.finish` waits for the live peers
-        to reach the last step.
+    finish_timeout: at the end of training, seconds :meth:`CollaborativeOptimizer.finish` waits for the trainers it
+        trained with to reach the last step.
     failed_download_share: the most of a trainer's time that state downloads which come to nothing may take, whatever
         their sources: after one that took ``t`` seconds, none is tried for ``t * (1 / share - 1)`` (and at least a
         refresh period, doubling with each such download in a row). Records are free to write and may name any

@@ -579,25 +579,35 @@ class CollaborativeOptimizer:
 
     # ---- the end ----
     def finish(self, timeout: float | None = None) -> bool:
-        """Waits until every live trainer reached this trainer's step and holds its model: one lineage at that step.
-        When the last step's averaging failed, trainers stepped alone onto lineages of their own, and no later
-        step re-synced them: each then validated and saved another model (review 60). So a trainer off the
-        canonical lineage of its step downloads it here, and one on it waits for the others to. True when every
-        live trainer is at this step on this lineage; False at the timeout (``config.finish_timeout`` by default),
-        with a warning naming who is behind or elsewhere (a trainer that serves no state, in client mode, cannot
-        be downloaded from)."""
+        """Waits until every live trainer it trained with reached this trainer's step and holds its model: one
+        lineage at that step. When the last step's averaging failed, trainers stepped alone onto lineages of their
+        own, and no later step re-synced them: each then validated and saved another model (review 60). So a trainer
+        off the canonical lineage of its step downloads it here, and one on it waits for the others to. True when
+        every live trainer it trained with is at this step on this lineage; False at the timeout
+        (``config.finish_timeout`` by default), with a warning naming who is behind or elsewhere (a trainer that
+        serves no state, in client mode, cannot be downloaded from).
+
+        The trainers it trained with are those whose records it read at its own step and lineage at some time
+        (:meth:`ProgressTracker.fellows`). Any other record behind or elsewhere is named, not waited for: anyone's,
+        kept at a lower step, made every trainer wait ``finish_timeout`` and say its model may differ (review 107
+        D3)."""
         deadline = time.monotonic() + (self.config.finish_timeout if timeout is None else timeout)
         self.tracker.publish_now()
         while True:
             self.tracker.refresh_now()
             self._sync_if_needed(at_most=self.local_step)
-            peers = self.tracker.state().peers
-            behind = sorted(pid for pid, p in peers.items() if p.step < self.local_step)
-            elsewhere = sorted(pid for pid, p in peers.items()
+            fellows = {pid: p for pid, (_, p) in self.tracker.signed_by(self.tracker.fellows()).items()}
+            behind = sorted(pid for pid, p in fellows.items() if p.step < self.local_step)
+            elsewhere = sorted(pid for pid, p in fellows.items()
                                if p.step == self.local_step and p.lineage != self.lineage)
-            if not behind and not elsewhere:
-                return True
-            if time.monotonic() > deadline:
+            if (not behind and not elsewhere) or time.monotonic() > deadline:
+                strangers = sorted(pid for pid, p in self.tracker.state().peers.items() if pid not in fellows and (
+                    p.step < self.local_step or (p.step == self.local_step and p.lineage != self.lineage)))
+                if strangers:
+                    logger.info("not waited for trainers %s, behind or on another lineage: none trained with this "
+                                "one", strangers)
+                if not behind and not elsewhere:
+                    return True
                 logger.warning("finished at step %d on lineage %s; trainers %s are still behind, trainers %s hold "
                                "another model at this step", self.local_step, self.lineage, behind or "none",
                                elsewhere or "none")

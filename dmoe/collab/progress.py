@@ -59,6 +59,8 @@ MAX_BANNED = 1024
 #: downloads in a row from one machine, each within ``ban_time`` of the last, that came to nothing for a reason
 #: that may be no fault of its server (busy, another step than claimed), before its machine is banned all the same
 STRIKES_TO_BAN = 2
+#: DHT keys of fellow trainers (:meth:`ProgressTracker.fellows`) kept before those that sign no record now are dropped
+MAX_FELLOWS = 4096
 
 
 def check_lineage(lineage: object) -> str:
@@ -347,6 +349,7 @@ class ProgressTracker:
         self._owners: dict[int, bytes] = {}  # accepted peer: the DHT key that signed its record
         # the DHT keys of records read at this trainer's (step, lineage) since it got there (see companions())
         self._companions: tuple[tuple[int, str] | None, set[bytes]] = (None, set())
+        self._fellows: set[bytes] = set()  # the DHT keys of records read at any of its steps and lineages (fellows())
         self._unpublished = 0  # publishes in a row that no node took
         self._banned: dict[int, float] = {}
         self._banned_endpoints: dict[str, tuple[float, float]] = {}  # machine: (until, the ban's length)
@@ -465,8 +468,12 @@ class ProgressTracker:
             self._owners = {subkey: record[subkey].owner for subkey in accepted}
             companions = self._companions_now()
             if self._progress is not None:
-                companions.update(self._owners[pid] for pid, p in accepted.items()
-                                  if (p.step, p.lineage) == (self._progress.step, self._progress.lineage))
+                met = {self._owners[pid] for pid, p in accepted.items()
+                       if (p.step, p.lineage) == (self._progress.step, self._progress.lineage)}
+                companions.update(met)
+                self._fellows.update(met)
+                if len(self._fellows) > MAX_FELLOWS:  # keys that sign no record now cannot be waited for
+                    self._fellows = (self._fellows & set(self._owners.values())) | companions
         self.read_at = now
         if taken:
             self._draw_new_id()
@@ -498,6 +505,13 @@ class ProgressTracker:
         moved on (:meth:`dmoe.collab.CollaborativeOptimizer._await_finishing`)."""
         with self._lock:
             return frozenset(self._companions_now())
+
+    def fellows(self) -> frozenset[bytes]:
+        """The DHT keys that signed records read at this trainer's step and lineage at any time of the run: the
+        trainers it trained with (or began with, from the same parameters), which :meth:`dmoe.collab.
+        CollaborativeOptimizer.finish` waits for; anyone's record elsewhere is no such trainer's (review 107 D3)."""
+        with self._lock:
+            return frozenset(self._fellows)
 
     def _companions_now(self) -> set[bytes]:
         """(under the lock) The set of :meth:`companions`, emptied when this trainer's step or lineage changed."""
