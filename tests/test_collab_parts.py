@@ -1261,6 +1261,25 @@ def test_a_state_server_refusing_just_within_slow_refusal_again_and_again_is_ban
            f"nothing)" in caplog.text
 
 
+def test_a_trainer_busy_again_and_again_that_refuses_at_once_is_not_banned(bootstrap, caplog):
+    """A busy trainer (RESOURCE_EXHAUSTED: its most downloads at once) refuses on arrival; a wave of joiners may find
+    it busy again and again, and the count of refusals in a row (review 107 D2) must not ban it for them."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    servicer = StateServicer("busy", lambda: None)
+    servicer.max_downloads = 0  # every place taken
+    with DHT([bootstrap], client_mode=True) as hostile, StateServer(servicer) as busy:
+        now = time.time()
+        hostile.store_many({progress_key("busy"): {pid: (Progress(
+            10, 0, 1.0, now, busy.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60) for pid in (991, 992, 993)}})
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dht, "busy", 100, refresh_period=0.2,
+                progress_ttl=30.0, client_mode=True) as collab:
+            wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2)
+                       and all(f"ignoring trainer {pid} for 5 s" in caplog.text for pid in (991, 992, 993)))
+            assert not collab.tracker.endpoint_banned(busy.endpoint)
+    assert f"no state downloads from {busy.endpoint}" not in caplog.text
+
+
 def test_finish_waits_for_the_trainers_it_trained_with_not_for_anyones_record_behind(bootstrap, caplog):
     """Anyone's record kept at a lower step made every trainer's finish() wait finish_timeout and say its model
     may differ from the others' (review 107 D3): it is named and not waited for now."""

@@ -83,6 +83,10 @@ BUSY_BAN = 5.0
 #: seconds (at most; see :func:`slow_refusal`) a state download may take to end in a refusal that is not the server's
 #: fault (busy, or a step or lineage other than a record claimed for it) before its machine is banned all the same
 SLOW_REFUSAL = 5.0
+#: seconds within which a busy trainer's refusal counts toward no ban of its machine: an honest one refuses at once,
+#: before any work, and a wave of joiners may find it busy again and again (one that takes longer is counted, as other
+#: refusals are: review 107 D2)
+QUICK_BUSY = 1.0
 #: seconds at most that downloads pause after a quick one that came to nothing (one that took longer pauses them for
 #: longer: see :meth:`CollaborativeOptimizer._pause_downloads`)
 DOWNLOAD_PAUSE_CAP = 30.0
@@ -510,7 +514,7 @@ class CollaborativeOptimizer:
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy serving others (its limits): not a fault
                 self.tracker.ban(peer_id, f"its state at {claimed.endpoint} is not served now: {error}",
                                  seconds=min(BUSY_BAN, self.config.ban_time))
-                self._refused(claimed.endpoint, dialed, started)
+                self._refused(claimed.endpoint, dialed, started, forgiven_within=QUICK_BUSY)
                 return False
             # whatever the record, the server at that endpoint failed, refused or sent a state that does not fit:
             # its machine is banned, not only this peer id, which costs nothing to make (review 87: a server that
@@ -536,18 +540,19 @@ class CollaborativeOptimizer:
         seconds = self.tracker.ban_endpoint(endpoint, dialed)
         logger.info("no state downloads from %s for %g s%s", endpoint, seconds, why)
 
-    def _refused(self, endpoint: str, dialed: str, started: float) -> None:
+    def _refused(self, endpoint: str, dialed: str, started: float, forgiven_within: float = 0.0) -> None:
         """Bans the machine of ``endpoint`` (``dialed``: the address it resolved to) after a download it refused in
         a way that may be no fault of its server, when that held this trainer longer than :func:`slow_refusal`, or
         when its refusals came :data:`~dmoe.collab.progress.STRIKES_TO_BAN` times in a row. An honest trainer
         refuses at once (busy) and answers its step and lineage within moments, so a record naming it with a claim
         it does not serve costs that record only; a server that takes its time to fail held the training loop for
         it, and would again under every new peer id; one that refused just within that time, under fresh peer ids
-        or with its record raised one step to explain it, was never banned (review 107 D2)."""
+        or with its record raised one step to explain it, was never banned (review 107 D2). A refusal within
+        ``forgiven_within`` seconds counts toward no ban (see :data:`QUICK_BUSY`)."""
         took = time.monotonic() - started
         if took > slow_refusal(self.config.state_timeout):
             self._ban_endpoint(endpoint, dialed, f" (its download took {took:.1f}s to come to nothing)")
-        elif self.tracker.strike_endpoint(dialed):
+        elif took > forgiven_within and self.tracker.strike_endpoint(dialed):
             self._ban_endpoint(endpoint, dialed, f" ({STRIKES_TO_BAN} downloads from its machine in a row came to "
                                                  f"nothing)")
 
