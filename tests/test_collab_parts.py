@@ -1123,7 +1123,7 @@ def test_a_state_server_that_fails_slowly_is_banned_by_machine_whatever_the_erro
         with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
                 torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "slow", 100, refresh_period=0.2,
                 progress_ttl=30.0, state_timeout=6.0, client_mode=True,
-                failed_download_share=1.0) as collab:  # (no pause after the slow failures: one try each here)
+                failed_download_share=1.0) as collab:  # (no limit on the time of failed downloads: one try each)
             wait_until(lambda: collab.wait_for_trainers(count=20, timeout=0.2) and collab.local_step == 7)
             assert (collab.lineage, collab.steps_downloaded) == ("0123abcd", 1)
     text = caplog.text
@@ -1174,10 +1174,10 @@ def test_downloads_that_come_to_nothing_take_a_bounded_share_of_the_training_loo
     """Records are free to write and may name any address (one that drops packets, a new port of loopback, a new
     name): each failing source, banned after its failure, was followed by the next one at the next step(), and one
     peer held every trainer's step() for a connection timeout (or up to state_timeout) per batch, without end
-    (review 107 D1). After a download that came to nothing none is tried for nine times as long now (the default
-    failed_download_share, a tenth)."""
+    (review 107 D1). They take at most a tenth of the trainer's time now (failed_download_share), after the first
+    state_timeout / 4 of them."""
     caplog.set_level(logging.INFO, logger="dmoe.collab")
-    servers = [StateServer(SlowServicer("share", lambda: None, delay=0.3, fail=True)) for _ in range(6)]
+    servers = [StateServer(SlowServicer("share", lambda: None, delay=0.45, fail=True)) for _ in range(8)]
     try:
         with DHT([bootstrap], client_mode=True) as hostile, DHT([bootstrap], client_mode=True) as dht:
             now = time.time()
@@ -1186,9 +1186,10 @@ def test_downloads_that_come_to_nothing_take_a_bounded_share_of_the_training_loo
                 for i, server in enumerate(servers)}})  # each port of loopback a machine of its own
             model = torch.nn.Linear(3, 2)
             with CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "share", 10**6,
-                                        refresh_period=0.2, progress_ttl=30.0, client_mode=True) as collab:
+                                        refresh_period=0.2, progress_ttl=30.0, state_timeout=2.0,
+                                        client_mode=True) as collab:
                 started, in_step = time.monotonic(), 0.0  # (the constructor tried one of them)
-                while time.monotonic() - started < 2.5:  # batches of 0.1 s
+                while time.monotonic() - started < 3.0:  # batches of 0.1 s
                     time.sleep(0.1)
                     model(torch.randn(4, 3)).sum().backward()
                     before = time.monotonic()
@@ -1199,8 +1200,10 @@ def test_downloads_that_come_to_nothing_take_a_bounded_share_of_the_training_loo
         for server in servers:
             server.close()
     failed = re.findall(r"ignoring trainer 97\d .*INTERNAL: oops", caplog.text)
-    assert len(failed) <= 2, caplog.text  # one at the start; none for 2.7 s after it
-    assert in_step < 0.4, in_step  # (one failure: 0.3 s)
+    # 0.5 s of failures allowed at first (state_timeout / 4), spent by the constructor's and the first step()'s,
+    # then 0.1 s a second: none for 4 s
+    assert len(failed) <= 3, caplog.text
+    assert in_step < 1.0, in_step
 
 
 class Leapfrog(StateServicer):
@@ -1354,9 +1357,8 @@ def test_a_joiner_refuses_a_state_it_cannot_train_on_and_downloads_from_the_best
         joiner = WithScale()
         with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
                 torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "join", 100, refresh_period=0.2,
-                progress_ttl=30.0, client_mode=True,
-                failed_download_share=1.0) as collab:  # (the next source a refresh period after each refusal)
-            wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2) and collab.local_step == 7)
+                progress_ttl=30.0, client_mode=True) as collab:
+            collab.wait_for_trainers(count=10, timeout=2.0)  # reads and syncs again meanwhile
             assert (collab.local_step, collab.lineage, collab.steps_downloaded) == (7, "0123abcd", 1)
             assert all(torch.equal(mine, theirs) for mine, theirs in zip(joiner.parameters(), ahead.parameters()))
     assert re.search(r"ignoring trainer 903 .*: its state at \S+ was refused: the optimizer's parameter groups "
@@ -1411,10 +1413,9 @@ def test_a_hostile_state_server_gets_banned_and_the_trainer_keeps_training(boots
             joiner = WithScale()
             with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
                     torch.optim.AdamW(joiner.parameters(), lr=0.01), dht, "poison", 100, refresh_period=0.2,
-                    progress_ttl=30.0, client_mode=True,
-                    failed_download_share=1.0) as collab:  # (the next source a refresh period after each refusal)
-                wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2)
-                           and all(f"ignoring trainer {pid} " in caplog.text for pid in ids))
+                    progress_ttl=30.0, client_mode=True) as collab:
+                collab.wait_for_trainers(count=10, timeout=1.0)
+                wait_until(lambda: all(f"ignoring trainer {pid} " in caplog.text for pid in ids))
                 joiner(torch.randn(3, 4)).sum().backward()
                 assert collab.step(3) is False  # accumulated, not crashed
                 assert (collab.local_step, collab.steps_downloaded, collab.samples) == (0, 0, 3)

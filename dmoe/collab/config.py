@@ -44,9 +44,8 @@ class CollaborationConfig:
     finish_timeout: at the end of training, seconds :meth:`CollaborativeOptimizer.finish` waits for the trainers it
         trained with to reach the last step.
     failed_download_share: the most of a trainer's time that state downloads which come to nothing may take, whatever
-        their sources: after one that took ``t`` seconds, none is tried for ``t * (1 / share - 1)`` (and at least a
-        refresh period, doubling with each such download in a row). Records are free to write and may name any
-        address (review 107).
+        their sources, after the first min(5 s, ``state_timeout`` / 4) of them: records are free to write and may
+        name any address (review 107). 1 puts no limit.
     """
 
     target_batch_size: int

@@ -30,8 +30,8 @@ fault of the server's (busy, or a record naming an honest trainer with a step or
 nothing quickly (:func:`slow_refusal`) and followed no other such one from that machine: peer ids cost nothing, and
 a server that failed each download just before ``state_timeout``, under a new id each time, held every ``step()``
 for that long (review 87). Records are free to write and may name any address, so whatever their sources,
-downloads that come to nothing take at most ``config.failed_download_share`` of the trainer's time: after one,
-none is tried for a while (review 107).
+downloads that come to nothing take at most ``config.failed_download_share`` of the trainer's time, after a first few
+seconds' worth (review 107).
 
 Threads: the progress tracker's (publish and read), the state server's event loop (and one for captures), the
 averager's two; all stop in :meth:`CollaborativeOptimizer.shutdown`.
@@ -87,9 +87,6 @@ SLOW_REFUSAL = 5.0
 #: before any work, and a wave of joiners may find it busy again and again (one that takes longer is counted, as other
 #: refusals are: review 107 D2)
 QUICK_BUSY = 1.0
-#: seconds at most that downloads pause after a quick one that came to nothing (one that took longer pauses them for
-#: longer: see :meth:`CollaborativeOptimizer._pause_downloads`)
-DOWNLOAD_PAUSE_CAP = 30.0
 
 
 def slow_refusal(state_timeout: float) -> float:
@@ -185,8 +182,8 @@ class CollaborativeOptimizer:
         self._state_limits = download_limits(self.parameters)  # (bytes, messages)
         self._served: tuple[tuple[int, str], list] | None = None
         self._rng = random.Random()
-        self._failed_downloads = 0  # state downloads in a row that came to nothing (see _pause_downloads)
-        self._downloads_paused_until = 0.0  # time.monotonic() before which no state download is tried
+        # seconds that downloads which come to nothing may take now, and when that was reckoned (see _may_download)
+        self._download_budget, self._budget_at = slow_refusal(config.state_timeout), time.monotonic()
         self._closed = False
         self.averager: DecentralizedAverager | None = None
         self.state_server: StateServer | None = None
@@ -426,37 +423,30 @@ class CollaborativeOptimizer:
         """Downloads the state when this trainer is behind or off the canonical lineage; True when it did.
         ``at_most``: only a state of that step or before (:meth:`finish` takes none beyond the last step).
 
-        After a download that came to nothing, none is tried for a while (:meth:`_pause_downloads`), whatever the
-        source: records are free to write, each may name an address nobody answers at or a new name of one failing
-        server, and each such record cost every trainer's ``step()`` a connection timeout, or up to
-        ``state_timeout``, one after another without end (review 107 D1)."""
+        Downloads that came to nothing, whatever their sources, take at most ``config.failed_download_share`` of
+        this trainer's time (:meth:`_may_download`): records are free to write, each may name an address nobody
+        answers at or a new name of one failing server, and each such record cost every trainer's ``step()`` a
+        connection timeout, or up to ``state_timeout``, one after another without end (review 107 D1)."""
         state = self.tracker.state()
         chosen = state.source(self._rng)
-        if chosen is None or (at_most is not None and chosen[1].step > at_most):
-            return False
-        if time.monotonic() < self._downloads_paused_until:
+        if chosen is None or (at_most is not None and chosen[1].step > at_most) or not self._may_download():
             return False
         started = time.monotonic()
         if self._download(*chosen, at_most):
-            self._failed_downloads = 0
             return True
-        self._pause_downloads(time.monotonic() - started)
+        self._download_budget -= time.monotonic() - started
         return False
 
-    def _pause_downloads(self, took: float) -> None:
-        """After a download that came to nothing in ``took`` seconds: none for ``took * (1 / share - 1)``, so that
-        such downloads take at most ``config.failed_download_share`` of this trainer's time, and at least a refresh
-        period, twice as long for each one in a row (up to :data:`DOWNLOAD_PAUSE_CAP`; a success, or a pause long
-        past, starts again)."""
+    def _may_download(self) -> bool:
+        """Whether a download may be tried now: the seconds of downloads that came to nothing accrue at
+        ``config.failed_download_share`` per second, up to :func:`slow_refusal` (a joiner passes over a few dead
+        trainers' records at once), and each such download spends its own. So over ``T`` seconds they take at most
+        ``share * T``, plus that allowance and one download's time."""
         now = time.monotonic()
-        if now > self._downloads_paused_until + DOWNLOAD_PAUSE_CAP:
-            self._failed_downloads = 0
-        self._failed_downloads += 1
-        pause = max(took * (1 / self.config.failed_download_share - 1),
-                    min(self.config.refresh_period * 2 ** min(self._failed_downloads - 1, 20), DOWNLOAD_PAUSE_CAP))
-        self._downloads_paused_until = now + pause
-        logger.debug("no state downloads for %.1f s (a download came to nothing in %.1f s, %d in a row)", pause, took,
-                     self._failed_downloads)
+        self._download_budget = min(self._download_budget + self.config.failed_download_share * (
+            now - self._budget_at), slow_refusal(self.config.state_timeout))
+        self._budget_at = now
+        return self._download_budget > 0
 
     def _download(self, peer_id: int, claimed: Progress, at_most: int | None) -> bool:
         """Downloads and loads the state of ``peer_id``'s record ``claimed``; False when it came to nothing (logged,
