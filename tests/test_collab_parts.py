@@ -744,6 +744,9 @@ def test_a_config_refuses_settings_that_cannot_work():
         CollaborationConfig(target_batch_size=0)
     with pytest.raises(ValueError, match="two refresh periods"):
         CollaborationConfig(target_batch_size=8, refresh_period=5.0, progress_ttl=6.0)
+    for share in (0.0, 1.5, math.nan):
+        with pytest.raises(ValueError, match="failed_download_share"):
+            CollaborationConfig(target_batch_size=8, failed_download_share=share)
     with pytest.raises(ValueError, match="run_id"):
         progress_key("my run")
     assert GONE != ACCUMULATING != AVERAGING
