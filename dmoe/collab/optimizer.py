@@ -434,14 +434,19 @@ class CollaborativeOptimizer:
         started = time.monotonic()
         if self._download(*chosen, at_most):
             return True
-        self._download_budget -= time.monotonic() - started
+        # A download that came to nothing slowly banned its server's machine (see _refused, _ban_endpoint), which
+        # costs an attacker an address each: it is charged at most slow_refusal, so one honest trainer dying during
+        # a long download costs a joiner a pause of ~1/share of that, not of the whole download (9 min at 60 s)
+        self._download_budget -= min(time.monotonic() - started, slow_refusal(self.config.state_timeout))
         return False
 
     def _may_download(self) -> bool:
         """Whether a download may be tried now: the seconds of downloads that came to nothing accrue at
         ``config.failed_download_share`` per second, up to :func:`slow_refusal` (a joiner passes over a few dead
         trainers' records at once), and each such download spends its own. So over ``T`` seconds they take at most
-        ``share * T``, plus that allowance and one download's time."""
+        ``share * T``, plus that allowance and one download's time, for those that failed within
+        :func:`slow_refusal` (the cheap ones: an address that drops packets, a name of one failing server); a slower
+        one is charged that much, and banned its server's machine."""
         now = time.monotonic()
         self._download_budget = min(self._download_budget + self.config.failed_download_share * (
             now - self._budget_at), slow_refusal(self.config.state_timeout))
