@@ -1209,6 +1209,27 @@ def test_downloads_that_come_to_nothing_take_a_bounded_share_of_the_training_loo
     assert in_step < 1.0, in_step
 
 
+def test_a_download_that_failed_slowly_pauses_the_next_for_a_share_of_slow_refusal_not_of_its_whole_time(bootstrap):
+    """A slow failure bans its server's machine, so it is charged at most slow_refusal: charged in full, one honest
+    trainer dying during a 60 s download kept a joiner from trying anyone else for nine minutes."""
+    with DHT([bootstrap], client_mode=True) as dht:
+        model = torch.nn.Linear(3, 2)
+        with CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), dht, "slowfail", 10**6,
+                                    refresh_period=0.2, progress_ttl=30.0, state_timeout=2.0,
+                                    client_mode=True) as collab:
+            record = Progress(10, 0, 1.0, time.time(), "127.0.0.1:1", ACCUMULATING, "0123abcd", 3)
+
+            class Ahead:
+                def source(self, rng=None):
+                    return 977, record
+
+            collab.tracker.state = Ahead
+            collab._download = lambda *args: time.sleep(0.8) or False  # slower than slow_refusal (0.5 s)
+            assert collab._may_download()
+            assert not collab._sync_if_needed()
+            assert collab._may_download(), collab._download_budget  # (charged 0.8 s, it waited 3 s)
+
+
 class Leapfrog(StateServicer):
     """A hostile state server whose every download, after ``delay`` (within slow_refusal), refuses in a way that may
     be no fault of its own: a head two steps past its record, which it raises by one meanwhile to explain it
