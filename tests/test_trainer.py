@@ -746,6 +746,23 @@ def test_a_damaged_checkpoint_on_resume_is_one_line_naming_the_file(text_file, t
     assert "move it away to start afresh" in message
 
 
+@pytest.mark.parametrize("flag", ["--out-dir", "--data-dir"])
+@pytest.mark.parametrize("under", [False, True], ids=["file", "under-a-file"])
+def test_a_directory_flag_naming_a_file_is_one_line_naming_the_flag(text_file, tmp_path, flag, under):
+    """"dmoe-train: [Errno 17] File exists: 'afile'" named no flag (review 108 D3)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    given = afile / "sub" if under else afile
+    flags = ["--out-dir", str(tmp_path / "out"), "--steps", "1", "--threads", "1", flag, str(given)]
+    if flag == "--out-dir":  # (--data-dir only holds the corpus)
+        flags += ["--data", str(text_file)]
+    with pytest.raises(SystemExit) as exit_info:
+        train_program.main(flags)
+    made = given if flag == "--out-dir" else given / "pip-cache"
+    assert str(exit_info.value.code) == (f"dmoe-train: {flag}: cannot make the directory {made}: "
+                                         + ("Not a directory" if under or flag == "--data-dir" else "File exists"))
+
+
 def test_a_checkpoint_write_is_fsynced_and_a_failed_one_leaves_no_temp_file(text_file, tmp_path, monkeypatch):
     config = tiny(text_file, tmp_path, steps=2, sample_bytes=0)
     model = GatedTransformerLM(config.model_config(), stand_in_factory(config))

