@@ -120,6 +120,7 @@ def run_variant(variant: str, seed: int, args: argparse.Namespace, out_dir: Path
     config = TrainConfig(
         data=args.data, data_dir=args.data_dir, seed=seed, threads=args.threads,
         out_dir=str(out_dir / f"{variant}_seed{seed}"), checkpoint_interval=10**9, sample_bytes=0,
+        fresh=True,  # (a rerun with the same --tag starts each variant afresh over the last one's: review 108 D1)
         experts="remote" if variant.startswith("remote") else "local", expert_lr=args.expert_lr,
         timeout_after_k_min=args.timeout_after_k_min, backward_timeout=args.backward_timeout, **preset)
     started = time.monotonic()

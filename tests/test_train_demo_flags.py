@@ -357,6 +357,17 @@ def test_a_demo_resumed_with_another_swarm_is_refused_naming_the_flag(text_file,
     assert not list((out_dir / "experts").glob("server*/experts.pt"))
 
 
+def test_the_demo_without_resume_starts_its_trainers_afresh_over_their_checkpoints(text_file, tmp_path, monkeypatch):
+    """dmoe-train refuses to write over a checkpoint without --resume or --fresh (review 108 D1); the demo says that
+    without --resume it starts afresh: its trainer (in process, or each of a collaboration's) is given --fresh."""
+    one = parsed_demo(monkeypatch, text_file, tmp_path)["config"]
+    assert one.fresh and not one.resume
+    assert not parsed_demo(monkeypatch, text_file, tmp_path, "--resume")["config"].fresh
+    assert "--fresh" in parsed_demo(monkeypatch, text_file, tmp_path, "--trainers", "2")["trainer_args"](1, "h:1")
+    resumed = parsed_demo(monkeypatch, text_file, tmp_path, "--trainers", "2", "--resume")["trainer_args"](1, "h:1")
+    assert "--fresh" not in resumed and "--resume" in resumed
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 

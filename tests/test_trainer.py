@@ -746,6 +746,32 @@ def test_a_damaged_checkpoint_on_resume_is_one_line_naming_the_file(text_file, t
     assert "move it away to start afresh" in message
 
 
+def test_a_rerun_without_resume_is_refused_naming_the_flags_and_fresh_starts_afresh(text_file, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """The same command line again (--resume forgotten, or a scheduler relaunching it) started from step 0 and wrote
+    over the checkpoint at its first save, or its stop, without a word (review 108 D1)."""
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: stand_in_factory(config))
+    flags = ["--data", str(text_file), "--out-dir", str(tmp_path), "--seq-len", "32", "--hidden", "32", "--heads", "2",
+             "--grid", "2", "2", "--k-best", "2", "--eval-batches", "1", "--sample-bytes", "0", "--threads", "1"]
+    path = tmp_path / "checkpoint.pt"
+    train_program.main([*flags, "--steps", "3"])
+    with pytest.raises(SystemExit) as exit_info:
+        train_program.main([*flags, "--steps", "1"])
+    assert str(exit_info.value.code) == (
+        f"dmoe-train: {path} holds step 3: pass --resume to continue it, or --fresh to start afresh over it, or give "
+        "another --out-dir / --checkpoint")
+    assert torch.load(path, weights_only=True)["step"] == 3  # untouched
+    path.write_bytes(b"")  # (a damaged one is not written over either)
+    with pytest.raises(SystemExit, match=rf"dmoe-train: {re.escape(str(path))} exists: pass --resume"):
+        train_program.main([*flags, "--steps", "1"])
+    train_program.main([*flags, "--steps", "1", "--fresh"])
+    assert torch.load(path, weights_only=True)["step"] == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train_program.main([*flags, "--resume", "--fresh"])
+    assert "--resume and --fresh contradict each other" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--out-dir", "--data-dir"])
 @pytest.mark.parametrize("under", [False, True], ids=["file", "under-a-file"])
 def test_a_directory_flag_naming_a_file_is_one_line_naming_the_flag(text_file, tmp_path, flag, under):

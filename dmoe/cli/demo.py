@@ -104,6 +104,8 @@ def demo_settings(trainers: int) -> Callable[[TrainConfig], None]:
     def settle(config: TrainConfig) -> None:
         config.experts, config.initial_peers = "remote", (PENDING_PEER,)
         config.expert_flags_reach_servers = True  # (its servers start with the --expert-* flags)
+        # without --resume the demo starts afresh, as documented, its trainers' checkpoints too (review 108 D1)
+        config.fresh = config.fresh or not config.resume
         if trainers > 1:
             config.collaborate = config.collaborate or RUN_ID
             config.target_batch_size = config.target_batch_size or trainers * config.batch_size
@@ -462,7 +464,8 @@ def collaborative_args(rest: list[str], config: TrainConfig, trainers: int):
                 "--experts", "remote", "--initial-peers", initial_peers,
                 "--collaborate", config.collaborate or RUN_ID, "--target-batch-size", str(target),
                 "--data-shard", str(i), "--data-shards", str(trainers), "--wait-for-trainers", str(trainers),
-                "--out-dir", str(out_dir / f"trainer{i}"), *own, *(["--sample-bytes", "0"] if i else [])]
+                "--out-dir", str(out_dir / f"trainer{i}"), *own, *(["--sample-bytes", "0"] if i else []),
+                *([] if config.resume else ["--fresh"])]  # (the demo starts afresh without --resume: review 108 D1)
 
     return trainer_args
 

@@ -3,6 +3,7 @@
     dmoe-train                                          # in-process experts, Shakespeare, a few minutes
     dmoe-train --experts remote --initial-peers HOST:PORT
     dmoe-train --data my.txt --steps 2000 --resume      # any text file; continue from the last checkpoint
+                                                        # (--fresh starts over it; neither: an existing one is refused)
     dmoe-train --experts remote --initial-peers HOST:PORT --collaborate RUN_ID --target-batch-size 4096
                                                         # one volunteer trainer of a collaboration (DeDLOC)
 
@@ -25,8 +26,8 @@ from dmoe.client.gating import NoAliveExpertsError, TooFewGradients
 from dmoe.collab.progress import RecordTooLong
 from dmoe.endpoints import PortUnavailable
 from dmoe.trainer.data import DataError, DownloadError
-from dmoe.trainer.loop import (CheckpointInUse, CorruptCheckpoint, Diverged, ExpertsFailed, ModelTooLarge, ResumeMismatch,
-                             TrainConfig, train)
+from dmoe.trainer.loop import (CheckpointExists, CheckpointInUse, CorruptCheckpoint, Diverged, ExpertsFailed,
+                             ModelTooLarge, ResumeMismatch, TrainConfig, train)
 
 
 EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
@@ -158,9 +159,9 @@ def port_error(error: PortUnavailable) -> str | None:
 #: no corpus (or one too short), no DHT peer, a checkpoint of another model, damaged or in use by another trainer, a
 #: state endpoint too long to publish, a run that diverged, or experts that failed as --no-allow-zero-outputs or
 #: --backward-k-min ask (the loop saved the last complete step and names the flag: review 90), a model the memory
-#: free cannot hold (review 100 D8)
+#: free cannot hold (review 100 D8), a checkpoint a run without --resume or --fresh would write over (review 108 D1)
 TRAINING_ERRORS = (DownloadError, DataError, OSError, ResumeMismatch, CorruptCheckpoint, CheckpointInUse, RecordTooLong,
-                   Diverged, ExpertsFailed, NoAliveExpertsError, TooFewGradients, ModelTooLarge)
+                   Diverged, ExpertsFailed, NoAliveExpertsError, TooFewGradients, ModelTooLarge, CheckpointExists)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,6 +121,8 @@ class TrainConfig:
     out_dir: str = _option("runs/train", "where the checkpoint and loss curve are written")
     checkpoint: str | None = _option(None, "checkpoint file (default: OUT_DIR/checkpoint.pt)")
     resume: bool = _option(False, "continue from the checkpoint if there is one")
+    fresh: bool = _option(False, "start from step 0 over an existing checkpoint (without it or --resume, an existing "
+                                 "checkpoint is refused)")
     max_minutes: float = _option(0.0, "stop after this many minutes of this run (a resumed run counts afresh; 0: "
                                  "no limit)", duration("min", zero=True))
     sample_bytes: int = _option(200, "bytes of text to sample at the end (0: none)", non_negative(int))
@@ -192,6 +194,9 @@ class TrainConfig:
             # into the current directory, and a --resume resumed whatever checkpoint.pt was there (review 100 D10)
             if not getattr(self, name).strip():  # ("the default": the demo's --out-dir is not dmoe-train's)
                 raise ValueError(f"--{name.replace('_', '-')} must name a directory (leave it out for the default)")
+        if self.resume and self.fresh:
+            raise ValueError("--resume and --fresh contradict each other: give one (--resume continues the checkpoint, "
+                             "--fresh starts afresh over it)")
         if self.expert_cls not in expert_class_names():
             raise ValueError(f"--expert-cls: unknown class {self.expert_cls!r}; registered: "
                              f"{', '.join(expert_class_names())}")
@@ -339,6 +344,8 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
         lock = lock_checkpoint(checkpoint_path)  # before reading it: another trainer's save could replace it
         if lock is not None:
             resources.callback(lock.close)
+        if not config.resume and not config.fresh:
+            refuse_existing_checkpoint(checkpoint_path)
         dht = None
         if config.collaborate is not None:  # one DHT node for the experts and the collaboration
             from dmoe.dht import DHT
@@ -920,6 +927,25 @@ def check_checkpoint_path(path: Path, flag: str) -> None:
         raise OSError(f"{flag}: cannot make the directory of {path}: {error.strerror or error}") from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise PermissionError(f"{flag}: {path.parent} is not writable, so {path.name} cannot be saved there")
+
+
+class CheckpointExists(ValueError):
+    """A checkpoint is where a run without --resume or --fresh would write its own."""
+
+
+def refuse_existing_checkpoint(path: Path) -> None:
+    """Raises CheckpointExists naming the flags when a checkpoint is at ``path``: a run without --resume (forgotten,
+    or a scheduler relaunching the first command line) started from step 0 and wrote over it at its first save, or
+    its stop, without a word: hours of weights and optimizer state lost to one missing flag (review 108 D1)."""
+    if not path.exists():
+        return
+    try:
+        step = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+        holds = f"holds step {int(step)}"
+    except Exception:  # noqa: BLE001 - damaged, or not a checkpoint: still not to be written over unasked
+        holds = "exists"
+    raise CheckpointExists(f"{path} {holds}: pass --resume to continue it, or --fresh to start afresh over it, or "
+                           "give another --out-dir / --checkpoint")
 
 
 def lock_checkpoint(path: Path):
