@@ -172,6 +172,41 @@ def test_dmoe_train_whose_experts_fail_saves_the_last_complete_step_and_names_th
     assert checkpoint_step(out_dir) == 7
 
 
+CPU_OUT_OF_MEMORY = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                     "tried to allocate 24000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("error", [RuntimeError(CPU_OUT_OF_MEMORY + "\nframe #0: c10::Error::Error"),
+                                   torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 22.35 GiB.")],
+                         ids=["cpu", "cuda"])
+def test_dmoe_train_out_of_memory_in_a_step_saves_it_and_names_the_batch_flags(text_file, tmp_path, monkeypatch,
+                                                                               capsys, error):
+    """A --batch-size (or --seq-len) too large for the memory ended dmoe-train in a 12-frame traceback naming no flag
+    (review 108 D2): one line now, after the last complete step is saved as before."""
+    monkeypatch.setattr(trainer, "make_moe_factory",
+                        lambda config, resources, dht=None: failing_factory(config, error, config.eval_batches + 3))
+    out_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        train_program.main(program_flags(text_file, out_dir, 20) + ["--eval-interval", "100"])
+    first = str(error).splitlines()[0]
+    assert str(exited.value.code) == (
+        "dmoe-train: out of memory on --device cpu with --batch-size 4 x --seq-len 16 (attention grows with the square "
+        f"of --seq-len): give a smaller --batch-size or --seq-len ({type(error).__name__}: {first})")
+    assert checkpoint_step(out_dir) == 2
+    assert "the checkpoint holds step 2" in capsys.readouterr().out
+
+
+def test_an_error_other_than_out_of_memory_in_a_step_still_ends_dmoe_train_in_its_traceback(text_file, tmp_path,
+                                                                                            monkeypatch):
+    """(a bug is to be seen where it is)"""
+    error = RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    monkeypatch.setattr(trainer, "make_moe_factory",
+                        lambda config, resources, dht=None: failing_factory(config, error, config.eval_batches + 3))
+    with pytest.raises(RuntimeError) as raised:
+        train_program.main(program_flags(text_file, tmp_path / "run", 20) + ["--eval-interval", "100"])
+    assert raised.value is error
+
+
 @pytest.mark.parametrize("error, raised", [
     (TooFewGradients("3 rows got fewer than backward_k_min=2 expert gradients in 'ffn0'"),
      "the experts failed after step 7 (--backward-k-min): 3 rows got fewer than --backward-k-min 2 expert gradients "

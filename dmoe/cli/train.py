@@ -25,9 +25,10 @@ from dmoe.cli.signals import InterruptingSignals
 from dmoe.client.gating import NoAliveExpertsError, TooFewGradients
 from dmoe.collab.progress import RecordTooLong
 from dmoe.endpoints import PortUnavailable
+from dmoe.server.runtime import is_out_of_memory
 from dmoe.trainer.data import DataError, DownloadError
 from dmoe.trainer.loop import (CheckpointExists, CheckpointInUse, CorruptCheckpoint, Diverged, ExpertsFailed,
-                             ModelTooLarge, ResumeMismatch, TrainConfig, train)
+                             ModelTooLarge, ResumeMismatch, TrainConfig, first_line, train)
 
 
 EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
@@ -164,6 +165,17 @@ TRAINING_ERRORS = (DownloadError, DataError, OSError, ResumeMismatch, CorruptChe
                    Diverged, ExpertsFailed, NoAliveExpertsError, TooFewGradients, ModelTooLarge, CheckpointExists)
 
 
+def out_of_memory_message(error: BaseException, config: TrainConfig) -> str | None:
+    """The one line for an out-of-memory that ended a step or a validation (the loop saved the last complete step
+    first), naming the flags that size the activations; None for another error. It ended in a traceback naming no
+    flag: only the parameters are checked up front (review 108 D2)."""
+    if not is_out_of_memory(error):
+        return None
+    return (f"out of memory on --device {config.device} with --batch-size {config.batch_size} x --seq-len "
+            f"{config.seq_len} (attention grows with the square of --seq-len): give a smaller --batch-size or "
+            f"--seq-len ({first_line(error)})")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Exits 0 when the run ended, 130 when a stop signal (Ctrl-C, SIGTERM, SIGHUP; or the death of the program
     that launched it, see :func:`dmoe.cli.signals.orphaned`) ended it early (after saving the checkpoint, which
@@ -187,6 +199,11 @@ def main(argv: list[str] | None = None) -> None:
         build_parser().error(message)
     except TRAINING_ERRORS as e:
         raise SystemExit(f"dmoe-train: {e}")
+    except Exception as e:  # noqa: BLE001 - only an out-of-memory is turned into a line; anything else is a bug
+        message = out_of_memory_message(e, config)
+        if message is None:
+            raise
+        raise SystemExit(f"dmoe-train: {message}") from None
     except KeyboardInterrupt:  # a stop signal outside the loop (which saves and returns): joining, waiting for
         # trainers; or after it, while the trainer closed its DHT node and connections (its checkpoint written)
         print("dmoe-train: interrupted " + ("while closing, after its last checkpoint" if stepped
