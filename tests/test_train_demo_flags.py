@@ -399,3 +399,16 @@ def test_in_process_experts_refuse_a_class_that_does_not_take_or_answer_rows_of_
     with pytest.raises(ValueError, match=r"expert class 'widen' answers rows of \[\[16\]\]"):
         build("ffn0.0")
     assert in_process_experts("ffn", 8, ExpertOptimizerConfig())("ffn0.0")(torch.randn(3, 8)).shape == (3, 8)
+
+
+def test_an_out_of_memory_of_the_demo_s_trainer_is_one_line_naming_the_batch_flags(text_file, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """As dmoe-train's (review 108 D2): the demo's one trainer runs in its process, and its out-of-memory ended the
+    demo in a traceback naming no flag."""
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 22.35 GiB.")
+
+    monkeypatch.setattr(demo, "run_swarm", out_of_memory)
+    assert demo.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), "--batch-size", "4"]) == 1
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("dmoe-demo: out of memory on --device cpu with --batch-size 4 x --seq-len"), line

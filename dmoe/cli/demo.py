@@ -53,7 +53,7 @@ from dmoe.cli.allocator import keep_freed_memory
 from dmoe.cli.config import ConfigError, read_toml
 from dmoe.cli.signals import InterruptingSignals
 from dmoe.cli.train import (EXPERT_FLAGS_REACH_SERVERS_ENV, TRAINING_ERRORS, build_parser,
-                            expert_flags_reach_servers, parse_config, port_error)
+                            expert_flags_reach_servers, out_of_memory_message, parse_config, port_error)
 from dmoe.endpoints import PortUnavailable
 from dmoe.launch import LocalSwarm, Proc, SwarmConfig, processes
 from dmoe.server.checkpoints import FILENAME as EXPERTS_FILE
@@ -233,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if message else 1
     except TRAINING_ERRORS as error:
         print(f"{PROG}: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:  # noqa: BLE001 - only an out-of-memory of its trainer is one line (review 108 D2)
+        message = out_of_memory_message(error, config)
+        if message is None:
+            raise
+        print(f"{PROG}: {message}", file=sys.stderr)
         return 1
     finally:
         if run_lock is not None:
