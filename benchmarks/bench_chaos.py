@@ -100,7 +100,8 @@ def chaos(swarm: ChaosSwarm, stop: threading.Event, rng: random.Random, mean_gap
         events.append({"t": round(time.monotonic() - started, 1), "event": f"kill {kind} {index}",
                        "downtime": round(down, 1)})
         print(f"chaos: killed {kind} {index}, restarting in {down:.1f}s", file=sys.stderr, flush=True)
-        stop.wait(down)
+        if stop.wait(down):  # training ended meanwhile: a restart would only be stopped again (seconds of CPU)
+            break
         try:
             endpoint = swarm.restart_server(index) if kind == "server" else swarm.restart_dht_node(index)
         except Exception as error:  # a restart that fails is reported, not fatal to the benchmark
