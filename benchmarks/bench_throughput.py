@@ -304,9 +304,14 @@ class Worker:
             raise RuntimeError(f"benchmark worker exited with {self.popen.wait()}")
         return json.loads(line)
 
+    def end_input(self) -> None:
+        """Closes its input: it exits once done with the commands it has."""
+        if not self.popen.stdin.closed:
+            self.popen.stdin.close()
+
     def close(self) -> None:
         if self.popen.poll() is None:
-            self.popen.stdin.close()
+            self.end_input()
             try:
                 self.popen.wait(10)
             except subprocess.TimeoutExpired:
@@ -327,6 +332,11 @@ def process_cpu_seconds(pid: int) -> float:
             if int(entry.name) == pid or int(fields[1]) == pid:
                 total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
+
+
+def server_key_of(case: Case) -> tuple:
+    """What a case's server is started with: cases of the same key share a server."""
+    return case.expert_cls, case.hidden_dim, case.batch, case.experts
 
 
 def start_server(case: Case, args: argparse.Namespace):
@@ -450,7 +460,8 @@ def main() -> None:
     rows = []
     shares: dict[str, float | None] = {}  # per case: the share of the server's calls through shared memory
     graph_warnings: list[str] = []
-    server, server_key = None, None
+    # the first case's server starts beside the workers, not after them: each process spends seconds importing torch
+    server, server_key, listening = start_server(cases[0], args), server_key_of(cases[0]), None
     try:
         for worker in [*clients, limit]:
             worker.receive()
@@ -458,11 +469,11 @@ def main() -> None:
                   f"{'range':>12} {'ratio':>6} {'cpu ratio':>9} {'server cpu':>10} {'via shm':>7}  server formed")
         print(header, flush=True)
         for case in cases:
-            key = (case.expert_cls, case.hidden_dim, case.batch, case.experts)
+            key = server_key_of(case)
             if key != server_key:
-                if server is not None:
-                    server.stop()
-                server, server_key = start_server(case, args), key
+                server.stop()
+                server, server_key, listening = start_server(case, args), key, None
+            if listening is None:  # this case's server was just started: its addresses, once it listens
                 server.endpoint(timeout=120)
                 listening, metrics = announced(server.output), announced(server.output, "metrics on")
                 uids = [f"bench.{i}" for i in range(case.experts)]  # dealt out: the i-th to process i % N
@@ -553,11 +564,13 @@ def main() -> None:
             if stages_before is not None:
                 print(format_stages(stage_difference(read_all_stages(metrics), stages_before), per=measured_requests,
                                     unit="request"), flush=True)
-    finally:
+    finally:  # the processes exit side by side (each takes a second or more of CPU to unload torch)
+        server.interrupt()
+        for worker in [*clients, limit]:
+            worker.end_input()
         for worker in [*clients, limit]:
             worker.close()
-        if server is not None:
-            server.stop()
+        server.stop()
     print("range: the lowest and highest of the rounds' ratios (each round's remote rate over the same round's "
           "limit); via shm: the share of the server's calls in the measured rounds that came through shared memory")
     if args.cuda_graphs:
