@@ -394,9 +394,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "reported, not enforced, except that both runs train; flags given with it keep their "
                              "values")
     # one kill early on, one server joining after it, a short calm run (2 servers: the fewest that show an adoption;
-    # each server more cost the test suite seconds of CPU to start, twice)
+    # each server more cost the test suite seconds of CPU to start, twice); declarations of half the default's life,
+    # so that the killed server's experts are adopted, and the run ends, seconds sooner
     args = parse_with_quick(parser, argv, dict(servers=2, min_alive=1, minutes=0.05, first_kill=2.0, mean_lifetime=1e6,
-                                               join_delay=(0.5, 1.0), replica_interval=2.0, hidden=16, seq_len=16),
+                                               join_delay=(0.5, 1.0), replica_interval=2.0, hidden=16, seq_len=16,
+                                               refresh_period=1.0, expiration=3.0),
                             flag="smoke")
     if args.min_alive >= args.servers:
         parser.error("--min-alive must be below --servers")
