@@ -228,6 +228,18 @@ class Holding:
         return self.real.remove_expert(uid)
 
 
+def four_nodes_and_a_reader(stack: ExitStack):
+    """A DHT of four nodes, two of them A's and B's ((identity, node) each), and a client-mode reader: a record's
+    replicas that two keys' stores can reach in opposite orders, two each (a tie)."""
+    first = stack.enter_context(DHT())
+    a, b = Identity(), Identity()
+    node_a = stack.enter_context(DHT([first.endpoint], identity=a))
+    node_b = stack.enter_context(DHT([first.endpoint], identity=b))
+    fourth = stack.enter_context(DHT([first.endpoint]))
+    reader = stack.enter_context(DHT([first.endpoint], client_mode=True))
+    return first, (a, node_a), (b, node_b), fourth, reader
+
+
 def test_claims_that_tie_are_not_refreshed_by_their_losers_so_the_cell_is_adopted_once_they_expire(tmp_path):
     """Two holders' claims of an emptied cell reached two of the DHT's four nodes each: readers find no owner (a tie
     reads as nobody), both lose. Each claimed again at its next look, which refreshed its own half: the cell stayed
@@ -236,12 +248,7 @@ def test_claims_that_tie_are_not_refreshed_by_their_losers_so_the_cell_is_adopte
     owner = Identity()
     replica = replica_of(owner, 3)
     with ExitStack() as stack:
-        first = stack.enter_context(DHT())
-        a, b = Identity(), Identity()
-        node_a = stack.enter_context(DHT([first.endpoint], identity=a))
-        node_b = stack.enter_context(DHT([first.endpoint], identity=b))
-        fourth = stack.enter_context(DHT([first.endpoint]))
-        reader = stack.enter_context(DHT([first.endpoint], client_mode=True))
+        first, (a, node_a), (b, node_b), fourth, reader = four_nodes_and_a_reader(stack)
         endpoints = {a: "127.0.0.1:1111", b: "127.0.0.1:2222"}
         # the race's outcome: A's claim reached two of the four nodes first, B's the other two
         for identity, dht, targets in ((a, node_a, (first, node_a)), (b, node_b, (node_b, fourth))):
@@ -279,12 +286,7 @@ def test_of_two_servers_whose_first_declarations_tie_the_one_farther_from_the_ui
     the other's next refresh, once the half of the one that gave way expired, makes it UID's owner."""
     expiration = 3.0
     with ExitStack() as stack:
-        first = stack.enter_context(DHT())
-        a, b = Identity(), Identity()
-        node_a = stack.enter_context(DHT([first.endpoint], identity=a))
-        node_b = stack.enter_context(DHT([first.endpoint], identity=b))
-        fourth = stack.enter_context(DHT([first.endpoint]))
-        reader = stack.enter_context(DHT([first.endpoint], client_mode=True))
+        first, (a, node_a), (b, node_b), fourth, reader = four_nodes_and_a_reader(stack)
         # the race's outcome: A's first declaration reached two of the four nodes first, B's the other two
         for identity, dht, targets in ((a, node_a, (first, node_a)), (b, node_b, (node_b, fourth))):
             for target in targets:
