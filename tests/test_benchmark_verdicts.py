@@ -1,6 +1,7 @@
 """The benchmarks' verdicts and summaries, given inputs that must pass and inputs that must fail (review 51).
 
-The smoke runs (tests/test_benchmarks_smoke.py) only report their goals, on figures too short to mean anything;
+The smoke runs (tests/test_benchmarks_smoke.py, tests/test_benchmarks_training_smoke.py) only report their goals,
+on figures too short to mean anything;
 here each verdict function is called directly: bench_quality's summarise, the goals of bench_collab, bench_churn
 and bench_chaos, bench_latency's add_ratios, bench_layer's rounds and goals, bench_throughput's paired rounds and
 what benchmarks/server_counts.py reads from a server's metrics.
