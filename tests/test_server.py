@@ -130,16 +130,23 @@ def recording(order: list[str]):
     return lambda name: lambda x: (order.append(name), (x,))[1]
 
 
-def test_runtime_serves_the_pool_with_the_oldest_task_first():
-    order: list[str] = []
+@contextlib.contextmanager
+def held_runtime(names: str, order: list[str]):
+    """A runtime whose worker is held in a gated batch, with a pool per name of ``names`` recording into ``order``:
+    tasks submitted meanwhile queue, and run in the order the runtime picks once ``gate.opened`` is set."""
     recorder = recording(order)
-
     with Runtime() as runtime:
         gate = Gate()
         blocker = runtime.create_pool("gate", gate, 100)
-        pools = {name: runtime.create_pool(name, recorder(name), 100) for name in "abc"}
+        pools = {name: runtime.create_pool(name, recorder(name), 100) for name in names}
         runtime.submit(blocker, torch.zeros(1))
         assert gate.entered.wait(30)
+        yield runtime, gate, pools
+
+
+def test_runtime_serves_the_pool_with_the_oldest_task_first():
+    order: list[str] = []
+    with held_runtime("abc", order) as (runtime, gate, pools):
         futures = [runtime.submit(pools[name], torch.zeros(1)) for name in "bcab"]
         gate.opened.set()
         for future in futures:
@@ -151,14 +158,7 @@ def test_a_task_cancelled_while_queued_leaves_its_pool_and_frees_its_inputs_at_o
     """Review 95 D1: a cancelled task stayed in its pool, inputs and all, until a worker reached that pool; and the
     pool kept the place of the cancelled task among the others."""
     order: list[str] = []
-    recorder = recording(order)
-
-    with Runtime() as runtime:
-        gate = Gate()
-        blocker = runtime.create_pool("gate", gate, 100)
-        pools = {name: runtime.create_pool(name, recorder(name), 100) for name in "ab"}
-        runtime.submit(blocker, torch.zeros(1))
-        assert gate.entered.wait(30)
+    with held_runtime("ab", order) as (runtime, gate, pools):
         x = torch.randn(4, 8)
         inputs = weakref.ref(x)
         cancelled = runtime.submit(pools["a"], x)
