@@ -17,13 +17,10 @@ about equal time, so that the suite's workers, which run each file on one worker
 from __future__ import annotations
 
 import csv
-import json
 import os
 import runpy
-import socket
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 from dmoe import launch
@@ -68,74 +65,14 @@ def last_line_fields(stdout: str) -> dict[str, str]:
 #: variables :func:`run_benchmark` sets for :func:`main`: the file for the benchmark's stderr, and whether to fork its
 #: programs (the test process's ``DMOE_TEST_FORK``)
 STDERR, FORKS = "DMOE_BENCHMARK_STDERR", "DMOE_BENCHMARK_FORKS"
-#: what torch writes into ``os.environ`` (its default) as it imports ``torch._dynamo``, which the first optimizer does:
-#: the programs started before and after would otherwise differ in it and need a template each (seconds of CPU)
-SET_BY_TORCH = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def forking_start(environment_at_start: dict[str, str]):
+def forking(python_start):
     """A :meth:`dmoe.launch.Proc._start` that forks programs from this process's templates, or starts them with
-    python where they must be (see :func:`tests.template.start`)."""
-    python_start = launch.Proc._start
-
+    ``python_start`` where they must start with python (see :func:`tests.template.start`)."""
     def start(proc: launch.Proc, args: list[str], env: dict[str, str]):
-        if SET_BY_TORCH not in environment_at_start:
-            env = {key: value for key, value in env.items() if key != SET_BY_TORCH}
         return template.start(args, env, launch.PARENT_ENV) or python_start(proc, args, env)
-
     return start
-
-
-class ForkedTemplate(template.Template):
-    """The template :func:`fork_template` forked, at the other end of ``sock``."""
-
-    def __init__(self, env: dict[str, str], sock: socket.socket):
-        super().__init__(env)
-        self._forked = sock
-
-    def _launch(self) -> bool:
-        """Waits for the template to say it is ready, as :meth:`tests.template.Template._launch` does for the one it
-        starts with python; False (and python from then on) if it does not."""
-        try:
-            self._forked.settimeout(120)
-            ready = json.loads(self._forked.recv(template.MAX_MESSAGE) or b"{}")
-            self._forked.settimeout(None)
-        except (OSError, ValueError):
-            ready = {}
-        if ready.get("threads") != 1:
-            self._failed = True
-            return False
-        self._socket = self._forked
-        threading.Thread(target=self._read, args=(self._forked,), name="template-reader", daemon=True).start()
-        return True  # (it exits with this process, which holds the other end of its socket)
-
-
-def fork_template() -> None:
-    """Forks this process into the template of the programs the benchmark starts in this process's environment
-    (others get templates started with python). Forked from the test's template, this process has loaded what a
-    template loads: its own is ready at once. Done before the benchmark runs, while this process has one thread: a
-    fork of a process with more holds the locks its other threads held, forever."""
-    if os.environ.get(template.SWITCH) == "0" or not os.path.isdir("/proc/self/task") \
-            or len(os.listdir("/proc/self/task")) != 1:
-        return
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    if os.fork() == 0:  # the template: a session of its own, none of this process's output
-        forked = os.getpid()
-        try:
-            ours.close()
-            os.setsid()
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            template.serve(theirs.fileno())
-        except BaseException:
-            if os.getpid() != forked:  # the end of a program it forked (SystemExit, ...): the interpreter's to handle,
-                raise                  # as in any template
-            os._exit(1)
-        os._exit(0)
-    theirs.close()
-    environment = template._startup_env(dict(os.environ))
-    template._templates[tuple(sorted(environment.items()))] = ForkedTemplate(environment, ours)
 
 
 def main(argv: list[str]) -> None:
@@ -147,9 +84,9 @@ def main(argv: list[str]) -> None:
     os.close(stderr)
     # (the test's template tells its programs to start theirs with python: these fork, unless the test's did not)
     os.environ[template.SWITCH] = os.environ.pop(FORKS)
-    fork_template()
+    template.fork_here()
     script = str(ROOT / "benchmarks" / argv[0])
-    launch.Proc._start = forking_start(dict(os.environ))  # (this process runs the benchmark only)
+    launch.Proc._start = forking(launch.Proc._start)  # (this process runs the benchmark only)
     sys.argv = [script, *argv[1:]]
     sys.path[0] = os.path.dirname(script)
     runpy.run_path(script, run_name="__main__")

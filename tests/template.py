@@ -20,7 +20,8 @@ gets a template of its own (up to four per test process, then python), as the pr
 other as they loaded (``OMP_NUM_THREADS``, ``TQDM_DISABLE``, ...); one that passes interpreter flags, a script that
 does not exist, or a DHT node (no torch: :data:`WITHOUT_TORCH`) is started with ``python`` as before, and
 ``DMOE_TEST_FORK=0`` turns the
-template off. The programs' own entry points (``python -m dmoe.cli.server`` from a shell, the console scripts) are
+template off. A program forked from the template may fork itself into a template of its own (:func:`fork_here`), as
+the benchmarks under test do (tests/benchmark_runs.py). The programs' own entry points (``python -m dmoe.cli.server`` from a shell, the console scripts) are
 still exercised by the tests that start them through ``subprocess`` or :mod:`dmoe.launch` (the demo, benchmarks,
 launchers).
 """
@@ -44,6 +45,9 @@ SWITCH = "DMOE_TEST_FORK"  # "0": start every program with python
 # that runs), which the preloaded libraries do not read: any other could have been read as they loaded (TQDM_DISABLE
 # by tqdm, which torch._dynamo imports)
 OWN_PREFIXES = ("DMOE_", "PYTEST_")
+# what torch writes into os.environ (its default) as it imports torch._dynamo, which the first optimizer does: programs
+# started before and after that would otherwise differ in it and need a template each (seconds of CPU)
+SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "numpy", "grpc", "google.protobuf.message",
            "cryptography.hazmat.primitives.asymmetric.ed25519")
 MAX_MESSAGE = 1 << 20
@@ -54,7 +58,8 @@ WITHOUT_TORCH = ("dmoe.dht", "dmoe.cli.dht", "dmoe.directory")
 
 
 def _startup_env(env: dict[str, str]) -> dict[str, str]:
-    return {key: value for key, value in env.items() if not key.startswith(OWN_PREFIXES)}
+    return {key: value for key, value in env.items()
+            if not key.startswith(OWN_PREFIXES) and key not in SET_BY_TORCH}
 
 
 class ForkedPopen:
@@ -91,7 +96,8 @@ class Template:
     children it forked; started on first use, stopped at exit. ``start`` answers None where a program must start
     with python instead."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], forked: socket.socket | None = None) -> None:
+        """``forked``: this process's end of the socket of a template it forked of itself (:func:`fork_here`)."""
         self.changed = threading.Condition()
         self._lock = threading.Lock()  # one request (and its answer) at a time
         self._started: int | None = None  # pid of the answer to the request in flight
@@ -101,6 +107,7 @@ class Template:
         self._socket: socket.socket | None = None
         self._env = _startup_env(env)
         self._failed = False
+        self._forked = forked
 
     def start(self, args: Sequence[str], env: dict[str, str], parent_env: str) -> ForkedPopen | None:
         with self._lock:
@@ -138,14 +145,18 @@ class Template:
         """Starts the template process; False (and python from then on) if it fails."""
         from dmoe.launch import sigint_default_in_children
 
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if self._forked is not None:  # (it exits with this process, which holds the other end of its socket)
+            ours = self._forked
+        else:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            with sigint_default_in_children():
-                self._process = subprocess.Popen(
-                    [sys.executable, "-m", "tests.template", str(theirs.fileno())], cwd=ROOT, env=self._env,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    pass_fds=[theirs.fileno()], start_new_session=True)
-            theirs.close()
+            if self._forked is None:
+                with sigint_default_in_children():
+                    self._process = subprocess.Popen(
+                        [sys.executable, "-m", "tests.template", str(theirs.fileno())], cwd=ROOT, env=self._env,
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        pass_fds=[theirs.fileno()], start_new_session=True)
+                theirs.close()
             ours.settimeout(120)
             ready = json.loads(ours.recv(MAX_MESSAGE) or b"{}")
             ours.settimeout(None)
@@ -199,6 +210,37 @@ class Template:
 MAX_TEMPLATES = 4  # environments with a template of their own in one test process; others start with python
 _templates: dict[tuple[tuple[str, str], ...], Template] = {}
 _templates_lock = threading.Lock()
+
+
+def fork_here() -> None:
+    """Forks this process into the template of the programs it starts in its own environment, instead of starting one
+    with python: for a program forked from a test's template (a benchmark under test), which has loaded what a
+    template loads, so that its own is ready at once. Call it while this process has one thread (a fork of a process
+    with more holds the locks its other threads held, forever); it does nothing otherwise, nor with the switch off."""
+    if os.environ.get(SWITCH, "1") == "0" or not os.path.isdir("/proc/self/task") \
+            or len(os.listdir("/proc/self/task")) != 1:
+        return
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() == 0:  # the template: a session of its own, none of this process's output
+        forked = os.getpid()
+        try:
+            ours.close()
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            serve(theirs.fileno())
+        except BaseException:
+            if os.getpid() != forked:  # the end of a program it forked (SystemExit, ...): the interpreter's to
+                raise                  # handle, as in any template
+            os._exit(1)
+        os._exit(0)
+    theirs.close()
+    env = dict(os.environ)
+    with _templates_lock:
+        _templates[tuple(sorted(_startup_env(env).items()))] = Template(env, forked=ours)
 
 
 def _forkable(args: Sequence[str]) -> bool:
