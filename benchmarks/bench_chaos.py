@@ -92,7 +92,8 @@ def chaos(swarm: ChaosSwarm, stop: threading.Event, rng: random.Random, mean_gap
     started, gap = time.monotonic(), first_kill
     while not stop.wait(rng.expovariate(1 / mean_gap) if gap is None else gap):
         gap = None
-        kind = rng.choice(["server", "dht"]) if events else "server"  # a run that kills servers at all
+        # a run that kills servers at all; DHT nodes only where there are extra ones (--dht-nodes 1: none)
+        kind = rng.choice(["server", "dht"]) if events and swarm.dht_nodes else "server"
         index = rng.randrange(len(swarm.servers) if kind == "server" else len(swarm.dht_nodes))
         victim = swarm.servers[index] if kind == "server" else swarm.dht_nodes[index]
         victim.kill()

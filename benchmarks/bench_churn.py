@@ -74,7 +74,7 @@ class Kill:
     at: float                          # time.time()
     endpoint: str
     before: dict[str, int]             # uid -> updates just before the kill
-    rates: dict[str, float]            # uid -> updates per second since a sample 5 s or more before
+    rates: dict[str, float]            # uid -> updates per second since the oldest sample 1 s or more before
     lost: dict[str, int] = field(default_factory=dict)   # resolved: uid -> updates lost
     fresh: list[str] = field(default_factory=list)       # came back with no replica (all lost)
 
@@ -184,9 +184,11 @@ class Swarm:
         now = time.monotonic()
         rates = {}
         for uid in before:
-            old = [(t, u) for t, u in self.history[uid] if now - t >= 5]
+            # the oldest sample kept, if 1 s old: a --smoke run's kill comes 2 s into training, before any 5 s old
+            # sample, and its "push intervals' worth" was always empty
+            old = [(t, u) for t, u in self.history[uid] if now - t >= 1]
             if old:
-                t0, u0 = old[-1]
+                t0, u0 = old[0]
                 rates[uid] = max(0.0, (before[uid] - u0) / (now - t0))
         server.proc.kill()
         with self._lock:
@@ -439,8 +441,8 @@ def main() -> None:
     print(f"{len(swarm.kills)} kills, {swarm.joins} joins, {len(lost)} experts adopted from replicas, "
           f"{len(fresh)} back with no replica, {unresolved} unresolved")
     print(f"updates lost per adopted expert: max {max((n for _, n, _ in lost), default=0)}, mean "
-          f"{sum(n for _, n, _ in lost) / max(len(lost), 1):.1f}; in push intervals' worth: max "
-          f"{max(worth, default=0):.2f} (goal <= 1)")
+          f"{sum(n for _, n, _ in lost) / max(len(lost), 1):.1f}; in push intervals' worth: "
+          + (f"max {max(worth):.2f} (goal <= 1)" if worth else "none measured (no update rate before a kill)"))
     print(f"empty cells: {len(swarm.empty_spells)} spells, longest {swarm.longest_empty:.1f}s (goal <= "
           f"{args.expiration + 10:.0f}s = expiration + 10 s)")
     print(f"final validation loss churn/calm: {ratio:.3f} (goal <= 1.05)")
