@@ -515,3 +515,55 @@ def test_a_damaged_checkpoint_that_reads_is_refused_in_one_line_not_loaded_or_en
     assert words in str(error.value) and str(tmp_path / FILENAME) in str(error.value)
     output = refused_here(capsys, server_args(tmp_path))
     assert "argument --checkpoint-dir" in output and words in output and "Traceback" not in output, output
+
+
+def all_state_finite(state: dict) -> bool:
+    return all(torch.isfinite(t).all() for s in state["optimizer"]["state"].values() for t in s.values())
+
+
+def test_an_optimizer_state_overflowed_by_a_huge_gradient_is_reset_not_saved_and_the_weights_train_again(
+        tmp_path, caplog):
+    """Review 111: a finite gradient of 1e20 (a server with --max-abs-value 0 and no --clip-grad-norm) overflowed
+    Adam's average of squared gradients to +inf: those weights never moved again, the checkpoint saved it, and the
+    restart refused the whole file, every expert's weights."""
+    config = ServerConfig(device="cpu", checkpoint_dir=str(tmp_path), checkpoint_interval=3600, max_abs_value=0)
+    server = ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, optimizer="adam", config=config)
+    poisoned, honest = server.backends["ck.0"], server.backends["ck.1"]
+    honest.backward(torch.randn(3, HIDDEN), torch.randn(3, HIDDEN))
+    poisoned.backward(torch.randn(8, HIDDEN), torch.full((8, HIDDEN), 1e20))
+    assert poisoned.updates == 1 and not all_state_finite(poisoned.state_dict())  # (the step was taken)
+    server.checkpoints.close()  # the final checkpoint
+    assert "ck.0: the optimizer state of" in caplog.text and "reset, the weights kept" in caplog.text
+    saved = torch.load(tmp_path / FILENAME, weights_only=True)
+    assert all(all_state_finite(saved["experts"][uid]["state"]) for uid in ("ck.0", "ck.1"))
+    restarted = ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, optimizer="adam", config=config)
+    try:
+        for uid in ("ck.0", "ck.1"):
+            torch.testing.assert_close(restarted.backends[uid].module.state_dict(),
+                                       server.backends[uid].module.state_dict())
+        before = [p.detach().clone() for p in restarted.backends["ck.0"].module.parameters()]
+        restarted.backends["ck.0"].backward(torch.randn(3, HIDDEN), torch.randn(3, HIDDEN))
+        assert all((p != q).any() for p, q in zip(restarted.backends["ck.0"].module.parameters(), before))
+    finally:
+        restarted.checkpoints.close(save=False)
+
+
+def test_a_checkpoint_with_an_overflowed_optimizer_buffer_restores_the_weights_and_resets_that_state(tmp_path,
+                                                                                                     caplog):
+    """Review 111: what servers before the fix saved was refused whole ("altered by hand, or damaged?"); the weights
+    are good, only the parameter's optimizer state is lost."""
+    trained_server_checkpoint(tmp_path)
+    state = torch.load(tmp_path / FILENAME, weights_only=True)
+    buffers = state["experts"]["ck.0"]["state"]["optimizer"]["state"]
+    next(iter(buffers.values()))["exp_avg_sq"].fill_(float("inf"))
+    torch.save(state, tmp_path / FILENAME)
+    server = ExpertServer.create("ck.[0:2]", "ffn", HIDDEN, config=ServerConfig(device="cpu",
+                                                                                checkpoint_dir=str(tmp_path)))
+    try:
+        for uid in ("ck.0", "ck.1"):
+            torch.testing.assert_close(server.backends[uid].module.state_dict(), state["experts"][uid]["state"]["module"])
+        assert all_state_finite(server.backends["ck.0"].state_dict()) and sum(map(bool, server.backends["ck.0"].optimizer.state.values())) \
+            == len(buffers) - 1  # (the reset parameter's state is built at its next step)
+        assert "ck.0: the optimizer state of ffn.0.weight was not finite" in caplog.text
+    finally:
+        server.checkpoints.close(save=False)

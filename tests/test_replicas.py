@@ -144,6 +144,20 @@ def test_a_loaded_snapshot_trains_on_exactly_as_the_expert_it_was_taken_from():
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
+def test_a_snapshot_of_an_expert_whose_optimizer_state_overflowed_carries_a_reset_state_that_loads():
+    """Review 111: a finite gradient of 1e20 (``--max-abs-value 0``) overflowed Adam's state to +inf; a replica of it
+    froze those weights at its adopter too (and a checkpoint of it was refused whole)."""
+    source = expert_server().backends["ffn0.1.2"]
+    source.backward(torch.randn(8, HIDDEN), torch.full((8, HIDDEN), 1e20))
+    source.backward_calls += 1
+    snapshot = open_body(sign(take(source), Identity()))
+    target = expert_server().backends["ffn0.1.2"]
+    load_into(target, snapshot, check_state(snapshot, target))
+    for backend in (source, target):
+        assert all(torch.isfinite(t).all() for state in backend.optimizer.state.values() for t in state.values())
+    torch.testing.assert_close(target.module.state_dict(), source.module.state_dict())
+
+
 def test_a_float16_snapshot_halves_the_weights_and_keeps_the_optimizer_state_exact():
     source = expert_server(hidden=32).backends["ffn0.1.2"]
     train(source, 2)

@@ -100,6 +100,7 @@ def take(backend: ExpertBackend, pause: Callable[[], ContextManager[Any]] | None
     afterwards. ``compression`` packs the module's floating-point tensors of one dimension or more (its weights);
     the optimizer and scheduler state always go exact (see :data:`COMPRESSED_PARTS`)."""
     with pause() if pause is not None else contextlib.nullcontext():
+        backend.reset_nonfinite_optimizer_state()  # (review 111)
         state = to_host(backend.state_dict())
         counters = (backend.updates, backend.forward_calls, backend.backward_calls)
         taken_at = time.time()

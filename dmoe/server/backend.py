@@ -425,6 +425,33 @@ class ExpertBackend:
                            self.name)
             raise
 
+    def reset_nonfinite_optimizer_state(self) -> list[str]:
+        """Resets the optimizer state of each parameter whose state holds a NaN or infinity, and returns their names.
+
+        A step checks that the gradients are finite, not that the optimizer's own arithmetic stays so: a finite
+        gradient of 1e20 (a server with ``--max-abs-value 0`` and no ``--clip-grad-norm``) overflows Adam's running
+        average of squared gradients to +inf, after which those weights never move again, and the checkpoint that
+        saved it was refused whole at the restart (review 111). Called before a checkpoint or replica is taken (not
+        every step: it reads all the state): the weights are kept, the parameter's state starts afresh at its next
+        step."""
+        if self.optimizer is None:
+            return []
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        reset = [parameter for parameter, state in self.optimizer.state.items()
+                 if any(isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all()
+                        for t in state.values())]
+        for parameter in reset:
+            self.optimizer.state[parameter] = {}  # (torch's optimizers build a parameter's state when it is empty)
+        if not reset:
+            return []
+        if self.graphs is not None:
+            self.graphs.reset()  # they read the old state tensors
+        reset_names = [names.get(id(p), "?") for p in reset]
+        logger.warning("%s: the optimizer state of %s was not finite (a gradient whose square overflows?): reset, the "
+                       "weights kept; bound the gradients with --clip-grad-norm or --max-abs-value", self.name,
+                       ", ".join(reset_names))
+        return reset_names
+
     def hparams_json(self) -> str:
         return json.dumps(self.hparams, sort_keys=True, default=str)
 

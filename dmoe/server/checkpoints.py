@@ -304,6 +304,7 @@ class Checkpoints:
             if "clip_grad_norm" in was and "clip_grad_norm" in backend.hparams and \
                     was["clip_grad_norm"] != backend.hparams["clip_grad_norm"]:
                 changed.setdefault("clip_grad_norm", (was["clip_grad_norm"], backend.hparams["clip_grad_norm"]))
+            backend.reset_nonfinite_optimizer_state()
             backend.forward_calls = saved.get("forward_calls", 0)
             backend.backward_calls = saved.get("backward_calls", 0)
             backend.updates = saved.get("updates", optimizer_steps(saved["state"].get("optimizer")))
@@ -326,8 +327,11 @@ class Checkpoints:
             steps = backend.check_state(state)
         except ValueError as error:
             raise corrupt(str(error)) from None
-        # (exact, one tensor at a time: all_finite's sums may overflow where no element is infinite)
-        name = next((name for name, tensor in _floating_tensors(state) if not torch.isfinite(tensor).all()), None)
+        # (exact, one tensor at a time: all_finite's sums may overflow where no element is infinite). An optimizer's
+        # per-parameter buffer may be: an overflow in training (review 111) that servers before it saved; the restore
+        # resets it (ExpertBackend.reset_nonfinite_optimizer_state) rather than refuse every expert's weights
+        name = next((name for name, tensor in _floating_tensors(state) if not torch.isfinite(tensor).all()
+                     and not _optimizer_buffer(name)), None)
         if name is not None:
             raise corrupt(f"{uid}: {name} is not finite")
         bad = next((step for step in steps if whole_steps(step.item()) is None), None)
@@ -364,6 +368,7 @@ class Checkpoints:
         experts = {}
         with self.pause() if self.pause is not None else contextlib.nullcontext():
             for uid, backend in self.current().items():
+                backend.reset_nonfinite_optimizer_state()  # never saved over the last good file (review 111)
                 experts[uid] = {"state": to_host(backend.state_dict()), "description": describe(backend),
                                 "forward_calls": backend.forward_calls, "backward_calls": backend.backward_calls,
                                 "updates": backend.updates}
@@ -437,6 +442,13 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
     return value
+
+
+def _optimizer_buffer(name: str) -> bool:
+    """Whether ``name`` (:func:`_floating_tensors`') is an optimizer's per-parameter buffer (``exp_avg_sq``, ...),
+    not its step count."""
+    parts = name.split()
+    return len(parts) == 4 and parts[:2] == ["optimizer", "state"] and parts[3] != "step"
 
 
 def _floating_tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
