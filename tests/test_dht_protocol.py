@@ -16,8 +16,11 @@ from kademlia.utils import digest
 
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode
-from dmoe.dht.protocol import (HANDOVER_BURST, HANDOVER_PERIOD, KEYS_BURST, KEYS_PER_SECOND, PING_BACK_BURST,
-                                PING_BACK_WINDOW, DHTProtocol)
+from dmoe.dht import protocol as protocol_module, signing
+from dmoe.dht.protocol import (HANDOVER_BURST, HANDOVER_ENTRIES_BURST, HANDOVER_ENTRIES_PER_SECOND, HANDOVER_PERIOD,
+                                KEYS_BURST, KEYS_PER_SECOND, PING_BACK_BURST, PING_BACK_WINDOW, STORE_BUSY,
+                                STORE_CHECKS_BURST, STORE_CHECKS_PER_SECOND, DHTProtocol)
+from dmoe.dht.throttle import MachineBudgets
 from dmoe.dht.messages import split_values_reply
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import RecordStorage
@@ -360,6 +363,98 @@ def test_a_machines_lookups_beyond_its_budget_get_records_without_contacts():
     assert all(reply["nodes"] != "[]" for reply in ask(flooder, [os.urandom(20) for _ in range(8)]))
     # keys held nowhere are not remembered encoded: a flood of them leaves the records readers ask for in place
     assert len(protocol.encoded._records) <= 1
+
+
+def test_a_machines_stores_beyond_its_budget_of_signature_checks_are_answered_busy_unverified(monkeypatch):
+    """Review 110 D1: every new entry of a store cost an Ed25519 verification (60-240 us of the node's only loop),
+    forged signatures cost their sender nothing, and ~200 forged 8 KB stores a second from one peer took the loop.
+    Beyond STORE_CHECKS_BURST verifications a machine's new entries are refused unverified, even signed ones;
+    entries whose verdict is remembered cost nothing, other machines are verified as before, and the budget
+    comes back."""
+    protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+    now = [1000.0]
+    protocol.clock = lambda: now[0]
+    verified = Counter()
+    real_verify = signing.verify
+    monkeypatch.setattr(signing, "verify", lambda *entry: verified.update([entry[0]]) or real_verify(*entry))
+    writer, key = Identity(), digest("ffn0.3")
+    flooder, other = ("10.0.0.1", 5555), ("10.0.0.2", 5555)
+    expiration = time.time() + 600
+
+    def forged(subkey):
+        return [subkey, "10.0.0.9:5000", expiration, writer.public_key, os.urandom(64), 1]
+
+    def signed(subkey):
+        return [subkey, *writer.entry(key, subkey, "10.0.0.9:5000", expiration)]
+
+    first = forged(0)
+    results = protocol.rpc_store(flooder, b"", key, [first])
+    for start in range(1, STORE_CHECKS_BURST + 600, 66):  # (datagrams of 66 entries, as many as fit in 8 KB)
+        results += protocol.rpc_store(flooder, b"", key, [forged(subkey) for subkey in range(start, start + 66)])
+    assert results[:STORE_CHECKS_BURST] == ["refused: unsigned or bad signature"] * STORE_CHECKS_BURST
+    assert set(results[STORE_CHECKS_BURST:]) == {STORE_BUSY}
+    assert verified[key] == STORE_CHECKS_BURST
+    # beyond the budget the machine's signed entries wait too (the writer counts them stored where another replica
+    # took them), while an entry whose verdict is remembered is answered as before, and costs no verification
+    assert protocol.rpc_store(flooder, b"", key, [signed(9000), first]) == [STORE_BUSY,
+                                                                           "refused: unsigned or bad signature"]
+    assert protocol.storage.entry(key, 9000) is None and verified[key] == STORE_CHECKS_BURST
+    # another machine is verified and stored as before
+    assert protocol.rpc_store(other, b"", key, [signed(9001), forged(9002)]) == [
+        True, "refused: unsigned or bad signature"]
+    assert verified[key] == STORE_CHECKS_BURST + 2
+    now[0] += 2 / STORE_CHECKS_PER_SECOND  # the budget comes back
+    assert protocol.rpc_store(flooder, b"", key, [signed(9000), signed(9003), signed(9004)]) == [True, True,
+                                                                                                  STORE_BUSY]
+
+
+def test_a_hand_over_of_more_entries_than_a_newcomers_budget_is_paced_to_fit_it(monkeypatch):
+    """A newcomer verifies every entry handed to it, within its budget per machine (review 110 D1): the records of a
+    full storage, all sent at once, were answered busy beyond STORE_CHECKS_BURST. They are sent paced within half of
+    that budget (the rest left to the machine's own writers), every one of them, as they are when sent."""
+    protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(), DHTConfig())
+    now = [1000.0]
+    protocol.clock = lambda: now[0]
+    expiration = time.time() + 600
+    per_record = 200
+    keys = [os.urandom(20) for _ in range(STORE_CHECKS_BURST // per_record + 6)]
+    for key in keys:
+        for subkey in range(per_record):
+            protocol.storage.store(key, subkey, "x", expiration, b"o" * 32, b"s" * 64)  # storage does not verify
+    newcomer = Node(os.urandom(20), "10.0.0.7", 4000)
+    protocol.router.add_contact(newcomer)
+    budget = MachineBudgets(STORE_CHECKS_PER_SECOND, STORE_CHECKS_BURST, clock=lambda: now[0])  # the newcomer's
+    sent, refused = [], []
+
+    async def call_store(node, key, record):
+        assert node is newcomer
+        sent.append(key)
+        refused.append(len(record) - budget.take("this machine", len(record)))
+        return [True] * len(record)
+
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds):
+        now[0] += seconds
+        await real_sleep(0)
+
+    monkeypatch.setattr(protocol, "call_store", call_store)
+    monkeypatch.setattr(protocol_module.asyncio, "sleep", sleep)
+
+    async def scenario() -> None:
+        protocol._hand_over(newcomer)
+        while protocol._tasks:
+            await real_sleep(0)
+
+    asyncio.run(scenario())
+    assert sorted(sent) == sorted(keys) and sum(refused) == 0
+    entries = len(keys) * per_record
+    assert now[0] - 1000.0 >= (entries - HANDOVER_ENTRIES_BURST) / HANDOVER_ENTRIES_PER_SECOND - 1
+    # a newcomer evicted meanwhile (silent) is sent nothing more
+    sent.clear()
+    protocol.router.remove_contact(newcomer)
+    asyncio.run(protocol._send_hand_over(newcomer, keys))
+    assert len(sent) == HANDOVER_ENTRIES_BURST // per_record
 
 
 def test_a_full_record_is_read_whole_beside_a_large_ksize_and_settings_it_could_not_fit_are_refused():

@@ -154,6 +154,11 @@ class Verifier:
         self.capacity = capacity
         self._known: dict[tuple, bool] = {}
 
+    def known(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes, signature: bytes,
+              issued_us: int | None = None) -> bool | None:
+        """The remembered verdict on this entry, or None when checking it would cost a verification."""
+        return self._known.get((key, subkey, value, expiration, owner, signature, issued_us))
+
     def __call__(self, key: bytes, subkey: Subkey, value: str, expiration: float, owner: bytes,
                  signature: bytes, issued_us: int | None = None) -> bool:
         memo = (key, subkey, value, expiration, owner, signature, issued_us)
