@@ -36,7 +36,7 @@ from dmoe.replicas import (
     take,
 )
 from dmoe.replicas.adoption import Adopter
-from dmoe.replicas.pusher import PROBES_AT_ONCE, fetch_headers
+from dmoe.replicas.pusher import PROBE_MESSAGE_BYTES, fetch_headers
 from dmoe.replicas.records import SIGNER_HEX, Holder, directory_entries, replicas_key, server_subkey
 from dmoe.replicas.snapshots import CHUNK_BYTES, SignedSnapshot, max_tensors, signed_fields
 from dmoe.server import ExpertServer, ServerConfig
@@ -508,7 +508,8 @@ def test_a_holders_first_message_larger_than_an_honest_one_is_refused_unread(sta
 
     class Fat(dmoe_pb2_grpc.ReplicaServiceServicer):
         def fetch(self, request, context):
-            yield dmoe_pb2.ReplicaChunk(header=signed.header, data=bytes(8 << 20))
+            yield dmoe_pb2.ReplicaChunk(header=signed.header, data=bytes(8 << 20 if request.uid == uid else
+                                                                          PROBE_MESSAGE_BYTES))
 
     server = grpc.server(futures.ThreadPoolExecutor(2), options=grpc_options())
     dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(Fat(), server)
@@ -518,13 +519,17 @@ def test_a_holders_first_message_larger_than_an_honest_one_is_refused_unread(sta
     channels = stack.enter_context(contextlib_closing(ReplicaChannels()))
     answer = fetch_headers(channels, uid, [endpoint], max_bytes=MAX_BYTES)[endpoint]
     assert isinstance(answer, ReplicaError) and answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED, answer
+    # a probe takes nothing larger than a header (review 114 D1: so that it may ask all 256 holders at once)
+    answer = fetch_headers(channels, "ffn0.1.3", [endpoint], max_bytes=MAX_BYTES)[endpoint]
+    assert isinstance(answer, ReplicaError) and answer.code == grpc.StatusCode.RESOURCE_EXHAUSTED, answer
     with pytest.raises(ReplicaError) as refused:
         fetch_snapshot(channels.stub(endpoint), endpoint, uid, max_bytes=MAX_BYTES)
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_header_probes_keep_a_bounded_number_of_calls_open_however_many_holders_are_announced(stack):
-    """All of a uid's announced holders (up to 256) were asked at once, each call holding what its holder sent."""
+def test_header_probes_ask_every_announced_holder_at_once(stack):
+    """Review 114 D1: asked 32 at a time (review 105 D1's bound on what probes hold, now PROBE_MESSAGE_BYTES each),
+    255 throwaway entries at addresses that never answer cost a uid's adoption or restore 8 timeouts, per look."""
     asked: list[float] = []  # when each call came
 
     class Silent(dmoe_pb2_grpc.ReplicaServiceServicer):
@@ -534,7 +539,7 @@ def test_header_probes_keep_a_bounded_number_of_calls_open_however_many_holders_
                 time.sleep(0.02)
             yield dmoe_pb2.ReplicaChunk()
 
-    count = 40  # (a record holds up to 256)
+    count = 72  # (a record holds up to 256)
     server = grpc.server(futures.ThreadPoolExecutor(count + 8))
     dmoe_pb2_grpc.add_ReplicaServiceServicer_to_server(Silent(), server)
     endpoints = [f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}" for _ in range(count)]
@@ -544,8 +549,8 @@ def test_header_probes_keep_a_bounded_number_of_calls_open_however_many_holders_
     answers = fetch_headers(channels, "ffn0.1.2", endpoints, max_bytes=MAX_BYTES, timeout=2.0)
     assert all(isinstance(answer, ReplicaError) and answer.code == grpc.StatusCode.DEADLINE_EXCEEDED
                for answer in answers.values())
-    first_wave = [moment for moment in asked if moment < min(asked) + 1.0]  # (the next comes 2 s later)
-    assert len(asked) == count and len(first_wave) == PROBES_AT_ONCE <= 32, sorted(m - min(asked) for m in asked)
+    first_wave = [moment for moment in asked if moment < min(asked) + 1.0]  # (a second wave came 2 s later)
+    assert len(asked) == len(first_wave) == count, sorted(m - min(asked) for m in asked)
 
 
 def test_a_pushed_message_larger_than_an_honest_one_is_refused_with_a_clear_status(stack, tmp_path):

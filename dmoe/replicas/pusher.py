@@ -26,9 +26,10 @@ was one it was built with, and its training since the adoption was lost even on 
 
 The fetching end (adoption's) is here too: :func:`fetch_snapshot` gives up on a holder that sends no header
 within :data:`HEADER_TIMEOUT` or no later message within :data:`STALL_TIMEOUT`, not only at its whole timeout, and
-:func:`fetch_headers` asks many holders for their replica's header at once, so that endpoints that never answer
-(anyone may announce any) cost a few seconds per :data:`PROBES_AT_ONCE` of them. No replica channel takes a
-message larger than a chunk of bytes and a header (:data:`~dmoe.replicas.snapshots.MESSAGE_BYTES`).
+:func:`fetch_headers` asks every holder of a record for its replica's header at once, so that endpoints that never
+answer (anyone may announce any) cost one timeout in all. No replica channel takes a message larger than a chunk of
+bytes and a header (:data:`~dmoe.replicas.snapshots.MESSAGE_BYTES`), and no header probe one larger than a header
+(:data:`PROBE_MESSAGE_BYTES`).
 """
 from __future__ import annotations
 
@@ -88,12 +89,14 @@ STOP_POLL = 0.1
 PROBE_TIMEOUT = 2.0
 #: seconds a fetch waits for the replica's header, its first message (a holder sends it at once, from its disk)
 HEADER_TIMEOUT = 5.0
-#: replica headers asked for at once (:func:`fetch_headers`; a record holds at most 256 entries, the DHT's
-#: ``max_record_subkeys``). Each probe may receive one message of up to :data:`~dmoe.replicas.snapshots.MESSAGE_BYTES`
-#: before its header is checked: all 256 at once held up to 256 of them (with gRPC's 64 MiB limit, 75 MiB each
-#: measured: one machine announcing many ports OOM-killed an adopting or starting server, review 105 D1). Endpoints
-#: that never answer then cost ``timeout`` per this many of them
-PROBES_AT_ONCE = 32
+#: the largest message a header probe takes: a holder sends the header alone first (uid, counts, hashes, signature: a
+#: few hundred bytes). gRPC reads a whole message before anyone can look at it: with its 64 MiB limit each probe held
+#: ~75 MiB, and one machine announcing many ports OOM-killed an adopting or starting server (review 105 D1)
+PROBE_MESSAGE_BYTES = 16 << 10
+#: replica headers asked for at once (:func:`fetch_headers`): a record holds at most 256 entries, the DHT's
+#: ``max_record_subkeys``, so all of them, within one ``timeout``. Asked 32 at a time, 255 throwaway entries at
+#: addresses that never answer cost 8 timeouts (24 s) per uid, per look, one uid after another (review 114 D1)
+PROBES_AT_ONCE = 256
 #: seconds a push needs at least: a round's deadline closer than this starts no more pushes
 MIN_PUSH_SECONDS = 0.5
 #: the status codes of a push that did not reach a working replica service (the host's fault, for every expert)
@@ -134,12 +137,21 @@ class ReplicaChannels:
         # look at it, and a header probe's first message was read up to 64 MiB
         self.pool = ChannelPool(max_message_bytes=MESSAGE_BYTES, shared_memory=False, hold_calls=False,
                                 idle_seconds=idle_seconds)
+        # header probes take nothing larger than a header, so that asking every holder at once costs little
+        self.probes = ChannelPool(max_message_bytes=PROBE_MESSAGE_BYTES, shared_memory=False, hold_calls=False,
+                                  idle_seconds=idle_seconds)
 
     def stub(self, endpoint: str) -> dmoe_pb2_grpc.ReplicaServiceStub:
         return dmoe_pb2_grpc.ReplicaServiceStub(self.pool.channel(endpoint))
 
+    def probe_stub(self, endpoint: str) -> dmoe_pb2_grpc.ReplicaServiceStub:
+        """A stub for header probes (:func:`fetch_header`, :func:`fetch_headers`): no message over
+        :data:`PROBE_MESSAGE_BYTES`."""
+        return dmoe_pb2_grpc.ReplicaServiceStub(self.probes.channel(endpoint))
+
     def close(self) -> None:
         self.pool.close()
+        self.probes.close()
 
 
 class _Progress:
@@ -331,11 +343,11 @@ def fetch_headers(channels: ReplicaChannels, uid: str, endpoints: Collection[str
                   timeout: float = HEADER_TIMEOUT,
                   stop: threading.Event | None = None) -> dict[str, dmoe_pb2.ReplicaHeader | Exception]:
     """endpoint -> the header of the replica of ``uid`` it holds (:func:`fetch_header`), or why there is none
-    (:class:`ReplicaError`, :class:`SnapshotRefused`). :data:`PROBES_AT_ONCE` are asked at once, the next as soon
-    as one answered, so endpoints that never answer (any key may announce any) cost ``timeout`` per that many of
-    them, not each its own; and what the probes hold at once is bounded (review 105 D1: all 256 at once, each up to
-    a 64 MiB message, made a server hold gigabytes). (A thread each: a call's message is only received while
-    someone waits for it, so one thread reading the calls in turn lost the headers that came meanwhile.)
+    (:class:`ReplicaError`, :class:`SnapshotRefused`). All are asked at once (a record's 256 entries at most,
+    :data:`PROBES_AT_ONCE`), so endpoints that never answer (any key may announce any) cost ``timeout`` in all, not
+    each its own; each probe takes no message over :data:`PROBE_MESSAGE_BYTES` (review 105 D1: up to 64 MiB each made
+    a server hold gigabytes). (A thread each: a call's message is only received while someone waits for it, so one
+    thread reading the calls in turn lost the headers that came meanwhile.)
     ``stop`` set (the server stopping) cancels the calls still open within :data:`STOP_POLL` seconds (their
     answers: CANCELLED), rather than the stop waiting ``timeout`` for endpoints that never answer (review 88)."""
     endpoints = list(endpoints)
@@ -348,7 +360,7 @@ def fetch_headers(channels: ReplicaChannels, uid: str, endpoints: Collection[str
         try:
             if stop is not None and stop.is_set():
                 raise ReplicaError(endpoint, grpc.StatusCode.CANCELLED, f"stopping: header of {uid} not asked for")
-            call = channels.stub(endpoint).fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout)
+            call = channels.probe_stub(endpoint).fetch(dmoe_pb2.ReplicaQuery(uid=uid), timeout=timeout)
             with calls_lock:
                 calls.append(call)
             if stop is not None and stop.is_set():  # (set after the look above: the calls noted may be cancelled)
@@ -762,7 +774,8 @@ class ReplicaPusher:
         message, the replica's header; a host that does not answer it is taken at its word (a push would fail
         too, and its next rounds find out)."""
         try:
-            header = fetch_header(self.channels.stub(endpoint), endpoint, uid, max_bytes=max_snapshot_bytes(backend),
+            header = fetch_header(self.channels.probe_stub(endpoint), endpoint, uid,
+                                  max_bytes=max_snapshot_bytes(backend),
                                   timeout=PROBE_TIMEOUT)
         except ReplicaError as error:
             return error.code != grpc.StatusCode.NOT_FOUND
