@@ -16,7 +16,8 @@ from dmoe.averaging.allreduce import Outcome, PartReducer, Refused, _two_faced, 
 from dmoe.averaging.matchmaking import Group, Member
 from dmoe.averaging.service import AveragingServicer
 from dmoe.dht import Identity
-from dmoe.wire import dmoe_pb2_grpc
+from dmoe.wire import dmoe_pb2, dmoe_pb2_grpc
+from dmoe.wire.codec import serialize
 
 GROUP = "grp.0.*.1.0123abcd"
 
@@ -160,3 +161,41 @@ def test_only_a_members_own_signatures_name_it_two_faced():
     assert _two_faced("g.0.x", {1: honest, 3: answer(3, 1.0, signed_for=3)}, keys) == {}  # one weight: honest
     proof = _two_faced("g.0.x", {1: honest, 3: answer(3, 5.0, signed_for=3)}, keys)
     assert proof == {2: "signed different weights for different owners: 1.0 for owner 1, 5.0 for owner 3"}
+
+
+def test_a_member_that_never_reads_its_answer_costs_the_owner_one_allreduce_timeout_and_frees_its_average():
+    """Review 109 D1: the owner's handler waited at its write for as long as the member's connection lived, holding
+    the encoded answer and the average (never released: that member never "answered"), a part or two every round."""
+    numel, timeout = 1 << 20, 1.0  # an answer of 4 MiB: more than gRPC's flow control lets through unread
+
+    async def run():
+        async with peers(2) as (group, channels):
+            owner, member = group
+            reducer = PartReducer(GROUP, [1, 2], numel, timeout=timeout, owner=1, piece_elements=1 << 18,
+                                  keys={1: owner.identity.public_key, 2: member.identity.public_key})
+            owner.servicer.register(GROUP, reducer)
+            channels[owner.endpoint] = grpc.aio.insecure_channel(owner.endpoint)
+
+            async def requests():
+                signature = sign_part(member.identity, GROUP, 1, 2, 1.0)
+                for start in range(0, numel, 1 << 18):
+                    message = dmoe_pb2.AveragingPart(group_id=GROUP, sender=2, weight=1.0, signature=signature) \
+                        if start == 0 else dmoe_pb2.AveragingPart()
+                    serialize(torch.ones(1 << 18), 0, out=message.values)
+                    yield message
+            call = dmoe_pb2_grpc.AveragingServiceStub(channels[owner.endpoint]).reduce(requests())  # never read
+            reducer.begin(1, 1.0)
+            reducer.add(1, torch.zeros(numel))
+            reducer.finish(1)
+            result = await reducer.wait()
+            taken = time.monotonic()
+            reducer.answered(1)  # the owner's own part had it
+            while not result.released and time.monotonic() < taken + 4 * timeout:
+                await asyncio.sleep(0.05)
+            freed_after, released = time.monotonic() - taken, result.released
+            call.cancel()
+            return result, released, freed_after
+
+    result, released, freed_after = asyncio.run(run())
+    assert released and freed_after < 2 * timeout, freed_after
+    assert result.contributors == (1, 2) and result.values is None and not result.messages

@@ -223,7 +223,8 @@ class PartReducer:
         self.group_id, self.members, self.length = group_id, frozenset(members), length
         self.owner, self.keys = owner, dict(keys or {})
         self.compression, self.max_abs_value, self.piece_elements = compression, max_abs_value, piece_elements
-        self.deadline = asyncio.get_running_loop().time() + timeout
+        self.timeout, self.deadline = timeout, asyncio.get_running_loop().time() + timeout
+        self.answer_deadline = math.inf  # set when the average is taken: by then every sender must have read it
         self.values: dict[int, torch.Tensor] = {}
         self.filled: dict[int, int] = {}
         self.weights: dict[int, float] = {}
@@ -236,6 +237,10 @@ class PartReducer:
 
     def time_left(self) -> float:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    def answer_time_left(self) -> float:
+        """Seconds left to stream the average back: ``timeout`` from when it was taken (review 109 D1)."""
+        return max(0.0, self.answer_deadline - asyncio.get_running_loop().time())
 
     def waiting_for(self, sender: int) -> bool:
         """Whether the part still waits for ``sender``'s stream to begin."""
@@ -346,6 +351,7 @@ class PartReducer:
             for sender, coefficient in zip(contributors[1:], coefficients[1:]):
                 values.add_(self.values[sender], alpha=coefficient)
         self.values.clear()
+        self.answer_deadline = asyncio.get_running_loop().time() + self.timeout
         self.result = PartResult.encode(contributors, total, values, self.compression, self.piece_elements,
                                         [self.weights[s] for s in contributors],
                                         [self.signatures[s] for s in contributors])

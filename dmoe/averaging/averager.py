@@ -24,7 +24,7 @@ from dmoe.averaging import grid as moshpit
 from dmoe.averaging.allreduce import MAX_WEIGHT, AllReduceResult, Outcome, SendPace, allreduce, send_and_receive
 from dmoe.averaging.config import MAX_PIECE_BYTES, MESSAGE_OVERHEAD_BYTES, AveragerConfig
 from dmoe.averaging.matchmaking import Group, Matchmaker, Member, check_entry_fits
-from dmoe.averaging.service import AveragingServicer
+from dmoe.averaging.service import AveragingServicer, connection_limits
 from dmoe.dht import DHT
 from dmoe.endpoints import PortUnavailable, join_host_port, reachable_endpoint
 from dmoe.wire import dmoe_pb2_grpc, grpc_options
@@ -160,7 +160,8 @@ class DecentralizedAverager:
     async def _serve(self) -> str:
         cfg = self.config
         self.servicer = AveragingServicer(self.prefix, cfg.join_timeout, self._pace)
-        self._server = grpc.aio.server(options=grpc_options(MAX_PIECE_BYTES + MESSAGE_OVERHEAD_BYTES))
+        self._server = grpc.aio.server(options=grpc_options(MAX_PIECE_BYTES + MESSAGE_OVERHEAD_BYTES)
+                                       + connection_limits(cfg.allreduce_timeout, cfg.join_timeout))
         dmoe_pb2_grpc.add_AveragingServiceServicer_to_server(self.servicer, self._server)
         address = join_host_port(cfg.host, cfg.port)
         try:

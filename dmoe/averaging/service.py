@@ -45,6 +45,17 @@ _ROUND = re.compile(r"[0-9]{1,18}")
 BROKEN_STREAM_GRACE = 1.0
 
 
+def connection_limits(allreduce_timeout: float, join_timeout: float) -> list[tuple[str, int]]:
+    """Server options that close a connection some time after it opened, its streams given as long as one may
+    legitimately last to end first (a first message and the group learnt within ``join_timeout`` each, the values
+    within ``allreduce_timeout``, the answer read within another). A stream whose sender stops reading its answer
+    cannot be ended from the handler: gRPC's status waits behind the unread message, and the call (with what it
+    buffered of the answer, megabytes) stayed as long as the connection (review 109 D1). The members' channels
+    connect again as needed."""
+    longest_ms = int(1000 * (2 * (allreduce_timeout + join_timeout) + 5.0))
+    return [("grpc.max_connection_age_ms", longest_ms), ("grpc.max_connection_age_grace_ms", longest_ms)]
+
+
 class _Waited:
     """A group that streams wait to learn, and how many of them wait."""
 
@@ -134,7 +145,7 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                 del self._learnt[group_id]
 
     async def reduce(self, request_iterator: AsyncIterator[dmoe_pb2.AveragingPart],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[dmoe_pb2.AveragedPart]:
+                     context: grpc.aio.ServicerContext) -> None:
         reducer, sender = None, None
         try:
             try:
@@ -166,16 +177,31 @@ class AveragingServicer(dmoe_pb2_grpc.AveragingServiceServicer):
                 if sender in reducer.dropped:  # dropped after its values arrived (its own part was unreachable)
                     raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                                   f"peer {sender} is banned from group {reducer.group_id}: {reducer.dropped[sender]}")
+                # the answer phase is bounded too (review 109 D1): a sender that never read its answer held this
+                # handler at its write for as long as its connection lived, and with it the encoded answer and the
+                # reducer's average (never released: this sender never "answered"), a part or two each round
+                try:
+                    await asyncio.wait_for(self._answer(result.messages, context), reducer.answer_time_left())
+                except asyncio.TimeoutError:
+                    # not abort(): its status would queue behind the unread message and never go, and this
+                    # handler would wait on it; gRPC sends the status once the handler ended (or never)
+                    logger.info("group %s: peer %s did not read the average within allreduce_timeout of its "
+                                "being taken; its stream is ended", reducer.group_id, sender)
+                    context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+                    context.set_details(f"peer {sender} did not read the average of group {reducer.group_id} "
+                                        f"within allreduce_timeout of its being taken")
             except Refused as refused:
                 await context.abort(refused.code, refused.message)
-                return
-            for message in result.messages:
-                if self.pace is not None:
-                    await self.pace.wait(message.ByteSize())
-                yield message
         finally:
             if sender is not None:  # this stream began: it reads the average no more, however it ended
                 reducer.answered(sender)
+
+    async def _answer(self, messages: list[dmoe_pb2.AveragedPart], context: grpc.aio.ServicerContext) -> None:
+        """Streams the average (``messages``, encoded once for every sender) back, paced."""
+        for message in messages:
+            if self.pace is not None:
+                await self.pace.wait(message.ByteSize())
+            await context.write(message)
 
     @staticmethod
     async def _receive(reducer: PartReducer, sender: int, first: dmoe_pb2.AveragingPart,
