@@ -199,3 +199,34 @@ def test_a_member_that_never_reads_its_answer_costs_the_owner_one_allreduce_time
     result, released, freed_after = asyncio.run(run())
     assert released and freed_after < 2 * timeout, freed_after
     assert result.contributors == (1, 2) and result.values is None and not result.messages
+
+
+@pytest.mark.parametrize("lie", ["total", "its own weight and the total"])
+def test_an_owner_whose_total_its_forwarded_signed_weights_disprove_is_left_out_and_the_others_average(lie):
+    """Review 109 D4: an owner answering a total 1 too high (finite, in range) failed the round for every honest
+    member (no retry: nobody was two-faced), and the liar alone kept the average. Its answer forwards each
+    contributor's signed weight: their sum, or a weight nobody signed, proves the lie."""
+    async def run():
+        async with peers(4) as (group, channels):
+            liar = group[2].servicer
+            answer = liar._answer
+
+            async def lying(messages, context):
+                first = dmoe_pb2.AveragedPart()
+                first.CopyFrom(messages[0])
+                first.total_weight += 1.0
+                if lie != "total":
+                    first.weights[2] += 1.0  # its own (peer 3's), as it signed it for nobody
+                await answer([first, *messages[1:]], context)
+            liar._answer = lying
+            return await average(group, channels, [torch.full((64,), value) for value in (0.0, 3.0, 9.0, 6.0)],
+                                 [1.0] * 4)
+
+    results = asyncio.run(run())
+    for peer, (result, held) in enumerate(results, 1):
+        if peer == 3:  # its own part's answer is honest: it sees no lie, and leaves with the first attempt
+            assert result is not None and result.contributors == (1, 2, 3, 4) and result.attempts == 1, result
+            continue
+        assert result is not None and result.contributors == (1, 2, 4) and result.attempts == 2, result
+        assert result.total_weight == 3.0 and result.dropped[3].startswith("bad answer"), result.dropped
+        assert torch.equal(held, results[0][1]) and torch.allclose(held, torch.full((64,), 3.0))

@@ -14,9 +14,10 @@ others) the members retry among those every owner accepted, minus the owners tha
 computes alike from the same answers. Owners' totals over the same contributors disagree when an owner lies or a
 member signed a different weight for each owner: an answer forwards, with each contributor's weight, the signature
 its stream carried for it, and a member whose own signatures name different weights for different owners is left
-out of the retry too (an owner cannot forge them, so no honest member is named). A member that cannot agree keeps
-its own values: a mix of parts averaged over different sets of peers is never written, and neither is anything
-non-finite.
+out of the retry too (an owner cannot forge them, so no honest member is named), and so is an owner whose total is
+not the sum of the weights it forwards, or that forwards a weight without its contributor's signature of it. A
+member that cannot agree keeps its own values: a mix of parts averaged over different sets of peers is never
+written, and neither is anything non-finite.
 """
 from __future__ import annotations
 
@@ -548,6 +549,12 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                     retry_until=time.monotonic() + min(allreduce_timeout, left) if attempt == 0 else 0.0))
         outcomes = {owner: _checked(outcome, me, weight)
                     for owner, outcome in zip(tasks, await asyncio.gather(*tasks.values()))}
+        keys = {m.peer_id: m.key for m in members}
+        if len({(o.contributors, o.total_weight) for o in outcomes.values() if o.error is None}) > 1:
+            # an owner that forwards a weight its contributor did not sign for it lies (review 109 D4): it failed,
+            # and the others retry without it, rather than all give up (the liar alone keeping the average)
+            outcomes.update({owner: Outcome(error=f"bad answer: {proof}")
+                             for owner, proof in _unbacked(group_id, outcomes, keys, me).items()})
         failed = {owner: o.error for owner, o in outcomes.items() if o.error is not None}
         # owners that name the same contributors with different totals disagree too: an owner lies, or a member
         # signed a different weight for each owner. The attempt fails rather than take a weight that may be a lie;
@@ -563,7 +570,7 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                 dropped.update({pid: why(pid, "refused or missing") for pid in ids if pid not in contributors})
                 return AllReduceResult(contributors, total, tuple(ids), dropped, attempt + 1)
         accepted = set(ids).intersection(*(contributors for contributors, _ in views)) if views else set()
-        two_faced = _two_faced(group_id, outcomes, {m.peer_id: m.key for m in members}) if len(views) > 1 else {}
+        two_faced = _two_faced(group_id, outcomes, keys) if len(views) > 1 else {}
         for owner, error in failed.items():
             dropped[owner] = error
         for pid in set(ids) - accepted - set(failed):  # the retry leaves them out too: say why
@@ -621,10 +628,33 @@ def _two_faced(group_id: str, outcomes: Mapping[int, Outcome], keys: Mapping[int
             for pid, by_owner in sorted(claims.items()) if len(set(by_owner.values())) > 1}
 
 
+def _unbacked(group_id: str, outcomes: Mapping[int, Outcome], keys: Mapping[int, bytes], me: int) -> dict[int, str]:
+    """The owners (but this peer) whose answer in ``outcomes`` forwards a contributor's weight without that
+    contributor's signature of it for this owner of ``group_id``: each with the proof, in words. An honest owner
+    forwards the signature it checked before it took the weight, so none is named; every member that read the same
+    answer names the same owners. Contributors without a key in ``keys`` prove nothing."""
+    unbacked = {}
+    for owner in sorted(outcomes):
+        outcome = outcomes[owner]
+        if owner == me or outcome.error is not None:
+            continue
+        for pid, weight, signature in zip(outcome.contributors, outcome.weights, outcome.signatures):
+            key = keys.get(pid)
+            if key and not part_signed(key, group_id, owner, pid, weight, signature):
+                unbacked[owner] = f"weight {weight!r} of peer {pid} is not what that peer signed for this owner"
+                break
+    return unbacked
+
+
 def _checked(outcome: Outcome, me: int, weight: float) -> Outcome:
-    """``outcome``, or a failed one when its total weight is absurd (a broken answer, as a NaN average is)."""
+    """``outcome``, or a failed one when its total weight is absurd (a broken answer, as a NaN average is), or is
+    not the sum of the weights the answer forwards (review 109 D4: an owner computes its total as that very sum, in
+    that order, so a difference proves it lies)."""
     if outcome.error is None:
         problem = bad_total(outcome.contributors, outcome.total_weight, me, weight)
+        if problem is None and outcome.weights and outcome.total_weight != sum(outcome.weights):
+            problem = f"total weight {outcome.total_weight!r} is not the sum of the weights it forwards " \
+                      f"({sum(outcome.weights)!r})"
         if problem is not None:
             return Outcome(error=f"bad answer: {problem}")
     return outcome
