@@ -230,3 +230,34 @@ def test_an_owner_whose_total_its_forwarded_signed_weights_disprove_is_left_out_
         assert result is not None and result.contributors == (1, 2, 4) and result.attempts == 2, result
         assert result.total_weight == 3.0 and result.dropped[3].startswith("bad answer"), result.dropped
         assert torch.equal(held, results[0][1]) and torch.allclose(held, torch.full((64,), 3.0))
+
+
+def test_a_member_whose_retry_a_peer_that_left_refuses_stops_waiting_for_that_peer():
+    """Review 109 D2: an owner answers one member half its average (then ends the stream); the others write the
+    average and leave. That member's retry, refused NOT_FOUND by the peer that left, still waited allreduce_timeout
+    for that peer's values before it gave up (keeping its own values, as it still does)."""
+    timeout = 12.0
+
+    async def run():
+        async with peers(3) as (group, channels):
+            owner = group[2].servicer
+            answer, cut = owner._answer, []
+
+            async def half_to_the_first(messages, context):
+                if not cut:
+                    cut.append(True)
+                    messages = messages[:1]  # of two: the stream then ends as if complete
+                await answer(messages, context)
+            owner._answer = half_to_the_first
+            started = time.monotonic()
+            results = await average(group, channels, [torch.full((4096,), float(i)) for i in range(3)],
+                                    [1.0, 1.0, 1.0], allreduce_timeout=timeout)
+            return results, time.monotonic() - started
+
+    results, took = asyncio.run(run())
+    cut_short = [peer for peer, (result, _) in enumerate(results, 1) if result is None]
+    assert len(cut_short) == 1 and cut_short[0] in (1, 2), results
+    assert torch.equal(results[cut_short[0] - 1][1], torch.full((4096,), float(cut_short[0] - 1)))  # its own
+    for result, held in results[:cut_short[0] - 1] + results[cut_short[0]:]:
+        assert result.contributors == (1, 2, 3) and torch.equal(held, torch.ones(4096)), result
+    assert took < timeout / 2, took

@@ -539,7 +539,7 @@ async def allreduce(group: Group, me: int, flat: torch.Tensor, weight: float, ou
                 tasks[me] = _own_part(reducer, me, weight, flat[start:end], out[start:end],
                                       sign_part(identity, group_id, me, me, weight) if identity else b"")
             else:
-                tasks[member.peer_id] = _dead_owner_leaves(reducer, member, reachable, send(
+                tasks[member.peer_id] = _dead_owner_leaves(reducer, member, reachable, attempt > 0, send(
                     stub_for(member.endpoint), group_id, me, weight, flat[start:end], out[start:end],
                     compression=compression, piece_elements=piece_elements, max_abs_value=max_abs_value,
                     timeout=min(allreduce_timeout + join_timeout + 5.0, left), pace=pace,
@@ -665,11 +665,13 @@ PROBE_PERIOD = 1.0
 
 
 async def _dead_owner_leaves(reducer: PartReducer | None, owner: Member,
-                             reachable: Callable[[str], Awaitable[bool]] | None,
+                             reachable: Callable[[str], Awaitable[bool]] | None, retry: bool,
                              sending: Awaitable[Outcome]) -> Outcome:
     """A member whose own part this peer could not reach is dead: it will not send its values of this peer's part
     either, so this peer's part stops waiting for them (a member killed before its streams reached everyone would
-    otherwise hold up every part it never reached until allreduce_timeout).
+    otherwise hold up every part it never reached until allreduce_timeout). So is, in a ``retry``, a member that
+    refused this peer's stream as an unknown group: it is not in this retry (it left already, or saw another list
+    of survivors), and a retry's stream is not sent again (review 109 D2: this part waited allreduce_timeout for it).
 
     A member that answered, but whose stream to this peer has not begun, is watched until it begins (or the part
     is averaged): once its peer refuses connections (``reachable``), it is dropped too. Killed after it answered and
@@ -681,6 +683,8 @@ async def _dead_owner_leaves(reducer: PartReducer | None, owner: Member,
     if outcome.error is not None:
         if outcome.error.startswith(f"{grpc.StatusCode.UNAVAILABLE.name}:"):
             reducer.drop(owner.peer_id, f"its own part was unreachable ({outcome.error})")
+        elif retry and outcome.error.startswith(f"{grpc.StatusCode.NOT_FOUND.name}:"):
+            reducer.drop(owner.peer_id, f"it does not know this retry's group ({outcome.error})")
         return outcome
     if reachable is None or not owner.endpoint or not reducer.waiting_for(owner.peer_id):
         return outcome
