@@ -30,7 +30,8 @@ class AveragerConfig:
         when a step's timeout is short: it then forms the group a quarter of that timeout, at least
         ``max(1, 3 * poll_period)`` seconds, before the step's deadline, so that the all-reduce has time).
     allreduce_timeout: seconds a part's owner waits for every member's values (and a member for every owner's
-        answer) in one attempt; a member that has not delivered by then is dropped from the group.
+        answer) in one attempt; a member that has not delivered by then is dropped from the group, and one that
+        has not read the average as long again after it was taken has its stream ended (review 109 D1).
     max_retries: attempts after the first, among the members every survivor agrees on, when an attempt ends with
         owners missing or reporting different contributors (a member died, stalled or was refused by some owners).
     join_timeout: seconds an owner waits for a group it has not learnt from the DHT yet (a member may learn it a
