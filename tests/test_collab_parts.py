@@ -1307,6 +1307,74 @@ def test_a_trainer_busy_again_and_again_that_refuses_at_once_is_not_banned(boots
     assert f"no state downloads from {busy.endpoint}" not in caplog.text
 
 
+def test_records_naming_an_honest_state_server_with_a_step_it_does_not_serve_do_not_get_it_banned(bootstrap, caplog):
+    """Records are free to write under any peer id: two naming an honest trainer's endpoint one step above what it
+    serves were tried first (the highest step), each refusal a strike against its machine, and the second banned
+    it (then twice as long, and so on): a joiner had no source left (review 114 D2). What it served is what its own
+    record claims, so the lie is the other records': they are banned, and the state is downloaded through its own."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    ahead, ahead_opt = stepped_with_scale()
+    state = encode_state(TrainingState.capture(7, "0123abcd", 3, list(ahead.parameters()), ahead_opt), "framed")
+    with DHT([bootstrap], client_mode=True) as hostile, DHT([bootstrap], client_mode=True) as own, \
+            StateServer(StateServicer("framed", lambda: state)) as honest:
+        now = time.time()
+        own.store(progress_key("framed"), 902, Progress(7, 0, 1.0, now, honest.endpoint, ACCUMULATING, "0123abcd",
+                                                        3).encode(), now + 60)
+        hostile.store_many({progress_key("framed"): {pid: (Progress(
+            8, 0, 1.0, now, honest.endpoint, ACCUMULATING, "ffffffff", 3).encode(), now + 60) for pid in (911, 912)}})
+        torch.manual_seed(1)
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.AdamW(WithScale().parameters(), lr=0.01), dht, "framed", 100, refresh_period=0.2,
+                progress_ttl=30.0, client_mode=True) as collab:
+            wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2) and collab.local_step == 7
+                       and all(f"ignoring trainer {pid} for 60 s" in caplog.text for pid in (911, 912)))
+            assert (collab.lineage, collab.steps_downloaded) == ("0123abcd", 1)
+            assert not collab.tracker.endpoint_banned(honest.endpoint)
+            assert collab.collaboration.peers[902].endpoint == honest.endpoint
+    assert f"no state downloads from {honest.endpoint}" not in caplog.text
+    assert "downloaded the state at step 7 from trainer 902" in caplog.text
+
+
+class Alternating(StateServicer):
+    """A hostile state server whose every head, at once, is off the claim of the record it was asked for and what
+    another record naming it claims: lineage ``deadbeef`` and ``0123abcd`` by turns, at step 10."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.downloads = 0
+
+    async def download_state(self, request, context):
+        self.downloads += 1
+        await context.write(dmoe_pb2.StatePart(run_id=self.run_id, step=10,
+                                               lineage="deadbeef" if self.downloads % 2 else "0123abcd"))
+        await asyncio.sleep(10)  # the trainer cancels after the head
+
+
+def test_a_state_server_whose_refusals_other_records_back_is_still_banned(bootstrap, caplog):
+    """A refusal backed by another record naming the same server strikes nothing (review 114 D2), but the state is
+    then downloaded through that record, and a refusal there counts: records under fresh ids backing each refusal
+    would otherwise have kept review 107 D2's server refusing every step() for free."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    servicer = Alternating("backed", lambda: None)
+    with DHT([bootstrap], client_mode=True) as hostile, StateServer(servicer) as server:
+        now = time.time()
+        records = {981: "0123abcd", 982: "0123abcd", 983: "deadbeef"}  # 0123abcd the canonical lineage: tried first
+        hostile.store_many({progress_key("backed"): {pid: (Progress(
+            10, 0, 1.0, now, server.endpoint, ACCUMULATING, lineage, 3).encode(), now + 60)
+            for pid, lineage in records.items()}})
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dht, "backed", 100,
+                refresh_period=0.2, progress_ttl=30.0, client_mode=True, failed_download_share=1.0) as collab:
+            wait_until(lambda: collab.wait_for_trainers(count=10, timeout=0.2)
+                       and collab.tracker.endpoint_banned(server.endpoint))
+            assert collab.local_step == 0
+        assert servicer.downloads == 3, caplog.text  # one excused and downloaded through 983, refused, then one more
+    assert re.search(r"is what trainer 983 claims \(step 10, lineage deadbeef\): the lie was trainer 98[12]'s",
+                     caplog.text), caplog.text
+    assert f"no state downloads from {server.endpoint} for 60 s (2 downloads from its machine in a row came to " \
+           f"nothing)" in caplog.text
+
+
 def test_finish_waits_for_the_trainers_it_trained_with_not_for_anyones_record_behind(bootstrap, caplog):
     """Anyone's record kept at a lower step made every trainer's finish() wait finish_timeout and say its model
     may differ from the others' (review 107 D3): it is named and not waited for now."""

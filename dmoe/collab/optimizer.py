@@ -29,9 +29,10 @@ and host names name it (twice as long each time it fails again), for every faile
 fault of the server's (busy, or a record naming an honest trainer with a step or lineage it does not serve), came to
 nothing quickly (:func:`slow_refusal`) and followed no other such one from that machine: peer ids cost nothing, and
 a server that failed each download just before ``state_timeout``, under a new id each time, held every ``step()``
-for that long (review 87). Records are free to write and may name any address, so whatever their sources,
-downloads that come to nothing take at most ``config.failed_download_share`` of the trainer's time, after a first few
-seconds' worth (review 107).
+for that long (review 87). A quick refusal of a state that another record naming that server claims counts against
+that record only, and the state is downloaded through the other record (review 114). Records are free to write and
+may name any address, so whatever their sources, downloads that come to nothing take at most
+``config.failed_download_share`` of the trainer's time, after a first few seconds' worth (review 107).
 
 Threads: the progress tracker's (publish and read), the state server's event loop (and one for captures), the
 averager's two; all stop in :meth:`CollaborativeOptimizer.shutdown`.
@@ -453,9 +454,10 @@ class CollaborativeOptimizer:
         self._budget_at = now
         return self._download_budget > 0
 
-    def _download(self, peer_id: int, claimed: Progress, at_most: int | None) -> bool:
+    def _download(self, peer_id: int, claimed: Progress, at_most: int | None, excuse: bool = True) -> bool:
         """Downloads and loads the state of ``peer_id``'s record ``claimed``; False when it came to nothing (logged,
-        and the record or its server's machine banned as it deserves)."""
+        and the record or its server's machine banned as it deserves). ``excuse``: a state off that claim that
+        another record naming the same server claims may excuse it (:meth:`_off_claim`)."""
         check = _claim_check(claimed, at_most)
         started = time.monotonic()
         dialed = claimed.endpoint
@@ -490,20 +492,18 @@ class CollaborativeOptimizer:
             # it serves names someone else's endpoint: banned, briefly
             self.tracker.refresh_now()
             now = self.tracker.state().peers.get(peer_id)
-            if now is not None and now.endpoint == claimed.endpoint and now.step + 1 >= error.served:
+            if now is not None and now.endpoint == claimed.endpoint and now.step + 1 >= error.step:
                 logger.info("trainer %s stepped on since its record was read (%s); trying again", peer_id, error)
-            else:
-                self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}",
-                                 seconds=min(BUSY_BAN, self.config.ban_time))
-            self._refused(claimed.endpoint, dialed, started)
-            return False
+                self._refused(claimed.endpoint, dialed, started)
+                return False
+            self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}",
+                             seconds=min(BUSY_BAN, self.config.ban_time))
+            return self._off_claim(peer_id, claimed, dialed, started, error, at_most, excuse)
         except _OffClaim as error:
             # the record may be anyone's, naming an honest trainer's endpoint: that trainer answered what it holds,
-            # at once, and stays a source for the others' records (unless it took long to answer, or did so before
-            # too: see _refused)
+            # at once, and stays a source for the others' records (see _off_claim)
             self.tracker.ban(peer_id, f"its state at {claimed.endpoint} was refused: {error}")
-            self._refused(claimed.endpoint, dialed, started)
-            return False
+            return self._off_claim(peer_id, claimed, dialed, started, error, at_most, excuse)
         except (StateDownloadError, StateMismatch, OSError) as error:  # (OSError: its host name did not resolve)
             code = getattr(error, "code", None)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy serving others (its limits): not a fault
@@ -534,6 +534,30 @@ class CollaborativeOptimizer:
     def _ban_endpoint(self, endpoint: str, dialed: str, why: str = "") -> None:
         seconds = self.tracker.ban_endpoint(endpoint, dialed)
         logger.info("no state downloads from %s for %g s%s", endpoint, seconds, why)
+
+    def _off_claim(self, peer_id: int, claimed: Progress, dialed: str, started: float, error: _ClaimMismatch,
+                   at_most: int | None, excuse: bool) -> bool:
+        """After a quick refusal of a state off ``peer_id``'s record (that record banned): when another live record
+        naming the same server claims what it served, the lie was ``peer_id``'s, and its machine gets no strike
+        (see :meth:`_refused`); the state is downloaded through that record at once, when it is ahead of this
+        trainer, and a refusal then counts (no second excuse). Records are free to write under any peer id: two
+        naming an honest trainer's endpoint one step above what it serves were tried first (the highest step) and
+        banned its machine, doubling, so a joiner had no source at all (review 114 D2). A server that serves
+        nothing it delivers still gets its strikes: what it served is backed by no record, or the download through
+        the record that backs it comes to nothing too. True when that download succeeded."""
+        backing = None
+        if excuse and time.monotonic() - started <= slow_refusal(self.config.state_timeout):
+            backing = next(((pid, p) for pid, p in sorted(self.tracker.state().peers.items())
+                            if pid != peer_id and p.endpoint in (claimed.endpoint, dialed)
+                            and _claim_fits(p, at_most, error.step, error.lineage)), None)
+        if backing is None:
+            self._refused(claimed.endpoint, dialed, started)
+            return False
+        logger.info("the state at %s is what trainer %s claims (step %d, lineage %s): the lie was trainer %s's",
+                    claimed.endpoint, backing[0], error.step, error.lineage, peer_id)
+        if error.step <= self.local_step:  # nothing to take there (it may be this trainer's own state)
+            return False
+        return self._download(*backing, at_most, excuse=False)
 
     def _refused(self, endpoint: str, dialed: str, started: float, forgiven_within: float = 0.0) -> None:
         """Bans the machine of ``endpoint`` (``dialed``: the address it resolved to) after a download it refused in
@@ -633,15 +657,19 @@ class CollaborativeOptimizer:
         self.shutdown()
 
 
-class _TooFarAhead(StateMismatch):
-    """A state more than one step past the one its record claimed (``served``: its step)."""
+class _ClaimMismatch(StateMismatch):
+    """A state off the claim of the record that named its trainer (``step``, ``lineage``: what it serves)."""
 
-    def __init__(self, message: str, served: int):
+    def __init__(self, message: str, step: int, lineage: str):
         super().__init__(message)
-        self.served = served
+        self.step, self.lineage = step, lineage
 
 
-class _OffClaim(StateMismatch):
+class _TooFarAhead(_ClaimMismatch):
+    """A state more than one step past the one its record claimed."""
+
+
+class _OffClaim(_ClaimMismatch):
     """A state at another step or lineage than the record that named its trainer claimed."""
 
 
@@ -659,10 +687,21 @@ def _claim_check(claimed: Progress, at_most: int | None) -> Callable[[int, str],
         if at_most is not None and step > at_most:
             raise _BeyondLimit(f"it serves step {step}, past step {at_most}, the last this download may take")
         if step < claimed.step:
-            raise _OffClaim(f"it claims step {claimed.step} but serves step {step}")
+            raise _OffClaim(f"it claims step {claimed.step} but serves step {step}", step, lineage)
         if step == claimed.step and lineage != claimed.lineage:
-            raise _OffClaim(f"it claims lineage {claimed.lineage} at step {claimed.step} but serves {lineage}")
+            raise _OffClaim(f"it claims lineage {claimed.lineage} at step {claimed.step} but serves {lineage}", step,
+                            lineage)
         if step > claimed.step + 1:
-            raise _TooFarAhead(f"it claims step {claimed.step} but serves step {step}, more than one step further", step)
+            raise _TooFarAhead(f"it claims step {claimed.step} but serves step {step}, more than one step further",
+                               step, lineage)
 
     return check
+
+
+def _claim_fits(claimed: Progress, at_most: int | None, step: int, lineage: str) -> bool:
+    """Whether a state at ``step`` on ``lineage`` is one that ``claimed`` backs (:func:`_claim_check`)."""
+    try:
+        _claim_check(claimed, at_most)(step, lineage)
+    except StateMismatch:
+        return False
+    return True
