@@ -12,7 +12,8 @@ were most of the server path's time next to a GPU's compute (benchmarks/README.m
   either. Unknown fields are skipped, as protobuf skips them (a newer peer's additions), a few per message. A
   message is read within a budget of :data:`MAX_FIELDS` units (a field, a dimension: 1; a varint of 2 bytes or
   more: 1 a byte; a nested message: 8 more, its own objects), what an honest batch needs: the walk runs on the
-  server's one event loop, and no message holds it more than ~20-30 ms. Copies of a field beyond what writers
+  server's one event loop, with the garbage collector paused (:func:`_walk`), and no message holds it more than
+  ~20-30 ms. Copies of a field beyond what writers
   write (a single field twice, a third pad) and a batch's item past :data:`MAX_BATCH_ITEMS` are refused where they
   start (review 106). What the walk cannot read (truncation, bad UTF-8, groups) or refuses is junk:
   ``DecodeError``. Smaller messages go to protobuf directly (their copies cost less than a walk in Python, and
@@ -27,6 +28,7 @@ Field numbers come from the generated descriptors, checked at import against the
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -384,12 +386,35 @@ def _batch_response(data: bytes, view: memoryview, pos: int, end: int, budget: _
     return BatchResponse(_elements(data, view, pos, end, budget, _result, _BATCH_RESPONSE))
 
 
+def _walk(read, data: bytes) -> Any:
+    """``read`` over the whole of ``data`` within :data:`MAX_FIELDS`, with the cyclic garbage collector paused.
+
+    A walk makes an object or three per nested message, all alive until it ends, so with the collector on, a
+    message of 14k empty tensors started ~40 collections of what a server holds, and with them a full one every
+    message or two: 36-77 ms of the loop, 3-6 times the largest honest batch, where its units took ~20 ms (review
+    113 D2). Paused, a refused message's objects are freed by their counts and leave nothing to collect, and an
+    accepted one's are collected once, after it. gc.disable is the process's: other threads' collections wait for
+    the walk too (~30 ms at most; reference counts still free their garbage). The collector is left off if it was;
+    a walk that starts while another has it paused leaves it to that one, and one that ends turns it back on even
+    if another thread turned it off meanwhile (nothing in dmoe does)."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return read(data, memoryview(data), 0, len(data), _Budget(MAX_FIELDS))
+    except (_Unusual, DecodeError) as refused:  # its traceback holds the walk's frames and all they made: let go
+        raise refused.with_traceback(None)      # of them before the collector is back on
+    finally:
+        if paused:
+            gc.enable()
+
+
 def _parser(read, message_cls, min_bytes: int | None = None):
     def parse(data: bytes) -> Any:
         if len(data) >= (ZERO_COPY_MIN_BYTES if min_bytes is None else min_bytes):
             data = bytes(data)  # (a no-op for the bytes gRPC hands over)
             try:
-                return read(data, memoryview(data), 0, len(data), _Budget(MAX_FIELDS))
+                return _walk(read, data)
             except _Unusual as unusual:
                 if len(data) >= ZERO_COPY_MIN_BYTES:  # protobuf would build what it holds, whatever its count
                     raise DecodeError(f"not a valid {message_cls.__name__}: {unusual}") from None
