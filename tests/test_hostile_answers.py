@@ -25,6 +25,8 @@ from dmoe.wire import ChannelPool, dmoe_pb2, grpc_options
 from dmoe.wire.codec import FLOAT16, UINT8, pack
 from dmoe.wire.channels import TensorCalls
 from dmoe.wire.shared_memory import MAX_REASON_CHARS, SegmentPool, SharedMemoryCalls
+from dmoe.wire import MAX_BATCH_ITEMS, deserialize
+from dmoe.wire import zerocopy as zc
 from dmoe.wire.zerocopy import BatchResponse, Result, batch_response_bytes
 
 HIDDEN = 8
@@ -239,6 +241,34 @@ def test_each_item_of_a_batch_answer_is_checked_alone(pool, decoded):
         with pytest.raises(MalformedAnswer, match="2 tensors, expected 1") as error:
             bad_one.result(60)
     assert error.value.uid == "ffn.1" and decoded[0] == 1
+
+
+def test_a_batch_whose_unexpected_answers_are_too_many_to_read_is_sent_again_in_halves(pool):
+    """``expect=None`` packs a batch as if each answer were no larger than its request: an expert answering 8
+    tensors for 1 took the answer of 1024 items past the reader's budget, and every item failed (review 113 D1).
+    Its halves are sent again, and each item gets its own answer; with its answers expected, an answer that large
+    is not what was asked for, and fails without being asked again."""
+    calls = []
+
+    def eight_outputs(request: bytes, context) -> bytes:  # the server's own reader and writer
+        items = zc.parse_batch_request(request).items
+        calls.append(len(items))
+        return batch_response_bytes(BatchResponse([Result([pack(deserialize(item.tensors[0]))] * 8)
+                                                   for item in items]))
+
+    xs = [torch.full((1, 64), float(i)) for i in range(MAX_BATCH_ITEMS)]
+    with hostile_server(forward_batch=eight_outputs) as endpoint:
+        items = [(f"ffn.{i}", endpoint, [x], None) for i, x in enumerate(xs)]
+        answers = [future.result(60) for future in forward_futures(items, channels=pool, timeout=60)]
+        assert calls == [MAX_BATCH_ITEMS, MAX_BATCH_ITEMS // 2, MAX_BATCH_ITEMS // 2]
+        assert all(len(outputs) == 8 and all(torch.equal(y, x) for y in outputs) for x, outputs in zip(xs, answers))
+        del calls[:]
+        expected = [[((1, 64), torch.float32)]] * MAX_BATCH_ITEMS
+        for future in forward_futures(items, channels=pool, timeout=60, expect=expected):
+            with pytest.raises(RemoteExpertError, match="over the budget") as error:
+                future.result(60)
+            assert error.value.code == grpc.StatusCode.INTERNAL
+        assert calls == [MAX_BATCH_ITEMS]
 
 
 def info_of(outputs: list[tuple[list[int], str]]) -> Callable:

@@ -27,7 +27,7 @@ from dmoe.wire.channels import MAX_STATUS_CHARS, described, truncated
 from dmoe.wire.codec import (DTYPES, FLOAT16, NONE, UINT8, UINT8_BLOCK, InvalidTensor, TensorTooLarge, Compression,
                              cut_into_parts, deserialize, dtype_name, encoded_bytes, join_parts, pack,
                              parse_compression, serialize)
-from dmoe.wire.zerocopy import MAX_FIELDS, batch_request_message, item_fields, request_message
+from dmoe.wire.zerocopy import MAX_FIELDS, OverBudget, batch_request_message, item_fields, request_message
 
 logger = logging.getLogger(__name__)
 
@@ -356,10 +356,12 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
                 timeout: float | None, compression: int, channels: ChannelPool,
                 expect: Sequence[Expected | None]) -> "list[Future[list[torch.Tensor]]]":
     """One ``{method}_batch`` call carrying every item (uid, tensors, activation_id); a future each, its answer
-    checked against the item's ``expect``.
+    checked against the item's ``expect``. An answer over the reader's budget, of items one of which had no
+    ``expect``, is asked again in two halves, within what is left of ``timeout``.
 
     The request is written by :mod:`dmoe.wire.zerocopy`: the tensors' memory is copied once, into the message (or
     into memory shared with a server on this host, :mod:`dmoe.wire.shared_memory`)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     request = batch_request_message([(uid, [pack(t, compression) for t in tensors], activation_id)
                                    for uid, tensors, activation_id in items], compression)
     call = getattr(channels.calls(endpoint), f"{method}_batch").future(request, timeout=timeout)
@@ -371,15 +373,39 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
             raise RemoteExpertError(uid, endpoint, code, message)
         return raise_error
 
+    def split(reason: str) -> None:
+        # (review 113 D1) an item without ``expect`` was packed as if its answer were no larger than its request: an
+        # expert answering more than it is sent can take a batch's answer past what a client reads in place. Its
+        # halves go again (a batch of MAX_BATCH_ITEMS is split 10 times at most). With every answer expected, an
+        # answer that large is not what was expected, and fails.
+        if len(items) == 1 or all(expected is not None for expected in expect):
+            for (uid, _, _), future in zip(items, futures):
+                _settle(future, fail(uid, grpc.StatusCode.INTERNAL, f"the answer could not be read: {reason}"))
+            return
+        logger.debug("the answer of %d items from %s was over the reader's budget: sent again in halves",
+                     len(items), endpoint)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        half = len(items) // 2
+        for part in (slice(0, half), slice(half, None)):
+            again = _batch_call(method, endpoint, items[part], timeout=remaining, compression=compression,
+                                channels=channels, expect=expect[part])
+            for future, resent in zip(futures[part], again):
+                future.add_done_callback(lambda f, resent=resent: resent.cancel() if f.cancelled() else None)
+                resent.add_done_callback(lambda done, future=future: _settle(future, done.result))
+
     def settle(_) -> None:
         try:
-            results = call.result().results
+            answer = call.result()
         except grpc.RpcError as error:
             for (uid, _, _), future in zip(items, futures):
                 _settle(future, fail(uid, error.code(), error.details() or ""))
             return
         except grpc.FutureCancelledError:
             return  # cancelled because every item was cancelled (or answered) already
+        if type(answer) is OverBudget:
+            split(answer.reason)
+            return
+        results = answer.results
         for i, ((uid, _, _), future) in enumerate(zip(items, futures)):
             if i >= len(results):
                 _settle(future, fail(uid, grpc.StatusCode.UNKNOWN,
@@ -407,7 +433,8 @@ def _batched(method: str, items: Sequence[Item], *, timeout: float | None, compr
     """Sends ``items`` with one batch call per server (more if they exceed one message, ``MAX_BATCH_ITEMS``, or
     the fields a message read in place may hold, :data:`dmoe.wire.zerocopy.MAX_FIELDS`, in the request or the
     answer expected); an item too large for one message goes alone, streamed. ``expect``: each item's answer (None:
-    unknown, taken to be as large as its request)."""
+    unknown, taken to be as large as its request; a batch whose answer is larger than that allows is sent again
+    in halves, :func:`_batch_call`)."""
     channels = channels or ChannelPool.default()
     compression = parse_compression(compression)
     futures: list[Future | None] = [None] * len(items)
@@ -448,7 +475,11 @@ def forward_futures(items: Sequence[Item], *, timeout: float | None = None, comp
                     expect: Sequence[Expected | None] | None = None) -> "list[Future[list[torch.Tensor]]]":
     """Starts the forwards of many experts, ``(uid, endpoint, inputs, activation_id)`` each, with one call per
     server, and returns a future per item, as :func:`forward_future` would (one failing item fails alone).
-    ``expect``: each item's outputs, as :func:`forward_future` takes them (None: unknown).
+    ``expect``: each item's outputs, as :func:`forward_future` takes them (None: unknown). Items of unknown
+    outputs are packed as if each answer were no larger than its request; when an expert answers more tensors
+    than it is sent and a batch's answer is more than the client reads in place
+    (:data:`dmoe.wire.zerocopy.MAX_FIELDS`), the server has computed the batch for nothing and its halves are sent
+    again, each computed again, within the same ``timeout``: pass ``expect`` to have batches sized right at once.
 
     One call per server instead of one per expert: gRPC costs a fixed amount of CPU per call on each side, which
     a layer calling 16 experts per step otherwise pays 16 times over.

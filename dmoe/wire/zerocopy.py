@@ -431,9 +431,26 @@ parse_response = _parser(_response, dmoe_pb2.ExpertResponse)
 parse_batch_response = _parser(_batch_response, dmoe_pb2.BatchResponse)
 
 
+@dataclass(eq=False)
+class OverBudget:
+    """A batch answer left unread for costing more than :data:`MAX_FIELDS` (``reason``): a client that did not know
+    how large its items' answers would be sends them again in smaller batches (review 113 D1)."""
+
+    reason: str
+
+
+def parse_batch_answer(data: bytes) -> Any:
+    """:func:`parse_batch_response`, for a client: an answer over the budget is an :class:`OverBudget`, not an
+    error (gRPC turns its deserializer's errors into INTERNAL, and the client could not tell why)."""
+    try:
+        return parse_batch_response(data)
+    except TooManyFields as error:
+        return OverBudget(str(error))
+
+
 #: how the answer of each tensor-carrying call is read, by method
-ANSWER_PARSERS = {"forward": parse_response, "backward": parse_response, "forward_batch": parse_batch_response,
-                  "backward_batch": parse_batch_response}
+ANSWER_PARSERS = {"forward": parse_response, "backward": parse_response, "forward_batch": parse_batch_answer,
+                  "backward_batch": parse_batch_answer}
 
 
 def read_in_place(message_cls, data: bytes) -> Any:
