@@ -331,40 +331,51 @@ def test_a_custom_module_given_replaces_a_broken_one_of_the_config_file(tmp_path
 
 # ---- dmoe-monitor's --host ---------------------------------------------------------------------------------------
 
+class RecordedMonitor:
+    """Stands in for the monitor's SwarmMonitor (which starts a DHT node and joins): records that one was built."""
+
+    built: list[tuple] = []
+
+    def __init__(self, *args, **kwargs):
+        self.built.append(args)
+
+    def close(self):
+        pass
+
+
 @pytest.mark.parametrize("error, flag", [(OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address"), "--host"),
                                          (OSError(errno.EADDRINUSE, "Address already in use"), "--port")])
 def test_the_monitor_names_the_host_or_the_port_that_cannot_be_bound(error, flag, monkeypatch, capsys):
     """Review 72: a --host not of this machine was blamed on --port."""
-    closed = []
-
-    class StandInMonitor:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def close(self):
-            closed.append(True)
-
     def refuse(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(monitor_program, "SwarmMonitor", StandInMonitor)
+    monkeypatch.setattr(RecordedMonitor, "built", [])
+    monkeypatch.setattr(monitor_program, "SwarmMonitor", RecordedMonitor)
     monkeypatch.setattr(monitor_program, "MonitorServer", refuse)
     line = usage_error(monitor_program.main, ["--initial-peers", "127.0.0.1:1", "--host", "10.255.255.1"], capsys)
     assert line.startswith(f"dmoe-monitor: error: argument {flag}: cannot listen on 10.255.255.1:0: "), line
-    assert closed
+    assert not RecordedMonitor.built
 
 
-def test_the_monitor_names_a_host_of_another_machine_binding_for_real(monkeypatch, capsys):
-    class StandInMonitor:
-        def __init__(self, *args, **kwargs):
-            pass
+@pytest.mark.parametrize("flag", ["--host", "--port"])
+def test_the_monitor_refuses_a_host_of_another_machine_or_a_port_in_use_before_it_joins_the_dht(flag, monkeypatch,
+                                                                                                capsys):
+    """Review 112 D5: the monitor started its DHT node and joined (with unreachable --initial-peers: waited for the
+    join's timeout, then named only those) before it found it could not listen where told."""
+    import socket
 
-        def close(self):
-            pass
-
-    monkeypatch.setattr(monitor_program, "SwarmMonitor", StandInMonitor)
-    line = usage_error(monitor_program.main, ["--initial-peers", "127.0.0.1:1", "--host", "192.0.2.1"], capsys)
-    assert line.startswith("dmoe-monitor: error: argument --host: cannot listen on 192.0.2.1:0"), line
+    monkeypatch.setattr(RecordedMonitor, "built", [])
+    monkeypatch.setattr(monitor_program, "SwarmMonitor", RecordedMonitor)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        where = ["--host", "192.0.2.1"] if flag == "--host" else ["--port", str(port)]
+        line = usage_error(monitor_program.main, ["--initial-peers", "127.0.0.1:1", *where], capsys)
+    shown = "192.0.2.1:0" if flag == "--host" else f"127.0.0.1:{port}"
+    assert line.startswith(f"dmoe-monitor: error: argument {flag}: cannot listen on {shown}"), line
+    assert not RecordedMonitor.built, "the monitor joined the DHT before it checked where it listens"
 
 
 # ---- a trainer stopped before its loop ---------------------------------------------------------------------------

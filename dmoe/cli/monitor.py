@@ -81,18 +81,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"argument --{flag.replace('_', '-')}: must be under a day, got {getattr(args, flag)}")
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kademlia").setLevel(logging.WARNING)
+    # the page's port first: a bad --host or a port in use was refused only once the DHT node had joined, and with
+    # unreachable --initial-peers as well, only those were named, after the join's timeout (review 112 D5)
+    try:
+        server = MonitorServer(None, args.host, args.port)
+    except OSError as error:
+        flag = "--host" if host_at_fault(error) else "--port"  # (a --host not of this machine blamed --port)
+        parser.error(f"argument {flag}: cannot listen on {join_host_port(args.host, args.port)}: "
+                     f"{error.strerror or error}")
     try:
         monitor = SwarmMonitor(args.initial_peers, args.layers, args.grid, period=args.period,
                                info_timeout=args.info_timeout)
     except ConnectionError as error:
+        server.close()
         parser.error(f"argument --initial-peers: {error}")
-    try:
-        server = MonitorServer(monitor, args.host, args.port)
-    except OSError as error:
-        monitor.close()
-        flag = "--host" if host_at_fault(error) else "--port"  # (a --host not of this machine blamed --port)
-        parser.error(f"argument {flag}: cannot listen on {join_host_port(args.host, args.port)}: "
-                     f"{error.strerror or error}")
+    server.monitor = monitor
     with StopSignals() as stop, monitor, server:
         print(f"dmoe-monitor listening on {server.endpoint}", flush=True)
         logger.info("open http://%s/ to watch %s", server.endpoint, ", ".join(args.layers))

@@ -363,7 +363,9 @@ class MonitorServer:
     """Serves the page at ``/`` and ``monitor.snapshot()`` as JSON at ``/api/swarm``, from a daemon thread.
 
     Args:
-        monitor: whose snapshots to serve.
+        monitor: whose snapshots to serve; may be set later (:attr:`monitor`), before :meth:`start`: ``dmoe-monitor``
+            binds its port first, so that a bad ``--host`` or a port in use is refused before its DHT node joins
+            (review 112 D5).
         host, port: where to listen (port 0: a free one; see :attr:`endpoint` once started).
         idle_timeout: seconds a connection may send nothing before it is closed (each open connection holds a
             thread: idle ones would pile up).
@@ -371,11 +373,12 @@ class MonitorServer:
         limits: all the limits of the HTTP server (then ``idle_timeout`` and ``max_connections`` are unused).
     """
 
-    def __init__(self, monitor: SwarmMonitor, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, monitor: SwarmMonitor | None, host: str = "127.0.0.1", port: int = 0,
                  idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
                  limits: HTTPLimits | None = None):
         self.monitor = monitor
         html = page()
+        outer = self
         limits = limits or HTTPLimits(max_connections=max_connections, idle_timeout=idle_timeout)
 
         class Handler(QuietHandler):
@@ -384,7 +387,7 @@ class MonitorServer:
                 if path in ("/", "/index.html"):
                     self.send_body(html, "text/html; charset=utf-8")
                 elif path == "/api/swarm":
-                    self.send_body(monitor.snapshot_json(), "application/json")
+                    self.send_body(outer.monitor.snapshot_json(), "application/json")
                 else:
                     self.send_error(HTTPStatus.NOT_FOUND)
 
