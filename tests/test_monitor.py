@@ -485,3 +485,77 @@ def test_the_swarm_json_is_encoded_once_per_poll_however_many_ask(monkeypatch):
         assert monitor.snapshot_json() is not first[0] and len(encodings) == 2
     finally:
         monitor.close()
+
+
+def test_the_snapshot_says_when_no_contact_of_the_monitors_dht_node_answers():
+    """A monitor whose DHT peers all went silent kept a fresh snapshot of an empty swarm, "0 of 16 experts alive on
+    0 servers", as if every server had left (review 112 D3): the snapshot now counts the contacts that answer."""
+    from dmoe.dht import DHT
+    from dmoe.monitor import SwarmMonitor
+
+    boot = DHT()
+    monitor = SwarmMonitor([boot.endpoint], ["ffn0"], GRID, period=0.5, info_timeout=0.5)
+    try:
+        state = monitor.poll()["dht"]
+        assert state["contacts"] >= 1 and state["answering"] >= 1, state
+        boot.close()  # its one contact gone, as a network cut would do
+
+        def lost():
+            state = monitor.poll()["dht"]
+            return state == {"contacts": state["contacts"], "answering": 0}, state
+        wait_until(lost, 30, "the snapshot to say no contact answers", interval=0)
+    finally:
+        monitor.close()
+        boot.close()
+
+
+def test_a_layer_declared_with_another_grid_than_the_monitors_is_named_not_shown_empty():
+    """With --grid 4 4, a layer served as ffn2.[0:2].[0:2].[0:3] showed every cell "not declared in the DHT" though
+    its 12 experts were alive: the look-up found ffn2.0.0 as a prefix with continuations (review 112 D3)."""
+    from dmoe.dht import DHT
+    from dmoe.directory import declare_experts
+    from dmoe.monitor import SwarmMonitor
+    from dmoe.uid import expand_pattern
+
+    declared = {"ffn1": "ffn1.[0:4]", "ffn2": "ffn2.[0:2].[0:2].[0:3]", "ffn3": "ffn3.[4:6].[0:4]",
+                "ffn4": "ffn4.[0:2].[0:4]"}
+    with DHT() as node:
+        for pattern in declared.values():
+            assert all(declare_experts(node, expand_pattern(pattern), "127.0.0.1:1", expiration=60))
+        monitor = SwarmMonitor([], ["ffn0", *declared], GRID, dht=node, info_timeout=0.2)
+        try:
+            layers = {layer["name"]: layer for layer in monitor.poll()["layers"]}
+        finally:
+            monitor.close()
+    notes = {name: layer["grid_mismatch"] for name, layer in layers.items()}
+    assert notes["ffn0"] is None and notes["ffn4"] is None and layers["ffn4"]["alive"] == 8, notes
+    assert notes["ffn2"] == ("layer ffn2 has more grid dimensions than --grid 4 4: its experts are declared as "
+                             "ffn2.0.0.0 (3 dimensions)")
+    assert notes["ffn1"] == ("layer ffn1 has fewer grid dimensions than --grid 4 4: its experts are declared as "
+                             "ffn1.0 (1 dimension)")
+    assert notes["ffn3"] == "layer ffn3's experts are declared outside --grid 4 4 (e.g. ffn3.4.0)"
+
+
+def test_page_in_a_headless_browser_says_the_dht_is_unreachable_and_why_a_layer_is_empty(tmp_path):
+    """(review 112 D3) The header's status, in the page's stale style, and the layer's note."""
+    import re
+    from types import SimpleNamespace
+
+    from dmoe.monitor import MonitorServer
+
+    executable = required_browser()
+    note = "layer ffn0 has more grid dimensions than --grid 4 4: its experts are declared as ffn0.0.0.0 (3 dimensions)"
+    snapshot = {"updated": time.time(), "period": 2.0, "initial_peers": ["127.0.0.1:1"], "grid": [4, 4],
+                "dht": {"contacts": 2, "answering": 0}, "servers": [],
+                "layers": [{"name": "ffn0", "grid": [4, 4], "cells": 16, "alive": 0, "experts": {}, "replicas": {},
+                            "adopted": {}, "adopted_last_hour": 0, "grid_mismatch": note}]}
+    server = MonitorServer(SimpleNamespace(snapshot_json=lambda: json.dumps(snapshot).encode())).start()
+    try:
+        result = render(executable, f"http://{server.endpoint}/", tmp_path / "profile", "--dump-dom")
+    finally:
+        server.close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    status = re.search(r'<span id="status"([^>]*)>([^<]*)</span>', result.stdout)
+    assert status and 'class="stale"' in status[1] and status[2].startswith("DHT unreachable: no contact answers (2 "
+                                                                             "known)"), status
+    assert f'<p class="mismatch">{note}</p>' in result.stdout

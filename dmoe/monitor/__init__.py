@@ -22,7 +22,9 @@ from typing import Any, Callable, Sequence
 from dmoe.client.remote_expert import expert_info
 from dmoe.wire.channels import ChannelPool
 from dmoe.dht import DHT
-from dmoe.directory import alive_experts
+from dmoe.dht.peers import peer_key
+from dmoe.directory import ContinuationSource, alive_experts
+from dmoe.directory.lookups import continuation_source
 from dmoe.endpoints import reachable_endpoint
 from dmoe.httpd import IDLE_TIMEOUT, MAX_CONNECTIONS, BoundedHTTPServer, HTTPLimits, HTTPThread, QuietHandler
 from dmoe.replicas.records import (ADOPTION_MEMORY, adopted_key, adoptions, counted_machine, endpoint_host, holders,
@@ -40,6 +42,8 @@ MAX_CLOCK_SKEW = 60.0
 FORGET_AFTER = 3600.0
 #: endpoints remembered at most; beyond, the least recently seen are forgotten first
 MAX_REMEMBERED = 4096
+#: grid dimensions :func:`grid_mismatch` looks down at most for a layer's experts
+MAX_GRID_DEPTH = 16
 #: the largest ``info`` answer the monitor reads: an honest one takes a few KiB, and a server answering 60 MiB made
 #: each poll take seconds and a gigabyte of memory (review 79)
 MAX_INFO_BYTES = 1024 * 1024
@@ -112,9 +116,10 @@ class SwarmMonitor:
 
     def _empty(self) -> dict[str, Any]:
         return {"updated": None, "period": self.period, "initial_peers": self.initial_peers, "grid": list(self.grid),
-                "layers": [{"name": layer, "grid": list(self.grid), "cells": math.prod(self.grid), "alive": 0,
-                            "experts": {}, "replicas": {}, "adopted": {}, "adopted_last_hour": 0}
-                           for layer in self.layers], "servers": []}
+                "dht": None, "layers": [{"name": layer, "grid": list(self.grid), "cells": math.prod(self.grid),
+                                         "alive": 0, "experts": {}, "replicas": {}, "adopted": {},
+                                         "adopted_last_hour": 0, "grid_mismatch": None}
+                                        for layer in self.layers], "servers": []}
 
     def color(self, endpoint: str) -> str:
         """A color per server endpoint, fixed the first time the monitor sees it."""
@@ -145,12 +150,15 @@ class SwarmMonitor:
         for layer in snapshot["layers"]:
             try:
                 alive = alive_experts(self.dht, layer["name"], self.grid)
+                if not alive:  # (review 112 D3: a --grid of another depth than the swarm's showed an empty grid)
+                    layer["grid_mismatch"] = grid_mismatch(self.dht, layer["name"], self.grid)
             except Exception as error:  # noqa: BLE001 - keep showing the swarm when one look-up fails
                 logger.warning("reading layer %s from the DHT failed: %s", layer["name"], error)
                 alive = {}
             layer["alive"] = len(alive)
             layer["experts"] = {uid: {"endpoint": endpoint} for uid, endpoint in alive.items()}
             located.update(alive)
+        snapshot["dht"] = self._dht_state()  # (after the look-ups: they find out which contacts are silent)
         asked = self._ask(located)
         try:
             self._replication(snapshot)
@@ -198,6 +206,24 @@ class SwarmMonitor:
         with self._lock:
             self._snapshot = snapshot
         return snapshot
+
+    def _dht_state(self) -> dict[str, int] | None:
+        """How many contacts the DHT node knows and how many of them answer (are not silent since their last
+        question), or None for a directory that is no :class:`DHT`. With none answering, reads find nothing: the
+        page showed that as an empty swarm, "0 of 16 experts alive on 0 servers", fresh each poll (review 112 D3)."""
+        protocol = getattr(getattr(self.dht, "node", None), "protocol", None)
+        if not isinstance(self.dht, DHT) or protocol is None:
+            return None
+
+        async def count() -> dict[str, int]:  # (on the node's loop, which owns its routing table)
+            contacts = protocol.router.contacts()
+            answering = sum(not protocol.peers.recently_dead(peer_key(contact)) for contact in contacts)
+            return {"contacts": len(contacts), "answering": answering}
+        try:
+            return self.dht.run_coroutine(count(), timeout=max(1.0, self.info_timeout))
+        except (RuntimeError, TimeoutError) as error:  # closing, or a loop too busy to answer: unknown
+            logger.debug("the DHT node's contacts could not be counted: %s", error)
+            return None
 
     def _forget(self, now: float) -> None:
         """Drops what is kept of endpoints not seen for ``forget_after`` seconds, then of the least recently seen
@@ -340,6 +366,31 @@ class SwarmMonitor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def grid_mismatch(dht: DHT | ContinuationSource, layer: str, grid: Sequence[int]) -> str | None:
+    """Why ``layer`` shows no expert inside ``grid`` although the DHT holds declarations under its name: its
+    experts have another number of grid dimensions (the look-up found ``ffn2.0.0`` as a prefix with continuations,
+    not as an expert, and every cell showed "not declared"), or lie outside ``grid``; None when nothing is declared.
+    Follows one declared prefix down, two look-ups a dimension (experts, then any continuation). The declarations
+    read are anyone's to write: a hint for the operator, not a fact (review 112 D3)."""
+    source = continuation_source(dht)
+    prefix = layer
+    for depth in range(1, MAX_GRID_DEPTH + 1):
+        experts = source.get_alive_continuations([prefix], [prefix]).get(prefix) or {}
+        if experts:
+            example = f"{prefix}.{min(experts)}"
+            if depth != len(grid):
+                more = "more" if depth > len(grid) else "fewer"
+                return (f"layer {layer} has {more} grid dimensions than --grid {' '.join(map(str, grid))}: its "
+                        f"experts are declared as {example} ({depth} dimension{'s' if depth > 1 else ''})")
+            return (f"layer {layer}'s experts are declared outside --grid {' '.join(map(str, grid))} "
+                    f"(e.g. {example})")
+        below = source.get_alive_continuations([prefix]).get(prefix) or {}
+        if not below:
+            return None
+        prefix = f"{prefix}.{min(below)}"
+    return None
 
 
 def holding_machine(endpoint: str, local: bool) -> str:
