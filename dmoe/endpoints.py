@@ -173,9 +173,18 @@ def announced_endpoint(endpoint: str, outbound: str | None) -> str:
     return join_host_port(outbound, port)
 
 
-def machine_address() -> str | None:
+def machine_address(ipv6: bool = False) -> str | None:
     """This machine's address on its default route (IPv4), or None without one: what a bootstrap node bound to
-    every interface prints for others to pass as ``--initial-peers``. Nothing is sent."""
+    every interface prints for others to pass as ``--initial-peers``. Nothing is sent.
+
+    ``ipv6``: its IPv6 route's address first (a node bound to ``::``), else the IPv4 one (such a socket takes both):
+    ``dmoe-dht --host ::`` printed an IPv4 address, which an IPv6-only peer cannot reach (review 112 D6). A
+    link-local address (all a machine without a global IPv6 address may have) names no interface others know: no
+    use to them."""
+    if ipv6:
+        address = outbound_host([("2001:db8::1", 9)])  # the documentation prefix: only the route to it is looked up
+        if address is not None and not ipaddress.ip_address(address.partition("%")[0]).is_link_local:
+            return address
     return outbound_host([("192.0.2.1", 9)])  # TEST-NET-1: only the route to it is looked up
 
 

@@ -182,3 +182,51 @@ def test_the_swarm_page_is_served_on_ipv6():
             assert answer.status == 200 and b"<html" in answer.read().lower()
     finally:
         server.close()
+
+
+def ipv6_route() -> str | None:
+    """This machine's source address toward a global IPv6 address (None without a route there); nothing is sent."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as probe:
+            probe.connect(("2001:db8::1", 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def test_a_node_bound_to_every_ipv6_interface_is_shared_at_this_machines_ipv6_address():
+    """``dmoe-dht --host ::`` printed an IPv4 address to pass as --initial-peers, which an IPv6-only peer cannot
+    reach (review 112 D6)."""
+    import asyncio
+    import ipaddress
+
+    from dmoe.cli import dht as dht_program
+    from dmoe.dht.config import DHTConfig
+
+    route = ipv6_route()
+    if route is None or ipaddress.ip_address(route.partition("%")[0]).is_link_local:
+        pytest.skip("this host has no route to global IPv6 addresses")
+    args = dht_program.parse_args(["--host", "::", "--port", "0"])
+    nodes: list = []
+
+    async def bring_up() -> list[str]:
+        try:
+            return await dht_program.bring_up(args, DHTConfig(), None, nodes)
+        finally:
+            for node in nodes:
+                node.stop()
+    [address] = asyncio.run(bring_up())
+    assert address.startswith(f"[{route}]:"), address
+    assert machine_address(ipv6=True) == route
+    ipv4 = machine_address()
+    assert ipv4 is None or ipaddress.ip_address(ipv4).version == 4
+
+
+def test_a_machine_with_only_a_link_local_ipv6_address_is_shared_at_its_ipv4_one(monkeypatch):
+    import dmoe.endpoints
+
+    routes = {"2001:db8::1": "fe80::1", "192.0.2.1": "198.51.100.7"}
+    monkeypatch.setattr(dmoe.endpoints, "outbound_host", lambda peers: routes[peers[0][0]])
+    assert machine_address(ipv6=True) == "198.51.100.7"
+    routes["2001:db8::1"] = "2001:db8:5::2"
+    assert machine_address(ipv6=True) == "2001:db8:5::2" and machine_address() == "198.51.100.7"

@@ -133,7 +133,10 @@ async def run(args: argparse.Namespace, start: Start | None = None, prog: str = 
             started = await start(nodes[0])
         more = f" (and {len(addresses) - 1} more nodes: {' '.join(addresses[1:])})" if len(addresses) > 1 else ""
         print(f"{prog} listening on {addresses[0]}{more}", flush=True)
-        logger.info("pass --initial-peers %s to join this swarm", addresses[0])
+        ipv4 = ""  # an IPv6 wildcard takes IPv4 too (review 112 D6)
+        if addresses[0].startswith("[") and bare_host(args.host) in WILDCARD_HOSTS and (machine := machine_address()):
+            ipv4 = f" (from IPv4: {join_host_port(machine, addresses[0].rpartition(':')[2])})"
+        logger.info("pass --initial-peers %s to join this swarm%s", addresses[0], ipv4)
         await stop.wait()
         logger.info("shutting down")
     finally:
@@ -160,7 +163,10 @@ async def bring_up(args: argparse.Namespace, config: DHTConfig, identity: Identi
                              f"{error}") from None
         # bound to every interface: others reach it at this machine's address (the next nodes here too: a
         # reply to a ping of 0.0.0.0 comes from another address, and is dropped as not the one asked)
-        shown = (outbound_host(peers) or machine_address() or "127.0.0.1") if host in WILDCARD_HOSTS else host
+        # (an IPv6 wildcard is shown at the IPv6 route's address: an IPv4 one was, review 112 D6)
+        ipv6 = ":" in host
+        shown = (outbound_host(peers) or machine_address(ipv6) or ("::1" if ipv6 else "127.0.0.1")
+                 if host in WILDCARD_HOSTS else host)
         addresses.append(join_host_port(shown, port))
         if peers and not await node.bootstrap(peers):
             hint = ""
