@@ -13,6 +13,7 @@ from kademlia.utils import digest
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode, listen_host, parse_endpoint
 from dmoe.dht.messages import check_entry
+from dmoe.dht.peers import peer_key
 from dmoe.dht.signing import Identity
 from dmoe.dht.storage import Entry, Record, Subkey, check_expiration, to_milliseconds
 from dmoe.endpoints import (
@@ -149,6 +150,15 @@ class DHT:
                  ) -> dict[str, Record]:
         """:meth:`get` for several keys, looked up concurrently; ``ties``: see :meth:`DHTNode.get_records`."""
         return self.run_coroutine(self.node.get_records(list(keys), ties))
+
+    def contacts(self, timeout: float | None = None) -> tuple[int, int]:
+        """(contacts in the routing table, those of them not silent since their last question): with none answering,
+        reads find nothing, which looks like an empty swarm (review 112 D3)."""
+        async def count() -> tuple[int, int]:  # (on the node's loop, which owns its routing table)
+            protocol = self.node.protocol
+            contacts = protocol.router.contacts()
+            return len(contacts), sum(not protocol.peers.recently_dead(peer_key(c)) for c in contacts)
+        return self.run_coroutine(count(), timeout)
 
     def close(self) -> None:
         """Stops the node and its loop thread; safe to call twice. Calls in flight end in RuntimeError."""

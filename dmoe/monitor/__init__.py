@@ -22,7 +22,6 @@ from typing import Any, Callable, Sequence
 from dmoe.client.remote_expert import expert_info
 from dmoe.wire.channels import ChannelPool
 from dmoe.dht import DHT
-from dmoe.dht.peers import peer_key
 from dmoe.directory import ContinuationSource, alive_experts
 from dmoe.directory.lookups import continuation_source
 from dmoe.endpoints import reachable_endpoint
@@ -211,16 +210,11 @@ class SwarmMonitor:
         """How many contacts the DHT node knows and how many of them answer (are not silent since their last
         question), or None for a directory that is no :class:`DHT`. With none answering, reads find nothing: the
         page showed that as an empty swarm, "0 of 16 experts alive on 0 servers", fresh each poll (review 112 D3)."""
-        protocol = getattr(getattr(self.dht, "node", None), "protocol", None)
-        if not isinstance(self.dht, DHT) or protocol is None:
+        if not isinstance(self.dht, DHT):
             return None
-
-        async def count() -> dict[str, int]:  # (on the node's loop, which owns its routing table)
-            contacts = protocol.router.contacts()
-            answering = sum(not protocol.peers.recently_dead(peer_key(contact)) for contact in contacts)
-            return {"contacts": len(contacts), "answering": answering}
         try:
-            return self.dht.run_coroutine(count(), timeout=max(1.0, self.info_timeout))
+            contacts, answering = self.dht.contacts(timeout=max(1.0, self.info_timeout))
+            return {"contacts": contacts, "answering": answering}
         except (RuntimeError, TimeoutError) as error:  # closing, or a loop too busy to answer: unknown
             logger.debug("the DHT node's contacts could not be counted: %s", error)
             return None
