@@ -28,7 +28,7 @@ from dmoe.endpoints import PortUnavailable
 from dmoe.server.runtime import is_out_of_memory
 from dmoe.trainer.data import DataError, DownloadError
 from dmoe.trainer.loop import (CheckpointExists, CheckpointInUse, CorruptCheckpoint, Diverged, ExpertsFailed,
-                             ModelTooLarge, ResumeMismatch, TrainConfig, first_line, train)
+                             ExpertsOfAnotherWidth, ModelTooLarge, ResumeMismatch, TrainConfig, first_line, train)
 
 
 EPILOG = ("Collaborative training (one model, many volunteer trainers): every trainer runs "
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         if message is None:
             raise SystemExit(f"dmoe-train: {e}") from None
         build_parser().error(message)
+    except ExpertsOfAnotherWidth as e:  # a --hidden the swarm's servers do not take: a usage error, found once the
+        build_parser().error(str(e))  # trainer has asked an expert (review 112 D1)
     except TRAINING_ERRORS as e:
         raise SystemExit(f"dmoe-train: {e}")
     except Exception as e:  # noqa: BLE001 - only an out-of-memory is turned into a line; anything else is a bug

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import wait as wait_futures
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -19,8 +19,8 @@ from dmoe.client.beam_search import PrefixCache, beam_search
 from dmoe.client.failures import (MAX_ABS_VALUE, MAX_CHUNKS, UNCHECKED, CallPolicy, answer_limit, malformed, refusal,
                                   wait_for_experts)
 from dmoe.client.gating import MixtureBase, TooFewGradients
-from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, all_finite, backward_futures, forward_futures,
-                                       loss_scale, new_activation_id)
+from dmoe.client.remote_expert import (NON_FINITE_GRADIENTS, RemoteExpertError, all_finite, backward_futures,
+                                       expert_info, forward_futures, loss_scale, new_activation_id)
 from dmoe.timing import NO_LAPS, Laps, NoLaps
 from dmoe.wire import NONE, ChannelPool
 from dmoe.wire.codec import GatheredRows, parse_compression
@@ -408,6 +408,20 @@ class RemoteMixtureOfExperts(MixtureBase):
         self.policy.refused = None  # what this forward's servers refuse, for its error
         self.policy.refusing.clear()  # experts its reroutes pass over
         return super().forward(x)
+
+    def expert_schemas(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """The :func:`~dmoe.client.remote_expert.expert_info` of the experts of this layer that a uniform gate would
+        choose (up to ``k_best``; banned ones skipped), of those that answer, asked one at a time as the caller
+        iterates; none while no expert is found. A caller checks with it that the experts take ``in_features``-wide
+        rows: a layer of another width has every request refused as invalid, which only drops the expert from that
+        call (with ``allow_zero_outputs``, every row then skips the layer, step after step: review 112 D1)."""
+        found = beam_search(self.dht, self.layer, [torch.zeros(1, size) for size in self.grid], self.k_best,
+                            exclude=self._is_excluded if len(self.bans) else None, cache=self._cache)
+        for uid, endpoint in found[0] if found else ():
+            try:
+                yield expert_info(endpoint, uid, timeout=timeout, channels=self.policy.channels)
+            except RemoteExpertError:  # (a server gone since it declared its experts: the next one)
+                continue
 
     def _time_left(self, started: float) -> float | None:
         timeout = self.policy.forward_timeout

@@ -363,6 +363,10 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                 raise
             raise ModelTooLarge(f"the model of {config.sizes()} does not fit in the memory of --device "
                                 f"{config.device}: {first_line(error)}") from None
+        # before the join of a collaboration, which may wait for the others for minutes
+        check_width = ExpertWidthCheck(model, config) if config.experts == "remote" else None
+        if check_width is not None:
+            check_width(before_steps=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         resumed = load_checkpoint(checkpoint_path, model, optimizer, config) if config.resume else Progress()
         step, history, minibatch = resumed.step, resumed.history, resumed.minibatches
@@ -554,6 +558,8 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                         previous, step, minibatch = step, new_step, minibatch + 1
                         rng = rng_state(config.device)
                         half_done = False
+                        if check_width is not None and check_width.unchecked:  # (servers come after the trainer)
+                            check_width()
                         meter.add(model, loss.item(), inputs.numel(), balance.item() if balance is not None else None)
                         bar.update(step - previous)
                         postfix = meter.postfix()
@@ -797,6 +803,47 @@ def make_moe_factory(config: TrainConfig, resources: contextlib.ExitStack, dht=N
         return layer
 
     return remote_layer
+
+
+class ExpertsOfAnotherWidth(ValueError):
+    """The swarm's experts take rows of another width than ``--hidden`` (their servers' ``--hidden-dim``)."""
+
+
+class ExpertWidthCheck:
+    """Asks experts of each remote mixture layer of ``model`` what rows they take, and raises
+    :class:`ExpertsOfAnotherWidth` for a ``--hidden`` they would refuse: every expert refused every request as
+    invalid, which drops it from that call only, so a mistyped ``--hidden`` trained a dense-only model step after
+    step, exited 0, and printed dozens of warnings a step (review 112 D1). A layer is refused only when none of the
+    experts that answer (up to ``--k-best``) takes ``--hidden``-wide rows: one server of another width, misconfigured
+    or hostile, does not stop a trainer. A layer none of whose experts answers yet (a trainer started before the
+    servers) is asked again after each step in which it chose experts."""
+
+    def __init__(self, model: GatedTransformerLM, config: TrainConfig):
+        from dmoe.client.moe import RemoteMixtureOfExperts
+
+        self.hidden, self.timeout = config.hidden, config.forward_timeout
+        self.unchecked = [block.moe for block in model.blocks if isinstance(block.moe, RemoteMixtureOfExperts)]
+
+    def __call__(self, before_steps: bool = False) -> None:
+        """Checks each layer not checked yet: all of them ``before_steps``, later those that chose experts."""
+        for layer in list(self.unchecked):
+            if not before_steps and not layer.stats.experts_chosen:
+                continue  # (no expert found by its forwards: nothing to ask yet)
+            other: list[list[tuple[int, ...]]] = []  # the inputs of each expert that takes other rows
+            for schema in layer.expert_schemas(timeout=self.timeout):
+                inputs = [tuple(shape) for shape, _ in schema["inputs"]]
+                if inputs == [(self.hidden,)]:
+                    self.unchecked.remove(layer)
+                    break
+                other.append(inputs)
+            else:
+                if not other:
+                    continue  # (none answered: asked again later)
+                inputs = other[0]
+                takes = f"{inputs[0][0]}-wide rows" if len(inputs) == 1 and len(inputs[0]) == 1 else \
+                    "inputs of shape " + (" and ".join(str(list(shape)) for shape in inputs) or "[]")
+                raise ExpertsOfAnotherWidth(f"--hidden {self.hidden}: the swarm's {layer.layer} experts take {takes} "
+                                            "(their servers' --hidden-dim)")
 
 
 @dataclass
