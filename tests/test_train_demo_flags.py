@@ -269,6 +269,20 @@ def test_the_demo_refuses_the_dmoe_train_flags_it_sets_itself(flags, refused, te
     assert line.startswith(f"dmoe-demo: error: {refused} is set by dmoe-demo itself"), line
 
 
+@pytest.mark.parametrize("flags", [["--trainers", "3"], ["--collaborate", "solo", "--target-batch-size", "64"]])
+def test_the_demo_refuses_averaging_client_mode_for_its_trainers_on_one_machine(flags, text_file, tmp_path,
+                                                                                monkeypatch, capsys):
+    """With every trainer in client mode none owns a part of the averaging or serves the state: each stepped alone,
+    and the end waited a minute for a state nobody served (review 112 D2)."""
+    monkeypatch.setattr(demo, "run_swarm", lambda *args: pytest.fail("the swarm started"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out"), "--averaging-client-mode", *flags])
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("dmoe-demo: error: argument --averaging-client-mode: the demo's trainers all run on this "
+                           "machine"), line
+
+
 def test_the_demo_still_takes_a_slice_of_the_text_for_its_one_trainer(text_file, tmp_path, monkeypatch):
     config = parsed_demo(monkeypatch, text_file, tmp_path, "--data-shard", "1", "--data-shards", "2")["config"]
     assert (config.data_shard, config.data_shards) == (1, 2)
@@ -325,6 +339,17 @@ def test_a_server_that_does_not_start_is_one_line_its_last(tmp_path, monkeypatch
     assert err[-1] == ("dmoe-demo: the swarm did not start: server 0 exited with status 2: dmoe-server: error: "
                        "argument --checkpoint-dir: it holds other experts (--verbose shows its whole output)"), err
     assert len(err) == 1 and not (tmp_path / "experts" / demo.SWARM_FILE).exists()
+
+
+def test_a_demo_whose_final_validation_was_cut_says_it_was_skipped_not_nan(text_file, tmp_path, monkeypatch, capsys):
+    """It said "validation perplexity nan", which read as a run that diverged (review 112 D2)."""
+    fake_swarm(monkeypatch, lambda swarm: None)
+    monkeypatch.setattr(demo, "train", lambda config: {"interrupted": True, "final_val_loss": float("nan"),
+                                                       "final_val_perplexity": float("nan"), "step": 3})
+    assert demo.main(["--data", str(text_file), "--out-dir", str(tmp_path / "out")]) == 130
+    out = capsys.readouterr().out
+    assert "demo interrupted: final validation skipped after 3 steps; shutting the swarm down" in out, out
+    assert "nan" not in out
 
 
 def test_a_demo_resumed_with_another_swarm_is_refused_naming_the_flag(text_file, tmp_path, monkeypatch, capsys):

@@ -572,7 +572,7 @@ class Killed(Exception):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_stop_signal_during_the_final_validation_saves_the_last_steps_and_says_stopped(text_file, tmp_path,
-                                                                                          monkeypatch, signum):
+                                                                                          monkeypatch, capsys, signum):
     """Only the loop deferred the stop signals: SIGTERM or SIGHUP in the final validation (or the wait for the other
     trainers) killed the trainer without its last steps, and Ctrl-C there ended it as if it had finished."""
     real = trainer.report_validation
@@ -591,6 +591,8 @@ def test_a_stop_signal_during_the_final_validation_saves_the_last_steps_and_says
             signal.signal(s, handler)
     assert result["interrupted"] and result["step"] == 6
     assert torch.load(result["checkpoint"], weights_only=True)["step"] == 6
+    # not "final validation loss nan perplexity nan", which read as a run that diverged (review 112 D2)
+    assert re.search(r"^final validation skipped \(interrupted\) \(step 6, ", capsys.readouterr().out, re.M)
 
 
 def test_ctrl_c_during_the_final_save_keeps_the_last_checkpoint_and_says_so(text_file, tmp_path, monkeypatch,

@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
                           reserved=set_by_demo(args.trainers))
     if not 1 <= args.servers <= config.grid[0]:
         demo.error(f"argument --servers: must be between 1 and the first grid dimension ({config.grid[0]})")
+    if config.averaging_client_mode:  # every trainer in client mode: none owns a part of the averaging or serves the
+        # state, so each stepped alone and finish() waited a minute for a state nobody served (review 112 D2)
+        demo.error("argument --averaging-client-mode: the demo's trainers all run on this machine and reach each "
+                   "other; with every trainer in client mode none could average or serve the state: leave it out")
     if collaborative:
         check_trainer_ports(demo, config, args.trainers)
         try:
@@ -249,8 +253,6 @@ def check_trainer_ports(parser: argparse.ArgumentParser, config: TrainConfig, tr
     """Trainer i listens on --averaging-port + i and --state-port + i where they are not 0: exits naming the flags
     if those ranges overlap (a trainer's averager would take another's state port: it died with a traceback) or
     run past 65535. (The demo's DHT node and servers take free ports: they collide with none.)"""
-    if config.averaging_client_mode:  # the trainers listen on nothing
-        return
     ports = {"--averaging-port": config.averaging_port, "--state-port": config.state_port}
     for flag, first in ports.items():
         if first and first + trainers - 1 > 65535:
@@ -346,9 +348,12 @@ def run_swarm(swarm_config: SwarmConfig, config: TrainConfig, trainer_args, trai
             else:
                 config.initial_peers = (swarm.initial_peers,)
                 result = train(config)
-                print(f"demo {'interrupted' if result['interrupted'] else 'done'}: validation perplexity "
-                      f"{result['final_val_perplexity']:.2f} after {result['step']} steps; shutting the swarm down "
-                      f"(the servers checkpoint their experts in {swarm_config.checkpoint_root})", flush=True)
+                skipped = result["interrupted"] and math.isnan(result["final_val_loss"])  # (a cut validation's NaN)
+                measured = "final validation skipped" if skipped else \
+                    f"validation perplexity {result['final_val_perplexity']:.2f}"
+                print(f"demo {'interrupted' if result['interrupted'] else 'done'}: {measured} after {result['step']} "
+                      f"steps; shutting the swarm down (the servers checkpoint their experts in "
+                      f"{swarm_config.checkpoint_root})", flush=True)
                 if result["interrupted"]:
                     raise KeyboardInterrupt
                 status = 0

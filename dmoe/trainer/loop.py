@@ -609,7 +609,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
 
                 # from here a stop signal cuts short what is left (the final validation, the wait for the other
                 # trainers, the sample), except a checkpoint's write; between those, the loop's deferral takes it
-                val_loss, plot_path, cut_after = math.nan, out_dir / "loss.png", False
+                val_loss, plot_path, cut_after, validated = math.nan, out_dir / "loss.png", False, False
                 try:
                     with InterruptingSignals():
                         if collab is not None and not interrupted:
@@ -624,7 +624,7 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                                        f"here, {collab.steps_downloaded} states downloaded")
                         if not history["val"] or history["val"][-1][0] != step:
                             report_validation(model, data, config, step, history, origin)
-                        val_loss = history["val"][-1][1]
+                        val_loss, validated = history["val"][-1][1], True
                 except KeyboardInterrupt:
                     if collab is not None and collab.updating:  # in finish(), taking another trainer's state
                         return stopped_unsaved(f"interrupted while taking the collaboration's state at step {step}")
@@ -638,8 +638,11 @@ def train(config: TrainConfig, moe_factory: MoEFactory | None = None,
                     with InterruptingSignals():
                         plot_path = plot_losses(history, plot_path)
                         interrupted = interrupted or stop.requested
-                        print(f"final validation loss {val_loss:.3f} perplexity {perplexity(val_loss):.2f} "
-                              f"(step {step}, {(time.monotonic() - origin) / 60:.1f} min)")
+                        # (NaN is the loss of a validation a stop signal cut: "loss nan" read as a run that
+                        # diverged, review 112 D2)
+                        measured = f"loss {val_loss:.3f} perplexity {perplexity(val_loss):.2f}" if validated else \
+                            "skipped (interrupted)"
+                        print(f"final validation {measured} (step {step}, {(time.monotonic() - origin) / 60:.1f} min)")
                         print(f"loss curve: {plot_path}; checkpoint: {checkpoint_path}"
                               + ("; resume with --resume" if interrupted else ""))
                         if config.sample_bytes and not interrupted:
