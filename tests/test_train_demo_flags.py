@@ -283,6 +283,23 @@ def test_the_demo_refuses_averaging_client_mode_for_its_trainers_on_one_machine(
                            "machine"), line
 
 
+@pytest.mark.parametrize("text, flags, said", [
+    (None, [], "--data {path}: cannot read it: No such file or directory"),
+    ("", [], "{path} has 0 bytes: its validation tail (0 bytes, 0.05 of it held out for validation) is too short"),
+    ("x" * 300, ["--trainers", "3", "--val-fraction", "0.5"],
+     "slice 0 of 3 of {path} holds 50 bytes: too short for windows of 64 tokens"),
+], ids=["missing", "empty", "slices"])
+def test_the_demo_reads_its_data_before_it_starts_its_swarm(text, flags, said, tmp_path, monkeypatch, capsys):
+    """An empty --data was told by each trainer after the swarm's 16 s of start-up (review 112 D4)."""
+    monkeypatch.setattr(demo, "run_swarm", lambda *args: pytest.fail("the swarm started"))
+    path = tmp_path / "text.txt"
+    if text is not None:
+        path.write_text(text)
+    assert demo.main(["--data", str(path), "--out-dir", str(tmp_path / "out"), *flags]) == 1
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(f"dmoe-demo: {said.format(path=path)}"), line
+
+
 def test_the_demo_still_takes_a_slice_of_the_text_for_its_one_trainer(text_file, tmp_path, monkeypatch):
     config = parsed_demo(monkeypatch, text_file, tmp_path, "--data-shard", "1", "--data-shards", "2")["config"]
     assert (config.data_shard, config.data_shards) == (1, 2)

@@ -214,6 +214,16 @@ def test_a_text_too_short_or_a_checkpoint_of_another_model_ends_the_program_with
         train_program.main(["--data", str(text_file), "--steps", "4", "--resume", *flags])
 
 
+@pytest.mark.parametrize("name, why", [("missing.txt", "No such file or directory"), (".", "Is a directory")])
+def test_a_data_file_that_cannot_be_read_is_one_line_naming_the_flag(name, why, tmp_path, monkeypatch):
+    """It ended with a bare "[Errno 2] No such file or directory: '/x'" (review 112 D4)."""
+    monkeypatch.setattr(trainer, "make_moe_factory", lambda config, resources: pytest.fail("a model was built"))
+    path = tmp_path / name
+    with pytest.raises(SystemExit) as exited:
+        train_program.main(["--data", str(path), "--out-dir", str(tmp_path / "out"), "--threads", "1"])
+    assert str(exited.value.code) == f"dmoe-train: --data {path}: cannot read it: {why}"
+
+
 def test_a_program_s_defaults_yield_to_a_config_file_and_the_command_line(tmp_path):
     (tmp_path / "c.toml").write_text('max-minutes = 0.5\nout-dir = "mine"\n')
     defaults = {"max_minutes": 4.0, "out_dir": "runs/demo"}  # the demo's

@@ -126,7 +126,10 @@ class TextData:
     def from_file(cls, path: str | os.PathLike, val_fraction: float = 0.05, min_split_len: int = 2) -> "TextData":
         """Reads ``path`` as bytes; the last ``val_fraction`` of it is held out (a contiguous tail, so no window
         of the validation set was seen in training)."""
-        raw = Path(path).read_bytes()
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as error:  # a bare "[Errno 2] No such file or directory: '/x'", naming no flag (review 112 D4)
+            raise DataError(f"--data {path}: cannot read it: {error.strerror or error}") from None
         tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
         n_val = int(len(tokens) * val_fraction)
         train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
