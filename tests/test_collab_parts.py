@@ -1375,6 +1375,52 @@ def test_a_state_server_whose_refusals_other_records_back_is_still_banned(bootst
            f"nothing)" in caplog.text
 
 
+def test_a_server_backed_by_its_own_record_is_dialed_once_for_throwaway_records_claiming_more_of_it(bootstrap,
+                                                                                                     caplog):
+    """A hostile server keeps a record of its own claiming what it serves (step 0) and writes fresh records under
+    throwaway ids claiming step 10 at its endpoint: each was tried first, refused, excused by its own record and,
+    nothing there being ahead, neither struck nor downloaded through, so a joiner dialed it for every fresh record,
+    for ever (review 116 D1). Now records contradicting a standing record's state of that server are banned undialed."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = encode_state(TrainingState.capture(0, "0123abcd", 3, list(model.parameters()), opt), "excuse")
+
+    class Counting(StateServicer):
+        downloads = 0
+
+        async def download_state(self, request, context):
+            type(self).downloads += 1
+            await super().download_state(request, context)
+
+    stop, written = threading.Event(), []
+    with DHT([bootstrap], client_mode=True) as hostile, StateServer(Counting("excuse", lambda: state)) as server:
+        def write() -> None:
+            while not stop.is_set():
+                now, pid = time.time(), 1000 + len(written)
+                hostile.store_many({progress_key("excuse"): {
+                    980: (Progress(0, 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60),
+                    pid: (Progress(10, 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60)}})
+                written.append(pid)
+                stop.wait(0.3)
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        try:
+            with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                    torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dht, "excuse", 100,
+                    refresh_period=0.2, progress_ttl=30.0, client_mode=True, failed_download_share=1.0) as collab:
+                wait_until(lambda: collab.wait_for_trainers(count=100, timeout=0.2) is not None and
+                           caplog.text.count("which serves step 0 (lineage 0123abcd), as trainer 980's record says")
+                           >= 5)
+        finally:
+            stop.set()
+            writer.join()
+    # the first throwaway record's, and the download of 980's state (this joiner takes the canonical lineage); the
+    # other throwaway records were banned undialed
+    assert Counting.downloads <= 2 and caplog.text.count("the lie was trainer") == 1, caplog.text
+
+
 def test_finish_waits_for_the_trainers_it_trained_with_not_for_anyones_record_behind(bootstrap, caplog):
     """Anyone's record kept at a lower step made every trainer's finish() wait finish_timeout and say its model
     may differ from the others' (review 107 D3): it is named and not waited for now."""

@@ -88,6 +88,8 @@ SLOW_REFUSAL = 5.0
 #: before any work, and a wave of joiners may find it busy again and again (one that takes longer is counted, as other
 #: refusals are: review 107 D2)
 QUICK_BUSY = 1.0
+#: servers whose state a record backed, remembered at most (the oldest forgotten first): see ``_backed``
+MAX_BACKED = 256
 
 
 def slow_refusal(state_timeout: float) -> float:
@@ -183,6 +185,9 @@ class CollaborativeOptimizer:
         self._state_limits = download_limits(self.parameters)  # (bytes, messages)
         self._served: tuple[tuple[int, str], list] | None = None
         self._rng = random.Random()
+        #: address dialed -> (peer id, step, lineage, endpoint): a record that backed what that server served when another
+        #: record's claim about it was refused (:meth:`_off_claim`), while it stands unchanged (:meth:`_contradicted`)
+        self._backed: dict[str, tuple[int, int, str, str]] = {}
         # seconds that downloads which come to nothing may take now, and when that was reckoned (see _may_download)
         self._download_budget, self._budget_at = slow_refusal(config.state_timeout), time.monotonic()
         self._closed = False
@@ -428,6 +433,7 @@ class CollaborativeOptimizer:
         this trainer's time (:meth:`_may_download`): records are free to write, each may name an address nobody
         answers at or a new name of one failing server, and each such record cost every trainer's ``step()`` a
         connection timeout, or up to ``state_timeout``, one after another without end (review 107 D1)."""
+        self._drop_contradicted()
         state = self.tracker.state()
         chosen = state.source(self._rng)
         if chosen is None or (at_most is not None and chosen[1].step > at_most) or not self._may_download():
@@ -466,6 +472,10 @@ class CollaborativeOptimizer:
             dialed = resolve_endpoint(claimed.endpoint, min(CONNECT_TIMEOUT, self.config.state_timeout))
             if self.tracker.endpoint_banned(dialed):  # a name of a machine banned under another
                 self._ban_endpoint(claimed.endpoint, dialed, f" (it is {dialed}, banned)")
+                return False
+            contradicted = self._contradicted(peer_id, claimed, dialed)  # (under another name of that server)
+            if contradicted is not None:
+                self.tracker.ban(peer_id, contradicted)
                 return False
             downloaded = download_state(dialed, self.run_id, self.config.state_timeout, *self._state_limits,
                                         check_head=check, parameters=self.parameters)
@@ -556,8 +566,42 @@ class CollaborativeOptimizer:
         logger.info("the state at %s is what trainer %s claims (step %d, lineage %s): the lie was trainer %s's",
                     claimed.endpoint, backing[0], error.step, error.lineage, peer_id)
         if error.step <= self.local_step:  # nothing to take there (it may be this trainer's own state)
+            # ...and no strike, but no more dialing either while that record stands: records claiming more of that
+            # server are banned undialed (_drop_contradicted), or a hostile server, backed by a record of its own,
+            # was dialed for each fresh record of a throwaway id claiming more, and excused each time (review 116)
+            self._backed[dialed] = (backing[0], error.step, error.lineage, backing[1].endpoint)
+            while len(self._backed) > MAX_BACKED:
+                del self._backed[next(iter(self._backed))]
             return False
         return self._download(*backing, at_most, excuse=False)
+
+    def _contradicted(self, peer_id: int, claimed: Progress, dialed: str) -> str | None:
+        """Why ``peer_id``'s record ``claimed`` lies about the server at ``dialed``, without asking that server: a
+        record that backed what it served (:attr:`_backed`) still claims that, unchanged, and ``claimed`` claims a
+        state that is not it. None otherwise (forgetting a backing record that moved on or left)."""
+        known = self._backed.get(dialed)
+        if known is None or known[0] == peer_id:
+            return None
+        backer, step, lineage, endpoint = known
+        standing = self.tracker.state().peers.get(backer)
+        if standing is None or (standing.step, standing.lineage, standing.endpoint) != (step, lineage, endpoint):
+            del self._backed[dialed]  # it stepped on, or left: what that server serves is unknown again
+            return None
+        if _claim_fits(claimed, None, step, lineage):
+            return None
+        return (f"it claims step {claimed.step} at {claimed.endpoint}, which serves step {step} (lineage {lineage}), as "
+                f"trainer {backer}'s record says")
+
+    def _drop_contradicted(self) -> None:
+        """Bans, undialed, the records that :meth:`_contradicted` finds lying about a server under the address it
+        was dialed at (a record naming it by another name is found when dialed: its name is resolved first)."""
+        if not self._backed:
+            return
+        for pid, progress in self.tracker.state().peers.items():
+            if progress.endpoint in self._backed:
+                contradicted = self._contradicted(pid, progress, progress.endpoint)
+                if contradicted is not None:
+                    self.tracker.ban(pid, contradicted)
 
     def _refused(self, endpoint: str, dialed: str, started: float, forgiven_within: float = 0.0) -> None:
         """Bans the machine of ``endpoint`` (``dialed``: the address it resolved to) after a download it refused in
