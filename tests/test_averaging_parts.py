@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import secrets
 import threading
 import time
@@ -544,3 +545,17 @@ def test_a_paced_peer_sends_no_faster_than_its_rate():
         return asyncio.get_running_loop().time() - start
     assert asyncio.run(send_five()) >= 0.5
     assert asyncio.run(asyncio.wait_for(SendPace(0).wait(10**9), 1)) is None  # 0: no pacing
+
+
+@pytest.mark.parametrize("allreduce_timeout", [1.2e6, math.inf])
+def test_an_averaging_server_with_a_timeout_of_weeks_starts(allreduce_timeout):
+    """Review 116 D2: the connection age (review 109 D1) in milliseconds overflowed gRPC's 32-bit option past 12.4
+    days of timeout, and the averager did not start."""
+    from dmoe.averaging.service import MAX_GRPC_MS, connection_limits
+
+    options = connection_limits(allreduce_timeout, 3.0)
+    assert dict(options)["grpc.max_connection_age_ms"] == MAX_GRPC_MS
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1), options=options)
+    server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    server.stop(None)

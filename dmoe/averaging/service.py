@@ -45,6 +45,9 @@ _ROUND = re.compile(r"[0-9]{1,18}")
 BROKEN_STREAM_GRACE = 1.0
 
 
+MAX_GRPC_MS = 2**31 - 1
+
+
 def connection_limits(allreduce_timeout: float, join_timeout: float) -> list[tuple[str, int]]:
     """Server options that close a connection some time after it opened, its streams given as long as one may
     legitimately last to end first (a first message and the group learnt within ``join_timeout`` each, the values
@@ -52,7 +55,9 @@ def connection_limits(allreduce_timeout: float, join_timeout: float) -> list[tup
     cannot be ended from the handler: gRPC's status waits behind the unread message, and the call (with what it
     buffered of the answer, megabytes) stayed as long as the connection (review 109 D1). The members' channels
     connect again as needed."""
-    longest_ms = int(1000 * (2 * (allreduce_timeout + join_timeout) + 5.0))
+    # (gRPC takes a 32-bit count of milliseconds: a timeout of two weeks or more, or an infinite one, is its most,
+    # 24.8 days; review 116 D2)
+    longest_ms = int(min(1000 * (2 * (allreduce_timeout + join_timeout) + 5.0), MAX_GRPC_MS))
     return [("grpc.max_connection_age_ms", longest_ms), ("grpc.max_connection_age_grace_ms", longest_ms)]
 
 
