@@ -66,20 +66,17 @@ PING_REPLY_BYTES = HEADER_BYTES + 32
 #: record this node holds and no contacts (~20 us), so readers still find values
 KEYS_PER_SECOND = 2000.0
 KEYS_BURST = 4000
-#: signatures a machine's stores may cost this node per second, after a burst of STORE_CHECKS_BURST: an Ed25519
-#: verification costs 60-240 us of the node's only loop, a datagram carries ~66 entries, and forged signatures cost
-#: their sender nothing (review 110: ~200 forged 8 KB stores a second from one peer took a node's loop). Entries whose
-#: verdict is remembered, and those refused unverified (stale, or another owner's subkey), cost none; beyond the
-#: budget the others are answered :data:`STORE_BUSY`, unverified. An honest writer sending N new entries every
-#: refresh period P fits while N <= the burst and N / P <= the rate: 5000 entries (experts) a machine every 10 s
+#: forged signatures a machine's stores may cost this node per second, after a burst of STORE_CHECKS_BURST: an
+#: Ed25519 verification costs 60-240 us of the node's only loop, a datagram carries ~66 entries, and forged signatures
+#: cost their sender nothing (review 110: ~200 forged 8 KB stores a second from one peer took a node's loop). Each
+#: verification takes one from the budget and a valid entry gives it back (its writer paid a signature for it), so
+#: honest writers, however many entries they refresh (a big announcer, servers behind one NAT, a hand-over), never
+#: spend it (review 116); entries whose verdict is remembered, and those refused unverified (stale, or another owner's
+#: subkey), cost none; with the budget spent, the others are answered :data:`STORE_BUSY`, unverified
 STORE_CHECKS_PER_SECOND = 500.0
 STORE_CHECKS_BURST = 5000
 #: what a store's entry beyond its machine's budget gets (the writer counts it stored if another replica took it)
 STORE_BUSY = "busy: stores from this machine spent their signature checks on this node for now"
-#: a hand-over sends a newcomer at most this many entries at once, then this many a second: half its machine's
-#: budget there (:data:`STORE_CHECKS_PER_SECOND`), the rest left to the machine's own writers
-HANDOVER_ENTRIES_BURST = STORE_CHECKS_BURST // 2
-HANDOVER_ENTRIES_PER_SECOND = STORE_CHECKS_PER_SECOND / 2
 
 
 #: seconds beyond which an entry arriving expired (or expiring beyond ``max_expiration``) is logged as a likely
@@ -295,9 +292,12 @@ class DHTProtocol(UDPTransport):
                                    "key", sender, subkey, key.hex()[:16])
                 results.append(f"refused: subkey {subkey} is owned by {current.owner.hex()[:16]}")
                 continue
-            if self.verifier.known(key, subkey, *entry) is None and not self.store_checks.take(machine):
+            checked = self.verifier.known(key, subkey, *entry) is None
+            if checked and not self.store_checks.take(machine):
                 # a verification costs the loop 60-240 us, and forged signatures cost nothing to send: each machine
-                # gets a budget of them (review 110 D1)
+                # gets a budget of them (review 110 D1), spent by the entries that fail only (a valid one was given
+                # back: its writer paid a signature for it, and machines behind one NAT, or a big announcer, wrote
+                # more than the budget every refresh, review 116)
                 self.refusals.warn("busy", sender[0], "refusing stores from %s: its machine sent more than %g new "
                                    "signed entries a second (after a burst of %d)", sender, STORE_CHECKS_PER_SECOND,
                                    STORE_CHECKS_BURST)
@@ -308,6 +308,8 @@ class DHTProtocol(UDPTransport):
                                    key.hex()[:16], sender)
                 results.append("refused: unsigned or bad signature")
                 continue
+            if checked:
+                self.store_checks.refund(machine)
             self._check_clock(sender, entry)
             try:
                 results.append(self.storage.store(key, subkey, *entry, sender=group))
@@ -481,29 +483,7 @@ class DHTProtocol(UDPTransport):
         self.welcome_if_new(answered, answered=True)
 
     def _hand_over(self, node: Node) -> None:
-        keys = [key for key, _ in self.records_to_hand_over(node)]
-        if keys:
-            self.spawn(self._send_hand_over(node, keys))
-
-    async def _send_hand_over(self, node: Node, keys: list[bytes]) -> None:
-        """Stores the records of ``keys`` (as they are when sent) on ``node``, paced to
-        :data:`HANDOVER_ENTRIES_BURST` entries at once and then :data:`HANDOVER_ENTRIES_PER_SECOND`: the newcomer
-        verifies each entry, within a budget per machine (:data:`STORE_CHECKS_PER_SECOND`), and a full storage sent
-        at once was answered busy beyond it (review 110 D1). Stops once ``node`` has left the routing table."""
-        allowance, since = float(HANDOVER_ENTRIES_BURST), self.clock()
-        for key in keys:
-            record = self.storage.get(key)  # its live entries now: those expired meanwhile cost the newcomer nothing
-            if not record:
-                continue
-            now = self.clock()
-            allowance, since = min(float(HANDOVER_ENTRIES_BURST),
-                                   allowance + (now - since) * HANDOVER_ENTRIES_PER_SECOND), now
-            if allowance < len(record):
-                await asyncio.sleep((len(record) - allowance) / HANDOVER_ENTRIES_PER_SECOND)
-                if self.router.is_new_node(node):
-                    return  # evicted meanwhile (it stopped answering): a full storage would take minutes of sends
-                allowance, since = float(len(record)), self.clock()
-            allowance -= len(record)
+        for key, record in self.records_to_hand_over(node):
             self.spawn(self.call_store(node, key, record))
 
     def _may_hand_over(self, node: Node) -> bool:

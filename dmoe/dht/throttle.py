@@ -72,3 +72,10 @@ class MachineBudgets:
         granted = min(n, int(tokens))
         self._buckets[machine] = (tokens - granted, now)
         return granted
+
+    def refund(self, machine: str, n: int = 1) -> None:
+        """Gives back ``n`` units ``machine`` took for work that turned out to cost it nothing to pay for (up to its
+        burst): its honest entries, of a budget that only forgeries should spend."""
+        if machine in self._buckets:
+            tokens, since = self._buckets[machine]
+            self._buckets[machine] = (min(self.burst, tokens + n), since)
