@@ -69,10 +69,12 @@ KEYS_BURST = 4000
 #: forged signatures a machine's stores may cost this node per second, after a burst of STORE_CHECKS_BURST: an
 #: Ed25519 verification costs 60-240 us of the node's only loop, a datagram carries ~66 entries, and forged signatures
 #: cost their sender nothing (review 110: ~200 forged 8 KB stores a second from one peer took a node's loop). Each
-#: verification takes one from the budget and a valid entry gives it back (its writer paid a signature for it), so
-#: honest writers, however many entries they refresh (a big announcer, servers behind one NAT, a hand-over), never
-#: spend it (review 116); entries whose verdict is remembered, and those refused unverified (stale, or another owner's
-#: subkey), cost none; with the budget spent, the others are answered :data:`STORE_BUSY`, unverified
+#: verification takes one from the budget and a valid entry stored gives it back (its writer paid a signature for
+#: it), so honest writers, however many entries they refresh (a big announcer, servers behind one NAT, a hand-over),
+#: never spend it (review 116); valid entries the storage drops do not (a set of expired ones replayed past the
+#: verifier's memory was checked for free, review 117). Entries whose verdict is remembered, and those refused
+#: unverified (stale, or another owner's subkey), cost none; with the budget spent, the others are answered
+#: :data:`STORE_BUSY`, unverified
 STORE_CHECKS_PER_SECOND = 500.0
 STORE_CHECKS_BURST = 5000
 #: what a store's entry beyond its machine's budget gets (the writer counts it stored if another replica took it)
@@ -308,11 +310,12 @@ class DHTProtocol(UDPTransport):
                                    key.hex()[:16], sender)
                 results.append("refused: unsigned or bad signature")
                 continue
-            if checked:
-                self.store_checks.refund(machine)
             self._check_clock(sender, entry)
             try:
-                results.append(self.storage.store(key, subkey, *entry, sender=group))
+                stored = self.storage.store(key, subkey, *entry, sender=group)
+                if stored is True and checked:  # (see STORE_CHECKS_PER_SECOND)
+                    self.store_checks.refund(machine)
+                results.append(stored)
             except RecordFull as error:
                 self.refusals.warn("full", sender[0], "refusing store from %s: %s", sender, error)
                 results.append(f"record full: {error}")
