@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import json
 import logging
@@ -15,13 +16,14 @@ import socket
 import threading
 import time
 from dataclasses import replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 import pytest
 import torch
 
 from dmoe import DHT, CollaborationConfig
+from dmoe.collab import optimizer as collab_optimizer
 from dmoe.collab.optimizer import CollaborativeOptimizer, parameters_lineage
 from dmoe.collab.progress import (
     ACCUMULATING,
@@ -1375,17 +1377,10 @@ def test_a_state_server_whose_refusals_other_records_back_is_still_banned(bootst
            f"nothing)" in caplog.text
 
 
-def test_a_server_backed_by_its_own_record_is_dialed_once_for_throwaway_records_claiming_more_of_it(bootstrap,
-                                                                                                     caplog):
-    """A hostile server keeps a record of its own claiming what it serves (step 0) and writes fresh records under
-    throwaway ids claiming step 10 at its endpoint: each was tried first, refused, excused by its own record and,
-    nothing there being ahead, neither struck nor downloaded through, so a joiner dialed it for every fresh record,
-    for ever (review 116 D1). Now records contradicting a standing record's state of that server are banned undialed."""
-    caplog.set_level(logging.INFO, logger="dmoe.collab")
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = encode_state(TrainingState.capture(0, "0123abcd", 3, list(model.parameters()), opt), "excuse")
-
+@contextlib.contextmanager
+def pinning_swarm(bootstrap, run_id: str, records: Callable[[str], dict[int, Progress]], state: Callable[[], bytes]):
+    """A state server serving ``state()`` and a thread writing ``records(its endpoint)`` afresh every 0.3 s (each
+    call may name new peer ids); yields the server's endpoint and how many downloads it served."""
     class Counting(StateServicer):
         downloads = 0
 
@@ -1393,32 +1388,87 @@ def test_a_server_backed_by_its_own_record_is_dialed_once_for_throwaway_records_
             type(self).downloads += 1
             await super().download_state(request, context)
 
-    stop, written = threading.Event(), []
-    with DHT([bootstrap], client_mode=True) as hostile, StateServer(Counting("excuse", lambda: state)) as server:
+    stop = threading.Event()
+    with DHT([bootstrap], client_mode=True) as writer_dht, StateServer(Counting(run_id, state)) as server:
         def write() -> None:
             while not stop.is_set():
-                now, pid = time.time(), 1000 + len(written)
-                hostile.store_many({progress_key("excuse"): {
-                    980: (Progress(0, 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60),
-                    pid: (Progress(10, 0, 1.0, now, server.endpoint, ACCUMULATING, "0123abcd", 3).encode(), now + 60)}})
-                written.append(pid)
+                now = time.time()
+                writer_dht.store_many({progress_key(run_id): {
+                    pid: (progress.encode(), now + 60) for pid, progress in records(server.endpoint).items()}})
                 stop.wait(0.3)
 
         writer = threading.Thread(target=write, daemon=True)
         writer.start()
         try:
-            with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
-                    torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dht, "excuse", 100,
-                    refresh_period=0.2, progress_ttl=30.0, client_mode=True, failed_download_share=1.0) as collab:
-                wait_until(lambda: collab.wait_for_trainers(count=100, timeout=0.2) is not None and
-                           caplog.text.count("which serves step 0 (lineage 0123abcd), as trainer 980's record says")
-                           >= 5)
+            yield server.endpoint, Counting
         finally:
             stop.set()
             writer.join()
+
+
+def test_a_server_backed_by_its_own_record_is_not_dialed_for_throwaway_records_claiming_more_of_it(bootstrap, caplog,
+                                                                                                  monkeypatch):
+    """A hostile server keeps a record of its own claiming what it serves (step 0) and writes fresh records under
+    throwaway ids claiming step 10 at its endpoint: each was tried first, refused, excused by its own record and,
+    nothing there being ahead, neither struck nor downloaded through, so a joiner dialed it for every fresh record,
+    for ever (review 116 D1). Records claiming more of it are now passed over undialed for PIN_SECONDS."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    monkeypatch.setattr(collab_optimizer, "PIN_SECONDS", 60.0)  # (the whole test within one pin)
+    model = torch.nn.Linear(3, 2)
+    state = encode_state(TrainingState.capture(0, "0123abcd", 3, list(model.parameters()),
+                                               torch.optim.SGD(model.parameters(), lr=0.1)), "excuse")
+    throwaway = iter(range(1000, 2000))
+
+    def records(endpoint: str) -> dict[int, Progress]:
+        now = time.time()
+        return {980: Progress(0, 0, 1.0, now, endpoint, ACCUMULATING, "0123abcd", 3),
+                next(throwaway): Progress(10, 0, 1.0, now, endpoint, ACCUMULATING, "0123abcd", 3)}
+
+    with pinning_swarm(bootstrap, "excuse", records, lambda: state) as (_, server):
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dht, "excuse", 100,
+                refresh_period=0.2, progress_ttl=30.0, client_mode=True, failed_download_share=1.0) as collab:
+            wait_until(lambda: collab.wait_for_trainers(count=100, timeout=0.2) is not None and
+                       caplog.text.count("which served step 0 (lineage 0123abcd)") >= 5)
     # the first throwaway record's, and the download of 980's state (this joiner takes the canonical lineage); the
-    # other throwaway records were banned undialed
-    assert Counting.downloads <= 2 and caplog.text.count("the lie was trainer") == 1, caplog.text
+    # other throwaway records were passed over undialed
+    assert server.downloads <= 2 and caplog.text.count("the lie was trainer") == 1, caplog.text
+
+
+def test_a_record_backing_an_honest_servers_old_state_keeps_no_trainer_from_its_new_one(bootstrap, caplog,
+                                                                                       monkeypatch):
+    """Review 117 D1: anyone may write the record that backs a refusal. A record kept at an honest trainer's step,
+    and one claiming a step more, pinned what it served for as long as the first stood: once it stepped on, its own
+    records were banned, and a trainer that fell behind never caught up from it. A pin lasts PIN_SECONDS."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+    monkeypatch.setattr(collab_optimizer, "PIN_SECONDS", 1.0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    served = {"step": 0, "lineage": "0123abcd"}
+    states = {}
+
+    def state() -> bytes:
+        key = (served["step"], served["lineage"])
+        if key not in states:
+            states[key] = encode_state(TrainingState.capture(*key, 3, list(model.parameters()), opt), "pin")
+        return states[key]
+
+    def records(endpoint: str) -> dict[int, Progress]:
+        now = time.time()
+        return {10: Progress(0, 0, 1.0, now, endpoint, ACCUMULATING, "0123abcd", 3),  # kept at the old step
+                11: Progress(1, 0, 1.0, now, endpoint, ACCUMULATING, "0123abcd", 3),  # a step more: refused
+                5000: Progress(served["step"], 0, 1.0, now, endpoint, ACCUMULATING, served["lineage"], 3)}  # its own
+
+    with pinning_swarm(bootstrap, "pin", records, state) as (_, server):
+        with DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dht, "pin", 100,
+                refresh_period=0.2, progress_ttl=30.0, client_mode=True, failed_download_share=1.0) as collab:
+            wait_until(lambda: collab.wait_for_trainers(count=100, timeout=0.2) is not None and
+                       "the lie was trainer 11's" in caplog.text)
+            served.update(step=2, lineage="feedbeef")  # it steps on twice: this trainer missed those rounds
+            wait_until(lambda: collab.wait_for_trainers(count=100, timeout=0.2) is not None and
+                       collab.local_step == 2)
+    assert "downloaded the state at step 2 from trainer" in caplog.text
 
 
 def test_finish_waits_for_the_trainers_it_trained_with_not_for_anyones_record_behind(bootstrap, caplog):

@@ -90,6 +90,12 @@ SLOW_REFUSAL = 5.0
 QUICK_BUSY = 1.0
 #: servers whose state a record backed, remembered at most (the oldest forgotten first): see ``_backed``
 MAX_BACKED = 256
+#: seconds for which records claiming more of a server than it served are passed over undialed, after a refusal there
+#: that another record backed, nothing there ahead of this trainer: a hostile server backed by a record of its own was
+#: dialed, and excused, for every fresh throwaway record claiming more of it (review 116 D1). Short, as anyone may write
+#: the backing record: kept while it stood unchanged, a pin made an honest trainer's own records, once it stepped on,
+#: be banned, and a trainer that fell behind could not catch up from it (review 117 D1)
+PIN_SECONDS = 5.0
 
 
 def slow_refusal(state_timeout: float) -> float:
@@ -185,9 +191,9 @@ class CollaborativeOptimizer:
         self._state_limits = download_limits(self.parameters)  # (bytes, messages)
         self._served: tuple[tuple[int, str], list] | None = None
         self._rng = random.Random()
-        #: address dialed -> (peer id, step, lineage, endpoint): a record that backed what that server served when another
-        #: record's claim about it was refused (:meth:`_off_claim`), while it stands unchanged (:meth:`_contradicted`)
-        self._backed: dict[str, tuple[int, int, str, str]] = {}
+        #: address dialed -> (until, step, lineage): what that server served when a record's claim about it was
+        #: refused and another record backed it, nothing there ahead of this trainer (:meth:`_off_claim`)
+        self._backed: dict[str, tuple[float, int, str]] = {}
         # seconds that downloads which come to nothing may take now, and when that was reckoned (see _may_download)
         self._download_budget, self._budget_at = slow_refusal(config.state_timeout), time.monotonic()
         self._closed = False
@@ -473,9 +479,9 @@ class CollaborativeOptimizer:
             if self.tracker.endpoint_banned(dialed):  # a name of a machine banned under another
                 self._ban_endpoint(claimed.endpoint, dialed, f" (it is {dialed}, banned)")
                 return False
-            contradicted = self._contradicted(peer_id, claimed, dialed)  # (under another name of that server)
+            contradicted = self._contradicted(claimed, dialed)  # (under another name of that server)
             if contradicted is not None:
-                self.tracker.ban(peer_id, contradicted)
+                self.tracker.ban(peer_id, *contradicted)
                 return False
             downloaded = download_state(dialed, self.run_id, self.config.state_timeout, *self._state_limits,
                                         check_head=check, parameters=self.parameters)
@@ -566,42 +572,44 @@ class CollaborativeOptimizer:
         logger.info("the state at %s is what trainer %s claims (step %d, lineage %s): the lie was trainer %s's",
                     claimed.endpoint, backing[0], error.step, error.lineage, peer_id)
         if error.step <= self.local_step:  # nothing to take there (it may be this trainer's own state)
-            # ...and no strike, but no more dialing either while that record stands: records claiming more of that
-            # server are banned undialed (_drop_contradicted), or a hostile server, backed by a record of its own,
-            # was dialed for each fresh record of a throwaway id claiming more, and excused each time (review 116)
-            self._backed[dialed] = (backing[0], error.step, error.lineage, backing[1].endpoint)
+            # ...and no strike, but no more dialing it for a while either: records claiming more of that server are
+            # passed over undialed for PIN_SECONDS (_drop_contradicted), or a hostile server, backed by a record of
+            # its own, was dialed for each fresh record of a throwaway id claiming more, and excused each time
+            # (review 116 D1)
+            self._backed[dialed] = (time.monotonic() + PIN_SECONDS, error.step, error.lineage)
             while len(self._backed) > MAX_BACKED:
                 del self._backed[next(iter(self._backed))]
             return False
         return self._download(*backing, at_most, excuse=False)
 
-    def _contradicted(self, peer_id: int, claimed: Progress, dialed: str) -> str | None:
-        """Why ``peer_id``'s record ``claimed`` lies about the server at ``dialed``, without asking that server: a
-        record that backed what it served (:attr:`_backed`) still claims that, unchanged, and ``claimed`` claims a
-        state that is not it. None otherwise (forgetting a backing record that moved on or left)."""
+    def _contradicted(self, claimed: Progress, dialed: str) -> tuple[str, float] | None:
+        """Why a record ``claimed`` lies about the server at ``dialed``, without asking that server, and for how many
+        seconds more that holds: within :data:`PIN_SECONDS` of a refusal there that another record backed (see
+        :attr:`_backed`), ``claimed`` claims a state that is not the one it served. None otherwise."""
         known = self._backed.get(dialed)
-        if known is None or known[0] == peer_id:
+        if known is None:
             return None
-        backer, step, lineage, endpoint = known
-        standing = self.tracker.state().peers.get(backer)
-        if standing is None or (standing.step, standing.lineage, standing.endpoint) != (step, lineage, endpoint):
-            del self._backed[dialed]  # it stepped on, or left: what that server serves is unknown again
+        until, step, lineage = known
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._backed[dialed]
             return None
         if _claim_fits(claimed, None, step, lineage):
             return None
-        return (f"it claims step {claimed.step} at {claimed.endpoint}, which serves step {step} (lineage {lineage}), as "
-                f"trainer {backer}'s record says")
+        return f"it claims step {claimed.step} at {claimed.endpoint}, which served step {step} (lineage {lineage}) " \
+               f"{PIN_SECONDS - left:.1f}s ago", left
 
     def _drop_contradicted(self) -> None:
-        """Bans, undialed, the records that :meth:`_contradicted` finds lying about a server under the address it
-        was dialed at (a record naming it by another name is found when dialed: its name is resolved first)."""
+        """Passes over, undialed, the records that :meth:`_contradicted` finds lying about a server under the
+        address it was dialed at (a record naming it by another name is found when dialed: its name is resolved
+        first)."""
         if not self._backed:
             return
         for pid, progress in self.tracker.state().peers.items():
             if progress.endpoint in self._backed:
-                contradicted = self._contradicted(pid, progress, progress.endpoint)
+                contradicted = self._contradicted(progress, progress.endpoint)
                 if contradicted is not None:
-                    self.tracker.ban(pid, contradicted)
+                    self.tracker.ban(pid, *contradicted)
 
     def _refused(self, endpoint: str, dialed: str, started: float, forgiven_within: float = 0.0) -> None:
         """Bans the machine of ``endpoint`` (``dialed``: the address it resolved to) after a download it refused in
