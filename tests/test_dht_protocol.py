@@ -17,6 +17,7 @@ from kademlia.utils import digest
 from dmoe.dht.config import DHTConfig
 from dmoe.dht.node import DHTNode
 from dmoe.dht import signing
+from dmoe.dht.signing import Verifier
 from dmoe.dht.protocol import (HANDOVER_BURST, HANDOVER_PERIOD,
                                 KEYS_BURST, KEYS_PER_SECOND, PING_BACK_BURST, PING_BACK_WINDOW, STORE_BUSY,
                                 STORE_CHECKS_BURST, STORE_CHECKS_PER_SECOND, DHTProtocol)
@@ -431,6 +432,41 @@ def test_an_honest_writer_of_more_entries_than_the_budget_is_never_answered_busy
             for subkey in range(64, 128)])
     assert results[:STORE_CHECKS_BURST] == [False] * STORE_CHECKS_BURST and set(results[STORE_CHECKS_BURST:]) == {
         STORE_BUSY}
+
+
+def test_entries_the_storage_would_not_take_cost_no_signature_check(monkeypatch):
+    """Review 118: a shared claim held living at least as long was verified and "stored" (its check given back), so
+    valid claims replayed past the verifier's memory were checked without limit; a group at its share of a node over
+    half full had each new entry verified, refused and charged, and then its refreshes answered busy."""
+    verified = Counter()
+    real_verify = signing.verify
+    monkeypatch.setattr(signing, "verify", lambda *entry: verified.update([entry[0]]) or real_verify(*entry))
+    protocol = DHTProtocol(Node(b"n" * 20), RecordStorage(max_entries=400, sender_share=1 / 4), DHTConfig())
+    protocol.clock = lambda: 1000.0  # (no refill of the budget)
+    writer, expiration, sender = Identity(), time.time() + 600, ("10.0.0.1", 5555)
+    key = digest("ffn0.3")
+    claims = [[f"c{i}", *writer.entry(key, f"c{i}", "10.0.0.9:5000", expiration)] for i in range(50)]
+    assert protocol.rpc_store(sender, b"", key, claims) == [True] * 50 and verified[key] == 50
+    for _ in range(3):  # replays (past the memory of verdicts too): held, answered as stored, never checked again
+        protocol.verifier = Verifier()
+        assert protocol.rpc_store(sender, b"", key, claims) == [True] * 50
+    assert verified[key] == 50
+    # a node over half full (others hold 150 of 400), the group at its share (100)
+    others = [digest(f"o{i}") for i in range(150)]
+    for other in others:
+        assert protocol.rpc_store(("10.0.0.2", 5555), b"", other, [[0, *writer.entry(other, 0, "x", expiration)]])
+    mine = [digest(f"m{i}") for i in range(50)]
+    for each in mine:
+        assert protocol.rpc_store(sender, b"", each, [[0, *writer.entry(each, 0, "x", expiration)]]) == [True]
+    checks = sum(verified.values())
+    for i in range(STORE_CHECKS_BURST + 100):  # new entries over its share: refused, unchecked
+        extra = digest(f"x{i}")
+        assert protocol.rpc_store(sender, b"", extra, [[0, "x", expiration, writer.public_key, bytes(64), 1]])[0] \
+            .startswith("record full: 10.0.0.1 already holds 100")
+    assert sum(verified.values()) == checks
+    refreshed = [protocol.rpc_store(sender, b"", each, [[0, *writer.entry(each, 0, "y", expiration + 1)]])[0]
+                 for each in mine]
+    assert refreshed == [True] * 50
 
 
 def test_a_full_record_is_read_whole_beside_a_large_ksize_and_settings_it_could_not_fit_are_refused():

@@ -72,9 +72,10 @@ KEYS_BURST = 4000
 #: verification takes one from the budget and a valid entry stored gives it back (its writer paid a signature for
 #: it), so honest writers, however many entries they refresh (a big announcer, servers behind one NAT, a hand-over),
 #: never spend it (review 116); valid entries the storage drops do not (a set of expired ones replayed past the
-#: verifier's memory was checked for free, review 117). Entries whose verdict is remembered, and those refused
-#: unverified (stale, or another owner's subkey), cost none; with the budget spent, the others are answered
-#: :data:`STORE_BUSY`, unverified
+#: verifier's memory was checked for free, review 117). Entries whose verdict is remembered, and those the storage
+#: would not take, found before any check (stale, another owner's subkey, a shared claim held living as long, no room
+#: for the sender: review 118), cost none; with the budget spent, the others are answered :data:`STORE_BUSY`,
+#: unverified
 STORE_CHECKS_PER_SECOND = 500.0
 STORE_CHECKS_BURST = 5000
 #: what a store's entry beyond its machine's budget gets (the writer counts it stored if another replica took it)
@@ -293,6 +294,16 @@ class DHTProtocol(UDPTransport):
                 self.refusals.warn("hijack", sender[0], "refusing store from %s: subkey %s of %s is owned by another "
                                    "key", sender, subkey, key.hex()[:16])
                 results.append(f"refused: subkey {subkey} is owned by {current.owner.hex()[:16]}")
+                continue
+            if current is not None and isinstance(subkey, str) and not supersedes(subkey, entry, current):
+                # a shared claim held living at least as long: what the storage answers, without a verification
+                # (valid replays of one were checked, and their checks given back, without limit: review 118)
+                results.append(True)
+                continue
+            full = self.storage.room_for(key, subkey, group) if current is None else None
+            if full is not None:  # (refused before the signature is checked, review 118)
+                self.refusals.warn("full", sender[0], "refusing store from %s: %s", sender, full)
+                results.append(f"record full: {full}")
                 continue
             checked = self.verifier.known(key, subkey, *entry) is None
             if checked and not self.store_checks.take(machine):

@@ -264,21 +264,8 @@ class RecordStorage(IStorage):
         if (isinstance(subkey, int) and owner and (record is None or subkey not in record)
                 and (issued_us, expiration) <= self._expired.get((key, subkey, owner), (-1, 0.0))):
             return False  # older than an entry of its owner that expired here: a replay
-        if record is None:
-            if len(self.data) >= self.max_records:
-                self._purge()
-                if len(self.data) >= self.max_records:
-                    raise RecordFull(f"this node already holds {len(self.data)} records (max_records)")
-            self._check_share(sender, "records", len(self.data), self.max_records, self.records_of,
-                              self.records_share)
+        self._make_room(key, subkey, record, sender)
         if record is None or subkey not in record:
-            if self.entries >= self.max_entries:
-                self._purge()
-                if self.entries >= self.max_entries:
-                    raise RecordFull(f"this node already holds {self.entries} entries (max_entries)")
-            self._check_share(sender, "entries", self.entries, self.max_entries, self.entries_of, self.entries_share)
-            if record is not None and len(record) >= self.max_subkeys:
-                raise RecordFull(f"record {key.hex()} already holds {len(record)} subkeys (max_record_subkeys)")
             record = self._live(key) if record is not None else None  # a purge may have dropped it
             if record is None:
                 record = self.data[key] = {}
@@ -297,6 +284,34 @@ class RecordStorage(IStorage):
             self._changed(key)
             self._soonest[key] = min(expiration, self._soonest.get(key, expiration))
         return stored
+
+    def _make_room(self, key: bytes, subkey: Subkey, record: Record | None, sender: str) -> None:
+        """Raises :class:`RecordFull` where a new record or entry of ``sender`` has no room (expired ones purged
+        first, at most once a second); nothing for an entry that replaces one held."""
+        if record is None:
+            if len(self.data) >= self.max_records:
+                self._purge()
+                if len(self.data) >= self.max_records:
+                    raise RecordFull(f"this node already holds {len(self.data)} records (max_records)")
+            self._check_share(sender, "records", len(self.data), self.max_records, self.records_of,
+                              self.records_share)
+        if record is None or subkey not in record:
+            if self.entries >= self.max_entries:
+                self._purge()
+                if self.entries >= self.max_entries:
+                    raise RecordFull(f"this node already holds {self.entries} entries (max_entries)")
+            self._check_share(sender, "entries", self.entries, self.max_entries, self.entries_of, self.entries_share)
+            if record is not None and len(record) >= self.max_subkeys:
+                raise RecordFull(f"record {key.hex()} already holds {len(record)} subkeys (max_record_subkeys)")
+
+    def room_for(self, key: bytes, subkey: Subkey, sender: str = "") -> str | None:
+        """Why a new entry of ``sender`` at ``subkey`` of ``key`` would be refused for room (:class:`RecordFull`'s
+        message), or None: asked before its signature is checked, which costs far more (review 118)."""
+        try:
+            self._make_room(key, subkey, self._live(key), sender)
+        except RecordFull as error:
+            return str(error)
+        return None
 
     def _check_share(self, sender: str, what: str, held: int, cap: int, of: dict[str, int], share: int) -> None:
         """Refuses a new record or entry of ``sender`` that holds its share of a node at least half full."""
