@@ -377,8 +377,9 @@ def _batch_call(method: str, endpoint: str, items: Sequence[tuple[str, Sequence[
         # (review 113 D1) an item without ``expect`` was packed as if its answer were no larger than its request: an
         # expert answering more than it is sent can take a batch's answer past what a client reads in place. Its
         # halves go again (a batch of MAX_BATCH_ITEMS is split 10 times at most). With every answer expected, an
-        # answer that large is not what was expected, and fails.
-        if len(items) == 1 or all(expected is not None for expected in expect):
+        # answer that large is not what was expected, and fails; a backward is never sent twice (its experts
+        # stepped on it already).
+        if method != "forward" or len(items) == 1 or all(expected is not None for expected in expect):
             for (uid, _, _), future in zip(items, futures):
                 _settle(future, fail(uid, grpc.StatusCode.INTERNAL, f"the answer could not be read: {reason}"))
             return
