@@ -1471,6 +1471,46 @@ def test_a_record_backing_an_honest_servers_old_state_keeps_no_trainer_from_its_
     assert "downloaded the state at step 2 from trainer" in caplog.text
 
 
+def test_hostile_servers_each_backed_by_a_record_of_their_own_keep_no_joiner_from_an_honest_one(bootstrap, caplog):
+    """Review 119 D1: three hostile servers, each serving step 0 under a record of its own and named by fresh
+    throwaway records claiming step 100, refused each download after 1 s: each refusal excused, none struck, each
+    charged to the failed-download budget, which they kept spent, so a joiner never reached the honest trainer at
+    step 2. A refusal is excused only when quick (an honest server answers at once): these are struck and banned."""
+    caplog.set_level(logging.INFO, logger="dmoe.collab")
+
+    class SlowStepZero(StateServicer):
+        async def download_state(self, request, context):
+            await asyncio.sleep(1.2)  # (within slow_refusal: never banned for its time alone)
+            await context.write(dmoe_pb2.StatePart(run_id=self.run_id, step=0, lineage="0123abcd"))
+            await asyncio.sleep(10)
+
+    model = torch.nn.Linear(3, 2)
+    state = encode_state(TrainingState.capture(2, "feedbeef", 3, list(model.parameters()),
+                                               torch.optim.SGD(model.parameters(), lr=0.1)), "starve")
+    throwaway = iter(range(1000, 100_000))
+    with contextlib.ExitStack() as stack:
+        hostile = [stack.enter_context(StateServer(SlowStepZero("starve", lambda: None))).endpoint for _ in range(3)]
+
+        def records(honest: str) -> dict[int, Progress]:
+            now = time.time()
+            mine = {5000: Progress(2, 0, 1.0, now, honest, ACCUMULATING, "feedbeef", 3)}
+            for i, endpoint in enumerate(hostile):
+                mine[980 + i] = Progress(0, 0, 1.0, now, endpoint, ACCUMULATING, "0123abcd", 3)
+                mine[next(throwaway)] = Progress(100 - i, 0, 1.0, now, endpoint, ACCUMULATING, "0123abcd", 3)
+            return mine
+
+        with pinning_swarm(bootstrap, "starve", records, lambda: state) as (_, honest), \
+                DHT([bootstrap], client_mode=True) as dht, CollaborativeOptimizer(
+                    torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1), dht, "starve", 100,
+                    refresh_period=0.2, progress_ttl=30.0, client_mode=True, state_timeout=8.0,
+                    failed_download_share=1.0) as collab:
+            wait_until(lambda: collab.wait_for_trainers(count=100, timeout=0.2) is not None and
+                       all(collab.tracker.endpoint_banned(endpoint) for endpoint in hostile), timeout=60)
+            wait_until(lambda: collab.wait_for_trainers(count=100, timeout=0.2) is not None and
+                       collab.local_step == 2)
+    assert "downloaded the state at step 2 from trainer 5000" in caplog.text
+
+
 def test_finish_waits_for_the_trainers_it_trained_with_not_for_anyones_record_behind(bootstrap, caplog):
     """Anyone's record kept at a lower step made every trainer's finish() wait finish_timeout and say its model
     may differ from the others' (review 107 D3): it is named and not waited for now."""
@@ -1643,7 +1683,9 @@ def test_a_state_past_the_step_its_record_claims_is_refused_after_its_first_mess
         with pytest.raises(StateMismatch, match="no"):
             download_state(big_server.endpoint, "claim", 10, 1 << 30,
                            check_head=lambda step, lineage: (_ for _ in ()).throw(StateMismatch("no")))
-        assert len(sent) < len(far_and_big) - 2  # not the whole state
+        # not the whole state (how many parts gRPC took before the cancel depends on its flow-control window, which
+        # grows with the measured bandwidth: 7 of the 9 on a loaded machine)
+        assert len(sent) < len(far_and_big)
         now = time.time()
         hostile.store_many({progress_key("claim"): {pid: (p.encode(), now + 60) for pid, p in {
             931: Progress(3, 0, 1.0, now, far_server.endpoint, ACCUMULATING, "0123abcd", 2),

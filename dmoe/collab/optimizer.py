@@ -61,6 +61,7 @@ from dmoe.collab.progress import (
     CollaborationState,
     Progress,
     ProgressTracker,
+    endpoint_machine,
     resolve_endpoint,
 )
 from dmoe.collab.state_sync import (
@@ -96,6 +97,9 @@ MAX_BACKED = 256
 #: the backing record: kept while it stood unchanged, a pin made an honest trainer's own records, once it stepped on,
 #: be banned, and a trainer that fell behind could not catch up from it (review 117 D1)
 PIN_SECONDS = 5.0
+#: sources one catch-up tries at most, the next at once after a quick refusal another record excused (see
+#: ``CollaborativeOptimizer._sync_if_needed``)
+SOURCES_PER_SYNC = 4
 
 
 def slow_refusal(state_timeout: float) -> float:
@@ -191,9 +195,11 @@ class CollaborativeOptimizer:
         self._state_limits = download_limits(self.parameters)  # (bytes, messages)
         self._served: tuple[tuple[int, str], list] | None = None
         self._rng = random.Random()
-        #: address dialed -> (until, step, lineage): what that server served when a record's claim about it was
-        #: refused and another record backed it, nothing there ahead of this trainer (:meth:`_off_claim`)
+        #: machine dialed (:func:`~dmoe.collab.progress.endpoint_machine`) -> (until, step, lineage): what a server
+        #: there served when a record's claim about it was refused and another record backed it, nothing there ahead
+        #: of this trainer (:meth:`_off_claim`); a machine's servers on other ports are taken to serve it too
         self._backed: dict[str, tuple[float, int, str]] = {}
+        self._excused = False  # the last download's refusal was excused so (see _sync_if_needed)
         # seconds that downloads which come to nothing may take now, and when that was reckoned (see _may_download)
         self._download_budget, self._budget_at = slow_refusal(config.state_timeout), time.monotonic()
         self._closed = False
@@ -439,18 +445,24 @@ class CollaborativeOptimizer:
         this trainer's time (:meth:`_may_download`): records are free to write, each may name an address nobody
         answers at or a new name of one failing server, and each such record cost every trainer's ``step()`` a
         connection timeout, or up to ``state_timeout``, one after another without end (review 107 D1)."""
-        self._drop_contradicted()
-        state = self.tracker.state()
-        chosen = state.source(self._rng)
-        if chosen is None or (at_most is not None and chosen[1].step > at_most) or not self._may_download():
-            return False
-        started = time.monotonic()
-        if self._download(*chosen, at_most):
-            return True
-        # A download that came to nothing slowly banned its server's machine (see _refused, _ban_endpoint), which
-        # costs an attacker an address each: it is charged at most slow_refusal, so one honest trainer dying during
-        # a long download costs a joiner a pause of ~1/share of that, not of the whole download (9 min at 60 s)
-        self._download_budget -= min(time.monotonic() - started, slow_refusal(self.config.state_timeout))
+        for _ in range(SOURCES_PER_SYNC):
+            self._drop_contradicted()
+            chosen = self.tracker.state().source(self._rng)
+            if chosen is None or (at_most is not None and chosen[1].step > at_most) or not self._may_download():
+                return False
+            started, self._excused = time.monotonic(), False
+            if self._download(*chosen, at_most):
+                return True
+            if not self._excused:
+                # A download that came to nothing slowly banned its server's machine (see _refused,
+                # _ban_endpoint), which costs an attacker an address each: it is charged at most slow_refusal, so
+                # one honest trainer dying during a long download costs a joiner a pause of ~1/share of that, not of
+                # the whole download (9 min at 60 s)
+                self._download_budget -= min(time.monotonic() - started, slow_refusal(self.config.state_timeout))
+                return False
+            # a quick refusal another record excused, its server now pinned (_off_claim): the next source at once,
+            # uncharged; hostile servers refusing just within slow_refusal, each excused, spent the budget and held a
+            # joiner from an honest server for good (review 119 D1)
         return False
 
     def _may_download(self) -> bool:
@@ -562,7 +574,8 @@ class CollaborativeOptimizer:
         nothing it delivers still gets its strikes: what it served is backed by no record, or the download through
         the record that backs it comes to nothing too. True when that download succeeded."""
         backing = None
-        if excuse and time.monotonic() - started <= slow_refusal(self.config.state_timeout):
+        # (an honest server answers its head at once: a refusal taking longer is excused no more, review 119 D1)
+        if excuse and time.monotonic() - started <= QUICK_BUSY:
             backing = next(((pid, p) for pid, p in sorted(self.tracker.state().peers.items())
                             if pid != peer_id and p.endpoint in (claimed.endpoint, dialed)
                             and _claim_fits(p, at_most, error.step, error.lineage)), None)
@@ -576,9 +589,10 @@ class CollaborativeOptimizer:
             # passed over undialed for PIN_SECONDS (_drop_contradicted), or a hostile server, backed by a record of
             # its own, was dialed for each fresh record of a throwaway id claiming more, and excused each time
             # (review 116 D1)
-            self._backed[dialed] = (time.monotonic() + PIN_SECONDS, error.step, error.lineage)
+            self._backed[endpoint_machine(dialed)] = (time.monotonic() + PIN_SECONDS, error.step, error.lineage)
             while len(self._backed) > MAX_BACKED:
                 del self._backed[next(iter(self._backed))]
+            self._excused = True
             return False
         return self._download(*backing, at_most, excuse=False)
 
@@ -586,13 +600,14 @@ class CollaborativeOptimizer:
         """Why a record ``claimed`` lies about the server at ``dialed``, without asking that server, and for how many
         seconds more that holds: within :data:`PIN_SECONDS` of a refusal there that another record backed (see
         :attr:`_backed`), ``claimed`` claims a state that is not the one it served. None otherwise."""
-        known = self._backed.get(dialed)
+        machine = endpoint_machine(dialed)
+        known = self._backed.get(machine)
         if known is None:
             return None
         until, step, lineage = known
         left = until - time.monotonic()
         if left <= 0:
-            del self._backed[dialed]
+            del self._backed[machine]
             return None
         if _claim_fits(claimed, None, step, lineage):
             return None
@@ -606,7 +621,7 @@ class CollaborativeOptimizer:
         if not self._backed:
             return
         for pid, progress in self.tracker.state().peers.items():
-            if progress.endpoint in self._backed:
+            if progress.endpoint is not None and endpoint_machine(progress.endpoint) in self._backed:
                 contradicted = self._contradicted(progress, progress.endpoint)
                 if contradicted is not None:
                     self.tracker.ban(pid, *contradicted)
