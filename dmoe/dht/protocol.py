@@ -74,7 +74,7 @@ KEYS_BURST = 4000
 #: never spend it (review 116); valid entries the storage drops do not (a set of expired ones replayed past the
 #: verifier's memory was checked for free, review 117). Entries whose verdict is remembered, and those the storage
 #: would not take, found before any check (stale, another owner's subkey, a shared claim held living as long, no room
-#: for the sender: review 118), cost none; with the budget spent, the others are answered :data:`STORE_BUSY`,
+#: for the sender: review 118; expired, or dated too far ahead: review 119), cost none; with the budget spent, the others are answered :data:`STORE_BUSY`,
 #: unverified
 STORE_CHECKS_PER_SECOND = 500.0
 STORE_CHECKS_BURST = 5000
@@ -294,6 +294,12 @@ class DHTProtocol(UDPTransport):
                 self.refusals.warn("hijack", sender[0], "refusing store from %s: subkey %s of %s is owned by another "
                                    "key", sender, subkey, key.hex()[:16])
                 results.append(f"refused: subkey {subkey} is owned by {current.owner.hex()[:16]}")
+                continue
+            if self.storage.out_of_time(entry.expiration, entry.issued_us):
+                # dropped whatever its signature: said (the writer's clock may be off), not checked, review 119 (a
+                # host with a fast clock spent the budget of its machine's other writers)
+                self._check_clock(sender, entry)
+                results.append(False)
                 continue
             if current is not None and isinstance(subkey, str) and not supersedes(subkey, entry, current):
                 # a shared claim held living at least as long: what the storage answers, without a verification

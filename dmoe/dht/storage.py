@@ -250,14 +250,11 @@ class RecordStorage(IStorage):
         """
         now = self.clock()
         expiration = float(expiration)
-        if expiration > now + self.max_expiration:
-            if signature:
-                # a writer's check allows max_expiration on its own clock: one a little ahead of this node's
-                # (as issue times may be) had every node drop an entry of exactly max_expiration (review 89)
-                if expiration > now + self.max_expiration + MAX_CLOCK_SKEW:
-                    return False
-            else:
-                expiration = now + self.max_expiration
+        if signature:
+            if self.out_of_time(expiration, issued_us):
+                return False
+        elif expiration > now + self.max_expiration:
+            expiration = now + self.max_expiration
         if expiration <= now or not issue_time_fits(issued_us, expiration, now):
             return False
         record = self._live(key)
@@ -284,6 +281,15 @@ class RecordStorage(IStorage):
             self._changed(key)
             self._soonest[key] = min(expiration, self._soonest.get(key, expiration))
         return stored
+
+    def out_of_time(self, expiration: float, issued_us: int) -> bool:
+        """Whether :meth:`store` drops a signed entry of these times whatever else it holds: expired, expiring more
+        than ``max_expiration`` (and :data:`MAX_CLOCK_SKEW`: a writer's check allows it on its own clock, and one a
+        little ahead of this node's had every node drop an entry of exactly ``max_expiration``, review 89) ahead, or
+        issued after its expiration or too far ahead. Asked before a signature is checked (review 119)."""
+        now = self.clock()
+        return (expiration > now + self.max_expiration + MAX_CLOCK_SKEW or expiration <= now
+                or not issue_time_fits(issued_us, expiration, now))
 
     def _make_room(self, key: bytes, subkey: Subkey, record: Record | None, sender: str) -> None:
         """Raises :class:`RecordFull` where a new record or entry of ``sender`` has no room (expired ones purged
