@@ -641,12 +641,25 @@ def test_a_host_that_lost_the_replica_pushed_to_it_gets_it_again_and_a_busy_one_
         yield dmoe_pb2.ReplicaChunk(header=held[0])
 
     host, endpoint = fake_host(push, fetch)
+    others: list = []  # what a second host, farther from the expert, was pushed
+
+    def other_push(chunks, context):
+        others.append(list(chunks)[0].header.updates)
+        return dmoe_pb2.ReplicaAck(updates=others[-1])
+
+    other, other_endpoint = fake_host(other_push, fetch)
     try:
         with running("-m", "dmoe.dht", "--port", "0") as node, \
                 DHT(initial_peers=[peer := node.endpoint()], identity=(owner := Identity())) as dht:
             key = Identity()
             with DHT(initial_peers=[peer], identity=key) as host_node:
                 assert host_node.store(hosts_key("ffn0"), server_subkey(key.public_key), endpoint, time.time() + 600)
+            # (a key farther from the expert than ``key``: pushed to only when the closer host is not placed)
+            far = next(candidate for candidate in iter(Identity, None)
+                       if distance(UID, candidate.public_key) > distance(UID, key.public_key))
+            with DHT(initial_peers=[peer], identity=far) as host_node:
+                assert host_node.store(hosts_key("ffn0"), server_subkey(far.public_key), other_endpoint,
+                                       time.time() + 600)
             server = expert_server(UID)
             pusher = ReplicaPusher(server, dht, owner, replicas=1, interval=600)
             try:
@@ -657,13 +670,16 @@ def test_a_host_that_lost_the_replica_pushed_to_it_gets_it_again_and_a_busy_one_
                 assert pusher.push_all() == {UID: [endpoint]} and len(pushes) == 2
                 train(server.backends[UID], 1)
                 busy.set()
-                assert pusher.push_all() == {UID: []}
+                # it holds the last push: it keeps its place, and no second replica goes to the next host (a busy
+                # holder's sibling process on its machine got one, which outlived it there)
+                assert pusher.push_all() == {UID: [endpoint]} and others == []
                 busy.clear()
                 assert pusher.push_all() == {UID: [endpoint]} and len(pushes) == 3  # tried again at once
             finally:
                 pusher.close(push=False)
     finally:
         host.stop(0)
+        other.stop(0)
 
 
 def test_a_pusher_forgets_what_it_pushed_to_hosts_that_announce_themselves_no_more():

@@ -749,6 +749,9 @@ class ReplicaPusher:
                 if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy with other pushes: not a failure
                     self._count("refused")
                     logger.info("pushing %s to %s: %s (tried again next round)", uid, endpoint, error)
+                    if held is not None:  # it holds this expert's last push: its place (and machine) stays taken,
+                        # or the next host, a process beside it on its machine, got a second replica there
+                        place_on(endpoint, place, machine, token)
                     continue
                 failed = error.code in HOST_FAILURES
                 self._count("failed" if failed else "refused")
