@@ -199,7 +199,6 @@ class CollaborativeOptimizer:
         #: there served when a record's claim about it was refused and another record backed it, nothing there ahead
         #: of this trainer (:meth:`_off_claim`); a machine's servers on other ports are taken to serve it too
         self._backed: dict[str, tuple[float, int, str]] = {}
-        self._excused = False  # the last download's refusal was excused so (see _sync_if_needed)
         # seconds that downloads which come to nothing may take now, and when that was reckoned (see _may_download)
         self._download_budget, self._budget_at = slow_refusal(config.state_timeout), time.monotonic()
         self._closed = False
@@ -450,10 +449,11 @@ class CollaborativeOptimizer:
             chosen = self.tracker.state().source(self._rng)
             if chosen is None or (at_most is not None and chosen[1].step > at_most) or not self._may_download():
                 return False
-            started, self._excused = time.monotonic(), False
-            if self._download(*chosen, at_most):
+            started = time.monotonic()
+            downloaded = self._download(*chosen, at_most)
+            if downloaded:
                 return True
-            if not self._excused:
+            if downloaded is False:
                 # A download that came to nothing slowly banned its server's machine (see _refused,
                 # _ban_endpoint), which costs an attacker an address each: it is charged at most slow_refusal, so
                 # one honest trainer dying during a long download costs a joiner a pause of ~1/share of that, not of
@@ -478,10 +478,11 @@ class CollaborativeOptimizer:
         self._budget_at = now
         return self._download_budget > 0
 
-    def _download(self, peer_id: int, claimed: Progress, at_most: int | None, excuse: bool = True) -> bool:
+    def _download(self, peer_id: int, claimed: Progress, at_most: int | None, excuse: bool = True) -> bool | None:
         """Downloads and loads the state of ``peer_id``'s record ``claimed``; False when it came to nothing (logged,
         and the record or its server's machine banned as it deserves). ``excuse``: a state off that claim that
-        another record naming the same server claims may excuse it (:meth:`_off_claim`)."""
+        another record naming the same server claims may excuse it (:meth:`_off_claim`: None then, when there is
+        nothing to take there)."""
         check = _claim_check(claimed, at_most)
         started = time.monotonic()
         dialed = claimed.endpoint
@@ -564,7 +565,7 @@ class CollaborativeOptimizer:
         logger.info("no state downloads from %s for %g s%s", endpoint, seconds, why)
 
     def _off_claim(self, peer_id: int, claimed: Progress, dialed: str, started: float, error: _ClaimMismatch,
-                   at_most: int | None, excuse: bool) -> bool:
+                   at_most: int | None, excuse: bool) -> bool | None:
         """After a quick refusal of a state off ``peer_id``'s record (that record banned): when another live record
         naming the same server claims what it served, the lie was ``peer_id``'s, and its machine gets no strike
         (see :meth:`_refused`); the state is downloaded through that record at once, when it is ahead of this
@@ -572,7 +573,8 @@ class CollaborativeOptimizer:
         naming an honest trainer's endpoint one step above what it serves were tried first (the highest step) and
         banned its machine, doubling, so a joiner had no source at all (review 114 D2). A server that serves
         nothing it delivers still gets its strikes: what it served is backed by no record, or the download through
-        the record that backs it comes to nothing too. True when that download succeeded."""
+        the record that backs it comes to nothing too. True when that download succeeded; None when excused with
+        nothing there ahead of this trainer (no fault: see :meth:`_sync_if_needed`)."""
         backing = None
         # (an honest server answers its head at once: a refusal taking longer is excused no more, review 119 D1)
         if excuse and time.monotonic() - started <= QUICK_BUSY:
@@ -592,8 +594,7 @@ class CollaborativeOptimizer:
             self._backed[endpoint_machine(dialed)] = (time.monotonic() + PIN_SECONDS, error.step, error.lineage)
             while len(self._backed) > MAX_BACKED:
                 del self._backed[next(iter(self._backed))]
-            self._excused = True
-            return False
+            return None
         return self._download(*backing, at_most, excuse=False)
 
     def _contradicted(self, claimed: Progress, dialed: str) -> tuple[str, float] | None:

@@ -74,8 +74,8 @@ KEYS_BURST = 4000
 #: never spend it (review 116); valid entries the storage drops do not (a set of expired ones replayed past the
 #: verifier's memory was checked for free, review 117). Entries whose verdict is remembered, and those the storage
 #: would not take, found before any check (stale, another owner's subkey, a shared claim held living as long, no room
-#: for the sender: review 118; expired, or dated too far ahead: review 119), cost none; with the budget spent, the others are answered :data:`STORE_BUSY`,
-#: unverified
+#: for the sender: review 118; expired, or dated too far ahead: review 119), cost none; with the budget spent, the
+#: others are answered :data:`STORE_BUSY`, unverified
 STORE_CHECKS_PER_SECOND = 500.0
 STORE_CHECKS_BURST = 5000
 #: what a store's entry beyond its machine's budget gets (the writer counts it stored if another replica took it)
@@ -314,9 +314,7 @@ class DHTProtocol(UDPTransport):
             checked = self.verifier.known(key, subkey, *entry) is None
             if checked and not self.store_checks.take(machine):
                 # a verification costs the loop 60-240 us, and forged signatures cost nothing to send: each machine
-                # gets a budget of them (review 110 D1), spent by the entries that fail only (a valid one was given
-                # back: its writer paid a signature for it, and machines behind one NAT, or a big announcer, wrote
-                # more than the budget every refresh, review 116)
+                # gets a budget of them (review 110 D1; see STORE_CHECKS_PER_SECOND)
                 self.refusals.warn("busy", sender[0], "refusing stores from %s: its machine sent more than %g new "
                                    "signed entries a second (after a burst of %d)", sender, STORE_CHECKS_PER_SECOND,
                                    STORE_CHECKS_BURST)

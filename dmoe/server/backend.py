@@ -436,14 +436,14 @@ class ExpertBackend:
         step."""
         if self.optimizer is None:
             return []
-        names = {id(p): name for name, p in self.module.named_parameters()}
         reset = [parameter for parameter, state in self.optimizer.state.items()
                  if any(isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all()
                         for t in state.values())]
-        for parameter in reset:
-            self.optimizer.state[parameter] = {}  # (torch's optimizers build a parameter's state when it is empty)
         if not reset:
             return []
+        for parameter in reset:
+            self.optimizer.state[parameter] = {}  # (torch's optimizers build a parameter's state when it is empty)
+        names = {id(p): name for name, p in self.module.named_parameters()}
         if self.graphs is not None:
             self.graphs.reset()  # they read the old state tensors
         reset_names = [names.get(id(p), "?") for p in reset]
